@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random models and a tiny tokenizer, built in place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(chat_template: str | None = CHATML, add_bos: bool = True):
+    """A byte-level BPE tokenizer (vocab <= 512) with ChatML specials, wrapped by mlx-lm.
+
+    Token ids: 0 <pad>, 1 <s>, 2 </s>, 3 <|im_start|>, 4 <|im_end|>.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = [
+        "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris.",
+        "user assistant system Human: Assistant: hello world 0123456789 + - = ?",
+    ] * 20
+    tok.train_from_iterator(corpus, trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if chat_template:
+        hf.chat_template = chat_template
+    return TokenizerWrapper(hf)
+
+
+def tiny_llama_args(**over):
+    from mlx_lm.models import llama
+
+    args = dict(
+        model_type="llama", hidden_size=32, num_hidden_layers=4, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    )
+    args.update(over)
+    return llama.ModelArgs(**args)
+
+
+def make_tiny_model(module_name: str = "llama", seed: int = 0, **over):
+    """A float32 mlx-lm model of ``module_name`` with random weights."""
+    import importlib
+
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    mod = importlib.import_module(f"mlx_lm.models.{module_name}")
+    if module_name == "llama":
+        args = tiny_llama_args(**over)
+    else:
+        args = mod.ModelArgs.from_dict(over)
+    model = mod.Model(args)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def shared_data():
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real preference pairs not found at {SHARED_DATA}")
+    return SHARED_DATA
