@@ -1,0 +1,65 @@
+"""The reference engine: ``nn.value_and_grad`` over the whole mlx-lm model.
+
+Each pair runs as two sequences through the model's own ``__call__`` (so mlx-lm's
+masks, positions and head are used unchanged) and the full ``(S, L, V)``
+logits are materialised. It is the plain path the segmented engine must match.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..types import TokenizedPair
+from .common import Norm, StepResult, layout_counts, loss_from_token_logps
+from .layout import Layout, two_sequence_layout
+
+
+def gather_token_logps(logits: mx.array, layout: Layout) -> mx.array:
+    """``log softmax(logits)[rows, targets]`` in float32.
+
+    Args:
+        logits: ``(S, L, V)`` model outputs for ``layout.tokens``.
+    Returns:
+        ``(N,)`` log-probabilities (nats) of the layout's target tokens.
+    """
+    S, L, V = logits.shape
+    picked = logits.reshape(S * L, V)[layout.rows].astype(mx.float32)  # (N, V)
+    target = mx.take_along_axis(picked, layout.targets[:, None], axis=-1)[:, 0]
+    return target - mx.logsumexp(picked, axis=-1)
+
+
+class ReferenceEngine:
+    """Loss, metrics and LoRA gradients by plain backpropagation.
+
+    Args:
+        model: an mlx-lm model whose LoRA parameters are the trainable ones.
+        lam: ORPO lambda.
+        nll_scope: ``full`` (prompt + chosen response) or ``response``.
+    """
+
+    name = "reference"
+
+    def __init__(self, model: nn.Module, lam: float, nll_scope: str = "full"):
+        self.model = model
+        self.lam = lam
+        self.nll_scope = nll_scope
+
+        def loss_fn(layout: Layout, norm: Norm):
+            logps = gather_token_logps(self.model(layout.tokens), layout)
+            return loss_from_token_logps(logps, layout, self.lam, norm)
+
+        self._loss_fn = loss_fn
+        self._value_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+        """Loss contribution, metric sums and LoRA gradients of one micro-batch."""
+        layout = two_sequence_layout(pairs, self.nll_scope)
+        (loss, sums), grads = self._value_and_grad(layout, norm)
+        return StepResult(loss, {**sums, **layout_counts(layout)}, grads)
+
+    def evaluate(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+        """Loss contribution and metric sums, without gradients."""
+        layout = two_sequence_layout(pairs, self.nll_scope)
+        loss, sums = self._loss_fn(layout, norm)
+        return StepResult(loss, {**sums, **layout_counts(layout)})
