@@ -1,0 +1,244 @@
+"""GGUF files → mlx-lm config and weights (llama and gemma3 architectures).
+
+Tensors are read with ``mx.load(path, return_metadata=True)``, which returns
+F32/F16 tensors as they are and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
+triplets (``name.weight`` uint32, ``name.scales``, ``name.biases``; group size
+32). Files with other tensor types (K-quants, Q5_0, ...) make ``mx.load`` fail;
+they are read with ``gguf.GGUFReader`` and every tensor is dequantized to
+float32 with ``gguf.quants.dequantize``.
+
+Two conventions of llama.cpp's ``convert_hf_to_gguf.py`` are undone here so the
+result is the plain Hugging Face layout that mlx-lm expects (and that
+``dtrain convert`` writes):
+
+* llama: the rows of ``attn_q`` / ``attn_k`` are permuted (``LlamaModel.permute``)
+  from HF's half-split rotary layout to interleaved pairs. We apply the inverse
+  permutation rather than setting ``rope_traditional``, so a converted folder is
+  an ordinary HF-layout llama.
+* gemma3: every ``*norm.weight`` is stored as ``w + 1`` (``norm_shift``); mlx-lm's
+  ``gemma3_text.RMSNorm`` computes ``x * (1 + w)`` like HF, so we subtract 1.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import ModelError
+
+GROUP_SIZE = 32  # every GGUF block quant that mx.load accepts has 32-value blocks
+
+# GGUF tensor base names → HF/mlx-lm module paths, per architecture.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ARCH_LAYER_NAMES = {
+    "llama": {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"},
+    "gemma3": {
+        **_LAYER_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_IGNORED = {"rope_freqs"}  # llama3 rope factors; see README of load_model's limits
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF file translated to mlx-lm terms.
+
+    ``config``: mlx-lm config dict (``model_type`` ``llama`` or ``gemma3_text``).
+    ``weights``: HF-named arrays; quantized modules appear as ``.weight`` (uint32),
+    ``.scales`` and ``.biases``. ``quantization``: module path → ``{"group_size",
+    "bits"}`` for those modules. ``metadata``: the GGUF key/value pairs as Python
+    values (lists, str, int, float, bool).
+    """
+
+    config: dict
+    weights: dict
+    quantization: dict
+    metadata: dict
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    """Read ``(metadata, tensors)`` from a GGUF file, GGUF tensor names kept.
+
+    Raises:
+        ModelError: the file is not a readable GGUF file.
+    """
+    try:
+        tensors, raw = mx.load(str(path), return_metadata=True)
+        return {k: _plain(v) for k, v in raw.items()}, tensors
+    except (RuntimeError, ValueError):
+        pass  # a tensor type mx.load does not read, or not GGUF at all
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        metadata = {
+            name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")
+        }
+        tensors = {}
+        for t in reader.tensors:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            tensors[t.name] = mx.array(np.ascontiguousarray(data, dtype=np.float32))
+    except Exception as err:  # the reader raises ValueError, KeyError, struct errors...
+        raise ModelError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+    return metadata, tensors
+
+
+def _plain(value):
+    return value.tolist() if isinstance(value, mx.array) else value
+
+
+def gguf_to_mlx(path: Path) -> GGUFModel:
+    """Load a llama or gemma3 GGUF file as mlx-lm config and HF-named weights.
+
+    Raises:
+        ModelError: unreadable file, or an architecture other than llama/gemma3.
+    """
+    metadata, tensors = read_gguf(path)
+    arch = metadata.get("general.architecture")
+    if arch not in _ARCH_LAYER_NAMES:
+        raise ModelError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, gemma3); "
+            "convert the original Hugging Face model with mlx_lm instead"
+        )
+    try:
+        config = _config(arch, metadata, tensors)
+        weights = _rename(arch, tensors)
+    except KeyError as err:
+        raise ModelError(f"{path}: GGUF file lacks {err.args[0]!r}, which a {arch} model needs") from None
+    except ModelError as err:
+        raise ModelError(f"{path}: {err}") from None
+    if arch == "llama":
+        _unpermute_qk(weights, config)
+    else:
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = weights[name].astype(mx.float32) - 1.0
+    quantization = {
+        name[: -len(".scales")]: {"group_size": GROUP_SIZE, "bits": _bits(weights, name[: -len(".scales")])}
+        for name in weights
+        if name.endswith(".scales")
+    }
+    return GGUFModel(config=config, weights=weights, quantization=quantization, metadata=metadata)
+
+
+def _bits(weights: dict, module: str) -> int:
+    # (out, in * bits / 32) uint32 words against (out, in / 32) scales.
+    return weights[f"{module}.weight"].shape[-1] // weights[f"{module}.scales"].shape[-1]
+
+
+def _rename(arch: str, tensors: dict) -> dict:
+    layer_names = _ARCH_LAYER_NAMES[arch]
+    out = {}
+    for name, value in tensors.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix not in ("weight", "scales", "biases", "bias"):
+            base, suffix = name, "weight"  # some writers omit ".weight"
+        if base in _IGNORED:
+            continue
+        match = _BLOCK.fullmatch(base)
+        if match:
+            layer, part = match.groups()
+            if part not in layer_names:
+                raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
+            out[f"model.layers.{layer}.{layer_names[part]}.{suffix}"] = value
+        elif base in _GLOBAL_NAMES:
+            out[f"{_GLOBAL_NAMES[base]}.{suffix}"] = value
+        else:
+            raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
+    return out
+
+
+def _unpermute_qk(weights: dict, config: dict) -> None:
+    """Invert llama.cpp's ``permute(w, n_head, n_head_kv)`` on q_proj/k_proj rows.
+
+    llama.cpp: ``w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)``;
+    the inverse reshapes to ``(n_head, rows // n_head // 2, 2, ...)`` and swaps
+    back. Rows of quantized triplets move the same way (groups run along columns).
+    """
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name in list(weights):
+        proj = name.split(".")[-2]
+        if proj in heads:
+            w = weights[name]
+            n = heads[proj]
+            rows = w.shape[0]
+            weights[name] = w.reshape(n, rows // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _swa_pattern(value) -> int:
+    # Newer writers store one bool per layer (True = sliding); mlx-lm wants the period.
+    if isinstance(value, list):
+        return value.index(False) + 1 if False in value else len(value) + 1
+    return int(value)
+
+
+def _config(arch: str, md: dict, tensors: dict) -> dict:
+    """mlx-lm ModelArgs for ``arch`` from GGUF keys (``{arch}.embedding_length`` ...)."""
+
+    def key(name, default=None):
+        value = md.get(f"{arch}.{name}", default)
+        if value is None:
+            raise KeyError(f"{arch}.{name}")
+        return value
+
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise KeyError("token_embd.weight")
+    heads = int(key("attention.head_count"))
+    config = {
+        "hidden_size": int(key("embedding_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "vocab_size": int(embed.shape[0]),
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ModelError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
+    if arch == "llama":
+        config.update(
+            model_type="llama",
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            head_dim=int(key("attention.key_length", config["hidden_size"] // heads)),
+        )
+        return config
+    head_dim = int(key("attention.key_length", 256))
+    layers = config["num_hidden_layers"]
+    config.update(
+        model_type="gemma3_text",
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 1_000_000.0)),
+        rope_local_base_freq=float(key("rope.freq_base_swa", 10_000.0)),
+        sliding_window=int(key("attention.sliding_window", 512)),
+        # llama.cpp hard-codes a 5:1 local:global pattern for gemma3 and, like HF,
+        # scales queries by hidden/heads only for the 27B model (62 layers).
+        sliding_window_pattern=_swa_pattern(md.get("gemma3.attention.sliding_window_pattern", 6)),
+        query_pre_attn_scalar=config["hidden_size"] // heads if layers == 62 else head_dim,
+    )
+    return config

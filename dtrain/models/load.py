@@ -1,0 +1,170 @@
+"""One entry point for every model source: ``load_model(path, dtype)``.
+
+Sources: ``demo`` (the SmolLM2 GGUF, see demo.py), a ``.gguf`` file (gguf.py,
+tokenizer.py), an mlx-lm/Hugging Face folder or a hub id (``mlx_lm.utils.load``).
+Model definitions always come from mlx-lm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ModelError
+from .demo import demo_model_path, sha256_file
+from .gguf import GGUFModel, gguf_to_mlx
+from .tokenizer import build_tokenizer, eos_token_ids
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for training or generation.
+
+    ``model``: mlx-lm ``nn.Module`` (e.g. ``mlx_lm.models.llama.Model``); called
+    on token ids ``(B, T)`` it returns logits ``(B, T, vocab_size)``.
+    ``tokenizer``: ``mlx_lm.tokenizer_utils.TokenizerWrapper``.
+    ``config``: the mlx-lm config dict (``model_type``, ``hidden_size``, ...).
+    ``identity``: short string that changes when the weights change (GGUF:
+    ``gguf-sha256:<hex>``; folder: resolved path + hash of config.json).
+    ``source``: human-readable description.
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    config: dict
+    identity: str
+    source: str
+
+
+def on_gpu() -> bool:
+    """True when MLX's default device is a GPU (Metal or CUDA build)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def dtype_plan(dtype: str) -> tuple[bool, mx.Dtype]:
+    """``(keep_quantized, float_dtype)`` for a ``model.dtype`` value.
+
+    ``auto``: GPU → keep quantized weights, bfloat16 elsewhere; CPU → dequantize,
+    float32 (MLX's CPU quantized matmul is ~20x slower than float32 here).
+    ``float32`` always dequantizes. ``bfloat16``/``float16`` keep quantized
+    weights on a GPU and dequantize on the CPU.
+
+    Raises:
+        ModelError: an unknown dtype.
+    """
+    if dtype == "auto":
+        return (True, mx.bfloat16) if on_gpu() else (False, mx.float32)
+    if dtype not in DTYPES:
+        raise ModelError(f"model dtype {dtype!r} must be one of auto, {', '.join(DTYPES)}")
+    return dtype != "float32" and on_gpu(), DTYPES[dtype]
+
+
+def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
+    """Load a model and its tokenizer from ``path``.
+
+    Args:
+        path: ``demo``, a ``.gguf`` file (llama or gemma3 architecture), an
+            mlx-lm/HF model folder with ``config.json``, or a hub id ``org/name``.
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16``; see
+            :func:`dtype_plan` for when quantized weights are kept.
+
+    Raises:
+        ModelError: one sentence naming ``path``: missing path, a folder without
+            config.json, an unreadable or unsupported GGUF file, a failed download.
+    """
+    keep_quantized, float_dtype = dtype_plan(dtype)
+    if path == "demo":
+        return _load_gguf(demo_model_path(), keep_quantized, float_dtype, source="demo (SmolLM2-135M-Instruct Q4_1)")
+    p = Path(path).expanduser()
+    if p.is_file():
+        return _load_gguf(p, keep_quantized, float_dtype, source=f"GGUF file {p}")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder")
+        return _load_mlx_lm(str(p), keep_quantized, float_dtype)
+    if _HUB_ID.fullmatch(path) and not path.startswith("."):
+        return _load_mlx_lm(path, keep_quantized, float_dtype)
+    raise ModelError(f"{path}: no such file or directory (expected demo, a .gguf file, a model folder or a hub id)")
+
+
+def _load_gguf(path: Path, keep_quantized: bool, float_dtype, source: str) -> LoadedModel:
+    gm = gguf_to_mlx(path)
+    try:
+        hf = build_tokenizer(gm.metadata)
+    except (ValueError, KeyError) as err:
+        raise ModelError(f"{path}: cannot build the tokenizer from GGUF metadata: {err}") from None
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tokenizer = TokenizerWrapper(hf, eos_token_ids=eos_token_ids(gm.metadata))
+    model, config = build_gguf_model(gm, keep_quantized, float_dtype)
+    return LoadedModel(model, tokenizer, config, f"gguf-sha256:{sha256_file(path)}", source)
+
+
+def build_gguf_model(gm: GGUFModel, keep_quantized: bool, float_dtype) -> tuple[nn.Module, dict]:
+    """The mlx-lm model for a translated GGUF file, and its config.
+
+    Quantized triplets become ``nn.QuantizedLinear``/``QuantizedEmbedding`` with
+    their own bits when ``keep_quantized`` (config then gets mlx-lm's per-module
+    ``quantization`` entry), else they are dequantized in float32. Other float
+    parameters are cast to ``float_dtype``.
+    """
+    config = dict(gm.config)
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = model.sanitize(dict(gm.weights))
+    if keep_quantized and gm.quantization:
+        nn.quantize(model, class_predicate=lambda p, m: gm.quantization.get(p, False))
+        bits = [q["bits"] for q in gm.quantization.values()]
+        config["quantization"] = {"group_size": gm.quantization[next(iter(gm.quantization))]["group_size"],
+                                  "bits": max(set(bits), key=bits.count), **gm.quantization}
+    else:
+        weights = dequantize_weights(weights, gm.quantization)
+    model.load_weights(list(weights.items()), strict=True)
+    model.set_dtype(float_dtype)  # floating parameters only, as nn.Module.set_dtype does by default
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def dequantize_weights(weights: dict, quantization: dict) -> dict:
+    """Replace each ``{module}.weight/.scales/.biases`` triplet by a float32 ``.weight``.
+
+    Scales and biases are widened to float32 first, so the values equal
+    llama.cpp's float32 dequantization (``d * q + m``).
+    """
+    out = dict(weights)
+    for module, q in quantization.items():
+        if f"{module}.scales" not in out:
+            continue  # popped by sanitize (a tied lm_head)
+        scales = out.pop(f"{module}.scales").astype(mx.float32)
+        biases = out.pop(f"{module}.biases").astype(mx.float32)
+        out[f"{module}.weight"] = mx.dequantize(out[f"{module}.weight"], scales, biases, q["group_size"], q["bits"])
+    return out
+
+
+def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
+    from mlx_lm.utils import dequantize_model, load
+
+    try:
+        model, tokenizer, config = load(path, return_config=True)
+    except Exception as err:  # mlx-lm raises FileNotFoundError, ValueError, hub errors...
+        where = "model folder" if Path(path).is_dir() else "hub model (not a local path)"
+        raise ModelError(f"{path}: mlx-lm could not load this {where}: {type(err).__name__}: {err}") from None
+    if not keep_quantized and config.get("quantization"):
+        model = dequantize_model(model)
+        config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    model.set_dtype(float_dtype)
+    mx.eval(model.parameters())
+    config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
+    location = str(Path(path).resolve()) if Path(path).is_dir() else path
+    return LoadedModel(model, tokenizer, config, f"mlx-lm:{location}:{config_hash}", f"mlx-lm model {path}")
