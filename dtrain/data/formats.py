@@ -1,0 +1,381 @@
+"""Read preference files and normalise every row format to one :class:`Row`.
+
+Supported row formats (``data.format``; ``auto`` detects one per file from the
+first JSON object):
+
+- ``standard``: TRL standard preference, ``prompt``/``chosen``/``rejected``
+  strings (https://huggingface.co/docs/trl/dataset_formats#preference).
+- ``conversational``: TRL conversational preference, message lists
+  ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
+  common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``).
+- ``transcript``: ``chosen``/``rejected`` strings only, e.g. Anthropic HH
+  (``\\n\\nHuman: … \\n\\nAssistant: …``); the prompt is the longest common
+  prefix of both sides that ends at an ``Assistant:`` turn marker.
+- ``openai``: OpenAI preference fine-tuning (``input.messages``,
+  ``preferred_output``, ``non_preferred_output``; each output one assistant
+  message; https://platform.openai.com/docs/guides/direct-preference-optimization).
+- ``sharegpt``: ``conversations`` of ``{from, value}`` plus ``chosen`` and
+  ``rejected`` as ``{from, value}``.
+- ``mapped``: ``data.fields`` renames columns (``{prompt: question, chosen:
+  response_j, rejected: response_k, system: sys}``), then the row is read as
+  standard, conversational or transcript by the types of its values.
+
+Every format may carry an optional ``system`` string.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from ..errors import DataError
+
+FORMATS = ("standard", "conversational", "transcript", "openai", "sharegpt", "mapped")
+FIELD_KEYS = ("prompt", "chosen", "rejected", "system")
+# Anthropic HH turn markers; a transcript prompt ends right after ASSISTANT_MARKER.
+HUMAN_MARKER = "\n\nHuman:"
+ASSISTANT_MARKER = "\n\nAssistant:"
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "chatgpt": "assistant", "model": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One preference pair before rendering.
+
+    ``prompt`` is plain text (str) or messages ``[{role, content}]``. ``chosen``
+    and ``rejected`` are the response text (str) or, for multi-message
+    completions, the messages that follow the prompt. ``rejected_prompt`` is set
+    (messages) only when the rejected side has a different history.
+    ``transcript`` marks a prompt written with Human:/Assistant: markers.
+    ``source`` is ``file:line`` (JSON arrays: ``file:line[index]``).
+    """
+
+    prompt: Union[str, list]
+    chosen: Union[str, list]
+    rejected: Union[str, list]
+    system: Optional[str] = None
+    source: str = ""
+    rejected_prompt: Optional[list] = None
+    transcript: bool = False
+
+
+@dataclass
+class BadRowReport:
+    """Rows that were skipped, with ``(source, reason)`` for each.
+
+    ``bad``: rows that could not be read (invalid JSON, missing fields, ...).
+    ``dropped``: pairs left with zero response tokens after truncation.
+    ``truncated``: pairs whose prompt or a response was shortened.
+    ``rows_read``: rows seen in the input (good and bad).
+    """
+
+    rows_read: int = 0
+    bad: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)
+    truncated: int = 0
+
+    def merge(self, other: "BadRowReport") -> "BadRowReport":
+        """A new report holding both reports' counts and entries."""
+        return BadRowReport(self.rows_read + other.rows_read, self.bad + other.bad,
+                            self.dropped + other.dropped, self.truncated + other.truncated)
+
+    def summary(self, limit: int = 5) -> str:
+        """Readable lines: counts, then the first ``limit`` entries of each kind."""
+        lines = []
+        for what, entries in (("skipped (bad rows)", self.bad), ("dropped (no response tokens fit)", self.dropped)):
+            if not entries:
+                continue
+            lines.append(f"{len(entries)} of {self.rows_read} rows {what}:")
+            lines += [f"  {src}: {reason}" for src, reason in entries[:limit]]
+            if len(entries) > limit:
+                lines.append(f"  ... and {len(entries) - limit} more")
+        if self.truncated:
+            lines.append(f"{self.truncated} pairs truncated to data.max_prompt_length / data.max_length")
+        return "\n".join(lines)
+
+
+class BadRow(Exception):
+    """Raised inside row parsing; caught and recorded with the row's source."""
+
+
+def read_objects(path: str) -> list:
+    """Parse a JSONL file or a JSON array, detected by content.
+
+    Returns ``[(source, obj_or_BadRow)]`` in file order; a line that is not valid
+    JSON gives a :class:`BadRow`. Blank lines are skipped.
+
+    Raises:
+        DataError: missing file, a directory, an empty file, an invalid JSON
+            array, or a single JSON object that is not one-per-line.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise DataError(f"{path}: is a directory; expected a JSONL or JSON file")
+    if not p.is_file():
+        raise DataError(f"{path}: data file not found")
+    # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
+    # them are reported one by one instead of failing the whole file.
+    text = p.read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
+    if not text.strip():
+        raise DataError(f"{path}: file is empty")
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
+        starts = _item_lines(text, len(items))
+        return [(f"{path}:{starts[i]}[{i}]", item) for i, item in enumerate(items)]
+    out = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"{path}:{n}", json.loads(line)))
+        except json.JSONDecodeError as err:
+            if len(out) == 0 and n == 1:
+                _reject_single_object(path, text)
+            out.append((f"{path}:{n}", BadRow(f"invalid JSON: {err.msg} (column {err.colno})")))
+    return out
+
+
+def _reject_single_object(path: str, text: str) -> None:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return
+    kind = type(obj).__name__
+    raise DataError(f"{path}: one JSON {kind} spread over several lines; expected JSONL (one object per line) or a JSON array of objects")
+
+
+def _item_lines(text: str, count: int) -> list:
+    """1-based line where each top-level array item starts."""
+    dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
+    ws = re.compile(r"[\s,]*")
+    for _ in range(count):
+        pos = ws.match(text, pos).end()
+        lines.append(text.count("\n", 0, pos) + 1)
+        _, pos = dec.raw_decode(text, pos)
+    return lines
+
+
+def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
+    """The format whose keys ``obj`` has, or None (see module docstring)."""
+    if fields:
+        return "mapped"
+    if "preferred_output" in obj and "non_preferred_output" in obj:
+        return "openai"
+    if "conversations" in obj and "chosen" in obj:
+        return "sharegpt"
+    if "chosen" in obj and "rejected" in obj:
+        if isinstance(obj["chosen"], list) or isinstance(obj.get("prompt"), list):
+            return "conversational"
+        return "standard" if "prompt" in obj else "transcript"
+    return None
+
+
+def parse_rows(items: list, cfg, where: str) -> tuple:
+    """Normalise parsed objects to rows; returns ``(rows, BadRowReport)``.
+
+    ``items`` is ``[(source, obj_or_BadRow)]`` as from :func:`read_objects`.
+
+    Raises:
+        DataError: ``format: auto`` and no known format fits the first object, or
+            a ``data.fields`` key that is not one of prompt/chosen/rejected/system.
+    """
+    fields = cfg.fields or None
+    if fields:
+        unknown = sorted(set(fields) - set(FIELD_KEYS))
+        if unknown:
+            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS)})")
+    fmt = cfg.format
+    if fields and fmt in ("openai", "sharegpt"):
+        raise DataError(f"data.fields renames flat columns; it does not apply to data.format: {fmt}")
+    if fmt == "auto":
+        first = next((o for _, o in items if isinstance(o, dict)), None)
+        fmt = detect_format(first, fields) if first is not None else None
+        if fmt is None:
+            keys = sorted(first) if first is not None else []
+            raise DataError(f"{where}: unknown row format (keys of the first row: {keys}); expected one of "
+                            f"{', '.join(FORMATS)} -- set data.format, or data.fields to map your column names")
+    report, rows = BadRowReport(rows_read=len(items)), []
+    for source, obj in items:
+        try:
+            if isinstance(obj, BadRow):
+                raise obj
+            if not isinstance(obj, dict):
+                raise BadRow(f"expected a JSON object, got {type(obj).__name__}")
+            _check_utf8(obj)
+            if fields and fmt != "mapped":
+                obj = _rename(obj, fields)
+            row = _PARSERS[fmt](obj, fields)
+            if row.chosen == row.rejected and row.rejected_prompt is None:
+                raise BadRow("chosen and rejected are identical")
+            rows.append(Row(**{**row.__dict__, "source": source}))
+        except BadRow as err:
+            report.bad.append((source, str(err)))
+    return rows, report
+
+
+def _check_utf8(obj) -> None:
+    text = json.dumps(obj, ensure_ascii=False)
+    bad = next((ch for ch in text if "\ud800" <= ch <= "\udfff"), None)
+    if bad is not None:
+        detail = f"undecodable byte 0x{ord(bad) - 0xDC00:02x}" if ord(bad) >= 0xDC80 else "lone surrogate escape"
+        raise BadRow(f"text is not valid UTF-8 ({detail})")
+
+
+def _get(obj: dict, key: str, kind: type, label: Optional[str] = None):
+    label = label or key
+    if key not in obj or obj[key] is None:
+        raise BadRow(f"missing field {label!r}")
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise BadRow(f"field {label!r} must be a {_KIND_NAMES[kind]}, got {type(value).__name__}")
+    return value
+
+
+_KIND_NAMES = {str: "string", list: "list of messages", dict: "object"}
+
+
+def _system(obj: dict, key: str = "system") -> Optional[str]:
+    if obj.get(key) is None:
+        return None
+    return _get(obj, key, str)
+
+
+def _text_response(value: str, label: str) -> str:
+    if not value.strip():
+        raise BadRow(f"empty response in {label!r}")
+    return value
+
+
+def _messages(value: list, label: str) -> list:
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _response(msgs: list, label: str) -> Union[str, list]:
+    """A completion as text when it is one assistant message, else messages."""
+    if not msgs or not any(m["content"].strip() for m in msgs):
+        raise BadRow(f"empty response in {label!r}")
+    if len(msgs) == 1 and msgs[0]["role"] == "assistant":
+        return msgs[0]["content"]
+    return msgs
+
+
+def _standard(obj: dict, fields=None) -> Row:
+    return Row(prompt=_get(obj, "prompt", str),
+               chosen=_text_response(_get(obj, "chosen", str), "chosen"),
+               rejected=_text_response(_get(obj, "rejected", str), "rejected"),
+               system=_system(obj))
+
+
+def _conversational(obj: dict, fields=None) -> Row:
+    chosen = _messages(_get(obj, "chosen", list), "chosen")
+    rejected = _messages(_get(obj, "rejected", list), "rejected")
+    if obj.get("prompt") is not None:
+        prompt = obj["prompt"]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        prompt = _messages(_get({"prompt": prompt}, "prompt", list), "prompt")
+        return Row(prompt, _response(chosen, "chosen"), _response(rejected, "rejected"), _system(obj))
+    return _implicit_conversation(chosen, rejected, _system(obj))
+
+
+def _implicit_conversation(chosen: list, rejected: list, system: Optional[str]) -> Row:
+    """Prompt = longest common message prefix (TRL ``extract_prompt``).
+
+    When the sides differ before an assistant turn (e.g. different user
+    follow-ups), each side's prompt runs up to its first assistant message after
+    the common prefix, and the row carries ``rejected_prompt``.
+    """
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    sides = []
+    for msgs, label in ((chosen, "chosen"), (rejected, "rejected")):
+        k = next((i for i in range(n, len(msgs)) if msgs[i]["role"] == "assistant"), None)
+        if k is None:
+            raise BadRow(f"empty response in {label!r}: no assistant message after the shared prompt")
+        sides.append((msgs[:k], _response(msgs[k:], label)))
+    (cp, c), (rp, r) = sides
+    if not cp:
+        raise BadRow("no shared prompt: 'chosen' and 'rejected' start with an assistant message")
+    return Row(cp, c, r, system, rejected_prompt=None if rp == cp else rp)
+
+
+def _transcript(obj: dict, fields=None) -> Row:
+    chosen, rejected = _get(obj, "chosen", str), _get(obj, "rejected", str)
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    # The last Assistant marker lying wholly inside the common prefix.
+    cut = chosen.rfind(ASSISTANT_MARKER, 0, n - len(ASSISTANT_MARKER) + 1) if n >= len(ASSISTANT_MARKER) else -1
+    if cut < 0:
+        raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker")
+    end = cut + len(ASSISTANT_MARKER)
+    return Row(chosen[:end], _text_response(chosen[end:], "chosen"), _text_response(rejected[end:], "rejected"),
+               _system(obj), transcript=True)
+
+
+def _openai(obj: dict, fields=None) -> Row:
+    inp = _get(obj, "input", dict)
+    prompt = _messages(_get(inp, "messages", list, "input.messages"), "input.messages")
+    outs = []
+    for key in ("preferred_output", "non_preferred_output"):
+        msgs = _messages(_get(obj, key, list), key)
+        if len(msgs) != 1 or msgs[0]["role"] != "assistant":
+            raise BadRow(f"field {key!r} must hold exactly one assistant message, got {len(msgs)} message(s)")
+        outs.append(_response(msgs, key))
+    return Row(prompt, outs[0], outs[1], _system(obj))
+
+
+def _sharegpt(obj: dict, fields=None) -> Row:
+    turns = _get(obj, "conversations", list)
+    prompt = [_sharegpt_message(t, f"conversations[{i}]") for i, t in enumerate(turns)]
+    outs = []
+    for key in ("chosen", "rejected"):
+        value = obj.get(key)
+        value = value[0] if isinstance(value, list) and len(value) == 1 else value
+        msg = _sharegpt_message(_get({key: value}, key, dict), key)
+        outs.append(_response([msg], key))
+    return Row(prompt, outs[0], outs[1], _system(obj))
+
+
+def _sharegpt_message(turn, label: str) -> dict:
+    if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
+        raise BadRow(f"{label} must be an object with string 'from' and 'value'")
+    role = _SHAREGPT_ROLES.get(turn["from"].lower())
+    if role is None:
+        raise BadRow(f"{label}: unknown speaker {turn['from']!r} (known: {', '.join(_SHAREGPT_ROLES)})")
+    return {"role": role, "content": turn["value"]}
+
+
+def _rename(obj: dict, fields: dict) -> dict:
+    """Columns renamed by ``data.fields``; unmapped keys keep their names."""
+    renamed = {}
+    for key in FIELD_KEYS:
+        src = fields.get(key, key)
+        if src in obj:
+            renamed[key] = obj[src]
+        elif key in ("chosen", "rejected") or (key == "prompt" and key in fields):
+            raise BadRow(f"missing field {src!r} (data.fields.{key})")
+    return renamed
+
+
+def _mapped(obj: dict, fields: Optional[dict]) -> Row:
+    """Rename columns by ``data.fields``, then read by the value types."""
+    renamed = _rename(obj, fields or {})
+    return _PARSERS[detect_format(renamed, None) or "standard"](renamed, None)
+
+
+_PARSERS = {"standard": _standard, "conversational": _conversational, "transcript": _transcript,
+            "openai": _openai, "sharegpt": _sharegpt, "mapped": _mapped}
