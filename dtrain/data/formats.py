@@ -318,7 +318,7 @@ def _transcript(obj: dict, fields=None) -> Row:
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
     # The last Assistant marker lying wholly inside the common prefix.
-    cut = chosen.rfind(ASSISTANT_MARKER, 0, n - len(ASSISTANT_MARKER) + 1) if n >= len(ASSISTANT_MARKER) else -1
+    cut = chosen.rfind(ASSISTANT_MARKER, 0, n)
     if cut < 0:
         raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker")
     end = cut + len(ASSISTANT_MARKER)

@@ -1,0 +1,195 @@
+"""Row formats: detection, normalisation, implicit prompts, bad rows, file errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtrain.config import DataConfig
+from dtrain.data import load_rows
+from dtrain.data.formats import Row
+from dtrain.errors import DataError
+
+HH_PROMPT = "\n\nHuman: What is 2 + 2?\n\nAssistant:"
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+    return str(path)
+
+
+def rows_of(tmp_path, objs, **cfg):
+    rows, report = load_rows(write_jsonl(tmp_path / "d.jsonl", objs), DataConfig(**cfg))
+    return rows, report
+
+
+def one_row(tmp_path, obj, **cfg) -> Row:
+    rows, report = rows_of(tmp_path, [obj], **cfg)
+    assert report.bad == [] and len(rows) == 1
+    return rows[0]
+
+
+def test_standard(tmp_path):
+    row = one_row(tmp_path, {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5", "system": "Be brief."})
+    assert (row.prompt, row.chosen, row.rejected, row.system) == ("What is 2 + 2?", "4", "5", "Be brief.")
+    assert row.source == f"{tmp_path / 'd.jsonl'}:1" and row.rejected_prompt is None
+
+
+def test_conversational_explicit_prompt(tmp_path):
+    user = [{"role": "user", "content": "hi"}]
+    row = one_row(tmp_path, {"prompt": user, "chosen": [{"role": "assistant", "content": "hello"}],
+                             "rejected": [{"role": "assistant", "content": "go"}]})
+    assert (row.prompt, row.chosen, row.rejected) == (user, "hello", "go")
+
+
+def test_conversational_implicit_prompt_is_longest_common_prefix(tmp_path):
+    shared = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    row = one_row(tmp_path, {"chosen": shared + [{"role": "assistant", "content": "yes"}],
+                             "rejected": shared + [{"role": "assistant", "content": "no"}]})
+    assert (row.prompt, row.chosen, row.rejected, row.rejected_prompt) == (shared, "yes", "no", None)
+
+
+def test_conversational_implicit_histories_differ_gives_rejected_prompt(tmp_path):
+    u1, a1 = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}
+    c = [u1, a1, {"role": "user", "content": "more?"}, {"role": "assistant", "content": "yes"}]
+    r = [u1, a1, {"role": "user", "content": "less?"}, {"role": "assistant", "content": "no"}]
+    row = one_row(tmp_path, {"chosen": c, "rejected": r})
+    assert row.prompt == c[:3] and row.rejected_prompt == r[:3]
+    assert (row.chosen, row.rejected) == ("yes", "no")
+
+
+def test_conversational_multi_message_completion_kept_as_messages(tmp_path):
+    u = {"role": "user", "content": "a"}
+    tail = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}, {"role": "assistant", "content": "z"}]
+    row = one_row(tmp_path, {"chosen": [u] + tail, "rejected": [u, {"role": "assistant", "content": "w"}]})
+    assert row.prompt == [u] and row.chosen == tail and row.rejected == "w"
+
+
+def test_transcript_implicit_prompt(tmp_path):
+    row = one_row(tmp_path, {"chosen": HH_PROMPT + " 4", "rejected": HH_PROMPT + " 5"})
+    assert (row.prompt, row.chosen, row.rejected, row.transcript) == (HH_PROMPT, " 4", " 5", True)
+
+
+def test_transcript_splits_at_common_prefix_not_last_marker_of_one_side(tmp_path):
+    chosen = HH_PROMPT + " 4.\n\nHuman: Sure?\n\nAssistant: Yes."
+    row = one_row(tmp_path, {"chosen": chosen, "rejected": HH_PROMPT + " 5."})
+    assert row.prompt == HH_PROMPT
+    assert row.chosen == " 4.\n\nHuman: Sure?\n\nAssistant: Yes." and row.rejected == " 5."
+
+
+def test_transcript_common_prefix_past_the_marker(tmp_path):
+    # Both answers start with "The " -- the prompt still ends at the marker.
+    row = one_row(tmp_path, {"chosen": HH_PROMPT + " The sum is 4", "rejected": HH_PROMPT + " The sum is 5"})
+    assert (row.prompt, row.chosen, row.rejected) == (HH_PROMPT, " The sum is 4", " The sum is 5")
+
+
+def test_openai_format(tmp_path):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    row = one_row(tmp_path, {"input": {"messages": msgs},
+                             "preferred_output": [{"role": "assistant", "content": "good"}],
+                             "non_preferred_output": [{"role": "assistant", "content": "bad"}]})
+    assert (row.prompt, row.chosen, row.rejected) == (msgs, "good", "bad")
+
+
+def test_sharegpt_format(tmp_path):
+    row = one_row(tmp_path, {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"}],
+                             "chosen": {"from": "gpt", "value": "good"}, "rejected": {"from": "gpt", "value": "bad"}})
+    assert row.prompt == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    assert (row.chosen, row.rejected) == ("good", "bad")
+
+
+def test_field_mapping(tmp_path):
+    obj = {"question": "Q", "response_j": "good", "response_k": "bad", "sys": "S", "extra": 1}
+    fields = {"prompt": "question", "chosen": "response_j", "rejected": "response_k", "system": "sys"}
+    row = one_row(tmp_path, obj, fields=fields)
+    assert (row.prompt, row.chosen, row.rejected, row.system) == ("Q", "good", "bad", "S")
+    rows, report = rows_of(tmp_path, [{"question": "Q", "response_j": "good"}], fields=fields)
+    assert rows == [] and report.bad[0][1] == "missing field 'response_k' (data.fields.rejected)"
+
+
+def test_explicit_format_overrides_detection(tmp_path):
+    rows, report = rows_of(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}], format="openai")
+    assert rows == [] and report.bad[0][1] == "missing field 'input'"
+
+
+def test_json_array_detected_by_content_with_item_lines(tmp_path):
+    path = tmp_path / "pairs.data"  # suffix says nothing
+    path.write_text('[\n {"prompt": "Q", "chosen": "a", "rejected": "b"},\n {"prompt": "Q", "chosen": "a"}\n]\n')
+    rows, report = load_rows(str(path), DataConfig())
+    assert [r.source for r in rows] == [f"{path}:2[0]"]
+    assert report.bad == [(f"{path}:3[1]", "missing field 'rejected'")]
+
+
+BAD_ROWS = [
+    ('{"prompt": "Q", "chosen": "a", "rejected": "b"', "invalid JSON: Expecting ',' delimiter (column 47)"),
+    ('[1, 2]', "expected a JSON object, got list"),
+    ('{"prompt": "Q", "chosen": "a"}', "missing field 'rejected'"),
+    ('{"prompt": "Q", "chosen": 3, "rejected": "b"}', "field 'chosen' must be a string, got int"),
+    ('{"prompt": "Q", "chosen": "a", "rejected": " \\n "}', "empty response in 'rejected'"),
+    ('{"prompt": "Q", "chosen": "a", "rejected": "a"}', "chosen and rejected are identical"),
+    ('{"prompt": "Q", "chosen": "a", "rejected": "b", "system": 1}', "field 'system' must be a string, got int"),
+    ('{"prompt": "Q", "chosen": "a", "rejected": "\\ud800"}', "text is not valid UTF-8 (lone surrogate escape)"),
+]
+
+
+def test_each_bad_row_kind_has_line_and_reason(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    good = '{"prompt": "Q", "chosen": "a", "rejected": "b"}'
+    raw = "\n".join([good] + [line for line, _ in BAD_ROWS]).encode() + b'\n{"prompt": "Q", "chosen": "\xff", "rejected": "b"}\n'
+    path.write_bytes(raw)
+    rows, report = load_rows(str(path), DataConfig())
+    assert len(rows) == 1 and report.rows_read == len(BAD_ROWS) + 2
+    expected = [(f"{path}:{i + 2}", reason) for i, (_, reason) in enumerate(BAD_ROWS)]
+    expected.append((f"{path}:{len(BAD_ROWS) + 2}", "text is not valid UTF-8 (undecodable byte 0xff)"))
+    assert report.bad == expected
+    assert f"{len(expected)} of {len(expected) + 1} rows skipped" in report.summary()
+
+
+def test_conversational_bad_rows(tmp_path):
+    u = {"role": "user", "content": "a"}
+    rows, report = rows_of(tmp_path, [
+        {"chosen": [u, {"role": "assistant", "content": "x"}], "rejected": [u]},
+        {"chosen": [u, {"role": "assistant", "content": "x"}], "rejected": [{"role": "user"}]},
+    ])
+    assert rows == []
+    assert [r for _, r in report.bad] == [
+        "empty response in 'rejected': no assistant message after the shared prompt",
+        "rejected[0] must be an object with string 'role' and 'content'",
+    ]
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: None, "data file not found"),
+    (lambda p: p.mkdir(), "is a directory; expected a JSONL or JSON file"),
+    (lambda p: p.write_text(" \n"), "file is empty"),
+    (lambda p: p.write_text('{"question": "Q", "answer": "A"}\n'), "unknown row format (keys of the first row: ['answer', 'question'])"),
+    (lambda p: p.write_text('[{"prompt": "Q",}]'), "1: invalid JSON array: Expecting property name enclosed in double quotes (column 17)"),
+    (lambda p: p.write_text('{\n "prompt": "Q", "chosen": "a", "rejected": "b"\n}\n'), "one JSON dict spread over several lines"),
+])
+def test_file_level_errors(tmp_path, setup, message):
+    path = tmp_path / "x.jsonl"
+    setup(path)
+    with pytest.raises(DataError) as err:
+        load_rows(str(path), DataConfig())
+    assert str(err.value).startswith(str(path)) and message in str(err.value)
+
+
+def test_unknown_fields_key(tmp_path):
+    with pytest.raises(DataError, match="data.fields: unknown key 'answer'"):
+        rows_of(tmp_path, [{"q": "Q"}], fields={"answer": "q"})
+
+
+def test_real_orca_file_all_rows_parse_in_auto_mode(shared_data):
+    rows, report = load_rows(str(shared_data / "orca_dpo_pairs_validation.jsonl"), DataConfig())
+    assert report.bad == [] and len(rows) == 284
+    assert rows[0].prompt[0]["role"] == "system" and rows[0].prompt[1]["content"].startswith("MM. Georges Colombier")
+    assert rows[0].chosen.startswith("Step 1: Identify the names") and rows[0].rejected.startswith("Sure, I'd be happy")
+
+
+def test_real_stack_exchange_file_with_field_mapping(shared_data):
+    cfg = DataConfig(fields={"prompt": "question", "chosen": "response_j", "rejected": "response_k"})
+    rows, report = load_rows(str(shared_data / "stack_exchange_paired_tiny.json"), cfg)
+    assert report.bad == [] and len(rows) == 25
+    assert rows[0].prompt.startswith("I'm writing a code using Java Swing")
+    assert len({r.prompt for r in rows}) == 8 and max(len(r.chosen) for r in rows) > 9000
