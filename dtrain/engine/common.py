@@ -52,10 +52,11 @@ def loss_from_token_logps(token_logps: mx.array, layout: Layout, lam: float, nor
         layout's counts added to ``sums``.
     """
     B = layout.n_pairs
-    chosen = mx.zeros((B,), mx.float32).at[layout.pair_of].add(token_logps * layout.w_chosen)
-    rejected = mx.zeros((B,), mx.float32).at[layout.pair_of].add(token_logps * layout.w_rejected)
-    nll_sum = -(token_logps * layout.w_nll).sum()
-    loss, sums = orpo_loss(chosen / layout.chosen_len, rejected / layout.rejected_len, nll_sum, lam, norm.nll_tokens, norm.pairs)
+    dt = token_logps.dtype
+    chosen = mx.zeros((B,), dt).at[layout.pair_of].add(token_logps * layout.w_chosen.astype(dt))
+    rejected = mx.zeros((B,), dt).at[layout.pair_of].add(token_logps * layout.w_rejected.astype(dt))
+    nll_sum = -(token_logps * layout.w_nll.astype(dt)).sum()
+    loss, sums = orpo_loss(chosen / layout.chosen_len.astype(dt), rejected / layout.rejected_len.astype(dt), nll_sum, lam, norm.nll_tokens, norm.pairs)
     return loss, sums
 
 

@@ -25,6 +25,15 @@ import mlx.nn as nn
 LOGP_CEILING = -1e-7
 
 
+def upcast(x: mx.array) -> mx.array:
+    """``x`` in float32, or unchanged when it is already float32 or float64.
+
+    Low-precision (bf16/fp16) values are promoted; float64 is kept so that
+    finite-difference tests can run the whole loss in double precision.
+    """
+    return x if x.dtype in (mx.float32, mx.float64) else x.astype(mx.float32)
+
+
 def log1mexp(x: mx.array) -> mx.array:
     """``log(1 - exp(x))`` for ``x <= 0``, stable at both ends.
 
@@ -39,7 +48,7 @@ def log1mexp(x: mx.array) -> mx.array:
     Returns:
         Array of the same shape.
     """
-    x = mx.minimum(x, LOGP_CEILING)
+    x = mx.minimum(upcast(x), LOGP_CEILING)
     near = x > -math.log(2.0)
     x_near = mx.where(near, x, -1.0)
     x_far = mx.where(near, -1.0, x)
@@ -54,8 +63,7 @@ def log_odds(chosen_logps: mx.array, rejected_logps: mx.array) -> mx.array:
     Returns:
         ``(B,)`` float32.
     """
-    lw = chosen_logps.astype(mx.float32)
-    lr = rejected_logps.astype(mx.float32)
+    lw, lr = upcast(chosen_logps), upcast(rejected_logps)
     return (lw - lr) - (log1mexp(lw) - log1mexp(lr))
 
 
@@ -84,20 +92,19 @@ def orpo_loss(
         (summing it over micro-batches and ranks gives the global loss), and
         ``sums`` holds per-micro-batch sums for metrics (see :func:`finalize_metrics`).
     """
-    mask = mx.ones(chosen_logps.shape) if pair_mask is None else pair_mask.astype(mx.float32)
-    lw = chosen_logps.astype(mx.float32)
-    lr = rejected_logps.astype(mx.float32)
+    lw, lr = upcast(chosen_logps), upcast(rejected_logps)
+    mask = mx.ones(lw.shape, lw.dtype) if pair_mask is None else pair_mask.astype(lw.dtype)
     lo = log_odds(lw, lr)
     or_term = nn.softplus(-lo)  # = -log sigmoid(log_odds)
-    loss = nll_sum.astype(mx.float32) / n_tokens + lam * (or_term * mask).sum() / n_pairs
+    loss = upcast(nll_sum) / n_tokens + lam * (or_term * mask).sum() / n_pairs
     sums = {
-        "nll_sum": nll_sum.astype(mx.float32),
+        "nll_sum": upcast(nll_sum),
         "or_sum": (or_term * mask).sum(),
         "log_odds_ratio_sum": (-or_term * mask).sum(),
         "log_odds_chosen_sum": (lo * mask).sum(),
         "logps_chosen_sum": (lw * mask).sum(),
         "logps_rejected_sum": (lr * mask).sum(),
-        "accuracy_sum": ((lw > lr).astype(mx.float32) * mask).sum(),
+        "accuracy_sum": ((lw > lr).astype(lw.dtype) * mask).sum(),
     }
     return loss, sums
 

@@ -13,6 +13,7 @@ import mlx.nn as nn
 from ..types import TokenizedPair
 from .common import Norm, StepResult, layout_counts, loss_from_token_logps
 from .layout import Layout, two_sequence_layout
+from .loss import upcast
 
 
 def gather_token_logps(logits: mx.array, layout: Layout) -> mx.array:
@@ -24,7 +25,7 @@ def gather_token_logps(logits: mx.array, layout: Layout) -> mx.array:
         ``(N,)`` log-probabilities (nats) of the layout's target tokens.
     """
     S, L, V = logits.shape
-    picked = logits.reshape(S * L, V)[layout.rows].astype(mx.float32)  # (N, V)
+    picked = upcast(logits.reshape(S * L, V)[layout.rows])  # (N, V)
     target = mx.take_along_axis(picked, layout.targets[:, None], axis=-1)[:, 0]
     return target - mx.logsumexp(picked, axis=-1)
 

@@ -1,0 +1,107 @@
+"""TensorBoard scalars (tensorboardX) and the progress bar (tqdm), rank 0 only.
+
+Each run gets a new directory under ``OUTPUT_DIR/tb``, created with an
+exclusive ``mkdir`` so two runs never share one, even in the same second. A
+resumed run passes the directory of the run it continues.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+
+def new_run_dir(root: Path) -> Path:
+    """Create and return ``root/YYYYmmdd-HHMMSS-N``, the first N that is free."""
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    n = 0
+    while True:
+        path = root / f"{stamp}-{n}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+
+
+class RunLogger:
+    """Writes scalars, the resolved config and hparams; a no-op off rank 0.
+
+    Args:
+        run_dir: TensorBoard directory of this run (None disables writing).
+        total_steps: for the progress bar.
+        progress: show a tqdm bar on stderr.
+    """
+
+    def __init__(self, run_dir: Optional[Path], total_steps: int, progress: bool = True, first_step: int = 0):
+        self.run_dir = run_dir
+        self.writer = None
+        self.bar = None
+        if run_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(logdir=str(run_dir), flush_secs=10)
+            if progress:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total_steps, initial=first_step, file=sys.stderr, dynamic_ncols=True, unit="step")
+
+    def config(self, resolved: dict) -> None:
+        if self.writer is not None:
+            text = yaml.safe_dump(resolved, sort_keys=False)
+            self.writer.add_text("config", "```\n" + text + "\n```", 0)
+
+    def scalars(self, step: int, values: dict) -> None:
+        if self.writer is None:
+            return
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def progress(self, step: int, values: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{values.get('loss', float('nan')):.4f}", pairs_s=f"{values.get('pairs_per_second', 0):.2f}")
+
+    def message(self, text: str) -> None:
+        if self.writer is None:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def hparams(self, resolved: dict, final: dict) -> None:
+        """Record the flattened config with the final metrics (TensorBoard HPARAMS)."""
+        if self.writer is None:
+            return
+        flat = {}
+        for section, values in resolved.items():
+            for key, value in values.items():
+                flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+        metrics = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, float)}
+        self.writer.add_hparams(flat, metrics, name="hparams", global_step=None)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
+
+
+def peak_memory_gb() -> float:
+    import mlx.core as mx
+
+    return mx.get_peak_memory() / 1e9
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false", "False")

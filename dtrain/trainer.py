@@ -1,0 +1,224 @@
+"""The training loop: data -> engine -> all-reduce -> AdamW step -> logs, adapter.
+
+Read top to bottom: :func:`train` sets up the run, then each step takes this
+rank's shard of the global batch (``sampler``), splits it into micro-batches,
+asks the engine for loss contributions and LoRA gradients normalised by the
+*global* counts, sums them over micro-batches and ranks, clips, checks they
+are finite on every rank, and applies one AdamW update with the learning rate
+of ``schedule.learning_rate(step)``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map
+
+from . import sampler
+from .config import Config, to_dict
+from .distributed import Group, check_in_sync, handshake
+from .engine import Norm, make_engine
+from .engine.loss import finalize_metrics
+from .errors import UserError
+from .lora import apply_lora, save_adapter
+from .schedule import learning_rate
+from .tracking import RunLogger, new_run_dir, peak_memory_gb
+from .types import TokenizedPair
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports: final metrics, where things were written."""
+
+    steps: int
+    history: list = field(default_factory=list)  # per-step metric dicts
+    evals: dict = field(default_factory=dict)  # step -> eval metrics
+    adapter_dir: Optional[Path] = None
+    run_dir: Optional[Path] = None
+    skipped_steps: int = 0
+
+
+def nll_token_count(pair: TokenizedPair, nll_scope: str) -> int:
+    """Tokens in the NLL term of one pair: predictions over ``[prompt; chosen]``."""
+    return len(pair.chosen) + (len(pair.prompt) - 1 if nll_scope == "full" else 0)
+
+
+def global_norm(pairs: list[TokenizedPair], nll_scope: str) -> Norm:
+    """Global normalisers of a step; every rank computes them from the global batch."""
+    return Norm(nll_tokens=float(sum(nll_token_count(p, nll_scope) for p in pairs)), pairs=float(len(pairs)))
+
+
+def _add(a, b):
+    return b if a is None else tree_map(lambda x, y: x + y, a, b)
+
+
+def _accumulate(sums: dict, new: dict) -> None:
+    for k, v in new.items():
+        sums[k] = sums.get(k, 0.0) + v
+
+
+def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int, with_grads: bool):
+    """Sum engine results over micro-batches of ``pairs``.
+
+    Returns:
+        ``(sums, grads)``: metric sums as Python floats (empty when ``pairs`` is
+        empty) and the summed gradient tree (None without grads or pairs).
+    """
+    sums, grads = {}, None
+    for chunk in sampler.micro_batches(pairs, micro):
+        result = engine.step(chunk, norm) if with_grads else engine.evaluate(chunk, norm)
+        mx.eval(result.loss, result.sums, result.grads if with_grads else [])
+        grads = _add(grads, result.grads) if with_grads else None
+        if with_grads:
+            mx.eval(grads)
+        _accumulate(sums, {k: float(v) for k, v in result.sums.items()})
+    return sums, grads
+
+
+METRIC_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum", "logps_chosen_sum",
+               "logps_rejected_sum", "accuracy_sum", "pairs", "nll_tokens", "input_tokens", "fallback_pairs")
+
+
+def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group) -> dict:
+    """``eval/`` metrics over held-out ``pairs``, each rank taking its shard."""
+    model.eval()
+    norm = global_norm(pairs, cfg.orpo.nll_scope)
+    mine = sampler.rank_shard(pairs, group.rank, group.size)
+    sums, _ = run_micro_batches(engine, mine, norm, cfg.train.micro_batch_pairs, with_grads=False)
+    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS})
+    model.train()
+    return finalize_metrics(sums, cfg.orpo.lam, prefix="eval/")
+
+
+def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: Group):
+    """One optimizer step. Returns ``(metrics, applied)``; ``applied`` is False
+    when the loss or gradients were not finite and the update was skipped."""
+    t = cfg.train
+    start = time.perf_counter()
+    batch = [train_pairs[i] for _, i in sampler.global_batch(step, len(train_pairs), t.global_batch_pairs, t.seed)]
+    norm = global_norm(batch, cfg.orpo.nll_scope)
+    mine = sampler.rank_shard(batch, group.rank, group.size)
+    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
+    if grads is None:  # this rank got no pairs this step: contribute zeros
+        grads = tree_map(mx.zeros_like, model.trainable_parameters())
+    grads = group.all_sum_tree(grads)
+    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS})
+    if t.grad_clip > 0:
+        grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
+    else:
+        grad_norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+    grad_norm = float(grad_norm)
+    metrics = finalize_metrics(sums, cfg.orpo.lam)
+    lr = learning_rate(step, t)
+    finite = bool(mx.isfinite(mx.array(metrics["loss"])).item()) and grad_norm == grad_norm and abs(grad_norm) != float("inf")
+    if finite:
+        optimizer.learning_rate = lr
+        optimizer.update(model, grads)
+        mx.eval(model.trainable_parameters(), optimizer.state)
+    seconds = time.perf_counter() - start
+    metrics.update({
+        "grad_norm": grad_norm,
+        "learning_rate": lr,
+        "tokens_per_second": sums["input_tokens"] / seconds,
+        "pairs_per_second": sums["pairs"] / seconds,
+        "peak_memory_gb": peak_memory_gb(),
+        "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
+    })
+    return metrics, finite
+
+
+def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> TrainResult:
+    """Run a whole training job described by ``cfg``.
+
+    Args:
+        cfg: the resolved config.
+        group: the process group (world size 1 when None).
+        loaded: an already loaded model (``dtrain.models.LoadedModel``); loaded
+            from ``cfg.model`` when None.
+        dataset: already tokenized pairs (``dtrain.data.Dataset``); built from
+            ``cfg.data`` when None.
+    Raises:
+        UserError: bad model, data or config; too many non-finite steps.
+    """
+    group = group or Group()
+    t = cfg.train
+    mx.random.seed(t.seed)
+    if loaded is None:
+        from .models import load_model
+
+        loaded = load_model(cfg.model.path, cfg.model.dtype)
+    model = loaded.model
+    if dataset is None:
+        from .data import load_dataset
+
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed)
+    if not dataset.train:
+        raise UserError("no training pairs left after loading and filtering the data")
+    apply_lora(model, cfg.lora)
+    model.train()
+    engine = make_engine(cfg, model)
+    lora_shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
+    resolved = to_dict(cfg)
+    handshake(group, {"config": resolved, "data": dataset.fingerprint, "model": loaded.identity, "lora shapes": lora_shapes})
+
+    out = Path(t.output_dir)
+    run_dir = new_run_dir(out / "tb") if group.is_main else None
+    log = RunLogger(run_dir, t.steps, progress=t.progress)
+    result = TrainResult(steps=t.steps, run_dir=run_dir)
+    optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay)
+    valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
+    extra = {"base_model": loaded.source}
+    try:
+        log.config(resolved)
+        log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
+                    f"world size {group.size}; engine {engine.name}")
+        if valid:
+            result.evals[0] = evaluate(engine, model, valid, cfg, group)
+            log.scalars(0, result.evals[0])
+        skipped_in_row = 0
+        for step in range(1, t.steps + 1):
+            metrics, applied = train_step(step, engine, model, optimizer, dataset.train, cfg, group)
+            if not applied:
+                result.skipped_steps += 1
+                skipped_in_row += 1
+                log.message(f"step {step}: non-finite loss or gradient, update skipped")
+                if skipped_in_row >= t.max_skipped_steps:
+                    raise UserError(f"step {step}: {skipped_in_row} non-finite steps in a row; stopping")
+            else:
+                skipped_in_row = 0
+            metrics["skipped_steps"] = float(result.skipped_steps)
+            result.history.append(metrics)
+            log.scalars(step, metrics)
+            log.progress(step, metrics)
+            if cfg.distributed.check_sync_every and step % cfg.distributed.check_sync_every == 0:
+                check_in_sync(group, model.trainable_parameters(), step)
+            if valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                result.evals[step] = evaluate(engine, model, valid, cfg, group)
+                log.scalars(step, result.evals[step])
+            if group.is_main and t.save_every and step % t.save_every == 0 and step != t.steps:
+                save_adapter(model, cfg.lora, out / "checkpoints" / f"step-{step:07d}", extra)
+                _prune_checkpoints(out / "checkpoints", t.keep_last)
+        if valid:
+            result.evals[t.steps] = evaluate(engine, model, valid, cfg, group)
+            log.scalars(t.steps, result.evals[t.steps])
+        if group.is_main:
+            result.adapter_dir = save_adapter(model, cfg.lora, out / "adapters", extra)
+            final = {**(result.history[-1] if result.history else {}), **result.evals.get(t.steps, {})}
+            log.hparams(resolved, final)
+            log.message(f"adapter written to {result.adapter_dir}")
+    finally:
+        log.close()
+    return result
+
+
+def _prune_checkpoints(root: Path, keep: int) -> None:
+    import shutil
+
+    done = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for p in done[: max(len(done) - keep, 0)]:
+        shutil.rmtree(p, ignore_errors=True)
