@@ -116,7 +116,7 @@ def build_gguf_model(gm: GGUFModel, keep_quantized: bool, float_dtype) -> tuple[
     Quantized triplets become ``nn.QuantizedLinear``/``QuantizedEmbedding`` with
     their own bits when ``keep_quantized`` (config then gets mlx-lm's per-module
     ``quantization`` entry), else they are dequantized in float32. Other float
-    parameters are cast to ``float_dtype``.
+    parameters are cast to ``float_dtype`` (``None`` keeps the GGUF's dtypes).
     """
     config = dict(gm.config)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
@@ -130,7 +130,8 @@ def build_gguf_model(gm: GGUFModel, keep_quantized: bool, float_dtype) -> tuple[
     else:
         weights = dequantize_weights(weights, gm.quantization)
     model.load_weights(list(weights.items()), strict=True)
-    model.set_dtype(float_dtype)  # floating parameters only, as nn.Module.set_dtype does by default
+    if float_dtype is not None:
+        model.set_dtype(float_dtype)  # floating parameters only (set_dtype's default predicate)
     mx.eval(model.parameters())
     model.eval()
     return model, config

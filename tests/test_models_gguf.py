@@ -1,0 +1,270 @@
+"""GGUF loading against mlx-lm built from the same weights, on tiny files written here.
+
+The writers follow llama.cpp's convert_hf_to_gguf.py: llama Q/K rows permuted
+(``LlamaModel.permute``), gemma3 norm weights stored as ``w + 1``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import CHATML, make_tiny_model, make_tokenizer
+from mlx.utils import tree_flatten
+
+from dtrain.errors import ModelError
+from dtrain.models import convert_gguf, load_model
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}
+_LLAMA_LAYER = {**_LAYER, "post_attention_layernorm": "ffn_norm"}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf_name: str, layer_map: dict) -> str:
+    module = hf_name.rsplit(".", 1)[0]
+    if module in _GLOBAL:
+        return f"{_GLOBAL[module]}.weight"
+    _, _, n, rest = module.split(".", 3)
+    return f"blk.{n}.{layer_map[rest]}.weight"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tokenizer_metadata(writer, hf_tok) -> None:
+    """gpt2-style vocabulary (tokens, merges, types) of a byte-level BPE tokenizer."""
+    spec = json.loads(hf_tok.backend_tokenizer.to_str())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {t["content"] for t in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(CHATML)
+
+
+def write_tiny_llama(path, quant: dict) -> dict:
+    """A 4-layer llama GGUF; returns the HF-layout float32 weights it encodes.
+
+    ``quant`` maps GGUF tensor names to a GGML type; those tensors are quantized
+    and the returned reference holds their dequantized values.
+    """
+    model = make_tiny_model("llama", seed=1)
+    args = model.args
+    ref = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(128)
+    w.add_embedding_length(args.hidden_size)
+    w.add_block_count(args.num_hidden_layers)
+    w.add_feed_forward_length(args.intermediate_size)
+    w.add_head_count(args.num_attention_heads)
+    w.add_head_count_kv(args.num_key_value_heads)
+    w.add_layer_norm_rms_eps(args.rms_norm_eps)
+    w.add_rope_freq_base(args.rope_theta)
+    tokenizer_metadata(w, make_tokenizer()._tokenizer)
+    for name, value in ref.items():
+        stored = value
+        if name.endswith("q_proj.weight"):
+            stored = llama_cpp_permute(value, args.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            stored = llama_cpp_permute(value, args.num_key_value_heads)
+        tname = gguf_name(name, _LLAMA_LAYER)
+        if tname in quant:
+            packed = gguf.quants.quantize(stored, quant[tname])
+            w.add_tensor(tname, packed, raw_dtype=quant[tname])
+            ref[name] = gguf.quants.dequantize(packed, quant[tname])
+            if "q_proj" in name or "k_proj" in name:  # back to HF row order
+                n = args.num_attention_heads if "q_proj" in name else args.num_key_value_heads
+                ref[name] = ref[name].reshape(n, -1, 2, ref[name].shape[1]).swapaxes(1, 2).reshape(value.shape)
+        else:
+            w.add_tensor(tname, stored)
+    _finish(w)
+    return ref
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def reference_logits(module_name: str, args, weights: dict, tokens: mx.array) -> np.ndarray:
+    import importlib
+
+    mod = importlib.import_module(f"mlx_lm.models.{module_name}")
+    model = mod.Model(args)
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
+    return np.array(model(tokens))
+
+
+TOKENS = mx.array([[1, 3, 40, 7, 300, 511, 2, 99, 100, 4]])
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {},
+        {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_0, "token_embd.weight": Q.Q8_0,
+         "blk.2.ffn_up.weight": Q.Q4_1},
+        {"blk.0.attn_q.weight": Q.Q5_0, "blk.3.ffn_down.weight": Q.Q5_1},  # mx.load rejects these
+    ],
+    ids=["f32", "q8_q4_kept_by_mx_load", "q5_via_gguf_reader"],
+)
+def test_llama_gguf_logits_equal_mlx_lm_on_original_weights(tmp_path, quant):
+    path = tmp_path / "tiny.gguf"
+    ref = write_tiny_llama(path, quant)
+    loaded = load_model(str(path), dtype="float32")
+    expected = reference_logits("llama", make_tiny_model("llama").args, ref, TOKENS)
+    np.testing.assert_allclose(np.array(loaded.model(TOKENS)), expected, rtol=1e-5, atol=1e-5)
+    assert loaded.config["model_type"] == "llama" and loaded.config["tie_word_embeddings"] is True
+    assert loaded.identity.startswith("gguf-sha256:")
+
+
+def test_gguf_gpt2_tokenizer_equals_source_tokenizer(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})
+    tok = load_model(str(path)).tokenizer
+    source = make_tokenizer()
+    for text in ["The quick brown fox, 0123!", "Héllo wörld — ça?", "def f(x):\n    return x + 1"]:
+        assert tok.encode(text) == source.encode(text)
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert tok.encode("<|im_start|>user<|im_end|>", add_special_tokens=False)[0] == 3
+    assert tok.encode("hi")[0] == 1  # add_bos_token
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
+    from mlx_lm import load
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.ffn_gate.weight": Q.Q4_0})
+    out = convert_gguf(str(path), str(tmp_path / "converted"))
+    model, tok = load(str(out))
+    loaded = load_model(str(path), dtype="float32")
+    np.testing.assert_allclose(np.array(model(TOKENS)), np.array(loaded.model(TOKENS)), rtol=1e-5, atol=1e-5)
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>"
+    assert tok.encode(text) == loaded.tokenizer.encode(text)
+    assert tok.chat_template == CHATML
+    with pytest.raises(ModelError, match="not empty"):
+        convert_gguf(str(path), str(out))
+
+
+# ---------------------------------------------------------------- gemma3
+
+
+def gemma_vocab():
+    """SentencePiece-style vocabulary: specials, 256 byte tokens, scored pieces."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3, 3, 3, 2, 3, 3]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = ["▁", *"abcdefghijklmnopqrstuvwxyz", "he", "ll", "▁he", "llo", "▁hello", "▁t", "▁the"]
+    scores = [0.0] * len(tokens) + [-float(i) for i in range(len(pieces))]
+    return tokens + pieces, scores, types + [1] * len(pieces)
+
+
+def write_tiny_gemma3(path) -> tuple:
+    from mlx_lm.models import gemma3_text
+
+    tokens, scores, types = gemma_vocab()
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=32, num_hidden_layers=6, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=len(tokens), rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=16, sliding_window=4, sliding_window_pattern=6, max_position_embeddings=128,
+    )
+    rng = np.random.default_rng(0)
+    model = gemma3_text.Model(args)
+    ref = {k: (0.2 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in tree_flatten(model.parameters())}
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(128)
+    w.add_embedding_length(32)
+    w.add_block_count(6)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(1)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_sliding_window(4)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    w.add_uint32("tokenizer.ggml.eot_token_id", 5)
+    for name, value in ref.items():
+        stored = value + 1.0 if name.endswith("norm.weight") else value  # llama.cpp norm_shift
+        w.add_tensor(gguf_name(name, _LAYER), stored.astype(np.float16 if "mlp" in name else np.float32))
+        if "mlp" in name:
+            ref[name] = stored.astype(np.float16).astype(np.float32)
+    _finish(w)
+    return args, ref
+
+
+def test_gemma3_gguf_logits_equal_mlx_lm_gemma3_text(tmp_path):
+    path = tmp_path / "gemma.gguf"
+    args, ref = write_tiny_gemma3(path)
+    tokens = mx.array([[2, 4, 270, 281, 290, 5, 7, 100, 200, 294, 295, 1]])  # 12 > sliding_window
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.config["model_type"] == "gemma3_text"
+    expected = reference_logits("gemma3_text", args, ref, tokens)
+    np.testing.assert_allclose(np.array(loaded.model(tokens)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma3_spm_tokenizer_merges_by_score_and_falls_back_to_bytes(tmp_path):
+    path = tmp_path / "gemma.gguf"
+    write_tiny_gemma3(path)
+    tok = load_model(str(path)).tokenizer
+    tokens = gemma_vocab()[0]
+    ids = tok.encode("hello the")
+    assert [tokens[i] for i in ids] == ["<bos>", "he", "llo", "▁the"]
+    ids = tok.encode("é<end_of_turn>", add_special_tokens=False)
+    assert [tokens[i] for i in ids] == ["<0xC3>", "<0xA9>", "<end_of_turn>"]
+    assert tok.decode(tok.encode("hello the é", add_special_tokens=False)) == "hello the é"
+    assert tok.eos_token_ids == {1, 5}
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_corrupt_gguf_is_a_model_error(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    with pytest.raises(ModelError, match=r"broken\.gguf: not a readable GGUF file"):
+        load_model(str(path))
+
+
+def test_unsupported_gguf_architecture_is_a_model_error(tmp_path):
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    _finish(w)
+    with pytest.raises(ModelError, match=r"phi\.gguf: GGUF architecture 'phi3' is not supported"):
+        load_model(str(path))
