@@ -1,0 +1,200 @@
+"""Segmented engine = reference engine: loss, metric sums and LoRA gradients.
+
+Every supported architecture runs on a tiny random model with LoRA on every
+decoder layer (lora_b randomised, since mlx-lm initialises it to zero), under
+three engine variants: segmented; + prefix sharing; + chunked LM head.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from dtrain.config import Config
+from dtrain.engine import Norm, ReferenceEngine, make_engine
+from dtrain.engine.arch import adapter_for
+from dtrain.engine.segmented import SegmentedEngine, auto_segment_layers
+from dtrain.types import TokenizedPair
+
+from conftest import make_tiny_model
+
+VOCAB = 512
+SMALL = dict(hidden_size=32, num_hidden_layers=5, intermediate_size=64, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)
+ARCHS = {
+    "llama": ("llama", dict(num_hidden_layers=5)),
+    "mistral": ("llama", dict(model_type="mistral", num_hidden_layers=5, tie_word_embeddings=False)),
+    "llama_sliding": ("llama", dict(num_hidden_layers=5, sliding_window=5,
+                                    layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"])),
+    "qwen2": ("qwen2", dict(SMALL, model_type="qwen2", tie_word_embeddings=False)),
+    "qwen3": ("qwen3", dict(SMALL, model_type="qwen3", head_dim=8, max_position_embeddings=512,
+                            tie_word_embeddings=True, rope_theta=10000.0)),
+    "gemma3": ("gemma3_text", dict(SMALL, model_type="gemma3_text", head_dim=8, sliding_window=5,
+                                   sliding_window_pattern=2, query_pre_attn_scalar=16, rope_theta=10000.0)),
+    "minicpm": ("minicpm", dict(SMALL, model_type="minicpm", dim_model_base=8, scale_depth=1.4, scale_emb=3.0,
+                                tie_word_embeddings=False)),
+    "minicpm_tied": ("minicpm", dict(SMALL, model_type="minicpm", dim_model_base=8, scale_depth=1.4,
+                                     scale_emb=3.0, tie_word_embeddings=True)),
+}
+VARIANTS = {
+    "segmented": dict(segment_layers=2),
+    "prefix": dict(segment_layers=2, prefix_sharing=True),
+    "prefix_chunked": dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
+}
+NORM = Norm(nll_tokens=40.0, pairs=3.0)
+
+
+def lora_model(name: str, seed: int = 0, **over):
+    """A tiny random model with LoRA (rank 4) on all layers and random lora_b."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    module, args = ARCHS[name]
+    model = make_tiny_model(module, seed=seed, **{**args, **over})
+    if name == "gemma3_tied":
+        model.sanitize({})
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0})
+    mx.random.seed(seed + 1)
+    lora_b = {k: 0.1 * mx.random.normal(v.shape) for k, v in tree_flatten(model.trainable_parameters()) if k.endswith("lora_b")}
+    model.update(tree_unflatten(list(lora_b.items())))
+    mx.eval(model.parameters())
+    return model
+
+
+def make_pairs(seed: int = 0, n: int = 3, fallback: bool = False, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))):
+    """Pairs of different lengths (so the batch is padded); optionally a fallback pair."""
+    rng = random.Random(seed)
+    ids = lambda k: [rng.randrange(5, VOCAB) for _ in range(k)]  # noqa: E731
+    pairs = [TokenizedPair(ids(p), ids(c), ids(r), source=f"t:{i}") for i, (p, c, r) in enumerate(lengths[:n])]
+    if fallback:
+        pairs[1] = TokenizedPair(pairs[1].prompt, pairs[1].chosen, pairs[1].rejected, "t:fb", rejected_prompt=ids(5))
+    return pairs
+
+
+def rel(a, b) -> float:
+    a, b = np.array(a, np.float64), np.array(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_parity(model, engine, pairs, lam=0.1, norm=NORM):
+    ref = ReferenceEngine(model, lam).step(pairs, norm)
+    out = engine.step(pairs, norm)
+    mx.eval(ref.loss, ref.grads, out.loss, out.grads)
+    assert rel(out.loss, ref.loss) < 1e-5, (float(out.loss), float(ref.loss))
+    for k in ("pairs", "nll_tokens"):
+        assert out.sums[k] == ref.sums[k]
+    for k, v in ref.sums.items():
+        if k not in ("input_tokens", "fallback_pairs"):  # layout counts differ by design under prefix sharing
+            assert abs(float(out.sums[k]) - float(v)) <= 1e-5 * max(1.0, abs(float(v))), (k, out.sums[k], v)
+    g_ref, g_out = dict(tree_flatten(ref.grads)), dict(tree_flatten(out.grads))
+    assert g_ref.keys() == g_out.keys()
+    for k in g_ref:
+        assert rel(g_out[k], g_ref[k]) < 1e-4, (k, rel(g_out[k], g_ref[k]))
+    ev_ref, ev = ReferenceEngine(model, lam).evaluate(pairs, norm), engine.evaluate(pairs, norm)
+    assert rel(ev.loss, ev_ref.loss) < 1e-5
+    assert ev.grads is None
+    return out
+
+
+def engine_for(model, lam=0.1, **kw):
+    return SegmentedEngine(model, adapter_for(model), lam, **kw)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_parity(arch, variant):
+    model = lora_model(arch)
+    out = assert_parity(model, engine_for(model, **VARIANTS[variant]), make_pairs())
+    prefix = VARIANTS[variant].get("prefix_sharing", False)
+    # prefix sharing feeds each prompt once: 3 sequences of P + C + R tokens
+    assert out.sums["input_tokens"] == (sum(p + c + r for p, c, r in ((6, 4, 5), (3, 7, 2), (9, 2, 3)))
+                                        + (0 if prefix else 18))
+    assert out.sums["fallback_pairs"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "minicpm"])
+def test_parity_lambda_zero_and_fallback_pair(arch):
+    model = lora_model(arch)
+    engine = engine_for(model, lam=0.0, segment_layers=2, prefix_sharing=True, head_chunk_tokens=5)
+    out = assert_parity(model, engine, make_pairs(fallback=True), lam=0.0)
+    assert out.sums["fallback_pairs"] == 1
+
+
+def test_gemma3_window_smaller_than_sequence():
+    """Sliding window 3 over sequences up to 23 tokens, block-wise positions."""
+    model = lora_model("gemma3", sliding_window=3)
+    pairs = make_pairs(lengths=((10, 6, 7), (4, 9, 3), (12, 3, 8)))
+    for kw in VARIANTS.values():
+        assert_parity(model, engine_for(model, **kw), pairs)
+
+
+@pytest.mark.parametrize("size", [1, 3, 4, 5, 9, 0])
+def test_segment_sizes(size):
+    model = lora_model("qwen3")
+    engine = engine_for(model, segment_layers=size, prefix_sharing=True)
+    assert sum(hi - lo for lo, hi in engine.ranges) == 5
+    assert_parity(model, engine, make_pairs())
+
+
+def test_lora_on_some_layers_only():
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = make_tiny_model("llama", num_hidden_layers=5)
+    model.freeze()
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 2.0, "dropout": 0.0})
+    assert_parity(model, engine_for(model, segment_layers=2), make_pairs())
+
+
+def test_range_functions_built_once_and_reused():
+    model = lora_model("llama")
+    engine = engine_for(model, segment_layers=2, prefix_sharing=True)
+    fns = list(engine.range_fns)
+    assert len(fns) == 3
+    for seed in range(3):
+        engine.step(make_pairs(seed), NORM)
+    assert all(a is b for a, b in zip(fns, engine.range_fns)) and len(engine.range_fns) == 3
+
+
+def test_params_restored_after_step():
+    model = lora_model("llama")
+    before = dict(tree_flatten(model.trainable_parameters()))
+    engine_for(model, segment_layers=2).step(make_pairs(), NORM)
+    after = dict(tree_flatten(model.trainable_parameters()))
+    assert all(after[k] is before[k] for k in before)
+
+
+def test_from_config_and_fallback_notice(capsys):
+    cfg = Config()
+    cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.prefix_sharing = "segmented", 2, True
+    engine = make_engine(cfg, lora_model("llama"))
+    assert isinstance(engine, SegmentedEngine) and engine.ranges == [(0, 2), (2, 4), (4, 5)]
+    assert engine.prefix_sharing and capsys.readouterr().err == ""
+
+    other = make_tiny_model("phi3", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+                            rms_norm_eps=1e-5, vocab_size=VOCAB, model_type="phi3")
+    engine = make_engine(cfg, other)
+    assert isinstance(engine, ReferenceEngine)
+    err = capsys.readouterr().err
+    assert "does not support mlx-lm architecture 'phi3'; using the reference engine" in err
+
+
+def test_auto_segment_layers():
+    # budget for everything: one range; tight budget: about sqrt(n) layers
+    assert auto_segment_layers(30, 1.0, 10.0, 1e9) == 30
+    assert auto_segment_layers(30, 10.0, 10.0, 0.0) == 5
+    assert auto_segment_layers(30, 10.0, 10.0, 160.0) == 12  # (3 + 1) * 10 + 12 * 10 = 160 <= 160
+    cfg = Config()
+    cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.memory_budget_gb = "segmented", "auto", 1.0
+    engine = make_engine(cfg, lora_model("llama"))
+    assert engine.ranges == [(0, 5)]
+
+
+def test_trainable_outside_layers_is_an_error():
+    model = lora_model("llama")
+    model.model.norm.unfreeze()
+    with pytest.raises(ValueError, match="trainable outside them: model.norm.weight"):
+        engine_for(model)
