@@ -205,7 +205,7 @@ def tokenize_rows(rows: list, tokenizer, cfg) -> tuple:
         p, c, r, rp, truncated = truncate_pair(p, c, r, rp, cfg, bos_id)
         if not c or not r:
             report.dropped.append((row.source, f"no response tokens fit in data.max_length={cfg.max_length} "
-                                               f"after a {len(rp if rp is not None and not r else p)}-token prompt"))
+                                               f"after a {len(p)}-token prompt"))
             continue
         report.truncated += int(truncated)
         pairs.append(TokenizedPair(prompt=p, chosen=c, rejected=r, source=row.source, rejected_prompt=rp))
