@@ -189,8 +189,10 @@ def test_auto_segment_layers():
     assert auto_segment_layers(30, 10.0, 10.0, 160.0) == 12  # (3 + 1) * 10 + 12 * 10 = 160 <= 160
     cfg = Config()
     cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.memory_budget_gb = "segmented", "auto", 1.0
-    engine = make_engine(cfg, lora_model("llama"))
-    assert engine.ranges == [(0, 5)]
+    cfg.data.max_length = 64
+    assert make_engine(cfg, lora_model("llama")).ranges == [(0, 5)]
+    cfg.data.max_length = 1024  # ~0.5 GB of attention scores per layer: one layer per range
+    assert make_engine(cfg, lora_model("llama")).ranges == [(i, i + 1) for i in range(5)]
 
 
 def test_trainable_outside_layers_is_an_error():
