@@ -162,6 +162,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return _coerce(value, args[0], where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     base = origin or tp

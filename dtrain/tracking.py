@@ -7,7 +7,6 @@ resumed run passes the directory of the run it continues.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -103,5 +102,26 @@ def peak_memory_gb() -> float:
     return mx.get_peak_memory() / 1e9
 
 
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false", "False")
+def read_scalars(run_dir: Path) -> dict:
+    """Scalars from the event files in ``run_dir``: tag -> [(step, value)].
+
+    Reads the TFRecord framing (u64 length, u32 crc, payload, u32 crc) and
+    parses each payload with tensorboardX's ``Event`` protobuf.
+    """
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict = {}
+    for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            payload = data[pos + 12 : pos + 12 + length]
+            pos += 12 + length + 4
+            event = Event.FromString(payload)
+            for v in event.summary.value:
+                if v.HasField("simple_value"):
+                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
