@@ -1,0 +1,122 @@
+"""load_dataset: sources, split, on_bad_row, fingerprint; demo pairs; data check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtrain.config import DataConfig
+from dtrain.data import check_file, demo_pairs, load_dataset, split_rows
+from dtrain.data.demo import demo_answer, is_preferred_response
+from dtrain.errors import DataError
+
+GOOD = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(20)]
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+    return str(path)
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    rows = list(range(50))
+    train, valid = split_rows(rows, 0.2, seed=3)
+    assert (train, valid) == split_rows(rows, 0.2, seed=3)
+    assert len(valid) == 10 and set(train).isdisjoint(valid) and sorted(train + valid) == rows
+    assert train == sorted(train) and valid == sorted(valid)  # file order kept
+    assert split_rows(rows, 0.2, seed=4)[1] != valid
+    assert split_rows(rows, 0.0, seed=3) == (rows, [])
+    assert len(split_rows(rows[:3], 0.1, seed=0)[1]) == 1  # at least one held-out row
+
+
+def test_load_dataset_valid_fraction(tmp_path, tokenizer):
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD), valid_fraction=0.25)
+    ds = load_dataset(cfg, tokenizer, seed=0, log=None)
+    again = load_dataset(cfg, tokenizer, seed=0, log=None)
+    assert (len(ds.train), len(ds.valid)) == (15, 5) and ds.train == again.train and ds.valid == again.valid
+    assert {p.source for p in ds.train}.isdisjoint({p.source for p in ds.valid})
+    assert ds.fingerprint == again.fingerprint and len(ds.fingerprint) == 64
+
+
+def test_load_dataset_train_and_valid_files(tmp_path, tokenizer):
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD[:12]), valid=write_jsonl(tmp_path / "v.jsonl", GOOD[12:]))
+    ds = load_dataset(cfg, tokenizer, seed=0, log=None)
+    assert (len(ds.train), len(ds.valid)) == (12, 8) and ds.valid[0].source == f"{tmp_path / 'v.jsonl'}:1"
+    write_jsonl(tmp_path / "v.jsonl", GOOD[13:])
+    assert load_dataset(cfg, tokenizer, seed=0, log=None).fingerprint != ds.fingerprint
+
+
+def test_on_bad_row_skip_logs_count_and_first_rows(tmp_path, tokenizer):
+    path = tmp_path / "t.jsonl"
+    path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + "not json\n" + '{"prompt": "Q", "chosen": "a"}\n')
+    logged = []
+    ds = load_dataset(DataConfig(train=str(path), valid_fraction=0.0), tokenizer, log=logged.append)
+    assert len(ds.train) == 4 and len(ds.report.bad) == 2
+    assert logged == [f"2 of 6 rows skipped (bad rows):\n  {path}:5: invalid JSON: Expecting value (column 1)\n"
+                      f"  {path}:6: missing field 'rejected'"]
+
+
+def test_on_bad_row_error_raises_before_training(tmp_path, tokenizer):
+    path = tmp_path / "t.jsonl"
+    path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + '{"prompt": "Q", "chosen": "a", "rejected": "a"}\n')
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=str(path), on_bad_row="error"), tokenizer, log=None)
+    assert str(err.value) == (f"bad rows (data.on_bad_row: error):\n1 of 5 rows skipped (bad rows):\n"
+                              f"  {path}:5: chosen and rejected are identical")
+
+
+def test_no_usable_pairs_is_an_error(tmp_path, tokenizer):
+    cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD[:3]), max_length=4, max_prompt_length=4)
+    with pytest.raises(DataError, match=r"no usable training pairs in .*t.jsonl \(0 bad rows, 3 dropped for length\)"):
+        load_dataset(cfg, tokenizer, log=None)
+
+
+def test_demo_pairs_deterministic_and_prefix_stable():
+    assert demo_pairs(50, seed=1) == demo_pairs(50, seed=1)
+    assert demo_pairs(20, seed=1) == demo_pairs(50, seed=1)[:20]
+    assert demo_pairs(50, seed=1) != demo_pairs(50, seed=2)
+    assert demo_pairs(3, seed=0)[0] == {"prompt": "How much is 63 minus 3?", "chosen": "ANSWER: 60",
+                                        "rejected": "That would be 59."}
+
+
+def test_demo_preference_is_verifiable():
+    rows = demo_pairs(500, seed=0)
+    assert all(is_preferred_response(r["prompt"], r["chosen"]) for r in rows)
+    assert not any(is_preferred_response(r["prompt"], r["rejected"]) for r in rows)
+    assert len({r["prompt"] for r in rows}) > 400 and len({r["rejected"] for r in rows}) > 300
+    assert demo_answer("What is 7 times 6?") == 42 and demo_answer("Compute 9 - 4.") == 5
+    with pytest.raises(ValueError):
+        demo_answer("Tell me a joke.")
+
+
+def test_demo_dataset_is_short_and_fingerprinted(tokenizer):
+    cfg = DataConfig(demo_pairs=100, demo_seed=0, valid_fraction=0.2)
+    ds = load_dataset(cfg, tokenizer, seed=0, log=None)
+    assert (len(ds.train), len(ds.valid)) == (80, 20) and ds.report.bad == []
+    assert ds.train[0].source.startswith("demo:")
+    assert max(len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in ds.train + ds.valid) <= 64
+    assert ds.fingerprint == load_dataset(cfg, tokenizer, seed=0, log=None).fingerprint
+    assert ds.fingerprint != load_dataset(DataConfig(demo_pairs=100, demo_seed=1), tokenizer, log=None).fingerprint
+
+
+def test_check_file_report(tmp_path, tokenizer):
+    path = tmp_path / "t.jsonl"
+    path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + "{oops\n")
+    out = check_file(str(path), DataConfig(max_length=19), tokenizer)
+    lines = out.splitlines()
+    assert lines[0] == f"{path}: 5 rows, 4 usable, 1 bad"
+    assert lines[2] == f"  {path}:5: invalid JSON: Expecting property name enclosed in double quotes (column 2)"
+    assert lines[3] == "token lengths (untruncated, 4 pairs): min / median / p95 / max"
+    assert lines[4:7] == ["  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2", "  rejected 2 / 2 / 2 / 2"]
+    assert lines[-1] == "limits: max_prompt_length=512, max_length=19: 4 pairs truncated, 0 dropped (no response tokens fit)"
+
+
+def test_real_files_tokenize(shared_data, tokenizer):
+    cfg = DataConfig(train=str(shared_data / "orca_dpo_pairs_validation.jsonl"), max_length=256, max_prompt_length=128)
+    ds = load_dataset(cfg, tokenizer, seed=0, log=None)
+    assert len(ds.train) + len(ds.valid) == 284 and len(ds.valid) == 28
+    assert all(len(p.prompt) <= 128 and len(p.prompt) + len(p.chosen) <= 256 for p in ds.train)
+    se = DataConfig(fields={"prompt": "question", "chosen": "response_j", "rejected": "response_k"})
+    out = check_file(str(shared_data / "stack_exchange_paired_tiny.json"), se, tokenizer)
+    assert out.splitlines()[0].endswith("stack_exchange_paired_tiny.json: 25 rows, 25 usable, 0 bad")
