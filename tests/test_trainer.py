@@ -99,7 +99,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     parts, g_parts = run_micro_batches(engine, pairs, norm, 1, with_grads=True)
     assert parts["pairs"] == whole["pairs"] == 4 and parts["nll_sum"] == pytest.approx(whole["nll_sum"], rel=1e-6)
     for (name, a), (_, b) in zip(tree_flatten(g_whole), tree_flatten(g_parts)):
-        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-7, err_msg=name)
+        a, b = np.array(a), np.array(b)
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a), name  # relative L2
     # and whole runs log the same losses
     a, _ = run(tmp_path / "a", "train.micro_batch_pairs=4")
     b, _ = run(tmp_path / "b", "train.micro_batch_pairs=1")
