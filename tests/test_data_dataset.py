@@ -116,6 +116,7 @@ def test_real_files_tokenize(shared_data, tokenizer):
     cfg = DataConfig(train=str(shared_data / "orca_dpo_pairs_validation.jsonl"), max_length=256, max_prompt_length=128)
     ds = load_dataset(cfg, tokenizer, seed=0, log=None)
     assert len(ds.train) + len(ds.valid) == 284 and len(ds.valid) == 28
+    assert ds.fingerprint == "21ebe627cbd53a4e5bf214bcb625591b1e4aa8bf07750dde1e4d81050951772f"  # README's sha256
     assert all(len(p.prompt) <= 128 and len(p.prompt) + len(p.chosen) <= 256 for p in ds.train)
     se = DataConfig(fields={"prompt": "question", "chosen": "response_j", "rejected": "response_k"})
     out = check_file(str(shared_data / "stack_exchange_paired_tiny.json"), se, tokenizer)
