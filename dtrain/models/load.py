@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from ..errors import ModelError
 from .demo import demo_model_path, sha256_file
-from .gguf import GGUFModel, gguf_to_mlx
+from .gguf import GROUP_SIZE, GGUFModel, gguf_to_mlx
 from .tokenizer import build_tokenizer, eos_token_ids
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -124,9 +124,10 @@ def build_gguf_model(gm: GGUFModel, keep_quantized: bool, float_dtype) -> tuple[
     weights = model.sanitize(dict(gm.weights))
     if keep_quantized and gm.quantization:
         nn.quantize(model, class_predicate=lambda p, m: gm.quantization.get(p, False))
+        # mlx-lm's config: defaults (the most common bits) plus one entry per module.
         bits = [q["bits"] for q in gm.quantization.values()]
-        config["quantization"] = {"group_size": gm.quantization[next(iter(gm.quantization))]["group_size"],
-                                  "bits": max(set(bits), key=bits.count), **gm.quantization}
+        default = {"group_size": GROUP_SIZE, "bits": max(set(bits), key=bits.count)}
+        config["quantization"] = {**default, **dict(sorted(gm.quantization.items()))}
     else:
         weights = dequantize_weights(weights, gm.quantization)
     model.load_weights(list(weights.items()), strict=True)
