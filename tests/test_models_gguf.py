@@ -65,13 +65,13 @@ def tokenizer_metadata(writer, hf_tok) -> None:
     writer.add_chat_template(CHATML)
 
 
-def write_tiny_llama(path, quant: dict) -> dict:
+def write_tiny_llama(path, quant: dict, rope_freqs=None, **over) -> dict:
     """A 4-layer llama GGUF; returns the HF-layout float32 weights it encodes.
 
     ``quant`` maps GGUF tensor names to a GGML type; those tensors are quantized
     and the returned reference holds their dequantized values.
     """
-    model = make_tiny_model("llama", seed=1)
+    model = make_tiny_model("llama", seed=1, **over)
     args = model.args
     ref = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     w = gguf.GGUFWriter(str(path), "llama")
@@ -84,6 +84,8 @@ def write_tiny_llama(path, quant: dict) -> dict:
     w.add_layer_norm_rms_eps(args.rms_norm_eps)
     w.add_rope_freq_base(args.rope_theta)
     tokenizer_metadata(w, make_tokenizer()._tokenizer)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
     for name, value in ref.items():
         stored = value
         if name.endswith("q_proj.weight"):
@@ -141,6 +143,25 @@ def test_llama_gguf_logits_equal_mlx_lm_on_original_weights(tmp_path, quant):
     np.testing.assert_allclose(np.array(loaded.model(TOKENS)), expected, rtol=1e-5, atol=1e-5)
     assert loaded.config["model_type"] == "llama" and loaded.config["tie_word_embeddings"] is True
     assert loaded.identity.startswith("gguf-sha256:")
+
+
+def test_llama3_rope_freqs_become_mlx_lm_rope_scaling(tmp_path):
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    base, head_dim = 500000.0, 8  # wavelengths 6 .. 7e4: short, medium and long ones
+    rope = Llama3RoPE(head_dim, base=base, scaling_config=scaling)
+    factors = np.array(rope._freqs / base ** (mx.arange(0, head_dim, 2) / head_dim), dtype=np.float32)
+    assert factors[0] == 1.0 and factors[-1] == pytest.approx(8.0) and 1 < factors[-2] < 8
+    path = tmp_path / "llama3.gguf"
+    ref = write_tiny_llama(path, {}, rope_freqs=factors, rope_theta=base)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.config["rope_scaling"] == pytest.approx(scaling)
+    args = make_tiny_model("llama", rope_theta=base, rope_scaling=scaling, max_position_embeddings=128).args
+    tokens = mx.array([list(range(1, 200, 7))])
+    np.testing.assert_allclose(np.array(loaded.model(tokens)), reference_logits("llama", args, ref, tokens),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_gguf_gpt2_tokenizer_equals_source_tokenizer(tmp_path):

@@ -55,7 +55,7 @@ _ARCH_LAYER_NAMES = {
     },
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_IGNORED = {"rope_freqs"}  # llama3 rope factors; see README of load_model's limits
+_IGNORED = {"rope_freqs"}  # llama3 rope factors, turned into config["rope_scaling"] instead
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -184,6 +184,29 @@ def _unpermute_qk(weights: dict, config: dict) -> None:
             weights[name] = w.reshape(n, rows // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _llama3_rope_scaling(factors: mx.array, head_dim: int, base: float) -> dict:
+    """mlx-lm's ``llama3`` rope_scaling that reproduces llama.cpp's ``rope_freqs`` tensor.
+
+    llama.cpp stores per-frequency factors (head_dim / 2,) instead of the HF
+    parameters; Llama 3.1/3.2 use low/high_freq_factor 1/4 and an original
+    context of 8192, and the largest factor is ``factor``. We check the guess
+    against the tensor (``Llama3RoPE._freqs`` divided by the unscaled
+    wavelengths) and refuse files it does not reproduce.
+    """
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    factors = factors.astype(mx.float32)
+    scaling = {
+        "rope_type": "llama3", "factor": factors.max().item(), "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    }
+    rope = Llama3RoPE(head_dim, base=base, scaling_config=scaling)
+    implied = rope._freqs / base ** (mx.arange(0, head_dim, 2) / head_dim)
+    if implied.shape != factors.shape or not mx.allclose(implied, factors, rtol=1e-3).item():
+        raise ModelError("rope_freqs do not match llama3 rope scaling with default parameters; not supported")
+    return scaling
+
+
 def _swa_pattern(value) -> int:
     # Newer writers store one bool per layer (True = sliding); mlx-lm wants the period.
     if isinstance(value, list):
@@ -215,7 +238,11 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
         "tie_word_embeddings": "output.weight" not in tensors,
     }
     scaling = md.get(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
+    if "rope_freqs.weight" in tensors:
+        base = float(key("rope.freq_base", 10000.0))
+        head_dim = int(key("attention.key_length", config["hidden_size"] // heads))
+        config["rope_scaling"] = _llama3_rope_scaling(tensors["rope_freqs.weight"], head_dim, base)
+    elif scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
     elif scaling not in (None, "none"):
         raise ModelError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
