@@ -25,6 +25,7 @@ Every format may carry an optional ``system`` string.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -214,7 +215,7 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
             row = _PARSERS[fmt](obj, fields)
             if row.chosen == row.rejected and row.rejected_prompt is None:
                 raise BadRow("chosen and rejected are identical")
-            rows.append(Row(**{**row.__dict__, "source": source}))
+            rows.append(dataclasses.replace(row, source=source))
         except BadRow as err:
             report.bad.append((source, str(err)))
     return rows, report
