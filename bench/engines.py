@@ -1,0 +1,194 @@
+"""Peak memory and step time: reference engine vs the segmented variants.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+        python bench/engines.py --models smollm2 --lengths 512 1024 2048 --steps 2 --warmup 1
+
+For each model, pair shape and length it runs one micro-batch of ``--pairs``
+pairs through each engine (reference; segmented; + prefix sharing; + chunked
+head) and records the peak memory (``mx.get_peak_memory``, reset between
+runs) and the median seconds per step after ``--warmup`` steps. Tokens/s count
+the logical two-sequence tokens ``2P + Rc + Rr`` per pair for every engine, so
+prefix sharing shows up as a speed-up, compared with its ideal
+``(2P + Rc + Rr) / (P + Rc + Rr)``. ``--flat N`` instead runs N steps of the
+full stack and checks that active memory stays flat within 2%.
+
+Prints a markdown table and writes JSON to bench/results/. Models have random
+weights (float32) and LoRA rank 8 on every layer; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
+from dtrain.engine.arch import adapter_for  # noqa: E402
+from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
+from dtrain.types import TokenizedPair  # noqa: E402
+
+MODELS = {
+    # SmolLM2-135M shape (llama, tied embeddings)
+    "smollm2": ("llama", dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                              num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
+                              rope_theta=100000.0, tie_word_embeddings=True)),
+    # Gemma 3 270M widths and its 262,144-token vocabulary, few layers
+    "gemma3-vocab": ("gemma3_text", dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=6,
+                                         intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1,
+                                         head_dim=256, vocab_size=262144, sliding_window=512,
+                                         sliding_window_pattern=6, query_pre_attn_scalar=256)),
+}
+SHAPES = {"even": 0.5, "long-prompt": 0.8}  # prompt share of P + R; 0.8 gives P = 4 R
+
+
+def build_model(name: str, layers: int | None):
+    import importlib
+
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    module, args = MODELS[name]
+    mod = importlib.import_module(f"mlx_lm.models.{module}")
+    if layers and name == "smollm2":
+        args = dict(args, num_hidden_layers=layers)
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(args))
+    model.set_dtype(mx.float32)
+    if module == "gemma3_text":
+        model.sanitize({})  # no lm_head weight: tied embeddings, as Gemma 3 ships
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 2.0, "dropout": 0.0})
+    mx.eval(model.parameters())
+    return model
+
+
+def make_pairs(n: int, length: int, prompt_share: float, vocab: int) -> list[TokenizedPair]:
+    rng = random.Random(0)
+    P = max(1, int(length * prompt_share))
+    R = max(1, length - P)
+    ids = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+    return [TokenizedPair(ids(P), ids(R), ids(R)) for _ in range(n)]
+
+
+def engines(model, segment: int, chunk: int) -> dict:
+    arch = adapter_for(model)
+    seg = lambda **kw: SegmentedEngine(model, arch, 0.1, segment_layers=segment, **kw)  # noqa: E731
+    return {
+        "reference": lambda: ReferenceEngine(model, 0.1),
+        "segmented": lambda: seg(),
+        "+ prefix sharing": lambda: seg(prefix_sharing=True),
+        "+ chunked head": lambda: seg(prefix_sharing=True, head_chunk_tokens=chunk),
+    }
+
+
+def measure(engine, pairs, norm, steps: int, warmup: int) -> dict:
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        out = engine.step(pairs, norm)
+        mx.eval(out.loss, out.grads)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        del out
+    return {"peak_gb": mx.get_peak_memory() / 1e9, "peak_over_weights_gb": (mx.get_peak_memory() - base) / 1e9,
+            "s_per_step": statistics.median(times), "times": times}
+
+
+def flat_check(engine, pairs, norm, steps: int) -> dict:
+    """Active memory after each of ``steps`` steps; flat = (max - min) / min <= 2%."""
+    active = []
+    for _ in range(steps):
+        out = engine.step(pairs, norm)
+        mx.eval(out.loss, out.grads)
+        del out
+        active.append(mx.get_active_memory())
+    lo, hi = min(active[1:] or active), max(active[1:] or active)
+    return {"steps": steps, "active_min_gb": lo / 1e9, "active_max_gb": hi / 1e9,
+            "spread": (hi - lo) / lo, "flat": (hi - lo) / lo <= 0.02}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096], help="P + R per side")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--pairs", type=int, default=1, help="pairs per micro-batch")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=None, help="depth of the smollm2 model (default 30)")
+    ap.add_argument("--segment", type=int, default=0, help="layers per range; 0 = round(sqrt(layers))")
+    ap.add_argument("--chunk", type=int, default=512, help="head_chunk_tokens of the chunked variant")
+    ap.add_argument("--only", nargs="+", default=None, help="engine names to run (default: all)")
+    ap.add_argument("--flat", type=int, default=0, help="run N steps of the full stack; check active memory")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a = ap.parse_args(argv)
+
+    rows, flat = [], []
+    for name in a.models:
+        model = build_model(name, a.layers)
+        n_layers = len(model.layers)
+        segment = a.segment or max(1, round(math.sqrt(n_layers)))
+        vocab = model.args.vocab_size
+        for shape in a.shapes:
+            for length in a.lengths:
+                pairs = make_pairs(a.pairs, length, SHAPES[shape], vocab)
+                P, R = len(pairs[0].prompt), len(pairs[0].chosen)
+                norm = Norm(nll_tokens=float(a.pairs * (P + R)), pairs=float(a.pairs))
+                logical = a.pairs * (2 * P + 2 * R)
+                makers = engines(model, segment, a.chunk)
+                if a.flat:
+                    flat.append({"model": name, "length": length, "shape": shape,
+                                 **flat_check(makers["+ chunked head"](), pairs, norm, a.flat)})
+                    print(json.dumps(flat[-1]), flush=True)
+                    continue
+                for engine_name, make in makers.items():
+                    if a.only and engine_name not in a.only:
+                        continue
+                    r = measure(make(), pairs, norm, a.steps, a.warmup)
+                    r.update(model=name, layers=n_layers, segment=segment, shape=shape, length=length, P=P, R=R,
+                             engine=engine_name, tokens_per_s=logical / r["s_per_step"],
+                             pairs_per_s=a.pairs / r["s_per_step"], ideal_prefix_speedup=(2 * P + 2 * R) / (P + 2 * R))
+                    rows.append(r)
+                    print(json.dumps({k: v for k, v in r.items() if k != "times"}), flush=True)
+        del model
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"engines-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"argv": sys.argv[1:], "rows": rows, "flat": flat}, indent=1))
+    print(table(rows) if rows else "", "\n", f"wrote {path}")
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table; ratios are against the reference (memory, time) and the
+    two-sequence segmented engine (prefix speed-up) of the same case."""
+    key = lambda r: (r["model"], r["shape"], r["length"])  # noqa: E731
+    ref = {key(r): r for r in rows if r["engine"] == "reference"}
+    seg = {key(r): r for r in rows if r["engine"] == "segmented"}
+    lines = ["| model | shape | P+R | engine | peak GB | peak / ref | s/step | time / ref | tokens/s | pairs/s "
+             "| speed-up vs segmented (ideal) |", "|" + "---|" * 11]
+    for r in rows:
+        k = key(r)
+        mem = f"{r['peak_gb'] / ref[k]['peak_gb']:.2f}" if k in ref else "-"
+        tim = f"{r['s_per_step'] / ref[k]['s_per_step']:.2f}" if k in ref else "-"
+        spd = (f"{seg[k]['s_per_step'] / r['s_per_step']:.2f} ({r['ideal_prefix_speedup']:.2f})"
+               if k in seg and r["engine"] in ("+ prefix sharing", "+ chunked head") else "")
+        lines.append(f"| {r['model']} ({r['layers']}L/{r['segment']}) | {r['shape']} | {r['length']} | {r['engine']} "
+                     f"| {r['peak_gb']:.2f} | {mem} | {r['s_per_step']:.1f} | {tim} | {r['tokens_per_s']:.0f} "
+                     f"| {r['pairs_per_s']:.3f} | {spd} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
