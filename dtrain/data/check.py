@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from .formats import BadRow, BadRowReport, parse_rows, read_objects
-from .render import encode_row, end_of_turn, truncate_pair
+from .formats import parse_rows, read_objects
+from .render import encode_rows, limit_pairs
 
 
 def _stats(values: list) -> str:
@@ -30,30 +31,16 @@ def check_file(path: str, cfg, tokenizer) -> str:
             format, invalid JSON array).
     """
     rows, report = parse_rows(read_objects(path), cfg, path)
-    eot = end_of_turn(tokenizer) if cfg.append_eos else ("", [])
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    lengths = {"prompt": [], "chosen": [], "rejected": []}
-    tok_report = BadRowReport()
-    for row in rows:
-        try:
-            p, c, r, rp = encode_row(row, tokenizer, cfg, eot)
-        except BadRow as err:
-            tok_report.bad.append((row.source, str(err)))
-            continue
-        for key, ids in (("prompt", p), ("chosen", c), ("rejected", r)):
-            lengths[key].append(len(ids))
-        _, c2, r2, _, truncated = truncate_pair(p, c, r, rp, cfg, bos_id)
-        if not c2 or not r2:
-            tok_report.dropped.append((row.source, "no response tokens fit"))
-        else:
-            tok_report.truncated += int(truncated)
-    report = report.merge(tok_report)
-    n_good = len(rows) - len(tok_report.bad)
-    lines = [f"{path}: {report.rows_read} rows, {n_good} usable, {len(report.bad)} bad"]
+    encoded, enc_report = encode_rows(rows, tokenizer, cfg)
+    _, limited = limit_pairs(encoded, cfg, getattr(tokenizer, "bos_token_id", None))
+    report = report.merge(dataclasses.replace(enc_report, rows_read=0))
+    lengths = {"prompt": [len(p.prompt) for p in encoded], "chosen": [len(p.chosen) for p in encoded],
+               "rejected": [len(p.rejected) for p in encoded]}
+    lines = [f"{path}: {report.rows_read} rows, {len(encoded)} usable, {len(report.bad)} bad"]
     if report.bad:
-        lines.append(BadRowReport(report.rows_read, report.bad).summary(limit=20))
-    lines.append(f"token lengths (untruncated, {n_good} pairs): min / median / p95 / max")
+        lines.append(report.summary(limit=20))
+    lines.append(f"token lengths (untruncated, {len(encoded)} pairs): min / median / p95 / max")
     lines += [f"  {key:<9}{_stats(vals)}" for key, vals in lengths.items()]
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
-                 f"{tok_report.truncated} pairs truncated, {len(tok_report.dropped)} dropped (no response tokens fit)")
+                 f"{limited.truncated} pairs truncated, {len(limited.dropped)} dropped (no response tokens fit)")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ chat template text already begins with the BOS string it is not added again.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from ..errors import DataError
@@ -181,20 +182,16 @@ def truncate_pair(prompt: list, chosen: list, rejected: list, rprompt: Optional[
     return p, c, r, rp, truncated
 
 
-def tokenize_rows(rows: list, tokenizer, cfg) -> tuple:
-    """Rows -> ``(list[TokenizedPair], BadRowReport)``.
+def encode_rows(rows: list, tokenizer, cfg) -> tuple:
+    """Rows -> untruncated ``(list[TokenizedPair], BadRowReport)``.
 
-    Each pair's prompt has at most ``cfg.max_prompt_length`` tokens and each side
-    at most ``cfg.max_length`` (prompt + response). Pairs left with zero response
-    tokens on either side are dropped and listed in ``report.dropped``; rows the
-    template cannot render are listed in ``report.bad``.
+    Rows the template cannot render are listed in ``report.bad``.
 
     Raises:
         DataError: message rows with a tokenizer that has no chat template, or no
             end-of-turn/EOS token while ``append_eos`` is on.
     """
     eot = end_of_turn(tokenizer) if cfg.append_eos else ("", [])
-    bos_id = getattr(tokenizer, "bos_token_id", None)
     pairs, report = [], BadRowReport(rows_read=len(rows))
     for row in rows:
         try:
@@ -202,11 +199,37 @@ def tokenize_rows(rows: list, tokenizer, cfg) -> tuple:
         except BadRow as err:
             report.bad.append((row.source, str(err)))
             continue
-        p, c, r, rp, truncated = truncate_pair(p, c, r, rp, cfg, bos_id)
-        if not c or not r:
-            report.dropped.append((row.source, f"no response tokens fit in data.max_length={cfg.max_length} "
-                                               f"after a {len(p)}-token prompt"))
-            continue
-        report.truncated += int(truncated)
         pairs.append(TokenizedPair(prompt=p, chosen=c, rejected=r, source=row.source, rejected_prompt=rp))
     return pairs, report
+
+
+def limit_pairs(pairs: list, cfg, bos_id: Optional[int]) -> tuple:
+    """Truncate pairs by :func:`truncate_pair`; returns ``(kept, report)``.
+
+    Pairs left with zero response tokens on either side are dropped and listed
+    in ``report.dropped``; ``report.truncated`` counts the shortened ones.
+    """
+    kept, report = [], BadRowReport()
+    for pair in pairs:
+        p, c, r, rp, truncated = truncate_pair(pair.prompt, pair.chosen, pair.rejected, pair.rejected_prompt, cfg, bos_id)
+        if not c or not r:
+            report.dropped.append((pair.source, f"no response tokens fit in data.max_length={cfg.max_length} "
+                                                f"after a {len(p)}-token prompt"))
+            continue
+        report.truncated += int(truncated)
+        kept.append(TokenizedPair(prompt=p, chosen=c, rejected=r, source=pair.source, rejected_prompt=rp))
+    return kept, report
+
+
+def tokenize_rows(rows: list, tokenizer, cfg) -> tuple:
+    """Rows -> ``(list[TokenizedPair], BadRowReport)``: :func:`encode_rows` then :func:`limit_pairs`.
+
+    Each pair's prompt has at most ``cfg.max_prompt_length`` tokens and each side
+    at most ``cfg.max_length`` (prompt + response); see :func:`truncate_pair`.
+
+    Raises:
+        DataError: as :func:`encode_rows`.
+    """
+    encoded, report = encode_rows(rows, tokenizer, cfg)
+    pairs, limited = limit_pairs(encoded, cfg, getattr(tokenizer, "bos_token_id", None))
+    return pairs, report.merge(dataclasses.replace(limited, rows_read=0))
