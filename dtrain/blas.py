@@ -3,8 +3,10 @@
 The ``mlx[cpu]`` wheel links a reference BLAS; preloading Debian's OpenBLAS
 (``LD_PRELOAD``) makes float32 matmul ~60x faster on the CPU (measured: a
 1024x1024 matmul at 5.8 GFLOP/s as installed, 338 GFLOP/s preloaded, results
-bit-identical). ``LD_PRELOAD`` only acts at process start, so the process
-re-executes itself once with it set.
+bit-identical). The launcher sets ``LD_PRELOAD`` for every rank; a process
+started otherwise (``dtrain train``, pytest) loads the library with
+``RTLD_GLOBAL`` when ``dtrain`` is imported, before MLX is: the dynamic linker
+then resolves MLX's ``cblas_*`` symbols to OpenBLAS, as ``LD_PRELOAD`` would.
 """
 
 from __future__ import annotations
@@ -54,14 +56,23 @@ def blas_env(env: dict | None = None) -> tuple[dict, str | None]:
     return env, f"using OpenBLAS for CPU matmuls: LD_PRELOAD={path}"
 
 
-def ensure_openblas() -> None:
-    """Re-execute this process with OpenBLAS preloaded (Linux; once)."""
-    if os.environ.get("DTRAIN_BLAS_DONE") or platform.system() != "Linux":
-        return
-    env, message = blas_env()
-    env["DTRAIN_BLAS_DONE"] = "1"
-    if message:
-        print(message, file=sys.stderr, flush=True)
-    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):
-        os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], env)
-    os.environ["DTRAIN_BLAS_DONE"] = "1"
+def preload_openblas() -> str | None:
+    """Load OpenBLAS into the global symbol scope before MLX (Linux).
+
+    Does nothing when MLX is already imported (too late to take effect) or
+    when ``LD_PRELOAD`` already names OpenBLAS. Returns the path it loaded.
+    """
+    if platform.system() != "Linux" or "mlx.core" in sys.modules:
+        return None
+    if "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return None
+    path = find_openblas()
+    if path is None:
+        return None
+    import ctypes
+
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+    except OSError:
+        return None
+    return path

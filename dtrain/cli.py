@@ -92,10 +92,6 @@ def _convert(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
-    if argv is None:  # started as a command, not called from Python
-        from .blas import ensure_openblas
-
-        ensure_openblas()
     args, extra = _parser().parse_known_args(argv)
     try:
         overrides = split_overrides(extra)

@@ -33,7 +33,6 @@ def rank_env() -> tuple[dict, list[str]]:
     """The environment every rank runs with, and the log lines about it."""
     env, message = blas_env()
     env["PYTHONUNBUFFERED"] = "1"
-    env["DTRAIN_BLAS_DONE"] = "1"  # ranks must not re-exec themselves
     return env, [message] if message else []
 
 

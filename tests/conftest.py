@@ -7,11 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.blas import ensure_openblas
-
-# MLX's CPU wheel links a reference BLAS; re-run pytest once with OpenBLAS
-# preloaded (Linux only; see dtrain/blas.py). Float32 matmuls get ~60x faster.
-ensure_openblas()
+import dtrain  # noqa: F401  (first: preloads OpenBLAS before MLX, see dtrain/blas.py)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
