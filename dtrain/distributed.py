@@ -2,14 +2,24 @@
 
 Everything else receives a :class:`Group` and calls its methods; at world size
 1 every method returns its input unchanged (the same code path, no setup).
+
+Every collective runs inside a :class:`Watchdog`: MLX collectives are lazy and
+block in ``mx.eval``, and the ring backend can wait forever for a peer that
+stalled, so each method evaluates its result while a timer is armed. When the
+timer fires, the rank prints which collective at which step did not complete
+and exits with :data:`EXIT_TIMEOUT`; a peer that died outright usually makes
+MLX raise at once, which becomes a one-line :class:`UserError`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -18,98 +28,208 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .errors import UserError
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
+EXIT_TIMEOUT = 3  # exit status of a rank whose collective timed out
 
 
-@dataclass
+class Watchdog:
+    """Context manager that ends the process when its block outlives ``timeout_s``.
+
+    A ``threading.Timer`` runs beside the block; MLX releases the GIL while it
+    waits in ``mx.eval``, so the timer fires even inside a wedged collective.
+    On firing it writes one line to stderr and calls ``os._exit(EXIT_TIMEOUT)``
+    (no clean-up: the main thread is stuck in native code). A ``RuntimeError``
+    from MLX inside the block (e.g. ``[ring] connection to a peer was lost``)
+    becomes a :class:`UserError` naming the collective and the step.
+
+    Args:
+        rank: this process's rank, for the message.
+        what: the collective, e.g. ``"all_sum of LoRA gradients"``.
+        step: the optimizer step, or None before training ("at start-up").
+        timeout_s: seconds; ``<= 0`` disables the timer.
+    """
+
+    def __init__(self, rank: int, what: str, step: Optional[int], timeout_s: float):
+        self.rank, self.what, self.step, self.timeout_s = rank, what, step, timeout_s
+        self._timer: Optional[threading.Timer] = None
+
+    @property
+    def where(self) -> str:
+        return "at start-up" if self.step is None else f"at step {self.step}"
+
+    def message(self) -> str:
+        return (f"dtrain: error: rank {self.rank}: {self.what} {self.where} did not complete within "
+                f"{self.timeout_s:g} s (distributed.collective_timeout_s); a peer rank died or stalled")
+
+    def _fire(self) -> None:
+        sys.stderr.write(self.message() + "\n")
+        sys.stderr.flush()
+        os._exit(EXIT_TIMEOUT)
+
+    def __enter__(self) -> "Watchdog":
+        if self.timeout_s > 0:
+            self._timer = threading.Timer(self.timeout_s, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._timer is not None:
+            self._timer.cancel()
+        if exc_type is not None and issubclass(exc_type, RuntimeError):
+            raise UserError(f"rank {self.rank}: {self.what} {self.where} failed: {exc}") from None
+        return False
+
+
+def bucket_bounds(n_elements: int, itemsize: int = 4, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
+    """``[start, stop)`` element ranges of consecutive flat buckets of at most ``bucket_bytes``.
+
+    Raises:
+        ValueError: a bucket smaller than one element.
+    """
+    per = bucket_bytes // itemsize
+    if per < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} holds no element of {itemsize} bytes")
+    return [(i, min(i + per, n_elements)) for i in range(0, n_elements, per)]
+
+
+@dataclass(frozen=True)
 class Group:
-    """A process group: ``rank`` in ``[0, size)`` and the MLX group (None at size 1)."""
+    """A process group: ``rank`` in ``[0, size)`` and the MLX group (None at size 1).
+
+    ``timeout_s`` arms a :class:`Watchdog` around each collective (0 = off);
+    the trainer sets it from ``distributed.collective_timeout_s``.
+    """
 
     rank: int = 0
     size: int = 1
     backend: str = "none"
     mlx_group: Any = None
+    timeout_s: float = 0.0
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def all_sum_tree(self, tree: dict) -> dict:
+    def watch(self, what: str, step: Optional[int]) -> Watchdog:
+        return Watchdog(self.rank, what, step, self.timeout_s)
+
+    def all_sum_tree(self, tree: dict, step: Optional[int], what: str = "all_sum of LoRA gradients",
+                     bucket_bytes: int = BUCKET_BYTES) -> dict:
         """Sum a tree of arrays over all ranks, in flat float32 buckets.
 
-        Arrays are flattened and concatenated into buckets of at most
-        ``BUCKET_BYTES`` (one ``mx.distributed.all_sum`` per bucket, not per
-        tensor) and split back. The result keeps each leaf's shape and dtype.
+        All leaves are flattened into one float32 vector, which is summed in
+        consecutive slices of at most ``bucket_bytes`` (one
+        ``mx.distributed.all_sum`` per slice; a large leaf spans several) and
+        split back. The result is evaluated and keeps each leaf's shape and dtype.
+
+        Raises:
+            UserError: MLX reported a lost peer during the collective.
         """
         if self.size == 1:
             return tree
         leaves = tree_flatten(tree)
-        out, bucket, used = [], [], 0
+        flat = mx.concatenate([v.astype(mx.float32).reshape(-1) for _, v in leaves])  # (sum of sizes,)
+        bounds = bucket_bounds(flat.size, 4, bucket_bytes)
+        with self.watch(f"{what} ({len(bounds)} bucket(s))", step):
+            parts = [mx.distributed.all_sum(flat[a:b], group=self.mlx_group) for a, b in bounds]
+            mx.eval(parts)
+        summed = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        out, start = [], 0
         for name, value in leaves:
-            nbytes = value.size * 4
-            if bucket and used + nbytes > BUCKET_BYTES:
-                out.extend(self._reduce_bucket(bucket))
-                bucket, used = [], 0
-            bucket.append((name, value))
-            used += nbytes
-        if bucket:
-            out.extend(self._reduce_bucket(bucket))
-        return tree_unflatten(out)
+            out.append((name, summed[start : start + value.size].reshape(value.shape).astype(value.dtype)))
+            start += value.size
+        out = tree_unflatten(out)
+        mx.eval(out)
+        return out
 
-    def _reduce_bucket(self, bucket: list) -> list:
-        flat = mx.concatenate([v.astype(mx.float32).reshape(-1) for _, v in bucket])
-        summed = mx.distributed.all_sum(flat, group=self.mlx_group)
-        result, start = [], 0
-        for name, value in bucket:
-            n = value.size
-            result.append((name, summed[start : start + n].reshape(value.shape).astype(value.dtype)))
-            start += n
-        return result
-
-    def all_sum_scalars(self, values: dict) -> dict:
-        """Sum a dict of scalars over all ranks in one collective; returns floats."""
+    def all_sum_scalars(self, values: Mapping[str, float], step: Optional[int], what: str = "all_sum of metrics") -> dict:
+        """Sum a dict of scalars over all ranks in one float32 collective; returns floats."""
         keys = sorted(values)
         vec = mx.array([float(values[k]) for k in keys], dtype=mx.float32)
         if self.size > 1:
-            vec = mx.distributed.all_sum(vec, group=self.mlx_group)
+            with self.watch(what, step):
+                vec = mx.distributed.all_sum(vec, group=self.mlx_group)
+                mx.eval(vec)
         return dict(zip(keys, np.array(vec).tolist()))
 
-    def all_gather_text(self, text: str) -> list[str]:
+    def all_gather_text(self, text: str, step: Optional[int], what: str = "all_gather of text") -> list[str]:
         """Every rank's ``text`` (UTF-8, any length), in rank order."""
         if self.size == 1:
             return [text]
         data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-        n = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=self.mlx_group)
-        longest = int(np.array(n).max())
-        padded = np.zeros(longest, np.uint8)
-        padded[: data.size] = data
-        got = np.array(mx.distributed.all_gather(mx.array(padded.astype(np.int32)), group=self.mlx_group))
-        got = got.reshape(self.size, longest)
-        return [bytes(got[r, : int(np.array(n)[r])].astype(np.uint8)).decode("utf-8") for r in range(self.size)]
+        with self.watch(what, step):
+            n = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=self.mlx_group)
+            lengths = np.array(n)  # (size,)
+            padded = np.zeros(int(lengths.max()), np.int32)
+            padded[: data.size] = data
+            got = np.array(mx.distributed.all_gather(mx.array(padded), group=self.mlx_group))
+        got = got.reshape(self.size, -1)
+        return [bytes(got[r, : int(lengths[r])].astype(np.uint8)).decode("utf-8") for r in range(self.size)]
 
 
-def init_group(backend: str = "any") -> Group:
+def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
+    """The backend and world size a launcher announced in ``env``, or ``(None, 1)``.
+
+    mlx.launch's ring sets ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON list of one
+    address list per rank; empty for one rank); its JACCL sets
+    ``MLX_JACCL_COORDINATOR`` or ``MLX_IBV_DEVICES``; OpenMPI's ``mpirun`` sets
+    ``OMPI_COMM_WORLD_SIZE`` (MPICH/Hydra: ``PMI_SIZE``). A size of 0 means
+    "set by a launcher, size not known here".
+    """
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi", int(env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or 0)
+    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
+        return "jaccl", 0
+    if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
+        try:
+            with open(env["MLX_HOSTFILE"], encoding="utf-8") as f:
+                return "ring", len(json.loads(f.read() or "[]")) or 1
+        except (OSError, ValueError):
+            return "ring", 0
+    return None, 1
+
+
+def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mapping[str, str]] = None) -> Group:
     """Join the process group the launcher set up, or a group of one.
 
-    Uses ``mx.distributed.init(backend=...)``; a process started without a
-    launcher gets world size 1 with no setup at all.
+    With ``backend="any"`` the backend is read from the launcher's environment
+    (:func:`launcher_backend`) rather than left to MLX's own order, which would
+    try MPI first and could hand every ring rank a separate group of one.
+    Without a launcher (and ``any``) no distributed setup happens at all.
 
+    Args:
+        backend: ``any | ring | jaccl | mpi | nccl``, or ``none`` for world size 1.
+        timeout_s: watchdog for ``mx.distributed.init`` itself (0 = off).
+        env: the environment to read (default ``os.environ``).
     Raises:
-        UserError: the backend was asked for explicitly but is not available.
+        UserError: the backend could not start, or the group is smaller than
+            the launcher announced.
     """
-    if backend == "none":
+    env = os.environ if env is None else env
+    found, expected = launcher_backend(env)
+    if backend == "none" or (backend == "any" and found is None):
         return Group()
+    name = found if backend == "any" else backend
+    rank = int(env.get("MLX_RANK") or env.get("OMPI_COMM_WORLD_RANK") or 0)
     try:
-        g = mx.distributed.init(strict=backend != "any", backend=backend)
-    except Exception as err:  # MLX raises RuntimeError/ValueError with its own text
-        raise UserError(f"distributed backend '{backend}' could not start: {err}") from None
+        with Watchdog(rank, f"joining the '{name}' group", None, timeout_s):
+            g = mx.distributed.init(strict=True, backend=name)
+    except ValueError as err:  # an unknown backend name; RuntimeError becomes UserError above
+        raise UserError(f"distributed backend '{name}' could not start: {err}") from None
+    if expected > 1 and g.size() != expected:
+        raise UserError(f"distributed backend '{name}' formed a group of {g.size()} rank(s); the launcher started {expected}")
     if g.size() == 1:
-        return Group()
-    return Group(rank=g.rank(), size=g.size(), backend=backend, mlx_group=g)
+        return Group(timeout_s=timeout_s)
+    return Group(rank=g.rank(), size=g.size(), backend=name, mlx_group=g, timeout_s=timeout_s)
 
 
 def fingerprint(obj: Any) -> str:
     """A short sha256 of a JSON-able object (for the start-up handshake)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _odd_ranks(values: list) -> list[int]:
+    return [r for r, v in enumerate(values) if v != values[0]]
 
 
 def handshake(group: Group, facts: dict) -> None:
@@ -124,19 +244,18 @@ def handshake(group: Group, facts: dict) -> None:
     if group.size == 1:
         return
     mine = {k: fingerprint(v) for k, v in facts.items()}
-    everyone = [json.loads(t) for t in group.all_gather_text(json.dumps(mine, sort_keys=True))]
+    everyone = [json.loads(t) for t in group.all_gather_text(json.dumps(mine, sort_keys=True), None, "start-up handshake")]
     problems = []
-    for key in sorted(mine):
-        seen = [e.get(key) for e in everyone]
-        if len(set(seen)) > 1:
-            odd = [r for r, v in enumerate(seen) if v != seen[0]]
+    for key in sorted(set().union(*everyone)):
+        odd = _odd_ranks([e.get(key) for e in everyone])
+        if odd:
             problems.append(f"{key} differs on rank(s) {', '.join(map(str, odd))} from rank 0")
     if problems:
         raise UserError("ranks disagree before training: " + "; ".join(problems))
 
 
 def weights_checksum(tree: dict) -> float:
-    """A float64 checksum of the LoRA weights, for cross-rank drift checks."""
+    """A float64 checksum of the LoRA weights (position-weighted sum), for drift checks."""
     total = 0.0
     for i, (_, v) in enumerate(tree_flatten(tree)):
         total += float(np.array(v.astype(mx.float32), dtype=np.float64).sum()) * (i + 1)
@@ -144,18 +263,15 @@ def weights_checksum(tree: dict) -> float:
 
 
 def check_in_sync(group: Group, tree: dict, step: int) -> None:
-    """Compare the weight checksum across ranks.
+    """Compare the LoRA weight checksum across ranks after ``step``.
 
     Raises:
-        UserError: the ranks' LoRA weights drifted apart.
+        UserError: on every rank, when the ranks' LoRA weights drifted apart.
     """
     if group.size == 1:
         return
-    c = weights_checksum(tree)
-    values = group.all_gather_text(repr(c))
-    if len(set(values)) > 1:
-        raise UserError(f"step {step}: LoRA weights differ between ranks (checksums {', '.join(values)})")
-
-
-def optional_group(group: Optional[Group]) -> Group:
-    return group if group is not None else Group()
+    values = group.all_gather_text(repr(weights_checksum(tree)), step, "LoRA weight sync check")
+    odd = _odd_ranks(values)
+    if odd:
+        raise UserError(f"step {step}: LoRA weights on rank(s) {', '.join(map(str, odd))} differ from rank 0 "
+                        f"(checksums {', '.join(values)}); the ranks drifted apart")

@@ -11,7 +11,7 @@ of ``schedule.learning_rate(step)``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -84,13 +84,13 @@ METRIC_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum",
                "logps_rejected_sum", "accuracy_sum", "pairs", "nll_tokens", "input_tokens", "fallback_pairs")
 
 
-def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group) -> dict:
+def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group, step: int) -> dict:
     """``eval/`` metrics over held-out ``pairs``, each rank taking its shard."""
     model.eval()
     norm = global_norm(pairs, cfg.orpo.nll_scope)
     mine = sampler.rank_shard(pairs, group.rank, group.size)
     sums, _ = run_micro_batches(engine, mine, norm, cfg.train.micro_batch_pairs, with_grads=False)
-    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS})
+    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS}, step, "all_sum of eval metrics")
     model.train()
     return finalize_metrics(sums, cfg.orpo.lam, prefix="eval/")
 
@@ -106,8 +106,8 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
     sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
     if grads is None:  # this rank got no pairs this step: contribute zeros
         grads = tree_map(mx.zeros_like, model.trainable_parameters())
-    grads = group.all_sum_tree(grads)
-    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS})
+    grads = group.all_sum_tree(grads, step)
+    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS}, step)
     if t.grad_clip > 0:
         grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
     else:
@@ -145,7 +145,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     Raises:
         UserError: bad model, data or config; too many non-finite steps.
     """
-    group = group or Group()
+    group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # collective watchdog
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
@@ -178,7 +178,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}")
         if valid:
-            result.evals[0] = evaluate(engine, model, valid, cfg, group)
+            result.evals[0] = evaluate(engine, model, valid, cfg, group, 0)
             log.scalars(0, result.evals[0])
         skipped_in_row = 0
         for step in range(1, t.steps + 1):
@@ -198,13 +198,13 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             if cfg.distributed.check_sync_every and step % cfg.distributed.check_sync_every == 0:
                 check_in_sync(group, model.trainable_parameters(), step)
             if valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                result.evals[step] = evaluate(engine, model, valid, cfg, group)
+                result.evals[step] = evaluate(engine, model, valid, cfg, group, step)
                 log.scalars(step, result.evals[step])
             if group.is_main and t.save_every and step % t.save_every == 0 and step != t.steps:
                 save_adapter(model, cfg.lora, out / "checkpoints" / f"step-{step:07d}", extra)
                 _prune_checkpoints(out / "checkpoints", t.keep_last)
         if valid:
-            result.evals[t.steps] = evaluate(engine, model, valid, cfg, group)
+            result.evals[t.steps] = evaluate(engine, model, valid, cfg, group, t.steps)
             log.scalars(t.steps, result.evals[t.steps])
         if group.is_main:
             result.adapter_dir = save_adapter(model, cfg.lora, out / "adapters", extra)
