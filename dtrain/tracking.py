@@ -36,16 +36,21 @@ class RunLogger:
         run_dir: TensorBoard directory of this run (None disables writing).
         total_steps: for the progress bar.
         progress: show a tqdm bar on stderr.
+        first_step: steps already done (a resumed run).
+        purge_step: on resume, the first step this run will log.
     """
 
-    def __init__(self, run_dir: Optional[Path], total_steps: int, progress: bool = True, first_step: int = 0):
+    def __init__(self, run_dir: Optional[Path], total_steps: int, progress: bool = True, first_step: int = 0,
+                 purge_step: Optional[int] = None):
         self.run_dir = run_dir
         self.writer = None
         self.bar = None
         if run_dir is not None:
             from tensorboardX import SummaryWriter
 
-            self.writer = SummaryWriter(logdir=str(run_dir), flush_secs=10)
+            # purge_step: TensorBoard drops events at or after this step from
+            # earlier files of the folder (a resumed run overwrites, never duplicates)
+            self.writer = SummaryWriter(logdir=str(run_dir), flush_secs=10, purge_step=purge_step)
             if progress:
                 from tqdm import tqdm
 
@@ -106,7 +111,9 @@ def read_scalars(run_dir: Path) -> dict:
     """Scalars from the event files in ``run_dir``: tag -> [(step, value)].
 
     Reads the TFRecord framing (u64 length, u32 crc, payload, u32 crc) and
-    parses each payload with tensorboardX's ``Event`` protobuf.
+    parses each payload with tensorboardX's ``Event`` protobuf. Like
+    TensorBoard, a ``SessionLog.START`` event at step ``s`` (written with
+    ``purge_step``) discards values logged earlier at steps ``>= s``.
     """
     import struct
 
@@ -121,6 +128,8 @@ def read_scalars(run_dir: Path) -> dict:
             payload = data[pos + 12 : pos + 12 + length]
             pos += 12 + length + 4
             event = Event.FromString(payload)
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                out = {tag: [(s, v) for s, v in vals if s < event.step] for tag, vals in out.items()}
             for v in event.summary.value:
                 if v.HasField("simple_value"):
                     out.setdefault(v.tag, []).append((event.step, v.simple_value))

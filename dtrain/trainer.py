@@ -10,6 +10,9 @@ of ``schedule.learning_rate(step)``.
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,6 +22,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
+from . import checkpoint as ckpt
 from . import sampler
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
@@ -41,6 +45,7 @@ class TrainResult:
     adapter_dir: Optional[Path] = None
     run_dir: Optional[Path] = None
     skipped_steps: int = 0
+    stopped: bool = False  # stopped early by a signal (checkpoint saved)
 
 
 def nll_token_count(pair: TokenizedPair, nll_scope: str) -> int:
@@ -95,11 +100,17 @@ def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Grou
     return finalize_metrics(sums, cfg.orpo.lam, prefix="eval/")
 
 
-def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: Group):
-    """One optimizer step. Returns ``(metrics, applied)``; ``applied`` is False
-    when the loss or gradients were not finite and the update was skipped."""
+def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: Group, stop_requested: bool = False):
+    """One optimizer step.
+
+    Returns ``(metrics, applied, stop)``: ``applied`` is False when the loss or
+    gradients were not finite and the update was skipped (the same decision on
+    every rank, since both are all-reduced); ``stop`` is True on every rank when
+    any rank asked to stop (signal), agreed through the same all-reduce.
+    """
     t = cfg.train
     start = time.perf_counter()
+    mx.random.seed(step_seed(t.seed, step))  # dropout etc.: a pure function of the step
     batch = [train_pairs[i] for _, i in sampler.global_batch(step, len(train_pairs), t.global_batch_pairs, t.seed)]
     norm = global_norm(batch, cfg.orpo.nll_scope)
     mine = sampler.rank_shard(batch, group.rank, group.size)
@@ -107,7 +118,7 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
     if grads is None:  # this rank got no pairs this step: contribute zeros
         grads = tree_map(mx.zeros_like, model.trainable_parameters())
     grads = group.all_sum_tree(grads, step)
-    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS}, step)
+    sums = group.all_sum_scalars({**{k: sums.get(k, 0.0) for k in METRIC_KEYS}, "stop": float(stop_requested)}, step)
     if t.grad_clip > 0:
         grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
     else:
@@ -129,7 +140,12 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
         "peak_memory_gb": peak_memory_gb(),
         "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
     })
-    return metrics, finite
+    return metrics, finite, sums["stop"] > 0
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The RNG seed of an optimizer step, so a resumed run draws the same numbers."""
+    return (seed * 1_000_003 + step) % (2**63)
 
 
 def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> TrainResult:
@@ -143,9 +159,10 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         dataset: already tokenized pairs (``dtrain.data.Dataset``); built from
             ``cfg.data`` when None.
     Raises:
-        UserError: bad model, data or config; too many non-finite steps.
+        UserError: bad model, data or config; an unusable output folder or
+            checkpoint; too many non-finite steps in a row.
     """
-    group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # collective watchdog
+    group = group or Group()
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
@@ -162,63 +179,147 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     apply_lora(model, cfg.lora)
     model.train()
     engine = make_engine(cfg, model)
-    lora_shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
+    lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     resolved = to_dict(cfg)
-    handshake(group, {"config": resolved, "data": dataset.fingerprint, "model": loaded.identity, "lora shapes": lora_shapes})
+    identity = {"model": loaded.identity, "data": dataset.fingerprint, "lora shapes": lora_shapes}
+    handshake(group, {"config": resolved, **identity})
 
     out = Path(t.output_dir)
-    run_dir = new_run_dir(out / "tb") if group.is_main else None
-    log = RunLogger(run_dir, t.steps, progress=t.progress)
-    result = TrainResult(steps=t.steps, run_dir=run_dir)
+    ckpt_root = out / "checkpoints"
+    _main_rank_check(group, lambda: ckpt.check_output_dir(out, ckpt.estimate_bytes(model)))
     optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay)
+    optimizer.init(model.trainable_parameters())
+    start_step, skipped, run_dir = 1, 0, None
+    resume_from = _resume_path(t.resume, ckpt_root, group)
+    if resume_from is not None:
+        saved = ckpt.load_checkpoint(resume_from)
+        ckpt.check_compatible(saved, identity, t.global_batch_pairs)
+        ckpt.restore(saved, model, optimizer)
+        start_step, skipped = saved.state["step"] + 1, saved.state["skipped_steps"]
+        run_dir = Path(saved.state["tensorboard_dir"]) if saved.state.get("tensorboard_dir") else None
+    if group.is_main and (run_dir is None or not run_dir.is_dir()):
+        run_dir = new_run_dir(out / "tb")
+    log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress,
+                    first_step=start_step - 1, purge_step=start_step if resume_from else None)
+    result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=skipped)
     valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
     extra = {"base_model": loaded.source}
+    stop = StopRequest()
+
+    def save(step: int) -> None:
+        if group.is_main:
+            state = {"skipped_steps": result.skipped_steps, "rng": {"seed": t.seed, "per_step": "step_seed(seed, step)"},
+                     "data": data_position(step, len(dataset.train), t.global_batch_pairs, t.seed),
+                     "tensorboard_dir": str(run_dir), "world_size": group.size,
+                     "global_batch_pairs": t.global_batch_pairs, "identity": identity}
+            ckpt.save_checkpoint(ckpt_root, step, model, optimizer, cfg.lora, state, resolved)
+            ckpt.prune(ckpt_root, max(t.keep_last, 1))
+
     try:
+        stop.install()
         log.config(resolved)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
-                    f"world size {group.size}; engine {engine.name}")
-        if valid:
+                    f"world size {group.size}; engine {engine.name}"
+                    + (f"; resumed from {resume_from} at step {start_step}" if resume_from else ""))
+        if valid and resume_from is None:
             result.evals[0] = evaluate(engine, model, valid, cfg, group, 0)
             log.scalars(0, result.evals[0])
         skipped_in_row = 0
-        for step in range(1, t.steps + 1):
-            metrics, applied = train_step(step, engine, model, optimizer, dataset.train, cfg, group)
+        step = start_step - 1
+        for step in range(start_step, t.steps + 1):
+            metrics, applied, stopping = train_step(step, engine, model, optimizer, dataset.train, cfg, group, stop.requested)
             if not applied:
                 result.skipped_steps += 1
                 skipped_in_row += 1
                 log.message(f"step {step}: non-finite loss or gradient, update skipped")
-                if skipped_in_row >= t.max_skipped_steps:
-                    raise UserError(f"step {step}: {skipped_in_row} non-finite steps in a row; stopping")
             else:
                 skipped_in_row = 0
             metrics["skipped_steps"] = float(result.skipped_steps)
             result.history.append(metrics)
             log.scalars(step, metrics)
             log.progress(step, metrics)
+            if skipped_in_row >= t.max_skipped_steps:
+                save(step)
+                batch = sampler.global_batch(step, len(dataset.train), t.global_batch_pairs, t.seed)
+                sources = ", ".join(dataset.train[i].source or str(i) for _, i in batch[:8])
+                raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
+                                f"(last batch: {sources}); saved a checkpoint and stopped")
+            if stopping:
+                save(step)
+                log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
+                result.steps = step
+                result.stopped = True
+                return result
             if cfg.distributed.check_sync_every and step % cfg.distributed.check_sync_every == 0:
                 check_in_sync(group, model.trainable_parameters(), step)
             if valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
                 result.evals[step] = evaluate(engine, model, valid, cfg, group, step)
                 log.scalars(step, result.evals[step])
-            if group.is_main and t.save_every and step % t.save_every == 0 and step != t.steps:
-                save_adapter(model, cfg.lora, out / "checkpoints" / f"step-{step:07d}", extra)
-                _prune_checkpoints(out / "checkpoints", t.keep_last)
+            if t.save_every and step % t.save_every == 0 and step != t.steps:
+                save(step)
         if valid:
             result.evals[t.steps] = evaluate(engine, model, valid, cfg, group, t.steps)
             log.scalars(t.steps, result.evals[t.steps])
+        save(t.steps)
         if group.is_main:
             result.adapter_dir = save_adapter(model, cfg.lora, out / "adapters", extra)
             final = {**(result.history[-1] if result.history else {}), **result.evals.get(t.steps, {})}
             log.hparams(resolved, final)
             log.message(f"adapter written to {result.adapter_dir}")
     finally:
+        stop.uninstall()
         log.close()
     return result
 
 
-def _prune_checkpoints(root: Path, keep: int) -> None:
-    import shutil
+def data_position(step: int, n_pairs: int, global_batch_pairs: int, seed: int) -> dict:
+    """Where the global pair stream stands after ``step``: epoch, cursor, seed."""
+    epoch, cursor = divmod(step * global_batch_pairs, n_pairs)
+    return {"epoch": epoch, "cursor": cursor, "shuffle_seed": seed}
 
-    done = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for p in done[: max(len(done) - keep, 0)]:
-        shutil.rmtree(p, ignore_errors=True)
+
+def _resume_path(resume: Optional[str], root: Path, group: Group) -> Optional[Path]:
+    if resume is None:
+        return None
+    if resume == "auto":
+        return ckpt.find_latest(root, report=lambda m: print(m, file=sys.stderr) if group.is_main else None)
+    return Path(resume)
+
+
+def _main_rank_check(group: Group, check) -> None:
+    """Run ``check`` on rank 0; every rank raises when it failed there."""
+    message = ""
+    if group.is_main:
+        try:
+            check()
+        except UserError as err:
+            message = str(err)
+    failed = group.all_sum_scalars({"failed": float(bool(message))}, None, "all_sum of the output-folder check")["failed"] > 0
+    if message:
+        raise UserError(message)
+    if failed:
+        raise UserError("rank 0 could not prepare the output folder; see its message")
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set ``requested``; the loop stops at the next step boundary.
+
+    Handlers are installed only in the main thread and restored on exit.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def _handle(self, signum, _frame):
+        self.requested = True
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
