@@ -1,0 +1,150 @@
+"""Read and validate a hostfile in ``mlx.launch``'s JSON format, before anything starts.
+
+Two shapes are accepted, as ``mlx._distributed_utils.common.Hostfile.from_file``
+reads them::
+
+    [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
+
+    {"backend": "jaccl", "envs": ["KEY=VALUE"],
+     "hosts": [{"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [null, "rdma_en2"]},
+               {"ssh": "mac2", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", null]}]}
+
+mlx.launch accepts unknown keys silently and fails late (or hangs) on a bad
+file; here every problem is one :class:`LaunchError` line naming the host.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .errors import UserError
+
+BACKENDS = ("ring", "jaccl", "mpi", "nccl")
+TOP_KEYS = ("backend", "envs", "hosts")
+HOST_KEYS = ("ssh", "ips", "rdma")
+_ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)
+
+
+class LaunchError(UserError):
+    """A launcher input (hostfile, options) that cannot work."""
+
+
+@dataclass
+class Host:
+    """One machine: ``ssh`` name, ``ips`` for ring/NCCL/JACCL traffic, ``rdma`` devices (JACCL)."""
+
+    ssh: str
+    ips: list = field(default_factory=list)
+    rdma: list = field(default_factory=list)
+
+
+@dataclass
+class Hostfile:
+    hosts: list
+    backend: Optional[str] = None
+    envs: list = field(default_factory=list)
+
+
+def _is_ip(text) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _host(i: int, raw, where: str) -> Host:
+    if not isinstance(raw, dict):
+        raise LaunchError(f"{where}: host {i} must be an object like {{\"ssh\": \"mac1\", \"ips\": [\"10.0.0.1\"]}}, got {raw!r}")
+    unknown = sorted(set(raw) - set(HOST_KEYS))
+    if unknown:
+        raise LaunchError(f"{where}: host {i}: unknown key(s) {', '.join(map(repr, unknown))} (known: {', '.join(HOST_KEYS)})")
+    ssh = raw.get("ssh")
+    if not isinstance(ssh, str) or not ssh.strip():
+        raise LaunchError(f"{where}: host {i}: 'ssh' must be a non-empty host name, got {ssh!r}")
+    ips = raw.get("ips", [])
+    if not isinstance(ips, list):
+        raise LaunchError(f"{where}: host {i} ({ssh}): 'ips' must be a list of IP addresses, got {ips!r}")
+    for ip in ips:
+        if not _is_ip(ip):
+            raise LaunchError(f"{where}: host {i} ({ssh}): {ip!r} in 'ips' is not an IP address (use e.g. 192.168.1.2, not a host name)")
+    rdma = raw.get("rdma", [])
+    if not isinstance(rdma, list):
+        raise LaunchError(f"{where}: host {i} ({ssh}): 'rdma' must be a list with one device (or null) per host, got {rdma!r}")
+    return Host(ssh, list(ips), list(rdma))
+
+
+def parse_hostfile(data, where: str = "hostfile") -> Hostfile:
+    """Validate decoded hostfile JSON (structure, keys, addresses, duplicates).
+
+    Raises:
+        LaunchError: one line naming the file, the host and the problem.
+    """
+    backend, envs = None, []
+    if isinstance(data, dict):
+        unknown = sorted(set(data) - set(TOP_KEYS))
+        if unknown:
+            raise LaunchError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} (known: {', '.join(TOP_KEYS)})")
+        if "hosts" not in data:
+            raise LaunchError(f"{where}: missing 'hosts' (a list of {{\"ssh\": ..., \"ips\": [...]}})")
+        backend, envs, data = data.get("backend") or None, data.get("envs", []), data["hosts"]
+        if backend is not None and backend not in BACKENDS:
+            raise LaunchError(f"{where}: backend {backend!r} must be one of {', '.join(BACKENDS)}")
+        if not isinstance(envs, list) or not all(isinstance(e, str) and _ENV.fullmatch(e) for e in envs):
+            raise LaunchError(f"{where}: 'envs' must be a list of \"NAME=VALUE\" strings, got {envs!r}")
+    if not isinstance(data, list) or not data:
+        raise LaunchError(f"{where}: expected a non-empty list of hosts, got {data!r}")
+    hosts = [_host(i, raw, where) for i, raw in enumerate(data)]
+    seen: dict = {}
+    for i, h in enumerate(hosts):
+        for key in [("ssh", h.ssh)] + [("ip", ip) for ip in h.ips]:
+            if key in seen:
+                raise LaunchError(f"{where}: host {i} repeats {key[0]} {key[1]!r} of host {seen[key]}; list each machine once")
+            seen[key] = i
+    return Hostfile(hosts, backend, list(envs))
+
+
+def load_hostfile(path: str) -> Hostfile:
+    """Read and validate ``path`` (see :func:`parse_hostfile`).
+
+    Raises:
+        LaunchError: missing file, invalid JSON, or any structural problem.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise LaunchError(f"{path}: hostfile not found")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LaunchError(f"{path}: not valid JSON ({err})") from None
+    return parse_hostfile(data, path)
+
+
+def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
+    """The per-backend rules: ring needs IPs on every host, NCCL/JACCL an IP on
+    host 0 (the coordinator), JACCL one ``rdma`` entry per host with null for itself.
+
+    Raises:
+        LaunchError: naming the first host that breaks a rule.
+    """
+    hosts = hf.hosts
+    if backend == "ring":
+        for i, h in enumerate(hosts):
+            if not h.ips:
+                raise LaunchError(f"{where}: host {i} ({h.ssh}) has no 'ips'; the ring backend connects to IP addresses")
+    if backend in ("jaccl", "nccl") and not hosts[0].ips:
+        raise LaunchError(f"{where}: host 0 ({hosts[0].ssh}) needs 'ips': the {backend} coordinator must be reachable by IP")
+    if backend == "jaccl":
+        for i, h in enumerate(hosts):
+            if len(h.rdma) != len(hosts):
+                raise LaunchError(f"{where}: host {i} ({h.ssh}): 'rdma' lists {len(h.rdma)} devices; jaccl needs one per host ({len(hosts)}), null for itself")
+            if h.rdma[i] is not None:
+                raise LaunchError(f"{where}: host {i} ({h.ssh}): rdma[{i}] must be null (a host has no RDMA link to itself)")
+            missing = [j for j, d in enumerate(h.rdma) if j != i and d is None]
+            if missing:
+                raise LaunchError(f"{where}: host {i} ({h.ssh}) has no RDMA device to host(s) {', '.join(map(str, missing))}")

@@ -1,0 +1,71 @@
+"""A tiny real job for tests that run ``./launch`` as a subprocess.
+
+``make_job(tmp)`` writes a random 2-layer llama (mlx-lm folder: weights,
+``config.json``, tokenizer files) and a YAML config that trains it on 16 demo
+pairs for 2 steps; a run takes a few seconds on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import make_tiny_model, make_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "launch"
+
+MODEL_CONFIG = dict(
+    model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, rope_theta=10000.0, tie_word_embeddings=True,
+)
+
+
+def make_model_folder(path: Path) -> Path:
+    """Save a tiny random llama and the test tokenizer as an mlx-lm model folder."""
+    from mlx_lm.utils import save_config, save_model
+
+    path.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_model(num_hidden_layers=MODEL_CONFIG["num_hidden_layers"])
+    save_model(path, model)
+    save_config(dict(MODEL_CONFIG), config_path=path / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(str(path))
+    return path
+
+
+def make_job(tmp: Path, steps: int = 2, global_batch_pairs: int = 4) -> Path:
+    """Write the tiny model and a config training it; returns the config path."""
+    model = make_model_folder(tmp / "model")
+    config = tmp / "job.yaml"
+    config.write_text(
+        f"model: {{path: {model}, dtype: float32}}\n"
+        "lora: {rank: 2}\n"
+        "data: {demo_pairs: 16, max_length: 64, max_prompt_length: 32}\n"
+        f"train: {{steps: {steps}, global_batch_pairs: {global_batch_pairs}, micro_batch_pairs: 4,"
+        f" learning_rate: 1.0e-2, output_dir: {tmp / 'run'}, progress: false}}\n"
+    )
+    return config
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (the base of a ring's ports)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(*args, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``./launch ARGS`` with this interpreter; text output captured."""
+    return subprocess.run(
+        [sys.executable, str(LAUNCH), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env={**os.environ, **(env or {})},
+    )
+
+
+def write_hostfile(path: Path, data) -> Path:
+    path.write_text(json.dumps(data))
+    return path
