@@ -66,6 +66,15 @@ def auto_segment_layers(n_layers: int, boundary_bytes: float, layer_bytes: float
     return max(fitting) if fitting else min(range(1, n_layers + 1), key=peak)
 
 
+def _set_params(layers: list, names: list, params: list) -> None:
+    """Put the flat ``params`` (in ``names`` order, layer by layer) into ``layers``."""
+    i = 0
+    for layer, keys in zip(layers, names):
+        if keys:
+            layer.update(tree_unflatten(list(zip(keys, params[i : i + len(keys)]))))
+            i += len(keys)
+
+
 def _layer_paths(model: nn.Module, layers: list) -> list[str]:
     """Dotted parameter paths of ``layers`` inside ``model`` (e.g. ``model.layers.3``)."""
     by_id = {id(m): name for name, m in model.named_modules()}
@@ -147,11 +156,8 @@ class SegmentedEngine:
         windows, call = self.arch.windows[lo:hi], self.arch.layer_call
 
         def run(h, params, masks, positions):
-            i = 0
-            for layer, keys, window in zip(layers, names, windows):
-                if keys:
-                    layer.update(tree_unflatten(list(zip(keys, params[i : i + len(keys)]))))
-                    i += len(keys)
+            _set_params(layers, names, params)
+            for layer, window in zip(layers, windows):
                 h = call(layer, h, masks[window], positions)  # (S, L, D)
             return h
 
@@ -163,13 +169,6 @@ class SegmentedEngine:
             flat = dict(tree_flatten(layer.trainable_parameters()))
             out.extend(flat[k] for k in keys)
         return out
-
-    def _set_params(self, lo: int, hi: int, params: list) -> None:
-        i = 0
-        for layer, keys in zip(self.arch.layers[lo:hi], self.param_names[lo:hi]):
-            if keys:
-                layer.update(tree_unflatten(list(zip(keys, params[i : i + len(keys)]))))
-                i += len(keys)
 
     # -- steps --------------------------------------------------------------
 
@@ -221,7 +220,7 @@ class SegmentedEngine:
                 _, pgrads = mx.vjp(lambda *p: run(h_in, list(p), masks, layout.positions), params, [dh])
                 dh = None
             mx.eval(dh, pgrads)
-            self._set_params(lo, hi, params)  # drop the traced copies from the modules
+            _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], params)  # drop the traced copies
             i = 0
             for path, keys in zip(self.paths[lo:hi], self.param_names[lo:hi]):
                 for k in keys:
