@@ -79,6 +79,22 @@ def make_tiny_model(module_name: str = "llama", seed: int = 0, **over):
     return model
 
 
+def make_pairs(n: int, seed: int = 0, vocab: int = 512):
+    """``n`` random TokenizedPairs with short prompts and responses ending in id 2."""
+    import numpy as np
+
+    from dtrain.types import TokenizedPair
+
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for i in range(n):
+        prompt = [1] + rng.integers(5, vocab, size=int(rng.integers(2, 6))).tolist()
+        chosen = rng.integers(5, vocab, size=int(rng.integers(1, 5))).tolist() + [2]
+        rejected = rng.integers(5, vocab, size=int(rng.integers(1, 5))).tolist() + [2]
+        pairs.append(TokenizedPair(prompt, chosen, rejected, f"gen:{i}"))
+    return pairs
+
+
 @pytest.fixture
 def tokenizer():
     return make_tokenizer()

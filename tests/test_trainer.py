@@ -8,23 +8,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from conftest import make_tiny_model
+from conftest import make_pairs, make_tiny_model
 from dtrain.config import load_config
 from dtrain.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from dtrain.tracking import read_scalars
 from dtrain.trainer import train
-from dtrain.types import TokenizedPair
-
-
-def make_pairs(n, seed=0):
-    rng = np.random.default_rng(seed)
-    pairs = []
-    for i in range(n):
-        prompt = [1] + rng.integers(5, 500, size=int(rng.integers(2, 6))).tolist()
-        chosen = rng.integers(5, 500, size=int(rng.integers(1, 5))).tolist() + [2]
-        rejected = rng.integers(5, 500, size=int(rng.integers(1, 5))).tolist() + [2]
-        pairs.append(TokenizedPair(prompt, chosen, rejected, f"gen:{i}"))
-    return pairs
 
 
 def run(tmp_path, *overrides, seed=0):

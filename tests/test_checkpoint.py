@@ -1,0 +1,162 @@
+"""Checkpoints and resume: SIGKILL/SIGINT then `resume: auto` equals an
+uninterrupted run bitwise; corrupt checkpoints are skipped; incompatible ones
+refused; TensorBoard continues without duplicated steps."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from dtrain import checkpoint as ckpt
+from dtrain.errors import UserError
+from dtrain.tracking import read_scalars
+
+WORKER = Path(__file__).resolve().parent / "train_worker.py"
+TIMING = {"tokens_per_second", "pairs_per_second", "peak_memory_gb"}
+
+
+def start(out, *overrides, delay=0.0):
+    env = {**os.environ, "WORKER_STEP_DELAY": str(delay)} if delay else dict(os.environ)
+    return subprocess.Popen([sys.executable, str(WORKER), str(out), *overrides], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(out, *overrides):
+    proc = start(out, *overrides)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return json.loads((Path(out) / "result-rank0.json").read_text())
+
+
+def wait_for(path: Path, proc, timeout=60.0):
+    end = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < end, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def adapters_equal(a, b):
+    wa, wb = mx.load(str(Path(a) / "adapters.safetensors")), mx.load(str(Path(b) / "adapters.safetensors"))
+    return wa.keys() == wb.keys() and all(mx.array_equal(wa[k], wb[k]).item() for k in wa)
+
+
+def untimed(history):
+    return [{k: v for k, v in h.items() if k not in TIMING} for h in history]
+
+
+ARGS = ("--train.steps", "8", "--train.save_every", "3", "--train.eval_every", "4")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole")
+    return out, finish(out, *ARGS)
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
+    whole_dir, whole = uninterrupted
+    proc = start(tmp_path, *ARGS, delay=0.3)
+    wait_for(tmp_path / "checkpoints" / "step-0000003" / "manifest.json", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "result-rank0.json").exists()
+    newest = ckpt.find_latest(tmp_path / "checkpoints")
+    resumed_from = int(newest.name.split("-")[1])
+    assert resumed_from in (3, 6)
+    resumed = finish(tmp_path, *ARGS, "--train.resume", "auto")
+    assert adapters_equal(resumed["adapter_dir"], whole["adapter_dir"])
+    # identical logged metrics from the first resumed step on
+    assert untimed(resumed["history"]) == untimed(whole["history"][resumed_from:])
+    assert resumed["evals"]["8"] == whole["evals"]["8"]
+    # TensorBoard: one run folder, every step exactly once, in order
+    scalars = read_scalars(Path(resumed["run_dir"]))
+    assert [s for s, _ in scalars["loss"]] == list(range(1, 9))
+    whole_loss = [v for _, v in read_scalars(Path(whole["run_dir"]))["loss"]]
+    assert [v for _, v in scalars["loss"]] == whole_loss
+
+
+def test_sigint_saves_at_step_boundary_and_resume_matches(tmp_path, uninterrupted):
+    _, whole = uninterrupted
+    proc = start(tmp_path, *ARGS, delay=0.3)
+    wait_for(tmp_path / "tb", proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    stopped = json.loads((tmp_path / "result-rank0.json").read_text())
+    assert stopped["stopped"] and stopped["steps"] < 8
+    assert ckpt.find_latest(tmp_path / "checkpoints").name == f"step-{stopped['steps']:07d}"
+    resumed = finish(tmp_path, *ARGS, "--train.resume", "auto")
+    assert adapters_equal(resumed["adapter_dir"], whole["adapter_dir"])
+
+
+def test_random_sigkills_always_leave_a_valid_checkpoint(tmp_path, uninterrupted):
+    """Kills at random moments, checkpoint writes included (save every step)."""
+    _, whole = uninterrupted
+    rng = random.Random(0)
+    kills = int(os.environ.get("DTRAIN_KILLS", "6"))  # the closing note reports a run with 20
+    for i in range(kills):
+        out = tmp_path / f"run{i}"
+        proc = start(out, *ARGS, "--train.save_every", "1", delay=0.05)
+        wait_for(out / "checkpoints" / "step-0000001" / "manifest.json", proc)
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert ckpt.find_latest(out / "checkpoints") is not None
+        resumed = finish(out, *ARGS, "--train.resume", "auto")
+        assert adapters_equal(resumed["adapter_dir"], whole["adapter_dir"]), f"kill {i}"
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
+    finish(tmp_path, "--train.steps", "6", "--train.save_every", "2", "--train.keep_last", "3")
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-0000002", "step-0000004", "step-0000006"]
+    weights = root / "step-0000006" / "adapters.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-7])
+    (root / "step-0000004" / "manifest.json").unlink()  # as if killed before the manifest
+    seen = []
+    assert ckpt.find_latest(root, report=seen.append).name == "step-0000002"
+    assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest" in seen[1]
+
+
+def test_incompatible_resume_is_refused(tmp_path):
+    finish(tmp_path, "--train.steps", "2")
+    for override, word in ((("--lora.rank", "4"), "lora shapes"), (("--train.global_batch_pairs", "4"), "global batch")):
+        proc = start(tmp_path, "--train.steps", "4", "--train.resume", "auto", *override)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and word in err and "Traceback" not in err, err
+
+
+def test_resume_path_must_be_a_valid_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        ckpt.load_checkpoint(tmp_path / "nope")
+    (tmp_path / "step-0000001").mkdir()
+    with pytest.raises(UserError, match="no manifest"):
+        ckpt.load_checkpoint(tmp_path / "step-0000001")
+
+
+def test_output_folder_checks(tmp_path):
+    with pytest.raises(UserError, match="MB free"):
+        ckpt.check_output_dir(tmp_path, need_bytes=10**18)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="not writable"):
+        ckpt.check_output_dir(blocker / "out", need_bytes=1)
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
+    proc = start(tmp_path, "--train.steps", "10", "--train.learning_rate", "1e38", "--train.max_skipped_steps", "3",
+                 "--train.grad_clip", "0")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "non-finite" in err and "gen:" in err and "Traceback" not in err, err
+    saved = ckpt.find_latest(tmp_path / "checkpoints")
+    state = json.loads((saved / "state.json").read_text())
+    assert state["skipped_steps"] == 3

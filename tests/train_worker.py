@@ -1,0 +1,65 @@
+"""A training process on a tiny random model, for tests that kill, resume or
+run several ranks: ``python tests/train_worker.py OUT_DIR [--section.key VALUE ...]``.
+
+Writes ``OUT_DIR/result-rank<R>.json`` (per-step metrics, eval metrics, adapter
+folder) when training ends; exits 2 with one line on a user error.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import make_pairs, make_tiny_model  # noqa: E402
+
+from dtrain.cli import split_overrides  # noqa: E402
+from dtrain.config import load_config  # noqa: E402
+from dtrain.distributed import init_group  # noqa: E402
+from dtrain.errors import UserError  # noqa: E402
+from dtrain import trainer  # noqa: E402
+from dtrain.trainer import train  # noqa: E402
+
+
+def slow_steps(seconds: float) -> None:
+    """Test harness only: make each optimizer step take ``seconds`` longer, so
+    a test can kill the process mid-run."""
+    step = trainer.train_step
+
+    def delayed(*args, **kwargs):
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    trainer.train_step = delayed
+
+
+def main(argv):
+    out = Path(argv[0])
+    if os.environ.get("WORKER_STEP_DELAY"):
+        slow_steps(float(os.environ["WORKER_STEP_DELAY"]))
+    overrides = [f"train.output_dir={out}", "data.demo_pairs=1", "train.progress=false", "lora.rank=2",
+                 "train.learning_rate=1e-2", *split_overrides(argv[1:])]
+    try:
+        cfg = load_config(None, overrides)
+        group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
+        pairs = make_pairs(24)
+        loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama")
+        dataset = SimpleNamespace(train=pairs[:20], valid=pairs[20:], fingerprint="tiny-pairs")
+        result = train(cfg, group=group, loaded=loaded, dataset=dataset)
+    except UserError as err:
+        print(f"dtrain: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    (out / f"result-rank{group.rank}.json").write_text(json.dumps({
+        "history": result.history, "evals": {str(k): v for k, v in result.evals.items()},
+        "adapter_dir": str(result.adapter_dir) if result.adapter_dir else None,
+        "run_dir": str(result.run_dir) if result.run_dir else None, "stopped": result.stopped,
+        "steps": result.steps, "skipped_steps": result.skipped_steps,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
