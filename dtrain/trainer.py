@@ -173,7 +173,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     if dataset is None:
         from .data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed)
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None)
     if not dataset.train:
         raise UserError("no training pairs left after loading and filtering the data")
     apply_lora(model, cfg.lora)
@@ -270,6 +270,10 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         stop.uninstall()
         log.close()
     return result
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def data_position(step: int, n_pairs: int, global_batch_pairs: int, seed: int) -> dict:

@@ -62,8 +62,8 @@ def test_on_bad_row_error_raises_before_training(tmp_path, tokenizer):
     path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + '{"prompt": "Q", "chosen": "a", "rejected": "a"}\n')
     with pytest.raises(DataError) as err:
         load_dataset(DataConfig(train=str(path), on_bad_row="error"), tokenizer, log=None)
-    assert str(err.value) == (f"bad rows (data.on_bad_row: error):\n1 of 5 rows skipped (bad rows):\n"
-                              f"  {path}:5: chosen and rejected are identical")
+    assert str(err.value) == (f"{path}:5: chosen and rejected are identical (1 bad row(s); data.on_bad_row is 'error')\n"
+                              f"1 of 5 rows skipped (bad rows):\n  {path}:5: chosen and rejected are identical")
 
 
 def test_no_usable_pairs_is_an_error(tmp_path, tokenizer):

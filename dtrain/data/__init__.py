@@ -111,7 +111,9 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     # rows_read was counted at load time; tokenize reports add only their entries.
     report = report.merge(dataclasses.replace(train_report.merge(valid_report), rows_read=0))
     if report.bad and cfg.on_bad_row == "error":
-        raise DataError(f"bad rows (data.on_bad_row: error):\n{BadRowReport(report.rows_read, report.bad).summary()}")
+        first, why = report.bad[0]
+        raise DataError(f"{first}: {why} ({len(report.bad)} bad row(s); data.on_bad_row is 'error')\n"
+                        f"{BadRowReport(report.rows_read, report.bad).summary()}")
     if (report.bad or report.dropped or report.truncated) and log is not None:
         log(report.summary())
     if not train:

@@ -99,6 +99,11 @@ class BadRowReport:
         return "\n".join(lines)
 
 
+# A JSONL line longer than this is reported instead of parsed and tokenized:
+# ~500k tokens, far past any max_length, and slow to tokenize.
+MAX_LINE_CHARS = 2_000_000
+
+
 class BadRow(Exception):
     """Raised inside row parsing; caught and recorded with the row's source."""
 
@@ -133,6 +138,9 @@ def read_objects(path: str) -> list:
     out = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
+            continue
+        if len(line) > MAX_LINE_CHARS:
+            out.append((f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")))
             continue
         try:
             out.append((f"{path}:{n}", json.loads(line)))

@@ -1,0 +1,137 @@
+"""A corpus of bad inputs through `dtrain train`: each gives one clear message
+naming the file, line or key, exits with status 2, never prints a traceback,
+and leaves no output behind."""
+
+import json
+
+import pytest
+
+from dtrain.cli import main
+from fixtures_launch import make_model_folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_folder(tmp_path_factory.mktemp("model"))
+
+
+GOOD = {"prompt": "What is 2 + 2?", "chosen": "ANSWER: 4", "rejected": "It is 5."}
+
+
+def jsonl(*rows):
+    return "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n"
+
+
+# (name, file bytes, expected message fragment); row-level cases run with on_bad_row: error
+DATA_CASES = [
+    ("truncated_jsonl", jsonl(GOOD, '{"prompt": "x", "chosen": "y"'), ".jsonl:2: invalid JSON"),
+    ("truncated_array", json.dumps([GOOD, GOOD])[:-5], "invalid JSON array"),
+    ("chosen_number", jsonl(GOOD, {**GOOD, "chosen": 3}), ":2:"),
+    ("prompt_int_list", jsonl(GOOD, {**GOOD, "prompt": [1, 2]}), ":2:"),
+    ("empty_chosen", jsonl(GOOD, {**GOOD, "chosen": ""}), ":2:"),
+    ("whitespace_rejected", jsonl(GOOD, {**GOOD, "rejected": "  \n\t"}), ":2:"),
+    ("identical", jsonl(GOOD, {**GOOD, "rejected": GOOD["chosen"]}), ":2:"),
+    ("missing_rejected", jsonl(GOOD, {"prompt": "a", "chosen": "b"}), ":2:"),
+    ("null_prompt", jsonl(GOOD, {**GOOD, "prompt": None}), ":2:"),
+    ("string_row", jsonl(GOOD, '"just a string"'), ":2:"),
+    ("number_row", jsonl(GOOD, "42"), ":2:"),
+    ("messages_not_dicts", jsonl(GOOD, {"prompt": ["hi"], "chosen": ["a"], "rejected": ["b"]}), ":2:"),
+    ("openai_empty_output", jsonl({"input": {"messages": [{"role": "user", "content": "q"}]},
+                                   "preferred_output": [], "non_preferred_output": [{"role": "assistant", "content": "n"}]}), ":1:"),
+    ("sharegpt_missing_value", jsonl({"conversations": [{"from": "human"}], "chosen": {"from": "gpt", "value": "a"},
+                                      "rejected": {"from": "gpt", "value": "b"}}), ":1:"),
+    ("unknown_format", jsonl({"question": "q", "answer": "a"}), "format"),
+    ("single_object", json.dumps(GOOD, indent=2), "one JSON dict spread over several lines"),
+    ("empty_file", "", "file is empty"),
+    ("blank_lines_only", "\n\n  \n", "file is empty"),
+]
+BYTE_CASES = [
+    ("invalid_utf8", jsonl(GOOD).encode() + b'{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}\n', ":2:"),
+    ("huge_line", jsonl(GOOD).encode() + json.dumps({**GOOD, "chosen": "x" * 2_100_000}).encode() + b"\n", ":2: line has"),
+]
+
+
+def run(tmp_path, model_dir, *overrides, config_text=None):
+    out = tmp_path / "out"
+    args = ["train"]
+    if config_text is not None:
+        cfg = tmp_path / "job.yaml"
+        cfg.write_bytes(config_text if isinstance(config_text, bytes) else config_text.encode())
+        args += ["-c", str(cfg)]
+    args += ["--model.path", str(model_dir), "--train.output_dir", str(out), "--train.steps", "1",
+             "--train.progress", "false", *overrides]
+    return main(args), out
+
+
+def check(capsys, status, out, fragment):
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = [l for l in err.splitlines() if l.startswith("dtrain: error:")]
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert "Traceback" not in err
+    assert not out.exists(), "a failed start must leave no output"
+
+
+@pytest.mark.parametrize("name, text, fragment", DATA_CASES + BYTE_CASES, ids=[c[0] for c in DATA_CASES + BYTE_CASES])
+def test_bad_data_file(tmp_path, model_dir, capsys, name, text, fragment):
+    data = tmp_path / f"{name}.jsonl"
+    data.write_bytes(text if isinstance(text, bytes) else text.encode())
+    status, out = run(tmp_path, model_dir, "--data.train", str(data), "--data.on_bad_row", "error")
+    check(capsys, status, out, fragment)
+
+
+def test_directory_and_missing_files(tmp_path, model_dir, capsys):
+    status, out = run(tmp_path, model_dir, "--data.train", str(tmp_path))
+    check(capsys, status, out, "is a directory")
+    status, out = run(tmp_path, model_dir, "--data.train", str(tmp_path / "missing.jsonl"))
+    check(capsys, status, out, "not found")
+    good = tmp_path / "good.jsonl"
+    good.write_text(jsonl(GOOD, {**GOOD, "prompt": "other"}))
+    status, out = run(tmp_path, model_dir, "--data.train", str(good), "--data.valid", str(tmp_path / "nope.jsonl"))
+    check(capsys, status, out, "nope.jsonl")
+
+
+CONFIG_CASES = [
+    ("unknown_key", "train:\n  stepz: 3\n", "unknown key 'train.stepz'"),
+    ("unknown_section", "trainer:\n  steps: 3\n", "unknown section 'trainer'"),
+    ("wrong_type", "train:\n  steps: ten\n", "key 'train.steps': expected int"),
+    ("bool_for_int", "train:\n  steps: true\n", "key 'train.steps'"),
+    ("bad_choice", "engine:\n  kind: fast\n", "key 'engine.kind' must be one of"),
+    ("invalid_yaml", "train:\n  steps: [1, 2\n", "invalid YAML"),
+    ("top_level_list", "- 1\n- 2\n", "expected a mapping of sections"),
+    ("section_not_mapping", "train: 3\n", "section 'train' must be a mapping"),
+    ("zero_batch", "train:\n  global_batch_pairs: 0\n", "'train.global_batch_pairs' must be > 0"),
+    ("negative_lambda", "orpo:\n  lambda: -1\n", "'orpo.lambda' must be >= 0"),
+    ("bad_fraction", "data:\n  valid_fraction: 1.5\n", "'data.valid_fraction' must be in [0, 1)"),
+    ("not_utf8", b"train:\n  output_dir: caf\xe9\n", "not UTF-8"),
+]
+
+
+@pytest.mark.parametrize("name, text, fragment", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_bad_config(tmp_path, model_dir, capsys, name, text, fragment):
+    data = tmp_path / "good.jsonl"
+    data.write_text(jsonl(GOOD))
+    status, out = run(tmp_path, model_dir, "--data.train", str(data), config_text=text)
+    check(capsys, status, out, fragment)
+
+
+def test_bad_command_line(tmp_path, model_dir, capsys):
+    data = tmp_path / "good.jsonl"
+    data.write_text(jsonl(GOOD))
+    for extra, fragment in ((["--train.nope", "1"], "unknown key 'train.nope'"),
+                            (["--train.steps"], "needs a value"),
+                            (["stray"], "unexpected argument 'stray'"),
+                            (["--model.dtype", "int8"], "key 'model.dtype' must be one of")):
+        status, out = run(tmp_path, model_dir, "--data.train", str(data), *extra)
+        check(capsys, status, out, fragment)
+    cfg_dir = tmp_path / "cfgdir"
+    cfg_dir.mkdir()
+    assert main(["train", "-c", str(cfg_dir)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_bad_model_path(tmp_path, capsys):
+    data = tmp_path / "good.jsonl"
+    data.write_text(jsonl(GOOD))
+    status, out = run(tmp_path, tmp_path / "no-model", "--data.train", str(data))
+    check(capsys, status, out, "no-model")
