@@ -89,7 +89,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     for (name, a), (_, b) in zip(tree_flatten(g_whole), tree_flatten(g_parts)):
         a, b = np.array(a), np.array(b)
         assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a), name  # relative L2
-    # and whole runs log the same losses
+    # and whole runs log the same losses (float32 rounding grows through Adam steps)
     a, _ = run(tmp_path / "a", "train.micro_batch_pairs=4")
     b, _ = run(tmp_path / "b", "train.micro_batch_pairs=1")
-    np.testing.assert_allclose([h["loss"] for h in a.history], [h["loss"] for h in b.history], rtol=1e-5)
+    assert a.history[0]["loss"] == pytest.approx(b.history[0]["loss"], rel=1e-6)
+    np.testing.assert_allclose([h["loss"] for h in a.history], [h["loss"] for h in b.history], rtol=1e-4)
