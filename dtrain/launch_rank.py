@@ -56,19 +56,26 @@ def run(cmd: list) -> int:
     """Run ``cmd``, relay its output and signals, report; returns its exit code."""
     rank = rank_from_env()
     stop_timeout = float(os.environ.get("DTRAIN_STOP_TIMEOUT", "30"))
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = []
+    deadline: list = []
+    started: list = []
 
     def forward(signum, _frame):
         if not deadline:
             deadline.append(time.monotonic() + stop_timeout)
-        try:
-            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
-        except ProcessLookupError:
-            pass
+        for proc in started:
+            try:
+                proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+            except ProcessLookupError:
+                pass
 
+    # Handlers first: the launcher may start us with these signals ignored, and
+    # an ignored signal stays ignored across exec; a handled one resets to default.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
+    started.append(proc)
+    if deadline:  # a signal came while starting
+        forward(signal.SIGTERM, None)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     partial, fd = b"", proc.stderr.fileno()
     while True:

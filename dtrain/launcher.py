@@ -183,6 +183,9 @@ def summarize(world_size: int, reports: list, launcher_code: int, stopped_by) ->
         print(f"launch: rank {r} failed with exit code {code}; its last lines:", file=sys.stderr)
         for line in tail[-10:]:
             print(f"  [rank {r}] {line}", file=sys.stderr)
+    stopped = [r for r in sorted(codes) if codes[r][0] in killed]
+    if stopped:
+        print(f"launch: rank(s) {', '.join(map(str, stopped))} stopped by a signal", file=sys.stderr)
     missing = [r for r in range(world_size) if r not in codes]
     if missing and not stopped_by:
         print(f"launch: rank(s) {', '.join(map(str, missing))} did not report an exit status "
@@ -191,9 +194,7 @@ def summarize(world_size: int, reports: list, launcher_code: int, stopped_by) ->
         return 128 + stopped_by
     if failed:
         return codes[failed[0]][0] if codes[failed[0]][0] > 0 else 1
-    if any(codes[r][0] != 0 for r in codes):
-        stopped = [r for r in sorted(codes) if codes[r][0] != 0]
-        print(f"launch: rank(s) {', '.join(map(str, stopped))} were stopped by a signal", file=sys.stderr)
+    if stopped:
         return 1
     if missing or launcher_code != 0:
         return launcher_code or 1

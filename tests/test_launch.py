@@ -1,0 +1,194 @@
+"""``./launch`` run as users run it (a subprocess) on a tiny real job: one rank,
+two ranks over the ring on loopback, two ranks under OpenMPI, a failing job,
+Ctrl-C, TensorBoard, and the --dry-run plan."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
+
+ADAPTER = "adapters/adapters.safetensors"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The tiny job's config and its one-rank run (the reference for the others)."""
+    tmp = tmp_path_factory.mktemp("launch")
+    config = make_job(tmp)
+    t0 = time.time()
+    r = launch(config)
+    assert r.returncode == 0, r.stderr
+    return dict(config=config, tmp=tmp, one_rank=r, seconds=time.time() - t0)
+
+
+def adapter(path: Path) -> dict:
+    return {k: np.array(v) for k, v in mx.load(str(path)).items()}
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    wa, wb = adapter(a), adapter(b)
+    assert sorted(wa) == sorted(wb) and len(wa) == 2 * 7 * 2  # layers x linear layers x (lora_a, lora_b)
+    for k in wa:
+        np.testing.assert_allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_one_rank_trains_without_distributed_setup(job):
+    r = job["one_rank"]
+    assert "world size 1" in r.stderr and "eval accuracy: step 0" in r.stdout
+    assert (job["tmp"] / "run" / ADAPTER).is_file()
+    assert "MLX_HOSTFILE" not in r.stderr and job["seconds"] < 30
+
+
+def test_two_ranks_on_loopback_equal_one_rank(job, tmp_path):
+    r = launch("-n", 2, "--port", free_port(), job["config"], "--train.output_dir", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "world size 2" in r.stderr
+    assert_same_adapter(job["tmp"] / "run" / ADAPTER, tmp_path / ADAPTER)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
+def test_two_ranks_under_mpirun_equal_one_rank(job, tmp_path):
+    r = launch("-n", 2, "--backend", "mpi", job["config"], "--train.output_dir", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "world size 2" in r.stderr and "--output" not in r.stderr
+    assert_same_adapter(job["tmp"] / "run" / ADAPTER, tmp_path / ADAPTER)
+
+
+def test_failing_ranks_give_their_code_and_last_lines(job, tmp_path):
+    """Both ranks fail; mlx.launch may stop the second one before it reports its own error."""
+    r = launch("-n", 2, "--port", free_port(), job["config"], "--model.path", tmp_path / "missing")
+    assert r.returncode == 2
+    failed = [rank for rank in (0, 1) if f"launch: rank {rank} failed with exit code 2; its last lines:" in r.stderr]
+    assert failed, r.stderr
+    for rank in failed:
+        assert f"  [rank {rank}] dtrain: error: {tmp_path / 'missing'}: no such file" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_one_rank_failure_shows_its_lines(job, tmp_path):
+    r = launch(job["config"], "--model.path", tmp_path / "missing")
+    assert r.returncode == 2
+    assert "launch: rank 0 failed with exit code 2; its last lines:" in r.stderr
+
+
+def test_dry_run_prints_ranks_env_and_shards(job):
+    port = 40555
+    r = launch("-n", 3, "--port", port, "--dry-run", job["config"], "--train.global_batch_pairs", 5)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "ranks: 3\nbackend: ring\nhosts: 127.0.0.1\n" in out
+    assert f"--starting-port {port}" in out and "dtrain.launch_rank" in out
+    ring = json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"], [f"127.0.0.1:{port + 2}"]])
+    for rank, shard in enumerate((2, 2, 1)):
+        assert f"rank {rank} on 127.0.0.1: shard {shard} pairs/step" in out
+        assert f"  MLX_RANK={rank}\n" in out
+    assert out.count(f"  MLX_HOSTFILE=<temp file> {ring}\n") == 3
+    assert out.count("  PYTHONUNBUFFERED=1\n") == 3
+    assert "global batch: 5 pairs/step = 2 + 2 + 1 (micro batch 4 pairs per rank)" in out
+    assert not (job["tmp"] / "run" / "tb").exists() or len(list((job["tmp"] / "run" / "tb").iterdir())) >= 1
+
+
+def test_dry_run_mpi_and_nccl_environment(job):
+    r = launch("-n", 3, "--backend", "mpi", "--dry-run", job["config"])
+    assert r.returncode == 0, r.stderr
+    assert "backend: mpi" in r.stdout and " -np 3 " in r.stdout and "-x PYTHONUNBUFFERED=1" in r.stdout
+    assert ("--oversubscribe" in r.stdout) == (3 > (__import__("os").cpu_count() or 1))
+    assert ("--allow-run-as-root" in r.stdout) == (__import__("os").geteuid() == 0)
+    r = launch("-n", 2, "--backend", "nccl", "--port", 12345, "--dry-run", job["config"])
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        block = r.stdout.split(f"rank {rank} on 127.0.0.1: shard 2 pairs/step\n")[1].split("\nrank ")[0]
+        for line in (f"CUDA_VISIBLE_DEVICES={rank}", f"MLX_RANK={rank}", "MLX_WORLD_SIZE=2", "NCCL_HOST_IP=127.0.0.1",
+                     "NCCL_PORT=12345", "NCCL_NVLS_ENABLE=0", "PYTHONUNBUFFERED=1"):
+            assert f"  {line}\n" in block + "\n", (rank, line)
+
+
+def test_sigint_stops_every_rank(job, tmp_path):
+    """Ctrl-C reaches both ranks, which save a checkpoint and exit; no process is left."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--port", str(free_port()), str(job["config"]),
+                             "--train.steps", "5000", "--train.output_dir", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / "tb").is_dir() and any((out / "tb").iterdir()), 25)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=40)
+    assert proc.returncode == 130, err
+    assert "launch: SIGINT: stopping 2 rank(s)" in err
+    assert not rank_processes(str(out))
+
+
+def test_tensorboard_serves_the_runs_scalars(job, tmp_path):
+    """--tensorboard serves <output_dir>/tb on loopback while the run lasts, then stops."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(LAUNCH), "--tensorboard", str(port), str(job["config"]),
+                             "--train.steps", "5000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/tags"
+        earlier = sorted(p.name for p in (job["tmp"] / "run" / "tb").iterdir())[0]  # the one-rank run's logs
+        tags = wait_for(lambda: json.loads(http_get(url)).get(earlier), 25)
+        for tag in ("loss", "nll_loss", "log_odds_ratio", "rewards/accuracies", "grad_norm", "eval/loss"):
+            assert tag in tags, sorted(tags)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=40)
+    assert f"launch: TensorBoard at http://127.0.0.1:{port}/" in out
+    with pytest.raises(OSError):
+        http_get(url)
+
+
+def test_tensorboard_port_in_use_is_one_line(job):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = launch("--tensorboard", port, job["config"])
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: --tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}")
+
+
+def http_get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return resp.read().decode()
+
+
+def wait_for(probe, timeout: float):
+    """Poll ``probe()`` until it returns something truthy; fail after ``timeout`` seconds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            got = probe()
+        except OSError:
+            got = None
+        if got:
+            return got
+        time.sleep(0.3)
+    pytest.fail(f"gave up after {timeout} s")
+
+
+def rank_processes(marker: str) -> list[int]:
+    """Pids of live processes whose command line mentions ``marker``."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids

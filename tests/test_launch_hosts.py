@@ -1,0 +1,135 @@
+"""Hostfiles: every validation error is one line from ``./launch`` before anything
+starts; valid hostfiles give the plan mlx.launch / mpirun will run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtrain.launch_rank import parse_report, report_line
+from dtrain.launcher import summarize
+from fixtures_launch import launch, make_job, write_hostfile
+
+TWO = [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    return make_job(tmp_path_factory.mktemp("hosts"))
+
+
+def one_error(config, hostfile, *extra) -> str:
+    """Run ``./launch --dry-run`` with ``hostfile``; return its single error line."""
+    r = launch("--hostfile", hostfile, "--dry-run", *extra, config)
+    assert r.returncode == 2, r.stdout
+    lines = [x for x in r.stderr.splitlines() if not x.startswith("launch: using OpenBLAS")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout == ""
+    return lines[0]
+
+
+CASES = [
+    ({"hosts": TWO, "backnd": "ring"},
+     "{f}: unknown key(s) 'backnd' (known: backend, envs, hosts)"),
+    ([{"ssh": "mac1", "ips": ["10.0.0.1"], "ip": "x"}, TWO[1]],
+     "{f}: host 0: unknown key(s) 'ip' (known: ssh, ips, rdma)"),
+    ([{"ssh": "mac1"}, TWO[1]],
+     "{f}: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses"),
+    ([TWO[0], {"ssh": "mac1", "ips": ["10.0.0.2"]}],
+     "{f}: host 1 repeats ssh 'mac1' of host 0; list each machine once"),
+    ([TWO[0], {"ssh": "mac2", "ips": ["10.0.0.1"]}],
+     "{f}: host 1 repeats ip '10.0.0.1' of host 0; list each machine once"),
+    ([TWO[0], {"ssh": "mac2", "ips": ["mac2.local"]}],
+     "{f}: host 1 (mac2): 'mac2.local' in 'ips' is not an IP address (use e.g. 192.168.1.2, not a host name)"),
+    ({"hosts": TWO, "backend": "gloo"},
+     "{f}: backend 'gloo' must be one of ring, jaccl, mpi, nccl"),
+    ({"hosts": TWO, "envs": ["NOEQUALS"]},
+     "{f}: 'envs' must be a list of \"NAME=VALUE\" strings, got ['NOEQUALS']"),
+    ({"backend": "ring"},
+     "{f}: missing 'hosts' (a list of {{\"ssh\": ..., \"ips\": [...]}})"),
+    ([],
+     "{f}: expected a non-empty list of hosts, got []"),
+    ([{"ips": ["10.0.0.1"]}],
+     "{f}: host 0: 'ssh' must be a non-empty host name, got None"),
+    ({"backend": "jaccl", "hosts": [{**TWO[0], "rdma": [None]}, {**TWO[1], "rdma": ["rdma_en2", None]}]},
+     "{f}: host 0 (mac1): 'rdma' lists 1 devices; jaccl needs one per host (2), null for itself"),
+    ({"backend": "jaccl", "hosts": [{**TWO[0], "rdma": ["rdma_en2", None]}, {**TWO[1], "rdma": ["rdma_en2", None]}]},
+     "{f}: host 0 (mac1): rdma[0] must be null (a host has no RDMA link to itself)"),
+    ({"backend": "nccl", "hosts": [{"ssh": "gpu1"}, {"ssh": "gpu2"}]},
+     "{f}: host 0 (gpu1) needs 'ips': the nccl coordinator must be reachable by IP"),
+]
+
+
+@pytest.mark.parametrize("data,message", CASES, ids=[m.split(": ", 1)[1][:40] for _, m in CASES])
+def test_hostfile_error_is_one_line(config, tmp_path, data, message):
+    f = write_hostfile(tmp_path / "hosts.json", data)
+    assert one_error(config, f) == "launch: error: " + message.format(f=f)
+
+
+def test_hostfile_missing_and_not_json(config, tmp_path):
+    assert one_error(config, tmp_path / "nope.json") == f"launch: error: {tmp_path / 'nope.json'}: hostfile not found"
+    bad = tmp_path / "bad.json"
+    bad.write_text("[{'ssh': 'mac1'}]")
+    assert one_error(config, bad).startswith(f"launch: error: {bad}: not valid JSON (Expecting property name")
+
+
+def test_backend_override_is_checked_against_hostfile(config, tmp_path):
+    f = write_hostfile(tmp_path / "hosts.json", {"backend": "mpi", "hosts": [{"ssh": "mac1"}, {"ssh": "mac2"}]})
+    assert one_error(config, f, "--backend", "ring") == (
+        f"launch: error: {f}: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses")
+
+
+def test_ranks_and_hostfile_together_is_an_error(config, tmp_path):
+    f = write_hostfile(tmp_path / "hosts.json", TWO)
+    assert one_error(config, f, "-n", "2") == (
+        "launch: error: use either -n (ranks on this machine) or --hostfile (one rank per host), not both")
+
+
+def test_ring_hostfile_plan(config, tmp_path):
+    f = write_hostfile(tmp_path / "hosts.json", {"envs": ["MLX_METAL_FAST_SYNCH=1"], "hosts": [
+        {"ssh": "mac1", "ips": ["10.0.0.1", "10.0.1.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]})
+    r = launch("--hostfile", f, "--port", 5000, "--dry-run", config)
+    assert r.returncode == 0, r.stderr
+    ring = json.dumps([["10.0.0.1:5000", "10.0.1.1:5001"], ["10.0.0.2:5002"]])
+    assert "ranks: 2\nbackend: ring\nhosts: mac1, mac2\n" in r.stdout
+    assert f"--hostfile {f} --backend ring --starting-port 5000" in r.stdout
+    assert "--env MLX_METAL_FAST_SYNCH" not in r.stdout  # mlx.launch adds the hostfile's envs itself
+    assert r.stdout.count(f"  MLX_HOSTFILE=<temp file> {ring}\n") == 2
+    assert r.stdout.count("  MLX_METAL_FAST_SYNCH=1\n") == 2
+    assert "rank 1 on mac2: shard 2 pairs/step" in r.stdout
+
+
+def test_mpi_hostfile_plan(config, tmp_path):
+    f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1"}, {"ssh": "mac2"}, {"ssh": "mac3"}])
+    r = launch("--hostfile", f, "--backend", "mpi", "--dry-run", config)
+    assert r.returncode == 0, r.stderr
+    assert " -np 3 " in r.stdout and "--hostfile " in r.stdout and "--oversubscribe" not in r.stdout
+    assert "'mac1 slots=1\\nmac2 slots=1\\nmac3 slots=1'" in r.stdout
+    assert "global batch: 4 pairs/step = 2 + 1 + 1" in r.stdout
+
+
+def test_jaccl_hostfile_plan(config, tmp_path):
+    hosts = [{**TWO[0], "rdma": [None, "rdma_en2"]}, {**TWO[1], "rdma": ["rdma_en2", None]}]
+    f = write_hostfile(tmp_path / "hosts.json", {"backend": "jaccl", "hosts": hosts})
+    r = launch("--hostfile", f, "--port", 7000, "--dry-run", config)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("  MLX_JACCL_COORDINATOR=10.0.0.1:7000\n") == 2
+    assert r.stdout.count('  MLX_IBV_DEVICES=<temp file> [[null, "rdma_en2"], ["rdma_en2", null]]\n') == 2
+
+
+def test_report_line_round_trip():
+    line = report_line(3, -15, ["a", "dtrain: error: x"])
+    assert parse_report(line.rstrip("\n")) == (3, -15, ["a", "dtrain: error: x"])
+    assert parse_report("dtrain: error: x") is None
+
+
+def test_summarize_exit_status(capsys):
+    assert summarize(2, [(0, 0, []), (1, 0, [])], 0, None) == 0
+    assert summarize(2, [(1, 3, ["boom"]), (0, -15, [])], 0, None) == 3
+    err = capsys.readouterr().err
+    assert "launch: rank 1 failed with exit code 3; its last lines:\n  [rank 1] boom\n" in err
+    assert "launch: rank(s) 0 stopped by a signal" in err
+    assert summarize(2, [(0, 0, [])], 0, None) == 1  # rank 1 never reported
+    assert "rank(s) 1 did not report an exit status" in capsys.readouterr().err
+    assert summarize(2, [(0, 0, []), (1, 0, [])], 0, 2) == 130  # stopped by Ctrl-C
