@@ -1,0 +1,43 @@
+"""Two hosts simulated with network namespaces (bench/netns.py): one rank per
+namespace with its own IP, ring backend over those IPs, rank and hostfile
+given through the environment as mlx.launch gives them to remote hosts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures_launch import ROOT, free_port, launch, make_job
+from test_launch import ADAPTER, assert_same_adapter
+
+sys.path.insert(0, str(ROOT / "bench"))
+import netns  # noqa: E402
+
+REASON = netns.can_create_namespaces() if sys.platform == "linux" else "network namespaces are Linux only"
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cannot simulate hosts: {REASON}")
+
+
+def test_ranks_in_two_namespaces_equal_one_rank(tmp_path):
+    config = make_job(tmp_path)
+    one = launch(config, "--train.output_dir", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    program = [sys.executable, "-m", "dtrain", "train", "-c", str(config), "--distributed.backend=ring",
+               f"--train.output_dir={tmp_path / 'two'}"]
+    with netns.namespaces(2) as (names, ips):
+        assert ips == ["10.77.0.1", "10.77.0.2"]
+        results = netns.run_ranks(names, ips, program, free_port(), timeout=60)
+    for r, res in enumerate(results):
+        assert res.returncode == 0, (r, res.stderr)
+    assert "world size 2" in results[0].stderr
+    assert_same_adapter(tmp_path / "one" / ADAPTER, tmp_path / "two" / ADAPTER)
+
+
+def test_tbf_rate_limit_slows_the_all_reduce():
+    """9.77 MB through a 1 Gbit/s link needs at least 78 ms; unlimited veth is far faster."""
+    size = netns.SMOLLM2_LORA_PARAMS
+    limited = netns.all_sum_seconds(2, "1gbit", [size], iters=3, port=free_port())[size]
+    free = netns.all_sum_seconds(2, None, [size], iters=3, port=free_port())[size]
+    assert limited >= size * 4 / (1e9 / 8) * 0.95, limited
+    assert free < limited / 2, (free, limited)
