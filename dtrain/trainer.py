@@ -162,7 +162,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         UserError: bad model, data or config; an unusable output folder or
             checkpoint; too many non-finite steps in a row.
     """
-    group = group or Group()
+    group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
