@@ -10,7 +10,9 @@ Every rank gets its environment explicitly (dtrain.launch_plan) and runs
 under dtrain.launch_rank, which reports its exit code and last lines; the
 launcher exits non-zero when any rank failed and shows that rank's lines.
 SIGINT/SIGTERM go to every rank; ranks still alive after ``--stop-timeout``
-seconds are killed. User errors print one line ``launch: error: ...``, exit 2.
+seconds are killed. Under MPI, mpirun handles the signal itself: it stops the
+rank wrappers and exits while the trainers finish saving on their own (a few
+seconds later). User errors print one line ``launch: error: ...``, exit 2.
 """
 
 from __future__ import annotations

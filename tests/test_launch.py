@@ -5,6 +5,7 @@ Ctrl-C, TensorBoard, and the --dry-run plan."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -97,15 +98,14 @@ def test_dry_run_prints_ranks_env_and_shards(job):
     assert out.count(f"  MLX_HOSTFILE=<temp file> {ring}\n") == 3
     assert out.count("  PYTHONUNBUFFERED=1\n") == 3
     assert "global batch: 5 pairs/step = 2 + 2 + 1 (micro batch 4 pairs per rank)" in out
-    assert not (job["tmp"] / "run" / "tb").exists() or len(list((job["tmp"] / "run" / "tb").iterdir())) >= 1
 
 
 def test_dry_run_mpi_and_nccl_environment(job):
     r = launch("-n", 3, "--backend", "mpi", "--dry-run", job["config"])
     assert r.returncode == 0, r.stderr
     assert "backend: mpi" in r.stdout and " -np 3 " in r.stdout and "-x PYTHONUNBUFFERED=1" in r.stdout
-    assert ("--oversubscribe" in r.stdout) == (3 > (__import__("os").cpu_count() or 1))
-    assert ("--allow-run-as-root" in r.stdout) == (__import__("os").geteuid() == 0)
+    assert ("--oversubscribe" in r.stdout) == (3 > (os.cpu_count() or 1))
+    assert ("--allow-run-as-root" in r.stdout) == (os.geteuid() == 0)
     r = launch("-n", 2, "--backend", "nccl", "--port", 12345, "--dry-run", job["config"])
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
@@ -115,10 +115,14 @@ def test_dry_run_mpi_and_nccl_environment(job):
             assert f"  {line}\n" in block + "\n", (rank, line)
 
 
-def test_sigint_stops_every_rank(job, tmp_path):
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_sigint_stops_every_rank(job, tmp_path, backend):
     """Ctrl-C reaches both ranks, which save a checkpoint and exit; no process is left."""
+    if backend == "mpi" and shutil.which("mpirun") is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--port", str(free_port()), str(job["config"]),
+    proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--backend", backend, "--port", str(free_port()),
+                             str(job["config"]),
                              "--train.steps", "5000", "--train.output_dir", str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: (out / "tb").is_dir() and any((out / "tb").iterdir()), 25)
@@ -127,6 +131,9 @@ def test_sigint_stops_every_rank(job, tmp_path):
     _, err = proc.communicate(timeout=40)
     assert proc.returncode == 130, err
     assert "launch: SIGINT: stopping 2 rank(s)" in err
+    assert "checkpoint saved" in err and (out / "checkpoints").is_dir()
+    if backend == "mpi":  # mpirun exits before its ranks finish saving (see the launcher's docstring)
+        wait_for(lambda: not rank_processes(str(out)), 30)
     assert not rank_processes(str(out))
 
 
