@@ -5,7 +5,6 @@ given through the environment as mlx.launch gives them to remote hosts."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 
