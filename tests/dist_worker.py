@@ -1,0 +1,182 @@
+"""One training rank for the distributed tests: a tiny random llama and generated pairs, no downloads.
+
+    python tests/dist_worker.py OUT_DIR [options] [section.key=value ...]
+    python tests/dist_worker.py OUT_DIR --allreduce-check       # bucketed all_sum vs mpi4py (under mpirun)
+
+It joins whatever group its launcher set up (``mlx.launch``/ring variables,
+``mpirun``, or none: one rank), runs :func:`dtrain.trainer.train` and writes
+``OUT_DIR/rank{R}.json`` (per-step metrics, eval metrics, the pair sources this
+rank trained on at each step) and ``OUT_DIR/rank{R}.safetensors`` (its LoRA
+weights). A :class:`UserError` prints ``dtrain: error: ...`` and exits 2, as
+the CLI does.
+
+Fault injection, each ``STEP:RANK``: ``--kill-at`` (SIGKILL at the start of the
+step), ``--stall-at`` (SIGSTOP there), ``--drift-at`` (nudge the LoRA weights
+after the step); ``--rank-override RANK:section.key=value`` and
+``--data-seed RANK:SEED`` give one rank a different config or data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dtrain  # noqa: F401,E402  (first: preloads OpenBLAS before MLX)
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten, tree_map  # noqa: E402
+
+from dtrain import distributed, trainer  # noqa: E402
+from dtrain.config import load_config  # noqa: E402
+from dtrain.errors import UserError  # noqa: E402
+
+# No clipping and a small learning rate: AdamW (no bias correction in MLX) makes
+# near-sign updates for gradient elements near zero, which amplifies float32
+# summation-order noise; these settings keep 5 steps well conditioned.
+DEFAULTS = [
+    "data.demo_pairs=1", "train.steps=5", "train.global_batch_pairs=6", "train.micro_batch_pairs=6",
+    "train.learning_rate=1e-3", "train.grad_clip=0", "lora.rank=2", "train.progress=false", "train.eval_every=0",
+    "distributed.check_sync_every=2", "distributed.collective_timeout_s=60",
+]
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--pairs", type=int, default=9, help="training pairs; 3 more are held out")
+    p.add_argument("--kill-at", default=None)
+    p.add_argument("--stall-at", default=None)
+    p.add_argument("--drift-at", default=None)
+    p.add_argument("--rank-override", action="append", default=[])
+    p.add_argument("--data-seed", action="append", default=[])
+    p.add_argument("--allreduce-check", action="store_true")
+    return p.parse_known_args(argv)
+
+
+def at(spec, rank):
+    """The step of a ``STEP:RANK`` spec when it names ``rank``, else None."""
+    if spec is None:
+        return None
+    step, r = map(int, spec.split(":"))
+    return step if r == rank else None
+
+
+def for_rank(items, rank):
+    """Values of ``RANK:value`` items that name ``rank``."""
+    return [v for r, v in (i.split(":", 1) for i in items) if int(r) == rank]
+
+
+def instrument(args, group, seen):
+    """Wrap ``trainer.train_step`` and ``trainer.make_engine`` (this process only) to
+    record each step's pair sources and to inject the requested faults."""
+    kill, stall, drift = (at(s, group.rank) for s in (args.kill_at, args.stall_at, args.drift_at))
+    inner_step, inner_engine = trainer.train_step, trainer.make_engine
+    current = {}
+
+    def train_step(step, engine, model, *rest, **kw):
+        current["step"] = step
+        if step == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == stall:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        out = inner_step(step, engine, model, *rest, **kw)
+        if step == drift:
+            model.update(tree_map(lambda p: p + 1e-3, model.trainable_parameters()))
+        return out
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine, self.name = engine, engine.name
+
+        def step(self, chunk, norm):
+            seen.setdefault(current["step"], []).extend(p.source for p in chunk)
+            return self.engine.step(chunk, norm)
+
+        def evaluate(self, chunk, norm):
+            return self.engine.evaluate(chunk, norm)
+
+    trainer.train_step = train_step
+    trainer.make_engine = lambda cfg, model: Recording(inner_engine(cfg, model))
+
+
+def run_training(args, overrides, group):
+    from conftest import make_tiny_model
+    from test_trainer import make_pairs
+
+    out = Path(args.out)
+    cfg = load_config(None, [*DEFAULTS, f"train.output_dir={out / 'run'}", *overrides,
+                             *for_rank(args.rank_override, group.rank)])
+    seed = int((for_rank(args.data_seed, group.rank) or [0])[0])
+    pairs = make_pairs(args.pairs + 3, seed=seed)
+    data_id = distributed.fingerprint([[p.prompt, p.chosen, p.rejected] for p in pairs])
+    dataset = SimpleNamespace(train=pairs[: args.pairs], valid=pairs[args.pairs :], fingerprint=data_id)
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny")
+    seen: dict = {}
+    instrument(args, group, seen)
+    result = trainer.train(cfg, group=group, loaded=loaded, dataset=dataset)
+    mx.save_safetensors(str(out / f"rank{group.rank}.safetensors"), dict(tree_flatten(loaded.model.trainable_parameters())))
+    report = {
+        "rank": group.rank, "size": group.size, "backend": group.backend,
+        "history": result.history, "evals": {str(k): v for k, v in result.evals.items()},
+        "pairs": {str(k): v for k, v in seen.items()},
+        "adapter": str(result.adapter_dir) if result.adapter_dir else None,
+    }
+    (out / f"rank{group.rank}.json").write_text(json.dumps(report))
+
+
+def allreduce_check(args, group):
+    """Bucketed ``Group.all_sum_tree`` against mpi4py's ``Allreduce`` on the same data.
+
+    Leaves have odd sizes so that buckets split them; one run uses 4 KiB
+    buckets, one the real 32 MiB bucket with a 36 MiB leaf. Counts the
+    ``mx.distributed.all_sum`` calls. Writes ``OUT_DIR/allreduce{R}.json``.
+    """
+    import numpy as np
+    from mpi4py import MPI
+
+    calls = []
+    real_all_sum = mx.distributed.all_sum
+    mx.distributed.all_sum = lambda x, **kw: calls.append(x.size) or real_all_sum(x, **kw)
+    rng = np.random.default_rng(group.rank)
+    report = {"rank": group.rank, "cases": []}
+    for name, shapes, bucket in (("small buckets", [(7, 13), (1000,), (3, 5, 11), (2,)], 4096),
+                                 ("32 MiB buckets", [(9 * 1024 * 1024 + 3,), (1025, 1024)], distributed.BUCKET_BYTES)):
+        tree = {f"w{i}": mx.array(rng.standard_normal(s).astype(np.float32)) for i, s in enumerate(shapes)}
+        calls.clear()
+        got = group.all_sum_tree(tree, step=1, bucket_bytes=bucket)
+        flat = np.concatenate([np.array(tree[k]).reshape(-1) for k in sorted(tree, key=lambda k: int(k[1:]))])
+        want = np.empty_like(flat)
+        MPI.COMM_WORLD.Allreduce(flat, want, op=MPI.SUM)
+        mine = np.concatenate([np.array(got[k]).reshape(-1) for k in sorted(got, key=lambda k: int(k[1:]))])
+        report["cases"].append({
+            "name": name, "elements": int(flat.size), "calls": list(calls),
+            "expected_calls": len(distributed.bucket_bounds(flat.size, 4, bucket)),
+            "max_abs_diff": float(np.abs(mine - want).max()), "max_abs": float(np.abs(want).max()),
+            "shapes_kept": all(tuple(got[k].shape) == tuple(tree[k].shape) for k in tree),
+        })
+    Path(args.out, f"allreduce{group.rank}.json").write_text(json.dumps(report))
+
+
+def main(argv=None) -> int:
+    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    try:
+        group = distributed.init_group("any", timeout_s=60)
+        if args.allreduce_check:
+            allreduce_check(args, group)
+        else:
+            run_training(args, overrides, group)
+    except UserError as err:
+        print(f"dtrain: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Data parallelism for real: subprocess ranks of ``tests/dist_worker.py`` on loopback.
+
+Ring ranks get the variables mlx.launch sets (``MLX_RANK``, ``MLX_HOSTFILE``);
+one test goes through ``mlx.launch`` itself, others through OpenMPI's
+``mpirun``. They check that N ranks train the same adapter as 1 rank with the
+same global batch, that uneven shards use every pair the expected number of
+times, that a dead or stalled rank cannot freeze the others, and that the
+start-up handshake and the weight sync check stop every rank with a message.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dtrain import sampler
+from dtrain.blas import blas_env
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_worker.py"
+MLX_LAUNCH = Path(sys.executable).parent / "mlx.launch"
+MPIRUN = shutil.which("mpirun")
+
+
+def rank_env(extra: dict | None = None) -> dict:
+    env, _ = blas_env(dict(os.environ))
+    for key in [k for k in env if k.startswith(("MLX_", "OMPI_", "PMI_"))]:
+        del env[key]  # never inherit a launcher's variables from the test runner
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", **(extra or {}))
+    return env
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_ring(n: int, out: Path, *args: str) -> list[subprocess.Popen]:
+    """``n`` worker ranks joined by the ring backend on 127.0.0.1, as mlx.launch would start them."""
+    out.mkdir(parents=True, exist_ok=True)
+    hostfile = out / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+    return [subprocess.Popen([sys.executable, str(WORKER), str(out), *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=rank_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}))
+            for r in range(n)]
+
+
+def finish(procs, timeout: float) -> list[tuple[int, str, float]]:
+    """``(returncode, stderr, seconds)`` per rank; kills what is still running at ``timeout``."""
+    start, results = time.monotonic(), []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(timeout - (time.monotonic() - start), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        results.append((p.returncode, err, time.monotonic() - start))
+    return results
+
+
+def run_cmd(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env())
+
+
+def mpirun(n: int, *args: str) -> list[str]:
+    return [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x", "LD_PRELOAD", "-x", "PYTHONPATH",
+            "-x", "OPENBLAS_NUM_THREADS", "-x", "PYTHONUNBUFFERED", sys.executable, str(WORKER), *args]
+
+
+def reports(out: Path, n: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def lora(out: Path, rank: int = 0) -> dict:
+    return {k: np.array(v) for k, v in mx.load(str(out / f"rank{rank}.safetensors")).items()}
+
+
+def relative_l2(a: dict, b: dict) -> float:
+    """``||a - b|| / ||a||`` over all LoRA weights together."""
+    return float(np.sqrt(sum(((a[k] - b[k]) ** 2).sum() for k in a) / sum((a[k] ** 2).sum() for k in a)))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The reference: the same job on one rank, no launcher (so no distributed setup at all)."""
+    out = tmp_path_factory.mktemp("one_rank")
+    done = run_cmd([sys.executable, str(WORKER), str(out)])
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def assert_same_as_one_rank(out: Path, n: int, one: Path, backend: str) -> None:
+    ref, got = reports(one, 1)[0], reports(out, n)
+    assert [g["size"] for g in got] == [n] * n and {g["backend"] for g in got} == {backend}
+    ref_loss = [h["loss"] for h in ref["history"]]
+    for g in got:  # every rank logs the same reduced metrics, equal to one rank's
+        np.testing.assert_allclose([h["loss"] for h in g["history"]], ref_loss, rtol=1e-6)
+        np.testing.assert_allclose([h["grad_norm"] for h in g["history"]], [h["grad_norm"] for h in ref["history"]], rtol=1e-5)
+        np.testing.assert_allclose(g["evals"]["5"]["eval/loss"], ref["evals"]["5"]["eval/loss"], rtol=1e-6)
+    weights = [lora(out, r) for r in range(n)]
+    for w in weights[1:]:  # every rank applied the same updates, bit for bit
+        assert all(np.array_equal(w[k], weights[0][k]) for k in w)
+    assert relative_l2(lora(one), weights[0]) <= 1e-5
+    assert got[0]["adapter"] and all(g["adapter"] is None for g in got[1:])  # rank 0 alone writes it
+    on_disk = mx.load(str(Path(got[0]["adapter"]) / "adapters.safetensors"))
+    assert all(np.array_equal(np.array(on_disk[k]), weights[0][k]) for k in weights[0])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_ring_ranks_train_the_same_adapter_as_one_rank(tmp_path, one_rank, n):
+    results = finish(start_ring(n, tmp_path, "train.micro_batch_pairs=2"), timeout=120)
+    assert [rc for rc, _, _ in results] == [0] * n, [err[-2000:] for _, err, _ in results]
+    assert all(err.strip() == "" for _, err, _ in results[1:])  # other ranks print nothing without errors
+    assert_same_as_one_rank(tmp_path, n, one_rank, "ring")
+
+
+def test_mlx_launch_two_ranks(tmp_path, one_rank):
+    if not MLX_LAUNCH.exists():
+        pytest.skip(f"mlx.launch not found next to {sys.executable}")
+    done = run_cmd([str(MLX_LAUNCH), "-n", "2", "--python", sys.executable, "--", str(WORKER), str(tmp_path)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_as_one_rank(tmp_path, 2, one_rank, "ring")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_mpirun_ranks_train_the_same_adapter_as_one_rank(tmp_path, one_rank, n):
+    if MPIRUN is None or not mx.distributed.is_available("mpi"):
+        pytest.skip("mpirun (OpenMPI) or MLX's MPI backend not available")
+    done = run_cmd(mpirun(n, str(tmp_path)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_as_one_rank(tmp_path, n, one_rank, "mpi")
+
+
+@pytest.mark.parametrize("batch, uses", [(5, 5), (2, 2)])
+def test_uneven_shards_use_every_pair_the_expected_number_of_times(tmp_path, batch, uses):
+    """7 pairs on 3 ranks for 7 steps: batch 5 gives shards of 2, 2, 1; batch 2
+    leaves rank 2 without pairs at every step. 7 * batch positions are exactly
+    ``batch`` epochs, so each pair is trained on ``batch`` times in all."""
+    args = ["--pairs", "7", "train.steps=7", f"train.global_batch_pairs={batch}", "train.micro_batch_pairs=1"]
+    results = finish(start_ring(3, tmp_path, *args), timeout=120)
+    assert [rc for rc, _, _ in results] == [0, 0, 0], [err[-2000:] for _, err, _ in results]
+    got = reports(tmp_path, 3)
+    total = collections.Counter()
+    for step in range(1, 8):
+        per_rank = [g["pairs"].get(str(step), []) for g in got]
+        expected = [f"gen:{i}" for _, i in sampler.global_batch(step, 7, batch, 0)]
+        assert [len(p) for p in per_rank] == [len(expected[r::3]) for r in range(3)]
+        assert sorted(sum(per_rank, [])) == sorted(expected)  # disjoint shards covering the batch
+        total.update(sum(per_rank, []))
+    assert total == {f"gen:{i}": uses for i in range(7)}
+    assert all(len(g["history"]) == 7 for g in got)
+    assert len({json.dumps([h["loss"] for h in g["history"]]) for g in got}) == 1
+
+
+def test_killed_rank_makes_every_other_rank_exit(tmp_path):
+    timeout_s = 10
+    procs = start_ring(3, tmp_path, "--kill-at", "3:1", "train.steps=20", f"distributed.collective_timeout_s={timeout_s}")
+    results = finish(procs, timeout=timeout_s + 60)
+    assert results[1][0] == -signal.SIGKILL
+    for rank in (0, 2):
+        rc, err, seconds = results[rank]
+        assert rc != 0 and seconds <= timeout_s + 30 + 10, (rank, rc, seconds, err[-1000:])  # + start-up
+        assert f"rank {rank}: " in err and "at step 3" in err, err[-1000:]
+
+
+def test_stalled_rank_trips_the_watchdog_of_the_others(tmp_path):
+    """A SIGSTOPped peer keeps its sockets open, so only the watchdog ends the wait."""
+    timeout_s = 5
+    procs = start_ring(3, tmp_path, "--stall-at", "3:2", "train.steps=20", f"distributed.collective_timeout_s={timeout_s}")
+    try:
+        results = finish(procs[:2], timeout=timeout_s + 60)
+    finally:
+        procs[2].kill()
+        procs[2].communicate()
+    for rank, (rc, err, seconds) in enumerate(results):
+        assert rc == 3, (rank, rc, err[-1000:])
+        assert (f"dtrain: error: rank {rank}: all_sum of LoRA gradients (1 bucket(s)) at step 3 did not complete "
+                f"within {timeout_s} s") in err
+
+
+def test_handshake_names_what_differs_and_where(tmp_path):
+    procs = start_ring(3, tmp_path, "--data-seed", "1:7", "--rank-override", "2:lora.rank=4")
+    results = finish(procs, timeout=120)
+    for rc, err, _ in results:  # every rank stops, each with the same one-line message
+        assert rc == 2, err[-1000:]
+        line = [x for x in err.splitlines() if x.startswith("dtrain: error:")]
+        assert line == ["dtrain: error: ranks disagree before training: config differs on rank(s) 2 from rank 0; "
+                        "data differs on rank(s) 1 from rank 0; lora shapes differs on rank(s) 2 from rank 0"]
+
+
+def test_weight_drift_is_detected_on_every_rank(tmp_path):
+    results = finish(start_ring(2, tmp_path, "--drift-at", "1:1"), timeout=120)
+    for rc, err, _ in results:
+        assert rc == 2 and "dtrain: error: step 2: LoRA weights on rank(s) 1 differ from rank 0" in err, err[-1000:]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucketed_all_sum_matches_mpi4py_allreduce(tmp_path, n):
+    pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'dtrain[mpi]')")
+    if MPIRUN is None or not mx.distributed.is_available("mpi"):
+        pytest.skip("mpirun (OpenMPI) or MLX's MPI backend not available")
+    done = run_cmd(mpirun(n, str(tmp_path), "--allreduce-check"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    for r in range(n):
+        cases = json.loads((tmp_path / f"allreduce{r}.json").read_text())["cases"]
+        small, big = cases
+        assert small["calls"] == [1024, small["elements"] - 1024]  # 4 KiB of float32, the 1000-leaf split
+        assert big["calls"] == [8 * 1024 * 1024, big["elements"] - 8 * 1024 * 1024]  # 32 MiB; the 36 MiB leaf split
+        for case in cases:
+            assert len(case["calls"]) == case["expected_calls"]  # one all_sum per bucket
+            assert case["shapes_kept"] and case["max_abs_diff"] <= 1e-6 * case["max_abs"], case
