@@ -75,6 +75,7 @@ class Watchdog:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer.join()  # returns at once after cancel(); leaves no thread behind
         if exc_type is not None and issubclass(exc_type, RuntimeError):
             raise UserError(f"rank {self.rank}: {self.what} {self.where} failed: {exc}") from None
         return False

@@ -1,0 +1,74 @@
+"""dtrain.distributed in one process: buckets, the launcher's environment,
+world size 1 without setup, and the watchdog's exit and messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from dtrain.distributed import (BUCKET_BYTES, EXIT_TIMEOUT, Group, Watchdog, bucket_bounds, check_in_sync, handshake,
+                                init_group, launcher_backend)
+from dtrain.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bucket_bounds_cover_every_element_once_within_the_limit():
+    assert bucket_bounds(10, 4, 16) == [(0, 4), (4, 8), (8, 10)]
+    bounds = bucket_bounds(20_000_001)  # float32: 8 Mi elements per 32 MiB bucket
+    assert bounds == [(0, 8388608), (8388608, 16777216), (16777216, 20000001)]
+    assert max(b - a for a, b in bounds) * 4 == BUCKET_BYTES and bucket_bounds(0) == []
+    with pytest.raises(ValueError, match="holds no element"):
+        bucket_bounds(5, 4, 3)
+
+
+def test_launcher_backend_reads_each_launchers_variables(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]]))
+    assert launcher_backend({}) == (None, 1)
+    assert launcher_backend({"MLX_RANK": "1", "MLX_HOSTFILE": str(hosts)}) == ("ring", 3)
+    assert launcher_backend({"MLX_RANK": "0", "MLX_HOSTFILE": ""}) == (None, 1)  # mlx.launch -n 1
+    assert launcher_backend({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"}) == ("mpi", 4)
+    assert launcher_backend({"MLX_JACCL_COORDINATOR": "10.0.0.1:5000", "MLX_RANK": "0"}) == ("jaccl", 0)
+
+
+def test_one_rank_needs_no_setup():
+    for backend in ("any", "none"):
+        g = init_group(backend, env={})
+        assert (g.rank, g.size, g.mlx_group) == (0, 1, None) and g.is_main
+    tree = {"a": mx.ones((2, 3))}
+    assert Group().all_sum_tree(tree, 1) is tree
+    assert Group().all_sum_scalars({"loss": 2.5, "pairs": 4}, 1) == {"loss": 2.5, "pairs": 4.0}
+    assert Group().all_gather_text("héllo", 1) == ["héllo"]
+    handshake(Group(), {"config": 1})
+    check_in_sync(Group(), tree, 3)
+
+
+def test_explicit_backend_that_cannot_start_is_one_line():
+    with pytest.raises(UserError) as err:
+        init_group("ring", env={})  # no MLX_HOSTFILE: the ring has no peers to join
+    assert "ring" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_watchdog_turns_an_mlx_error_into_a_user_error():
+    with pytest.raises(UserError, match=r"^rank 2: all_sum of metrics at step 7 failed: \[ring\] connection to a peer was lost$"):
+        with Watchdog(2, "all_sum of metrics", 7, 30):
+            raise RuntimeError("[ring] connection to a peer was lost")
+    with Watchdog(0, "x", None, 30) as w:  # a block that finishes in time leaves no timer behind
+        pass
+    assert not w._timer.is_alive()
+
+
+def test_watchdog_ends_a_stuck_process_with_a_message():
+    code = ("import time; from dtrain.distributed import Watchdog\n"
+            "with Watchdog(1, 'all_sum of LoRA gradients (1 bucket(s))', 4, 0.5):\n    time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == EXIT_TIMEOUT
+    assert done.stderr.strip() == ("dtrain: error: rank 1: all_sum of LoRA gradients (1 bucket(s)) at step 4 did not "
+                                   "complete within 0.5 s (distributed.collective_timeout_s); a peer rank died or stalled")
