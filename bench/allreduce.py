@@ -1,0 +1,163 @@
+"""Bucketed LoRA-gradient all-reduce (``Group.all_sum_tree``) at 1, 2, 3 ranks on loopback.
+
+    python bench/allreduce.py [--repeats 5] [--step-tokens 256]
+
+For two LoRA sizes: the demo model's (SmolLM2-135M: 30 layers, hidden 576,
+intermediate 1536, 9 heads / 3 KV heads of dim 64; rank 8 on every linear
+layer) and a 7B one (Llama-2-7B shape: 32 layers, hidden 4096, intermediate
+11008; rank 16 on every linear layer). Ranks run over the ring backend
+(the variables mlx.launch sets) and over OpenMPI's ``mpirun``; each rank sums
+random float32 trees shaped like the LoRA gradients, and the median of
+``--repeats`` timed calls is reported. The share of step time uses one
+reference-engine step of a random SmolLM2-shaped model (one pair, ``--step-tokens``
+tokens per side) on this machine; no 7B step fits on it, so that share is left out.
+Prints a markdown table and writes ``bench/results/allreduce.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import dtrain  # noqa: E402,F401  (preloads OpenBLAS before MLX)
+from dtrain.blas import blas_env  # noqa: E402
+
+# (layers, hidden, intermediate, q width, kv width, LoRA rank)
+SHAPES = {"SmolLM2-135M r8": (30, 576, 1536, 576, 192, 8), "Llama-2-7B r16": (32, 4096, 11008, 4096, 4096, 16)}
+
+
+def lora_shapes(layers, hidden, inter, q, kv, r) -> list[tuple[int, int]]:
+    """``(in, r)`` and ``(r, out)`` of every LoRA matrix on every linear layer."""
+    linears = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    return [s for _ in range(layers) for i, o in linears for s in ((i, r), (r, o))]
+
+
+def worker(out: Path, repeats: int) -> None:
+    """One rank: time ``all_sum_tree`` on each LoRA size; rank 0 writes the timings."""
+    import mlx.core as mx
+
+    from dtrain.distributed import init_group
+
+    group = init_group("any", timeout_s=300)
+    times = {}
+    for name, spec in SHAPES.items():
+        tree = {f"p{i}": mx.random.normal(s) for i, s in enumerate(lora_shapes(*spec))}
+        mx.eval(tree)
+        group.all_sum_tree(tree, 0)  # warm-up: connections, allocation
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            group.all_sum_tree(tree, 0)
+            runs.append(time.perf_counter() - start)
+        times[name] = sorted(runs)[len(runs) // 2]
+    if group.is_main:
+        (out / f"{group.backend}-{group.size}.json").write_text(json.dumps(times))
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def launch(backend: str, n: int, out: Path, repeats: int) -> dict:
+    env, _ = blas_env(dict(os.environ))
+    env.update(PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+    cmd = [sys.executable, __file__, "--worker", str(out), "--repeats", str(repeats)]
+    if n == 1:
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads((out / "none-1.json").read_text())
+    if backend == "mpi":
+        subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x", "LD_PRELOAD", "-x",
+                        "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS", *cmd], env=env, check=True, capture_output=True)
+    else:
+        hosts = out / "hosts.json"
+        hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+        procs = [subprocess.Popen(cmd, env={**env, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)}) for r in range(n)]
+        if any(p.wait() != 0 for p in procs):
+            raise SystemExit(f"ring run with {n} ranks failed")
+    return json.loads((out / f"{backend}-{n}.json").read_text())
+
+
+def demo_step_seconds(tokens: int) -> float:
+    """One reference-engine ORPO step (1 pair, ``tokens`` per side) of a random SmolLM2-135M-shaped model."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from dtrain.config import LoraConfig
+    from dtrain.engine import ReferenceEngine
+    from dtrain.lora import apply_lora
+    from dtrain.trainer import global_norm, run_micro_batches
+    from dtrain.types import TokenizedPair
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
+                           rope_theta=100000.0, tie_word_embeddings=True)
+    model = llama.Model(args)
+    model.set_dtype(mx.float32)
+    apply_lora(model, LoraConfig(rank=8))
+    half = tokens // 2
+    pair = TokenizedPair(list(range(1, half + 1)), list(range(100, 100 + half)), list(range(200, 200 + half)))
+    engine = ReferenceEngine(model, lam=0.1)
+    norm = global_norm([pair], "full")
+    run_micro_batches(engine, [pair], norm, 1, with_grads=True)  # warm-up
+    start = time.perf_counter()
+    run_micro_batches(engine, [pair], norm, 1, with_grads=True)
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--step-tokens", type=int, default=256)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(Path(args.worker), args.repeats)
+        return 0
+    results = ROOT / "bench" / "results"
+    scratch = results / "allreduce-scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    step = demo_step_seconds(args.step_tokens)
+    backends = ["ring"] + (["mpi"] if shutil.which("mpirun") else [])
+    rows = []
+    for backend in backends:
+        for n in (1, 2, 3):
+            if n == 1 and backend != backends[0]:
+                continue
+            for name, seconds in launch(backend, n, scratch, args.repeats).items():
+                params = sum(a * b for a, b in lora_shapes(*SHAPES[name]))
+                share = seconds / (step + seconds) if name.startswith("SmolLM2") else None
+                rows.append({"backend": backend if n > 1 else "none", "ranks": n, "lora": name, "params": params,
+                             "mib": params * 4 / 2**20, "buckets": -(-params * 4 // (32 * 2**20)),
+                             "seconds": seconds, "share_of_step": share})
+    shutil.rmtree(scratch, ignore_errors=True)
+    print(f"demo step (1 pair, {args.step_tokens} tokens per side, reference engine, this CPU): {step:.2f} s\n")
+    print("| backend | ranks | LoRA | params | MiB | buckets | all-reduce (s) | share of step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        share = f"{100 * r['share_of_step']:.1f}%" if r["share_of_step"] is not None else "n/a"
+        print(f"| {r['backend']} | {r['ranks']} | {r['lora']} | {r['params']:,} | {r['mib']:.1f} | {r['buckets']} | "
+              f"{r['seconds']:.4f} | {share} |")
+    machine = {"cpus": os.cpu_count(), "platform": sys.platform}
+    (results / "allreduce.json").write_text(json.dumps({"machine": machine, "demo_step_seconds": step,
+                                                        "step_tokens": args.step_tokens, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
