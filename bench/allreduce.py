@@ -6,7 +6,7 @@ For two LoRA sizes: the demo model's (SmolLM2-135M: 30 layers, hidden 576,
 intermediate 1536, 9 heads / 3 KV heads of dim 64; rank 8 on every linear
 layer) and a 7B one (Llama-2-7B shape: 32 layers, hidden 4096, intermediate
 11008; rank 16 on every linear layer). Ranks run over the ring backend
-(the variables mlx.launch sets) and over OpenMPI's ``mpirun``; each rank sums
+(``mlx.launch -n N``) and over OpenMPI's ``mpirun``; each rank sums
 random float32 trees shaped like the LoRA gradients, and the median of
 ``--repeats`` timed calls is reported. The share of step time uses one
 reference-engine step of a random SmolLM2-shaped model (one pair, ``--step-tokens``
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -64,16 +63,6 @@ def worker(out: Path, repeats: int) -> None:
         (out / f"{group.backend}-{group.size}.json").write_text(json.dumps(times))
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def launch(backend: str, n: int, out: Path, repeats: int) -> dict:
     env, _ = blas_env(dict(os.environ))
     env.update(PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
@@ -85,11 +74,8 @@ def launch(backend: str, n: int, out: Path, repeats: int) -> dict:
         subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x", "LD_PRELOAD", "-x",
                         "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS", *cmd], env=env, check=True, capture_output=True)
     else:
-        hosts = out / "hosts.json"
-        hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
-        procs = [subprocess.Popen(cmd, env={**env, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hosts)}) for r in range(n)]
-        if any(p.wait() != 0 for p in procs):
-            raise SystemExit(f"ring run with {n} ranks failed")
+        launcher = Path(sys.executable).parent / "mlx.launch"
+        subprocess.run([str(launcher), "-n", str(n), "--python", sys.executable, "--", *cmd[1:]], env=env, check=True)
     return json.loads((out / f"{backend}-{n}.json").read_text())
 
 
