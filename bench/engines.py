@@ -21,61 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import MODELS, SHAPES, build_model, make_pairs, write_results  # noqa: E402  (before MLX)
+
+import mlx.core as mx  # noqa: E402
 
 from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
 from dtrain.engine.arch import adapter_for  # noqa: E402
 from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
-from dtrain.types import TokenizedPair  # noqa: E402
-
-MODELS = {
-    # SmolLM2-135M shape (llama, tied embeddings)
-    "smollm2": ("llama", dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                              num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
-                              rope_theta=100000.0, tie_word_embeddings=True)),
-    # Gemma 3 270M widths and its 262,144-token vocabulary, few layers
-    "gemma3-vocab": ("gemma3_text", dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=6,
-                                         intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1,
-                                         head_dim=256, vocab_size=262144, sliding_window=512,
-                                         sliding_window_pattern=6, query_pre_attn_scalar=256)),
-}
-SHAPES = {"even": 0.5, "long-prompt": 0.8}  # prompt share of P + R; 0.8 gives P = 4 R
-
-
-def build_model(name: str, layers: int | None):
-    import importlib
-
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    module, args = MODELS[name]
-    mod = importlib.import_module(f"mlx_lm.models.{module}")
-    if layers and name == "smollm2":
-        args = dict(args, num_hidden_layers=layers)
-    mx.random.seed(0)
-    model = mod.Model(mod.ModelArgs.from_dict(args))
-    model.set_dtype(mx.float32)
-    if module == "gemma3_text":
-        model.sanitize({})  # no lm_head weight: tied embeddings, as Gemma 3 ships
-    model.freeze()
-    linear_to_lora_layers(model, len(model.layers), {"rank": 8, "scale": 2.0, "dropout": 0.0})
-    mx.eval(model.parameters())
-    return model
-
-
-def make_pairs(n: int, length: int, prompt_share: float, vocab: int) -> list[TokenizedPair]:
-    rng = random.Random(0)
-    P = max(1, int(length * prompt_share))
-    R = max(1, length - P)
-    ids = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
-    return [TokenizedPair(ids(P), ids(R), ids(R)) for _ in range(n)]
 
 
 def engines(model, segment: int, chunk: int) -> dict:
@@ -136,7 +95,7 @@ def main(argv=None) -> int:
 
     rows, flat = [], []
     for name in a.models:
-        model = build_model(name, a.layers)
+        model = build_model(name, a.layers if name == "smollm2" else None)
         n_layers = len(model.layers)
         segment = a.segment or max(1, round(math.sqrt(n_layers)))
         vocab = model.args.vocab_size
@@ -162,10 +121,7 @@ def main(argv=None) -> int:
                     rows.append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "times"}), flush=True)
         del model
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"engines-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"argv": sys.argv[1:], "rows": rows, "flat": flat}, indent=1))
+    path = write_results("engines", {"rows": rows, "flat": flat}, a.out)
     print(table(rows) if rows else "", "\n", f"wrote {path}")
     return 0
 

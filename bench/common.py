@@ -1,0 +1,127 @@
+"""Helpers shared by the benchmarks in bench/: model shapes, synthetic pairs,
+the machine line and the JSON results file.
+
+Import this module before MLX: it imports ``dtrain`` first, which preloads
+OpenBLAS on Linux (no ``LD_PRELOAD`` needed). Nothing here assumes a CPU:
+memory comes from ``mx.get_peak_memory`` and the BLAS line only reports what
+the process has loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import dtrain  # noqa: E402,F401  (before MLX: preloads OpenBLAS on Linux, as `dtrain train` does)
+import mlx.core as mx  # noqa: E402
+
+from dtrain.types import TokenizedPair  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+_LLAMA3 = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0,
+               num_attention_heads=32, num_key_value_heads=8)
+MODELS = {
+    # SmolLM2-135M shape (llama, tied embeddings)
+    "smollm2": ("llama", dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                              num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
+                              rope_theta=100000.0, tie_word_embeddings=True)),
+    # Gemma 3 270M widths and its 262,144-token vocabulary, few layers
+    "gemma3-vocab": ("gemma3_text", dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=6,
+                                         intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1,
+                                         head_dim=256, vocab_size=262144, sliding_window=512,
+                                         sliding_window_pattern=6, query_pre_attn_scalar=256)),
+    # Llama-3.2-1B and Llama-3.1-8B shapes (no rope scaling: it does not change the FLOPs)
+    "llama3.2-1b": ("llama", dict(_LLAMA3, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                                  tie_word_embeddings=True)),
+    "llama3.1-8b": ("llama", dict(_LLAMA3, hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                                  tie_word_embeddings=False)),
+}
+SHAPES = {"even": 0.5, "long-prompt": 0.8}  # prompt share of P + R; 0.8 gives P = 4 R
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def build_model(name: str, layers: int | None = None, dtype=mx.float32, lora_scale: float = 2.0, rank: int = 8):
+    """A randomly initialised model of shape ``MODELS[name]`` in ``dtype``, frozen,
+    with LoRA (``rank``, ``lora_scale``, no dropout) on every linear layer of every
+    decoder layer (mlx-lm's ``linear_to_lora_layers``). ``layers`` overrides the depth."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    module, args = MODELS[name]
+    mod = importlib.import_module(f"mlx_lm.models.{module}")
+    if layers:
+        args = dict(args, num_hidden_layers=layers)
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(args))
+    model.set_dtype(dtype)
+    if module == "gemma3_text":
+        model.sanitize({})  # no lm_head weight: tied embeddings, as Gemma 3 ships
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": rank, "scale": lora_scale, "dropout": 0.0})
+    mx.eval(model.parameters())
+    return model
+
+
+def make_pairs(n: int, length: int, prompt_share: float, vocab: int) -> list[TokenizedPair]:
+    """``n`` pairs of random token ids: a prompt of ``length * prompt_share`` tokens
+    and chosen/rejected responses of the rest (P + R = ``length`` per side)."""
+    rng = random.Random(0)
+    P = max(1, int(length * prompt_share))
+    R = max(1, length - P)
+    ids = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+    return [TokenizedPair(ids(P), ids(R), ids(R)) for _ in range(n)]
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and count of ``values`` (empty -> NaNs, count 0)."""
+    if not values:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def loaded_blas() -> str:
+    """BLAS libraries mapped into this process (Linux), or '' when unknown."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+    names = {Path(line.split()[-1]).name for line in maps.splitlines() if "blas" in line.lower() and "/" in line}
+    return ", ".join(sorted(names))
+
+
+def machine() -> dict:
+    """CPU model, cores, MLX version and device, loaded BLAS: the machine line."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "mlx": mx.__version__, "device": str(mx.default_device()),
+            "blas": loaded_blas(), "python": platform.python_version()}
+    if mx.default_device() == mx.gpu:
+        try:
+            info["gpu"] = mx.device_info().get("device_name", "")
+        except Exception:  # device_info differs between backends
+            pass
+    return info
+
+
+def write_results(prefix: str, payload: dict, out: str | Path = RESULTS) -> Path:
+    """Write ``payload`` (plus the machine line and argv) to ``out/prefix-STAMP.json``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"argv": sys.argv[1:], "machine": machine(), **payload}, indent=1))
+    return path

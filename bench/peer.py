@@ -1,0 +1,339 @@
+"""Pairs per second and peak memory against mlx-lm-lora's ORPO, on real pairs.
+
+    python bench/peer.py --pairs-per-run 6 --rounds 2
+
+Both tools train the same float32 SmolLM2-135M-Instruct folder (``dtrain
+convert`` of the demo GGUF, dequantized), on the same orca pairs, with LoRA
+rank 8, scale 20 (mlx-lm's ``scale``; mlx-lm-lora passes ``lora_parameters``
+to the same ``linear_to_lora_layers``, and has no separate alpha) on every
+linear layer of all 30 layers, at most 1024 tokens per sequence, one pair per
+step, learning rate 2e-4, ORPO lambda (mlx-lm-lora's ``beta``) 0.1.
+
+Each round writes ``--pairs-per-run`` consecutive pairs to a temporary folder
+(outside the repository) and runs, in alternating order (A B C, then C B A),
+``dtrain train`` with each engine variant and ``mlx_lm_lora.train
+--train-mode orpo``; each run trains one step per pair. Per-pair seconds:
+dtrain's ``1 / pairs_per_second`` from TensorBoard (the step's wall time),
+mlx-lm-lora's from its ``--steps-per-report 1`` lines, as the step's
+response tokens (recorded) ÷ its printed ``tok/s`` (``1 / it/s`` has only
+three decimals); it resets its timer after validation, so neither tool's
+figure includes evaluation or saving. The
+ratio is taken pair by pair: dtrain's step on a pair against mlx-lm-lora's
+iterations on the same pair (it draws pairs at random with replacement, so
+some pairs are drawn twice and some never).
+
+mlx-lm-lora runs in its own venv (``--peer-python``), with OpenBLAS preloaded
+as dtrain preloads it, through this file's ``--child`` mode, which (1) adds
+``max_recommended_working_set_size`` to ``mx.device_info()`` when the backend
+lacks it (5.10.2 reads it unconditionally; the Linux CPU build has no such
+key), (2) records which pair each training iteration drew and (3) times the
+fused-model save it does at the end (``fuse: true`` is its default). Nothing
+else is changed.
+
+Prints a markdown table and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+MODEL_DIR = Path.home() / ".cache" / "dtrain" / "smollm2-135m-instruct-f32"
+VARIANTS = {
+    "dtrain reference": {"kind": "reference"},
+    # ranges of 5 layers (about sqrt(30)); `auto` would pick one 30-layer range here
+    "dtrain segmented+prefix+chunked": {"kind": "segmented", "segment_layers": 5, "prefix_sharing": True,
+                                        "head_chunk_tokens": 512},
+}
+PEER = "mlx-lm-lora"
+ITER_LINE = re.compile(r"Iter (\d+): loss .*?it/s ([\d.]+), tok/s ([\d.]+), peak_mem ([\d.]+)GB")
+
+
+# ---- the child: mlx-lm-lora, run inside its own venv ----
+
+def child(config: str, record: str) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    device_info = mx.device_info
+
+    def with_working_set():  # 5.10.2 calls mx.set_wired_limit(info["max_recommended_working_set_size"])
+        info = dict(device_info())
+        info.setdefault("max_recommended_working_set_size",
+                        info.get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return info
+
+    mx.device_info = with_working_set
+    import mlx_lm_lora.train as cli
+    import mlx_lm_lora.trainer.orpo_trainer as orpo
+
+    out = {"drawn": [], "tokens": [], "fuse_s": None}
+    batches = orpo.iterate_orpo_batches
+
+    def recording(dataset, batch_size, max_seq_length, train=False):
+        for batch in batches(dataset, batch_size, max_seq_length, train):
+            if train:  # which pair: the dataset row whose chosen tokens start the batch's row
+                row = np.array(batch[0][0]).tolist()
+                out["drawn"].append(next((j for j in range(len(dataset))
+                                          if list(dataset[j]["chosen"][: len(row)]) == row[: len(dataset[j]["chosen"])]),
+                                         -1))
+                # the tokens it counts for tok/s (response targets), to time the step from tok/s
+                out["tokens"].append(int(np.array(batch[2][:, 1:]).sum() + np.array(batch[3][:, 1:]).sum()))
+            yield batch
+
+    orpo.iterate_orpo_batches = recording
+    merged = cli.save_pretrained_merged
+
+    def timed_merge(*args, **kwargs):
+        t = time.perf_counter()
+        result = merged(*args, **kwargs)
+        out["fuse_s"] = time.perf_counter() - t
+        return result
+
+    cli.save_pretrained_merged = timed_merge
+    sys.argv = ["mlx_lm_lora.train", "--config", config]
+    try:
+        cli.main()
+    finally:
+        Path(record).write_text(json.dumps(out))
+
+
+# ---- the parent: this project's venv ----
+
+def orca_rows(path: str, start: int, n: int) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return rows[start: start + n]
+
+
+def as_peer_row(row: dict) -> dict:
+    """OpenAI preference row -> mlx-lm-lora's ORPO fields (system, prompt, chosen, rejected)."""
+    messages = row["input"]["messages"]
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    user = [m["content"] for m in messages if m["role"] == "user"]
+    out = {"prompt": user[-1], "chosen": row["preferred_output"][-1]["content"],
+           "rejected": row["non_preferred_output"][-1]["content"]}
+    return {"system": system[0], **out} if system else out
+
+
+def timed(cmd: list, env: dict, log: Path) -> tuple[float, float, str]:
+    """Run ``cmd`` under /usr/bin/time -v; returns (wall s, max RSS GB, stdout + stderr)."""
+    t = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    text = proc.stdout + proc.stderr
+    log.write_text(text)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}); log: {log}\n{text[-3000:]}")
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    return wall, int(rss.group(1)) / 1e6 if rss else float("nan"), text
+
+
+def lora_b_change(path: Path) -> dict:
+    """``lora_b`` starts at zero in mlx-lm's LoRA layers: changed = any non-zero entry."""
+    import mlx.core as mx
+
+    weights = mx.load(str(path))
+    b = [v for k, v in weights.items() if k.endswith("lora_b")]
+    norm = float(mx.sqrt(sum((x.astype(mx.float32) ** 2).sum() for x in b))) if b else 0.0
+    nonzero = sum(int((x != 0).any()) for x in b)
+    return {"lora_b_tensors": len(b), "lora_b_nonzero_tensors": nonzero, "lora_b_l2": norm, "changed": norm > 0}
+
+
+def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work: Path) -> dict:
+    import yaml
+
+    from dtrain import sampler
+    from dtrain.config import load_config
+    from dtrain.tracking import read_scalars
+
+    out = work / variant.replace(" ", "_").replace("+", "_")
+    cfg = {"model": {"path": str(a.model_dir), "dtype": "float32"},
+           "lora": {"rank": 8, "scale": 20.0, "dropout": 0.0, "num_layers": -1, "keys": None},
+           "data": {"train": str(data_file), "valid_fraction": 0.0, "max_length": a.max_length,
+                    "max_prompt_length": a.max_length},
+           "orpo": {"lambda": 0.1}, "engine": engine,
+           "train": {"steps": steps, "global_batch_pairs": 1, "micro_batch_pairs": 1, "learning_rate": a.lr,
+                     "schedule": "constant", "warmup_steps": 0, "seed": 0, "output_dir": str(out), "progress": False}}
+    cfg_path = work / f"{out.name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    wall, rss, _ = timed([sys.executable, "-m", "dtrain", "train", "-c", str(cfg_path)], dict(os.environ),
+                         work / f"{out.name}.log")
+    run_dir = next((out / "tb").iterdir())
+    scalars = read_scalars(run_dir)
+    pps = dict(scalars["pairs_per_second"])
+    tps = dict(scalars["tokens_per_second"])
+    # step -> pair: the same sampler the trainer uses, over the same tokenized pairs
+    pairs = _dataset(load_config(str(cfg_path)), a.model_dir)
+    steps_out = []
+    for step in sorted(pps):
+        (_, i), = sampler.global_batch(step, len(pairs), 1, 0)
+        line = int(pairs[i].source.rsplit(":", 1)[1])
+        steps_out.append({"step": step, "pair": line - 1, "seconds": 1 / pps[step], "tokens": round(tps[step] / pps[step]),
+                          "prompt": len(pairs[i].prompt), "chosen": len(pairs[i].chosen),
+                          "rejected": len(pairs[i].rejected)})
+    return {"tool": variant, "wall_s": wall, "max_rss_gb": rss, "steps": steps_out,
+            "peak_gb": max(v for _, v in scalars["peak_memory_gb"]),
+            "adapter": lora_b_change(out / "adapters" / "adapters.safetensors")}
+
+
+_TOKENIZED = {}
+
+
+def _dataset(cfg, model_dir):
+    from dtrain.data import load_dataset
+    from dtrain.models import load_model
+
+    if "tok" not in _TOKENIZED:
+        _TOKENIZED["tok"] = load_model(str(model_dir), "float32").tokenizer
+    key = cfg.data.train
+    if key not in _TOKENIZED:
+        _TOKENIZED[key] = load_dataset(cfg.data, _TOKENIZED["tok"], cfg.train.seed, log=None).train
+    return _TOKENIZED[key]
+
+
+def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
+    import yaml
+
+    out = work / "peer"
+    cfg = {"model": str(a.model_dir), "train": True, "train_mode": "orpo", "train_type": "lora",
+           "data": str(data_dir), "batch_size": 1, "iters": iters, "val_batches": 1, "steps_per_report": 1,
+           "steps_per_eval": 10**6, "save_every": 10**6, "adapter_path": str(out), "max_seq_length": a.max_length,
+           "learning_rate": a.lr, "beta": 0.1, "seed": 0, "num_layers": 30,
+           "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0}}
+    cfg_path = work / "peer.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    record = work / "peer-record.json"
+    env = dict(os.environ)
+    if Path(OPENBLAS).exists():
+        env["LD_PRELOAD"] = OPENBLAS
+    wall, rss, text = timed([a.peer_python, str(Path(__file__).resolve()), "--child", str(cfg_path), str(record)],
+                            env, work / "peer.log")
+    drawn = json.loads(record.read_text())
+    iters_out = []
+    for m in ITER_LINE.finditer(text):
+        it = int(m.group(1))
+        tok_s, tokens = float(m.group(3)), drawn["tokens"][it - 1]
+        # tok/s is printed with more significant digits than it/s (3 decimals)
+        iters_out.append({"step": it, "pair": drawn["drawn"][it - 1], "seconds": tokens / tok_s,
+                          "seconds_from_it_s": 1 / float(m.group(2)), "tokens": tokens, "peak_gb": float(m.group(4))})
+    fused = sorted(p.name for p in out.glob("*.safetensors") if p.name != "adapters.safetensors")
+    return {"tool": PEER, "wall_s": wall, "max_rss_gb": rss, "steps": iters_out,
+            "peak_gb": max(s["peak_gb"] for s in iters_out), "fuse_s": drawn["fuse_s"], "fused_files": fused,
+            "adapter": lora_b_change(out / "adapters.safetensors")}
+
+
+def summarize(runs: list[dict]) -> dict:
+    from common import spread
+
+    tools = list(dict.fromkeys(r["tool"] for r in runs))
+    per_tool = {}
+    for tool in tools:
+        mine = [r for r in runs if r["tool"] == tool]
+        secs = [s["seconds"] for r in mine for s in r["steps"]]
+        per_tool[tool] = {"s_per_pair": spread(secs), "pairs_per_s": spread([1 / s for s in secs]),
+                          "peak_gb": max(r["peak_gb"] for r in mine), "max_rss_gb": max(r["max_rss_gb"] for r in mine),
+                          "adapter_changed_runs": f"{sum(r['adapter']['changed'] for r in mine)}/{len(mine)}",
+                          "adapters": [r["adapter"] for r in mine]}
+        if tool == PEER:
+            per_tool[tool]["fuse_s"] = [r["fuse_s"] for r in mine]
+    # pair by pair: (round, pair) -> seconds per tool (median over repeated draws)
+    by_pair: dict = {}
+    for r in runs:
+        for s in r["steps"]:
+            by_pair.setdefault((r["round"], s["pair"]), {}).setdefault(r["tool"], []).append(s["seconds"])
+    ratios = {}
+    for tool in tools:
+        if tool == PEER:
+            continue
+        ratio = [statistics.median(t[PEER]) / statistics.median(t[tool]) for t in by_pair.values() if PEER in t and tool in t]
+        ratios[tool] = spread(ratio)
+    return {"per_tool": per_tool, "speedup_vs_peer": ratios}
+
+
+def table(summary: dict) -> str:
+    lines = ["| tool | steps | s/pair median (min–max) | pairs/s median | peak GB (mx) | max RSS GB | adapter changed "
+             "| pairs/s ÷ mlx-lm-lora's, pair by pair: median (min–max, n) |", "|" + "---|" * 8]
+    for tool, t in summary["per_tool"].items():
+        s, r = t["s_per_pair"], summary["speedup_vs_peer"].get(tool)
+        ratio = f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}, {r['n']})" if r else "1"
+        lines.append(f"| {tool} | {s['n']} | {s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f}) "
+                     f"| {t['pairs_per_s']['median']:.3f} | {t['peak_gb']:.2f} | {t['max_rss_gb']:.2f} "
+                     f"| {t['adapter_changed_runs']} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", nargs=2, metavar=("CONFIG", "RECORD"), help=argparse.SUPPRESS)
+    ap.add_argument("--data", default=DATA, help="orca pairs in OpenAI preference format (read in place)")
+    ap.add_argument("--start", type=int, default=0, help="first row of --data to use")
+    ap.add_argument("--pairs-per-run", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of (every dtrain variant, mlx-lm-lora)")
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="float32 mlx-lm folder (converted if missing)")
+    ap.add_argument("--peer-python", default="/work/peer-venv/bin/python", help="python of the mlx-lm-lora venv")
+    ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, adapters, fused model)")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    a = ap.parse_args(argv)
+    if a.child:
+        child(*a.child)
+        return 0
+
+    sys.path.insert(0, str(HERE))
+    from common import write_results
+
+    if not a.model_dir.exists():
+        from dtrain.models import convert_gguf, demo_model_path
+
+        convert_gguf(str(demo_model_path()), str(a.model_dir), dequantize=True)
+    tools = [t for t in [*VARIANTS, PEER] if not a.only or t in a.only]
+    root = Path(tempfile.mkdtemp(prefix="dtrain-peer-"))
+    runs = []
+    try:
+        for rnd in range(a.rounds):
+            work = root / f"round{rnd}"
+            (work / "peer-data").mkdir(parents=True)
+            rows = orca_rows(a.data, a.start + rnd * a.pairs_per_run, a.pairs_per_run)
+            data_file = work / "pairs.jsonl"
+            data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            peer_rows = "".join(json.dumps(as_peer_row(r)) + "\n" for r in rows)
+            (work / "peer-data" / "train.jsonl").write_text(peer_rows)
+            (work / "peer-data" / "valid.jsonl").write_text(peer_rows.splitlines(True)[0])
+            for tool in (tools if rnd % 2 == 0 else tools[::-1]):
+                if tool == PEER:
+                    r = run_peer(work / "peer-data", len(rows), a, work)
+                else:
+                    r = run_dtrain(tool, VARIANTS[tool], data_file, len(rows), a, work)
+                r.update(round=rnd, first_row=a.start + rnd * a.pairs_per_run)
+                runs.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
+                print("  s/pair:", [round(s["seconds"], 2) for s in r["steps"]], "pairs:",
+                      [s["pair"] for s in r["steps"]], flush=True)
+    finally:
+        if a.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    summary = summarize(runs)
+    path = write_results("peer", {"runs": runs, "summary": summary}, a.out)
+    print(table(summary), "\n", f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
