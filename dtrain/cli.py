@@ -59,7 +59,7 @@ def _train(args, overrides) -> int:
     from .trainer import train
 
     cfg = load_config(args.config, overrides)
-    group = init_group(cfg.distributed.backend)
+    group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
     if group.is_main and result.evals:
         first, last = min(result.evals), max(result.evals)

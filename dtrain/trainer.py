@@ -187,7 +187,8 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     out = Path(t.output_dir)
     ckpt_root = out / "checkpoints"
     _main_rank_check(group, lambda: ckpt.check_output_dir(out, ckpt.estimate_bytes(model)))
-    optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay)
+    # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
+    optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
     optimizer.init(model.trainable_parameters())
     start_step, skipped, run_dir = 1, 0, None
     resume_from = _resume_path(t.resume, ckpt_root, group)

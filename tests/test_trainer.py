@@ -94,3 +94,14 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     b, _ = run(tmp_path / "b", "train.micro_batch_pairs=1")
     assert a.history[0]["loss"] == pytest.approx(b.history[0]["loss"], rel=1e-6)
     np.testing.assert_allclose([h["loss"] for h in a.history], [h["loss"] for h in b.history], rtol=1e-4)
+
+
+def test_first_adamw_step_is_bias_corrected(tmp_path):
+    """Standard AdamW: the first update is lr * g / (|g| + eps) = lr * sign(g).
+    (Without bias correction it would be lr * 0.1 / sqrt(0.001) = 3.16 lr.)"""
+    result, model = run(tmp_path, "train.steps=1", "train.grad_clip=0", "train.schedule=constant",
+                        "train.warmup_steps=0", "train.learning_rate=1e-2", "train.eval_every=0")
+    weights = mx.load(str(result.adapter_dir / "adapters.safetensors"))
+    lora_b = np.concatenate([np.abs(np.array(v)).ravel() for k, v in weights.items() if k.endswith("lora_b")])
+    assert lora_b.max() == pytest.approx(1e-2, rel=1e-3)  # lora_b starts at 0
+    assert np.median(lora_b) > 0.9e-2
