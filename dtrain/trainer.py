@@ -117,7 +117,9 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
     sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
     if grads is None:  # this rank got no pairs this step: contribute zeros
         grads = tree_map(mx.zeros_like, model.trainable_parameters())
-    grads = group.all_sum_tree(grads, step)
+    reduce_start = time.perf_counter()
+    grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
+    reduce_seconds = time.perf_counter() - reduce_start
     sums = group.all_sum_scalars({**{k: sums.get(k, 0.0) for k in METRIC_KEYS}, "stop": float(stop_requested)}, step)
     if t.grad_clip > 0:
         grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
@@ -138,6 +140,8 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
         "tokens_per_second": sums["input_tokens"] / seconds,
         "pairs_per_second": sums["pairs"] / seconds,
         "peak_memory_gb": peak_memory_gb(),
+        "perf/step_seconds": seconds,
+        "perf/allreduce_seconds": reduce_seconds,
         "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
     })
     return metrics, finite, sums["stop"] > 0
