@@ -20,7 +20,6 @@ exists and every checksum matches.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
+from .files import fsync_path, sha256_file
 from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
 
 STATE = "state.json"
@@ -50,22 +50,6 @@ class Checkpoint:
     state: dict
     adapter: dict  # name -> array
     optimizer: dict  # flattened optimizer state
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(root: Path, step: int, model, optimizer, lora_cfg, state: dict, resolved: dict) -> Path:
@@ -96,15 +80,15 @@ def save_checkpoint(root: Path, step: int, model, optimizer, lora_cfg, state: di
         (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
         files = sorted(p for p in tmp.iterdir())
         for p in files:
-            _fsync_path(p)
-        manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+            fsync_path(p)
+        manifest = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files}
         (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
-        _fsync_path(tmp / MANIFEST)
-        _fsync_path(tmp)
+        fsync_path(tmp / MANIFEST)
+        fsync_path(tmp)
         if final.exists():  # a re-save of the same step (e.g. after resume)
             shutil.rmtree(final)
         tmp.rename(final)
-        _fsync_path(root)
+        fsync_path(root)
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"could not write checkpoint {final}: {err.strerror or err}; "
@@ -125,7 +109,7 @@ def validate(path: Path) -> Optional[str]:
         p = path / name
         if not p.is_file():
             return f"missing {name}"
-        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
             return f"checksum mismatch in {name}"
     return None
 

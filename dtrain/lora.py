@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +21,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from .config import LoraConfig
 from .errors import ConfigError
+from .files import fsync_path
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -76,32 +78,18 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, extra: 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
-        _rmtree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     weights = dict(tree_flatten(model.trainable_parameters()))
     mx.save_safetensors(str(tmp / ADAPTER_WEIGHTS), weights)
     (tmp / ADAPTER_CONFIG).write_text(json.dumps({**adapter_config(cfg, model), **(extra or {})}, indent=2))
     for f in tmp.iterdir():
-        _fsync(f)
+        fsync_path(f)
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     if out.exists():
         out.rename(old)
     tmp.rename(out)
-    _fsync(out.parent)
+    fsync_path(out.parent)
     if old.exists():
-        _rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

