@@ -36,8 +36,8 @@ from dtrain import distributed, trainer  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.errors import UserError  # noqa: E402
 
-# No clipping and a small learning rate: AdamW (no bias correction in MLX) makes
-# near-sign updates for gradient elements near zero, which amplifies float32
+# No clipping and a small learning rate: Adam's first steps are near-sign updates
+# (lr * g / |g|), even for gradient elements near zero, which amplifies float32
 # summation-order noise; these settings keep 5 steps well conditioned.
 DEFAULTS = [
     "data.demo_pairs=1", "train.steps=5", "train.global_batch_pairs=6", "train.micro_batch_pairs=6",
@@ -106,8 +106,7 @@ def instrument(args, group, seen):
 
 
 def run_training(args, overrides, group):
-    from conftest import make_tiny_model
-    from test_trainer import make_pairs
+    from conftest import make_pairs, make_tiny_model
 
     out = Path(args.out)
     cfg = load_config(None, [*DEFAULTS, f"train.output_dir={out / 'run'}", *overrides,
