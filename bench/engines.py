@@ -13,7 +13,7 @@ prefix sharing shows up as a speed-up, compared with its ideal
 full stack and checks that active memory stays flat within 2%.
 
 Prints a markdown table and writes JSON to bench/results/. Models have random
-weights (float32) and LoRA rank 8 on every layer; not a test.
+weights (``--dtype``, float32 by default) and LoRA rank 8 on every layer; not a test.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODELS, SHAPES, build_model, make_pairs, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, SHAPES, build_model, make_pairs, write_results  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 
@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--pairs", type=int, default=1, help="pairs per micro-batch")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="bfloat16 on a GPU")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--layers", type=int, default=None, help="depth of the smollm2 model (default 30)")
     ap.add_argument("--segment", type=int, default=0, help="layers per range; 0 = round(sqrt(layers))")
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
 
     rows, flat = [], []
     for name in a.models:
-        model = build_model(name, a.layers if name == "smollm2" else None)
+        model = build_model(name, a.layers if name == "smollm2" else None, DTYPES[a.dtype])
         n_layers = len(model.layers)
         segment = a.segment or max(1, round(math.sqrt(n_layers)))
         vocab = model.args.vocab_size
