@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = ap.parse_args(argv)
 
-    rows, flat = [], []
+    rows, flat, failed = [], [], []
     for name in a.models:
         model = build_model(name, a.layers if name == "smollm2" else None, DTYPES[a.dtype])
         n_layers = len(model.layers)
@@ -115,15 +115,21 @@ def main(argv=None) -> int:
                 for engine_name, make in makers.items():
                     if a.only and engine_name not in a.only:
                         continue
-                    r = measure(make(), pairs, norm, a.steps, a.warmup)
+                    try:
+                        r = measure(make(), pairs, norm, a.steps, a.warmup)
+                    except RuntimeError as err:  # e.g. out of GPU memory: record it, go on
+                        failed.append(f"{name} {shape} {length} {engine_name}: {str(err)[:120]}")
+                        print(json.dumps({"failed": failed[-1]}), flush=True)
+                        mx.clear_cache()
+                        continue
                     r.update(model=name, layers=n_layers, segment=segment, shape=shape, length=length, P=P, R=R,
                              engine=engine_name, tokens_per_s=logical / r["s_per_step"],
                              pairs_per_s=a.pairs / r["s_per_step"], ideal_prefix_speedup=(2 * P + 2 * R) / (P + 2 * R))
                     rows.append(r)
                     print(json.dumps({k: v for k, v in r.items() if k != "times"}), flush=True)
         del model
-    path = write_results("engines", {"rows": rows, "flat": flat}, a.out)
-    print(table(rows) if rows else "", "\n", f"wrote {path}")
+    path = write_results("engines", {"rows": rows, "flat": flat, "failed": failed}, a.out)
+    print(table(rows) if rows else "", "\n", "".join(f"\nfailed: {f}" for f in failed), f"\nwrote {path}")
     return 0
 
 

@@ -119,7 +119,12 @@ def main(argv=None) -> int:
             P, R = len(pairs[0].prompt), len(pairs[0].chosen)
             norm = Norm(nll_tokens=float(P + R), pairs=1.0)
             for kind in a.engines:
-                r = measure(make_engine(kind, model, segment, a.chunk), pairs, norm, a.steps, a.warmup)
+                try:
+                    r = measure(make_engine(kind, model, segment, a.chunk), pairs, norm, a.steps, a.warmup)
+                except RuntimeError as err:  # e.g. out of GPU memory: report it, go on
+                    print(json.dumps({"failed": f"{name} {length} {kind}: {str(err)[:120]}"}), flush=True)
+                    mx.clear_cache()
+                    continue
                 T = 2 * (P + R) if kind == "reference" else P + 2 * R
                 recompute = 2 * N * T if kind == "segmented" else 0
                 r.update(model=name, layers=n_layers, segment=segment if kind == "segmented" else None, engine=kind,

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# GPU runs on the lent H200 machine (MLX CUDA build assembled into /tmp/site by
+# ../shared/gpu/prepare-mlx-cuda's install.sh). Usage, from the repository root there:
+#   bash bench/gpu.sh engines OUT   # matmul rate, parity smoke (full fp32), bench/engines.py in bfloat16
+#   bash bench/gpu.sh mfu OUT       # bench/mfu.py in bfloat16
+#   bash bench/gpu.sh dp OUT        # bench/dp_gpu.py: 1 vs 2 GPUs over nccl, bfloat16 (needs 2 GPUs)
+#   bash bench/gpu.sh dpf32 OUT     # the same in float32 with TF32 off: 2-rank adapter vs 1-rank adapter
+# MLX runs float32 matmuls as TF32 on NVIDIA GPUs unless MLX_ENABLE_TF32=0 (about 1e-3
+# relative error per product): the float32 equivalence checks turn it off.
+set -uo pipefail
+stage=$1; out=$2
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+mkdir -p "$out"
+case $stage in
+engines)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+  MLX_ENABLE_TF32=0 python3 - <<'PY' 2>&1 | tee "$out/smoke.txt"
+# segmented engine on CUDA: same loss and LoRA gradients as the reference engine (float32, tiny llama)
+import mlx.core as mx, numpy as np
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import llama
+from dtrain.config import LoraConfig
+from dtrain.lora import apply_lora
+from dtrain.engine import Norm, ReferenceEngine
+from dtrain.engine.segmented import SegmentedEngine
+from dtrain.types import TokenizedPair
+print("device", mx.default_device())
+mx.random.seed(0)
+m = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=5, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=True))
+m.set_dtype(mx.float32); apply_lora(m, LoraConfig(rank=4, scale=2.0))
+m.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), m.trainable_parameters()))
+pairs = [TokenizedPair([1, 5, 6, 7, 8], [9, 10, 2], [11, 12, 13, 2]), TokenizedPair([1, 20], [21, 22, 23, 2], [24, 2])]
+norm = Norm(14, 2)
+ref = ReferenceEngine(m, 0.1).step(pairs, norm)
+from dtrain.engine.arch import adapter_for
+seg = SegmentedEngine(m, adapter_for(m), 0.1, "full", segment_layers=2, prefix_sharing=True, head_chunk_tokens=4).step(pairs, norm)
+print("loss ref", ref.loss.item(), "seg", seg.loss.item())
+worst = max(float(np.linalg.norm(np.array(a) - np.array(b)) / np.linalg.norm(np.array(a)))
+            for (_, a), (_, b) in zip(tree_flatten(ref.grads), tree_flatten(seg.grads)))
+print("worst relative L2 gradient difference", worst)
+a = mx.random.normal((8192, 8192)).astype(mx.bfloat16); mx.eval(a)
+import time
+for _ in range(2): mx.eval(a @ a)
+t = time.perf_counter(); [mx.eval(a @ a) for _ in range(10)]; dt = (time.perf_counter() - t) / 10
+print(f"bf16 8192^3 matmul {2 * 8192**3 / dt / 1e12:.0f} TFLOP/s")
+PY
+  timeout 420 python3 bench/engines.py --models llama3.2-1b llama3.1-8b --lengths 1024 4096 8192 --shapes even \
+      --dtype bfloat16 --steps 3 --warmup 1 --segment 4 --chunk 2048 --out "$out" 2>&1 | tee "$out/engines.md"
+  ;;
+mfu)
+  timeout 500 python3 bench/mfu.py --models llama3.2-1b llama3.1-8b --lengths 1024 4096 8192 --dtype bfloat16 \
+      --steps 3 --warmup 1 --segment 4 --chunk 2048 --out "$out" 2>&1 | tee "$out/mfu.md"
+  ;;
+dp)
+  d=/tmp/dp
+  for len in 1024 4096; do
+    python3 bench/dp_gpu.py setup $d-$len --shape llama-1b --dtype bfloat16 --length $len --pairs 64 >/dev/null
+    timeout 200 python3 bench/dp_gpu.py run $d-$len --ranks 1 2 --steps 6 --global-batch 8 --micro 4 2>&1 | tail -8 | tee "$out/dp-$len.md"
+  done
+  for f in $d-*/dp.json; do cp "$f" "$out/$(basename $(dirname $f)).json"; done
+  ;;
+dpf32)
+  d=/tmp/dp
+  python3 bench/dp_gpu.py setup $d-f32 --shape llama-1b --dtype float32 --length 1024 --pairs 32 >/dev/null
+  MLX_ENABLE_TF32=0 timeout 200 python3 bench/dp_gpu.py run $d-f32 --ranks 1 2 --steps 5 --global-batch 8 --micro 4 2>&1 | tail -8 | tee "$out/dp-f32.md"
+  cp $d-f32/dp.json "$out/dp-f32.json"
+  ;;
+esac
