@@ -81,6 +81,24 @@ def make_pairs(n: int, length: int, prompt_share: float, vocab: int) -> list[Tok
     return [TokenizedPair(ids(P), ids(R), ids(R)) for _ in range(n)]
 
 
+def measure(engine, pairs, norm, steps: int, warmup: int) -> dict:
+    """Peak memory (GB, and above the memory held before) and seconds per ``engine.step``
+    (loss and gradients evaluated), median over ``steps`` after ``warmup`` untimed steps."""
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        out = engine.step(pairs, norm)
+        mx.eval(out.loss, out.grads)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        del out
+    return {"peak_gb": mx.get_peak_memory() / 1e9, "peak_over_weights_gb": (mx.get_peak_memory() - base) / 1e9,
+            "s_per_step": statistics.median(times), "times": times}
+
+
 def spread(values: list[float]) -> dict:
     """Median, min, max and count of ``values`` (empty -> NaNs, count 0)."""
     if not values:

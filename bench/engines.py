@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DTYPES, MODELS, SHAPES, build_model, make_pairs, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, SHAPES, build_model, make_pairs, measure, write_results  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 
@@ -46,22 +44,6 @@ def engines(model, segment: int, chunk: int) -> dict:
         "+ prefix sharing": lambda: seg(prefix_sharing=True),
         "+ chunked head": lambda: seg(prefix_sharing=True, head_chunk_tokens=chunk),
     }
-
-
-def measure(engine, pairs, norm, steps: int, warmup: int) -> dict:
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        out = engine.step(pairs, norm)
-        mx.eval(out.loss, out.grads)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-        del out
-    return {"peak_gb": mx.get_peak_memory() / 1e9, "peak_over_weights_gb": (mx.get_peak_memory() - base) / 1e9,
-            "s_per_step": statistics.median(times), "times": times}
 
 
 def flat_check(engine, pairs, norm, steps: int) -> dict:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DTYPES, MODELS, build_model, make_pairs, spread, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, build_model, make_pairs, measure, spread, write_results  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -72,20 +72,6 @@ def make_engine(kind: str, model, segment: int, chunk: int):
         return ReferenceEngine(model, 0.1)
     return SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=segment, prefix_sharing=True,
                            head_chunk_tokens=chunk)
-
-
-def measure(engine, pairs, norm, steps: int, warmup: int) -> dict:
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        out = engine.step(pairs, norm)
-        mx.eval(out.loss, out.grads)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-        del out
-    return {"s_per_step": statistics.median(times), "times": times, "peak_gb": mx.get_peak_memory() / 1e9}
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,9 @@
 """Pairs per second and peak memory against mlx-lm-lora's ORPO, on real pairs.
 
-    python bench/peer.py --pairs-per-run 6 --rounds 2
+    python bench/peer.py --pairs-per-run 5 --rounds 2                      # CPU: SmolLM2, float32
+    python bench/peer.py --model llama3.2-1b --dtype bfloat16 --max-length 4096   # GPU: random weights
 
-Both tools train the same float32 SmolLM2-135M-Instruct folder (``dtrain
+By default both tools train the same float32 SmolLM2-135M-Instruct folder (``dtrain
 convert`` of the demo GGUF, dequantized), on the same orca pairs, with LoRA
 rank 8, scale 20 (mlx-lm's ``scale``; mlx-lm-lora passes ``lora_parameters``
 to the same ``linear_to_lora_layers``, and has no separate alpha) on every
@@ -30,6 +31,12 @@ key), (2) records which pair each training iteration drew and (3) times the
 fused-model save it does at the end (``fuse: true`` is its default). Nothing
 else is changed.
 
+``--model llama3.2-1b`` / ``llama3.1-8b`` (for a GPU) write a random-weight
+mlx-lm folder of that shape in ``--dtype`` once (under ~/.cache/dtrain), with
+SmolLM2's tokenizer (its ids fit the 128,256-row vocabulary), and both tools
+train that folder. Peak memory is ``mx.get_peak_memory`` as each tool logs
+it; max RSS comes from ``/usr/bin/time -v`` when it exists.
+
 Prints a markdown table and writes JSON to bench/results/.
 """
 
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -53,12 +61,12 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 MODEL_DIR = Path.home() / ".cache" / "dtrain" / "smollm2-135m-instruct-f32"
 VARIANTS = {
     "dtrain reference": {"kind": "reference"},
-    # ranges of 5 layers (about sqrt(30)); `auto` would pick one 30-layer range here
-    "dtrain segmented+prefix+chunked": {"kind": "segmented", "segment_layers": 5, "prefix_sharing": True,
+    # ranges of round(sqrt(layers)) layers (5 for SmolLM2); `auto` would pick one 30-layer range there
+    "dtrain segmented+prefix+chunked": {"kind": "segmented", "segment_layers": "sqrt", "prefix_sharing": True,
                                         "head_chunk_tokens": 512},
 }
 PEER = "mlx-lm-lora"
-ITER_LINE = re.compile(r"Iter (\d+): loss .*?it/s ([\d.]+), tok/s ([\d.]+), peak_mem ([\d.]+)GB")
+ITER_LINE = re.compile(r"Iter (\d+): loss ([-\d.naif]+),.*?it/s ([\d.]+), tok/s ([\d.]+), peak_mem ([\d.]+)GB")
 
 
 # ---- the child: mlx-lm-lora, run inside its own venv ----
@@ -112,6 +120,44 @@ def child(config: str, record: str) -> None:
 
 # ---- the parent: this project's venv ----
 
+def smollm2_dir() -> Path:
+    """The demo GGUF as a float32 mlx-lm folder (``dtrain convert``, dequantized), converted once."""
+    if not MODEL_DIR.exists():
+        from dtrain.models import convert_gguf, demo_model_path
+
+        convert_gguf(str(demo_model_path()), str(MODEL_DIR), dequantize=True)
+    return MODEL_DIR
+
+
+def random_model_dir(name: str, dtype: str, layers: int | None) -> Path:
+    """An mlx-lm folder with random weights of ``MODELS[name]``'s shape in ``dtype``
+    and SmolLM2's tokenizer files, written once under ~/.cache/dtrain."""
+    out = MODEL_DIR.parent / f"bench-{name}{f'-{layers}L' if layers else ''}-{dtype}-random"
+    if out.exists():
+        return out
+    import importlib
+
+    import mlx.core as mx
+    from common import DTYPES, MODELS
+    from mlx_lm.utils import save_config, save_model
+
+    module, args = MODELS[name]
+    args = dict(args, num_hidden_layers=layers or args["num_hidden_layers"])
+    mod = importlib.import_module(f"mlx_lm.models.{module}")
+    mx.random.seed(0)
+    model = mod.Model(mod.ModelArgs.from_dict(args))
+    model.set_dtype(DTYPES[dtype])
+    mx.eval(model.parameters())
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    save_model(tmp, model)
+    save_config(dict(args, eos_token_id=[2], torch_dtype=dtype), tmp / "config.json")
+    src = smollm2_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            shutil.copy(src / f, tmp / f)
+    tmp.rename(out)
+    return out
+
 def orca_rows(path: str, start: int, n: int) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -129,9 +175,10 @@ def as_peer_row(row: dict) -> dict:
 
 
 def timed(cmd: list, env: dict, log: Path) -> tuple[float, float, str]:
-    """Run ``cmd`` under /usr/bin/time -v; returns (wall s, max RSS GB, stdout + stderr)."""
+    """Run ``cmd`` (under /usr/bin/time -v when it exists); returns (wall s, max RSS GB or NaN, stdout + stderr)."""
     t = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], env=env, capture_output=True, text=True)
+    wrap = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").exists() else []
+    proc = subprocess.run([*wrap, *cmd], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
     text = proc.stdout + proc.stderr
     log.write_text(text)
@@ -160,7 +207,9 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
     from dtrain.tracking import read_scalars
 
     out = work / variant.replace(" ", "_").replace("+", "_")
-    cfg = {"model": {"path": str(a.model_dir), "dtype": "float32"},
+    if engine.get("segment_layers") == "sqrt":
+        engine = dict(engine, segment_layers=max(1, round(math.sqrt(a.n_layers))))
+    cfg = {"model": {"path": str(a.model_dir), "dtype": a.dtype},
            "lora": {"rank": 8, "scale": 20.0, "dropout": 0.0, "num_layers": -1, "keys": None},
            "data": {"train": str(data_file), "valid_fraction": 0.0, "max_length": a.max_length,
                     "max_prompt_length": a.max_length},
@@ -182,6 +231,7 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
         (_, i), = sampler.global_batch(step, len(pairs), 1, 0)
         line = int(pairs[i].source.rsplit(":", 1)[1])
         steps_out.append({"step": step, "pair": line - 1, "seconds": 1 / pps[step], "tokens": round(tps[step] / pps[step]),
+                          **{k: dict(scalars[k]).get(step) for k in ("loss", "grad_norm", "skipped_steps") if k in scalars},
                           "prompt": len(pairs[i].prompt), "chosen": len(pairs[i].chosen),
                           "rejected": len(pairs[i].rejected)})
     return {"tool": variant, "wall_s": wall, "max_rss_gb": rss, "steps": steps_out,
@@ -211,7 +261,7 @@ def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
     cfg = {"model": str(a.model_dir), "train": True, "train_mode": "orpo", "train_type": "lora",
            "data": str(data_dir), "batch_size": 1, "iters": iters, "val_batches": 1, "steps_per_report": 1,
            "steps_per_eval": 10**6, "save_every": 10**6, "adapter_path": str(out), "max_seq_length": a.max_length,
-           "learning_rate": a.lr, "beta": 0.1, "seed": 0, "num_layers": 30,
+           "learning_rate": a.lr, "beta": 0.1, "seed": 0, "num_layers": a.n_layers,
            "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0}}
     cfg_path = work / "peer.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
@@ -225,10 +275,11 @@ def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
     iters_out = []
     for m in ITER_LINE.finditer(text):
         it = int(m.group(1))
-        tok_s, tokens = float(m.group(3)), drawn["tokens"][it - 1]
+        tok_s, tokens = float(m.group(4)), drawn["tokens"][it - 1]
         # tok/s is printed with more significant digits than it/s (3 decimals)
         iters_out.append({"step": it, "pair": drawn["drawn"][it - 1], "seconds": tokens / tok_s,
-                          "seconds_from_it_s": 1 / float(m.group(2)), "tokens": tokens, "peak_gb": float(m.group(4))})
+                          "seconds_from_it_s": 1 / float(m.group(3)), "tokens": tokens, "peak_gb": float(m.group(5)),
+                          "loss": float(m.group(2))})
     fused = sorted(p.name for p in out.glob("*.safetensors") if p.name != "adapters.safetensors")
     return {"tool": PEER, "wall_s": wall, "max_rss_gb": rss, "steps": iters_out,
             "peak_gb": max(s["peak_gb"] for s in iters_out), "fuse_s": drawn["fuse_s"], "fused_files": fused,
@@ -254,7 +305,7 @@ def summarize(runs: list[dict]) -> dict:
     by_pair: dict = {}
     for r in runs:
         for s in r["steps"]:
-            by_pair.setdefault((r["round"], s["pair"]), {}).setdefault(r["tool"], []).append(s["seconds"])
+            by_pair.setdefault((r["first_row"], s["pair"]), {}).setdefault(r["tool"], []).append(s["seconds"])
     ratios = {}
     for tool in tools:
         if tool == PEER:
@@ -286,12 +337,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds of (every dtrain variant, mlx-lm-lora)")
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=2e-4)
-    ap.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="float32 mlx-lm folder (converted if missing)")
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama3.2-1b", "llama3.1-8b"],
+                    help="smollm2: the demo GGUF converted to float32; others: random weights of that shape")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--layers", type=int, default=None, help="depth override of a random-weight model (smoke runs)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="use this mlx-lm folder instead of --model")
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python", help="python of the mlx-lm-lora venv")
     ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, adapters, fused model)")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--table", metavar="JSON", help="print the table of an earlier results file and exit")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier results files (merged) and exit")
     a = ap.parse_args(argv)
     if a.child:
         child(*a.child)
@@ -301,13 +356,12 @@ def main(argv=None) -> int:
     from common import write_results
 
     if a.table:
-        print(table(summarize(json.loads(Path(a.table).read_text())["runs"])))
+        print(table(summarize([r for f in a.table for r in json.loads(Path(f).read_text())["runs"]])))
         return 0
 
-    if not a.model_dir.exists():
-        from dtrain.models import convert_gguf, demo_model_path
-
-        convert_gguf(str(demo_model_path()), str(a.model_dir), dequantize=True)
+    if a.model_dir is None:
+        a.model_dir = smollm2_dir() if a.model == "smollm2" else random_model_dir(a.model, a.dtype, a.layers)
+    a.n_layers = json.loads((a.model_dir / "config.json").read_text())["num_hidden_layers"]  # LoRA on all of them
     tools = [t for t in [*VARIANTS, PEER] if not a.only or t in a.only]
     root = Path(tempfile.mkdtemp(prefix="dtrain-peer-"))
     runs = []
