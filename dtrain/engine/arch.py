@@ -79,7 +79,8 @@ def attention(attn, x: mx.array, mask: mx.array, positions: mx.array, qk_norm: b
         attn: the layer's attention module (``q_proj``..``o_proj``, ``rope``,
             ``scale``; ``q_norm``/``k_norm`` when ``qk_norm``).
         x: ``(B, L, D)`` normalised input.
-        mask: ``(B, 1, L, L)`` bool, True where a query may attend.
+        mask: ``(B, 1, L, L)`` bool, True where a query may attend, or ``"causal"``
+            (MLX's fused causal mode, no mask array).
         positions: ``(B, L)`` int32 RoPE positions.
     Returns:
         ``(B, L, D)`` output of ``o_proj``.

@@ -44,6 +44,8 @@ class Layout:
         w_nll, w_chosen, w_rejected: ``(N,)`` float32 0/1 role weights.
         chosen_len, rejected_len: ``(B,)`` float32 response token counts.
         n_pairs, nll_tokens, input_tokens, fallback_pairs: host-side counts.
+        block_sparse: True when some sequence holds ``[prompt; chosen; rejected]``
+            (its mask is not plain causal).
     """
 
     tokens: mx.array
@@ -61,6 +63,7 @@ class Layout:
     nll_tokens: int
     input_tokens: int
     fallback_pairs: int
+    block_sparse: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,6 +77,7 @@ class _Builder:
         self.nll_response_only = nll_response_only
         self.seqs, self.pos, self.blk = [], [], []
         self.targets = []  # (seq index, t, target id, pair, nll, chosen, rejected)
+        self.block_sparse = False
 
     def add_sequence(self, tokens, positions, blocks) -> int:
         self.seqs.append(tokens)
@@ -102,6 +106,7 @@ class _Builder:
         pos = list(range(P + C)) + list(range(P, P + R))
         blocks = [BLOCK_PROMPT] * P + [BLOCK_CHOSEN] * C + [BLOCK_REJECTED] * R
         s = self.add_sequence(seq, pos, blocks)
+        self.block_sparse = True
         if not self.nll_response_only:
             self.add_targets(s, range(P - 1), seq[1:P], pair, 1, 0, 0)
         self.add_targets(s, range(P - 1, P + C - 1), chosen, pair, 1, 1, 0)
@@ -132,6 +137,7 @@ class _Builder:
             nll_tokens=int(t[:, 4].sum()),
             input_tokens=int(sum(len(x) for x in self.seqs)),
             fallback_pairs=fallback,
+            block_sparse=self.block_sparse,
         )
 
 

@@ -178,9 +178,12 @@ class SegmentedEngine:
 
     def _forward(self, layout: Layout):
         """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated, plus masks."""
-        masks = {w: attention_mask(layout, w) for w in set(self.arch.windows)}  # (S, 1, L, L) bool
+        # (S, 1, L, L) bool; plain causal attention without a window takes MLX's fused
+        # "causal" mode instead (no (L, L) mask or scores; right padding is never attended)
+        masks = {w: "causal" if w is None and not layout.block_sparse else attention_mask(layout, w)
+                 for w in set(self.arch.windows)}
         h = self.arch.embed(layout.tokens)  # (S, L, D)
-        mx.eval(h, masks)
+        mx.eval(h, [m for m in masks.values() if not isinstance(m, str)])
         bounds = [h]
         for (lo, hi), run in zip(self.ranges, self.range_fns):
             h = run(h, self._params(lo, hi), masks, layout.positions)
