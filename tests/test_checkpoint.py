@@ -160,3 +160,28 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     saved = ckpt.find_latest(tmp_path / "checkpoints")
     state = json.loads((saved / "state.json").read_text())
     assert state["skipped_steps"] == 3
+
+
+def test_two_rank_run_with_a_killed_rank_resumes_exactly(tmp_path):
+    """Rank 1 is SIGKILLed at step 4: rank 0 exits non-zero; `resume: auto` with
+    2 ranks continues from the step-2 checkpoint and ends bitwise equal to an
+    uninterrupted 2-rank run; a 1-rank resume (same global batch) is accepted."""
+    from test_distributed import WORKER as WORKER_DIST
+    from test_distributed import finish as finish_ranks
+    from test_distributed import run_cmd, start_ring
+
+    args = ("train.save_every=2", "distributed.collective_timeout_s=20")
+    whole = finish_ranks(start_ring(2, tmp_path / "whole", *args), timeout=120)
+    assert [rc for rc, _, _ in whole] == [0, 0], whole
+    killed = finish_ranks(start_ring(2, tmp_path / "cut", *args, "--kill-at", "4:1"), timeout=80)
+    assert killed[0][0] != 0 and killed[1][0] == -signal.SIGKILL
+    root = tmp_path / "cut" / "run" / "checkpoints"
+    assert ckpt.find_latest(root).name == "step-0000002"
+    resumed = finish_ranks(start_ring(2, tmp_path / "cut", *args, "train.resume=auto"), timeout=120)
+    assert [rc for rc, _, _ in resumed] == [0, 0], resumed
+    a = mx.load(str(tmp_path / "whole" / "rank0.safetensors"))
+    b = mx.load(str(tmp_path / "cut" / "rank0.safetensors"))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    # the same checkpoint on one rank: world size may change when the global batch does not
+    one = run_cmd([sys.executable, str(WORKER_DIST), str(tmp_path / "cut"), *args, f"train.resume={root / 'step-0000004'}"])
+    assert one.returncode == 0, one.stderr
