@@ -185,3 +185,28 @@ def test_two_rank_run_with_a_killed_rank_resumes_exactly(tmp_path):
     # the same checkpoint on one rank: world size may change when the global batch does not
     one = run_cmd([sys.executable, str(WORKER_DIST), str(tmp_path / "cut"), *args, f"train.resume={root / 'step-0000004'}"])
     assert one.returncode == 0, one.stderr
+
+
+def test_failed_checkpoint_write_stops_the_run_and_keeps_the_last_good_one(tmp_path, monkeypatch):
+    """The disk fills during the second checkpoint: the run stops with one
+    message, the first checkpoint stays valid and no partial folder remains."""
+    import errno
+
+    from test_trainer import run
+
+    real_save = mx.save_safetensors
+    calls = {"n": 0}
+
+    def failing_save(path, arrays, *a, **k):
+        if "optimizer" in str(path):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(path, arrays, *a, **k)
+
+    monkeypatch.setattr(mx, "save_safetensors", failing_save)
+    with pytest.raises(UserError, match="could not write checkpoint .*step-0000004: No space left on device"):
+        run(tmp_path, "train.steps=6", "train.save_every=2")
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in root.iterdir()] == ["step-0000002"]
+    assert ckpt.validate(root / "step-0000002") is None
