@@ -359,6 +359,8 @@ def main(argv=None) -> int:
         print(table(summarize([r for f in a.table for r in json.loads(Path(f).read_text())["runs"]])))
         return 0
 
+    if a.model == "smollm2" and a.model_dir is None and a.dtype != "float32":
+        ap.error("--model smollm2 is the float32 folder both tools train; use --dtype float32 (or --model-dir)")
     if a.model_dir is None:
         a.model_dir = smollm2_dir() if a.model == "smollm2" else random_model_dir(a.model, a.dtype, a.layers)
     a.n_layers = json.loads((a.model_dir / "config.json").read_text())["num_hidden_layers"]  # LoRA on all of them
