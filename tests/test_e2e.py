@@ -47,3 +47,27 @@ def test_smollm2_on_real_pairs(tmp_path, shared_data, demo_model, capsys, engine
     assert len(moved) == len([k for k in weights if k.endswith("lora_b")]) > 0
     config = json.loads((out / "adapters" / "adapter_config.json").read_text())
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 30
+
+
+def test_demo_adapter_changes_generations_through_mlx_lm(tmp_path, demo_model):
+    """Train the demo job briefly; the adapter, reloaded by mlx-lm into a fresh
+    copy of the model, makes greedy decoding answer in the trained format."""
+    from mlx_lm.generate import generate
+    from mlx_lm.tuner.utils import load_adapters
+
+    from dtrain.config import load_config
+    from dtrain.models import load_model
+    from dtrain.trainer import train
+
+    cfg = load_config("configs/demo.yaml", [f"model.path={demo_model}", f"train.output_dir={tmp_path}",
+                                            "train.steps=10", "train.eval_every=0", "train.progress=false",
+                                            "data.valid_fraction=0.0", "data.demo_pairs=80"])
+    result = train(cfg)
+    fresh = load_model(str(demo_model))
+    messages = [{"role": "user", "content": "What is 7 + 5?"}]
+    prompt = fresh.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    before = generate(fresh.model, fresh.tokenizer, prompt, max_tokens=12)
+    load_adapters(fresh.model, str(result.adapter_dir))
+    after = generate(fresh.model, fresh.tokenizer, prompt, max_tokens=12)
+    assert not before.startswith("ANSWER:"), before
+    assert after.startswith("ANSWER:"), after
