@@ -200,3 +200,57 @@ def test_trainable_outside_layers_is_an_error():
     model.model.norm.unfreeze()
     with pytest.raises(ValueError, match="trainable outside them: model.norm.weight"):
         engine_for(model)
+
+
+def test_mlx_causal_mask_aligns_bottom_right():
+    """``mask="causal"`` with Lq < Lk: query i sees keys j <= i + Lk - Lq (relied on by SharedAttention)."""
+    mx.random.seed(0)
+    q = mx.random.normal((2, 4, 3, 8))
+    k, v = mx.random.normal((2, 2, 7, 8)), mx.random.normal((2, 2, 7, 8))
+    explicit = mx.arange(7)[None, :] <= mx.arange(3)[:, None] + 4  # (Lq, Lk)
+    fused = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
+    assert np.allclose(fused, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=explicit), atol=1e-6)
+    top_left = mx.arange(7)[None, :] <= mx.arange(3)[:, None]
+    assert not np.allclose(fused, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=top_left), atol=1e-3)
+
+
+def test_shared_attention_equals_explicit_mask_on_mixed_batch():
+    """Shared rows of different lengths, a fallback pair's two rows, padding: the fused
+    plan equals the explicit block-sparse mask on every real query; padded queries get 0."""
+    from dtrain.engine.arch import shared_attention
+    from dtrain.engine.layout import SharedAttention, attention_mask, attention_plan, shared_prefix_layout
+
+    layout = shared_prefix_layout(make_pairs(fallback=True, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))))
+    S, L = layout.shape
+    assert layout.spans == ((6, 4, 5), (3, 7, 0), (5, 2, 0), (9, 2, 3)) and S == 4 and L == 15
+    plan = attention_plan(layout)
+    assert isinstance(plan, SharedAttention)
+    mx.random.seed(1)
+    q, k, v = mx.random.normal((S, 4, L, 8)), mx.random.normal((S, 2, L, 8)), mx.random.normal((S, 2, L, 8))
+    fused = np.array(shared_attention(q, k, v, 0.35, plan))
+    explicit = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=attention_mask(layout)))
+    real = np.array(layout.blocks) >= 0  # (S, L)
+    assert np.allclose(fused.transpose(0, 2, 1, 3)[real], explicit.transpose(0, 2, 1, 3)[real], atol=1e-5)
+    assert not fused.transpose(0, 2, 1, 3)[~real].any()
+
+
+def test_unwindowed_prefix_sharing_builds_no_mask_array(monkeypatch):
+    """Without a sliding window the plan carries host-side ints only, and a whole step
+    (mixed batch with a fallback pair) never calls the (S, 1, L, L) mask builder."""
+    import dtrain.engine.layout as layout_mod
+
+    layout = layout_mod.shared_prefix_layout(make_pairs(fallback=True))
+    plan = layout_mod.attention_plan(layout)
+    assert isinstance(plan, layout_mod.SharedAttention)
+    assert all(isinstance(x, int) for span in plan.spans for x in span) and isinstance(plan.length, int)
+    assert layout_mod.attention_plan(layout_mod.two_sequence_layout(make_pairs())) == "causal"
+    assert layout_mod.attention_plan(layout, window=5).shape == (3 + 1, 1, 15, 15)  # sliding layers keep the mask
+
+    def no_mask(*_, **__):
+        raise AssertionError("attention_mask called for an unwindowed layout")
+
+    monkeypatch.setattr(layout_mod, "attention_mask", no_mask)
+    for arch in ("llama", "qwen3"):
+        model = lora_model(arch)
+        out = assert_parity(model, engine_for(model, segment_layers=2, prefix_sharing=True), make_pairs(fallback=True))
+        assert out.sums["fallback_pairs"] == 1

@@ -21,6 +21,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .layout import SharedAttention
+
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3_text", "minicpm")
 
 
@@ -33,8 +35,8 @@ class Arch:
         embed: ``(S, L)`` int32 tokens -> ``(S, L, D)`` hidden state (with the
             model's embedding scaling).
         layers: the decoder layer modules, in order.
-        layer_call: ``(layer, x (S, L, D), mask (S, 1, L, L) bool,
-            positions (S, L) int32) -> (S, L, D)``.
+        layer_call: ``(layer, x (S, L, D), mask, positions (S, L) int32) -> (S, L, D)``;
+            ``mask`` as in :func:`attention`.
         windows: per layer, the sliding window (tokens) or None for global.
         head: ``(n, D)`` final hidden rows -> ``(n, V)`` logits (final norm,
             output projection, any logit scaling or soft-capping).
@@ -72,15 +74,40 @@ def _heads(attn) -> tuple[int, int]:
     return n, kv
 
 
-def attention(attn, x: mx.array, mask: mx.array, positions: mx.array, qk_norm: bool = False) -> mx.array:
+def shared_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, plan: SharedAttention) -> mx.array:
+    """Prefix-shared attention by fused causal calls per sequence (see ``SharedAttention``).
+
+    ``q`` ``(S, H, L, Dh)``, ``k``/``v`` ``(S, Hkv, L, Dh)``. Padded query rows
+    get zeros: no real query attends to them, so nothing downstream reads them.
+    Relies on MLX's bottom-right ``mask="causal"`` when ``Lq < Lk``.
+    Returns ``(S, H, L, Dh)``.
+    """
+    sdpa = mx.fast.scaled_dot_product_attention
+    rows = []
+    for s, (P, C, R) in enumerate(plan.spans):
+        n = P + C
+        qs, ks, vs = q[s : s + 1], k[s : s + 1], v[s : s + 1]  # (1, H|Hkv, L, Dh)
+        parts = [sdpa(qs[:, :, :n], ks[:, :, :n], vs[:, :, :n], scale=scale, mask="causal")]  # (1, H, P+C, Dh)
+        if R:  # rejected queries over [prompt keys; rejected keys]: query i sees keys <= i + P
+            kr = mx.concatenate([ks[:, :, :P], ks[:, :, n : n + R]], axis=2)  # (1, Hkv, P+R, Dh)
+            vr = mx.concatenate([vs[:, :, :P], vs[:, :, n : n + R]], axis=2)
+            parts.append(sdpa(qs[:, :, n : n + R], kr, vr, scale=scale, mask="causal"))  # (1, H, R, Dh)
+        if n + R < plan.length:
+            parts.append(mx.zeros((1, q.shape[1], plan.length - n - R, q.shape[3]), q.dtype))
+        rows.append(mx.concatenate(parts, axis=2))  # (1, H, L, Dh)
+    return mx.concatenate(rows, axis=0)
+
+
+def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = False) -> mx.array:
     """Self-attention of an mlx-lm ``Attention`` module with explicit mask/positions.
 
     Args:
         attn: the layer's attention module (``q_proj``..``o_proj``, ``rope``,
             ``scale``; ``q_norm``/``k_norm`` when ``qk_norm``).
         x: ``(B, L, D)`` normalised input.
-        mask: ``(B, 1, L, L)`` bool, True where a query may attend, or ``"causal"``
-            (MLX's fused causal mode, no mask array).
+        mask: ``(B, 1, L, L)`` bool, True where a query may attend; ``"causal"``
+            (MLX's fused causal mode, no mask array); or a ``SharedAttention``
+            plan (prefix sharing by fused causal calls, no mask array).
         positions: ``(B, L)`` int32 RoPE positions.
     Returns:
         ``(B, L, D)`` output of ``o_proj``.
@@ -93,7 +120,10 @@ def attention(attn, x: mx.array, mask: mx.array, positions: mx.array, qk_norm: b
     if qk_norm:  # RMSNorm over Dh: the same before or after the transpose
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rope_at(attn.rope, q, positions), rope_at(attn.rope, k, positions)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)  # (B, H, L, Dh)
+    if isinstance(mask, SharedAttention):
+        out = shared_attention(q, k, v, attn.scale, mask)  # (B, H, L, Dh)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)  # (B, H, L, Dh)
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

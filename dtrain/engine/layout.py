@@ -46,6 +46,10 @@ class Layout:
         n_pairs, nll_tokens, input_tokens, fallback_pairs: host-side counts.
         block_sparse: True when some sequence holds ``[prompt; chosen; rejected]``
             (its mask is not plain causal).
+        spans: per sequence, host-side ``(P, C, R)`` token counts of its
+            ``[prompt; chosen; rejected]`` blocks; ``R = 0`` for a two-sequence
+            row ``[prompt; response]`` (``C`` is then the response). Padding
+            follows ``P + C + R``.
     """
 
     tokens: mx.array
@@ -64,6 +68,7 @@ class Layout:
     input_tokens: int
     fallback_pairs: int
     block_sparse: bool = False
+    spans: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,11 +80,12 @@ class _Builder:
 
     def __init__(self, nll_response_only: bool):
         self.nll_response_only = nll_response_only
-        self.seqs, self.pos, self.blk = [], [], []
+        self.seqs, self.pos, self.blk, self.spans = [], [], [], []
         self.targets = []  # (seq index, t, target id, pair, nll, chosen, rejected)
         self.block_sparse = False
 
-    def add_sequence(self, tokens, positions, blocks) -> int:
+    def add_sequence(self, tokens, positions, blocks, span) -> int:
+        self.spans.append(span)
         self.seqs.append(tokens)
         self.pos.append(positions)
         self.blk.append(blocks)
@@ -94,7 +100,7 @@ class _Builder:
         P, R = len(prompt), len(response)
         seq = list(prompt) + list(response)
         blocks = [BLOCK_PROMPT] * P + [BLOCK_CHOSEN if chosen else BLOCK_REJECTED] * R
-        s = self.add_sequence(seq, list(range(P + R)), blocks)
+        s = self.add_sequence(seq, list(range(P + R)), blocks, (P, R, 0))
         if chosen and not self.nll_response_only:
             self.add_targets(s, range(P - 1), seq[1:P], pair, 1, 0, 0)
         self.add_targets(s, range(P - 1, P + R - 1), response, pair, int(chosen), int(chosen), int(not chosen))
@@ -105,7 +111,7 @@ class _Builder:
         seq = list(prompt) + list(chosen) + list(rejected)
         pos = list(range(P + C)) + list(range(P, P + R))
         blocks = [BLOCK_PROMPT] * P + [BLOCK_CHOSEN] * C + [BLOCK_REJECTED] * R
-        s = self.add_sequence(seq, pos, blocks)
+        s = self.add_sequence(seq, pos, blocks, (P, C, R))
         self.block_sparse = True
         if not self.nll_response_only:
             self.add_targets(s, range(P - 1), seq[1:P], pair, 1, 0, 0)
@@ -138,6 +144,7 @@ class _Builder:
             input_tokens=int(sum(len(x) for x in self.seqs)),
             fallback_pairs=fallback,
             block_sparse=self.block_sparse,
+            spans=tuple(self.spans),
         )
 
 
@@ -204,3 +211,38 @@ def attention_mask(layout: Layout, window: int | None = None) -> mx.array:
         allowed = allowed & (pq - pk < window)
     allowed = allowed | mx.eye(L, dtype=mx.bool_)[None]
     return allowed[:, None]
+
+
+@dataclass(frozen=True)
+class SharedAttention:
+    """Prefix-shared attention as fused causal calls, with no mask array.
+
+    For a sequence with spans ``(P, C, R)``, the ``[prompt; chosen]`` queries
+    attend causally to ``[prompt; chosen]`` keys and the rejected queries to
+    ``[prompt keys; rejected keys]`` with MLX's ``mask="causal"``, which for
+    fewer queries than keys aligns to the bottom right (query ``i`` sees keys
+    ``<= i + Lk - Lq``). Interpreted by ``arch.attention``.
+
+    Attributes:
+        length: ``L``, the padded sequence length.
+        spans: per sequence ``(P, C, R)`` as in ``Layout.spans``.
+    """
+
+    length: int
+    spans: tuple[tuple[int, int, int], ...]
+
+
+def attention_plan(layout: Layout, window: int | None = None):
+    """What ``arch.attention`` takes as its mask for this layout and window.
+
+    ``"causal"`` (MLX's fused causal mode) for plain causal layouts without a
+    window — right padding is never attended by real queries; a
+    :class:`SharedAttention` for prefix-shared layouts without a window; the
+    explicit ``(S, 1, L, L)`` boolean :func:`attention_mask` otherwise
+    (sliding-window layers).
+    """
+    if window is not None:
+        return attention_mask(layout, window)
+    if not layout.block_sparse:
+        return "causal"
+    return SharedAttention(layout.shape[1], layout.spans)

@@ -30,7 +30,7 @@ from ..types import TokenizedPair
 from .arch import Arch, adapter_for, module_name
 from .common import Norm, StepResult, layout_counts, loss_from_token_logps
 from .head import hidden_grad, token_logps
-from .layout import Layout, attention_mask, shared_prefix_layout, two_sequence_layout
+from .layout import Layout, attention_plan, shared_prefix_layout, two_sequence_layout
 from .reference import ReferenceEngine
 
 GIB = 1024**3
@@ -178,12 +178,11 @@ class SegmentedEngine:
 
     def _forward(self, layout: Layout):
         """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated, plus masks."""
-        # (S, 1, L, L) bool; plain causal attention without a window takes MLX's fused
-        # "causal" mode instead (no (L, L) mask or scores; right padding is never attended)
-        masks = {w: "causal" if w is None and not layout.block_sparse else attention_mask(layout, w)
-                 for w in set(self.arch.windows)}
+        # per window: an (S, 1, L, L) bool mask for sliding layers; without a window, MLX's
+        # fused causal mode or a prefix-sharing plan of fused causal calls (no (L, L) mask)
+        masks = {w: attention_plan(layout, w) for w in set(self.arch.windows)}
         h = self.arch.embed(layout.tokens)  # (S, L, D)
-        mx.eval(h, [m for m in masks.values() if not isinstance(m, str)])
+        mx.eval(h, [m for m in masks.values() if isinstance(m, mx.array)])
         bounds = [h]
         for (lo, hi), run in zip(self.ranges, self.range_fns):
             h = run(h, self._params(lo, hi), masks, layout.positions)
