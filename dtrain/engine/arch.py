@@ -8,7 +8,7 @@ q/k norms, MLP) in the order the mlx-lm model file does, so the math is the
 model's. Nothing here patches a class or keeps module-level state.
 
 Mirrored files (mlx-lm 0.32): ``models/llama.py`` (also mistral, SmolLM2),
-``qwen2.py``, ``qwen3.py``, ``gemma3_text.py``, ``minicpm.py``.
+``qwen2.py``, ``qwen3.py``, ``gemma3_text.py``, ``minicpm.py``, ``gemma4_text.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from .layout import SharedAttention
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3_text", "minicpm")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3_text", "minicpm", "gemma4_text")
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,19 @@ class Arch:
         embed: ``(S, L)`` int32 tokens -> ``(S, L, D)`` hidden state (with the
             model's embedding scaling).
         layers: the decoder layer modules, in order.
-        layer_call: ``(layer, x (S, L, D), mask, positions (S, L) int32) -> (S, L, D)``;
-            ``mask`` as in :func:`attention`.
+        layer_call: ``(layer, x (S, L, D), mask, positions (S, L) int32,
+            layer_input, shared_kv) -> (x (S, L, D), kv)``; ``mask`` as in
+            :func:`attention`; ``layer_input`` this layer's slice of
+            ``layer_inputs`` (or None); ``shared_kv`` the donor's ``kv`` for a
+            layer with a donor, else None; ``kv`` the layer's rotated
+            ``(keys, values)`` ``(S, Hkv, L, Dh)`` (None without KV sharing).
         windows: per layer, the sliding window (tokens) or None for global.
         head: ``(n, D)`` final hidden rows -> ``(n, V)`` logits (final norm,
             output projection, any logit scaling or soft-capping).
+        donors: per layer, the earlier layer whose ``kv`` it attends over
+            instead of its own (Gemma 4 KV sharing), or None.
+        layer_inputs: ``(tokens (S, L), embedded (S, L, D)) -> (S, L, layers, P)``
+            constants fed to each layer (Gemma 4 per-layer inputs), or None.
     """
 
     name: str
@@ -48,6 +56,8 @@ class Arch:
     layer_call: Callable
     windows: list
     head: Callable
+    donors: Optional[list] = None
+    layer_inputs: Optional[Callable] = None
 
 
 def module_name(model: nn.Module) -> str:
@@ -120,11 +130,20 @@ def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = Fals
     if qk_norm:  # RMSNorm over Dh: the same before or after the transpose
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rope_at(attn.rope, q, positions), rope_at(attn.rope, k, positions)
+    return attn.o_proj(attend(q, k, v, attn.scale, mask))
+
+
+def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    """``(B, H, L, Dh)`` queries over ``(B, Hkv, L, Dh)`` keys/values -> ``(B, L, H * Dh)``.
+
+    ``mask`` as in :func:`attention`.
+    """
+    B, _, L, _ = q.shape
     if isinstance(mask, SharedAttention):
-        out = shared_attention(q, k, v, attn.scale, mask)  # (B, H, L, Dh)
+        out = shared_attention(q, k, v, scale, mask)  # (B, H, L, Dh)
     else:
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)  # (B, H, L, Dh)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)  # (B, H, L, Dh)
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 def _llama_layer(qk_norm: bool, residual_scale: float = 1.0):
@@ -152,6 +171,62 @@ def _gemma3_layer():
     return call
 
 
+def _gemma4_layer(layer, x, mask, positions, layer_input, shared_kv):
+    """``gemma4_text.DecoderLayer``: K/V from ``shared_kv`` when the layer reuses
+    its donor's, dense MLP (+ MoE block), per-layer input gating, ``layer_scalar``."""
+    attn = layer.self_attn
+    B, L, _ = x.shape
+    y = layer.input_layernorm(x)
+    q = attn.q_norm(attn.q_proj(y).reshape(B, L, attn.n_heads, attn.head_dim))  # (B, L, H, Dh)
+    if shared_kv is None:
+        k = attn.k_proj(y).reshape(B, L, attn.n_kv_heads, attn.head_dim)  # (B, L, Hkv, Dh)
+        v = k if attn.use_k_eq_v else attn.v_proj(y).reshape(B, L, attn.n_kv_heads, attn.head_dim)
+        k = rope_at(attn.rope, attn.k_norm(k), positions)  # (B, Hkv, L, Dh)
+        v = attn.v_norm(v).transpose(0, 2, 1, 3)  # (B, Hkv, L, Dh)
+    else:  # already normed and rotated by the donor, as mlx-lm reuses them
+        k, v = shared_kv
+    q = rope_at(attn.rope, q, positions)  # (B, H, L, Dh)
+    h = x + layer.post_attention_layernorm(attn.o_proj(attend(q, k, v, attn.scale, mask)))
+    r = layer.mlp(layer.pre_feedforward_layernorm(h))  # (B, L, D)
+    if layer.enable_moe:  # dense MLP + routed experts, each with its own norms
+        experts = layer.experts(layer.pre_feedforward_layernorm_2(h), *layer.router(h))
+        r = layer.post_feedforward_layernorm_1(r) + layer.post_feedforward_layernorm_2(experts)
+    h = h + layer.post_feedforward_layernorm(r)
+    if layer.per_layer_input_gate is not None and layer_input is not None:
+        g = nn.gelu_approx(layer.per_layer_input_gate(h)) * layer_input  # (B, L, P)
+        h = h + layer.post_per_layer_input_norm(layer.per_layer_projection(g))
+    return h * layer.layer_scalar, (k, v)
+
+
+def _gemma4_layer_inputs(inner, args):
+    """``Gemma4TextModel._get_per_layer_inputs`` then ``_project_per_layer_inputs``."""
+    n, P = args.num_hidden_layers, args.hidden_size_per_layer_input
+
+    def layer_inputs(tokens, h):  # (S, L), (S, L, D) -> (S, L, n, P)
+        S, L = tokens.shape
+        from_ids = (inner.embed_tokens_per_layer(tokens) * inner.embed_tokens_per_layer_scale).reshape(S, L, n, P)
+        proj = (inner.per_layer_model_projection(h) * inner.per_layer_projection_scale).reshape(S, L, n, P)
+        return (inner.per_layer_projection_norm(proj) + from_ids) * inner.per_layer_input_scale
+
+    return layer_inputs
+
+
+def _gemma4(model) -> Arch:
+    inner, args = model.model, model.args
+    layers = list(inner.layers)
+    embed = lambda tokens: inner.embed_tokens(tokens) * inner.embed_scale  # noqa: E731
+    windows = [args.sliding_window if layer.layer_type == "sliding_attention" else None for layer in layers]
+    head = _linear_head(model, inner.norm, tied=model.tie_word_embeddings, softcap=args.final_logit_softcapping)
+    donors = [None if d == i else d for i, d in enumerate(inner.previous_kvs)]  # mlx-lm's own routing
+    layer_inputs = _gemma4_layer_inputs(inner, args) if args.hidden_size_per_layer_input else None
+    return Arch("gemma4_text", embed, layers, _gemma4_layer, windows, head, donors, layer_inputs)
+
+
+def _no_kv(call):
+    """A ``(layer, x, mask, positions) -> x`` call in the :class:`Arch` signature."""
+    return lambda layer, x, mask, positions, layer_input, shared_kv: (call(layer, x, mask, positions), None)
+
+
 def _linear_head(model, norm, tied: bool, pre_scale: float = 1.0, softcap: Optional[float] = None):
     """``norm -> (optional / pre_scale) -> lm_head or tied embedding -> softcap``."""
     embed = model.model.embed_tokens
@@ -176,6 +251,8 @@ def adapter_for(model: nn.Module) -> Optional[Arch]:
     name = module_name(model)
     if name not in SUPPORTED:
         return None
+    if name == "gemma4_text":
+        return _gemma4(model)
     inner, args = model.model, model.args
     layers = list(inner.layers)
     windows = [None] * len(layers)
@@ -206,4 +283,4 @@ def adapter_for(model: nn.Module) -> Optional[Arch]:
             model, inner.norm, tied=model.tie_word_embeddings or "lm_head" not in model,
             softcap=getattr(args, "final_logit_softcapping", None),
         )
-    return Arch(name, embed, layers, layer_call, windows, head)
+    return Arch(name, embed, layers, _no_kv(layer_call), windows, head)

@@ -9,6 +9,12 @@ for the range below, evaluated before the next range so its graph is freed.
 Peak memory is a few boundaries plus one range's activations, instead of
 every layer's activations and the full ``(S, L, V)`` logits.
 
+Gemma 4's KV-shared layers attend over an earlier donor layer's K/V. When a
+donor's range is below its sharers' range, the K/V leave the donor's range as
+extra outputs (kept with the boundaries) and enter the sharers' ranges as extra
+vjp primals; their cotangents, summed over those ranges, are fed back into the
+donor range's vjp. Per-layer inputs are constants of every range.
+
 Masks and positions are explicit (layout.py), so prefix sharing — one
 ``[prompt; chosen; rejected]`` sequence per pair — needs no model changes.
 This is gradient checkpointing at range granularity (Chen et al. 2016,
@@ -75,6 +81,16 @@ def _set_params(layers: list, names: list, params: list) -> None:
             i += len(keys)
 
 
+def _kv_imports(donors: list, lo: int, hi: int) -> list[int]:
+    """Donors below ``lo`` whose K/V layers in [lo, hi) reuse."""
+    return sorted({d for d in donors[lo:hi] if d is not None and d < lo})
+
+
+def _kv_exports(donors: list, lo: int, hi: int) -> list[int]:
+    """Layers in [lo, hi) whose K/V layers at or above ``hi`` reuse."""
+    return sorted({d for d in donors[hi:] if d is not None and lo <= d < hi})
+
+
 def _layer_paths(model: nn.Module, layers: list) -> list[str]:
     """Dotted parameter paths of ``layers`` inside ``model`` (e.g. ``model.layers.3``)."""
     by_id = {id(m): name for name, m in model.named_modules()}
@@ -117,6 +133,10 @@ class SegmentedEngine:
                 f"the segmented engine differentiates only decoder-layer parameters; "
                 f"trainable outside them: {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''}"
             )
+        self.donors = arch.donors or [None] * n
+        # per range, the donors whose K/V enter it from below / leave it for a later range
+        self.kv_imports = [_kv_imports(self.donors, lo, hi) for lo, hi in self.ranges]
+        self.kv_exports = [_kv_exports(self.donors, lo, hi) for lo, hi in self.ranges]
         self.range_fns = [self._make_range_fn(lo, hi) for lo, hi in self.ranges]  # built once
 
     @classmethod
@@ -146,20 +166,27 @@ class SegmentedEngine:
     # -- ranges -------------------------------------------------------------
 
     def _make_range_fn(self, lo: int, hi: int):
-        """``run(h (S, L, D), params (flat list), masks, positions) -> (S, L, D)`` for layers [lo, hi).
+        """``run(h (S, L, D), params (flat list), kv_in (flat list), masks, positions,
+        layer_inputs) -> (h (S, L, D), kv_out (flat list))`` for layers [lo, hi).
 
         The LoRA parameters are set into the layer modules inside the function
         (as ``nn.value_and_grad`` does with ``model.update``), so under
-        ``mx.vjp`` they are primals and get gradients.
+        ``mx.vjp`` they are primals and get gradients. ``kv_in`` holds
+        ``[k, v]`` of each donor in ``self.kv_imports[r]`` (K/V shared from an
+        earlier range); ``kv_out`` those of ``self.kv_exports[r]``.
         """
         layers, names = self.arch.layers[lo:hi], self.param_names[lo:hi]
         windows, call = self.arch.windows[lo:hi], self.arch.layer_call
+        donors = self.donors[lo:hi]
+        imports, exports = _kv_imports(self.donors, lo, hi), _kv_exports(self.donors, lo, hi)
 
-        def run(h, params, masks, positions):
+        def run(h, params, kv_in, masks, positions, layer_inputs):
             _set_params(layers, names, params)
-            for layer, window in zip(layers, windows):
-                h = call(layer, h, masks[window], positions)  # (S, L, D)
-            return h
+            kv = {d: (kv_in[2 * j], kv_in[2 * j + 1]) for j, d in enumerate(imports)}
+            for i, (layer, window, donor) in enumerate(zip(layers, windows, donors), start=lo):
+                extra = None if layer_inputs is None else layer_inputs[:, :, i]  # (S, L, P)
+                h, kv[i] = call(layer, h, masks[window], positions, extra, kv.get(donor))  # (S, L, D)
+            return h, [x for d in exports for x in kv[d]]
 
         return run
 
@@ -177,18 +204,23 @@ class SegmentedEngine:
         return build(pairs, self.nll_scope)
 
     def _forward(self, layout: Layout):
-        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated, plus masks."""
+        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated, plus the
+        range constants: masks, per-layer inputs and each exported donor's K/V."""
         # per window: an (S, 1, L, L) bool mask for sliding layers; without a window, MLX's
         # fused causal mode or a prefix-sharing plan of fused causal calls (no (L, L) mask)
         masks = {w: attention_plan(layout, w) for w in set(self.arch.windows)}
         h = self.arch.embed(layout.tokens)  # (S, L, D)
-        mx.eval(h, [m for m in masks.values() if isinstance(m, mx.array)])
-        bounds = [h]
-        for (lo, hi), run in zip(self.ranges, self.range_fns):
-            h = run(h, self._params(lo, hi), masks, layout.positions)
-            mx.eval(h)
+        # constants of every range: no LoRA outside the decoder layers
+        layer_inputs = self.arch.layer_inputs(layout.tokens, h) if self.arch.layer_inputs else None  # (S, L, n, P)
+        mx.eval(h, layer_inputs, [m for m in masks.values() if isinstance(m, mx.array)])
+        bounds, kv = [h], {}  # kv: donor -> [k, v] (S, Hkv, L, Dh)
+        for r, ((lo, hi), run) in enumerate(zip(self.ranges, self.range_fns)):
+            kv_in = [x for d in self.kv_imports[r] for x in kv[d]]
+            h, kv_out = run(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
+            mx.eval(h, kv_out)
+            kv.update({d: kv_out[2 * j : 2 * j + 2] for j, d in enumerate(self.kv_exports[r])})
             bounds.append(h)
-        return bounds, masks
+        return bounds, (masks, layer_inputs, kv)
 
     def _head(self, layout: Layout, h: mx.array, with_jacobian: bool):
         S, L, D = h.shape
@@ -202,7 +234,7 @@ class SegmentedEngine:
         is shaped like ``model.trainable_parameters()``.
         """
         layout = self._layout(pairs)
-        bounds, masks = self._forward(layout)
+        bounds, (masks, layer_inputs, kv) = self._forward(layout)
         S, L, D = bounds[-1].shape
         logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
         loss_fn = lambda lp: loss_from_token_logps(lp, layout, self.lam, norm)  # noqa: E731
@@ -210,18 +242,28 @@ class SegmentedEngine:
         dh = hidden_grad(dl_dlogp, jac, layout.rows, S * L).reshape(S, L, D)  # (S, L, D)
         mx.eval(loss, sums, dh)
         del jac
-        grads = {}
+        grads, dkv = {}, {}  # dkv: donor -> [dk, dv], summed over the ranges that reuse its K/V
         for r in reversed(range(len(self.ranges))):
             lo, hi = self.ranges[r]
             run, params, h_in = self.range_fns[r], self._params(lo, hi), bounds[r]
+            imports, n_p = self.kv_imports[r], len(params)
+            kv_in = [x for d in imports for x in kv[d]]
             bounds[r + 1] = None  # the range output is no longer needed
-            if r > 0:
-                _, cot = mx.vjp(lambda h, *p: run(h, list(p), masks, layout.positions), [h_in, *params], [dh])
-                dh, pgrads = cot[0], cot[1:]  # dL/dh_in (S, L, D), LoRA grads
-            else:  # dL/d(embedding) is not needed
-                _, pgrads = mx.vjp(lambda *p: run(h_in, list(p), masks, layout.positions), params, [dh])
-                dh = None
-            mx.eval(dh, pgrads)
+            cot_out = [dh] + [x for d in self.kv_exports[r] for x in dkv.pop(d)]
+            lead = [h_in] if r > 0 else []  # dL/d(embedding) is not needed
+
+            def f(*xs):  # [*lead, *params, *kv_in] -> [h_out, *kv_out]
+                h, p, kv_x = (xs[0] if lead else h_in), xs[len(lead) : len(lead) + n_p], xs[len(lead) + n_p :]
+                out, kv_out = run(h, list(p), list(kv_x), masks, layout.positions, layer_inputs)
+                return [out, *kv_out]
+
+            _, cot = mx.vjp(f, lead + params + kv_in, cot_out)
+            dh = cot[0] if lead else None  # dL/dh_in (S, L, D)
+            pgrads, kv_cot = cot[len(lead) : len(lead) + n_p], cot[len(lead) + n_p :]  # LoRA grads, dL/d kv_in
+            for j, d in enumerate(imports):  # summed over every range that reuses the donor's K/V
+                g = kv_cot[2 * j : 2 * j + 2]
+                dkv[d] = [a + b for a, b in zip(dkv[d], g)] if d in dkv else g
+            mx.eval(dh, pgrads, list(dkv.values()))
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], params)  # drop the traced copies
             i = 0
             for path, keys in zip(self.paths[lo:hi], self.param_names[lo:hi]):
