@@ -79,6 +79,23 @@ def make_tiny_model(module_name: str = "llama", seed: int = 0, **over):
     return model
 
 
+def add_random_lora(model, seed: int = 0, rank: int = 4, scale: float = 2.0):
+    """Freeze ``model``, put mlx-lm LoRA layers on every linear layer of every
+    decoder layer, and give ``lora_b`` random values (mlx-lm starts it at zero,
+    which would make every ``lora_a`` gradient zero). Returns the model."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": rank, "scale": scale, "dropout": 0.0})
+    mx.random.seed(seed + 1)
+    lora_b = [(k, 0.1 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.trainable_parameters()) if k.endswith("lora_b")]
+    model.update(tree_unflatten(lora_b))
+    mx.eval(model.parameters())
+    return model
+
+
 def make_pairs(n: int, seed: int = 0, vocab: int = 512):
     """``n`` random TokenizedPairs with short prompts and responses ending in id 2."""
     import numpy as np

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
 
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine, _kv_exports, _kv_imports
 
-from conftest import make_tiny_model
+from conftest import add_random_lora, make_tiny_model
 from test_engine_segmented import VOCAB, assert_parity, engine_for, make_pairs
 
 # 6 layers [sliding, full] * 3; layers 4, 5 reuse the K/V of layers 2 (sliding) and 3 (full)
@@ -44,16 +43,7 @@ PAIRS = dict(lengths=((6, 4, 5), (3, 9, 2), (8, 2, 6)))
 
 def gemma4_model(config: str, seed: int = 0):
     """A tiny random gemma4_text with LoRA (rank 4) on all layers and random lora_b."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    model = make_tiny_model("gemma4_text", seed=seed, **CONFIGS[config])
-    model.freeze()
-    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0})
-    mx.random.seed(seed + 1)
-    lora_b = {k: 0.1 * mx.random.normal(v.shape) for k, v in tree_flatten(model.trainable_parameters()) if k.endswith("lora_b")}
-    model.update(tree_unflatten(list(lora_b.items())))
-    mx.eval(model.parameters())
-    return model
+    return add_random_lora(make_tiny_model("gemma4_text", seed=seed, **CONFIGS[config]), seed)
 
 
 def test_donors_and_range_crossings():

@@ -12,7 +12,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from dtrain.config import Config
 from dtrain.engine import Norm, ReferenceEngine, make_engine
@@ -20,7 +20,7 @@ from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine, auto_segment_layers
 from dtrain.types import TokenizedPair
 
-from conftest import make_tiny_model
+from conftest import add_random_lora, make_tiny_model
 
 VOCAB = 512
 SMALL = dict(hidden_size=32, num_hidden_layers=5, intermediate_size=64, num_attention_heads=4,
@@ -50,19 +50,11 @@ NORM = Norm(nll_tokens=40.0, pairs=3.0)
 
 def lora_model(name: str, seed: int = 0, **over):
     """A tiny random model with LoRA (rank 4) on all layers and random lora_b."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
     module, args = ARCHS[name]
     model = make_tiny_model(module, seed=seed, **{**args, **over})
     if name == "gemma3_tied":
         model.sanitize({})
-    model.freeze()
-    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0})
-    mx.random.seed(seed + 1)
-    lora_b = {k: 0.1 * mx.random.normal(v.shape) for k, v in tree_flatten(model.trainable_parameters()) if k.endswith("lora_b")}
-    model.update(tree_unflatten(list(lora_b.items())))
-    mx.eval(model.parameters())
-    return model
+    return add_random_lora(model, seed)
 
 
 def make_pairs(seed: int = 0, n: int = 3, fallback: bool = False, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))):
