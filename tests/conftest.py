@@ -112,6 +112,18 @@ def make_pairs(n: int, seed: int = 0, vocab: int = 512):
     return pairs
 
 
+@pytest.fixture(scope="session")
+def demo_path():
+    """The demo GGUF (downloaded once into the cache); skips when it cannot be fetched."""
+    from dtrain.errors import ModelError
+    from dtrain.models import demo_model_path
+
+    try:
+        return demo_model_path()
+    except ModelError as err:
+        pytest.skip(f"demo model unavailable (no network?): {err}")
+
+
 @pytest.fixture
 def tokenizer():
     return make_tokenizer()

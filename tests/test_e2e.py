@@ -8,25 +8,14 @@ import mlx.core as mx
 import pytest
 
 from dtrain.cli import main
-from dtrain.errors import ModelError
 from dtrain.tracking import read_scalars
 
 
-@pytest.fixture(scope="module")
-def demo_model():
-    from dtrain.models import demo_model_path
-
-    try:
-        return demo_model_path()
-    except ModelError as err:
-        pytest.skip(f"demo model unavailable (no network?): {err}")
-
-
 @pytest.mark.parametrize("engine", ["reference", "segmented"])
-def test_smollm2_on_real_pairs(tmp_path, shared_data, demo_model, capsys, engine):
+def test_smollm2_on_real_pairs(tmp_path, shared_data, demo_path, capsys, engine):
     out = tmp_path / "run"
     status = main([
-        "train", "--model.path", str(demo_model), "--data.train", str(shared_data / "orca_dpo_pairs_validation.jsonl"),
+        "train", "--model.path", str(demo_path), "--data.train", str(shared_data / "orca_dpo_pairs_validation.jsonl"),
         "--data.max_length", "160", "--data.max_prompt_length", "96", "--data.valid_fraction", "0.01",
         "--train.steps", "3", "--train.global_batch_pairs", "2", "--train.micro_batch_pairs", "2",
         "--train.learning_rate", "5e-4", "--train.eval_pairs", "2", "--train.output_dir", str(out),
@@ -49,7 +38,7 @@ def test_smollm2_on_real_pairs(tmp_path, shared_data, demo_model, capsys, engine
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 30
 
 
-def test_demo_adapter_changes_generations_through_mlx_lm(tmp_path, demo_model):
+def test_demo_adapter_changes_generations_through_mlx_lm(tmp_path, demo_path):
     """Train the demo job briefly; the adapter, reloaded by mlx-lm into a fresh
     copy of the model, makes greedy decoding answer in the trained format."""
     from mlx_lm.generate import generate
@@ -59,11 +48,11 @@ def test_demo_adapter_changes_generations_through_mlx_lm(tmp_path, demo_model):
     from dtrain.models import load_model
     from dtrain.trainer import train
 
-    cfg = load_config("configs/demo.yaml", [f"model.path={demo_model}", f"train.output_dir={tmp_path}",
+    cfg = load_config("configs/demo.yaml", [f"model.path={demo_path}", f"train.output_dir={tmp_path}",
                                             "train.steps=10", "train.eval_every=0", "train.progress=false",
                                             "data.valid_fraction=0.0", "data.demo_pairs=80"])
     result = train(cfg)
-    fresh = load_model(str(demo_model))
+    fresh = load_model(str(demo_path))
     messages = [{"role": "user", "content": "What is 7 + 5?"}]
     prompt = fresh.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     before = generate(fresh.model, fresh.tokenizer, prompt, max_tokens=12)

@@ -19,14 +19,6 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def demo_path():
-    try:
-        return demo_model_path()
-    except ModelError as err:
-        pytest.skip(f"demo model unavailable (no network?): {err}")
-
-
-@pytest.fixture(scope="module")
 def smollm(demo_path):
     return load_model("demo", dtype="float32")
 
