@@ -100,7 +100,7 @@ def validate(path: Path) -> Optional[str]:
     """Why ``path`` is not a valid checkpoint, or None when it is."""
     manifest = path / MANIFEST
     if not manifest.is_file():
-        return "no manifest (partial or interrupted write)"
+        return "no manifest.json (not a checkpoint, or its write was interrupted)"
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError, OSError) as err:

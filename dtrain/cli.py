@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    dc = dsub.add_parser("check", help="report bad rows and token lengths of a file")
+    dc = dsub.add_parser("check", help="report bad rows and token lengths of a file (overrides: --data.key VALUE; "
+                                       "exit status 1 when there are bad rows and data.on_bad_row is error)")
     dc.add_argument("file")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file")
@@ -61,10 +62,14 @@ def _train(args, overrides) -> int:
     cfg = load_config(args.config, overrides)
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
-    if group.is_main and result.evals:
-        first, last = min(result.evals), max(result.evals)
-        acc = "eval/rewards/accuracies"
-        print(f"eval accuracy: step {first} {result.evals[first][acc]:.3f} -> step {last} {result.evals[last][acc]:.3f}")
+    if group.is_main:
+        if result.stopped:
+            print(f"stopped after step {result.steps}; continue with --train.resume auto")
+        elif len(result.evals) >= 2:
+            first, last = min(result.evals), max(result.evals)
+            acc = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
+            print(f"eval reward accuracy (chosen preferred over rejected): step {first} "
+                  f"{result.evals[first][acc]:.3f} -> step {last} {result.evals[last][acc]:.3f}")
     return 0
 
 
@@ -73,13 +78,12 @@ def _data_check(args, overrides) -> int:
     from .data import check_file
     from .models import load_model
 
-    overrides = list(overrides)
-    if not any(o.startswith(("data.train=", "data.demo_pairs=")) for o in overrides):
-        overrides.append(f"data.train={args.file}")  # satisfies the config check; the file is given
-    cfg = load_config(args.config, overrides)
+    # the file named on the command line is the data (a config's demo pairs do not apply)
+    cfg = load_config(args.config, [*overrides, f"data.train={args.file}", "data.demo_pairs=0"])
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    print(check_file(args.file, cfg.data, loaded.tokenizer))
-    return 0
+    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer)
+    print(report)
+    return 1 if n_bad and cfg.data.on_bad_row == "error" else 0
 
 
 def _convert(args) -> int:

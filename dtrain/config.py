@@ -215,6 +215,9 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: key 'engine.segment_layers' must be 'auto' or an integer >= 0; got {e.segment_layers!r}")
     if e.head_chunk_tokens < 0:
         raise ConfigError(f"{source}: key 'engine.head_chunk_tokens' must be >= 0; got {e.head_chunk_tokens}")
+    if cfg.data.train is not None and cfg.data.demo_pairs > 0:
+        raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
+                          "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
         raise ConfigError(f"{source}: set 'data.train' to a JSONL/JSON file, or 'data.demo_pairs' > 0 for generated pairs")
 

@@ -55,7 +55,7 @@ def parse_report(line: str):
 def run(cmd: list) -> int:
     """Run ``cmd``, relay its output and signals, report; returns its exit code."""
     rank = rank_from_env()
-    stop_timeout = float(os.environ.get("DTRAIN_STOP_TIMEOUT", "30"))
+    stop_timeout = float(os.environ.get("DTRAIN_STOP_TIMEOUT", "120"))
     deadline: list = []
     started: list = []
 

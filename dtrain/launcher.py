@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=32323, help="first ring/JACCL port, or the NCCL port (default 32323)")
     p.add_argument("--tensorboard", type=int, nargs="?", const=TB_DEFAULT_PORT, metavar="PORT",
                    help=f"serve TensorBoard on 127.0.0.1:PORT (default {TB_DEFAULT_PORT}) while the run lasts")
-    p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds ranks get to stop after Ctrl-C/SIGTERM")
+    p.add_argument("--stop-timeout", type=float, default=120.0,
+                   help="seconds ranks get to stop after Ctrl-C/SIGTERM (a step or an evaluation must finish first)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
     return p
 

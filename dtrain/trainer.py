@@ -190,7 +190,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
 
     out = Path(t.output_dir)
     ckpt_root = out / "checkpoints"
-    _main_rank_check(group, lambda: ckpt.check_output_dir(out, ckpt.estimate_bytes(model)))
+    _main_rank_check(group, lambda: _check_output(out, ckpt_root, t.resume, ckpt.estimate_bytes(model)))
     # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
     optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
     optimizer.init(model.trainable_parameters())
@@ -285,6 +285,20 @@ def data_position(step: int, n_pairs: int, global_batch_pairs: int, seed: int) -
     """Where the global pair stream stands after ``step``: epoch, cursor, seed."""
     epoch, cursor = divmod(step * global_batch_pairs, n_pairs)
     return {"epoch": epoch, "cursor": cursor, "shuffle_seed": seed}
+
+
+def _check_output(out: Path, ckpt_root: Path, resume: Optional[str], need_bytes: int) -> None:
+    """Writable, room for a checkpoint, and no earlier run's checkpoints unless resuming.
+
+    A fresh run into a folder holding another run's checkpoints would mix the
+    two (``resume: auto`` would later pick the other run's newest step).
+    """
+    ckpt.check_output_dir(out, need_bytes)
+    if resume is None:
+        earlier = ckpt.find_latest(ckpt_root, report=lambda _: None)
+        if earlier is not None:
+            raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
+                            f"continue it with train.resume=auto, or choose another train.output_dir")
 
 
 def _resume_path(resume: Optional[str], root: Path, group: Group) -> Optional[Path]:

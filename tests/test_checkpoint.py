@@ -124,7 +124,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
     (root / "step-0000004" / "manifest.json").unlink()  # as if killed before the manifest
     seen = []
     assert ckpt.find_latest(root, report=seen.append).name == "step-0000002"
-    assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest" in seen[1]
+    assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest.json" in seen[1]
 
 
 def test_incompatible_resume_is_refused(tmp_path):
@@ -139,7 +139,7 @@ def test_resume_path_must_be_a_valid_checkpoint(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         ckpt.load_checkpoint(tmp_path / "nope")
     (tmp_path / "step-0000001").mkdir()
-    with pytest.raises(UserError, match="no manifest"):
+    with pytest.raises(UserError, match="no manifest.json"):
         ckpt.load_checkpoint(tmp_path / "step-0000001")
 
 

@@ -40,3 +40,10 @@ def test_ci_runs_the_readme_test_command_verbatim():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert lines[1] in ci
     assert "configs/demo.yaml" in lines[0]
+
+
+def test_data_file_and_demo_pairs_together_is_an_error():
+    with pytest.raises(ConfigError, match=r"both 'data.train' \(x.jsonl\) and 'data.demo_pairs' \(600\) are set; "
+                                          r"use one .*--data.demo_pairs 0"):
+        load_config(str(ROOT / "configs" / "demo.yaml"), ["data.train=x.jsonl"])
+    assert load_config(str(ROOT / "configs" / "demo.yaml"), ["data.train=x.jsonl", "data.demo_pairs=0"]).data.train == "x.jsonl"

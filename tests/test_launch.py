@@ -47,7 +47,7 @@ def assert_same_adapter(a: Path, b: Path) -> None:
 
 def test_one_rank_trains_without_distributed_setup(job):
     r = job["one_rank"]
-    assert "world size 1" in r.stderr and "eval accuracy: step 0" in r.stdout
+    assert "world size 1" in r.stderr and "eval reward accuracy (chosen preferred over rejected): step 0" in r.stdout
     assert (job["tmp"] / "run" / ADAPTER).is_file()
     assert "MLX_HOSTFILE" not in r.stderr and job["seconds"] < 30
 

@@ -55,9 +55,21 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 
 def test_two_runs_never_share_a_tensorboard_directory(tmp_path):
-    a, _ = run(tmp_path, "train.steps=1")
-    b, _ = run(tmp_path, "train.steps=1")
-    assert a.run_dir != b.run_dir and a.run_dir.parent == b.run_dir.parent
+    from dtrain.tracking import new_run_dir
+
+    dirs = [new_run_dir(tmp_path / "tb") for _ in range(3)]  # same second
+    assert len(set(dirs)) == 3 and all(d.is_dir() and d.parent == tmp_path / "tb" for d in dirs)
+
+
+def test_fresh_run_into_a_folder_with_checkpoints_is_refused(tmp_path):
+    from dtrain.errors import UserError
+
+    run(tmp_path, "train.steps=1")
+    with pytest.raises(UserError, match="already holds checkpoints of an earlier run .newest step-0000001.; "
+                                        "continue it with train.resume=auto"):
+        run(tmp_path, "train.steps=2")
+    resumed, _ = run(tmp_path, "train.steps=2", "train.resume=auto")
+    assert len(resumed.history) == 1  # step 2 only
 
 
 def test_same_seed_same_losses_and_adapter(tmp_path):

@@ -18,8 +18,8 @@ def _stats(values: list) -> str:
     return f"{v[0]} / {median} / {p95} / {v[-1]}"
 
 
-def check_file(path: str, cfg, tokenizer) -> str:
-    """A text report on one data file under the current data config.
+def check_file(path: str, cfg, tokenizer) -> tuple[str, int]:
+    """A text report on one data file under the current data config, and its bad-row count.
 
     Lists the bad rows (``file:line: reason``), then, for the rows that parse,
     the untruncated token lengths of prompt, chosen and rejected (count, min,
@@ -43,4 +43,4 @@ def check_file(path: str, cfg, tokenizer) -> str:
     lines += [f"  {key:<9}{_stats(vals)}" for key, vals in lengths.items()]
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
                  f"{limited.truncated} pairs truncated, {len(limited.dropped)} dropped (no response tokens fit)")
-    return "\n".join(lines)
+    return "\n".join(lines), len(report.bad)
