@@ -244,3 +244,41 @@ def test_unwindowed_prefix_sharing_builds_no_mask_array(monkeypatch):
         model = lora_model(arch)
         out = assert_parity(model, engine_for(model, segment_layers=2, prefix_sharing=True), make_pairs(fallback=True))
         assert out.sums["fallback_pairs"] == 1
+
+
+def test_lora_dropout_gradient_matches_finite_differences_of_the_same_masks():
+    """With LoRA dropout on, each range's recompute draws the masks its forward
+    drew (per-range seeds), so the gradient is that of the loss that was run:
+    checked by central differences of ``evaluate`` under the same seed (float64)."""
+    from mlx.utils import tree_map
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from dtrain.engine.arch import adapter_for
+
+    model = make_tiny_model("llama", seed=0, **ARCHS["llama"][1])
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.5})
+    model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
+    model.set_dtype(mx.float64)
+    model.train()
+    engine = SegmentedEngine(model, adapter_for(model), 0.1, "full", segment_layers=2, prefix_sharing=True)
+    pairs = make_pairs()
+    norm = Norm(nll_tokens=float(sum(len(p.prompt) + len(p.chosen) - 1 for p in pairs)), pairs=float(len(pairs)))
+    mx.random.seed(123)
+    grads = engine.step(pairs, norm).grads
+    params = model.trainable_parameters()
+    mx.random.seed(5)
+    direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
+
+    def along(eps):
+        model.update(tree_map(lambda p, d: p + eps * d, params, direction))
+        mx.random.seed(123)  # the same range seeds, hence the same dropout masks
+        return engine.evaluate(pairs, norm).loss.item()
+
+    d = lambda h: (along(h) - along(-h)) / (2 * h)  # noqa: E731
+    fd = (4 * d(2e-3) - d(4e-3)) / 3  # Richardson: cancels the O(h^2) term
+    model.update(params)
+    analytic = sum((g * v).sum().item() for (_, g), (_, v) in zip(tree_flatten(grads), tree_flatten(direction)))
+    assert analytic == pytest.approx(fd, rel=2e-4)
+    mx.random.seed(124)  # other masks give another loss: dropout is really on
+    assert engine.evaluate(pairs, norm).loss.item() != pytest.approx(along(0.0), rel=1e-6)

@@ -159,8 +159,6 @@ class SegmentedEngine:
             seqs = cfg.train.micro_batch_pairs * (1 if e.prefix_sharing else 2)
             length = cfg.data.max_length * (2 if e.prefix_sharing else 1)
             size = auto_segment_layers(len(arch.layers), *estimate_range_bytes(model.args, seqs, length), budget)
-        if cfg.lora.dropout > 0:
-            _notice("LoRA dropout > 0: the segmented recompute draws new dropout masks")
         return cls(model, arch, cfg.orpo.lam, cfg.orpo.nll_scope, size, e.prefix_sharing, e.head_chunk_tokens)
 
     # -- ranges -------------------------------------------------------------
@@ -203,7 +201,17 @@ class SegmentedEngine:
         build = shared_prefix_layout if self.prefix_sharing else two_sequence_layout
         return build(pairs, self.nll_scope)
 
-    def _forward(self, layout: Layout):
+    def _range_seeds(self) -> list:
+        """One RNG seed per range, drawn from the global generator.
+
+        Each range's forward and its recompute under ``mx.vjp`` start from the
+        same seed, so random ops inside (LoRA dropout) draw the same masks and
+        the gradient is that of the forward that was run.
+        """
+        base = int(mx.random.randint(0, 2**30, ()).item())
+        return [base + r for r in range(len(self.ranges))]
+
+    def _forward(self, layout: Layout, seeds: list):
         """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated, plus the
         range constants: masks, per-layer inputs and each exported donor's K/V."""
         # per window: an (S, 1, L, L) bool mask for sliding layers; without a window, MLX's
@@ -216,6 +224,7 @@ class SegmentedEngine:
         bounds, kv = [h], {}  # kv: donor -> [k, v] (S, Hkv, L, Dh)
         for r, ((lo, hi), run) in enumerate(zip(self.ranges, self.range_fns)):
             kv_in = [x for d in self.kv_imports[r] for x in kv[d]]
+            mx.random.seed(seeds[r])
             h, kv_out = run(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
             mx.eval(h, kv_out)
             kv.update({d: kv_out[2 * j : 2 * j + 2] for j, d in enumerate(self.kv_exports[r])})
@@ -234,7 +243,8 @@ class SegmentedEngine:
         is shaped like ``model.trainable_parameters()``.
         """
         layout = self._layout(pairs)
-        bounds, (masks, layer_inputs, kv) = self._forward(layout)
+        seeds = self._range_seeds()
+        bounds, (masks, layer_inputs, kv) = self._forward(layout, seeds)
         S, L, D = bounds[-1].shape
         logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
         loss_fn = lambda lp: loss_from_token_logps(lp, layout, self.lam, norm)  # noqa: E731
@@ -257,6 +267,7 @@ class SegmentedEngine:
                 out, kv_out = run(h, list(p), list(kv_x), masks, layout.positions, layer_inputs)
                 return [out, *kv_out]
 
+            mx.random.seed(seeds[r])  # the same dropout masks as this range's forward
             _, cot = mx.vjp(f, lead + params + kv_in, cot_out)
             dh = cot[0] if lead else None  # dL/dh_in (S, L, D)
             pgrads, kv_cot = cot[len(lead) : len(lead) + n_p], cot[len(lead) + n_p :]  # LoRA grads, dL/d kv_in
@@ -276,7 +287,7 @@ class SegmentedEngine:
     def evaluate(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
         """Loss contribution and metric sums, without gradients."""
         layout = self._layout(pairs)
-        bounds, _ = self._forward(layout)
+        bounds, _ = self._forward(layout, self._range_seeds())
         logps, _ = self._head(layout, bounds[-1], with_jacobian=False)
         loss, sums = loss_from_token_logps(logps, layout, self.lam, norm)
         return StepResult(loss, {**sums, **layout_counts(layout)})
