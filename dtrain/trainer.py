@@ -10,6 +10,7 @@ of ``schedule.learning_rate(step)``.
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
@@ -58,35 +59,27 @@ def global_norm(pairs: list[TokenizedPair], nll_scope: str) -> Norm:
     return Norm(nll_tokens=float(sum(nll_token_count(p, nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
 
-def _add(a, b):
-    return b if a is None else tree_map(lambda x, y: x + y, a, b)
-
-
-def _accumulate(sums: dict, new: dict) -> None:
-    for k, v in new.items():
-        sums[k] = sums.get(k, 0.0) + v
+METRIC_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum", "logps_chosen_sum",
+               "logps_rejected_sum", "accuracy_sum", "pairs", "nll_tokens", "input_tokens", "fallback_pairs")
 
 
 def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int, with_grads: bool):
     """Sum engine results over micro-batches of ``pairs``.
 
     Returns:
-        ``(sums, grads)``: metric sums as Python floats (empty when ``pairs`` is
-        empty) and the summed gradient tree (None without grads or pairs).
+        ``(sums, grads)``: every ``METRIC_KEYS`` sum as a Python float (zeros
+        when ``pairs`` is empty) and the summed gradient tree (None without
+        grads or pairs).
     """
-    sums, grads = {}, None
+    sums, grads = dict.fromkeys(METRIC_KEYS, 0.0), None
     for chunk in sampler.micro_batches(pairs, micro):
         result = engine.step(chunk, norm) if with_grads else engine.evaluate(chunk, norm)
-        mx.eval(result.loss, result.sums, result.grads if with_grads else [])
-        grads = _add(grads, result.grads) if with_grads else None
         if with_grads:
-            mx.eval(grads)
-        _accumulate(sums, {k: float(v) for k, v in result.sums.items()})
+            grads = result.grads if grads is None else tree_map(lambda a, b: a + b, grads, result.grads)
+        mx.eval(result.loss, result.sums, grads)  # one sync per micro-batch bounds memory
+        for k, v in result.sums.items():
+            sums[k] += float(v)
     return sums, grads
-
-
-METRIC_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum", "logps_chosen_sum",
-               "logps_rejected_sum", "accuracy_sum", "pairs", "nll_tokens", "input_tokens", "fallback_pairs")
 
 
 def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group, step: int) -> dict:
@@ -95,7 +88,7 @@ def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Grou
     norm = global_norm(pairs, cfg.orpo.nll_scope)
     mine = sampler.rank_shard(pairs, group.rank, group.size)
     sums, _ = run_micro_batches(engine, mine, norm, cfg.train.micro_batch_pairs, with_grads=False)
-    sums = group.all_sum_scalars({k: sums.get(k, 0.0) for k in METRIC_KEYS}, step, "all_sum of eval metrics")
+    sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
     model.train()
     return finalize_metrics(sums, cfg.orpo.lam, prefix="eval/")
 
@@ -120,7 +113,7 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
     reduce_start = time.perf_counter()
     grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
     reduce_seconds = time.perf_counter() - reduce_start
-    sums = group.all_sum_scalars({**{k: sums.get(k, 0.0) for k in METRIC_KEYS}, "stop": float(stop_requested)}, step)
+    sums = group.all_sum_scalars({**sums, "stop": float(stop_requested)}, step)
     if t.grad_clip > 0:
         grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
     else:
@@ -128,7 +121,7 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
     grad_norm = float(grad_norm)
     metrics = finalize_metrics(sums, cfg.orpo.lam)
     lr = learning_rate(step, t)
-    finite = bool(mx.isfinite(mx.array(metrics["loss"])).item()) and grad_norm == grad_norm and abs(grad_norm) != float("inf")
+    finite = math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)
     if finite:
         optimizer.learning_rate = lr
         optimizer.update(model, grads)
