@@ -43,6 +43,8 @@ def engines(model, segment: int, chunk: int) -> dict:
         "segmented": lambda: seg(),
         "+ prefix sharing": lambda: seg(prefix_sharing=True),
         "+ chunked head": lambda: seg(prefix_sharing=True, head_chunk_tokens=chunk),
+        # prefix sharing, one range of all layers, unchunked head: nothing recomputed
+        "one range": lambda: SegmentedEngine(model, arch, 0.1, segment_layers=0, prefix_sharing=True),
     }
 
 

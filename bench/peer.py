@@ -64,6 +64,9 @@ VARIANTS = {
     # ranges of round(sqrt(layers)) layers (5 for SmolLM2); `auto` would pick one 30-layer range there
     "dtrain segmented+prefix+chunked": {"kind": "segmented", "segment_layers": "sqrt", "prefix_sharing": True,
                                         "head_chunk_tokens": 512},
+    # the same with one range of all layers: nothing recomputed (the fastest when the activations fit)
+    "dtrain one range+prefix+chunked": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
+                                        "head_chunk_tokens": 512},
 }
 PEER = "mlx-lm-lora"
 ITER_LINE = re.compile(r"Iter (\d+): loss ([-\d.naif]+),.*?it/s ([\d.]+), tok/s ([\d.]+), peak_mem ([\d.]+)GB")
@@ -158,6 +161,33 @@ def random_model_dir(name: str, dtype: str, layers: int | None) -> Path:
     tmp.rename(out)
     return out
 
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night point "
+         "home water room mother area money story fact month lot right study book eye job word business issue side "
+         "kind head house service friend father power hour game line end member law car city community name").split()
+
+
+def synthetic_rows(model_dir: Path, n: int, length: int, seed: int) -> list[dict]:
+    """``n`` pairs of random common words, about ``length`` tokens per sequence
+    (prompt ~ half, each response ~ half, less 48 tokens for the chat template),
+    in the OpenAI preference format: for random-weight models at long lengths."""
+    import random
+
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    rng = random.Random(seed)
+
+    def text(tokens: int) -> str:  # decode the first `tokens` ids of a long random word string
+        ids = tok.encode(" ".join(rng.choice(WORDS) for _ in range(tokens + 16)), add_special_tokens=False)
+        return tok.decode(ids[:tokens]).strip()
+
+    half = (length - 48) // 2
+    return [{"input": {"messages": [{"role": "user", "content": text(half)}]},
+             "preferred_output": [{"role": "assistant", "content": text(half)}],
+             "non_preferred_output": [{"role": "assistant", "content": text(half)}]} for _ in range(n)]
+
+
 def orca_rows(path: str, start: int, n: int) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -174,6 +204,10 @@ def as_peer_row(row: dict) -> dict:
     return {"system": system[0], **out} if system else out
 
 
+class RunFailed(RuntimeError):
+    """A tool's run exited non-zero (e.g. out of GPU memory): recorded, the benchmark goes on."""
+
+
 def timed(cmd: list, env: dict, log: Path) -> tuple[float, float, str]:
     """Run ``cmd`` (under /usr/bin/time -v when it exists); returns (wall s, max RSS GB or NaN, stdout + stderr)."""
     t = time.perf_counter()
@@ -183,7 +217,8 @@ def timed(cmd: list, env: dict, log: Path) -> tuple[float, float, str]:
     text = proc.stdout + proc.stderr
     log.write_text(text)
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}); log: {log}\n{text[-3000:]}")
+        raise RunFailed(f"{' '.join(map(str, cmd[-3:]))} failed ({proc.returncode}): "
+                        f"{' | '.join(text.strip().splitlines()[-3:])[-400:]}")
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     return wall, int(rss.group(1)) / 1e6 if rss else float("nan"), text
 
@@ -244,10 +279,12 @@ _TOKENIZED = {}
 
 def _dataset(cfg, model_dir):
     from dtrain.data import load_dataset
-    from dtrain.models import load_model
 
-    if "tok" not in _TOKENIZED:
-        _TOKENIZED["tok"] = load_model(str(model_dir), "float32").tokenizer
+    if "tok" not in _TOKENIZED:  # the tokenizer as mlx-lm's load() builds it, without loading the weights
+        from mlx_lm.utils import load_tokenizer
+
+        eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
+        _TOKENIZED["tok"] = load_tokenizer(Path(model_dir), eos_token_ids=eos)
     key = cfg.data.train
     if key not in _TOKENIZED:
         _TOKENIZED[key] = load_dataset(cfg.data, _TOKENIZED["tok"], cfg.train.seed, log=None).train
@@ -262,7 +299,8 @@ def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
            "data": str(data_dir), "batch_size": 1, "iters": iters, "val_batches": 1, "steps_per_report": 1,
            "steps_per_eval": 10**6, "save_every": 10**6, "adapter_path": str(out), "max_seq_length": a.max_length,
            "learning_rate": a.lr, "beta": 0.1, "seed": 0, "num_layers": a.n_layers,
-           "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0}}
+           "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0}, "fuse": a.peer_fuse,
+           "grad_checkpoint": a.peer_grad_checkpoint}
     cfg_path = work / "peer.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     record = work / "peer-record.json"
@@ -281,9 +319,12 @@ def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
                           "seconds_from_it_s": 1 / float(m.group(3)), "tokens": tokens, "peak_gb": float(m.group(5)),
                           "loss": float(m.group(2))})
     fused = sorted(p.name for p in out.glob("*.safetensors") if p.name != "adapters.safetensors")
+    adapter = lora_b_change(out / "adapters.safetensors")
+    for name in fused:  # a full model copy per run: measured, not kept (disk)
+        (out / name).unlink()
     return {"tool": PEER, "wall_s": wall, "max_rss_gb": rss, "steps": iters_out,
             "peak_gb": max(s["peak_gb"] for s in iters_out), "fuse_s": drawn["fuse_s"], "fused_files": fused,
-            "adapter": lora_b_change(out / "adapters.safetensors")}
+            "adapter": adapter}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -344,6 +385,11 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", type=Path, default=None, help="use this mlx-lm folder instead of --model")
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python", help="python of the mlx-lm-lora venv")
     ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all)")
+    ap.add_argument("--synthetic-length", type=int, default=0,
+                    help="random-word pairs of about this many tokens per sequence instead of --data")
+    ap.add_argument("--no-peer-fuse", dest="peer_fuse", action="store_false",
+                    help="mlx-lm-lora fuse: false (it writes a full model copy per run otherwise)")
+    ap.add_argument("--peer-grad-checkpoint", action="store_true", help="mlx-lm-lora grad_checkpoint: true")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, adapters, fused model)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier results files (merged) and exit")
@@ -366,22 +412,30 @@ def main(argv=None) -> int:
     a.n_layers = json.loads((a.model_dir / "config.json").read_text())["num_hidden_layers"]  # LoRA on all of them
     tools = [t for t in [*VARIANTS, PEER] if not a.only or t in a.only]
     root = Path(tempfile.mkdtemp(prefix="dtrain-peer-"))
-    runs = []
+    runs, failed = [], []
     try:
         for rnd in range(a.rounds):
             work = root / f"round{rnd}"
             (work / "peer-data").mkdir(parents=True)
-            rows = orca_rows(a.data, a.start + rnd * a.pairs_per_run, a.pairs_per_run)
+            if a.synthetic_length:
+                rows = synthetic_rows(a.model_dir, a.pairs_per_run, a.synthetic_length, seed=rnd)
+            else:
+                rows = orca_rows(a.data, a.start + rnd * a.pairs_per_run, a.pairs_per_run)
             data_file = work / "pairs.jsonl"
             data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
             peer_rows = "".join(json.dumps(as_peer_row(r)) + "\n" for r in rows)
             (work / "peer-data" / "train.jsonl").write_text(peer_rows)
             (work / "peer-data" / "valid.jsonl").write_text(peer_rows.splitlines(True)[0])
             for tool in (tools if rnd % 2 == 0 else tools[::-1]):
-                if tool == PEER:
-                    r = run_peer(work / "peer-data", len(rows), a, work)
-                else:
-                    r = run_dtrain(tool, VARIANTS[tool], data_file, len(rows), a, work)
+                try:
+                    if tool == PEER:
+                        r = run_peer(work / "peer-data", len(rows), a, work)
+                    else:
+                        r = run_dtrain(tool, VARIANTS[tool], data_file, len(rows), a, work)
+                except RunFailed as err:  # e.g. out of GPU memory: record it, go on
+                    failed.append({"tool": tool, "round": rnd, "error": str(err)})
+                    print(json.dumps({"failed": failed[-1]}), flush=True)
+                    continue
                 r.update(round=rnd, first_row=a.start + rnd * a.pairs_per_run)
                 runs.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
@@ -393,8 +447,9 @@ def main(argv=None) -> int:
         else:
             shutil.rmtree(root, ignore_errors=True)
     summary = summarize(runs)
-    path = write_results("peer", {"runs": runs, "summary": summary}, a.out)
-    print(table(summary), "\n", f"wrote {path}")
+    path = write_results("peer", {"runs": runs, "summary": summary, "failed": failed}, a.out)
+    print(table(summary), "".join(f"\nfailed: {f['tool']} (round {f['round']}): {f['error']}" for f in failed),
+          "\n", f"wrote {path}")
     return 0
 
 

@@ -81,7 +81,7 @@ class EngineConfig:
     """How the loss and LoRA gradients are computed (see dtrain/engine)."""
 
     kind: str = "reference"  # reference | segmented
-    segment_layers: Any = 0  # 0 = off, N layers per range, or "auto"
+    segment_layers: Any = 0  # 0 = one range of all layers, N layers per range, or "auto"
     memory_budget_gb: float = 0.0  # for segment_layers: auto; 0 = 25% of RAM
     prefix_sharing: bool = False
     head_chunk_tokens: int = 0  # 0 = whole head at once

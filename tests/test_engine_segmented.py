@@ -44,6 +44,7 @@ VARIANTS = {
     "segmented": dict(segment_layers=2),
     "prefix": dict(segment_layers=2, prefix_sharing=True),
     "prefix_chunked": dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
+    "one_range": dict(segment_layers=0, prefix_sharing=True),  # no recompute (_step_whole)
 }
 NORM = Norm(nll_tokens=40.0, pairs=3.0)
 
@@ -282,3 +283,27 @@ def test_lora_dropout_gradient_matches_finite_differences_of_the_same_masks():
     assert analytic == pytest.approx(fd, rel=2e-4)
     mx.random.seed(124)  # other masks give another loss: dropout is really on
     assert engine.evaluate(pairs, norm).loss.item() != pytest.approx(along(0.0), rel=1e-6)
+
+
+@pytest.mark.parametrize("size, chunk, runs", [(2, 7, [2] * 5), (0, 7, [2] * 5), (2, 0, [2] * 5), (0, 0, [1] * 5)])
+def test_one_range_without_chunked_head_runs_each_layer_once(size, chunk, runs):
+    """Layer executions per step: forward + recompute inside the vjp, except for
+    one range with an unchunked head, which is one value_and_grad (no recompute)."""
+    import dataclasses
+
+    model = lora_model("llama")
+    arch = adapter_for(model)
+    counts = [0] * len(arch.layers)
+    index = {id(layer): i for i, layer in enumerate(arch.layers)}
+
+    def counting(layer, *args):
+        counts[index[id(layer)]] += 1
+        return arch.layer_call(layer, *args)
+
+    engine = SegmentedEngine(model, dataclasses.replace(arch, layer_call=counting), 0.1,
+                             segment_layers=size, prefix_sharing=True, head_chunk_tokens=chunk)
+    out = engine.step(make_pairs(), NORM)
+    mx.eval(out.loss, out.grads)
+    assert counts == runs
+    assert_parity(model, SegmentedEngine(model, arch, 0.1, segment_layers=size, prefix_sharing=True,
+                                         head_chunk_tokens=chunk), make_pairs())

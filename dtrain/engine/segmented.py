@@ -211,9 +211,10 @@ class SegmentedEngine:
         base = int(mx.random.randint(0, 2**30, ()).item())
         return [base + r for r in range(len(self.ranges))]
 
-    def _forward(self, layout: Layout, seeds: list):
-        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated, plus the
-        range constants: masks, per-layer inputs and each exported donor's K/V."""
+    def _forward(self, layout: Layout, seeds: list, stop: int | None = None):
+        """Boundary states ``[(S, L, D)] * (stop + 1)``, evaluated, after the
+        first ``stop`` ranges (default: all), plus the range constants: masks,
+        per-layer inputs and each exported donor's K/V."""
         # per window: an (S, 1, L, L) bool mask for sliding layers; without a window, MLX's
         # fused causal mode or a prefix-sharing plan of fused causal calls (no (L, L) mask)
         masks = {w: attention_plan(layout, w) for w in set(self.arch.windows)}
@@ -222,7 +223,7 @@ class SegmentedEngine:
         layer_inputs = self.arch.layer_inputs(layout.tokens, h) if self.arch.layer_inputs else None  # (S, L, n, P)
         mx.eval(h, layer_inputs, [m for m in masks.values() if isinstance(m, mx.array)])
         bounds, kv = [h], {}  # kv: donor -> [k, v] (S, Hkv, L, Dh)
-        for r, ((lo, hi), run) in enumerate(zip(self.ranges, self.range_fns)):
+        for r, ((lo, hi), run) in enumerate(zip(self.ranges[:stop], self.range_fns[:stop])):
             kv_in = [x for d in self.kv_imports[r] for x in kv[d]]
             mx.random.seed(seeds[r])
             h, kv_out = run(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
@@ -244,6 +245,8 @@ class SegmentedEngine:
         """
         layout = self._layout(pairs)
         seeds = self._range_seeds()
+        if len(self.ranges) == 1 and self.head_chunk_tokens <= 0:
+            return self._step_whole(layout, seeds[0], norm)
         bounds, (masks, layer_inputs, kv) = self._forward(layout, seeds)
         S, L, D = bounds[-1].shape
         logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
@@ -281,6 +284,31 @@ class SegmentedEngine:
                 for k in keys:
                     grads[f"{path}.{k}"] = pgrads[i]
                     i += 1
+        tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
+        return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
+
+    def _step_whole(self, layout: Layout, seed: int, norm: Norm) -> StepResult:
+        """One range and an unchunked head: nothing to recompute, so one lazy
+        ``mx.value_and_grad`` over layers, head and loss (as the reference
+        engine, on this engine's layout: prefix sharing, explicit positions).
+        Peak memory is every layer's activations plus the ``(N, V)`` logits."""
+        bounds, (masks, layer_inputs, _) = self._forward(layout, [seed], stop=0)
+        run, n = self.range_fns[0], len(self.arch.layers)
+
+        def loss_of(params):
+            h, _ = run(bounds[0], params, [], masks, layout.positions, layer_inputs)  # (S, L, D)
+            S, L, D = h.shape
+            logits = self.arch.head(h.reshape(S * L, D)[layout.rows]).astype(mx.float32)  # (N, V)
+            picked = mx.take_along_axis(logits, layout.targets[:, None], axis=-1)[:, 0]
+            return loss_from_token_logps(picked - mx.logsumexp(logits, axis=-1), layout, self.lam, norm)
+
+        params = self._params(0, n)
+        mx.random.seed(seed)
+        (loss, sums), pgrads = mx.value_and_grad(loss_of)(params)
+        mx.eval(loss, sums, pgrads)
+        _set_params(self.arch.layers, self.param_names, params)  # drop the traced copies
+        flat = iter(pgrads)
+        grads = {f"{path}.{k}": next(flat) for path, keys in zip(self.paths, self.param_names) for k in keys}
         tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
         return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
 
