@@ -5,6 +5,8 @@
 #   bash bench/gpu.sh mfu OUT       # bench/mfu.py in bfloat16
 #   bash bench/gpu.sh dp OUT        # bench/dp_gpu.py: 1 vs 2 GPUs over nccl, bfloat16 (needs 2 GPUs)
 #   bash bench/gpu.sh dpf32 OUT     # the same in float32 with TF32 off: 2-rank adapter vs 1-rank adapter
+#   bash bench/gpu.sh peer OUT MODEL LENGTH...   # bench/peer.py, bfloat16, random weights, synthetic pairs
+#       (mlx-lm-lora's wheel rides in .gpu-b with the others; bench/tok holds SmolLM2's tokenizer files)
 # MLX runs float32 matmuls as TF32 on NVIDIA GPUs unless MLX_ENABLE_TF32=0 (about 1e-3
 # relative error per product): the float32 equivalence checks turn it off.
 set -uo pipefail
@@ -65,5 +67,14 @@ dpf32)
   python3 bench/dp_gpu.py setup $d-f32 --shape llama-1b --dtype float32 --length 1024 --pairs 32 >/dev/null
   MLX_ENABLE_TF32=0 timeout 200 python3 bench/dp_gpu.py run $d-f32 --ranks 1 2 --steps 5 --global-batch 8 --micro 4 2>&1 | tail -8 | tee "$out/dp-f32.md"
   cp $d-f32/dp.json "$out/dp-f32.json"
+  ;;
+peer)
+  model=$3; shift 3
+  for len in "$@"; do
+    timeout ${PEER_TIMEOUT:-400} python3 bench/peer.py --model "$model" --dtype bfloat16 --synthetic-length "$len" --max-length "$len" \
+        --pairs-per-run ${PAIRS:-3} --rounds 1 --peer-python python3 --no-peer-fuse --tokenizer-dir bench/tok \
+        --only "dtrain segmented+prefix+chunked" "dtrain one range+prefix" mlx-lm-lora --out "$out" 2>&1 \
+        | tail -25 | tee "$out/peer-$model-$len.md"
+  done
   ;;
 esac

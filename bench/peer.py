@@ -132,9 +132,10 @@ def smollm2_dir() -> Path:
     return MODEL_DIR
 
 
-def random_model_dir(name: str, dtype: str, layers: int | None) -> Path:
+def random_model_dir(name: str, dtype: str, layers: int | None, tokenizer_dir: Path | None = None) -> Path:
     """An mlx-lm folder with random weights of ``MODELS[name]``'s shape in ``dtype``
-    and SmolLM2's tokenizer files, written once under ~/.cache/dtrain."""
+    and SmolLM2's tokenizer files (from ``tokenizer_dir``, else the converted
+    demo model), written once under ~/.cache/dtrain."""
     out = MODEL_DIR.parent / f"bench-{name}{f'-{layers}L' if layers else ''}-{dtype}-random"
     if out.exists():
         return out
@@ -151,10 +152,11 @@ def random_model_dir(name: str, dtype: str, layers: int | None) -> Path:
     model = mod.Model(mod.ModelArgs.from_dict(args))
     model.set_dtype(DTYPES[dtype])
     mx.eval(model.parameters())
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     save_model(tmp, model)
     save_config(dict(args, eos_token_id=[2], torch_dtype=dtype), tmp / "config.json")
-    src = smollm2_dir()
+    src = tokenizer_dir or smollm2_dir()
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / f).exists():
             shutil.copy(src / f, tmp / f)
@@ -217,8 +219,8 @@ def timed(cmd: list, env: dict, log: Path) -> tuple[float, float, str]:
     text = proc.stdout + proc.stderr
     log.write_text(text)
     if proc.returncode != 0:
-        raise RunFailed(f"{' '.join(map(str, cmd[-3:]))} failed ({proc.returncode}): "
-                        f"{' | '.join(text.strip().splitlines()[-3:])[-400:]}")
+        own = text.split("\tCommand being timed:")[0].strip().splitlines()  # without /usr/bin/time's report
+        raise RunFailed(f"{' '.join(map(str, cmd[-3:]))} failed ({proc.returncode}): {' | '.join(own[-3:])[-500:]}")
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     return wall, int(rss.group(1)) / 1e6 if rss else float("nan"), text
 
@@ -383,6 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--layers", type=int, default=None, help="depth override of a random-weight model (smoke runs)")
     ap.add_argument("--model-dir", type=Path, default=None, help="use this mlx-lm folder instead of --model")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None,
+                    help="SmolLM2 tokenizer files for a random-weight model (a machine without the demo model)")
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python", help="python of the mlx-lm-lora venv")
     ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all)")
     ap.add_argument("--synthetic-length", type=int, default=0,
@@ -408,7 +412,7 @@ def main(argv=None) -> int:
     if a.model == "smollm2" and a.model_dir is None and a.dtype != "float32":
         ap.error("--model smollm2 is the float32 folder both tools train; use --dtype float32 (or --model-dir)")
     if a.model_dir is None:
-        a.model_dir = smollm2_dir() if a.model == "smollm2" else random_model_dir(a.model, a.dtype, a.layers)
+        a.model_dir = smollm2_dir() if a.model == "smollm2" else random_model_dir(a.model, a.dtype, a.layers, a.tokenizer_dir)
     a.n_layers = json.loads((a.model_dir / "config.json").read_text())["num_hidden_layers"]  # LoRA on all of them
     tools = [t for t in [*VARIANTS, PEER] if not a.only or t in a.only]
     root = Path(tempfile.mkdtemp(prefix="dtrain-peer-"))
