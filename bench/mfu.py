@@ -70,6 +70,8 @@ def matmul_params(model) -> int:
 def make_engine(kind: str, model, segment: int, chunk: int):
     if kind == "reference":
         return ReferenceEngine(model, 0.1)
+    if kind == "one-range":  # prefix sharing, one range, whole head: one pass, no recompute
+        return SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=0, prefix_sharing=True)
     return SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=segment, prefix_sharing=True,
                            head_chunk_tokens=chunk)
 
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["smollm2"], choices=list(MODELS))
     ap.add_argument("--lengths", nargs="+", type=int, default=[512, 1024], help="P + R per side")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--engines", nargs="+", default=["reference", "segmented"], choices=["reference", "segmented"])
+    ap.add_argument("--engines", nargs="+", default=["reference", "segmented"], choices=["reference", "segmented", "one-range"])
+    ap.add_argument("--pairs", type=int, default=1, help="pairs per step (one micro-batch)")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None, help="override the depth (default: the model's)")
@@ -106,9 +109,9 @@ def main(argv=None) -> int:
         segment = a.segment or max(1, round(math.sqrt(n_layers)))
         N = matmul_params(model)
         for length in a.lengths:
-            pairs = make_pairs(1, length, 0.5, model.args.vocab_size)
+            pairs = make_pairs(a.pairs, length, 0.5, model.args.vocab_size)
             P, R = len(pairs[0].prompt), len(pairs[0].chosen)
-            norm = Norm(nll_tokens=float(P + R), pairs=1.0)
+            norm = Norm(nll_tokens=float(a.pairs * (P + R)), pairs=float(a.pairs))
             for kind in a.engines:
                 try:
                     r = measure(make_engine(kind, model, segment, a.chunk), pairs, norm, a.steps, a.warmup)
@@ -116,10 +119,11 @@ def main(argv=None) -> int:
                     print(json.dumps({"failed": f"{name} {length} {kind}: {str(err)[:120]}"}), flush=True)
                     mx.clear_cache()
                     continue
-                T = 2 * (P + R) if kind == "reference" else P + 2 * R
+                T = a.pairs * (2 * (P + R) if kind == "reference" else P + 2 * R)
                 recompute = 2 * N * T if kind == "segmented" else 0
                 r.update(model=name, layers=n_layers, segment=segment if kind == "segmented" else None, engine=kind,
-                         length=length, dtype=a.dtype, params=N, tokens=T, logical_tokens=2 * (P + R),
+                         length=length, dtype=a.dtype, params=N, tokens=T, logical_tokens=a.pairs * 2 * (P + R),
+                         pairs=a.pairs,
                          flops_6nt=6 * N * T, flops_recompute=recompute, flops_4nt=4 * N * T)
                 rows.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "times"}), flush=True)
@@ -147,7 +151,8 @@ def table(rows: list[dict], matmul: dict) -> str:
     lines = ["| model | engine | L | N (M) | T | s/step | GFLOP/s (6NT) | MFU 6NT | MFU 6NT vs fastest matmul | + recompute "
              "| 4NT (LoRA) | 6NT on 2L tokens | peak GB |", "|" + "---|" * 13]
     for r in rows:
-        eng = r["engine"] + (f" ({r['segment']}-layer ranges)" if r["segment"] else "")
+        eng = r["engine"] + (f" ({r['segment']}-layer ranges)" if r["segment"] else "") + (
+            f", {r['pairs']} pairs" if r.get("pairs", 1) > 1 else "")
         rec = f"{r['hfu_with_recompute']:.1%}" if r["flops_recompute"] else "-"
         lines.append(f"| {r['model']} ({r['layers']}L) | {eng} | {r['length']} | {r['params'] / 1e6:.0f} | {r['tokens']} "
                      f"| {r['s_per_step']:.2f} | {r['achieved_gflops_6nt']:.1f} | {r['mfu_6nt']:.1%} "

@@ -329,8 +329,13 @@ def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
             "adapter": adapter}
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], skip_first: bool = False) -> dict:
+    """Per tool and pair-by-pair ratios; ``skip_first`` leaves out each run's
+    first training step (on a GPU it includes compiling the kernels)."""
     from common import spread
+
+    if skip_first:
+        runs = [dict(r, steps=[s for s in r["steps"] if s["step"] != min(t["step"] for t in r["steps"])]) for r in runs]
 
     tools = list(dict.fromkeys(r["tool"] for r in runs))
     per_tool = {}
@@ -393,6 +398,7 @@ def main(argv=None) -> int:
                     help="random-word pairs of about this many tokens per sequence instead of --data")
     ap.add_argument("--no-peer-fuse", dest="peer_fuse", action="store_false",
                     help="mlx-lm-lora fuse: false (it writes a full model copy per run otherwise)")
+    ap.add_argument("--skip-first", action="store_true", help="leave each run's first step out of the figures (warm-up)")
     ap.add_argument("--peer-grad-checkpoint", action="store_true", help="mlx-lm-lora grad_checkpoint: true")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, adapters, fused model)")
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -406,7 +412,7 @@ def main(argv=None) -> int:
     from common import write_results
 
     if a.table:
-        print(table(summarize([r for f in a.table for r in json.loads(Path(f).read_text())["runs"]])))
+        print(table(summarize([r for f in a.table for r in json.loads(Path(f).read_text())["runs"]], a.skip_first)))
         return 0
 
     if a.model == "smollm2" and a.model_dir is None and a.dtype != "float32":
@@ -450,7 +456,7 @@ def main(argv=None) -> int:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    summary = summarize(runs)
+    summary = summarize(runs, a.skip_first)
     path = write_results("peer", {"runs": runs, "summary": summary, "failed": failed}, a.out)
     print(table(summary), "".join(f"\nfailed: {f['tool']} (round {f['round']}): {f['error']}" for f in failed),
           "\n", f"wrote {path}")
