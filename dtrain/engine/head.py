@@ -22,7 +22,10 @@ def _chunks(n: int, size: int):
         yield lo, min(lo + size, n)
 
 
-def _target_logps(head: Callable, targets: mx.array):
+def target_logps(head: Callable, targets: mx.array) -> Callable:
+    """``f(h (n, D)) -> (n,)`` float32 ``log softmax(head(h))[i, targets[i]]``, lazily
+    (no evaluation inside, so it can sit in a function transformation)."""
+
     def f(h):  # (n, D) -> (n,)
         logits = head(h).astype(mx.float32)  # (n, V)
         picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
@@ -46,7 +49,7 @@ def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int 
     """
     logps, jac = [], []
     for lo, hi in _chunks(h_rows.shape[0], chunk):
-        f = _target_logps(head, targets[lo:hi])
+        f = target_logps(head, targets[lo:hi])
         h_c = h_rows[lo:hi]  # (n, D)
         if with_jacobian:
             (lp,), (j,) = mx.vjp(f, [h_c], [mx.ones((hi - lo,), mx.float32)])

@@ -7,7 +7,9 @@ is recomputed inside ``mx.vjp`` with its input boundary and its LoRA
 parameters as primals; that yields the range's LoRA gradients and ``dL/dh``
 for the range below, evaluated before the next range so its graph is freed.
 Peak memory is a few boundaries plus one range's activations, instead of
-every layer's activations and the full ``(S, L, V)`` logits.
+every layer's activations and the full ``(S, L, V)`` logits. One range with
+an unchunked head has nothing to recompute and runs as a single
+``mx.value_and_grad`` (``_step_whole``).
 
 Gemma 4's KV-shared layers attend over an earlier donor layer's K/V. When a
 donor's range is below its sharers' range, the K/V leave the donor's range as
@@ -35,7 +37,7 @@ from ..config import Config
 from ..types import TokenizedPair
 from .arch import Arch, adapter_for, module_name
 from .common import Norm, StepResult, layout_counts, loss_from_token_logps
-from .head import hidden_grad, token_logps
+from .head import hidden_grad, target_logps, token_logps
 from .layout import Layout, attention_plan, shared_prefix_layout, two_sequence_layout
 from .reference import ReferenceEngine
 
@@ -104,7 +106,8 @@ class SegmentedEngine:
         model: an mlx-lm model whose only trainable parameters are in decoder layers.
         arch: the model's adapter (``arch.adapter_for``).
         lam: ORPO lambda; nll_scope: ``full`` or ``response``.
-        segment_layers: layers per range; 0 = one range of all layers.
+        segment_layers: layers per range; 0 = one range of all layers (with
+            ``head_chunk_tokens = 0``: a single pass, nothing recomputed).
         prefix_sharing: one ``[prompt; chosen; rejected]`` sequence per pair.
         head_chunk_tokens: target rows per LM-head chunk; 0 = all at once.
 
@@ -298,9 +301,8 @@ class SegmentedEngine:
         def loss_of(params):
             h, _ = run(bounds[0], params, [], masks, layout.positions, layer_inputs)  # (S, L, D)
             S, L, D = h.shape
-            logits = self.arch.head(h.reshape(S * L, D)[layout.rows]).astype(mx.float32)  # (N, V)
-            picked = mx.take_along_axis(logits, layout.targets[:, None], axis=-1)[:, 0]
-            return loss_from_token_logps(picked - mx.logsumexp(logits, axis=-1), layout, self.lam, norm)
+            logps = target_logps(self.arch.head, layout.targets)(h.reshape(S * L, D)[layout.rows])  # (N,)
+            return loss_from_token_logps(logps, layout, self.lam, norm)
 
         params = self._params(0, n)
         mx.random.seed(seed)
