@@ -1,7 +1,8 @@
 """Pairs per second and peak memory against mlx-lm-lora's ORPO, on real pairs.
 
     python bench/peer.py --pairs-per-run 5 --rounds 2                      # CPU: SmolLM2, float32
-    python bench/peer.py --model llama3.2-1b --dtype bfloat16 --max-length 4096   # GPU: random weights
+    python bench/peer.py --model llama3.2-1b --dtype bfloat16 --synthetic-length 4096 --max-length 4096 \
+        --no-peer-fuse --peer-python python3                              # GPU: random weights, synthetic pairs
 
 By default both tools train the same float32 SmolLM2-135M-Instruct folder (``dtrain
 convert`` of the demo GGUF, dequantized), on the same orca pairs, with LoRA
@@ -34,8 +35,12 @@ else is changed.
 ``--model llama3.2-1b`` / ``llama3.1-8b`` (for a GPU) write a random-weight
 mlx-lm folder of that shape in ``--dtype`` once (under ~/.cache/dtrain), with
 SmolLM2's tokenizer (its ids fit the 128,256-row vocabulary), and both tools
-train that folder. Peak memory is ``mx.get_peak_memory`` as each tool logs
-it; max RSS comes from ``/usr/bin/time -v`` when it exists.
+train that folder. ``--synthetic-length L`` replaces the orca pairs (< 2k tokens) with pairs of
+random common words of about L tokens per sequence, so long lengths are exercised. A tool
+that fails (e.g. out of GPU memory) is recorded with its last lines and the benchmark goes
+on; ``--skip-first`` leaves each run's first step (GPU kernel compilation) out of the figures.
+Peak memory is ``mx.get_peak_memory`` as each tool logs it; max RSS comes from
+``/usr/bin/time -v`` when it exists.
 
 Prints a markdown table and writes JSON to bench/results/.
 """
