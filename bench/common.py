@@ -71,10 +71,10 @@ def build_model(name: str, layers: int | None = None, dtype=mx.float32, lora_sca
     return model
 
 
-def make_pairs(n: int, length: int, prompt_share: float, vocab: int) -> list[TokenizedPair]:
+def make_pairs(n: int, length: int, prompt_share: float, vocab: int, seed: int = 0) -> list[TokenizedPair]:
     """``n`` pairs of random token ids: a prompt of ``length * prompt_share`` tokens
     and chosen/rejected responses of the rest (P + R = ``length`` per side)."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     P = max(1, int(length * prompt_share))
     R = max(1, length - P)
     ids = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
