@@ -307,3 +307,11 @@ def test_one_range_without_chunked_head_runs_each_layer_once(size, chunk, runs):
     assert counts == runs
     assert_parity(model, SegmentedEngine(model, arch, 0.1, segment_layers=size, prefix_sharing=True,
                                          head_chunk_tokens=chunk), make_pairs())
+
+
+@pytest.mark.parametrize("size, chunk, noticed", [(0, 8, True), (5, 8, True), (2, 8, False), (0, 0, False)])
+def test_one_range_with_chunked_head_gets_a_notice(capsys, size, chunk, noticed):
+    cfg = Config()
+    cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.head_chunk_tokens = "segmented", size, chunk
+    make_engine(cfg, lora_model("llama"))  # 5 layers
+    assert ("head_chunk_tokens: 0 gives the single pass" in capsys.readouterr().err) == noticed

@@ -162,6 +162,9 @@ class SegmentedEngine:
             seqs = cfg.train.micro_batch_pairs * (1 if e.prefix_sharing else 2)
             length = cfg.data.max_length * (2 if e.prefix_sharing else 1)
             size = auto_segment_layers(len(arch.layers), *estimate_range_bytes(model.args, seqs, length), budget)
+        if (size <= 0 or size >= len(arch.layers)) and e.head_chunk_tokens > 0:
+            _notice("one range of all layers with a chunked head recomputes every layer; "
+                    "engine.head_chunk_tokens: 0 gives the single pass (faster, keeps the logits)")
         return cls(model, arch, cfg.orpo.lam, cfg.orpo.nll_scope, size, e.prefix_sharing, e.head_chunk_tokens)
 
     # -- ranges -------------------------------------------------------------
