@@ -180,9 +180,7 @@ def synthetic_rows(model_dir: Path, n: int, length: int, seed: int) -> list[dict
     in the OpenAI preference format: for random-weight models at long lengths."""
     import random
 
-    from mlx_lm.utils import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
+    tok = _tokenizer(model_dir)
     rng = random.Random(seed)
 
     def text(tokens: int) -> str:  # decode the first `tokens` ids of a long random word string
@@ -287,15 +285,20 @@ _TOKENIZED = {}
 def _dataset(cfg, model_dir):
     from dtrain.data import load_dataset
 
-    if "tok" not in _TOKENIZED:  # the tokenizer as mlx-lm's load() builds it, without loading the weights
+    key = cfg.data.train
+    if key not in _TOKENIZED:
+        _TOKENIZED[key] = load_dataset(cfg.data, _tokenizer(model_dir), cfg.train.seed, log=None).train
+    return _TOKENIZED[key]
+
+
+def _tokenizer(model_dir):
+    """The folder's tokenizer as mlx-lm's load() builds it, without loading the weights (loaded once)."""
+    if "tok" not in _TOKENIZED:
         from mlx_lm.utils import load_tokenizer
 
         eos = json.loads((Path(model_dir) / "config.json").read_text()).get("eos_token_id")
         _TOKENIZED["tok"] = load_tokenizer(Path(model_dir), eos_token_ids=eos)
-    key = cfg.data.train
-    if key not in _TOKENIZED:
-        _TOKENIZED[key] = load_dataset(cfg.data, _TOKENIZED["tok"], cfg.train.seed, log=None).train
-    return _TOKENIZED[key]
+    return _TOKENIZED["tok"]
 
 
 def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:

@@ -140,7 +140,7 @@ class SegmentedEngine:
         # per range, the donors whose K/V enter it from below / leave it for a later range
         self.kv_imports = [_kv_imports(self.donors, lo, hi) for lo, hi in self.ranges]
         self.kv_exports = [_kv_exports(self.donors, lo, hi) for lo, hi in self.ranges]
-        self.range_fns = [self._make_range_fn(lo, hi) for lo, hi in self.ranges]  # built once
+        self.range_fns = [self._make_range_fn(r) for r in range(len(self.ranges))]  # built once
 
     @classmethod
     def from_config(cls, cfg: Config, model: nn.Module):
@@ -169,9 +169,9 @@ class SegmentedEngine:
 
     # -- ranges -------------------------------------------------------------
 
-    def _make_range_fn(self, lo: int, hi: int):
+    def _make_range_fn(self, r: int):
         """``run(h (S, L, D), params (flat list), kv_in (flat list), masks, positions,
-        layer_inputs) -> (h (S, L, D), kv_out (flat list))`` for layers [lo, hi).
+        layer_inputs) -> (h (S, L, D), kv_out (flat list))`` for range ``r``, layers [lo, hi).
 
         The LoRA parameters are set into the layer modules inside the function
         (as ``nn.value_and_grad`` does with ``model.update``), so under
@@ -179,10 +179,11 @@ class SegmentedEngine:
         ``[k, v]`` of each donor in ``self.kv_imports[r]`` (K/V shared from an
         earlier range); ``kv_out`` those of ``self.kv_exports[r]``.
         """
+        lo, hi = self.ranges[r]
         layers, names = self.arch.layers[lo:hi], self.param_names[lo:hi]
         windows, call = self.arch.windows[lo:hi], self.arch.layer_call
         donors = self.donors[lo:hi]
-        imports, exports = _kv_imports(self.donors, lo, hi), _kv_exports(self.donors, lo, hi)
+        imports, exports = self.kv_imports[r], self.kv_exports[r]
 
         def run(h, params, kv_in, masks, positions, layer_inputs):
             _set_params(layers, names, params)
@@ -285,13 +286,8 @@ class SegmentedEngine:
                 dkv[d] = [a + b for a, b in zip(dkv[d], g)] if d in dkv else g
             mx.eval(dh, pgrads, list(dkv.values()))
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], params)  # drop the traced copies
-            i = 0
-            for path, keys in zip(self.paths[lo:hi], self.param_names[lo:hi]):
-                for k in keys:
-                    grads[f"{path}.{k}"] = pgrads[i]
-                    i += 1
-        tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
-        return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
+            grads.update(self._named_grads(lo, hi, pgrads))
+        return self._result(loss, sums, layout, grads)
 
     def _step_whole(self, layout: Layout, seed: int, norm: Norm) -> StepResult:
         """One range and an unchunked head: nothing to recompute, so one lazy
@@ -312,8 +308,16 @@ class SegmentedEngine:
         (loss, sums), pgrads = mx.value_and_grad(loss_of)(params)
         mx.eval(loss, sums, pgrads)
         _set_params(self.arch.layers, self.param_names, params)  # drop the traced copies
+        return self._result(loss, sums, layout, self._named_grads(0, n, pgrads))
+
+    def _named_grads(self, lo: int, hi: int, pgrads: list) -> dict:
+        """``{"model.layers.i.<key>": grad}`` for layers [lo, hi) from the flat ``pgrads``
+        (in ``self._params(lo, hi)`` order)."""
         flat = iter(pgrads)
-        grads = {f"{path}.{k}": next(flat) for path, keys in zip(self.paths, self.param_names) for k in keys}
+        return {f"{path}.{k}": next(flat) for path, keys in zip(self.paths[lo:hi], self.param_names[lo:hi]) for k in keys}
+
+    def _result(self, loss, sums: dict, layout: Layout, grads: dict) -> StepResult:
+        """The step's ``StepResult``, ``grads`` (by dotted path) shaped like ``model.trainable_parameters()``."""
         tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
         return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
 
