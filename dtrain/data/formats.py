@@ -108,6 +108,27 @@ class BadRow(Exception):
     """Raised inside row parsing; caught and recorded with the row's source."""
 
 
+def check_data_file(path: str) -> None:
+    """Stop early when ``path`` is missing, a directory, or holds nothing but whitespace.
+
+    Reads only up to the first non-blank byte (``./launch`` calls it before
+    starting ranks, on files of any size).
+
+    Raises:
+        DataError: naming the file and the problem.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise DataError(f"{path}: is a directory; expected a JSONL or JSON file")
+    if not p.is_file():
+        raise DataError(f"{path}: data file not found")
+    with open(p, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.decode("utf-8", errors="surrogateescape").replace("\ufeff", "").strip():  # a BOM is not content
+                return
+    raise DataError(f"{path}: file is empty")
+
+
 def read_objects(path: str) -> list:
     """Parse a JSONL file or a JSON array, detected by content.
 
@@ -118,16 +139,10 @@ def read_objects(path: str) -> list:
         DataError: missing file, a directory, an empty file, an invalid JSON
             array, or a single JSON object that is not one-per-line.
     """
-    p = Path(path)
-    if p.is_dir():
-        raise DataError(f"{path}: is a directory; expected a JSONL or JSON file")
-    if not p.is_file():
-        raise DataError(f"{path}: data file not found")
+    check_data_file(path)
     # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
     # them are reported one by one instead of failing the whole file.
-    text = p.read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-    if not text.strip():
-        raise DataError(f"{path}: file is empty")
+    text = Path(path).read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
