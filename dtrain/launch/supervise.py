@@ -199,7 +199,7 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
     for r in failed:
         rep = reports[r]
         what = f"failed with exit code {rep.code}" if rep.code > 0 else f"was {describe_status(rep.code)}"
-        print(f"launch: rank {r} {what}; its last lines:", file=sys.stderr)
+        print(f"launch: rank {r} {what}" + ("; its last lines:" if rep.tail else ""), file=sys.stderr)
         for line in rep.tail[-10:]:
             print(f"  [rank {r}] {line}", file=sys.stderr)
     aborted = sorted(r for r in reports if reports[r].killed == "abort")
