@@ -122,6 +122,7 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
         )
     try:
         config = _config(arch, metadata, tensors)
+        _check_model_keys(arch, metadata, config)
         weights = _rename(arch, tensors)
     except KeyError as err:
         raise ModelError(f"{path}: GGUF file lacks {err.args[0]!r}, which a {arch} model needs") from None
@@ -212,6 +213,46 @@ def _swa_pattern(value) -> int:
     if isinstance(value, list):
         return value.index(False) + 1 if False in value else len(value) + 1
     return int(value)
+
+
+# {arch}.* keys read by _config, or checked by _check_model_keys to hold the value
+# the model definition assumes. Any other {arch}.* key may change the model
+# (softcapping, ALiBi, experts, partial rotary ...) and is refused by name.
+_MODEL_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "expert_count", "expert_used_count",
+}
+_GEMMA3_KEYS = {"rope.freq_base_swa", "attention.sliding_window", "attention.sliding_window_pattern"}
+
+
+def _check_model_keys(arch: str, md: dict, config: dict) -> None:
+    """Refuse metadata that changes the model in a way the mlx-lm config does not express.
+
+    Raises:
+        ModelError: an unknown ``{arch}.*`` key, or a known one whose value the
+            model definition cannot reproduce, naming the key and value.
+    """
+    known = _MODEL_KEYS | (_GEMMA3_KEYS if arch == "gemma3" else set())
+    for key in md:
+        if key.startswith(f"{arch}.") and key[len(arch) + 1:] not in known:
+            raise ModelError(f"GGUF key {key!r} is not supported (it may change the model)")
+    head_dim = config["head_dim"]
+    expected = {
+        "rope.dimension_count": head_dim,  # partial rotary embeddings are not in mlx-lm's llama/gemma3
+        "attention.value_length": head_dim,
+        "vocab_size": config["vocab_size"],
+        "expert_count": 0,
+        "expert_used_count": 0,
+    }
+    for name, value in expected.items():
+        got = md.get(f"{arch}.{name}")
+        if got is not None and int(got) != value:
+            raise ModelError(f"GGUF key '{arch}.{name}' = {got} is not supported (expected {value})")
+    if int(md.get("split.count", 1)) > 1:
+        raise ModelError(f"split GGUF files (split.count = {md['split.count']}) are not supported; merge them first")
 
 
 def _config(arch: str, md: dict, tensors: dict) -> dict:
