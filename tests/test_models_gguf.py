@@ -136,8 +136,9 @@ TOKENS = mx.array([[1, 3, 40, 7, 300, 511, 2, 99, 100, 4]])
         {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_0, "token_embd.weight": Q.Q8_0,
          "blk.2.ffn_up.weight": Q.Q4_1},
         {"blk.0.attn_q.weight": Q.Q5_0, "blk.3.ffn_down.weight": Q.Q5_1},  # mx.load rejects these
+        {"blk.0.attn_k.weight": Q.BF16, "token_embd.weight": Q.BF16},  # mx.load narrows these to float16
     ],
-    ids=["f32", "q8_q4_kept_by_mx_load", "q5_via_gguf_reader"],
+    ids=["f32", "q8_q4_kept_by_mx_load", "q5_via_gguf_reader", "bf16_read_exactly"],
 )
 def test_llama_gguf_logits_equal_mlx_lm_on_original_weights(tmp_path, quant):
     path = tmp_path / "tiny.gguf"
@@ -354,3 +355,20 @@ def test_gguf_pre_tokenizer_is_implemented_or_refused_by_name(tmp_path, pre):
     with pytest.raises(ModelError, match=r"tiny\.gguf: cannot build the tokenizer from GGUF metadata: "
                                          r"tokenizer\.ggml\.pre 'deepseek-llm' is not implemented"):
         load_model(str(path))
+
+
+def test_bf16_tensors_keep_values_float16_cannot_hold(tmp_path):
+    from dtrain.models.gguf import read_gguf
+
+    path = tmp_path / "bf16.gguf"
+    values = np.array([[1e5, -3.7290156e-06, 1.0, -2.5e-30] * 8] * 2, dtype=np.float32)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(300)])  # metadata arrays are skipped
+    w.add_tensor("a.weight", np.ones((3, 32), np.float32))
+    w.add_tensor("b.weight", gguf.quants.quantize(values, Q.BF16), raw_dtype=Q.BF16)
+    _finish(w)
+    _, tensors = read_gguf(path)
+    expected = gguf.quants.dequantize(gguf.quants.quantize(values, Q.BF16), Q.BF16)
+    assert expected[0, 0] == 99840.0 and expected[0, 3] != 0  # beyond float16's range, below its subnormals
+    np.testing.assert_array_equal(np.array(tensors["b.weight"]), expected)
+    np.testing.assert_array_equal(np.array(tensors["a.weight"]), np.ones((3, 32)))

@@ -1,7 +1,8 @@
 """GGUF files → mlx-lm config and weights (llama and gemma3 architectures).
 
 Tensors are read with ``mx.load(path, return_metadata=True)``, which returns
-F32/F16 tensors as they are and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
+F32/F16 tensors as they are (BF16 ones, which it narrows to float16, are read
+again exactly by gguf_bf16.py) and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
 triplets (``name.weight`` uint32, ``name.scales``, ``name.biases``; group size
 32). Files with other tensor types (K-quants, Q5_0, ...) make ``mx.load`` fail;
 they are read with ``gguf.GGUFReader`` and every tensor is dequantized to
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelError
+from .gguf_bf16 import read_bf16_tensors
 
 GROUP_SIZE = 32  # every GGUF block quant that mx.load accepts has 32-value blocks
 
@@ -84,6 +86,8 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     """
     try:
         tensors, raw = mx.load(str(path), return_metadata=True)
+        # mx.load narrows BF16 tensors to float16; read those again exactly
+        tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path).items()})
         return {k: _plain(v) for k, v in raw.items()}, tensors
     except (RuntimeError, ValueError):
         pass  # a tensor type mx.load does not read, or not GGUF at all
@@ -146,26 +150,35 @@ def _bits(weights: dict, module: str) -> int:
     return weights[f"{module}.weight"].shape[-1] // weights[f"{module}.scales"].shape[-1]
 
 
+def hf_name(arch: str, name: str) -> str | None:
+    """The HF/mlx-lm parameter name of GGUF tensor ``name`` (None for ``rope_freqs``).
+
+    Raises:
+        ModelError: a tensor name the architecture does not have.
+    """
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "scales", "biases", "bias"):
+        base, suffix = name, "weight"  # some writers omit ".weight"
+    if base in _IGNORED:
+        return None
+    match = _BLOCK.fullmatch(base)
+    if match and match.group(2) in _ARCH_LAYER_NAMES[arch]:
+        return f"model.layers.{match.group(1)}.{_ARCH_LAYER_NAMES[arch][match.group(2)]}.{suffix}"
+    if not match and base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
+
+
 def _rename(arch: str, tensors: dict) -> dict:
-    layer_names = _ARCH_LAYER_NAMES[arch]
-    out = {}
-    for name, value in tensors.items():
-        base, _, suffix = name.rpartition(".")
-        if suffix not in ("weight", "scales", "biases", "bias"):
-            base, suffix = name, "weight"  # some writers omit ".weight"
-        if base in _IGNORED:
-            continue
-        match = _BLOCK.fullmatch(base)
-        if match:
-            layer, part = match.groups()
-            if part not in layer_names:
-                raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
-            out[f"model.layers.{layer}.{layer_names[part]}.{suffix}"] = value
-        elif base in _GLOBAL_NAMES:
-            out[f"{_GLOBAL_NAMES[base]}.{suffix}"] = value
-        else:
-            raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
-    return out
+    return {hf: value for name, value in tensors.items() if (hf := hf_name(arch, name)) is not None}
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): HF half-split rotary rows → interleaved.
+
+    ``w``: ``(rows, cols)`` with ``rows = n_head * head_dim``; returns the same shape.
+    """
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _unpermute_qk(weights: dict, config: dict) -> None:
