@@ -9,6 +9,7 @@ test_models_gguf.py (llama with permuted Q/K rows, gemma3 with norms stored as
 from __future__ import annotations
 
 import json
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -63,6 +64,9 @@ def test_llama_f32_export_reproduces_the_lora_model_in_folder_and_gguf(tmp_path,
     back = load_model(str(result.gguf), dtype="float32")
     np.testing.assert_allclose(np.array(back.model(TOKENS)), expected, rtol=1e-4, atol=1e-4)
     assert back.config["tie_word_embeddings"] is True
+    umask = os.umask(0)
+    os.umask(umask)
+    assert result.folder.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
 
 
 def test_gguf_keeps_the_base_metadata_and_tokenizer(tmp_path, llama):
