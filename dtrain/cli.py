@@ -65,12 +65,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _setup_blas() -> None:
+    """Load the fastest correct BLAS before MLX and print its line (the launcher printed it for ranks)."""
+    from .blas import setup
+
+    choice = setup()
+    if not choice.inherited:
+        print(f"dtrain: {choice.line()}", file=sys.stderr, flush=True)
+
+
 def _train(args, overrides) -> int:
     from .config import load_config
+
+    cfg = load_config(args.config, overrides)
+    _setup_blas()  # before the imports below load MLX
     from .distributed import init_group
     from .trainer import train
 
-    cfg = load_config(args.config, overrides)
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
     if group.is_main:
@@ -86,11 +97,13 @@ def _train(args, overrides) -> int:
 
 def _data_check(args, overrides) -> int:
     from .config import load_config
-    from .data import check_file
-    from .models import load_model
 
     # the file named on the command line is the data (a config's demo pairs do not apply)
     cfg = load_config(args.config, [*overrides, f"data.train={args.file}", "data.demo_pairs=0"])
+    _setup_blas()
+    from .data import check_file
+    from .models import load_model
+
     loaded = load_model(cfg.model.path, cfg.model.dtype)
     report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer)
     print(report)
