@@ -109,7 +109,7 @@ def test_quantized_export_is_within_the_quantization_error(tmp_path, llama, gguf
 
     fused = {k: np.array(v) for k, v in tree_flatten(load(str(result.folder))[0].parameters())}
     back = gguf_to_mlx(result.gguf)
-    weights = {k: v for k, v in back.weights.items()}
+    weights = back.weights
     for name, w in fused.items():
         if w.ndim == 2:
             got = np.array(mx.dequantize(weights[name], weights[name.replace("weight", "scales")],
@@ -131,8 +131,6 @@ def test_quantized_export_is_within_the_quantization_error(tmp_path, llama, gguf
 
 
 def make_reference(module_name: str, weights: dict):
-    import importlib
-
     from conftest import make_tiny_model
 
     model = make_tiny_model(module_name)
