@@ -4,10 +4,13 @@ starts; valid hostfiles give the plan mlx.launch / mpirun will run."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
-from dtrain.launch.rank import Report, parse_report, report_line
+from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
 from dtrain.launch.supervise import summarize
 from fixtures_launch import launch, make_job, write_hostfile
 
@@ -148,12 +151,12 @@ def test_summarize_exit_status(capsys):
 
 def test_summarize_names_the_cause_not_the_lost_peer(capsys):
     """A killed rank's peers fail with 'lost a peer' (4), sometimes before its own report arrives."""
-    out = summarize(3, *exit_reports((0, 4, [], None, None), (2, -9, [], None, None), (1, 4, [], None, None)), 1, None)
+    out = summarize(3, *exit_reports((0, 4, ["lost"], None, None), (2, -9, [], None, None), (1, 4, [], None, None)), 1, None)
     assert out.failed == [0, 2, 1] and out.code == 4 and out.restartable
     assert out.cause() == "rank 2 failed (killed by SIGKILL)"
     err = capsys.readouterr().err
-    assert "launch: rank 2 was killed by SIGKILL; its last lines:" in err
-    assert "launch: rank 0 failed with exit code 4; its last lines:" in err
+    assert "launch: rank 0 failed with exit code 4; its last lines:\n  [rank 0] lost\n" in err
+    assert "launch: rank 2 was killed by SIGKILL\n" in err  # no output: no "last lines"
 
 
 def test_a_user_error_is_not_restartable(capsys):
@@ -164,24 +167,19 @@ def test_a_user_error_is_not_restartable(capsys):
 
 def test_stop_timeout_kills_only_a_rank_without_cpu_progress():
     """The wrapper's rule: CPU time that keeps growing is progress; none for stop_timeout s is stuck."""
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from dtrain.launch.rank import Watch, cpu_seconds
-
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    busy = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE)
     try:
-        time.sleep(0.5)
-        assert cpu_seconds(busy.pid) > 0.1 and cpu_seconds(os.getpid()) > 0
-        watches = {p.pid: Watch(stop_timeout=1.0) for p in (busy, idle)}
-        verdicts = {}
-        for t in (0.0, 0.6, 1.2, 1.8):
-            time.sleep(0.6 if t else 0)
+        assert busy.stdout.readline() == idle.stdout.readline() == b"ready\n"  # both past start-up
+        watches = {p.pid: Watch(stop_timeout=1.5) for p in (busy, idle)}
+        start = time.monotonic()
+        verdicts = {pid: w.overdue(pid, start) for pid, w in watches.items()}
+        while time.monotonic() - start < 3.0:
+            time.sleep(0.5)
             verdicts = {pid: w.overdue(pid, time.monotonic()) for pid, w in watches.items()}
         assert verdicts == {busy.pid: False, idle.pid: True}
+        assert cpu_seconds(busy.pid) > cpu_seconds(idle.pid)
     finally:
         busy.kill()
         idle.kill()

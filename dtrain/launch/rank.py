@@ -15,7 +15,9 @@ Signals (the launcher's, or a hung-up ssh session's):
   (default 60). A rank computing a step or writing a checkpoint uses CPU, and so
   does one waiting in a ring or MPI collective for a slower peer (both poll);
   a process that uses none for that long is stuck (e.g. its host went to sleep).
-- SIGUSR1: abort: the child is killed at once (another rank failed, or a second Ctrl-C).
+- SIGUSR1: abort (another rank failed, or a second Ctrl-C): the child gets SIGINT and is
+  killed ``ABORT_GRACE_S`` seconds later unless it ended by then, which a rank whose peer
+  died usually does at once, through its own error path (closing its files).
 
 The report says which happened (``stop``: the signal, ``killed``: why). It
 exists because ``mlx.launch`` exits 0 even when a rank fails (mlx 0.32:
@@ -42,6 +44,7 @@ from .env import STOP_TIMEOUT_VAR, rank_from_env
 MARK = "\x1edtrain-rank "
 TAIL_LINES = 15
 DEFAULT_STOP_TIMEOUT = 60.0
+ABORT_GRACE_S = 3.0
 CPU_STEP = 0.02  # CPU seconds per sample that count as progress (an idle Python process uses ~0)
 GENTLE = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
 
@@ -103,7 +106,7 @@ class Watch:
     def __init__(self, stop_timeout: float):
         self.stop_timeout = stop_timeout
         self.stop: Optional[str] = None
-        self.abort = False
+        self.abort_at: Optional[float] = None  # when SIGUSR1 came
         self.killed: Optional[str] = None
         self._cpu, self._progress_at = -1.0, 0.0
 
@@ -125,7 +128,10 @@ def run(cmd: list) -> int:
 
     def on_signal(signum, _frame):
         if signum == signal.SIGUSR1:
-            watch.abort = True
+            if watch.abort_at is None:
+                watch.abort_at = time.monotonic()
+                for proc in started:
+                    _send(proc, signal.SIGINT)
         elif watch.stop is None:
             watch.stop = signal.Signals(signum).name
             for proc in started:
@@ -145,7 +151,7 @@ def run(cmd: list) -> int:
     while True:
         now = time.monotonic()
         if proc.poll() is None and watch.killed is None:
-            if watch.abort:
+            if watch.abort_at is not None and now - watch.abort_at >= ABORT_GRACE_S:
                 watch.killed = "abort"
             elif watch.stop is not None and now - checked >= 1.0:
                 checked = now

@@ -3,7 +3,8 @@
 Every rank runs under :mod:`dtrain.launch.rank`, whose report lines say when
 it started (its trainer's pid) and how it ended. The launcher talks to those
 wrappers with two signals: SIGUSR2 asks them to stop gently (the trainers save
-a checkpoint after their step), SIGUSR1 makes them kill their trainers at once.
+a checkpoint after their step), SIGUSR1 makes them end their trainers within
+``rank.ABORT_GRACE_S`` seconds.
 Under mlx.launch they go to the whole process group (mlx.launch itself ignores
 them); mpirun forwards both to its ranks, so under MPI they go to mpirun only.
 
@@ -124,7 +125,7 @@ class Attempt:
         self._send(signal.SIGUSR2)
 
     def abort(self, why: str) -> None:
-        """Kill every rank's trainer now (a rank failed, or a second Ctrl-C)."""
+        """End every rank's trainer within seconds (a rank failed, or a second Ctrl-C)."""
         with self._lock:
             if self.aborted_at is not None:
                 return
