@@ -54,8 +54,10 @@ class LoraConfig:
 class DataConfig:
     """Preference pairs: files, row format, rendering and length limits."""
 
-    train: Optional[str] = None  # JSONL / JSON file; None with demo.num_pairs > 0
+    train: Optional[str] = None  # JSONL/JSON/Parquet file, data folder or hub id (dtrain/data/sources.py)
     valid: Optional[str] = None
+    split: str = "train"  # split of a DatasetDict folder, Parquet folder or hub dataset read for train
+    valid_split: Optional[str] = None  # its split read for valid (also from `train`'s container when `valid` is unset)
     valid_fraction: float = 0.1  # used when `valid` is not given
     format: str = "auto"  # auto|standard|conversational|transcript|openai|sharegpt|mapped
     fields: Optional[dict] = None  # {prompt: .., chosen: .., rejected: .., system: ..}
@@ -219,7 +221,7 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                           "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
-        raise ConfigError(f"{source}: set 'data.train' to a JSONL/JSON file, or 'data.demo_pairs' > 0 for generated pairs")
+        raise ConfigError(f"{source}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:

@@ -170,7 +170,8 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     if dataset is None:
         from .data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None)
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
+                               cache_dir=Path(t.output_dir) / "data_cache")  # tokenized pairs, by content
     if not dataset.train:
         raise UserError("no training pairs left after loading and filtering the data")
     apply_lora(model, cfg.lora)

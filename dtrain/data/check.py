@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .formats import parse_rows, read_objects
 from .render import encode_rows, limit_pairs
+from .sources import read_rows, resolve
 
 
 def _stats(values: list) -> str:
@@ -19,7 +19,7 @@ def _stats(values: list) -> str:
 
 
 def check_file(path: str, cfg, tokenizer) -> tuple[str, int]:
-    """A text report on one data file under the current data config, and its bad-row count.
+    """A text report on one data source (as ``data.train`` reads it), and its bad-row count.
 
     Lists the bad rows (``file:line: reason``), then, for the rows that parse,
     the untruncated token lengths of prompt, chosen and rejected (count, min,
@@ -27,10 +27,10 @@ def check_file(path: str, cfg, tokenizer) -> tuple[str, int]:
     would truncate or drop.
 
     Raises:
-        DataError: the file cannot be read (missing, a directory, empty, unknown
-            format, invalid JSON array).
+        DataError: the data cannot be read (missing, a folder of no known
+            layout, empty, unknown format, invalid JSON array).
     """
-    rows, report = parse_rows(read_objects(path), cfg, path)
+    rows, report = read_rows(resolve(path, cfg), cfg)
     encoded, enc_report = encode_rows(rows, tokenizer, cfg)
     _, limited = limit_pairs(encoded, cfg, getattr(tokenizer, "bos_token_id", None))
     report = report.merge(dataclasses.replace(enc_report, rows_read=0))
