@@ -23,7 +23,7 @@ import pytest
 
 from dtrain.config import DataConfig
 from dtrain.data import check_file, load_dataset, load_rows, tokenize_rows
-from dtrain.data.cache import cache_key, tokenize_cached
+from dtrain.data.cache import cache_key, tokenize_cached, write_entries
 from dtrain.data.sources import dataset_source, fingerprint, read_rows, resolve, resolve_pair
 from dtrain.errors import DataError
 
@@ -339,10 +339,12 @@ def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
 def test_load_dataset_caches_next_to_output(tmp_path, tokenizer):
     cfg = DataConfig(train=write_parquet(tmp_path / "d.parquet", gen_objs("openai", 50, seed=8)))
     first = load_dataset(cfg, tokenizer, log=None, cache_dir=tmp_path / "out/data_cache")
+    assert not (tmp_path / "out").exists()  # written only once the run owns its folder
+    write_entries(first.cache_entries)
     assert len(list((tmp_path / "out/data_cache").iterdir())) == 2  # train and valid
     counting = CountingTokenizer(tokenizer)
     again = load_dataset(cfg, counting, log=None, cache_dir=tmp_path / "out/data_cache")
-    assert again == first and counting.encodes == 0
+    assert again == first and counting.encodes == 0 and again.cache_entries == []
 
 
 def _datasets():
@@ -405,3 +407,26 @@ def test_hub_id_without_datasets_library():
     assert _resolve_in_subprocess("owner/name", {}, no_datasets) == (
         "owner/name: no such file or folder; to read it as a Hugging Face hub dataset "
         "install the datasets library: pip install 'dtrain[hf]'")
+
+
+def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):
+    from types import SimpleNamespace
+
+    from conftest import make_tiny_model, make_tokenizer
+    from dtrain.config import load_config
+    from dtrain.trainer import train
+
+    objs = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(12)]
+    data = write_parquet(tmp_path / "d.parquet", objs)
+    out = tmp_path / "out"
+
+    def run(steps: int, *extra):
+        cfg = load_config(None, [f"data.train={data}", f"train.output_dir={out}", f"train.steps={steps}",
+                                 "train.global_batch_pairs=2", "train.micro_batch_pairs=2", "lora.rank=2",
+                                 "train.progress=false", "train.save_every=1", *extra])
+        tok = CountingTokenizer(make_tokenizer())
+        train(cfg, loaded=SimpleNamespace(model=make_tiny_model(), tokenizer=tok, identity="tiny", source="tiny"))
+        return tok.encodes
+
+    assert run(1) > 0 and len(list((out / "data_cache").iterdir())) == 2
+    assert run(2, "train.resume=auto") == 0  # the resumed run reads the cache

@@ -17,14 +17,14 @@ from typing import Callable, Optional
 from ..errors import DataError
 from .check import check_file
 from .demo import demo_pairs
-from .cache import tokenize_cached
+from .cache import tokenize_cached, write_entries
 from .formats import BadRowReport, Row, parse_rows
 from .render import end_of_turn, tokenize_rows
 from .sources import fingerprint as data_fingerprint
 from .sources import read_rows, resolve, resolve_pair
 
 __all__ = ["BadRowReport", "Dataset", "Row", "check_file", "demo_pairs", "end_of_turn",
-           "load_dataset", "load_rows", "split_rows", "tokenize_rows"]
+           "load_dataset", "load_rows", "split_rows", "tokenize_rows", "write_entries"]
 
 DEMO_VERSION = 1  # bump when demo.py changes its output, so fingerprints change too
 
@@ -64,12 +64,15 @@ class Dataset:
     ``fingerprint``: :func:`.sources.fingerprint` of the train (and valid) source:
     for one JSON file its ``sha256sum``; for demo data, sha256 of the demo
     parameters. It changes whenever the input data changes.
+    ``cache_entries``: tokenized pairs not yet in the cache, for
+    :func:`write_entries` once the run owns its output folder.
     """
 
     train: list
     valid: list
     report: BadRowReport = field(default_factory=BadRowReport)
     fingerprint: str = ""
+    cache_entries: list = field(default_factory=list, repr=False, compare=False)
 
 
 def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], None]] = print,
@@ -81,7 +84,8 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     ``cfg.valid`` (or the held-out split of ``cfg.train``'s container, see
     :func:`.sources.resolve_pair`), or ``cfg.train`` split by ``cfg.valid_fraction``
     with ``seed``. With ``cache_dir``, tokenized pairs are cached there by content
-    (:mod:`.cache`); a progress bar shows on stderr when ``log`` is set.
+    (:mod:`.cache`; misses go to ``Dataset.cache_entries``, nothing is written
+    here); a progress bar shows on stderr when ``log`` is set.
     With ``on_bad_row: skip`` the count and first few bad rows go to ``log``
     (None: silent); pairs dropped for length are always only logged.
 
@@ -107,9 +111,9 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         else:
             train_rows, valid_rows = split_rows(rows, cfg.valid_fraction, seed)
         fingerprint = data_fingerprint([s for s in (train_src, valid_src) if s is not None])
-    progress = log is not None
-    train, train_report = tokenize_cached(train_rows, tokenizer, cfg, cache_dir, progress, "train")
-    valid, valid_report = tokenize_cached(valid_rows, tokenizer, cfg, cache_dir, progress, "valid")
+    progress, pending = log is not None, []
+    train, train_report = tokenize_cached(train_rows, tokenizer, cfg, cache_dir, progress, "train", pending)
+    valid, valid_report = tokenize_cached(valid_rows, tokenizer, cfg, cache_dir, progress, "valid", pending)
     # rows_read was counted at load time; tokenize reports add only their entries.
     report = report.merge(dataclasses.replace(train_report.merge(valid_report), rows_read=0))
     if report.bad and cfg.on_bad_row == "error":
@@ -121,4 +125,4 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     if not train:
         raise DataError(f"no usable training pairs in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
                         f"{len(report.dropped)} dropped for length)")
-    return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint)
+    return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending)

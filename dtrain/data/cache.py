@@ -73,13 +73,14 @@ def cache_key(rows: list, tokenizer, cfg) -> Optional[str]:
 
 
 def tokenize_cached(rows: list, tokenizer, cfg, cache_dir: Optional[Path], progress: bool = False,
-                    desc: str = "") -> tuple:
+                    desc: str = "", pending: Optional[list] = None) -> tuple:
     """:func:`render.tokenize_rows` with a content-addressed cache in ``cache_dir``.
 
     Returns ``(list[TokenizedPair], BadRowReport)``, equal to ``tokenize_rows``'
     result. ``cache_dir=None`` turns the cache off. A miss tokenizes in chunks
-    with a tqdm bar on stderr (``progress``; shown after one second). A cache
-    that cannot be written is skipped.
+    with a tqdm bar on stderr (``progress``; shown after one second) and writes
+    the entry, or appends ``(path, pairs, report)`` to ``pending`` for
+    :func:`write_entries` (a run writes once it owns its output folder).
 
     Raises:
         DataError: as :func:`render.encode_rows`.
@@ -92,11 +93,18 @@ def tokenize_cached(rows: list, tokenizer, cfg, cache_dir: Optional[Path], progr
             return loaded
     pairs, report = _tokenize(rows, tokenizer, cfg, progress, desc)
     if path is not None:
+        entry = (path, pairs, report)
+        pending.append(entry) if pending is not None else write_entries([entry])
+    return pairs, report
+
+
+def write_entries(entries: list) -> None:
+    """Write ``(path, pairs, report)`` cache entries; one that cannot be written is skipped."""
+    for path, pairs, report in entries:
         try:
             _save(path, pairs, report)
         except OSError:
             pass  # a read-only or full disk costs only the next run's tokenization
-    return pairs, report
 
 
 def _tokenize(rows: list, tokenizer, cfg, progress: bool, desc: str) -> tuple:
