@@ -44,10 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    dc = dsub.add_parser("check", help="report bad rows and token lengths of a file (overrides: --data.key VALUE; "
-                                       "exit status 1 when there are bad rows and data.on_bad_row is error)")
+    dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of a file (overrides: "
+                                       "--data.key VALUE; exit status 1 when there are bad rows and "
+                                       "data.on_bad_row is error)")
     dc.add_argument("file")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
+    dc.add_argument("--show", type=int, default=0, metavar="N",
+                    help="print the first N usable pairs as trained: text with control tokens visible, and ids")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file")
     c.add_argument("gguf_file")
     c.add_argument("out_dir")
@@ -81,9 +84,13 @@ def _data_check(args, overrides) -> int:
     # the file named on the command line is the data (a config's demo pairs do not apply)
     cfg = load_config(args.config, [*overrides, f"data.train={args.file}", "data.demo_pairs=0"])
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer)
+    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show)
     print(report)
-    return 1 if n_bad and cfg.data.on_bad_row == "error" else 0
+    if n_bad and cfg.data.on_bad_row == "error":
+        print(f"dtrain: error: {args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
+              "(training would stop; see the rows listed above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _convert(args) -> int:
