@@ -200,10 +200,11 @@ class RowTokenizer:
         plain.append(text[pos:])
         return "".join(plain), spans
 
-    def _encode(self, text: str, spans: dict) -> list:
-        """Token ids of rendered text; control text at ``spans`` (from messages) gets the ids of its plain spelling."""
-        bos = getattr(self.tokenizer, "bos_token", None)
-        add = not (bos and text.startswith(bos))
+    def _encode(self, text: str, spans: dict, add: bool) -> list:
+        """Token ids of rendered text; control text at ``spans`` (from messages) gets the ids of its plain spelling.
+
+        ``add``: let the tokenizer add its special tokens (BOS), false when the template wrote BOS itself.
+        """
         if not spans:
             return list(self.tokenizer.encode(text, add_special_tokens=add))
         hf, spans = hf_tokenizer(self.tokenizer), dict(spans)
@@ -238,8 +239,11 @@ class RowTokenizer:
                     raise DataError(f"the template ({r.name}) writes no end-of-turn token and the tokenizer has no "
                                     "EOS token; set data.append_eos: false")
                 extra = [self.tokenizer.eos_token_id]
+        # BOS is the template's when its own text starts with it (content's "<s>" is escaped here)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add = not (bos and text.startswith(bos))
         text, spans = self._unescape(text, marker)
-        return self._encode(text, spans) + extra, text, found
+        return self._encode(text, spans, add) + extra, text, found
 
     # -- truncation --------------------------------------------------------
     def _fit_prompt(self, r: Renderer, msgs: list) -> tuple:
