@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
 from . import sampler
+from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
 from .engine import Norm, make_engine
@@ -160,6 +161,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             checkpoint; too many non-finite steps in a row.
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
+    warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
