@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from .data.formats import FORMATS
+from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
 from .launch_hosts import BACKENDS
 from .models import DTYPE_NAMES
@@ -69,9 +70,11 @@ class DataConfig:
     valid_fraction: float = option(0.1, "held-out share of train when valid is not given", at_least=0.0, below=1.0)
     format: str = option("auto", "row format; auto detects it from the first row", ("auto", *FORMATS))
     fields: Optional[dict] = option(None, "column names for the mapped format: {prompt: .., chosen: .., "
-                                          "rejected: .., system: ..}")
-    prompt_template: str = option("chat", "chat: a plain prompt becomes a user turn of the chat template; "
-                                          "raw: the prompt text as is", ("chat", "raw"))
+                                          "rejected: .., system: ..}; command line: --data.fields '{prompt: q}'")
+    prompt_template: str = option("chat", "chat: a plain-text prompt becomes a user turn; raw: kept as text "
+                                          "(messages: 'User: ...' lines)", ("chat", "raw"))
+    chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
+                                                f"Jinja file replaces it (or gives a base model one)")
     append_eos: bool = option(True, "end each response with the template's end-of-turn token")
     max_length: int = option(1024, "tokens of prompt + response per side; longer pairs are cut", above=0)
     max_prompt_length: int = option(512, "prompts are cut from the left to this many tokens first", above=0)
@@ -252,6 +255,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     if name not in fields:
         known = ", ".join(sorted(yaml_key(k) for k in fields))
         raise ConfigError(f"{source}: unknown key '{shown}' (known in '{section}': {known})")
+    if (section, name) == ("data", "fields") and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system to column names, got "
+                          f"{value!r}; e.g. --data.fields '{{prompt: question, chosen: response_j, rejected: response_k}}'")
     value = _coerce(value, typing.get_type_hints(type(sub))[name], f"{source}: key '{shown}'")
     _check_allowed(value, fields[name].metadata, f"{source}: key '{shown}'")
     setattr(sub, name, value)

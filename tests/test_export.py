@@ -9,6 +9,7 @@ test_models_gguf.py (llama with permuted Q/K rows, gemma3 with norms stored as
 from __future__ import annotations
 
 import json
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -63,6 +64,9 @@ def test_llama_f32_export_reproduces_the_lora_model_in_folder_and_gguf(tmp_path,
     back = load_model(str(result.gguf), dtype="float32")
     np.testing.assert_allclose(np.array(back.model(TOKENS)), expected, rtol=1e-4, atol=1e-4)
     assert back.config["tie_word_embeddings"] is True
+    umask = os.umask(0)
+    os.umask(umask)
+    assert result.folder.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
 
 
 def test_gguf_keeps_the_base_metadata_and_tokenizer(tmp_path, llama):
@@ -105,7 +109,7 @@ def test_quantized_export_is_within_the_quantization_error(tmp_path, llama, gguf
 
     fused = {k: np.array(v) for k, v in tree_flatten(load(str(result.folder))[0].parameters())}
     back = gguf_to_mlx(result.gguf)
-    weights = {k: v for k, v in back.weights.items()}
+    weights = back.weights
     for name, w in fused.items():
         if w.ndim == 2:
             got = np.array(mx.dequantize(weights[name], weights[name.replace("weight", "scales")],
@@ -127,8 +131,6 @@ def test_quantized_export_is_within_the_quantization_error(tmp_path, llama, gguf
 
 
 def make_reference(module_name: str, weights: dict):
-    import importlib
-
     from conftest import make_tiny_model
 
     model = make_tiny_model(module_name)

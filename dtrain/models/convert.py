@@ -79,6 +79,9 @@ def write_folder(out_dir: str, fill: Callable[[Path], None]) -> Path:
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result is an ordinary folder
     try:
         fill(tmp)
         if out.exists():
