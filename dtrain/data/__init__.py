@@ -34,6 +34,8 @@ def load_rows(path: str, cfg, role: str = "train") -> tuple:
 
     Bad rows (invalid JSON, missing or wrongly typed fields, empty responses,
     chosen == rejected, invalid UTF-8) are listed in the report, never raised.
+    Pairs without preference signal after rendering are dropped later, by
+    :func:`tokenize_rows`.
 
     Raises:
         DataError: missing file, a folder of no known layout, empty file,
@@ -87,7 +89,8 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     (:mod:`.cache`; misses go to ``Dataset.cache_entries``, nothing is written
     here); a progress bar shows on stderr when ``log`` is set.
     With ``on_bad_row: skip`` the count and first few bad rows go to ``log``
-    (None: silent); pairs dropped for length are always only logged.
+    (None: silent); dropped pairs (no preference signal or no room, see
+    :mod:`dtrain.data.render`) are always only logged.
 
     Raises:
         DataError: file-level problems (see :func:`load_rows`); any bad row with
@@ -124,5 +127,5 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         log(report.summary())
     if not train:
         raise DataError(f"no usable training pairs in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
-                        f"{len(report.dropped)} dropped for length)")
+                        f"{len(report.dropped)} dropped: no preference signal or no room)")
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending)

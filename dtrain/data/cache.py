@@ -3,7 +3,7 @@
 An entry's name is the sha256 of everything its pairs depend on: the rows (every
 field, sources included), every ``data`` config key, the tokenizer (its full
 ``tokenizer.json`` serialisation, chat template and special tokens), the source
-of the rendering code (render.py, types.py) and the versions of the libraries
+of the data package and types.py, and the versions of the libraries
 that render and tokenize. Entries are ``.npz`` files (no pickle) written
 atomically; a damaged entry counts as absent and is written again. A tokenizer
 that cannot be serialised is never cached.
@@ -56,7 +56,8 @@ def _code_identity() -> str:
 
     here = Path(__file__).resolve().parent
     parts = [f"v{CACHE_VERSION}", tokenizers.__version__, transformers.__version__, mlx_lm.__version__]
-    parts += [hashlib.sha256(p.read_bytes()).hexdigest() for p in (here / "render.py", here.parent / "types.py")]
+    # every module of the data package (render.py, templates.py, ...) and the pair type
+    parts += [hashlib.sha256(p.read_bytes()).hexdigest() for p in [*sorted(here.glob("*.py")), here.parent / "types.py"]]
     return " ".join(parts)
 
 
@@ -122,10 +123,13 @@ def _tokenize(rows: list, tokenizer, cfg, progress: bool, desc: str) -> tuple:
 
 
 def _add(report: BadRowReport, other: BadRowReport) -> BadRowReport:
-    report.rows_read += other.rows_read
-    report.bad += other.bad
-    report.dropped += other.dropped
-    report.truncated += other.truncated
+    """``report`` with ``other``'s counts added and entries appended, in place."""
+    for f in dataclasses.fields(report):
+        value = getattr(report, f.name)
+        if isinstance(value, list):
+            value.extend(getattr(other, f.name))
+        else:
+            setattr(report, f.name, value + getattr(other, f.name))
     return report
 
 
@@ -136,8 +140,7 @@ def _save(path: Path, pairs: list, report: BadRowReport) -> None:
                        dtype=np.int64).reshape(-1, 4)
     tokens = np.fromiter((t for p in pairs for part in (p.prompt, p.chosen, p.rejected, p.rejected_prompt or [])
                           for t in part), dtype=np.int32)
-    meta = {"sources": [p.source for p in pairs], "rows_read": report.rows_read, "bad": report.bad,
-            "dropped": report.dropped, "truncated": report.truncated}
+    meta = {"sources": [p.source for p in pairs], "report": dataclasses.asdict(report)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
     try:
@@ -163,6 +166,6 @@ def _load(path: Path) -> Optional[tuple]:
             pos += n
         pairs.append(TokenizedPair(prompt=parts[0], chosen=parts[1], rejected=parts[2], source=source,
                                    rejected_prompt=parts[3] if rp >= 0 else None))
-    bad = [tuple(e) for e in meta["bad"]]
-    dropped = [tuple(e) for e in meta["dropped"]]
-    return pairs, BadRowReport(meta["rows_read"], bad, dropped, meta["truncated"])
+    # JSON turned the (source, reason) tuples of the report's lists into lists
+    report = {k: [tuple(e) for e in v] if isinstance(v, list) else v for k, v in meta["report"].items()}
+    return pairs, BadRowReport(**report)

@@ -268,9 +268,11 @@ def _json_items(path: str) -> Iterator[tuple]:
     A line that is not valid JSON gives a :class:`BadRow`; blank lines are skipped.
 
     Raises:
-        DataError: an empty file, an invalid JSON array, or one JSON object
-            spread over several lines.
+        DataError: an empty file, an invalid JSON array, one JSON object spread
+            over several lines, or no line that is JSON at all (raised at the
+            end of the file, after its lines were yielded).
     """
+    first_bad, lines, any_json = None, 0, False
     with open(path, "rb") as f:
         # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
         # them are reported one by one instead of failing the whole file.
@@ -287,15 +289,25 @@ def _json_items(path: str) -> Iterator[tuple]:
                 line = line.lstrip("\ufeff")
             if not line.strip():
                 continue
+            lines += 1
             if len(line) > MAX_LINE_CHARS:
+                any_json = True  # not judged: too long to parse
                 yield f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")
                 continue
             try:
-                yield f"{path}:{n}", json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as err:
                 if n == 1:
                     _reject_single_object(path)
-                yield f"{path}:{n}", BadRow(f"invalid JSON: {err.msg} (column {err.colno})")
+                why = f"invalid JSON: {err.msg} (column {err.colno})"
+                first_bad = first_bad or (n, why)
+                yield f"{path}:{n}", BadRow(why)
+                continue
+            any_json = True
+            yield f"{path}:{n}", obj
+    if not any_json:
+        raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
+                        f"({first_bad[0]}: {first_bad[1]})")
 
 
 def _first_char(f) -> str:
