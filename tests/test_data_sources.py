@@ -275,7 +275,7 @@ def test_data_check_on_each_container(tmp_path, tokenizer):
                       (save_dict_like(tmp_path / "cd", {"train": objs}), f"{tmp_path}/cd[train]:row 1")):
         out, n_bad = check_file(path, DataConfig(), tokenizer)
         lines = out.splitlines()
-        assert n_bad == 1 and lines[0] == f"{path}: 2 rows, 1 usable, 1 bad"
+        assert n_bad == 1 and lines[0] == f"{path}: 2 rows, 1 usable, 1 bad, 0 dropped"
         assert lines[2] == f"  {bad}: missing field 'rejected'"
 
 
@@ -290,14 +290,22 @@ def test_parquet_dataset_equals_jsonl_dataset(tmp_path, tokenizer):
 
 
 class CountingTokenizer:
-    """Forwards everything to ``inner``; counts ``encode`` calls."""
+    """Forwards to ``inner`` (mlx-lm's TokenizerWrapper); counts the calls that render or tokenize."""
 
     def __init__(self, inner):
-        self.inner, self.encodes = inner, 0
+        self.inner, self.calls = inner, 0
 
     def encode(self, *args, **kwargs):
-        self.encodes += 1
+        self.calls += 1
         return self.inner.encode(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):  # render.py calls the Hugging Face tokenizer for offsets
+        self.calls += 1
+        return self.inner._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -310,13 +318,13 @@ def test_cache_equals_tokenizing_and_skips_it(tmp_path, tokenizer):
     assert expected[1].truncated > 0 and len(expected[0]) > 0
     counting = CountingTokenizer(tokenizer)
     first = tokenize_cached(rows, counting, cfg, tmp_path / "cache")
-    assert first == expected and counting.encodes > 0
+    assert first == expected and counting.calls > 0
     (entry,) = (tmp_path / "cache").iterdir()
     assert entry.name == f"{cache_key(rows, tokenizer, cfg)}.npz"
-    counting.encodes = 0
-    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.encodes == 0
+    counting.calls = 0
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls == 0
     entry.write_bytes(b"damaged")  # a damaged entry is tokenized and written again
-    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.encodes > 0
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls > 0
     assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected
 
 
@@ -344,7 +352,7 @@ def test_load_dataset_caches_next_to_output(tmp_path, tokenizer):
     assert len(list((tmp_path / "out/data_cache").iterdir())) == 2  # train and valid
     counting = CountingTokenizer(tokenizer)
     again = load_dataset(cfg, counting, log=None, cache_dir=tmp_path / "out/data_cache")
-    assert again == first and counting.encodes == 0 and again.cache_entries == []
+    assert again == first and counting.calls == 0 and again.cache_entries == []
 
 
 def _datasets():
@@ -426,7 +434,7 @@ def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):
                                  "train.progress=false", "train.save_every=1", *extra])
         tok = CountingTokenizer(make_tokenizer())
         train(cfg, loaded=SimpleNamespace(model=make_tiny_model(), tokenizer=tok, identity="tiny", source="tiny"))
-        return tok.encodes
+        return tok.calls
 
     assert run(1) > 0 and len(list((out / "data_cache").iterdir())) == 2
     assert run(2, "train.resume=auto") == 0  # the resumed run reads the cache
