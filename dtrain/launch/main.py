@@ -120,16 +120,21 @@ def stop_tensorboard(tb: subprocess.Popen, log_path: Path, timeout: float = 5.0)
 
 
 def check_data(cfg) -> None:
-    """The data files exist and are not empty (runs on this machine; ranks of other hosts read their own).
+    """``data.train`` and ``data.valid`` exist, and a JSONL/JSON file holds something, before any rank starts.
+
+    For runs on this machine (ranks on other hosts read their own files); hub
+    dataset ids are left to the ranks (loading one here would download it twice).
 
     Raises:
-        DataError: the first file that is missing, a directory or empty.
+        DataError: the first missing, unreadable or empty source (the ranks' own message).
     """
-    from ..data.formats import check_data_file
+    from ..data.sources import is_hub_id, read_items, resolve
 
-    for path in (cfg.data.train, cfg.data.valid):
-        if path is not None:
-            check_data_file(path)
+    for spec, role in ((cfg.data.train, "train"), (cfg.data.valid, "valid")):
+        if spec is not None and not is_hub_id(spec):
+            source = resolve(spec, cfg.data, role)
+            if source.kind == "json":
+                next(read_items(source), None)  # an empty file raises at its first item
 
 
 class StopSignals:
