@@ -19,7 +19,7 @@ import yaml
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
-from .launch_hosts import BACKENDS
+from .launch.hosts import BACKENDS
 from .models import DTYPE_NAMES
 
 

@@ -159,13 +159,15 @@ def test_ctrl_c_kills_a_stuck_rank_and_says_what_was_lost(job, tmp_path):
     assert not trainer_pids(str(out))
 
 
-@pytest.mark.parametrize("content", [None, "", "\n  \n"], ids=["missing", "empty", "blank"])
-def test_data_files_are_checked_once_before_ranks_start(job, tmp_path, content):
-    data = tmp_path / "train.jsonl"
+@pytest.mark.parametrize("key,content", [("train", None), ("train", ""), ("train", "\n  \n"), ("valid", None)],
+                         ids=["missing", "empty", "blank", "missing-valid"])
+def test_data_files_are_checked_once_before_ranks_start(job, tmp_path, key, content):
+    good, data = tmp_path / "good.jsonl", tmp_path / f"{key}.jsonl"
+    good.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
     if content is not None:
         data.write_text(content)
-    r = launch("-n", 2, job, "--data.demo_pairs", 0, "--data.train", data)
-    problem = "data file not found" if content is None else "file is empty"
+    files = {"train": good, "valid": good, key: data}
+    r = launch("-n", 2, job, "--data.demo_pairs", 0, "--data.train", files["train"], "--data.valid", files["valid"])
+    problem = f"data file not found (data.{key})" if content is None else "file is empty"
     assert r.returncode == 2
-    assert [x for x in r.stderr.splitlines() if not x.startswith("launch: using OpenBLAS")] == [
-        f"launch: error: {data}: {problem}"]
+    assert [x for x in r.stderr.splitlines() if not x.startswith("launch: using")] == [f"launch: error: {data}: {problem}"]
