@@ -65,8 +65,8 @@ def _train(args, overrides) -> int:
     if group.is_main:
         if result.stopped:
             print(f"stopped after step {result.steps}; continue with --train.resume auto")
-        elif result.summary():  # from the run's evaluations, those before a resume included
-            print(result.summary())
+        elif summary := result.summary():  # from the run's evaluations, those before a resume included
+            print(summary)
     return 0
 
 

@@ -221,7 +221,8 @@ def loop(run: Run) -> TrainResult:
     t, log, result = run.cfg.train, run.log, run.result
     if run.valid and run.state.step == 0:
         evaluate_and_log(run, 0)
-    log.doing(first_step_text(run))
+    if run.state.step < t.steps:
+        log.doing(first_step_text(run))
     skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
         batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
