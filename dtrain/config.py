@@ -58,8 +58,9 @@ class DataConfig:
     valid: Optional[str] = None
     valid_fraction: float = 0.1  # used when `valid` is not given
     format: str = "auto"  # auto|standard|conversational|transcript|openai|sharegpt|mapped
-    fields: Optional[dict] = None  # {prompt: .., chosen: .., rejected: .., system: ..}
-    prompt_template: str = "chat"  # chat: wrap plain prompts as a user turn; raw: as is
+    fields: Optional[dict] = None  # {prompt: .., chosen: .., rejected: .., system: ..}; CLI: --data.fields '{prompt: q}'
+    prompt_template: str = "chat"  # chat: wrap plain prompts as a user turn; raw: as is (messages: plain format)
+    chat_template: Optional[str] = None  # chatml | plain | Jinja file: replaces the model's template (or gives one)
     append_eos: bool = True  # end each response with the template's end-of-turn token
     max_length: int = 1024
     max_prompt_length: int = 512
@@ -186,6 +187,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     if key not in types:
         known = ", ".join(sorted("lambda" if k == "lam" else k for k in types))
         raise ConfigError(f"{source}: unknown key '{shown}' (known in '{section}': {known})")
+    if (section, key) == ("data", "fields") and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system to column names, got "
+                          f"{value!r}; e.g. --data.fields '{{prompt: question, chosen: response_j, rejected: response_k}}'")
     value = _coerce(value, types[key], f"{source}: key '{shown}'")
     choices = _CHOICES.get((section, key))
     if choices and value not in choices:

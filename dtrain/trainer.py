@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
 from . import sampler
+from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
 from .engine import Norm, make_engine
@@ -260,6 +261,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     released by ``run.cleanup``, or here when a later part fails.
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
+    warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:

@@ -31,6 +31,8 @@ def load_rows(path: str, cfg) -> tuple:
 
     Bad rows (invalid JSON, missing or wrongly typed fields, empty responses,
     chosen == rejected, invalid UTF-8) are listed in the report, never raised.
+    Pairs without preference signal after rendering are dropped later, by
+    :func:`tokenize_rows`.
 
     Raises:
         DataError: missing file, directory, empty file, invalid JSON array,
@@ -82,7 +84,8 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     :func:`demo_pairs` with ``cfg.demo_seed``), else ``cfg.train`` plus
     ``cfg.valid``, or ``cfg.train`` split by ``cfg.valid_fraction`` with ``seed``.
     With ``on_bad_row: skip`` the count and first few bad rows go to ``log``
-    (None: silent); pairs dropped for length are always only logged.
+    (None: silent); dropped pairs (no preference signal or no room, see
+    :mod:`dtrain.data.render`) are always only logged.
 
     Raises:
         DataError: file-level problems (see :func:`load_rows`); any bad row with
@@ -118,5 +121,5 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         log(report.summary())
     if not train:
         raise DataError(f"no usable training pairs in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
-                        f"{len(report.dropped)} dropped for length)")
+                        f"{len(report.dropped)} dropped: no preference signal or no room)")
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -39,6 +40,9 @@ FIELD_KEYS = ("prompt", "chosen", "rejected", "system")
 # Anthropic HH turn markers; a transcript prompt ends right after ASSISTANT_MARKER.
 HUMAN_MARKER = "\n\nHuman:"
 ASSISTANT_MARKER = "\n\nAssistant:"
+# How to write data.fields, shown in error messages (README "Preference data" says the same).
+FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rejected: response_k}' "
+                 "on the command line, or the same mapping under data: fields: in YAML")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -66,11 +70,19 @@ class Row:
 
 @dataclass
 class BadRowReport:
-    """Rows that were skipped, with ``(source, reason)`` for each.
+    """Rows that were skipped or dropped, with ``(source, reason)`` for each.
 
-    ``bad``: rows that could not be read (invalid JSON, missing fields, ...).
-    ``dropped``: pairs left with zero response tokens after truncation.
-    ``truncated``: pairs whose prompt or a response was shortened.
+    ``bad``: rows that could not be read or rendered (invalid JSON, missing
+    fields, a template that fails, ...); ``data.on_bad_row: error`` stops on them.
+    ``dropped``: pairs without preference signal or room, found after rendering
+    and truncation; each reason starts with its kind (``"same ids: ..."``,
+    ``"empty prompt: ..."``, ``"empty response: ..."``, ``"no room: ..."``,
+    ``"prompt too long: ..."``).
+    ``truncated``: pairs whose prompt or a response was shortened;
+    ``prompt_cut_fits``: of those, prompts cut to ``max_prompt_length`` although
+    prompt + response would fit ``max_length``.
+    ``control_text``: ``(source, text)`` of kept rows whose messages hold
+    control-token text, tokenized as plain text.
     ``rows_read``: rows seen in the input (good and bad).
     """
 
@@ -78,24 +90,37 @@ class BadRowReport:
     bad: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     truncated: int = 0
+    prompt_cut_fits: int = 0
+    control_text: list = field(default_factory=list)
 
     def merge(self, other: "BadRowReport") -> "BadRowReport":
         """A new report holding both reports' counts and entries."""
-        return BadRowReport(self.rows_read + other.rows_read, self.bad + other.bad,
-                            self.dropped + other.dropped, self.truncated + other.truncated)
+        return BadRowReport(self.rows_read + other.rows_read, self.bad + other.bad, self.dropped + other.dropped,
+                            self.truncated + other.truncated, self.prompt_cut_fits + other.prompt_cut_fits,
+                            self.control_text + other.control_text)
 
     def summary(self, limit: int = 5) -> str:
         """Readable lines: counts, then the first ``limit`` entries of each kind."""
         lines = []
-        for what, entries in (("skipped (bad rows)", self.bad), ("dropped (no response tokens fit)", self.dropped)):
+        for what, entries in (("skipped (bad rows)", self.bad), ("dropped", self.dropped)):
             if not entries:
                 continue
+            if entries is self.dropped:
+                kinds = Counter(reason.split(":", 1)[0] for _, reason in entries)
+                what += " (" + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")"
             lines.append(f"{len(entries)} of {self.rows_read} rows {what}:")
             lines += [f"  {src}: {reason}" for src, reason in entries[:limit]]
             if len(entries) > limit:
                 lines.append(f"  ... and {len(entries) - limit} more")
         if self.truncated:
             lines.append(f"{self.truncated} pairs truncated to data.max_prompt_length / data.max_length")
+        if self.prompt_cut_fits:
+            lines.append(f"{self.prompt_cut_fits} of them had the prompt cut to data.max_prompt_length although "
+                         "prompt + response fit data.max_length (raise data.max_prompt_length to keep them whole)")
+        if self.control_text:
+            src, text = self.control_text[0]
+            lines.append(f"{len(self.control_text)} pairs have control-token text in a message, tokenized as plain "
+                         f"text (first: {src}: {text!r})")
         return "\n".join(lines)
 
 
@@ -148,6 +173,10 @@ def read_objects(path: str) -> list:
             if len(out) == 0 and n == 1:
                 _reject_single_object(path, text)
             out.append((f"{path}:{n}", BadRow(f"invalid JSON: {err.msg} (column {err.colno})")))
+    if all(isinstance(obj, BadRow) and str(obj).startswith("invalid JSON") for _, obj in out):
+        first, why = out[0]
+        raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {len(out)} non-blank lines is JSON "
+                        f"({first.rsplit(':', 1)[1]}: {why})")
     return out
 
 
@@ -199,17 +228,25 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
     if fields:
         unknown = sorted(set(fields) - set(FIELD_KEYS))
         if unknown:
-            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS)})")
+            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS)}); {FIELDS_SYNTAX}")
+        odd = next((k for k, v in fields.items() if not isinstance(v, str)), None)
+        if odd is not None:
+            raise DataError(f"data.fields.{odd}: expected a column name, got {fields[odd]!r}; {FIELDS_SYNTAX}")
     fmt = cfg.format
     if fields and fmt in ("openai", "sharegpt"):
         raise DataError(f"data.fields renames flat columns; it does not apply to data.format: {fmt}")
     if fmt == "auto":
         first = next((o for _, o in items if isinstance(o, dict)), None)
-        fmt = detect_format(first, fields) if first is not None else None
+        if first is None:
+            kinds = sorted({type(o).__name__ for _, o in items if not isinstance(o, BadRow)})
+            raise DataError(f"{where}: no row is a JSON object (rows are: {', '.join(kinds) or 'invalid JSON'}); "
+                            f"expected one object per line in one of the formats {', '.join(FORMATS)}")
+        fmt = detect_format(first, fields)
         if fmt is None:
-            keys = sorted(first) if first is not None else []
+            keys = sorted(first)
             raise DataError(f"{where}: unknown row format (keys of the first row: {keys}); expected one of "
-                            f"{', '.join(FORMATS)} -- set data.format, or data.fields to map your column names")
+                            f"{', '.join(FORMATS)} -- set data.format, or data.fields to map your column names "
+                            f"({FIELDS_SYNTAX})")
     report, rows = BadRowReport(rows_read=len(items)), []
     for source, obj in items:
         try:
