@@ -33,6 +33,7 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -124,7 +125,8 @@ def data_identity(data_keys: dict, fingerprint: str, train_pairs: list) -> dict:
 
 
 def new_run_id() -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+    """A fresh run's id: time, host and 64 random bits (two runs in one process and second differ)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{secrets.token_hex(8)}"
 
 
 @dataclass
