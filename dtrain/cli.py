@@ -3,6 +3,7 @@
     dtrain train -c CONFIG [--section.key VALUE ...]
     dtrain data check FILE [-c CONFIG] [--section.key VALUE ...]
     dtrain convert GGUF_FILE OUT_DIR
+    dtrain config [-c CONFIG] [--section.key VALUE ...]
     dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE]
 
 User errors print one line ``dtrain: error: ...`` and exit with status 2.
@@ -52,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
     dc.add_argument("--show", type=int, default=0, metavar="N",
                     help="print the first N usable pairs as trained: text with control tokens visible, and ids")
+    k = sub.add_parser("config", help="print every config key with its default (or the value from -c and "
+                                      "overrides), allowed values and help, as a commented YAML config")
+    k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training)")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file (or demo)")
     c.add_argument("gguf_file")
     c.add_argument("out_dir")
@@ -114,6 +118,15 @@ def _data_check(args, overrides) -> int:
     return 0
 
 
+def _config(args, overrides) -> int:
+    from .config import describe, load_config
+
+    cfg = load_config(args.config, overrides) if args.config or overrides else None
+    print("# dtrain config: key: value  # help [allowed values]; defaults live in dtrain/config.py")
+    print(describe(cfg))
+    return 0
+
+
 def _convert(args) -> int:
     from .models import convert_gguf
 
@@ -145,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, overrides)
         if args.command == "data":
             return _data_check(args, overrides)
+        if args.command == "config":
+            return _config(args, overrides)
         if extra:
             raise UserError(f"unexpected arguments {' '.join(extra)}")
         return _export(args) if args.command == "export" else _convert(args)

@@ -269,10 +269,13 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
 
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
+    cache_entries = []  # tokenized pairs for OUT/data_cache, written once this run owns OUT
     if dataset is None:
         from .data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None)
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
+                               cache_dir=Path(t.output_dir) / "data_cache")
+        cache_entries = dataset.cache_entries
     pairs_sampler = make_sampler(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
@@ -290,6 +293,10 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, ckpt.estimate_bytes(model), t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
+        if cache_entries:
+            from .data import write_entries
+
+            write_entries(cache_entries)
         # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
         optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
         optimizer.init(model.trainable_parameters())
