@@ -73,11 +73,8 @@ def _train(args, overrides) -> int:
     if group.is_main:
         if result.stopped:
             print(f"stopped after step {result.steps}; continue with --train.resume auto")
-        elif len(result.evals) >= 2:
-            first, last = min(result.evals), max(result.evals)
-            acc = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
-            print(f"eval reward accuracy (chosen preferred over rejected): step {first} "
-                  f"{result.evals[first][acc]:.3f} -> step {last} {result.evals[last][acc]:.3f}")
+        elif summary := result.summary():  # from the run's evaluations, those before a resume included
+            print(summary)
     return 0
 
 

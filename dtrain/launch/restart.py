@@ -13,7 +13,6 @@ launcher never touches the trainer's files.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -32,14 +31,13 @@ class ResumePoint:
 
 def resume_point(output_dir: Path) -> Optional[ResumePoint]:
     """The checkpoint ``train.resume: auto`` will continue from, or None when there is none."""
-    from ..checkpoint import STATE, find_latest
+    from ..checkpoint import STATE, RunState, find_latest
 
     path = find_latest(Path(output_dir) / "checkpoints", report=lambda _: None)
     if path is None:
         return None
-    state = json.loads((path / STATE).read_text())
-    tb = state.get("tensorboard_dir")
-    return ResumePoint(int(state["step"]), path, Path(tb) if tb else None)
+    state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
+    return ResumePoint(state.step, path, Path(state.tensorboard_run) if state.tensorboard_run else None)
 
 
 def describe_loss(output_dir: Optional[Path]) -> str:
