@@ -56,7 +56,7 @@ SSH_SHIM = """#!/bin/sh
 # ssh for bench/endurance.py: 'ssh [-tt] [-o X] HOST CMD' runs CMD in network namespace HOST.
 while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done
 host="$1"; shift
-exec ip netns exec "$host" /bin/bash -c "$*"
+exec ip netns exec "$host" /bin/bash -c "stty() { :; }; $*"  # no terminal here: mlx.launch's 'stty -echo' is a no-op
 """
 
 
@@ -168,6 +168,23 @@ def check_run(out: Path, steps: int) -> dict:
             "partial_or_invalid": bad}
 
 
+def resumes(lines: list) -> list:
+    """``(time, step)`` of each "resumed from ... at step N" line a rank printed (not the launcher's copies
+    of a failed rank's last lines, which start with ``[rank R]``)."""
+    out = []
+    for line in lines:
+        stamp, _, text = line.partition(" ")
+        m = re.search(r"resumed from \S+ at step (\d+)", text)
+        if m and not text.lstrip().startswith("[rank"):
+            out.append((float(stamp), int(m.group(1))))
+    return out
+
+
+def downtimes(faults: list, resumed: list) -> list:
+    """Seconds from each fault to the next resumed start (training again), None when none followed."""
+    return [next((round(t - f["t"], 1) for t, _ in resumed if t > f["t"]), None) for f in faults]
+
+
 def adapter_diff(a: Path, b: Path) -> dict:
     wa = {k: np.array(v) for k, v in mx.load(str(a)).items()}
     wb = {k: np.array(v) for k, v in mx.load(str(b)).items()}
@@ -229,7 +246,7 @@ def main() -> int:
         hurt_seconds = time.time() - start
     lines = log.read_text().splitlines()
     restarts = [x.split(" ", 1)[1] for x in lines if " launch: restart " in x]
-    resumed = [int(m.group(1)) for x in lines for m in [re.search(r"resumed from \S+ at step (\d+)", x)] if m]
+    resumed = resumes(lines)
     print(f"hurt run: exit {code}, {hurt_seconds / 60:.1f} min, {sum(e['hit'] for e in events)} faults, "
           f"{len(restarts)} restarts", flush=True)
     t0 = time.time()
@@ -240,7 +257,8 @@ def main() -> int:
         "seconds_per_step": step_s, "seed": args.seed, "every_s": every, "restart_delay_s": args.restart_delay,
         "hurt_exit_code": code, "hurt_minutes": hurt_seconds / 60, "reference_exit_code": r.returncode,
         "reference_minutes": (time.time() - t0) / 60, "faults": events, "faults_that_hit": sum(e["hit"] for e in events),
-        "restarts": len(restarts), "restart_lines": restarts, "resumed_at_steps": resumed,
+        "restarts": len(restarts), "restart_lines": restarts, "resumed_at_steps": [step for _, step in resumed],
+        "fault_to_resume_s": downtimes(events, resumed),
         "hurt": check_run(out, steps), "reference": check_run(ref, steps) if r.returncode == 0 else r.stderr[-2000:],
         "adapter": adapter_diff(out / "adapters" / "adapters.safetensors", ref / "adapters" / "adapters.safetensors")
         if code == 0 and r.returncode == 0 else None,
