@@ -125,6 +125,7 @@ def trainer_pids(marker: str) -> dict:
 def time_steps(config: Path, work: Path, ranks: int, port: int, steps: int = 30) -> float:
     """Seconds per step (checkpoint included) of an uninterrupted run of ``steps`` steps."""
     out = work / "timing"
+    subprocess.run(["rm", "-rf", str(out)])
     r = subprocess.run([sys.executable, str(LAUNCH), "-n", str(ranks), "--port", str(port), str(config),
                         "--train.steps", str(steps), "--train.output_dir", str(out)], cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
@@ -211,7 +212,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     every = tuple(float(x) for x in args.every.split(","))
     config = make_job(work, 1, args.ranks)
-    step_s = time_steps(config, work, args.ranks, args.port)
+    step_s = time_steps(config, work, args.ranks, args.port) if not args.steps else float("nan")
     steps = args.steps or int(args.minutes * 60 / step_s) + 1
     config = make_job(work, steps, args.ranks)
     print(f"{step_s:.3f} s per step (checkpoint included): {steps} steps for {args.minutes:g} minutes", flush=True)

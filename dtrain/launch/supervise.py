@@ -151,6 +151,9 @@ class Attempt:
                 if report is None:
                     out.write(line + b"\n")
                 else:
+                    before = line[: line.index(mark)]  # another process's text ahead of the mark
+                    if before.strip():
+                        out.write(before + b"\n")
                     self._on_report(report)
             if buf and mark[:1] not in buf:  # progress bars end in \r, not \n: pass them on now
                 out.write(buf)
