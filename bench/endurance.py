@@ -46,7 +46,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dtrain.checkpoint import validate  # noqa: E402
-from dtrain.launch.env import rank_from_env  # noqa: E402
+from dtrain.launch.supervise import find_trainers  # noqa: E402
 from dtrain.tracking import read_scalars  # noqa: E402
 
 LAUNCH = ROOT / "launch"
@@ -105,23 +105,6 @@ def run_launch(args: list, log: Path, env: dict | None = None) -> subprocess.Pop
     return proc
 
 
-def trainer_pids(marker: str) -> dict:
-    """``{rank: pid}`` of this machine's ``dtrain train`` processes whose command line mentions ``marker``."""
-    found = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            args = (p / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            if args[1:4] != ["-m", "dtrain", "train"] or not any(marker in a for a in args):
-                continue
-            env = dict(x.split("=", 1) for x in (p / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
-        except OSError:
-            continue
-        found[rank_from_env(env)] = int(p.name)
-    return found
-
-
 def time_steps(config: Path, work: Path, ranks: int, port: int, steps: int = 30) -> float:
     """Seconds per step (checkpoint included) of an uninterrupted run of ``steps`` steps."""
     out = work / "timing"
@@ -147,7 +130,7 @@ def hurt_loop(proc, fault: str, out: Path, ranks: int, every: tuple, link_down: 
             return
         rank = rng.randrange(ranks)
         if fault == "kill":
-            pid = trainer_pids(str(out)).get(rank)
+            pid = find_trainers(str(out)).get(rank)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
             events.append({"t": time.time(), "rank": rank, "pid": pid, "hit": pid is not None})
