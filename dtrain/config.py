@@ -108,6 +108,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     resume: Optional[str] = None  # None | auto | PATH
     max_skipped_steps: int = 5
+    chosen_logps_drop_warn: float = 0.1  # warn when eval/logps/chosen falls this many nats/token below step 0; 0 = off
     progress: bool = True
 
 
@@ -209,6 +210,8 @@ def _check(cfg: Config, source: str) -> None:
             raise ConfigError(f"{source}: key '{key}' must be > 0; got {value}")
     if not 0.0 <= cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"{source}: key 'data.valid_fraction' must be in [0, 1); got {cfg.data.valid_fraction}")
+    if t.chosen_logps_drop_warn < 0:
+        raise ConfigError(f"{source}: key 'train.chosen_logps_drop_warn' must be >= 0 (0 = off); got {t.chosen_logps_drop_warn}")
     if cfg.orpo.lam < 0:
         raise ConfigError(f"{source}: key 'orpo.lambda' must be >= 0; got {cfg.orpo.lam}")
     if not (e.segment_layers == "auto" or (isinstance(e.segment_layers, int) and e.segment_layers >= 0)):

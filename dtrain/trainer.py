@@ -24,7 +24,7 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
-from . import sampler
+from . import guards, sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
@@ -255,11 +255,13 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             if valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
                 result.evals[step] = evaluate(engine, model, valid, cfg, group, step)
                 log.scalars(step, result.evals[step])
+                _warn(log, guards.chosen_logps_drop(result.evals, t.chosen_logps_drop_warn))
             if t.save_every and step % t.save_every == 0 and step != t.steps:
                 save(step)
         if valid:
             result.evals[t.steps] = evaluate(engine, model, valid, cfg, group, t.steps)
             log.scalars(t.steps, result.evals[t.steps])
+            _warn(log, guards.chosen_logps_drop(result.evals, t.chosen_logps_drop_warn))
         save(t.steps)
         if group.is_main:
             result.adapter_dir = save_adapter(model, cfg.lora, out / "adapters", extra)
@@ -274,6 +276,11 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def _warn(log: RunLogger, message: Optional[str]) -> None:
+    if message:
+        log.message(message)
 
 
 def data_position(step: int, n_pairs: int, global_batch_pairs: int, seed: int) -> dict:
