@@ -3,6 +3,7 @@
     dtrain train -c CONFIG [--section.key VALUE ...]
     dtrain data check FILE [-c CONFIG] [--section.key VALUE ...]
     dtrain convert GGUF_FILE OUT_DIR
+    dtrain config [-c CONFIG] [--section.key VALUE ...]
     dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE]
 
 User errors print one line ``dtrain: error: ...`` and exit with status 2.
@@ -45,10 +46,16 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    dc = dsub.add_parser("check", help="report bad rows and token lengths of a file (overrides: --data.key VALUE; "
-                                       "exit status 1 when there are bad rows and data.on_bad_row is error)")
+    dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of a file (overrides: "
+                                       "--data.key VALUE; exit status 1 when there are bad rows and "
+                                       "data.on_bad_row is error)")
     dc.add_argument("file")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
+    dc.add_argument("--show", type=int, default=0, metavar="N",
+                    help="print the first N usable pairs as trained: text with control tokens visible, and ids")
+    k = sub.add_parser("config", help="print every config key with its default (or the value from -c and "
+                                      "overrides), allowed values and help, as a commented YAML config")
+    k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training)")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file (or demo)")
     c.add_argument("gguf_file")
     c.add_argument("out_dir")
@@ -87,11 +94,8 @@ def _train(args, overrides) -> int:
     if group.is_main:
         if result.stopped:
             print(f"stopped after step {result.steps}; continue with --train.resume auto")
-        elif len(result.evals) >= 2:
-            first, last = min(result.evals), max(result.evals)
-            acc = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
-            print(f"eval reward accuracy (chosen preferred over rejected): step {first} "
-                  f"{result.evals[first][acc]:.3f} -> step {last} {result.evals[last][acc]:.3f}")
+        elif summary := result.summary():  # from the run's evaluations, those before a resume included
+            print(summary)
     return 0
 
 
@@ -105,9 +109,22 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer)
+    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show)
     print(report)
-    return 1 if n_bad and cfg.data.on_bad_row == "error" else 0
+    if n_bad and cfg.data.on_bad_row == "error":
+        print(f"dtrain: error: {args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
+              "(training would stop; see the rows listed above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config(args, overrides) -> int:
+    from .config import describe, load_config
+
+    cfg = load_config(args.config, overrides) if args.config or overrides else None
+    print("# dtrain config: key: value  # help [allowed values]; defaults live in dtrain/config.py")
+    print(describe(cfg))
+    return 0
 
 
 def _convert(args) -> int:
@@ -141,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, overrides)
         if args.command == "data":
             return _data_check(args, overrides)
+        if args.command == "config":
+            return _config(args, overrides)
         if extra:
             raise UserError(f"unexpected arguments {' '.join(extra)}")
         return _export(args) if args.command == "export" else _convert(args)

@@ -168,6 +168,51 @@ class Group:
         return [bytes(got[r, : int(lengths[r])].astype(np.uint8)).decode("utf-8") for r in range(self.size)]
 
 
+    def broadcast_text(self, text: str, step: Optional[int], what: str = "broadcast of text") -> str:
+        """Rank 0's ``text`` on every rank (other ranks' ``text`` is ignored)."""
+        if self.size == 1:
+            return text
+        return self.all_gather_text(text if self.is_main else "", step, what)[0]
+
+    def broadcast_arrays(self, arrays: Mapping[str, mx.array], step: Optional[int],
+                         what: str = "broadcast of arrays") -> dict:
+        """Rank 0's arrays on every rank, bit for bit, each in its own dtype.
+
+        Every rank passes arrays of the same names, shapes and dtypes; only
+        rank 0's values matter. MLX has no broadcast, so this is an
+        ``all_sum`` in which the other ranks contribute ``-0.0`` (integers: 0):
+        ``x + (-0.0) == x`` for every IEEE float ``x``, signed zeros and NaN
+        included, so the sum is rank 0's value exactly. Names are taken in
+        sorted order; one flat collective per dtype and bucket, as in
+        :meth:`all_sum_tree`.
+
+        Returns:
+            ``{name: array}``, evaluated.
+        Raises:
+            UserError: MLX reported a lost peer during the collective.
+        """
+        if self.size == 1:
+            return dict(arrays)
+        out = {}
+        for dtype in sorted({v.dtype for v in arrays.values()}, key=str):
+            names = sorted(k for k, v in arrays.items() if v.dtype == dtype)
+            zero = -0.0 if mx.issubdtype(dtype, mx.floating) else 0
+            mine = [arrays[k].reshape(-1) if self.is_main else mx.full((arrays[k].size,), zero, dtype=dtype)
+                    for k in names]
+            flat = mx.concatenate(mine) if len(mine) > 1 else mine[0]
+            bounds = bucket_bounds(flat.size, dtype.size)
+            with self.watch(f"{what} ({len(bounds)} bucket(s) of {dtype})", step):
+                parts = [mx.distributed.all_sum(flat[a:b], group=self.mlx_group) for a, b in bounds]
+                mx.eval(parts)
+            summed = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+            start = 0
+            for k in names:
+                out[k] = summed[start : start + arrays[k].size].reshape(arrays[k].shape)
+                start += arrays[k].size
+        mx.eval(out)
+        return out
+
+
 def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
     """The backend and world size a launcher announced in ``env``, or ``(None, 1)``.
 
@@ -203,15 +248,18 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
         timeout_s: watchdog for ``mx.distributed.init`` itself (0 = off).
         env: the environment to read (default ``os.environ``).
     Raises:
-        UserError: the backend could not start, or the group is smaller than
-            the launcher announced.
+        UserError: the backend could not start, the group is smaller than
+            the launcher announced, or the environment names a rank >= 1 but
+            no group of several ranks was formed.
     """
     env = os.environ if env is None else env
     found, expected = launcher_backend(env)
+    rank = int(env.get("MLX_RANK") or env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or 0)
     if backend == "none" or (backend == "any" and found is None):
+        _refuse_lone_rank(rank, env, "no launcher variables name the other ranks" if backend == "any"
+                          else "distributed.backend is none")
         return Group()
     name = found if backend == "any" else backend
-    rank = int(env.get("MLX_RANK") or env.get("OMPI_COMM_WORLD_RANK") or 0)
     try:
         with Watchdog(rank, f"joining the '{name}' group", None, timeout_s):
             g = mx.distributed.init(strict=True, backend=name)
@@ -220,8 +268,17 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
     if expected > 1 and g.size() != expected:
         raise UserError(f"distributed backend '{name}' formed a group of {g.size()} rank(s); the launcher started {expected}")
     if g.size() == 1:
+        _refuse_lone_rank(rank, env, f"the '{name}' backend formed a group of one")
         return Group(timeout_s=timeout_s)
     return Group(rank=g.rank(), size=g.size(), backend=name, mlx_group=g, timeout_s=timeout_s)
+
+
+def _refuse_lone_rank(rank: int, env: Mapping[str, str], why: str) -> None:
+    """A process told it is rank >= 1 must not train alone as rank 0 (it would write rank 0's files)."""
+    if rank >= 1:
+        var = next(k for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if env.get(k))
+        raise UserError(f"{var}={env[var]} says this process is rank {rank}, but it joined no group ({why}); "
+                        f"start every rank with ./launch or mlx.launch, or unset {var} to train alone")
 
 
 def fingerprint(obj: Any) -> str:

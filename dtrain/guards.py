@@ -1,7 +1,7 @@
 """Warnings about a run that trains but is heading somewhere unwanted.
 
 Pure functions over the held-out metrics the trainer already keeps
-(``TrainResult.evals``: step -> ``eval/`` metrics); the trainer logs what they
+(step -> ``eval/`` metrics, as the run state keeps them); the trainer logs what they
 return. Nothing here stops a run.
 """
 
@@ -23,9 +23,9 @@ def chosen_logps_drop(evals: dict, margin: float) -> Optional[str]:
     describe the same failure for DPO.
 
     Args:
-        evals: step -> eval metrics, as in ``TrainResult.evals``; the step-0
-            entry is the base model's (absent on a resumed run: then nothing is
-            compared).
+        evals: step (int or its string, as checkpoints keep it) -> eval
+            metrics; the step-0 entry is the base model's (without one nothing
+            is compared).
         margin: nats/token the latest value may fall below the step-0 value
             before a warning (``train.chosen_logps_drop_warn``); 0 turns the
             check off.
@@ -33,6 +33,7 @@ def chosen_logps_drop(evals: dict, margin: float) -> Optional[str]:
     Returns:
         The warning text for the latest evaluated step, or None.
     """
+    evals = {int(step): metrics for step, metrics in evals.items()}  # checkpoints keep str keys
     if margin <= 0 or 0 not in evals or len(evals) < 2:
         return None
     step = max(evals)

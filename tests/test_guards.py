@@ -52,7 +52,7 @@ def test_random_histories_warn_exactly_when_the_drop_exceeds_the_margin():
             assert f"step {10 * (len(values) - 1)}:" in message and f"{drop:.4f} nats/token below" in message
 
 
-def run(tmp_path, margin):
+def run(tmp_path, margin, *overrides):
     """A tiny model trained to reject one fixed answer, evaluated on held-out pairs that choose it.
 
     With a large lambda the odds-ratio term pushes that answer down, so the
@@ -62,9 +62,10 @@ def run(tmp_path, margin):
     cfg = load_config(None, [
         f"train.output_dir={tmp_path}", "data.demo_pairs=1", "train.steps=6", "train.global_batch_pairs=4",
         "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=4", "train.progress=false",
-        "orpo.lambda=5.0", "train.eval_every=3", f"train.chosen_logps_drop_warn={margin}",
+        "orpo.lambda=5.0", "train.eval_every=3", f"train.chosen_logps_drop_warn={margin}", *overrides,
     ])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama")
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
     pairs = [TokenizedPair(p.prompt, p.chosen, [7, 7, 7, 2], p.source) for p in make_pairs(12)]
     held_out = [TokenizedPair(p.prompt, [7, 7, 7, 2], p.chosen, p.source) for p in make_pairs(4, seed=1)]
     dataset = SimpleNamespace(train=pairs, valid=held_out, fingerprint="fp")
@@ -84,3 +85,12 @@ def test_trainer_logs_the_warning_after_each_eval_below_the_margin(tmp_path, cap
 def test_trainer_stays_quiet_when_the_check_is_off(tmp_path, capsys):
     run(tmp_path / "off", 0.0)  # the same run, whose chosen log-probability falls
     assert "eval/logps/chosen" not in capsys.readouterr().err
+
+
+def test_a_resumed_run_still_compares_with_the_step_zero_eval_of_its_checkpoint(tmp_path, capsys):
+    first = run(tmp_path, 0.5, "train.steps=3")
+    capsys.readouterr()
+    resumed = run(tmp_path, 0.5, "train.resume=auto")  # steps 4-6; step 0 is not evaluated again
+    logged = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: step")]
+    assert logged == [chosen_logps_drop({0: first.evals[0], 6: resumed.evals[6]}, 0.5)]
+    assert f"step-0 value {first.evals[0]['eval/logps/chosen']:.4f}" in logged[0]
