@@ -69,7 +69,7 @@ VARIATIONS = [  # in priority order: what runs first when the budget is short
     ("rank4", {"rank": 4}),
     ("lr1e-4", {"learning_rate": 1e-4}),
 ]
-GRIDS = {"full": [n for n, _ in VARIATIONS], "smoke": ["centre", "lr2e-3"]}
+GRIDS = {"full": [n for n, _ in VARIATIONS], "cpu": ["centre", "old-defaults"], "smoke": ["centre", "lr2e-3"]}
 
 
 def setting(name: str) -> dict:
@@ -122,7 +122,8 @@ def run_config(s: dict, data: dict, args, out_dir: Path) -> dict:
         "train": {"steps": args.steps, "global_batch_pairs": args.batch, "micro_batch_pairs": args.micro,
                   "learning_rate": s["learning_rate"], "schedule": s["schedule"],
                   "warmup_steps": round(s["warmup_frac"] * args.steps), "grad_clip": 1.0, "seed": 0,
-                  "eval_every": args.steps // 2, "output_dir": str(out_dir), "progress": False},
+                  "eval_every": args.steps // 2, "eval_pairs": args.eval_pairs, "output_dir": str(out_dir),
+                  "progress": False},
     }
 
 
@@ -287,6 +288,15 @@ def report(args) -> None:
                       f"{r['nll_loss@0']:.3f} → {r['nll_loss@end']:.3f}"]
         print(f"| {name} | {r0['learning_rate']:g} | {r0['schedule']}, {r0['warmup_steps']} | "
               f"{r0['rank']} / {r0['scale']:g} | {r0['lambda']:g} | " + " | ".join(cells) + " |")
+    print("\nbase model (step-0 eval, the same for every setting of a dataset):")
+    for ds in ("orca", "stack", "demo"):
+        rec = next((r for k, r in results.items() if k.startswith(f"{ds}/") and r.get("eval", {}).get(EVAL_KEYS[0])), None)
+        if rec is not None:
+            base = {k.removeprefix("eval/"): first_last(rec, k)[0] for k in EVAL_KEYS}
+            print(f"- {ds}: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items() if v is not None))
+    failed = sorted(k for k, r in results.items() if not k.startswith("_") and r["returncode"] != 0)
+    if failed:
+        print(f"\nfailed or stopped ({len(failed)}): {', '.join(failed)}")
     if results.get("_not_run"):
         print(f"\nnot run (budget): {', '.join(results['_not_run'])}")
     if args.png:
@@ -321,7 +331,7 @@ def plot(table: list, sets: list, order: list, png: Path) -> None:
     axes[1].axhline(0, color="black", lw=0.8)
     axes[1].set_ylabel("held-out logps/chosen\nchange from base (nats/token)")
     axes[1].set_xticks(range(len(names)), names, rotation=35, ha="right")
-    fig.suptitle("ORPO + LoRA sweep, SmolLM2-135M-Instruct: final held-out metrics per setting")
+    fig.suptitle("ORPO + LoRA sweep, SmolLM2-135M-Instruct: final held-out metrics of the runs that finished")
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -345,6 +355,7 @@ def main() -> None:
     r.add_argument("--batch", type=int, default=8)
     r.add_argument("--micro", type=int, default=4)
     r.add_argument("--max-length", type=int, default=1024)
+    r.add_argument("--eval-pairs", type=int, default=0, help="held-out pairs per evaluation; 0 = all")
     r.add_argument("--workers", type=int, default=8)
     r.add_argument("--cache-limit-gb", type=float, default=4.0, help="MLX buffer cache per run (0 = MLX's default)")
     r.add_argument("--budget-s", type=float, default=270.0, help="start no run that would end after this")

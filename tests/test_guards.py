@@ -62,7 +62,7 @@ def run(tmp_path, margin, *overrides):
     cfg = load_config(None, [
         f"train.output_dir={tmp_path}", "data.demo_pairs=1", "train.steps=6", "train.global_batch_pairs=4",
         "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=4", "train.progress=false",
-        "orpo.lambda=5.0", "train.eval_every=3", f"train.chosen_logps_drop_warn={margin}", *overrides,
+        "train.warmup_steps=0", "orpo.lambda=5.0", "train.eval_every=3", f"train.chosen_logps_drop_warn={margin}", *overrides,
     ])
     loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
