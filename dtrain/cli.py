@@ -14,29 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import split_overrides
 from .errors import UserError
-
-
-def split_overrides(extra: list[str]) -> list[str]:
-    """``["--train.steps", "5", "--model.path=x"]`` -> ``["train.steps=5", "model.path=x"]``.
-
-    Raises:
-        UserError: an argument that is not ``--section.key`` or lacks a value.
-    """
-    out, i = [], 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
-        if "=" in arg:
-            out.append(arg[2:])
-            i += 1
-        else:
-            if i + 1 >= len(extra):
-                raise UserError(f"override {arg} needs a value")
-            out.append(f"{arg[2:]}={extra[i + 1]}")
-            i += 2
-    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -165,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args) if args.command == "export" else _convert(args)
     except UserError as err:
         print(f"dtrain: error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_status", 2)  # distributed.CollectiveError: 4 (a restart may succeed)
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)
         return 130

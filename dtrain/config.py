@@ -19,7 +19,7 @@ import yaml
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
-from .launch_hosts import BACKENDS
+from .launch.hosts import BACKENDS
 from .models import DTYPE_NAMES
 
 
@@ -281,6 +281,67 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
 
 
+def is_override_flag(arg: str) -> bool:
+    """``--section.key`` or ``--section.key=VALUE``: a dot before any ``=``."""
+    return arg.startswith("--") and "." in arg.split("=", 1)[0]
+
+
+def take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--section.key VALUE`` and ``--section.key=VALUE`` from other arguments.
+
+    The one parser of the override grammar, for ``dtrain`` and ``./launch``.
+    ``(["-n", "2", "--train.steps", "5", "--model.path=x"])`` gives
+    ``(["-n", "2"], ["train.steps=5", "model.path=x"])``.
+
+    Raises:
+        ConfigError: an override flag at the end with no value.
+    """
+    others, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not is_override_flag(arg):
+            others.append(arg)
+            i += 1
+        elif "=" in arg:
+            overrides.append(arg[2:])
+            i += 1
+        elif i + 1 < len(argv):
+            overrides.append(f"{arg[2:]}={argv[i + 1]}")
+            i += 2
+        else:
+            raise ConfigError(f"override {arg} needs a value")
+    return others, overrides
+
+
+def split_overrides(argv: list[str]) -> list[str]:
+    """Overrides from ``argv`` (see :func:`take_overrides`), which must hold nothing else.
+
+    Raises:
+        ConfigError: an argument that is not ``--section.key``, or one that lacks a value.
+    """
+    others, overrides = take_overrides(argv)
+    if others:
+        raise ConfigError(f"unexpected argument {others[0]!r}: overrides look like --section.key VALUE")
+    return overrides
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``"section.key=value"`` -> ``(section, key, value)``, the value read as a YAML scalar.
+
+    Raises:
+        ConfigError: ``item`` is not of that form.
+    """
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"command line: override {item!r} must look like section.key=value")
+    dotted, text = item.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        value = text
+    return section, key, value
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
     """Build a :class:`Config` from defaults, an optional YAML file and overrides.
 
@@ -316,15 +377,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
             for key, value in values.items():
                 _apply(cfg, str(section), str(key), value, path)
     for item in overrides or []:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"command line: override {item!r} must look like section.key=value")
-        dotted, text = item.split("=", 1)
-        section, key = dotted.split(".", 1)
-        try:
-            value = yaml.safe_load(text) if text != "" else None
-        except yaml.YAMLError:
-            value = text
-        _apply(cfg, section, key, value, "command line")
+        _apply(cfg, *parse_override(item), "command line")
     _check(cfg, path or "command line")
     return cfg
 

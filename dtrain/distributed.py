@@ -8,7 +8,7 @@ block in ``mx.eval``, and the ring backend can wait forever for a peer that
 stalled, so each method evaluates its result while a timer is armed. When the
 timer fires, the rank prints which collective at which step did not complete
 and exits with :data:`EXIT_TIMEOUT`; a peer that died outright usually makes
-MLX raise at once, which becomes a one-line :class:`UserError`.
+MLX raise at once, which becomes a one-line :class:`CollectiveError` (exit status 4).
 """
 
 from __future__ import annotations
@@ -26,9 +26,16 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
+from .launch.env import EXIT_LOST_PEER, EXIT_TIMEOUT, RANK_VARS, launcher_backend, rank_from_env  # the launcher contract
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
-EXIT_TIMEOUT = 3  # exit status of a rank whose collective timed out
+
+
+class CollectiveError(UserError):
+    """A collective failed because MLX lost a peer: the rank exits with ``EXIT_LOST_PEER``,
+    which ``./launch --max-restarts`` treats as transient (unlike other user errors)."""
+
+    exit_status = EXIT_LOST_PEER
 
 
 class Watchdog:
@@ -39,7 +46,7 @@ class Watchdog:
     On firing it writes one line to stderr and calls ``os._exit(EXIT_TIMEOUT)``
     (no clean-up: the main thread is stuck in native code). A ``RuntimeError``
     from MLX inside the block (e.g. ``[ring] connection to a peer was lost``)
-    becomes a :class:`UserError` naming the collective and the step.
+    becomes a :class:`CollectiveError` naming the collective and the step.
 
     Args:
         rank: this process's rank, for the message.
@@ -77,7 +84,7 @@ class Watchdog:
             self._timer.cancel()
             self._timer.join()  # returns at once after cancel(); leaves no thread behind
         if exc_type is not None and issubclass(exc_type, RuntimeError):
-            raise UserError(f"rank {self.rank}: {self.what} {self.where} failed: {exc}") from None
+            raise CollectiveError(f"rank {self.rank}: {self.what} {self.where} failed: {exc}") from None
         return False
 
 
@@ -124,7 +131,7 @@ class Group:
         split back. The result is evaluated and keeps each leaf's shape and dtype.
 
         Raises:
-            UserError: MLX reported a lost peer during the collective.
+            CollectiveError: MLX reported a lost peer during the collective.
         """
         if self.size == 1:
             return tree
@@ -189,7 +196,7 @@ class Group:
         Returns:
             ``{name: array}``, evaluated.
         Raises:
-            UserError: MLX reported a lost peer during the collective.
+            CollectiveError: MLX reported a lost peer during the collective.
         """
         if self.size == 1:
             return dict(arrays)
@@ -213,27 +220,6 @@ class Group:
         return out
 
 
-def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
-    """The backend and world size a launcher announced in ``env``, or ``(None, 1)``.
-
-    mlx.launch's ring sets ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON list of one
-    address list per rank; empty for one rank); its JACCL sets
-    ``MLX_JACCL_COORDINATOR`` or ``MLX_IBV_DEVICES``; OpenMPI's ``mpirun`` sets
-    ``OMPI_COMM_WORLD_SIZE`` (MPICH/Hydra: ``PMI_SIZE``). A size of 0 means
-    "set by a launcher, size not known here".
-    """
-    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi", int(env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or 0)
-    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
-        return "jaccl", 0
-    if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
-        try:
-            with open(env["MLX_HOSTFILE"], encoding="utf-8") as f:
-                return "ring", len(json.loads(f.read() or "[]")) or 1
-        except (OSError, ValueError):
-            return "ring", 0
-    return None, 1
-
 
 def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mapping[str, str]] = None) -> Group:
     """Join the process group the launcher set up, or a group of one.
@@ -254,7 +240,7 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
     """
     env = os.environ if env is None else env
     found, expected = launcher_backend(env)
-    rank = int(env.get("MLX_RANK") or env.get("OMPI_COMM_WORLD_RANK") or env.get("PMI_RANK") or 0)
+    rank = rank_from_env(env)
     if backend == "none" or (backend == "any" and found is None):
         _refuse_lone_rank(rank, env, "no launcher variables name the other ranks" if backend == "any"
                           else "distributed.backend is none")
@@ -276,7 +262,7 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
 def _refuse_lone_rank(rank: int, env: Mapping[str, str], why: str) -> None:
     """A process told it is rank >= 1 must not train alone as rank 0 (it would write rank 0's files)."""
     if rank >= 1:
-        var = next(k for k in ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK") if env.get(k))
+        var = next(k for k in RANK_VARS if env.get(k))
         raise UserError(f"{var}={env[var]} says this process is rank {rank}, but it joined no group ({why}); "
                         f"start every rank with ./launch or mlx.launch, or unset {var} to train alone")
 
