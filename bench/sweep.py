@@ -69,7 +69,8 @@ VARIATIONS = [  # in priority order: what runs first when the budget is short
     ("rank4", {"rank": 4}),
     ("lr1e-4", {"learning_rate": 1e-4}),
 ]
-GRIDS = {"full": [n for n, _ in VARIATIONS], "cpu": ["centre", "old-defaults"], "smoke": ["centre", "lr2e-3"]}
+GRIDS = {"full": [n for n, _ in VARIATIONS], "cpu": ["centre", "old-defaults"],
+         "quick": ["old-defaults", "lr2e-4", "centre", "lr1e-3"], "smoke": ["centre", "lr2e-3"]}
 
 
 def setting(name: str) -> dict:
@@ -144,63 +145,60 @@ def collect(run_dir: Path, cfg: dict, seconds: float, rc: int) -> dict:
     return rec
 
 
+def start(name: str, ds: str, data: dict, args, out: Path, env: dict) -> tuple:
+    """Write the run's config and start ``bench/sweep.py train`` on it; returns what ``finish`` needs."""
+    run_dir = out / "runs" / ds / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = run_config(setting(name), data[ds], args, run_dir / "train")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    log = open(run_dir / "log.txt", "w")
+    cmd = [sys.executable, __file__, "train", str(run_dir / "config.yaml"), "--cache-limit-gb", str(args.cache_limit_gb)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir)
+    return proc, (name, ds, run_dir, cfg, time.monotonic(), log)
+
+
 def run(args) -> None:
+    """Run the grid, ``args.workers`` runs at once, starting none that would end after the budget."""
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = datasets(out, Path(args.data_dir), args.max_length)
-    jobs = [(s, d) for s in GRIDS[args.grid] for d in args.datasets]
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
-    jobs = [j for j in jobs if f"{j[1]}/{j[0]}" not in results]  # a re-run continues
+    jobs = [(s, d) for s in GRIDS[args.grid] for d in args.datasets if f"{d}/{s}" not in results]  # a re-run continues
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     t0, running, durations = time.monotonic(), {}, {d: [] for d in args.datasets}
     print(f"sweep: {len(jobs)} runs, {args.workers} at once, budget {args.budget_s} s", flush=True)
 
-    def save() -> None:
-        results_path.write_text(json.dumps(results, indent=1))
+    def guess(ds: str) -> float:  # a run's length on this dataset, from those that finished
+        return statistics.median(durations[ds]) if durations[ds] else args.first_guess_s
 
     while jobs or running:
-        elapsed = time.monotonic() - t0
-        def guess(ds):  # how long a run on this dataset takes, from those that finished
-            return statistics.median(durations[ds]) if durations[ds] else args.first_guess_s
-
-        while jobs and len(running) < args.workers and elapsed + guess(jobs[0][1]) <= args.budget_s:
-            name, ds = jobs.pop(0)
-            run_dir = out / "runs" / ds / name
-            run_dir.mkdir(parents=True, exist_ok=True)
-            cfg = run_config(setting(name), data[ds], args, run_dir / "train")
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-            log = open(run_dir / "log.txt", "w")
-            cmd = [sys.executable, __file__, "train", str(run_dir / "config.yaml"), "--cache-limit-gb", str(args.cache_limit_gb)]
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_dir)
-            running[proc] = (name, ds, run_dir, cfg, time.monotonic(), log)
+        while jobs and len(running) < args.workers and time.monotonic() - t0 + guess(jobs[0][1]) <= args.budget_s:
+            proc, info = start(*jobs.pop(0), data, args, out, env)
+            running[proc] = info
         if not running:
             break  # what is left cannot finish inside the budget
         time.sleep(1.0)
-        for proc in list(running):
-            name, ds, run_dir, cfg, start, log = running[proc]
-            over = time.monotonic() - t0 > args.budget_s + args.grace_s
-            if proc.poll() is None and not over:
-                continue
+        over = time.monotonic() - t0 > args.budget_s + args.grace_s
+        for proc in [p for p in running if p.poll() is not None or over]:
+            name, ds, run_dir, cfg, began, log = running.pop(proc)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
             log.close()
-            seconds = time.monotonic() - start
-            del running[proc]
+            seconds = time.monotonic() - began
             rec = collect(run_dir, cfg, seconds, proc.returncode)
             if proc.returncode == 0:
                 durations[ds].append(seconds)
             results[f"{ds}/{name}"] = rec
-            save()
+            results_path.write_text(json.dumps(results, indent=1))
             print(f"[{time.monotonic() - t0:6.0f} s] {ds}/{name}: rc {proc.returncode}, {seconds:.0f} s, "
                   f"{summary_line(rec)}", flush=True)
-    skipped = [f"{d}/{s}" for s, d in jobs]
-    if skipped:
-        results["_not_run"] = skipped
-        save()
-        print(f"not run (budget): {', '.join(skipped)}", flush=True)
+    if jobs:
+        results["_not_run"] = [f"{d}/{s}" for s, d in jobs]
+        results_path.write_text(json.dumps(results, indent=1))
+        print(f"not run (budget): {', '.join(results['_not_run'])}", flush=True)
 
 
 def train_one(args) -> int:
