@@ -19,7 +19,7 @@ step over the ring. Predicted B = the slowest rank's median A step + the
 modelled all-reduce; measured B = rank 0's median ``perf/step_seconds``.
 
 ``tables`` prints the markdown tables of docs/scaling.md from the model and
-the inputs listed in ``PAIR_SECONDS`` and ``LINKS`` (sources and dates there).
+the inputs listed in ``H200_DP``, ``PAIR_SECONDS_8B`` and ``LINKS`` (sources and dates there).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -63,14 +64,9 @@ LINKS = [
             "4 M3 Ultra (#3094, #3174); hop latency assumed"),
 ]
 
-# Per-pair compute and per-step host work (seconds) that the tables assume, with their source.
-PAIR_SECONDS = {
-    "llama3.2-1b": [(1024, 0.20, "H200 bf16, dtrain single pass, docs/gpu.md peer table (2026-11-30)"),
-                    (4096, 0.63, "same table")],
-    "llama3.1-8b": [(1024, 0.45, "H200 bf16, docs/gpu.md peer table (2026-11-30)"),
-                    (4096, 1.68, "same table")],
-}
-GPU_HOST_SECONDS = 0.18  # implied by the 2 x H200 bf16 run at 1,024 tokens (docs/scaling.md, H200 section)
+# 8B per-pair seconds: one H200, bf16, dtrain's single pass, one new pair per step (docs/gpu.md peer
+# table, 2026-11-30). Those steps hold one pair, so each figure already includes a step's host work.
+PAIR_SECONDS_8B = [(1024, 0.45), (4096, 1.68)]
 LORA = {"smollm2-135m": 8, "llama3.2-1b": 16, "llama3.1-8b": 16, "llama3.1-70b": 64}  # rank, every linear layer
 
 
@@ -211,7 +207,7 @@ def validate(args) -> dict:
             row = {"rate": rate, "ranks": n, "load_start": load, "load_end": os.getloadavg()[0], "grad_bytes": elements * 4,
                    "A_step": max(med(e, "A", "step") for e in everyone),  # the slowest rank sets the pace
                    "A_compute": max(med(e, "A", "compute") for e in everyone),
-                   "A_copy": max(med(e, "A", "copy") for e in everyone),
+                   "A_copy": max(statistics.median(r["A"].get("copy", 0.0) for r in e["records"]) for e in everyone),
                    "B_step": statistics.median(r["step"] for r in b), "B_steps": [r["step"] for r in b],
                    "B_compute": max(med(e, "B", "compute") for e in everyone),
                    # the rank that arrives last waits least: its all_sum_tree time is the collective's
@@ -243,15 +239,18 @@ def rate_bits(rate: str) -> float:
 
 
 def print_validation(result: dict) -> None:
-    print("\n| link (tbf) | ranks | load avg | phase A s (compute + host) + copy | all-reduce s: model (fitted / nominal) | "
-          "all_sum_tree measured | predicted step s (fitted / nominal) | measured step s | error (fitted / nominal) |")
+    """The validation table: step and all-reduce, model vs measured (fitted link / nominal link)."""
+    print("\n| tbf rate | ranks | load avg | fitted link MB/s | phase A s + copy s | all-reduce + copy s: "
+          "model (fitted / nominal) · measured | error | step s: predicted (fitted / nominal) · measured | error |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        err = [100 * (r[k] / r["B_step"] - 1) for k in ("predicted_fitted", "predicted_nominal")]
-        print(f"| {r['rate']} | {r['ranks']} | {r['load_start']:.1f}–{r['load_end']:.1f} | {r['A_step']:.3f} + {r['A_copy']:.3f} | "
-              f"{r['allreduce_fitted']:.3f} / {r['allreduce_nominal']:.3f} | {r['B_reduce']:.3f} | "
-              f"{r['predicted_fitted']:.3f} / {r['predicted_nominal']:.3f} | {r['B_step']:.3f} | "
-              f"{err[0]:+.0f}% / {err[1]:+.0f}% |")
+        reduce = [r[f"allreduce_{k}"] + r["A_copy"] for k in ("fitted", "nominal")]
+        step = [r[f"predicted_{k}"] for k in ("fitted", "nominal")]
+        pct = lambda pred, meas: " / ".join(f"{100 * (p / meas - 1):+.0f}%" for p in pred)  # noqa: E731
+        print(f"| {r['rate']} | {r['ranks']} | {r['load_start']:.1f}–{r['load_end']:.1f} | "
+              f"{r['link']['fitted_bandwidth'] / 1e6:.0f} | {r['A_step']:.2f} + {r['A_copy']:.2f} | "
+              f"{reduce[0]:.2f} / {reduce[1]:.2f} · {r['B_reduce']:.2f} | {pct(reduce, r['B_reduce'])} | "
+              f"{step[0]:.2f} / {step[1]:.2f} · {r['B_step']:.2f} | {pct(step, r['B_step'])} |")
 
 
 def matmul_parameters(shape: pm.ModelShape, vocab: int = 128256) -> int:
@@ -284,12 +283,16 @@ def tables(demo: dict | None, global_batch: int) -> None:
     if demo:
         cases.append(("smollm2-135m", "demo pairs", demo["pair_seconds"], demo["host_seconds"], demo["global_batch_pairs"],
                       "this CPU, configs/demo.yaml (bench/scaling.py demo)"))
-    for key, entries in PAIR_SECONDS.items():
-        for tokens, c, src in entries:
-            cases.append((key, f"{tokens} tokens/side", c, GPU_HOST_SECONDS, global_batch, src))
+    host, c_1b = h200_fit()
+    for (name, *_), c in list(zip(H200_DP, c_1b))[:2]:
+        cases.append(("llama3.2-1b", name.split(", ")[1] + " per side", c, host, global_batch,
+                      "c and h fitted on the 2 x H200 data-parallel run, docs/gpu.md (2026-11-30)"))
+    for tokens, c in PAIR_SECONDS_8B:
+        cases.append(("llama3.1-8b", f"{tokens:,} tokens per side", c, 0.0, global_batch,
+                      "one H200, bf16, 1 pair per step (host work inside c), docs/gpu.md peer table (2026-11-30)"))
     ratio = matmul_parameters(pm.SHAPES["llama3.1-70b"]) / matmul_parameters(pm.SHAPES["llama3.1-8b"])
-    for tokens, c, _ in PAIR_SECONDS["llama3.1-8b"]:
-        cases.append(("llama3.1-70b", f"{tokens} tokens/side", c * ratio, GPU_HOST_SECONDS, global_batch,
+    for tokens, c in PAIR_SECONDS_8B:
+        cases.append(("llama3.1-70b", f"{tokens:,} tokens per side", c * ratio, 0.0, global_batch,
                       f"NOT MEASURED: the 8B figure x {ratio:.2f} (matmul parameters, 6NT)"))
     for key, label, c, h, g, src in cases:
         shape = pm.SHAPES[key]
@@ -300,6 +303,12 @@ def tables(demo: dict | None, global_batch: int) -> None:
         for n in RANKS_TABLE:
             s = [pm.speedup(c, g, n, pm.ring_allreduce_seconds(nbytes, n, link), h) for link in LINKS]
             print(f"| {n} | " + " | ".join(f"{x:.2f}×" for x in s) + " |")
+    print("\nMost ranks (2-16) with a speed-up of at least 0.75 x ranks")
+    print("| case | s/pair | " + " | ".join(link.name for link in LINKS) + " |\n|---|---|" + "---|" * len(LINKS))
+    for key, label, c, h, g, _ in cases:
+        nbytes = pm.lora_parameters(pm.SHAPES[key], LORA[key]) * pm.FLOAT32_BYTES
+        cells = [str(pm.largest_worthwhile(c, g, nbytes, link, h)) for link in LINKS]
+        print(f"| {pm.SHAPES[key].name}, {label}, global batch {g} | {c:.3g} | " + " | ".join(cells) + " |")
     settings(cases)
     print()
     h200_comparison()
@@ -312,24 +321,27 @@ H200_DP = [("bfloat16, 1,024 tokens", 10.24, 16.32, 0.008), ("bfloat16, 4,096 to
 NVLINK = pm.Link("NVLink 4, NCCL", 370e9, 5e-6, "NCCL busbw on NVLink 4 (NVIDIA/nccl-tests#212, maintainer); latency assumed")
 
 
+def h200_fit() -> tuple[float, list]:
+    """Host seconds fitted on the first H200_DP row (8c + h = T1, 4c + h + a = T2), and c of every row."""
+    g = 8
+    one, two, reduce = H200_DP[0][1:]
+    c0 = (g / one - g / two + reduce) / (g - pm.pairs_per_rank(g, 2))
+    host = g / one - g * c0
+    return host, [(g / row[1] - host) / g for row in H200_DP]
+
+
 def h200_comparison() -> None:
     """Predicted vs measured 2-rank step on 2 x H200, host work fitted once (on the first row)."""
     g = 8
     nbytes = pm.lora_parameters(pm.SHAPES["llama3.2-1b"], 16) * pm.FLOAT32_BYTES
-    one, two, reduce = H200_DP[0][1:]
-    # 8c + h = T1 and 4c + h + a = T2 on the first row give c and h
-    c0 = (g / one - g / two + reduce) / (g - pm.pairs_per_rank(g, 2))
-    host = g / one - g * c0
+    host, _ = h200_fit()
     print(f"link term for {nbytes / 1e6:.1f} MB over {NVLINK.name}: "
           f"{pm.ring_allreduce_seconds(nbytes, 2, NVLINK) * 1e3:.2f} ms; host work fitted on the first row: {host:.3f} s\n")
     print("| run | 1-rank step s | 2-rank step s measured | all-reduce s measured | predicted, host = 0 | "
           "predicted, fitted host | speed-up measured / predicted (fitted host) |\n|---|---|---|---|---|---|---|")
     for name, one, two, reduce in H200_DP:
         t1, t2 = g / one, g / two
-        preds = []
-        for h in (0.0, host):
-            c = (t1 - h) / g
-            preds.append(pm.step_seconds(c, pm.pairs_per_rank(g, 2), reduce, h))
+        preds = [pm.step_seconds((t1 - h) / g, pm.pairs_per_rank(g, 2), reduce, h) for h in (0.0, host)]
         print(f"| {name} | {t1:.3f} | {t2:.3f} | {reduce:.3f} | {preds[0]:.3f} ({100 * (preds[0] / t2 - 1):+.0f}%) | "
               f"{preds[1]:.3f} ({100 * (preds[1] / t2 - 1):+.1f}%) | {t1 / t2:.2f} / {t1 / preds[1]:.2f} |")
 
@@ -368,6 +380,7 @@ def main() -> int:
     v.add_argument("--steps", type=int, default=6)
     v.add_argument("--warmup", type=int, default=1)
     v.add_argument("--iters", type=int, default=10, help="all_sum calls per size when fitting the link")
+    v.add_argument("--table", nargs="+", default=None, help="print the table of earlier runs' JSON instead")
     v.add_argument("--quiet-load", type=float, default=2.0, help="wait for a 1-minute load average below this")
     v.add_argument("--quiet-wait", type=float, default=600, help="seconds to wait for it at most")
     t = sub.add_parser("tables")
@@ -376,6 +389,8 @@ def main() -> int:
     w = sub.add_parser("worker")
     w.add_argument("spec")
     a = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C, so namespaces and rank processes are removed (background jobs ignore SIGINT)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.cmd == "worker":
         worker(json.loads(a.spec))
         return 0
@@ -383,6 +398,9 @@ def main() -> int:
         result = measure_demo(a.steps, a.warmup)
         print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
         print(f"wrote {write_results('scaling-demo', result)}")
+    elif a.cmd == "validate" and a.table:
+        for path in a.table:
+            print_validation(json.loads(Path(path).read_text()))
     elif a.cmd == "validate":
         result = validate(a)
         print_validation(result)
