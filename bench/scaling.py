@@ -253,6 +253,12 @@ def print_validation(result: dict) -> None:
               f"{step[0]:.2f} / {step[1]:.2f} · {r['B_step']:.2f} | {pct(step, r['B_step'])} |")
 
 
+def table_head(*first: str) -> str:
+    """A blank line, then a markdown table header: ``first`` columns and one column per link."""
+    names = [*first, *(link.name for link in LINKS)]
+    return "\n| " + " | ".join(names) + " |\n" + "|---" * len(names) + "|"
+
+
 def matmul_parameters(shape: pm.ModelShape, vocab: int = 128256) -> int:
     """Weights that take part in matmuls: every decoder linear layer plus the vocab x hidden head."""
     return shape.layers * sum(i * o for i, o in shape.linears().values()) + vocab * shape.hidden
@@ -272,7 +278,7 @@ def tables(demo: dict | None, global_batch: int) -> None:
         nbytes = pm.lora_parameters(shape, LORA[key]) * pm.FLOAT32_BYTES
         print(f"\n**{shape.name}, LoRA rank {LORA[key]}** ({nbytes / 1e6:.1f} MB): all-reduce ms per step | "
               f"compute per rank-step (s) for the all-reduce to be ≤ 10% of it")
-        print("| ranks | " + " | ".join(link.name for link in LINKS) + " |\n|---|" + "---|" * len(LINKS))
+        print(table_head("ranks"))
         for n in RANKS_TABLE:
             cells = []
             for link in LINKS:
@@ -299,15 +305,15 @@ def tables(demo: dict | None, global_batch: int) -> None:
         nbytes = pm.lora_parameters(shape, LORA[key]) * pm.FLOAT32_BYTES
         print(f"\n**{shape.name}, {label}**: {c:.3g} s per pair, host {h:.3g} s per step, global batch {g} "
               f"({src}); speed-up over one rank")
-        print("| ranks | " + " | ".join(link.name for link in LINKS) + " |\n|---|" + "---|" * len(LINKS))
-        for n in RANKS_TABLE:
+        print(table_head("ranks"))
+        for n in (n for n in RANKS_TABLE if n <= g):  # more ranks than pairs would idle
             s = [pm.speedup(c, g, n, pm.ring_allreduce_seconds(nbytes, n, link), h) for link in LINKS]
             print(f"| {n} | " + " | ".join(f"{x:.2f}×" for x in s) + " |")
-    print("\nMost ranks (2-16) with a speed-up of at least 0.75 x ranks")
-    print("| case | s/pair | " + " | ".join(link.name for link in LINKS) + " |\n|---|---|" + "---|" * len(LINKS))
+    print("\nMost ranks (2-16, at most one per pair) with a speed-up of at least 0.75 x ranks")
+    print(table_head("case", "s/pair"))
     for key, label, c, h, g, _ in cases:
         nbytes = pm.lora_parameters(pm.SHAPES[key], LORA[key]) * pm.FLOAT32_BYTES
-        cells = [str(pm.largest_worthwhile(c, g, nbytes, link, h)) for link in LINKS]
+        cells = [str(pm.largest_worthwhile(c, g, nbytes, link, h, ranks=range(2, min(16, g) + 1))) for link in LINKS]
         print(f"| {pm.SHAPES[key].name}, {label}, global batch {g} | {c:.3g} | " + " | ".join(cells) + " |")
     settings(cases)
     print()
@@ -351,7 +357,7 @@ def settings(cases: list, n: int = 8, backward_share: float = 0.5) -> None:
     print(f"\n{n} ranks: all-reduce s · pairs per rank for it to be ≤ 10% of the step · saving of an overlap with "
           f"the backward of a 1-pair last micro-batch (backward = {backward_share} x compute) · share of the "
           f"all-reduce that is per-bucket latency")
-    print("| model | s/pair | " + " | ".join(link.name for link in LINKS) + " |\n|---|---|" + "---|" * len(LINKS))
+    print(table_head("model", "s/pair"))
     for key, label, c, _, _, _ in cases:
         nbytes = pm.lora_parameters(pm.SHAPES[key], LORA[key]) * pm.FLOAT32_BYTES
         cells = []
