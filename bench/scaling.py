@@ -88,9 +88,11 @@ class TimedEngine:
 
 
 def timed_step(step, engine, model, optimizer, pairs, cfg, group) -> dict:
-    """One ``train_step``: total, engine compute and all-reduce seconds."""
+    """One ``train_step`` on the next ``global_batch_pairs`` of ``pairs``: total, engine compute and all-reduce seconds."""
+    g = cfg.train.global_batch_pairs
+    batch = [pairs[(step * g + i) % len(pairs)] for i in range(g)]
     engine.seconds = 0.0
-    metrics, _, _ = train_step(step, engine, model, optimizer, pairs, cfg, group)
+    metrics, _, _ = train_step(step, engine, model, optimizer, batch, cfg, group)
     return {"step": metrics["perf/step_seconds"], "compute": engine.seconds, "reduce": metrics["perf/allreduce_seconds"]}
 
 
