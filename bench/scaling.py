@@ -10,13 +10,14 @@ LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 
 ``validate`` simulates hosts with one network namespace per rank
 (bench/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
-rate it first fits the link (hop latency and bus bandwidth) from plain
-``all_sum`` calls at 2 ranks, then at each rank count runs dtrain's
+rate and rank count it first fits the link (hop latency and bus bandwidth)
+from plain ``all_sum`` calls at 2 ranks, then runs dtrain's
 ``train_step`` on a small random model with a large LoRA gradient in two
 interleaved phases: A, each rank alone (a group of one, its own shard as the
 whole batch: the same compute and host work, no collective) and B, the real
-step over the ring. Predicted B = the slowest rank's median A step + the
-modelled all-reduce; measured B = rank 0's median ``perf/step_seconds``.
+step over the ring. Predicted B = the slowest rank's median A step + the copy
+work of ``all_sum_tree`` (timed in A) + the modelled all-reduce, with the fitted
+or the nominal link; measured B = rank 0's median ``perf/step_seconds``.
 
 ``tables`` prints the markdown tables of docs/scaling.md from the model and
 the inputs listed in ``H200_DP``, ``PAIR_SECONDS_8B`` and ``LINKS`` (sources and dates there).
@@ -323,7 +324,8 @@ def tables(demo: dict | None, global_batch: int) -> None:
 
 
 # docs/gpu.md, "Data parallel over NCCL, 2 x H200" (2026-11-30; global batch 8, micro-batch 4,
-# Llama-3.2-1B shape, LoRA rank 16): pairs/s at 1 and 2 ranks and the all-reduce seconds per step.
+# Llama-3.2-1B shape, LoRA rank 16): pairs/s at 1 and 2 ranks and the all-reduce seconds per step
+# (7-9 ms in bf16; float32: its 0.6% share of the 2-rank step).
 H200_DP = [("bfloat16, 1,024 tokens", 10.24, 16.32, 0.008), ("bfloat16, 4,096 tokens", 1.84, 3.48, 0.008),
            ("float32 (TF32 off), 1,024 tokens", 3.20, 6.11, 0.006 * 8 / 6.11)]
 NVLINK = pm.Link("NVLink 4, NCCL", 370e9, 5e-6, "NCCL busbw on NVLink 4 (NVIDIA/nccl-tests#212, maintainer); latency assumed")
