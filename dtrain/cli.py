@@ -3,6 +3,7 @@
     dtrain train -c CONFIG [--section.key VALUE ...]
     dtrain data check FILE [-c CONFIG] [--section.key VALUE ...]
     dtrain convert GGUF_FILE OUT_DIR
+    dtrain config [-c CONFIG] [--section.key VALUE ...]
     dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE]
 
 User errors print one line ``dtrain: error: ...`` and exit with status 2.
@@ -13,29 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import split_overrides
 from .errors import UserError
-
-
-def split_overrides(extra: list[str]) -> list[str]:
-    """``["--train.steps", "5", "--model.path=x"]`` -> ``["train.steps=5", "model.path=x"]``.
-
-    Raises:
-        UserError: an argument that is not ``--section.key`` or lacks a value.
-    """
-    out, i = [], 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
-        if "=" in arg:
-            out.append(arg[2:])
-            i += 1
-        else:
-            if i + 1 >= len(extra):
-                raise UserError(f"override {arg} needs a value")
-            out.append(f"{arg[2:]}={extra[i + 1]}")
-            i += 2
-    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
     dc.add_argument("--show", type=int, default=0, metavar="N",
                     help="print the first N usable pairs as trained: text with control tokens visible, and ids")
+    k = sub.add_parser("config", help="print every config key with its default (or the value from -c and "
+                                      "overrides), allowed values and help, as a commented YAML config")
+    k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training)")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file (or demo)")
     c.add_argument("gguf_file")
     c.add_argument("out_dir")
@@ -90,11 +73,8 @@ def _train(args, overrides) -> int:
     if group.is_main:
         if result.stopped:
             print(f"stopped after step {result.steps}; continue with --train.resume auto")
-        elif len(result.evals) >= 2:
-            first, last = min(result.evals), max(result.evals)
-            acc = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
-            print(f"eval reward accuracy (chosen preferred over rejected): step {first} "
-                  f"{result.evals[first][acc]:.3f} -> step {last} {result.evals[last][acc]:.3f}")
+        elif summary := result.summary():  # from the run's evaluations, those before a resume included
+            print(summary)
     return 0
 
 
@@ -114,6 +94,15 @@ def _data_check(args, overrides) -> int:
         print(f"dtrain: error: {args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
               "(training would stop; see the rows listed above)", file=sys.stderr)
         return 1
+    return 0
+
+
+def _config(args, overrides) -> int:
+    from .config import describe, load_config
+
+    cfg = load_config(args.config, overrides) if args.config or overrides else None
+    print("# dtrain config: key: value  # help [allowed values]; defaults live in dtrain/config.py")
+    print(describe(cfg))
     return 0
 
 
@@ -148,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, overrides)
         if args.command == "data":
             return _data_check(args, overrides)
+        if args.command == "config":
+            return _config(args, overrides)
         if extra:
             raise UserError(f"unexpected arguments {' '.join(extra)}")
         return _export(args) if args.command == "export" else _convert(args)
     except UserError as err:
         print(f"dtrain: error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_status", 2)  # distributed.CollectiveError: 4 (a restart may succeed)
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)
         return 130
