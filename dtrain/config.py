@@ -80,11 +80,13 @@ class OrpoConfig:
 class EngineConfig:
     """How the loss and LoRA gradients are computed (see dtrain/engine)."""
 
-    kind: str = "reference"  # reference | segmented
+    kind: str = "auto"  # auto (segmented, plan per length bucket) | reference | segmented
     segment_layers: Any = 0  # 0 = one range of all layers, N layers per range, or "auto"
-    memory_budget_gb: float = 0.0  # for segment_layers: auto; 0 = 25% of RAM
-    prefix_sharing: bool = False
-    head_chunk_tokens: int = 0  # 0 = whole head at once
+    memory_budget_gb: float = 0.0  # for auto; 0 = 85% of GPU memory, or 25% of RAM on the CPU
+    prefix_sharing: bool = True
+    head_chunk_tokens: int = 0  # 0 = whole head at once (auto: 1024 when it recomputes)
+    length_bucket: Any = "auto"  # pad lengths to buckets of this quantum; 0 = exact; auto = 128 on a GPU, 0 on the CPU
+    compile: bool = False  # mx.compile the step per length bucket (measured: no faster, slow first steps)
 
 
 @dataclass
@@ -139,7 +141,7 @@ _CHOICES = {
     ("data", "prompt_template"): ("chat", "raw"),
     ("data", "on_bad_row"): ("skip", "error"),
     ("orpo", "nll_scope"): ("full", "response"),
-    ("engine", "kind"): ("reference", "segmented"),
+    ("engine", "kind"): ("auto", "reference", "segmented"),
     ("train", "schedule"): ("cosine", "linear", "constant"),
     ("distributed", "backend"): ("any", "ring", "jaccl", "mpi", "nccl"),
 }
@@ -213,6 +215,9 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: key 'orpo.lambda' must be >= 0; got {cfg.orpo.lam}")
     if not (e.segment_layers == "auto" or (isinstance(e.segment_layers, int) and e.segment_layers >= 0)):
         raise ConfigError(f"{source}: key 'engine.segment_layers' must be 'auto' or an integer >= 0; got {e.segment_layers!r}")
+    if not (e.length_bucket == "auto" or (isinstance(e.length_bucket, int) and not isinstance(e.length_bucket, bool)
+                                          and e.length_bucket >= 0)):
+        raise ConfigError(f"{source}: key 'engine.length_bucket' must be 'auto' or an integer >= 0; got {e.length_bucket!r}")
     if e.head_chunk_tokens < 0:
         raise ConfigError(f"{source}: key 'engine.head_chunk_tokens' must be >= 0; got {e.head_chunk_tokens}")
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
