@@ -128,7 +128,7 @@ def test_auto_plan_single_pass_when_it_fits_else_recompute(capsys):
     assert roomy.ranges == [(0, 5)] and roomy._chunk == 0
     roomy.step(make_pairs(1), NORM)  # other tokens, the same shape: no new choice, no new notice
     assert capsys.readouterr().err == ("dtrain: engine plan for 3 x 15 tokens (38 targets): single pass "
-                                       "(estimated peak 0.0 GiB of a 1.0 GiB budget)\n")
+                                       "(estimated peak 0.0 GiB, x 1.25 within a 1.0 GiB budget)\n")
     roomy.step(random_pairs(3), NORM)  # another shape: one more notice
     assert capsys.readouterr().err.count("engine plan for") == 1
     tight = SegmentedEngine.from_config(load_config(overrides=["engine.memory_budget_gb=0.000001", "data.demo_pairs=1"]),
