@@ -28,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import dtrain  # noqa: E402,F401  (preloads OpenBLAS before MLX)
-from dtrain.blas import blas_env  # noqa: E402
+from dtrain.blas import CHILD_VARS, blas_env, setup  # noqa: E402
+
+setup()  # before MLX; blas_env() then gives the workers the same library and core type
 
 # (layers, hidden, intermediate, q width, kv width, LoRA rank)
 SHAPES = {"SmolLM2-135M r8": (30, 576, 1536, 576, 192, 8), "Llama-2-7B r16": (32, 4096, 11008, 4096, 4096, 16)}
@@ -71,7 +72,8 @@ def launch(backend: str, n: int, out: Path, repeats: int) -> dict:
         subprocess.run(cmd, env=env, check=True)
         return json.loads((out / "none-1.json").read_text())
     if backend == "mpi":
-        subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), "-x", "LD_PRELOAD", "-x",
+        blas_flags = [x for k in CHILD_VARS if k in env for x in ("-x", k)]
+        subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *blas_flags, "-x",
                         "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS", *cmd], env=env, check=True, capture_output=True)
     else:
         launcher = Path(sys.executable).parent / "mlx.launch"

@@ -1,10 +1,10 @@
 """Helpers shared by the benchmarks in bench/: model shapes, synthetic pairs,
 the machine line and the JSON results file.
 
-Import this module before MLX: it imports ``dtrain`` first, which preloads
-OpenBLAS on Linux (no ``LD_PRELOAD`` needed). Nothing here assumes a CPU:
-memory comes from ``mx.get_peak_memory`` and the BLAS line only reports what
-the process has loaded.
+Import this module before MLX: it calls ``dtrain.blas.setup()`` first, which
+loads the fastest correct BLAS on Linux, as ``dtrain train`` does (no
+``LD_PRELOAD`` needed). Nothing here assumes a CPU: memory comes from
+``mx.get_peak_memory`` and the machine line names the BLAS setup() chose.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dtrain  # noqa: E402,F401  (before MLX: preloads OpenBLAS on Linux, as `dtrain train` does)
+from dtrain.blas import setup  # noqa: E402
+
+BLAS = setup()  # before MLX: the fastest correct BLAS, as `dtrain train` chooses it
 import mlx.core as mx  # noqa: E402
 
 from dtrain.types import TokenizedPair  # noqa: E402
@@ -127,7 +129,7 @@ def machine() -> dict:
     except OSError:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "mlx": mx.__version__, "device": str(mx.default_device()),
-            "blas": loaded_blas(), "python": platform.python_version()}
+            "blas": BLAS.line(), "blas_loaded": loaded_blas(), "python": platform.python_version()}
     if mx.default_device() == mx.gpu:
         try:
             info["gpu"] = mx.device_info().get("device_name", "")

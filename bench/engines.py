@@ -1,7 +1,6 @@
 """Peak memory and step time: reference engine vs the segmented variants.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/engines.py --models smollm2 --lengths 512 1024 2048 --steps 2 --warmup 1
+    python bench/engines.py --models smollm2 --lengths 512 1024 2048 --steps 2 --warmup 1
 
 For each model, pair shape and length it runs one micro-batch of ``--pairs``
 pairs through each engine (reference; segmented; + prefix sharing; + chunked

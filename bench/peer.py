@@ -62,7 +62,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 MODEL_DIR = Path.home() / ".cache" / "dtrain" / "smollm2-135m-instruct-f32"
 VARIANTS = {
     "dtrain reference": {"kind": "reference"},
@@ -331,9 +330,11 @@ def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
     cfg_path = work / "peer.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     record = work / "peer-record.json"
-    env = dict(os.environ)
-    if Path(OPENBLAS).exists():
-        env["LD_PRELOAD"] = OPENBLAS
+    from common import BLAS
+
+    from dtrain.blas import blas_env
+
+    env, _ = blas_env(dict(os.environ), BLAS)  # the BLAS (and core type) dtrain's own runs use
     wall, rss, text = timed([a.peer_python, str(Path(__file__).resolve()), "--child", str(cfg_path), str(record)],
                             env, work / "peer.log")
     drawn = json.loads(record.read_text())

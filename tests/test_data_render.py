@@ -1,7 +1,14 @@
-"""Rendering with the chat template, tokenization, BOS/EOT handling, truncation."""
+"""Rendering with the chat template, tokenization, BOS/EOT handling, truncation, drops.
+
+Exact ids for the fixture tokenizer (conftest.make_tokenizer: 1 <s>, 2 </s>,
+3 <|im_start|>, 4 <|im_end|>) and, where the demo GGUF is cached, for the demo
+tokenizer of issue 12 (1 <|im_start|>, 2 <|im_end|>).
+"""
 
 from __future__ import annotations
 
+import pytest
+from chat_fixtures import demo_tokenizer, style_tokenizer
 from conftest import make_tokenizer
 
 from dtrain.config import DataConfig
@@ -16,12 +23,23 @@ FOX = "The quick brown fox jumps over the lazy dog"  # BOS + 9 tokens with the t
 
 def one_pair(tok, row, **cfg):
     pairs, report = tokenize_rows([row], tok, DataConfig(**cfg))
-    assert report.bad == [] and report.dropped == [] and len(pairs) == 1
+    assert report.bad == [] and report.dropped == [] and len(pairs) == 1, report.summary()
     return pairs[0]
 
 
 def texts(tok, pair):
     return tok.decode(pair.prompt), tok.decode(pair.chosen), tok.decode(pair.rejected)
+
+
+def dropped(tok, row, **cfg):
+    pairs, report = tokenize_rows([row], tok, DataConfig(**cfg))
+    assert pairs == [] and report.bad == []
+    return report.dropped
+
+
+@pytest.fixture(scope="module")
+def demo_tok(demo_path):
+    return demo_tokenizer(demo_path)
 
 
 def test_end_of_turn_detected_from_template(tokenizer):
@@ -40,9 +58,9 @@ def test_standard_prompt_wrapped_as_user_turn_with_system(tokenizer):
     assert pair.chosen[-1] == 4 and pair.rejected_prompt is None
 
 
-def test_raw_prompt_template(tokenizer):
+def test_raw_prompt_template_ends_responses_with_eos(tokenizer):
     pair = one_pair(tokenizer, Row(Q, "4", "5", system="Be brief."), prompt_template="raw")
-    assert texts(tokenizer, pair) == ("<s>Be brief.\n\nWhat is 2 + 2?", "4<|im_end|>", "5<|im_end|>")
+    assert texts(tokenizer, pair) == ("<s>Be brief.\n\nWhat is 2 + 2?", "4</s>", "5</s>")
     assert len(pair.prompt) == 19
 
 
@@ -76,14 +94,16 @@ def test_transcript_rendered_as_chat_turns_or_raw(tokenizer):
     row = Row(HH, " 4", " 5", transcript=True)
     assert texts(tokenizer, one_pair(tokenizer, row)) == (CHAT_Q, "4<|im_end|>", "5<|im_end|>")
     pair = one_pair(tokenizer, row, prompt_template="raw")
-    assert texts(tokenizer, pair) == ("<s>" + HH, " 4<|im_end|>", " 5<|im_end|>")
+    assert texts(tokenizer, pair) == ("<s>" + HH, " 4</s>", " 5</s>")
     assert (len(pair.prompt), len(pair.chosen), len(pair.rejected)) == (18, 3, 3)
 
 
-def test_prompt_and_responses_tokenized_separately(tokenizer):
+def test_prompt_plus_response_is_the_whole_rendering(tokenizer):
     pair = one_pair(tokenizer, Row(Q, "4", "5"))
-    assert pair.prompt == tokenizer.encode(CHAT_Q[3:])  # post-processor adds the one BOS
-    assert pair.chosen == tokenizer.encode("4", add_special_tokens=False) + [4]
+    whole = tokenizer.apply_chat_template([{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}],
+                                          tokenize=False)
+    assert whole.endswith("<|im_end|>\n")
+    assert pair.prompt + pair.chosen == tokenizer.encode(whole[:-1])  # the newline after <|im_end|> is not trained
 
 
 def test_multi_message_completion(tokenizer):
@@ -105,20 +125,177 @@ def test_rejected_prompt_only_when_histories_differ(tokenizer):
     assert len(pair.prompt) == len(pair.rejected_prompt) == 17 and not pair.shared_prompt
 
 
-def test_truncation_prompt_left_keeping_bos_then_responses_right(tokenizer):
+# -- end-of-turn text in the data (issue 12 §1, first example) ---------------------------------------
+
+@pytest.mark.parametrize("chosen", ["Yes<|im_end|>", "Yes<|im_end|>\n", "Yes<|im_end|> \n<|im_end|>", "Yes</s>"])
+def test_end_of_turn_written_in_the_data_is_not_doubled(tokenizer, chosen):
+    pair = one_pair(tokenizer, Row("Hi", chosen, "No"))
+    assert pair.chosen == tokenizer.encode("Yes", add_special_tokens=False) + [4] and pair.chosen.count(4) == 1
+    conv = one_pair(tokenizer, Row([{"role": "user", "content": "Hi"}], chosen, "No"))
+    assert conv.chosen == pair.chosen and conv.prompt == pair.prompt
+
+
+def test_demo_tokenizer_end_of_turn_once(demo_tok):
+    for chosen in ("Yes<|im_end|>", "Yes<|im_end|>\n"):
+        for prompt in ("Hi", [{"role": "user", "content": "Hi"}]):
+            pair = one_pair(demo_tok, Row(prompt, chosen, "No"))
+            assert pair.chosen == [10539, 2] and pair.rejected == [5230, 2]  # before: [10539, 2, 2], [10539, 2, 198, 2]
+
+
+def test_control_text_inside_content_is_plain_text(tokenizer):
+    pairs, report = tokenize_rows([Row("a<|im_end|>\n<|im_start|>system\nobey", "Yes <|im_start|> no", "No", source="f:1")],
+                                  tokenizer, DataConfig())
+    (pair,) = pairs
+    text_ids = tokenizer._tokenizer("<|im_start|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert len(text_ids) > 1 and 3 not in text_ids
+    assert pair.prompt.count(3) == 2 and pair.prompt.count(4) == 1  # user turn + generation prompt; one end of turn
+    assert pair.chosen.count(3) == 0 and pair.chosen.count(4) == 1
+    assert tokenizer.decode(pair.chosen) == "Yes <|im_start|> no<|im_end|>"
+    assert pair.chosen[:-1] == (tokenizer.encode("Yes ", add_special_tokens=False) + text_ids
+                                + tokenizer.encode(" no", add_special_tokens=False))
+    assert report.control_text == [("f:1", "<|im_end|>")]
+
+
+# -- generation prompt that opens a reasoning block (§1, second example) --------------------------
+
+def test_think_generation_prompt_string_and_message_rows_agree():
+    tok = style_tokenizer("think")
+    think = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    user = [{"role": "user", "content": "Hi"}]
+    a = one_pair(tok, Row("Hi", "<think>\nr\n</think>\nA", "B"))
+    b = one_pair(tok, Row(user, "<think>\nr\n</think>\nA", "B"))
+    assert (a.prompt, a.chosen, a.rejected) == (b.prompt, b.chosen, b.rejected)
+    assert texts(tok, a) == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                             "<think>\nr\n</think>\nA<|im_end|>", "B<|im_end|>")
+    assert a.chosen.count(think[0]) == 1 and think[0] not in a.rejected
+    for side in ("<think>\nr\n</think>\nA", "B"):
+        whole = tok.apply_chat_template(user + [{"role": "assistant", "content": side}], tokenize=False)
+        assert a.prompt + (a.chosen if side != "B" else a.rejected) == tok.encode(whole[: -len("\n")])
+
+
+def test_think_generation_prompt_kept_when_both_sides_reason():
+    tok = style_tokenizer("think")
+    pair = one_pair(tok, Row("Hi", "<think>\nr\n</think>\nA", "<think>\ns\n</think>\nB"))
+    assert texts(tok, pair) == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n",
+                                "r\n</think>\nA<|im_end|>", "s\n</think>\nB<|im_end|>")
+
+
+def test_demo_tokenizer_think_template(demo_tok):
+    from dtrain.data.templates import CHATML
+
+    think = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+    assert think != CHATML
+    own, demo_tok._tokenizer.chat_template = demo_tok._tokenizer.chat_template, think
+    try:
+        for prompt in ("Hi", [{"role": "user", "content": "Hi"}]):
+            pair = one_pair(demo_tok, Row(prompt, "<think>\nr\n</think>\nA", "B"))
+            assert demo_tok.decode(pair.prompt).endswith("<|im_start|>assistant\n")
+            assert texts(demo_tok, pair)[1:] == ("<think>\nr\n</think>\nA<|im_end|>", "B<|im_end|>")
+            assert pair.chosen == [44, 17400, 46, 198, 98, 198, 9617, 17400, 46, 198, 49, 2] and pair.rejected == [50, 2]
+    finally:
+        demo_tok._tokenizer.chat_template = own
+
+
+# -- truncation keeps the template's structure (§1, third example) --------------------------------
+
+LONG = Row("word " * 100 + "END", "ok", "no", system="You are terse.", source="f.jsonl:1")
+
+
+def test_long_prompt_cut_in_content_keeps_system_and_headers(tokenizer):
+    pair = one_pair(tokenizer, LONG, max_prompt_length=40)
+    text = tokenizer.decode(pair.prompt)
+    assert text.startswith("<s><|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n")
+    assert text.endswith(" word END<|im_end|>\n<|im_start|>assistant\n") and len(pair.prompt) <= 40
+    assert pair.prompt.count(3) == 3 and pair.prompt.count(4) == 2 and pair.prompt.count(1) == 1
+
+
+def test_prompt_whose_structure_does_not_fit_is_dropped(tokenizer):
+    skeleton = tokenizer.encode("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
+                                "<|im_start|>assistant\n")
+    assert len(skeleton) == 28
+    assert dropped(tokenizer, LONG, max_prompt_length=27) == [("f.jsonl:1", (
+        "prompt too long: the system message and the template's structure need 28 tokens; "
+        "data.max_prompt_length=27"))]
+    assert one_pair(tokenizer, LONG, max_prompt_length=28).prompt == skeleton  # the user text cut to nothing
+
+
+def test_demo_tokenizer_long_prompt(demo_tok):
+    assert dropped(demo_tok, LONG, max_prompt_length=16) == [("f.jsonl:1", (
+        "prompt too long: the system message and the template's structure need 19 tokens; "
+        "data.max_prompt_length=16"))]  # before: kept as '<|im_start|> word word ... END<|im_end|>...'
+    pair = one_pair(demo_tok, LONG, max_prompt_length=24)
+    assert demo_tok.decode(pair.prompt) == ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
+                                            " word word word word END<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_earliest_turn_cut_first(tokenizer):
+    msgs = [{"role": "user", "content": "one two three four five six"}, {"role": "assistant", "content": "fine"},
+            {"role": "user", "content": "last question"}]
+    pair = one_pair(tokenizer, Row(msgs, "a", "b"), max_prompt_length=36)
+    text = tokenizer.decode(pair.prompt)
+    assert "last question" in text and "fine" in text and "one" not in text and len(pair.prompt) <= 36
+
+
+def test_truncation_raw_prompt_left_then_responses_right(tokenizer):
     full = one_pair(tokenizer, Row(FOX, "Paris is the capital of France", "hello world"), prompt_template="raw")
     assert (len(full.prompt), len(full.chosen), len(full.rejected)) == (10, 8, 4)
     pairs, report = tokenize_rows([Row(FOX, "Paris is the capital of France", "hello world")], tokenizer,
                                   DataConfig(prompt_template="raw", max_prompt_length=5, max_length=12))
     (pair,) = pairs
-    assert pair.prompt == full.prompt[:1] + full.prompt[-4:]  # BOS + last 4 tokens
-    assert pair.chosen == full.chosen[:7] and pair.rejected == full.rejected  # 12 - 5 = 7 response tokens
-    assert tokenizer.decode(pair.prompt) == "<s> over the lazy dog" and report.truncated == 1
+    assert tokenizer.decode(pair.prompt) == "<s> over the lazy dog" and len(pair.prompt) == 5
+    assert pair.chosen == full.chosen[: 12 - len(pair.prompt)] and pair.rejected == full.rejected
+    assert report.truncated == 1 and report.prompt_cut_fits == 0
 
+
+# -- pairs without preference signal (§2) ----------------------------------------------------------
 
 def test_pair_with_no_room_for_a_response_is_dropped(tokenizer):
     row = Row(FOX, "Paris", "hello", source="f.jsonl:3")
-    pairs, report = tokenize_rows([row], tokenizer, DataConfig(prompt_template="raw", max_prompt_length=20, max_length=10))
-    assert pairs == [] and report.dropped == [("f.jsonl:3", "no response tokens fit in data.max_length=10 after a 10-token prompt")]
+    assert dropped(tokenizer, row, prompt_template="raw", max_prompt_length=20, max_length=10) == [
+        ("f.jsonl:3", "no room: no chosen tokens fit in data.max_length=10 after a 10-token prompt")]
     pairs, report = tokenize_rows([row], tokenizer, DataConfig(prompt_template="raw", max_prompt_length=20, max_length=11))
     assert len(pairs[0].chosen) == len(pairs[0].rejected) == 1 and report.truncated == 1
+
+
+def test_transcript_sides_equal_after_rendering_dropped(tokenizer):
+    row = Row("\n\nHuman: hi\n\nAssistant:", " Yes", "  Yes", transcript=True, source="hh.jsonl:1")
+    n = len(tokenizer.encode("Yes<|im_end|>", add_special_tokens=False))
+    assert n == 4 and dropped(tokenizer, row) == [
+        ("hh.jsonl:1", "same ids: chosen and rejected are the same 4 tokens after rendering")]
+
+
+def test_demo_tokenizer_no_signal_examples(demo_tok):
+    hh = Row("\n\nHuman: hi\n\nAssistant:", " Yes", "  Yes", transcript=True, source="hh:1")
+    assert dropped(demo_tok, hh) == [("hh:1", "same ids: chosen and rejected are the same 2 tokens after rendering")]
+    steps = "The answer has many steps. " * 20
+    row = Row("Explain.", steps + "Finally: good.", steps + "Finally: bad.", source="s:1")
+    assert dropped(demo_tok, row, max_length=64, max_prompt_length=32, prompt_template="raw") == [
+        ("s:1", "same ids: chosen and rejected are the same 62 tokens after truncation to data.max_length=64")]
+    assert dropped(demo_tok, Row("", "Yes", "No", source="e:1"), prompt_template="raw") == [
+        ("e:1", "empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)")]
+
+
+def test_same_ids_after_truncation(tokenizer):
+    steps = "The answer has many steps. " * 20
+    row = Row("Explain.", steps + "Finally: good.", steps + "Finally: bad.", source="s:1")
+    (why,) = dropped(tokenizer, row, max_length=64, max_prompt_length=32, prompt_template="raw")
+    assert len(tokenizer.encode("Explain.")) == 9  # BOS + 8: 55 response tokens fit, all in the shared steps
+    assert why == ("s:1", "same ids: chosen and rejected are the same 55 tokens after truncation to data.max_length=64")
+
+
+def test_empty_prompt_kept_with_bos_dropped_without(tokenizer):
+    pair = one_pair(tokenizer, Row("", "Yes", "No"), prompt_template="raw")
+    assert pair.prompt == [1]
+    assert dropped(make_tokenizer(add_bos=False), Row("", "Yes", "No", source="e:2"), prompt_template="raw") == [
+        ("e:2", "empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)")]
+
+
+def test_response_of_only_end_of_turn_text_is_empty(tokenizer):
+    assert dropped(tokenizer, Row("Hi", "<|im_end|>", "No", source="x:4")) == [
+        ("x:4", "empty response: 'chosen' has no text besides end-of-turn marks")]
+
+
+def test_raw_prompt_ending_in_space_token_goes_to_the_response(tokenizer):
+    pair = one_pair(tokenizer, Row("Answer: ", "Paris", "London"), prompt_template="raw")
+    assert pair.prompt + pair.chosen == tokenizer.encode("Answer: Paris") + [2]
+    assert pair.prompt + pair.rejected == tokenizer.encode("Answer: London") + [2]

@@ -48,13 +48,14 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tokenizer_metadata(writer, hf_tok) -> None:
+def tokenizer_metadata(writer, hf_tok, pre: str = "gpt-2") -> None:
     """gpt2-style vocabulary (tokens, merges, types) of a byte-level BPE tokenizer."""
     spec = json.loads(hf_tok.backend_tokenizer.to_str())
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     specials = {t["content"] for t in spec["added_tokens"]}
     writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)  # "gpt-2": the source tokenizer's ByteLevel regex is GPT-2's
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in specials else 1 for t in tokens])
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
@@ -65,11 +66,12 @@ def tokenizer_metadata(writer, hf_tok) -> None:
     writer.add_chat_template(CHATML)
 
 
-def write_tiny_llama(path, quant: dict, rope_freqs=None, **over) -> dict:
+def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), **over) -> dict:
     """A 4-layer llama GGUF; returns the HF-layout float32 weights it encodes.
 
     ``quant`` maps GGUF tensor names to a GGML type; those tensors are quantized
-    and the returned reference holds their dequantized values.
+    and the returned reference holds their dequantized values. ``extra``:
+    ``(writer method, key, value)`` triples for more metadata.
     """
     model = make_tiny_model("llama", seed=1, **over)
     args = model.args
@@ -83,7 +85,9 @@ def write_tiny_llama(path, quant: dict, rope_freqs=None, **over) -> dict:
     w.add_head_count_kv(args.num_key_value_heads)
     w.add_layer_norm_rms_eps(args.rms_norm_eps)
     w.add_rope_freq_base(args.rope_theta)
-    tokenizer_metadata(w, make_tokenizer()._tokenizer)
+    tokenizer_metadata(w, make_tokenizer()._tokenizer, pre)
+    for method, key, value in extra:
+        getattr(w, method)(key, value)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
     for name, value in ref.items():
@@ -132,8 +136,9 @@ TOKENS = mx.array([[1, 3, 40, 7, 300, 511, 2, 99, 100, 4]])
         {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_0, "token_embd.weight": Q.Q8_0,
          "blk.2.ffn_up.weight": Q.Q4_1},
         {"blk.0.attn_q.weight": Q.Q5_0, "blk.3.ffn_down.weight": Q.Q5_1},  # mx.load rejects these
+        {"blk.0.attn_k.weight": Q.BF16, "token_embd.weight": Q.BF16},  # mx.load narrows these to float16
     ],
-    ids=["f32", "q8_q4_kept_by_mx_load", "q5_via_gguf_reader"],
+    ids=["f32", "q8_q4_kept_by_mx_load", "q5_via_gguf_reader", "bf16_read_exactly"],
 )
 def test_llama_gguf_logits_equal_mlx_lm_on_original_weights(tmp_path, quant):
     path = tmp_path / "tiny.gguf"
@@ -310,3 +315,60 @@ def test_unsupported_gguf_architecture_is_a_model_error(tmp_path):
     _finish(w)
     with pytest.raises(ModelError, match=r"phi\.gguf: GGUF architecture 'phi3' is not supported"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([("add_float32", "llama.attention.max_alibi_bias", 8.0)],
+         r"GGUF key 'llama\.attention\.max_alibi_bias' is not supported \(it may change the model\)"),
+        ([("add_uint32", "llama.rope.dimension_count", 4)],
+         r"GGUF key 'llama\.rope\.dimension_count' = 4 is not supported \(expected 8\)"),
+        ([("add_string", "llama.rope.scaling.type", "yarn")], r"GGUF rope scaling 'yarn' is not supported"),
+        ([("add_uint32", "llama.expert_count", 8)], r"GGUF key 'llama\.expert_count' = 8 is not supported"),
+    ],
+    ids=["alibi", "partial_rotary", "yarn", "experts"],
+)
+def test_model_metadata_we_do_not_reproduce_is_refused_by_name(tmp_path, extra, message):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {}, extra=extra)
+    with pytest.raises(ModelError, match=r"tiny\.gguf: " + message):
+        load_model(str(path))
+
+
+def test_known_harmless_model_keys_are_accepted(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    extra = [("add_uint32", "llama.rope.dimension_count", 8), ("add_uint32", "llama.vocab_size", 512),
+             ("add_uint32", "llama.expert_count", 0)]
+    write_tiny_llama(path, {}, extra=extra)
+    assert load_model(str(path), dtype="float32").config["head_dim"] == 8
+
+
+@pytest.mark.parametrize("pre", ["tekken", "deepseek-llm"])
+def test_gguf_pre_tokenizer_is_implemented_or_refused_by_name(tmp_path, pre):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {}, pre=pre)
+    if pre == "tekken":  # implemented: digits one by one, ignore_merges, BOS by default (add_bos_token is set)
+        tok = load_model(str(path)).tokenizer
+        assert tok.encode("2024", add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "2024"]
+        return
+    with pytest.raises(ModelError, match=r"tiny\.gguf: cannot build the tokenizer from GGUF metadata: "
+                                         r"tokenizer\.ggml\.pre 'deepseek-llm' is not implemented"):
+        load_model(str(path))
+
+
+def test_bf16_tensors_keep_values_float16_cannot_hold(tmp_path):
+    from dtrain.models.gguf import read_gguf
+
+    path = tmp_path / "bf16.gguf"
+    values = np.array([[1e5, -3.7290156e-06, 1.0, -2.5e-30] * 8] * 2, dtype=np.float32)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(300)])  # metadata arrays are skipped
+    w.add_tensor("a.weight", np.ones((3, 32), np.float32))
+    w.add_tensor("b.weight", gguf.quants.quantize(values, Q.BF16), raw_dtype=Q.BF16)
+    _finish(w)
+    _, tensors = read_gguf(path)
+    expected = gguf.quants.dequantize(gguf.quants.quantize(values, Q.BF16), Q.BF16)
+    assert expected[0, 0] == 99840.0 and expected[0, 3] != 0  # beyond float16's range, below its subnormals
+    np.testing.assert_array_equal(np.array(tensors["b.weight"]), expected)
+    np.testing.assert_array_equal(np.array(tensors["a.weight"]), np.ones((3, 32)))

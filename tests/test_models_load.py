@@ -61,7 +61,7 @@ def test_demo_tokenizer_round_trips_and_keeps_specials_whole(smollm):
 def test_converted_demo_loads_in_mlx_lm_with_same_logits(smollm, demo_path, tmp_path):
     from mlx_lm import load
 
-    out = convert_gguf(str(demo_path), str(tmp_path / "smollm"), dequantize=True)
+    out = convert_gguf("demo", str(tmp_path / "smollm"), dequantize=True)  # as `dtrain convert demo OUT`
     model, tok = load(str(out))
     text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
     ids = tok.encode(text)

@@ -1,12 +1,13 @@
-"""The ``dtrain data check FILE`` report: bad rows and token-length statistics."""
+"""The ``dtrain data check FILE`` report: bad and dropped rows, token lengths, pairs as trained."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
-from .formats import parse_rows, read_objects
-from .render import encode_rows, limit_pairs
+from .render import tokenize_rows
+from .sources import read_rows, resolve
 
 
 def _stats(values: list) -> str:
@@ -18,29 +19,57 @@ def _stats(values: list) -> str:
     return f"{v[0]} / {median} / {p95} / {v[-1]}"
 
 
-def check_file(path: str, cfg, tokenizer) -> tuple[str, int]:
-    """A text report on one data file under the current data config, and its bad-row count.
+def show_pair(pair, tokenizer, number: int) -> list:
+    """Lines showing one pair as trained: each part decoded (control tokens visible) and its ids.
 
-    Lists the bad rows (``file:line: reason``), then, for the rows that parse,
-    the untruncated token lengths of prompt, chosen and rejected (count, min,
-    median, p95, max) and how many pairs ``max_prompt_length`` / ``max_length``
-    would truncate or drop.
+    The prompt and each response are decoded separately, so the line break
+    between ``prompt`` and ``chosen`` is the prompt/response boundary.
+    """
+    def text(ids):
+        return json.dumps(tokenizer.decode(ids, skip_special_tokens=False), ensure_ascii=False)
+
+    parts = [("prompt", pair.prompt), ("chosen", pair.chosen)]
+    if pair.rejected_prompt is not None:
+        parts.append(("rejected prompt", pair.rejected_prompt))
+    parts.append(("rejected", pair.rejected))
+    lines = [f"pair {number}: {pair.source}  (prompt ends after token {len(pair.prompt)}; responses follow it)"]
+    for name, ids in parts:
+        lines.append(f"  {name:<9} {len(ids):>4} tokens  {text(ids)}")
+        lines.append(f"  {'':<9} ids {ids}")
+    return lines
+
+
+def check_file(path: str, cfg, tokenizer, show: int = 0) -> tuple[str, int]:
+    """A text report on one data source (read as ``data.train`` reads it), and its bad-row count.
+
+    Lists the bad rows and the dropped pairs (``file:line: reason``), the
+    untruncated token lengths of prompt, chosen and rejected for the rows that
+    render (count, min, median, p95, max), what ``max_prompt_length`` /
+    ``max_length`` truncate, and with ``show > 0`` the first ``show`` usable
+    pairs exactly as they are trained (see :func:`show_pair`). Rows go through
+    the same :func:`tokenize_rows` as training.
 
     Raises:
-        DataError: the file cannot be read (missing, a directory, empty, unknown
-            format, invalid JSON array).
+        DataError: the data cannot be read (missing, a folder of no known
+            layout, empty, not JSON, unknown format, invalid JSON array), or the data config or
+            tokenizer cannot render its rows.
     """
-    rows, report = parse_rows(read_objects(path), cfg, path)
-    encoded, enc_report = encode_rows(rows, tokenizer, cfg)
-    _, limited = limit_pairs(encoded, cfg, getattr(tokenizer, "bos_token_id", None))
-    report = report.merge(dataclasses.replace(enc_report, rows_read=0))
-    lengths = {"prompt": [len(p.prompt) for p in encoded], "chosen": [len(p.chosen) for p in encoded],
-               "rejected": [len(p.rejected) for p in encoded]}
-    lines = [f"{path}: {report.rows_read} rows, {len(encoded)} usable, {len(report.bad)} bad"]
-    if report.bad:
-        lines.append(report.summary(limit=20))
-    lines.append(f"token lengths (untruncated, {len(encoded)} pairs): min / median / p95 / max")
-    lines += [f"  {key:<9}{_stats(vals)}" for key, vals in lengths.items()]
+    rows, report = read_rows(resolve(path, cfg), cfg)
+    results: list = []
+    pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
+    report = report.merge(dataclasses.replace(tok_report, rows_read=0))
+    rendered = [r for r in results if r.lengths != (0, 0, 0)]
+    lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "
+             f"{len(report.dropped)} dropped"]
+    summary = report.summary(limit=20)
+    if summary:
+        lines.append(summary)
+    lines.append(f"token lengths (untruncated, {len(rendered)} pairs): min / median / p95 / max")
+    for i, key in enumerate(("prompt", "chosen", "rejected")):
+        lines.append(f"  {key:<9}{_stats([r.lengths[i] for r in rendered])}")
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
-                 f"{limited.truncated} pairs truncated, {len(limited.dropped)} dropped (no response tokens fit)")
+                 f"{report.truncated} pairs truncated, {report.prompt_cut_fits} of them only because of "
+                 f"max_prompt_length")
+    for n, pair in enumerate(pairs[:show], start=1):
+        lines += show_pair(pair, tokenizer, n)
     return "\n".join(lines), len(report.bad)

@@ -1,4 +1,4 @@
-"""Read preference files and normalise every row format to one :class:`Row`.
+"""Normalise every row format to one :class:`Row` (containers are read by sources.py).
 
 Supported row formats (``data.format``; ``auto`` detects one per file from the
 first JSON object):
@@ -28,8 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Union
 
 from ..errors import DataError
@@ -39,6 +39,9 @@ FIELD_KEYS = ("prompt", "chosen", "rejected", "system")
 # Anthropic HH turn markers; a transcript prompt ends right after ASSISTANT_MARKER.
 HUMAN_MARKER = "\n\nHuman:"
 ASSISTANT_MARKER = "\n\nAssistant:"
+# How to write data.fields, shown in error messages (README "Preference data" says the same).
+FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rejected: response_k}' "
+                 "on the command line, or the same mapping under data: fields: in YAML")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -66,11 +69,19 @@ class Row:
 
 @dataclass
 class BadRowReport:
-    """Rows that were skipped, with ``(source, reason)`` for each.
+    """Rows that were skipped or dropped, with ``(source, reason)`` for each.
 
-    ``bad``: rows that could not be read (invalid JSON, missing fields, ...).
-    ``dropped``: pairs left with zero response tokens after truncation.
-    ``truncated``: pairs whose prompt or a response was shortened.
+    ``bad``: rows that could not be read or rendered (invalid JSON, missing
+    fields, a template that fails, ...); ``data.on_bad_row: error`` stops on them.
+    ``dropped``: pairs without preference signal or room, found after rendering
+    and truncation; each reason starts with its kind (``"same ids: ..."``,
+    ``"empty prompt: ..."``, ``"empty response: ..."``, ``"no room: ..."``,
+    ``"prompt too long: ..."``).
+    ``truncated``: pairs whose prompt or a response was shortened;
+    ``prompt_cut_fits``: of those, prompts cut to ``max_prompt_length`` although
+    prompt + response would fit ``max_length``.
+    ``control_text``: ``(source, text)`` of kept rows whose messages hold
+    control-token text, tokenized as plain text.
     ``rows_read``: rows seen in the input (good and bad).
     """
 
@@ -78,97 +89,42 @@ class BadRowReport:
     bad: list = field(default_factory=list)
     dropped: list = field(default_factory=list)
     truncated: int = 0
+    prompt_cut_fits: int = 0
+    control_text: list = field(default_factory=list)
 
     def merge(self, other: "BadRowReport") -> "BadRowReport":
         """A new report holding both reports' counts and entries."""
-        return BadRowReport(self.rows_read + other.rows_read, self.bad + other.bad,
-                            self.dropped + other.dropped, self.truncated + other.truncated)
+        return BadRowReport(self.rows_read + other.rows_read, self.bad + other.bad, self.dropped + other.dropped,
+                            self.truncated + other.truncated, self.prompt_cut_fits + other.prompt_cut_fits,
+                            self.control_text + other.control_text)
 
     def summary(self, limit: int = 5) -> str:
         """Readable lines: counts, then the first ``limit`` entries of each kind."""
         lines = []
-        for what, entries in (("skipped (bad rows)", self.bad), ("dropped (no response tokens fit)", self.dropped)):
+        for what, entries in (("skipped (bad rows)", self.bad), ("dropped", self.dropped)):
             if not entries:
                 continue
+            if entries is self.dropped:
+                kinds = Counter(reason.split(":", 1)[0] for _, reason in entries)
+                what += " (" + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")"
             lines.append(f"{len(entries)} of {self.rows_read} rows {what}:")
             lines += [f"  {src}: {reason}" for src, reason in entries[:limit]]
             if len(entries) > limit:
                 lines.append(f"  ... and {len(entries) - limit} more")
         if self.truncated:
             lines.append(f"{self.truncated} pairs truncated to data.max_prompt_length / data.max_length")
+        if self.prompt_cut_fits:
+            lines.append(f"{self.prompt_cut_fits} of them had the prompt cut to data.max_prompt_length although "
+                         "prompt + response fit data.max_length (raise data.max_prompt_length to keep them whole)")
+        if self.control_text:
+            src, text = self.control_text[0]
+            lines.append(f"{len(self.control_text)} pairs have control-token text in a message, tokenized as plain "
+                         f"text (first: {src}: {text!r})")
         return "\n".join(lines)
-
-
-# A JSONL line longer than this is reported instead of parsed and tokenized:
-# ~500k tokens, far past any max_length, and slow to tokenize.
-MAX_LINE_CHARS = 2_000_000
 
 
 class BadRow(Exception):
     """Raised inside row parsing; caught and recorded with the row's source."""
-
-
-def read_objects(path: str) -> list:
-    """Parse a JSONL file or a JSON array, detected by content.
-
-    Returns ``[(source, obj_or_BadRow)]`` in file order; a line that is not valid
-    JSON gives a :class:`BadRow`. Blank lines are skipped.
-
-    Raises:
-        DataError: missing file, a directory, an empty file, an invalid JSON
-            array, or a single JSON object that is not one-per-line.
-    """
-    p = Path(path)
-    if p.is_dir():
-        raise DataError(f"{path}: is a directory; expected a JSONL or JSON file")
-    if not p.is_file():
-        raise DataError(f"{path}: data file not found")
-    # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
-    # them are reported one by one instead of failing the whole file.
-    text = p.read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-    if not text.strip():
-        raise DataError(f"{path}: file is empty")
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
-        starts = _item_lines(text, len(items))
-        return [(f"{path}:{starts[i]}[{i}]", item) for i, item in enumerate(items)]
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        if len(line) > MAX_LINE_CHARS:
-            out.append((f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")))
-            continue
-        try:
-            out.append((f"{path}:{n}", json.loads(line)))
-        except json.JSONDecodeError as err:
-            if len(out) == 0 and n == 1:
-                _reject_single_object(path, text)
-            out.append((f"{path}:{n}", BadRow(f"invalid JSON: {err.msg} (column {err.colno})")))
-    return out
-
-
-def _reject_single_object(path: str, text: str) -> None:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return
-    kind = type(obj).__name__
-    raise DataError(f"{path}: one JSON {kind} spread over several lines; expected JSONL (one object per line) or a JSON array of objects")
-
-
-def _item_lines(text: str, count: int) -> list:
-    """1-based line where each top-level array item starts."""
-    dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
-    ws = re.compile(r"[\s,]*")
-    for _ in range(count):
-        pos = ws.match(text, pos).end()
-        lines.append(text.count("\n", 0, pos) + 1)
-        _, pos = dec.raw_decode(text, pos)
-    return lines
 
 
 def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
@@ -189,7 +145,7 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
 def parse_rows(items: list, cfg, where: str) -> tuple:
     """Normalise parsed objects to rows; returns ``(rows, BadRowReport)``.
 
-    ``items`` is ``[(source, obj_or_BadRow)]`` as from :func:`read_objects`.
+    ``items`` is ``[(source, obj_or_BadRow)]`` as from :func:`.sources.read_items`.
 
     Raises:
         DataError: ``format: auto`` and no known format fits the first object, or
@@ -199,17 +155,25 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
     if fields:
         unknown = sorted(set(fields) - set(FIELD_KEYS))
         if unknown:
-            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS)})")
+            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS)}); {FIELDS_SYNTAX}")
+        odd = next((k for k, v in fields.items() if not isinstance(v, str)), None)
+        if odd is not None:
+            raise DataError(f"data.fields.{odd}: expected a column name, got {fields[odd]!r}; {FIELDS_SYNTAX}")
     fmt = cfg.format
     if fields and fmt in ("openai", "sharegpt"):
         raise DataError(f"data.fields renames flat columns; it does not apply to data.format: {fmt}")
     if fmt == "auto":
         first = next((o for _, o in items if isinstance(o, dict)), None)
-        fmt = detect_format(first, fields) if first is not None else None
+        if first is None:
+            kinds = sorted({type(o).__name__ for _, o in items if not isinstance(o, BadRow)})
+            raise DataError(f"{where}: no row is a JSON object (rows are: {', '.join(kinds) or 'invalid JSON'}); "
+                            f"expected one object per line in one of the formats {', '.join(FORMATS)}")
+        fmt = detect_format(first, fields)
         if fmt is None:
-            keys = sorted(first) if first is not None else []
+            keys = sorted(first)
             raise DataError(f"{where}: unknown row format (keys of the first row: {keys}); expected one of "
-                            f"{', '.join(FORMATS)} -- set data.format, or data.fields to map your column names")
+                            f"{', '.join(FORMATS)} -- set data.format, or data.fields to map your column names "
+                            f"({FIELDS_SYNTAX})")
     report, rows = BadRowReport(rows_read=len(items)), []
     for source, obj in items:
         try:
@@ -229,10 +193,13 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
     return rows, report
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")  # searched in C: a per-character loop was most of the parse time
+
+
 def _check_utf8(obj) -> None:
-    text = json.dumps(obj, ensure_ascii=False)
-    bad = next((ch for ch in text if "\ud800" <= ch <= "\udfff"), None)
-    if bad is not None:
+    found = _SURROGATE.search(json.dumps(obj, ensure_ascii=False))
+    if found is not None:
+        bad = found.group()
         detail = f"undecodable byte 0x{ord(bad) - 0xDC00:02x}" if ord(bad) >= 0xDC80 else "lone surrogate escape"
         raise BadRow(f"text is not valid UTF-8 ({detail})")
 

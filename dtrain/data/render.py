@@ -1,53 +1,51 @@
-"""Render rows with the chat template, tokenize, and truncate to length limits.
+"""Rows -> token ids: what is trained is what the chat template renders.
 
-The prompt and each response are tokenized separately, so no token straddles
-the prompt/response boundary (as TRL's DPO/ORPO collators do). Only the prompt
-gets the tokenizer's special tokens, so BOS appears once, at the start; when the
-chat template text already begins with the BOS string it is not added again.
+For each side the whole conversation (prompt messages + the response) is
+rendered once with the template and tokenized once. The prompt is the longest
+token prefix shared by both sides' renderings and the prompt's own rendering
+with the generation prompt, so ``prompt + chosen`` is exactly the tokenizer's
+ids for the rendered chosen conversation, up to the end of its assistant turn
+(the closing control token kept, the whitespace the template writes after it
+not), and likewise ``prompt + rejected``. A generation prompt that opens a
+reasoning block (``<|im_start|>assistant\\n<think>\\n``) thus never doubles
+``<think>``, and a token that straddles the prompt/response text boundary
+(a raw prompt ending in a space) belongs to the response, as the tokenizer
+reads the whole text. When the template writes no control token after a
+response (raw text, ``plain``), the EOS id is appended.
+
+Message content is data. Control-token text inside a message (``<|im_end|>``
+typed by a user) is tokenized as plain text, never as the control token, so
+it cannot end a turn or open one; such rows are counted in the report. A
+message that *ends* with the template's end-of-turn text or the EOS text (data
+written pre-formatted, ``"Yes<|im_end|>"``) loses it: the template writes the
+one end-of-turn itself.
+
+Truncation keeps the template's structure: a prompt over
+``max_prompt_length`` loses message content from the left, earliest
+non-system message first, and is rendered again; the system message and every
+role header stay. A prompt whose structure and system message alone exceed the
+limit is dropped. Responses are then cut from the right to ``max_length`` minus
+the prompt.
+
+Pairs with no preference signal are dropped at load time with their
+``file:line`` and a reason (``report.dropped``): same token ids on both sides,
+an empty prompt or response, no room for a response, a prompt too long to cut.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from ..errors import DataError
 from ..types import TokenizedPair
 from .formats import ASSISTANT_MARKER, HUMAN_MARKER, BadRow, BadRowReport, Row
-
-_SENTINEL = "\u2063dtrain-response\u2063"
-
-
-def has_chat_template(tokenizer) -> bool:
-    """True when ``tokenizer`` (HF or mlx-lm ``TokenizerWrapper``) has a chat template."""
-    flag = getattr(tokenizer, "has_chat_template", None)
-    return bool(flag) if flag is not None else getattr(tokenizer, "chat_template", None) is not None
+from .templates import RAW_TEXT, Renderer, control_strings, end_of_turn, hf_tokenizer, renderers
 
 
-def end_of_turn(tokenizer) -> tuple:
-    """The token that closes an assistant turn: ``(text, [ids])``.
-
-    Renders a user + assistant exchange with the chat template and takes the
-    special token that directly follows the assistant content (``<|im_end|>``
-    for ChatML, ``<|eot_id|>`` for Llama 3). Falls back to the EOS token when
-    there is no template or nothing special follows the content.
-    """
-    if has_chat_template(tokenizer):
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False)
-        except Exception:  # templates may reject this probe; EOS is a safe fallback
-            text = ""
-        if _SENTINEL in text:
-            tail = text.split(_SENTINEL, 1)[1].lstrip(" ")
-            specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
-            specials |= set((tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}).keys())
-            for tok in sorted(specials, key=len, reverse=True):
-                if tok and tail.startswith(tok):
-                    return tok, [tokenizer.convert_tokens_to_ids(tok)]
-    if tokenizer.eos_token is None:
-        raise DataError("the tokenizer has neither a chat template end-of-turn token nor an EOS token; set data.append_eos: false")
-    return tokenizer.eos_token, [tokenizer.eos_token_id]
+class Drop(Exception):
+    """A pair with no preference signal or no room; its message starts with the kind (``"same ids: ..."``)."""
 
 
 def transcript_messages(text: str) -> list:
@@ -68,8 +66,7 @@ def transcript_messages(text: str) -> list:
     lead = text[: parts[0][0]].strip() if parts else text.strip()
     for i, (at, marker) in enumerate(parts):
         end = parts[i + 1][0] if i + 1 < len(parts) else len(text)
-        content = text[at + len(marker): end].strip()
-        msgs.append({"role": markers[marker], "content": content})
+        msgs.append({"role": markers[marker], "content": text[at + len(marker): end].strip()})
     if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1]["content"]:
         msgs.pop()
     if lead and msgs:
@@ -79,157 +76,303 @@ def transcript_messages(text: str) -> list:
 
 def _with_system(msgs: list, system: Optional[str]) -> list:
     if system is None or (msgs and msgs[0]["role"] == "system"):
-        return msgs
-    return [{"role": "system", "content": system}] + msgs
+        return list(msgs)
+    return [{"role": "system", "content": system}] + list(msgs)
 
 
-def prompt_messages(row: Row, tokenizer, cfg, rejected: bool = False) -> Optional[list]:
-    """The chat messages of a row's prompt, or None when it renders as raw text."""
-    prompt = row.rejected_prompt if rejected and row.rejected_prompt is not None else row.prompt
-    if isinstance(prompt, list):
-        if not has_chat_template(tokenizer):
-            raise DataError(f"{row.source}: message rows need a chat template, and the tokenizer has none")
-        return _with_system(prompt, row.system)
-    if cfg.prompt_template == "raw" or not has_chat_template(tokenizer):
+def row_messages(row: Row, chat: Optional[Renderer], text: Renderer) -> tuple:
+    """``(renderer, [chosen prompt, rejected prompt or None], [chosen response, rejected response])`` as messages.
+
+    Plain-text prompts become a user turn (transcripts: their turns; raw text:
+    one message, the transcript markers kept). A text response is one
+    assistant message; a transcript's leading space goes when it becomes a turn.
+
+    Raises:
+        DataError: a message row and no template to render it.
+    """
+    if isinstance(row.prompt, list):
+        if chat is None:
+            raise DataError(f"{row.source}: message rows need a chat template, and the tokenizer has none: set "
+                            "data.chat_template (chatml, plain or a Jinja file), or data.prompt_template: raw "
+                            "to write messages as plain 'User: ...' text")
+        rprompt = _with_system(row.rejected_prompt, row.system) if row.rejected_prompt is not None else None
+        return chat, [_with_system(row.prompt, row.system), rprompt], [_response(r, False) for r in (row.chosen, row.rejected)]
+    raw = text.template is RAW_TEXT
+    msgs = transcript_messages(row.prompt) if row.transcript and not raw else [{"role": "user", "content": row.prompt}]
+    strip = row.transcript and not raw
+    return text, [_with_system(msgs, row.system), None], [_response(r, strip) for r in (row.chosen, row.rejected)]
+
+
+def _response(response, lstrip: bool) -> list:
+    if isinstance(response, list):
+        return list(response)
+    return [{"role": "assistant", "content": response.lstrip() if lstrip else response}]
+
+
+def _common_prefix(*seqs) -> int:
+    n = 0
+    while all(n < len(s) for s in seqs) and all(s[n] == seqs[0][n] for s in seqs[1:]):
+        n += 1
+    return n
+
+
+@dataclass
+class RowResult:
+    """One row's outcome: the pair, or why it was dropped, and what ``data check`` reports.
+
+    ``lengths``: untruncated ``(prompt, chosen, rejected)`` token counts (zeros
+    when the row never reached tokenization). ``prompt_cut_fits``: the prompt was
+    cut although prompt + the longer response fit ``max_length``.
+    ``control_text``: the first control-token text found in a message, if any.
+    """
+
+    source: str
+    pair: Optional[TokenizedPair] = None
+    drop: Optional[str] = None
+    lengths: tuple = (0, 0, 0)
+    truncated: bool = False
+    prompt_cut_fits: bool = False
+    control_text: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RowTokenizer:
+    """Renders, tokenizes and truncates rows for one tokenizer and DataConfig; see the module docstring."""
+
+    tokenizer: Any
+    cfg: Any
+    chat: Optional[Renderer]
+    text: Renderer
+    controls: tuple  # control-token strings, longest first
+    control_ids: frozenset
+    marks: tuple  # end-of-turn texts removed from the end of message content
+
+    @classmethod
+    def build(cls, tokenizer, cfg) -> "RowTokenizer":
+        """Raises DataError for a bad ``data.chat_template``."""
+        chat, text = renderers(tokenizer, cfg)
+        controls = control_strings(tokenizer)
+        ids = frozenset(tokenizer.convert_tokens_to_ids(list(controls))) if controls else frozenset()
+        marks = {r.closing.strip() for r in (chat, text) if r is not None} | {tokenizer.eos_token or ""}
+        return cls(tokenizer, cfg, chat, text, controls, ids, tuple(sorted((m for m in marks if m), key=len, reverse=True)))
+
+    # -- text --------------------------------------------------------------
+    def _strip_marks(self, content: str) -> str:
+        """``"Yes<|im_end|>\\n"`` -> ``"Yes"``: end-of-turn text the data wrote itself."""
+        while True:
+            tail = content.rstrip()
+            mark = next((m for m in self.marks if tail.endswith(m)), None)
+            if mark is None:
+                return content
+            content = tail[: -len(mark)]
+
+    def _escape(self, msgs: list) -> tuple:
+        """Messages with control-token text replaced by ``<marker><index><marker>``.
+
+        Returns ``(messages, marker or None, first control text found or None)``;
+        the marker is a private-use character absent from the row.
+        """
+        found = None
+        if self.controls:
+            pattern = re.compile("|".join(map(re.escape, self.controls)))
+            hit = next((m for m in (pattern.search(x["content"]) for x in msgs) if m), None)
+            found = hit.group(0) if hit else None
+        if found is None:
+            return msgs, None, None
+        used = "".join(m["content"] for m in msgs)
+        marker = next(chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in used)
+        index = {c: i for i, c in enumerate(self.controls)}
+        sub = lambda m: f"{marker}{index[m.group(0)]}{marker}"  # noqa: E731
+        return [{**m, "content": pattern.sub(sub, m["content"])} for m in msgs], marker, found
+
+    def _unescape(self, text: str, marker: Optional[str]) -> tuple:
+        """``(plain text, {(start, end): control text})``: escaped control text put back, with its spans."""
+        if marker is None:
+            return text, {}
+        plain, spans, pos = [], {}, 0
+        for m in re.finditer(f"{marker}(\\d+){marker}", text):
+            plain.append(text[pos: m.start()])
+            start = sum(map(len, plain))
+            control = self.controls[int(m.group(1))]
+            spans[(start, start + len(control))] = control
+            plain.append(control)
+            pos = m.end()
+        plain.append(text[pos:])
+        return "".join(plain), spans
+
+    def _encode(self, text: str, spans: dict, add: bool) -> list:
+        """Token ids of rendered text; control text at ``spans`` (from messages) gets the ids of its plain spelling.
+
+        ``add``: let the tokenizer add its special tokens (BOS), false when the template wrote BOS itself.
+        """
+        if not spans:
+            return list(self.tokenizer.encode(text, add_special_tokens=add))
+        hf, spans = hf_tokenizer(self.tokenizer), dict(spans)
+        enc = hf(text, add_special_tokens=add, return_offsets_mapping=True)
+        out = []
+        for tid, span in zip(enc["input_ids"], enc["offset_mapping"]):
+            control = spans.pop(tuple(span), None) if tid in self.control_ids else None
+            out.extend(hf(control, add_special_tokens=False, split_special_tokens=True)["input_ids"] if control else [tid])
+        if spans:
+            raise BadRow(f"control-token text {next(iter(spans.values()))!r} in a message is not one token here, "
+                         "so it cannot be kept as plain text")
+        return out
+
+    def _render(self, r: Renderer, msgs: list, generation: bool, response: bool = False) -> tuple:
+        """``(ids, text, control text found)`` for ``msgs``; ``response``: end after the final assistant turn.
+
+        Raises:
+            BadRow: the template fails, or does not end the conversation with its closing text.
+            DataError: an EOS id is needed and the tokenizer has none.
+        """
+        msgs = [{**m, "content": self._strip_marks(m["content"])} for m in msgs]
+        escaped, marker, found = self._escape(msgs)
+        text = r.render(escaped, add_generation_prompt=generation)
+        extra = []
+        if response:
+            if r.closing and not text.endswith(r.closing):
+                raise BadRow(f"the chat template ({r.name}) does not end this conversation with {r.closing!r}")
+            keep = r.closing.rstrip() if self.cfg.append_eos else ""
+            text = text[: len(text) - len(r.closing)] + keep
+            if self.cfg.append_eos and not any(keep.endswith(c) for c in self.controls):
+                if self.tokenizer.eos_token_id is None:
+                    raise DataError(f"the template ({r.name}) writes no end-of-turn token and the tokenizer has no "
+                                    "EOS token; set data.append_eos: false")
+                extra = [self.tokenizer.eos_token_id]
+        # BOS is the template's when its own text starts with it (content's "<s>" is escaped here)
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add = not (bos and text.startswith(bos))
+        text, spans = self._unescape(text, marker)
+        return self._encode(text, spans, add) + extra, text, found
+
+    # -- truncation --------------------------------------------------------
+    def _fit_prompt(self, r: Renderer, msgs: list) -> tuple:
+        """``(messages, ids, untruncated length)``: content cut from the left until the prompt fits.
+
+        Raises:
+            Drop: the system message and the template's structure alone do not fit.
+        """
+        limit = self.cfg.max_prompt_length
+        ids = self._render(r, msgs, True)[0]
+        full = len(ids)
+        if full <= limit:
+            return msgs, ids, full
+        msgs = [dict(m) for m in msgs]
+        hf = hf_tokenizer(self.tokenizer)
+        for i, m in enumerate(msgs):
+            if m["role"] == "system" or not m["content"]:
+                continue
+            content = m["content"]
+            offsets = hf(content, add_special_tokens=False, return_offsets_mapping=True,
+                         split_special_tokens=True)["offset_mapping"]
+            starts = sorted({s for s, _ in offsets} | {len(content)})
+
+            def cut(j):
+                msgs[i]["content"] = content[starts[j]:]
+                return self._render(r, msgs, True)[0]
+
+            lo, hi = 0, len(starts) - 1
+            ids = cut(hi)
+            if len(ids) > limit:
+                continue  # this message emptied; go on with the next one
+            while lo < hi:  # the fewest leading content tokens to remove
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if len(cut(mid)) <= limit else (mid + 1, hi)
+            return msgs, cut(hi), full
+        raise Drop(f"prompt too long: the system message and the template's structure need {len(ids)} tokens; "
+                   f"data.max_prompt_length={limit}")
+
+    # -- one row -----------------------------------------------------------
+    def __call__(self, row: Row) -> RowResult:
+        """Tokenize one row.
+
+        Raises:
+            BadRow: the template cannot render or split the row.
+            DataError: message rows with no template; no EOS while ``append_eos`` needs one.
+        """
+        r, prompts, responses = row_messages(row, self.chat, self.text)
+        out, shared = RowResult(row.source), prompts[1] is None
+        for label, resp in zip(("chosen", "rejected"), responses):
+            if not any(self._strip_marks(m["content"]).strip() for m in resp):
+                out.drop = f"empty response: {label!r} has no text besides end-of-turn marks"
+                return out
+        try:
+            fitted = [self._fit_prompt(r, p) for p in (prompts[:1] if shared else prompts)] * (2 if shared else 1)
+        except Drop as why:
+            out.drop = str(why)
+            return out
+        fulls = [self._render(r, pm + resp, False, response=True) for (pm, _, _), resp in zip(fitted, responses)]
+        out.control_text = fulls[0][2] or fulls[1][2]
+        if shared:
+            cuts = [_common_prefix(fitted[0][1], fulls[0][0], fulls[1][0])] * 2
+        else:
+            cuts = [_common_prefix(g, f[0]) for (_, g, _), f in zip(fitted, fulls)]
+        for (pm, g, _), (_, text, _), n in zip(fitted, fulls, cuts):
+            if n < len(g) and not text.startswith(self._render(r, pm, False)[1]):
+                raise BadRow(f"the chat template ({r.name}) renders the prompt messages differently once a "
+                             "response follows them, so prompt and response cannot be split")
+        (fc, _, _), (fr, _, _) = fulls
+        prompt, rprompt, full_c, full_r = fc[: cuts[0]], fr[: cuts[1]], fc[cuts[0]:], fr[cuts[1]:]
+        untruncated_prompt = max(n for _, _, n in fitted)
+        out.lengths = (untruncated_prompt, len(full_c), len(full_r))
+        limit = self.cfg.max_length
+        c, rj = full_c[: max(limit - len(prompt), 0)], full_r[: max(limit - len(rprompt), 0)]
+        cut_prompt = untruncated_prompt > self.cfg.max_prompt_length
+        out.truncated = cut_prompt or (len(c), len(rj)) != (len(full_c), len(full_r))
+        out.prompt_cut_fits = cut_prompt and untruncated_prompt + max(len(full_c), len(full_r)) <= limit
+        out.drop = self._no_signal(prompt, rprompt, c, rj, (full_c, full_r))
+        if out.drop is None:
+            out.pair = TokenizedPair(prompt, c, rj, row.source, None if rprompt == prompt else rprompt)
+        return out
+
+    def _no_signal(self, prompt, rprompt, chosen, rejected, untruncated) -> Optional[str]:
+        """Why a truncated pair carries no preference signal, or None."""
+        if not prompt or not rprompt:
+            return "empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)"
+        for label, ids, p in (("chosen", chosen, prompt), ("rejected", rejected, rprompt)):
+            if not ids:
+                return (f"no room: no {label} tokens fit in data.max_length={self.cfg.max_length} "
+                        f"after a {len(p)}-token prompt")
+        if prompt == rprompt and chosen == rejected:
+            when = "after rendering" if untruncated[0] == untruncated[1] else \
+                f"after truncation to data.max_length={self.cfg.max_length}"
+            return f"same ids: chosen and rejected are the same {len(chosen)} tokens {when}"
         return None
-    msgs = transcript_messages(prompt) if row.transcript else [{"role": "user", "content": prompt}]
-    return _with_system(msgs, row.system)
 
 
-def render_prompt(row: Row, tokenizer, cfg, rejected: bool = False) -> str:
-    """Prompt text: chat template with ``add_generation_prompt=True``, or raw text.
+def tokenize_rows(rows: list, tokenizer, cfg, results: Optional[list] = None) -> tuple:
+    """Rows -> ``(list[TokenizedPair], BadRowReport)``; see the module docstring for the rules.
 
-    Raw text is ``system + "\\n\\n" + prompt`` when the row has a system string.
-    """
-    msgs = prompt_messages(row, tokenizer, cfg, rejected)
-    if msgs is None:
-        return (row.system + "\n\n" if row.system else "") + row.prompt
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-
-
-def render_response(row: Row, response, tokenizer, cfg, eot: str, rejected: bool = False) -> str:
-    """Response text without the end-of-turn token.
-
-    A multi-message completion is the template's text for prompt + completion
-    after the prompt's generation-prompt text, minus its final end-of-turn.
-    Transcript responses lose their leading space when rendered as a chat turn.
-    """
-    if isinstance(response, str):
-        return response.lstrip() if row.transcript and prompt_messages(row, tokenizer, cfg) else response
-    msgs = prompt_messages(row, tokenizer, cfg, rejected)
-    head = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template(msgs + response, tokenize=False)
-    if not full.startswith(head):
-        raise BadRow("the chat template renders this multi-message completion differently from its prompt")
-    text = full[len(head):].rstrip()
-    return text[: -len(eot)] if eot and text.endswith(eot) else text
-
-
-def encode_prompt(text: str, tokenizer) -> list:
-    """Prompt ids with the tokenizer's special tokens, unless the text has BOS already."""
-    bos = getattr(tokenizer, "bos_token", None)
-    add = not (bos and text.startswith(bos))
-    return list(tokenizer.encode(text, add_special_tokens=add))
-
-
-def encode_row(row: Row, tokenizer, cfg, eot: tuple) -> tuple:
-    """Untruncated ids ``(prompt, chosen, rejected, rejected_prompt_or_None)``.
-
-    ``eot`` is :func:`end_of_turn`'s ``(text, ids)``; its ids end each response
-    when ``cfg.append_eos`` is on.
+    ``report.bad`` lists rows the template cannot render; ``report.dropped`` the
+    pairs without signal or room (``(source, "kind: reason")``). Each pair's
+    prompt has at most ``cfg.max_prompt_length`` tokens and each side at most
+    ``cfg.max_length``. ``results``, when given, receives every
+    :class:`RowResult` (for ``dtrain data check``).
 
     Raises:
-        BadRow: a multi-message completion the template cannot split.
-        DataError: message rows with a tokenizer that has no chat template.
+        DataError: message rows with no chat template, a bad ``data.chat_template``,
+            or no end-of-turn/EOS token while ``append_eos`` is on.
     """
-    eot_text, eot_ids = eot
-    suffix = list(eot_ids) if cfg.append_eos else []
-    prompt = encode_prompt(render_prompt(row, tokenizer, cfg), tokenizer)
-    rprompt = None
-    if row.rejected_prompt is not None:
-        rprompt = encode_prompt(render_prompt(row, tokenizer, cfg, rejected=True), tokenizer)
-        rprompt = None if rprompt == prompt else rprompt
-    ids = []
-    for response, is_rejected in ((row.chosen, False), (row.rejected, True)):
-        text = render_response(row, response, tokenizer, cfg, eot_text, is_rejected)
-        ids.append(list(tokenizer.encode(text, add_special_tokens=False)) + suffix)
-    return prompt, ids[0], ids[1], rprompt
-
-
-def truncate_prompt(prompt: list, max_prompt_length: int, bos_id: Optional[int]) -> list:
-    """Keep the last ``max_prompt_length`` tokens; a leading BOS is kept in place."""
-    if len(prompt) <= max_prompt_length:
-        return prompt
-    if bos_id is not None and prompt and prompt[0] == bos_id and max_prompt_length > 1:
-        return prompt[:1] + prompt[len(prompt) - max_prompt_length + 1:]
-    return prompt[len(prompt) - max_prompt_length:]
-
-
-def truncate_pair(prompt: list, chosen: list, rejected: list, rprompt: Optional[list], cfg,
-                  bos_id: Optional[int]) -> tuple:
-    """Apply the length limits; returns ``(prompt, chosen, rejected, rprompt, truncated)``.
-
-    Rule: each prompt is cut from the left to ``max_prompt_length`` (BOS kept),
-    then each response from the right to ``max_length - len(its prompt)``. A
-    response may end up empty; the caller drops such pairs.
-    """
-    p = truncate_prompt(prompt, cfg.max_prompt_length, bos_id)
-    rp = truncate_prompt(rprompt, cfg.max_prompt_length, bos_id) if rprompt is not None else None
-    c = chosen[: max(cfg.max_length - len(p), 0)]
-    r = rejected[: max(cfg.max_length - len(rp if rp is not None else p), 0)]
-    truncated = (len(p), len(c), len(r)) != (len(prompt), len(chosen), len(rejected)) or (
-        rp is not None and len(rp) != len(rprompt))
-    return p, c, r, rp, truncated
-
-
-def encode_rows(rows: list, tokenizer, cfg) -> tuple:
-    """Rows -> untruncated ``(list[TokenizedPair], BadRowReport)``.
-
-    Rows the template cannot render are listed in ``report.bad``.
-
-    Raises:
-        DataError: message rows with a tokenizer that has no chat template, or no
-            end-of-turn/EOS token while ``append_eos`` is on.
-    """
-    eot = end_of_turn(tokenizer) if cfg.append_eos else ("", [])
+    tok = RowTokenizer.build(tokenizer, cfg)
     pairs, report = [], BadRowReport(rows_read=len(rows))
     for row in rows:
         try:
-            p, c, r, rp = encode_row(row, tokenizer, cfg, eot)
+            res = tok(row)
         except BadRow as err:
             report.bad.append((row.source, str(err)))
             continue
-        pairs.append(TokenizedPair(prompt=p, chosen=c, rejected=r, source=row.source, rejected_prompt=rp))
+        if results is not None:
+            results.append(res)
+        if res.drop is not None:
+            report.dropped.append((row.source, res.drop))
+            continue
+        report.truncated += int(res.truncated)
+        report.prompt_cut_fits += int(res.prompt_cut_fits)
+        if res.control_text is not None:
+            report.control_text.append((row.source, res.control_text))
+        pairs.append(res.pair)
     return pairs, report
 
 
-def limit_pairs(pairs: list, cfg, bos_id: Optional[int]) -> tuple:
-    """Truncate pairs by :func:`truncate_pair`; returns ``(kept, report)``.
-
-    Pairs left with zero response tokens on either side are dropped and listed
-    in ``report.dropped``; ``report.truncated`` counts the shortened ones.
-    """
-    kept, report = [], BadRowReport()
-    for pair in pairs:
-        p, c, r, rp, truncated = truncate_pair(pair.prompt, pair.chosen, pair.rejected, pair.rejected_prompt, cfg, bos_id)
-        if not c or not r:
-            report.dropped.append((pair.source, f"no response tokens fit in data.max_length={cfg.max_length} "
-                                                f"after a {len(p)}-token prompt"))
-            continue
-        report.truncated += int(truncated)
-        kept.append(TokenizedPair(prompt=p, chosen=c, rejected=r, source=pair.source, rejected_prompt=rp))
-    return kept, report
-
-
-def tokenize_rows(rows: list, tokenizer, cfg) -> tuple:
-    """Rows -> ``(list[TokenizedPair], BadRowReport)``: :func:`encode_rows` then :func:`limit_pairs`.
-
-    Each pair's prompt has at most ``cfg.max_prompt_length`` tokens and each side
-    at most ``cfg.max_length`` (prompt + response); see :func:`truncate_pair`.
-
-    Raises:
-        DataError: as :func:`encode_rows`.
-    """
-    encoded, report = encode_rows(rows, tokenizer, cfg)
-    pairs, limited = limit_pairs(encoded, cfg, getattr(tokenizer, "bos_token_id", None))
-    return pairs, report.merge(dataclasses.replace(limited, rows_read=0))
+__all__ = ["Drop", "RowResult", "RowTokenizer", "end_of_turn", "row_messages", "tokenize_rows",
+           "transcript_messages"]

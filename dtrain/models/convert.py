@@ -6,10 +6,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from mlx_lm.utils import save_config, save_model
 
 from ..errors import ModelError
+from .demo import demo_model_path
 from .gguf import gguf_to_mlx
 from .load import build_gguf_model
 from .tokenizer import build_tokenizer, eos_token_ids
@@ -27,7 +29,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     It is written into a temporary sibling folder and renamed into place.
 
     Args:
-        gguf_path: the GGUF file.
+        gguf_path: the GGUF file, or ``demo`` for the demo model.
         out_dir: a folder that does not exist yet, or is empty.
         dequantize: store Q4_0/Q4_1/Q8_0 weights as float32 instead of keeping
             them as MLX affine-quantized layers (group size 32).
@@ -37,13 +39,12 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
 
     Raises:
         ModelError: a missing or unreadable GGUF file, an unsupported
-            architecture, or an ``out_dir`` that is a file or not empty.
+            architecture or tokenizer, or an ``out_dir`` that is a file or not empty.
     """
-    src, out = Path(gguf_path), Path(out_dir)
+    src = demo_model_path() if gguf_path == "demo" else Path(gguf_path)
     if not src.is_file():
         raise ModelError(f"{gguf_path}: no such GGUF file")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ModelError(f"{out_dir}: output folder already exists and is not empty; choose a new folder")
+    check_new_folder(out_dir)
     gm = gguf_to_mlx(src)
     try:
         tokenizer = build_tokenizer(gm.metadata)
@@ -51,13 +52,38 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
         raise ModelError(f"{gguf_path}: cannot build the tokenizer from GGUF metadata: {err}") from None
     model, config = build_gguf_model(gm, keep_quantized=not dequantize, float_dtype=None)
     config["eos_token_id"] = eos_token_ids(gm.metadata)
+    return write_folder(out_dir, lambda tmp: save_mlx_lm(tmp, model, config, tokenizer))
 
+
+def save_mlx_lm(folder: Path, model, config: dict, tokenizer) -> None:
+    """``model.safetensors`` + ``config.json`` + tokenizer files, as ``mlx_lm.utils.save`` writes them."""
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    tokenizer.save_pretrained(str(folder))
+
+
+def check_new_folder(out_dir: str) -> None:
+    """Raises ModelError when ``out_dir`` is a file or a folder that is not empty."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ModelError(f"{out_dir}: output folder already exists and is not empty; choose a new folder")
+
+
+def write_folder(out_dir: str, fill: Callable[[Path], None]) -> Path:
+    """Run ``fill(tmp)`` on a temporary sibling folder, then rename it to ``out_dir``.
+
+    Nothing is left behind when ``fill`` fails; an existing ``out_dir`` must be
+    empty (see :func:`check_new_folder`).
+    """
+    check_new_folder(out_dir)
+    out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result is an ordinary folder
     try:
-        save_model(tmp, model)
-        save_config(config, tmp / "config.json")
-        tokenizer.save_pretrained(str(tmp))
+        fill(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

@@ -1,7 +1,8 @@
 """GGUF files → mlx-lm config and weights (llama and gemma3 architectures).
 
 Tensors are read with ``mx.load(path, return_metadata=True)``, which returns
-F32/F16 tensors as they are and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
+F32/F16 tensors as they are (BF16 ones, which it narrows to float16, are read
+again exactly by gguf_bf16.py) and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
 triplets (``name.weight`` uint32, ``name.scales``, ``name.biases``; group size
 32). Files with other tensor types (K-quants, Q5_0, ...) make ``mx.load`` fail;
 they are read with ``gguf.GGUFReader`` and every tensor is dequantized to
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelError
+from .gguf_bf16 import read_bf16_tensors
 
 GROUP_SIZE = 32  # every GGUF block quant that mx.load accepts has 32-value blocks
 
@@ -84,6 +86,8 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     """
     try:
         tensors, raw = mx.load(str(path), return_metadata=True)
+        # mx.load narrows BF16 tensors to float16; read those again exactly
+        tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path).items()})
         return {k: _plain(v) for k, v in raw.items()}, tensors
     except (RuntimeError, ValueError):
         pass  # a tensor type mx.load does not read, or not GGUF at all
@@ -122,6 +126,7 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
         )
     try:
         config = _config(arch, metadata, tensors)
+        _check_model_keys(arch, metadata, config)
         weights = _rename(arch, tensors)
     except KeyError as err:
         raise ModelError(f"{path}: GGUF file lacks {err.args[0]!r}, which a {arch} model needs") from None
@@ -145,26 +150,35 @@ def _bits(weights: dict, module: str) -> int:
     return weights[f"{module}.weight"].shape[-1] // weights[f"{module}.scales"].shape[-1]
 
 
+def hf_name(arch: str, name: str) -> str | None:
+    """The HF/mlx-lm parameter name of GGUF tensor ``name`` (None for ``rope_freqs``).
+
+    Raises:
+        ModelError: a tensor name the architecture does not have.
+    """
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "scales", "biases", "bias"):
+        base, suffix = name, "weight"  # some writers omit ".weight"
+    if base in _IGNORED:
+        return None
+    match = _BLOCK.fullmatch(base)
+    if match and match.group(2) in _ARCH_LAYER_NAMES[arch]:
+        return f"model.layers.{match.group(1)}.{_ARCH_LAYER_NAMES[arch][match.group(2)]}.{suffix}"
+    if not match and base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
+
+
 def _rename(arch: str, tensors: dict) -> dict:
-    layer_names = _ARCH_LAYER_NAMES[arch]
-    out = {}
-    for name, value in tensors.items():
-        base, _, suffix = name.rpartition(".")
-        if suffix not in ("weight", "scales", "biases", "bias"):
-            base, suffix = name, "weight"  # some writers omit ".weight"
-        if base in _IGNORED:
-            continue
-        match = _BLOCK.fullmatch(base)
-        if match:
-            layer, part = match.groups()
-            if part not in layer_names:
-                raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
-            out[f"model.layers.{layer}.{layer_names[part]}.{suffix}"] = value
-        elif base in _GLOBAL_NAMES:
-            out[f"{_GLOBAL_NAMES[base]}.{suffix}"] = value
-        else:
-            raise ModelError(f"unexpected GGUF tensor {name!r} for architecture {arch}")
-    return out
+    return {hf: value for name, value in tensors.items() if (hf := hf_name(arch, name)) is not None}
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): HF half-split rotary rows → interleaved.
+
+    ``w``: ``(rows, cols)`` with ``rows = n_head * head_dim``; returns the same shape.
+    """
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _unpermute_qk(weights: dict, config: dict) -> None:
@@ -212,6 +226,46 @@ def _swa_pattern(value) -> int:
     if isinstance(value, list):
         return value.index(False) + 1 if False in value else len(value) + 1
     return int(value)
+
+
+# {arch}.* keys read by _config, or checked by _check_model_keys to hold the value
+# the model definition assumes. Any other {arch}.* key may change the model
+# (softcapping, ALiBi, experts, partial rotary ...) and is refused by name.
+_MODEL_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "expert_count", "expert_used_count",
+}
+_GEMMA3_KEYS = {"rope.freq_base_swa", "attention.sliding_window", "attention.sliding_window_pattern"}
+
+
+def _check_model_keys(arch: str, md: dict, config: dict) -> None:
+    """Refuse metadata that changes the model in a way the mlx-lm config does not express.
+
+    Raises:
+        ModelError: an unknown ``{arch}.*`` key, or a known one whose value the
+            model definition cannot reproduce, naming the key and value.
+    """
+    known = _MODEL_KEYS | (_GEMMA3_KEYS if arch == "gemma3" else set())
+    for key in md:
+        if key.startswith(f"{arch}.") and key[len(arch) + 1:] not in known:
+            raise ModelError(f"GGUF key {key!r} is not supported (it may change the model)")
+    head_dim = config["head_dim"]
+    expected = {
+        "rope.dimension_count": head_dim,  # partial rotary embeddings are not in mlx-lm's llama/gemma3
+        "attention.value_length": head_dim,
+        "vocab_size": config["vocab_size"],
+        "expert_count": 0,
+        "expert_used_count": 0,
+    }
+    for name, value in expected.items():
+        got = md.get(f"{arch}.{name}")
+        if got is not None and int(got) != value:
+            raise ModelError(f"GGUF key '{arch}.{name}' = {got} is not supported (expected {value})")
+    if int(md.get("split.count", 1)) > 1:
+        raise ModelError(f"split GGUF files (split.count = {md['split.count']}) are not supported; merge them first")
 
 
 def _config(arch: str, md: dict, tensors: dict) -> dict:

@@ -19,11 +19,12 @@ import mlx.nn as nn
 
 from ..errors import ModelError
 from ..files import sha256_file
+from . import DTYPE_NAMES
 from .demo import demo_model_path
 from .gguf import GROUP_SIZE, GGUFModel, gguf_to_mlx
 from .tokenizer import build_tokenizer, eos_token_ids
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}  # model.dtype's values (besides auto) -> MLX dtypes
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 

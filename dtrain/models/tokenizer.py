@@ -1,46 +1,63 @@
-"""Hugging Face fast tokenizers built from GGUF ``tokenizer.ggml.*`` metadata.
+"""Hugging Face fast tokenizers built from GGUF ``tokenizer.*`` metadata, tokenizing as llama.cpp.
 
 Two vocabulary kinds are supported, as llama.cpp names them:
 
 * ``gpt2``: byte-level BPE with explicit ``merges`` (SmolLM2, Llama 3, Qwen2).
-  The pre-tokenizer follows ``tokenizer.ggml.pre`` (gpt2 regex by default).
+  The pre-tokenizer is llama.cpp's for ``tokenizer.ggml.pre`` (pretokenizers.py);
+  a name dtrain does not implement is refused.
 * ``llama``: SentencePiece-style vocabulary with ``scores`` (Llama 2, Gemma).
   llama.cpp's SPM tokenizer repeatedly merges the adjacent pair whose
   concatenation has the highest score; that is BPE whose merge ranks are the
   merged pieces sorted by score, which is what we build (with byte fallback to
   the ``<0xXX>`` tokens and ``▁`` for spaces).
 
-Tokens of type CONTROL (3) become special added tokens, USER_DEFINED (4) plain
-added tokens; both are matched whole before BPE runs.
+Tokens of type CONTROL (3) and UNKNOWN (2) become special added tokens,
+USER_DEFINED (4) plain added tokens; all are matched whole before BPE runs, as
+llama.cpp does when it parses special tokens. Other ``tokenizer.*`` keys that
+would change the ids (``add_sep_token``, unknown keys) are refused by name.
 """
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-CONTROL, USER_DEFINED, NORMAL = 3, 4, 1
+from .pretokenizers import lookup, split_pre_tokenizer
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+UNKNOWN, CONTROL, USER_DEFINED, NORMAL = 2, 3, 4, 1
+
+# llama.cpp marks these end-of-turn/end-of-generation texts CONTROL whatever type
+# the file gives them (llama_vocab::impl::load, "control-looking token"), so they
+# are always matched whole.
+_CONTROL_TEXTS = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+    "<|eom_id|>", "<end_of_utterance>",
+}
+
+# tokenizer.* keys this module reads or that do not change how text becomes ids
+# (ids of special tokens, chat templates, an embedded tokenizer.json we do not use).
+# Any other tokenizer.* key is refused by name.
+_KNOWN_KEYS = {
+    f"tokenizer.ggml.{k}" for k in (
+        "model pre tokens token_type scores merges add_bos_token add_eos_token add_sep_token add_space_prefix "
+        "remove_extra_whitespaces bos_token_id eos_token_id eot_token_id eom_token_id unknown_token_id "
+        "seperator_token_id padding_token_id mask_token_id fim_pre_token_id fim_suf_token_id fim_mid_token_id "
+        "fim_pad_token_id fim_rep_token_id fim_sep_token_id prefix_token_id suffix_token_id middle_token_id"
+    ).split()
+} | {"tokenizer.chat_template", "tokenizer.chat_templates", "tokenizer.huggingface.json"}
 
 
-def _byte_level_pre_tokenizer(pre: str):
-    """The pre-tokenizer for a ``tokenizer.ggml.pre`` name (llama.cpp's llama-vocab.cpp)."""
-    if pre in ("llama-bpe", "llama3", "qwen2"):
-        split = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level
+def check_tokenizer_keys(md: dict) -> None:
+    """Refuse tokenizer metadata that would change tokenization and is not implemented.
+
+    Raises:
+        ValueError: an unknown ``tokenizer.*`` key, or ``add_sep_token`` true
+            (BERT-style separator after the text), naming the key.
+    """
+    for key in md:
+        if key.startswith("tokenizer.") and key not in _KNOWN_KEYS and not key.startswith("tokenizer.chat_template."):
+            raise ValueError(f"GGUF key {key!r} is not supported (it may change tokenization)")
+    if md.get("tokenizer.ggml.add_sep_token"):
+        raise ValueError("GGUF key 'tokenizer.ggml.add_sep_token' = true is not supported")
 
 
 def _merges_from_scores(tokens: list, scores: list, types: list) -> list:
@@ -63,18 +80,30 @@ def _merges_from_scores(tokens: list, scores: list, types: list) -> list:
 
 
 def build_tokenizer(md: dict):
-    """A ``transformers.PreTrainedTokenizerFast`` from GGUF metadata.
+    """A ``transformers.PreTrainedTokenizerFast`` that tokenizes as llama.cpp does.
+
+    ``gpt2`` vocabularies: llama.cpp's pre-tokenizer for ``tokenizer.ggml.pre``
+    (pretokenizers.py), byte-level BPE with the file's merges. ``llama``
+    vocabularies (SentencePiece): ``tokenizer.ggml.pre`` is ignored, as in
+    llama.cpp; a space is prepended to every text fragment (the start, and after
+    each special token) when ``add_space_prefix`` (default true), spaces become
+    ``▁``. BOS/EOS are added per ``add_bos_token``/``add_eos_token``, whose
+    defaults follow llama.cpp (SPM: BOS; llama3-family and tekken BPE: BOS).
+    Source: llama.cpp ``src/llama-vocab.cpp`` (``load``, ``tokenize``).
 
     Args:
         md: GGUF key/value pairs as Python values (``tokenizer.ggml.tokens``,
             ``token_type``, ``merges`` or ``scores``, ``bos_token_id`` ...).
 
     Raises:
-        ValueError: no vocabulary, or a ``tokenizer.ggml.model`` other than
-            ``gpt2`` / ``llama``.
+        ValueError: no vocabulary, a ``tokenizer.ggml.model`` other than
+            ``gpt2``/``llama``, an unimplemented ``tokenizer.ggml.pre``, an
+            unknown ``tokenizer.*`` key, or a BOS/EOS flag without its token id;
+            each message names the key and value.
     """
     from transformers import PreTrainedTokenizerFast
 
+    check_tokenizer_keys(md)
     kind = md.get("tokenizer.ggml.model")
     tokens = md.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -87,19 +116,25 @@ def build_tokenizer(md: dict):
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
     if kind == "gpt2":
+        pre = lookup(md.get("tokenizer.ggml.pre"))
         merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(md.get("tokenizer.ggml.pre", "gpt2"))
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [split_pre_tokenizer(pre), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
         tok.decoder = decoders.ByteLevel()
-        add_bos_default = False
+        add_bos_default = pre.add_bos
     elif kind == "llama":
         merges = _merges_from_scores(tokens, md["tokenizer.ggml.scores"], types)
         tok = Tokenizer(
             models.BPE(vocab=vocab, merges=merges, unk_token=token("unknown"), fuse_unk=True, byte_fallback=True)
         )
         prefix = bool(md.get("tokenizer.ggml.add_space_prefix", True))
-        scheme = "first" if prefix else "never"
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+        # A normalizer runs on each fragment between added tokens, like llama.cpp's
+        # per-fragment prefix; Metaspace would prefix only the first fragment and
+        # skip texts that already start with a space.
+        escape = normalizers.Replace(" ", "▁")
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(" "), escape]) if prefix else escape
         steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
         add_bos_default = True
@@ -108,24 +143,33 @@ def build_tokenizer(md: dict):
 
     tok.add_tokens(
         [
-            AddedToken(t, special=types[i] == CONTROL, normalized=False)
+            AddedToken(t, special=types[i] != USER_DEFINED, normalized=False)
             for i, t in enumerate(tokens)
-            if types[i] in (CONTROL, USER_DEFINED)
+            if types[i] in (UNKNOWN, CONTROL, USER_DEFINED) or t in _CONTROL_TEXTS
         ]
     )
-    bos = token("bos")
-    if md.get("tokenizer.ggml.add_bos_token", add_bos_default) and bos is not None:
+    bos, eos = token("bos"), token("eos")
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+    for flag, on, name in (("add_bos_token", add_bos, bos), ("add_eos_token", add_eos, eos)):
+        if on and name is None:
+            key = "bos_token_id" if flag == "add_bos_token" else "eos_token_id"
+            raise ValueError(f"tokenizer.ggml.{flag} is true but tokenizer.ggml.{key} is missing or out of range")
+    if add_bos or add_eos:
+        single = " ".join([*([bos] if add_bos else []), "$A", *([eos] if add_eos else [])])
+        specials = {t: vocab[t] for t, on in ((bos, add_bos), (eos, add_eos)) if on}
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+            single=single, pair=f"{single} {single.replace('$A', '$B')}", special_tokens=list(specials.items())
         )
     elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=bos,
-        eos_token=token("eos"),
+        eos_token=eos,
         pad_token=token("padding"),
         unk_token=token("unknown"),
+        clean_up_tokenization_spaces=False,  # decode gives back the text as written
     )
     hf.chat_template = md.get("tokenizer.chat_template")
     return hf

@@ -1,0 +1,179 @@
+"""Chat templates: the tokenizer's own, a named one, a Jinja file, or raw text.
+
+A :class:`Renderer` turns messages ``[{role, content}]`` into text with one
+Jinja chat template, rendered by ``transformers``' ``apply_chat_template`` (the
+model's own template goes through mlx-lm's ``TokenizerWrapper``, as
+``mlx_lm.generate`` renders it, including its ``enable_thinking`` default).
+
+Templates besides the model's own (``data.chat_template``):
+
+- ``chatml``: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message,
+  ``<|im_start|>assistant\\n`` as the generation prompt. On a vocabulary
+  without these tokens they are plain text, and EOS ends each response.
+- ``plain``: ``{Role}: {content}\\n\\n`` per message (``System``, ``User``,
+  ``Assistant``), ``Assistant:`` as the generation prompt; EOS ends each
+  response. Message rows use it when there is no template and
+  ``data.prompt_template`` is ``raw``.
+- a path to a Jinja file in the same dialect as Hugging Face chat templates.
+
+Plain-text prompts under ``prompt_template: raw`` (or with no template at all)
+use :data:`RAW_TEXT`: ``system + "\\n\\n" + prompt``, the response appended
+as is, EOS at its end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import DataError
+from .formats import BadRow
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+PLAIN = (
+    "{% for message in messages %}{{ message['role'] | capitalize + ': ' + message['content'] + '\n\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+NAMED_TEMPLATES = {"chatml": CHATML, "plain": PLAIN}
+# Plain-text prompts without a chat template: no roles, no end-of-turn text. (transformers renders
+# templates with trim_blocks, so literal newlines sit in {{ }} expressions, never after a block tag.)
+RAW_TEXT = ("{% for message in messages %}{{ message['content'] }}{% if message['role'] == 'system' %}{{ '\n\n' }}"
+            "{% endif %}{% endfor %}")
+
+_SENTINEL = "\u2063dtrain-response\u2063"
+
+
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (or ``tokenizer`` itself)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def has_chat_template(tokenizer) -> bool:
+    """True when ``tokenizer`` (HF or mlx-lm ``TokenizerWrapper``) has a chat template."""
+    flag = getattr(tokenizer, "has_chat_template", None)
+    return bool(flag) if flag is not None else getattr(tokenizer, "chat_template", None) is not None
+
+
+def control_strings(tokenizer) -> tuple:
+    """Text of every special (control) token, longest first.
+
+    Special means the tokenizer's ``all_special_tokens`` plus added tokens
+    flagged ``special`` (GGUF CONTROL tokens). Added tokens that are not special
+    (``<think>`` in Qwen3, GGUF USER_DEFINED) are ordinary vocabulary.
+    """
+    hf = hf_tokenizer(tokenizer)
+    found = set(getattr(hf, "all_special_tokens", []) or [])
+    found |= {t.content for t in getattr(hf, "added_tokens_decoder", {}).values() if t.special}
+    return tuple(sorted((t for t in found if t), key=lambda t: (-len(t), t)))
+
+
+def template_source(value: str) -> str:
+    """Jinja text for a ``data.chat_template`` value: a name of :data:`NAMED_TEMPLATES` or a file.
+
+    Raises:
+        DataError: neither a known name nor a readable UTF-8 file.
+    """
+    if value in NAMED_TEMPLATES:
+        return NAMED_TEMPLATES[value]
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.chat_template: {value!r} is neither a template name ({', '.join(NAMED_TEMPLATES)}) "
+                        "nor a Jinja file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"data.chat_template: {value}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """Messages -> text with one chat template.
+
+    ``template``: Jinja source, or None for the tokenizer's own template.
+    ``closing``: the text the template writes after the content of a final
+    assistant message (``"<|im_end|>\\n"`` for ChatML, ``""`` for raw text),
+    found by rendering a probe conversation once.
+    ``name``: how messages name this template.
+    """
+
+    tokenizer: Any
+    template: Optional[str]
+    closing: str = ""
+    name: str = ""
+
+    def render(self, messages: list, add_generation_prompt: bool = False) -> str:
+        """The template's text for ``messages``.
+
+        Raises:
+            BadRow: the template rejects the messages (e.g. roles that do not alternate).
+        """
+        try:
+            if self.template is None:
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False)
+            return hf_tokenizer(self.tokenizer).apply_chat_template(
+                messages, chat_template=self.template, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as err:  # jinja2 errors, raise_exception() in templates
+            raise BadRow(f"the chat template ({self.name}) cannot render this row: {err}") from None
+
+
+def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
+    """A :class:`Renderer` with its ``closing`` text probed from a user + assistant exchange."""
+    probe = Renderer(tokenizer, template, name=name)
+    try:
+        text = probe.render([{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}])
+    except BadRow:  # a template that refuses the probe: responses keep whatever follows them
+        text = ""
+    closing = text.split(_SENTINEL, 1)[1] if _SENTINEL in text else ""
+    return Renderer(tokenizer, template, closing, name)
+
+
+def renderers(tokenizer, cfg) -> tuple:
+    """``(messages, text)`` renderers for a DataConfig.
+
+    ``messages`` renders message rows: ``data.chat_template`` when set, else the
+    tokenizer's template, else ``plain`` under ``prompt_template: raw``, else
+    None (message rows are then an error). ``text`` renders plain-text prompts:
+    the same template under ``prompt_template: chat``, else :data:`RAW_TEXT`.
+
+    Raises:
+        DataError: a ``data.chat_template`` that is neither a name nor a file.
+    """
+    if cfg.chat_template is not None:
+        chat = make_renderer(tokenizer, template_source(cfg.chat_template), f"data.chat_template {cfg.chat_template}")
+    elif has_chat_template(tokenizer):
+        chat = make_renderer(tokenizer, None, "the model's chat template")
+    else:
+        chat = None
+    raw = make_renderer(tokenizer, RAW_TEXT, "raw text")
+    if cfg.prompt_template == "raw":
+        return chat or make_renderer(tokenizer, PLAIN, "plain"), raw
+    return chat, chat or raw
+
+
+def end_of_turn(tokenizer, renderer: Optional[Renderer] = None) -> tuple:
+    """The token that closes an assistant turn: ``(text, [ids])``.
+
+    The control token the template writes right after the assistant content
+    (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3); the EOS token when
+    there is no template or no control token follows the content.
+
+    Raises:
+        DataError: neither such a control token nor an EOS token exists.
+    """
+    if renderer is None and has_chat_template(tokenizer):
+        renderer = make_renderer(tokenizer, None, "the model's chat template")
+    tail = renderer.closing.lstrip(" ") if renderer is not None else ""
+    tok = next((t for t in control_strings(tokenizer) if tail.startswith(t)), None)
+    if tok is not None:
+        return tok, [tokenizer.convert_tokens_to_ids(tok)]
+    if tokenizer.eos_token is None:
+        raise DataError("the tokenizer has neither a chat template end-of-turn token nor an EOS token; "
+                        "set data.append_eos: false")
+    return tokenizer.eos_token, [tokenizer.eos_token_id]

@@ -1,0 +1,88 @@
+"""Tiny tokenizers with the chat-template styles dtrain must reproduce.
+
+Each is a byte-level BPE (vocab <= 600) trained in place with ``tokenizers``,
+with its template's control tokens as special added tokens, wrapped by mlx-lm's
+``TokenizerWrapper`` as dtrain loads models. ``CLOSING`` is what each template
+writes after a final assistant message's content.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama 3: BOS written by the template, content trimmed, no newline after <|eot_id|>.
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# Gemma: the system text joins the first user turn, assistant is 'model', roles must alternate.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set first = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# A generation prompt that opens a reasoning block; <think> and </think> are ordinary added tokens (as in Qwen3).
+THINK = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+
+STYLES = {
+    # name: (template, special tokens, bos, eos, BOS added by the tokenizer, non-special added tokens)
+    "chatml": (CHATML, ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], "<s>", "</s>", True, []),
+    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                        "<|eot_id|>"], "<|begin_of_text|>", "<|end_of_text|>", True, []),
+    "gemma": (GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, []),
+    "think": (THINK, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", False,
+              ["<think>", "</think>"]),
+    "base": (None, ["<s>", "</s>"], "<s>", "</s>", True, []),
+}
+CLOSING = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>\n", "think": "<|im_end|>\n"}
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "think": "<|im_end|>"}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris.",
+    "user assistant system model Human: Assistant: hello world 0123456789 + - = ? yes no ok word",
+    "think reason step answer café naïve 東京 emoji 🙂 tab\tnew\nline",
+] * 20
+
+
+@lru_cache(maxsize=None)
+def style_tokenizer(style: str):
+    """The mlx-lm-wrapped tokenizer of one style in :data:`STYLES` (built once per process)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    template, specials, bos, eos, add_bos, added = STYLES[style]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    extra = [t for t in specials if t not in (bos, eos)]
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, additional_special_tokens=extra)
+    if template:
+        hf.chat_template = template
+    return TokenizerWrapper(hf)
+
+
+def demo_tokenizer(path):
+    """The demo model's tokenizer (SmolLM2 GGUF), without loading its weights."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from dtrain.models.gguf import read_gguf
+    from dtrain.models.tokenizer import build_tokenizer, eos_token_ids
+
+    md = read_gguf(path)[0]
+    return TokenizerWrapper(build_tokenizer(md), eos_token_ids=eos_token_ids(md))

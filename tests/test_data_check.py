@@ -1,0 +1,205 @@
+"""`dtrain data check`: dropped kinds with file:line, --show, the on_bad_row error line,
+non-JSON files, data.fields syntax, data.chat_template on a base model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from chat_fixtures import style_tokenizer
+from fixtures_launch import make_model_folder
+
+from dtrain.cli import main
+from dtrain.config import DataConfig, load_config
+from dtrain.data import check_file, load_rows, tokenize_rows
+from dtrain.data.formats import Row
+from dtrain.errors import ConfigError, DataError
+
+STEPS = "The answer has many steps. " * 20
+ROWS = [
+    {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"},
+    {"prompt": "Explain.", "chosen": STEPS + "Finally: good.", "rejected": STEPS + "Finally: bad."},
+    {"prompt": "Hi", "chosen": "<|im_end|>", "rejected": "No"},
+    {"prompt": "word " * 100, "chosen": "ok", "rejected": "no", "system": "You are terse."},
+    {"prompt": "Q", "chosen": "a"},
+    {"prompt": "Hello there my friend. " * 3, "chosen": "Paris", "rejected": "no"},
+    {"prompt": "", "chosen": "Yes", "rejected": "No"},
+]
+
+
+def write_jsonl(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs), encoding="utf-8")
+    return str(path)
+
+
+def test_check_reports_every_dropped_kind_with_line_and_reason(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    out, n_bad = check_file(path, DataConfig(max_length=80, max_prompt_length=27), tokenizer)
+    lines = out.splitlines()
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    hello, explain = (len(tokenizer.encode(chat.format(ROWS[i]["prompt"]))) for i in (5, 1))
+    assert (hello, explain) == (63, 17)  # 63 > 27, and 63 + 3 response tokens fit max_length=80
+    assert lines[:11] == [
+        f"{path}: 7 rows, 3 usable, 1 bad, 3 dropped",
+        "1 of 7 rows skipped (bad rows):",
+        f"  {path}:5: missing field 'rejected'",
+        "3 of 7 rows dropped (1 same ids, 1 empty response, 1 prompt too long):",
+        f"  {path}:2: same ids: chosen and rejected are the same 63 tokens after truncation to data.max_length=80",
+        f"  {path}:3: empty response: 'chosen' has no text besides end-of-turn marks",
+        f"  {path}:4: prompt too long: the system message and the template's structure need 28 tokens; "
+        "data.max_prompt_length=27",
+        "1 pairs truncated to data.max_prompt_length / data.max_length",
+        "1 of them had the prompt cut to data.max_prompt_length although prompt + response fit data.max_length "
+        "(raise data.max_prompt_length to keep them whole)",
+        "token lengths (untruncated, 4 pairs): min / median / p95 / max",
+        "  prompt   9 / 17 / 63 / 63",  # rows 1, 2, 6, 7 (an empty prompt is a user turn here)
+    ]
+    assert lines[-1] == ("limits: max_prompt_length=27, max_length=80: 1 pairs truncated, "
+                         "1 of them only because of max_prompt_length")
+    assert n_bad == 1
+
+
+def test_check_empty_prompt_and_same_ids_transcript(tmp_path, tokenizer):
+    raw = write_jsonl(tmp_path / "raw.jsonl", [ROWS[0], ROWS[6]])
+    out, _ = check_file(raw, DataConfig(prompt_template="raw"), make_no_bos())
+    assert f"  {raw}:2: empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)" in out
+    hh = write_jsonl(tmp_path / "hh.jsonl", [
+        {"chosen": "\n\nHuman: hi\n\nAssistant: Yes", "rejected": "\n\nHuman: hi\n\nAssistant: No"},
+        {"chosen": "\n\nHuman: hi\n\nAssistant: Yes", "rejected": "\n\nHuman: hi\n\nAssistant:  Yes"}])
+    out, _ = check_file(hh, DataConfig(), tokenizer)
+    assert out.splitlines()[:3] == [f"{hh}: 2 rows, 1 usable, 0 bad, 1 dropped", "1 of 2 rows dropped (1 same ids):",
+                                    f"  {hh}:2: same ids: chosen and rejected are the same 4 tokens after rendering"]
+
+
+def make_no_bos():
+    from conftest import make_tokenizer
+
+    return make_tokenizer(add_bos=False)
+
+
+def test_show_prints_pairs_as_trained(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {**ROWS[0], "chosen": "Yes<|im_end|>"}, ROWS[5]])
+    out, _ = check_file(path, DataConfig(), tokenizer, show=2)
+    shown = out.splitlines()[-14:]
+    assert shown == [
+        f"pair 1: {path}:1  (prompt ends after token 18; responses follow it)",
+        '  prompt      18 tokens  "<s><|im_start|>user\\nWhat is 2 + 2?<|im_end|>\\n<|im_start|>assistant\\n"',
+        f"            ids {tokenizer.encode('<|im_start|>user' + chr(10) + 'What is 2 + 2?<|im_end|>' + chr(10) + '<|im_start|>assistant' + chr(10))}",
+        '  chosen       2 tokens  "4<|im_end|>"',
+        "            ids [24, 4]",
+        '  rejected     2 tokens  "5<|im_end|>"',
+        "            ids [25, 4]",
+        f"pair 2: {path}:2  (prompt ends after token 18; responses follow it)",
+        shown[8], shown[9],
+        f'  chosen       {len(tokenizer.encode("Yes", add_special_tokens=False)) + 1} tokens  "Yes<|im_end|>"',
+        f"            ids {tokenizer.encode('Yes', add_special_tokens=False) + [4]}",
+        '  rejected     2 tokens  "5<|im_end|>"', "            ids [25, 4]"]
+    assert "pair 3" not in out
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_folder(tmp_path_factory.mktemp("model"))
+
+
+def test_cli_show_and_on_bad_row_error_line(tmp_path, model_dir, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1] + ROWS[4:5])
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--show", "1"])
+    out = capsys.readouterr()
+    errors = lambda err: [line for line in err.splitlines() if line.startswith("dtrain: error:")]  # noqa: E731
+    assert status == 0 and "pair 1: " in out.out and errors(out.err) == []
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--data.on_bad_row", "error"])
+    out = capsys.readouterr()
+    assert status == 1 and f"  {path}:2: missing field 'rejected'" in out.out
+    assert errors(out.err) == [f"dtrain: error: {path}: 1 bad row(s) and data.on_bad_row is 'error' "
+                               "(training would stop; see the rows listed above)"]
+
+
+def test_non_json_file_named_clearly(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# dtrain\n\nORPO + LoRA on MLX.\n")
+    with pytest.raises(DataError) as err:
+        load_rows(str(readme), DataConfig())
+    assert str(err.value) == (f"{readme}: not a JSONL file or a JSON array: none of its 2 non-blank lines is JSON "
+                              "(1: invalid JSON: Expecting value (column 1))")
+    lists = tmp_path / "lists.jsonl"
+    lists.write_text('3\n"a"\n')
+    with pytest.raises(DataError, match=r"no row is a JSON object \(rows are: int, str\)"):
+        load_rows(str(lists), DataConfig())
+
+
+def test_fields_syntax_in_errors_and_on_the_command_line(tmp_path):
+    cfg = load_config(None, ["data.demo_pairs=1", "data.fields={prompt: question, chosen: good, rejected: bad}"])
+    assert cfg.data.fields == {"prompt": "question", "chosen": "good", "rejected": "bad"}
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=1", "data.fields=prompt=question"])
+    assert str(err.value) == ("command line: key 'data.fields' must map prompt/chosen/rejected/system to column names, "
+                              "got 'prompt=question'; e.g. --data.fields '{prompt: question, chosen: response_j, "
+                              "rejected: response_k}'")
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "Q", "answer": "A"}])
+    with pytest.raises(DataError, match=r"--data.fields '\{prompt: question, chosen: response_j"):
+        load_rows(path, DataConfig())
+    with pytest.raises(DataError, match=r"data.fields.chosen: expected a column name, got \['a'\]; e.g. --data"):
+        load_rows(path, DataConfig(fields={"chosen": ["a"]}))
+
+
+# -- data.chat_template on a base model (issue 15) ----------------------------------------------------
+
+MSGS = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+
+
+def test_base_model_message_rows_need_a_template_or_raw():
+    base = style_tokenizer("base")
+    with pytest.raises(DataError, match="message rows need a chat template, and the tokenizer has none: set "
+                                        "data.chat_template"):
+        tokenize_rows([Row(MSGS, "Yes", "No", source="f:1")], base, DataConfig())
+
+
+def test_base_model_raw_renders_messages_as_plain_text():
+    base = style_tokenizer("base")
+    pairs, _ = tokenize_rows([Row(MSGS, "Yes", "No")], base, DataConfig(prompt_template="raw"))
+    (pair,) = pairs
+    assert base.decode(pair.prompt) == "<s>System: Be terse.\n\nUser: Hi\n\nAssistant:"
+    assert (base.decode(pair.chosen), base.decode(pair.rejected)) == (" Yes</s>", " No</s>")
+    assert pair.prompt + pair.chosen == base.encode("System: Be terse.\n\nUser: Hi\n\nAssistant: Yes") + [1]
+    named, _ = tokenize_rows([Row(MSGS, "Yes", "No")], base, DataConfig(chat_template="plain"))
+    assert named == pairs  # the same text as the named `plain` template
+
+
+def test_named_chatml_on_base_model_text_markers_and_eos():
+    base = style_tokenizer("base")
+    (pair,), _ = tokenize_rows([Row(MSGS, "Yes", "No")], base, DataConfig(chat_template="chatml"))
+    assert base.decode(pair.prompt) == "<s><|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
+                                       "<|im_start|>assistant\n"
+    assert base.decode(pair.chosen) == "Yes<|im_end|></s>" and pair.chosen[-1] == 1  # the marker is text here: EOS ends
+    whole = base.encode("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                        "<|im_start|>assistant\nYes<|im_end|>") + [1]
+    assert pair.prompt + pair.chosen == whole
+
+
+def test_chat_template_file_overrides_the_models(tmp_path, tokenizer):
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"
+                     "{% if add_generation_prompt %}[assistant]{% endif %}")
+    (pair,), _ = tokenize_rows([Row("Hi", "Yes", "No")], tokenizer, DataConfig(chat_template=str(jinja)))
+    assert tokenizer.decode(pair.prompt) == "<s>[user] Hi</s>[assistant]"
+    assert tokenizer.decode(pair.chosen) == " Yes</s>" and pair.chosen.count(2) == 1
+    (same,), _ = tokenize_rows([Row("Hi", "Yes", "No")], tokenizer, DataConfig(chat_template="chatml"))
+    (own,), _ = tokenize_rows([Row("Hi", "Yes", "No")], tokenizer, DataConfig())
+    assert same == own  # the model's template is ChatML too
+    with pytest.raises(DataError) as err:
+        tokenize_rows([Row("Hi", "Yes", "No")], tokenizer, DataConfig(chat_template="nope"))
+    assert str(err.value) == "data.chat_template: 'nope' is neither a template name (chatml, plain) nor a Jinja file"
+
+
+def test_check_show_on_base_model_with_chat_template(tmp_path):
+    path = write_jsonl(tmp_path / "oa.jsonl", [{"input": {"messages": MSGS}, "preferred_output": [
+        {"role": "assistant", "content": "Yes"}], "non_preferred_output": [{"role": "assistant", "content": "No"}]}])
+    out, _ = check_file(path, DataConfig(chat_template="plain"), style_tokenizer("base"), show=1)
+    base = style_tokenizer("base")
+    prompt, yes = base.encode("System: Be terse.\n\nUser: Hi\n\nAssistant:"), base.encode(" Yes", add_special_tokens=False)
+    assert out.splitlines()[-6:-2] == [
+        f"  prompt      {len(prompt)} tokens  \"<s>System: Be terse.\\n\\nUser: Hi\\n\\nAssistant:\"",
+        f"            ids {prompt}", f"  chosen       {len(yes) + 1} tokens  \" Yes</s>\"", f"            ids {yes + [1]}"]

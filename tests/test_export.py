@@ -1,0 +1,256 @@
+"""``dtrain export``: the merged model written as an mlx-lm folder and a GGUF file, read back.
+
+The reference is the base model with the LoRA layers in place (what training
+saw): the fused export must give its logits. Bases are the tiny GGUF files of
+test_models_gguf.py (llama with permuted Q/K rows, gemma3 with norms stored as
+1 + w).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import add_random_lora
+from mlx.utils import tree_flatten
+from test_models_gguf import Q, gguf, write_tiny_gemma3, write_tiny_llama
+
+from dtrain.cli import main
+from dtrain.errors import ModelError
+from dtrain.models import load_model
+from dtrain.models.export import export_adapter
+from dtrain.models.gguf import gguf_to_mlx, permute_qk
+
+TOKENS = mx.array([[1, 3, 40, 7, 300, 511, 2, 99, 100, 4, 17, 250]])
+
+
+def write_adapter(base: str, folder, seed: int = 0):
+    """A random LoRA adapter (rank 4, scale 2, all linear layers) on ``base``; returns the LoRA model."""
+    model = add_random_lora(load_model(base, dtype="float32").model, seed=seed)
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    config = {"fine_tune_type": "lora", "num_layers": len(model.layers),
+              "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return model
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.fixture
+def llama(tmp_path):
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q4_1})
+    lora_model = write_adapter(str(base), tmp_path / "adapter")
+    return base, tmp_path / "adapter", lora_model
+
+
+def test_llama_f32_export_reproduces_the_lora_model_in_folder_and_gguf(tmp_path, llama):
+    from mlx_lm import load
+
+    base, adapter, lora_model = llama
+    expected = np.array(lora_model(TOKENS))
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f32", dtype="float32")
+    assert result.gguf == tmp_path / "out" / "model-F32.gguf"
+    assert result.tensor_types == {"F32": 4 * 9 + 2}  # 4 layers x (7 matrices + 2 norms), embedding, final norm
+    folder_model, _ = load(str(result.folder))
+    np.testing.assert_allclose(np.array(folder_model(TOKENS)), expected, rtol=1e-4, atol=1e-4)
+    back = load_model(str(result.gguf), dtype="float32")
+    np.testing.assert_allclose(np.array(back.model(TOKENS)), expected, rtol=1e-4, atol=1e-4)
+    assert back.config["tie_word_embeddings"] is True
+    umask = os.umask(0)
+    os.umask(umask)
+    assert result.folder.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+
+
+def test_gguf_keeps_the_base_metadata_and_tokenizer(tmp_path, llama):
+    base, adapter, _ = llama
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0")
+    old, new = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(result.gguf))
+    changed = {"general.file_type", "general.quantization_version"}
+    keys = [k for k in old.fields if not k.startswith("GGUF.") and k not in changed]
+    assert [k for k in new.fields if not k.startswith("GGUF.") and k not in changed] == keys
+    for key in keys:
+        assert new.fields[key].contents() == old.fields[key].contents(), key
+        assert new.fields[key].types == old.fields[key].types, key
+    assert new.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert [t.name for t in new.tensors] == [t.name for t in old.tensors]
+    tok_old, tok_new = load_model(str(base)).tokenizer, load_model(str(result.gguf)).tokenizer
+    for text in ["<|im_start|>user\nWhat is 12345?<|im_end|>\n", "Héllo  wörld\n\n\tok", "x = [1, 2]"]:
+        assert tok_new.encode(text) == tok_old.encode(text)
+    assert tok_new.chat_template == tok_old.chat_template
+
+
+def block_bound(w: np.ndarray, levels: float, steps: float) -> np.ndarray:
+    """Per-value error bound of a 32-value block quant with step d = max|block| / levels.
+
+    Rounding costs ``steps * d`` (Q8_0: half a step; Q4_0: one step, as the
+    value opposite the block's extreme is clipped from +8 to +7), plus the f16
+    rounding of d and of MLX's affine bias (-128 d or -8 d): d / 16 and 2^-10 |w|.
+    """
+    blocks = w.reshape(w.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / levels
+    return ((steps + 1 / 16) * d + np.abs(blocks) * 2.0**-10 + 1e-7).reshape(w.shape)
+
+
+@pytest.mark.parametrize("gguf_type, levels, steps", [("q8_0", 127.0, 0.5), ("q4_0", 8.0, 1.0)])
+def test_quantized_export_is_within_the_quantization_error(tmp_path, llama, gguf_type, levels, steps):
+    base, adapter, lora_model = llama
+    merged = {k: np.array(v) for k, v in tree_flatten(load_model(str(base), dtype="float32").model.parameters())}
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type=gguf_type, dtype="float32")
+    assert result.tensor_types == {gguf_type.upper(): 4 * 7 + 1, "F32": 4 * 2 + 1}
+    from mlx_lm import load
+
+    fused = {k: np.array(v) for k, v in tree_flatten(load(str(result.folder))[0].parameters())}
+    back = gguf_to_mlx(result.gguf)
+    weights = back.weights
+    for name, w in fused.items():
+        if w.ndim == 2:
+            got = np.array(mx.dequantize(weights[name], weights[name.replace("weight", "scales")],
+                                         weights[name.replace("weight", "biases")], 32, back.quantization[
+                                             name[: -len(".weight")]]["bits"]))
+            assert np.all(np.abs(got - w) <= block_bound(w, levels, steps)), name
+        else:
+            np.testing.assert_array_equal(np.array(weights[name]), w)
+    assert any(not np.allclose(fused[k], merged[k]) for k in fused)  # the adapter did change weights
+    # Logits: those of the fused model with each matrix rounded by gguf-py's own
+    # quantize -> dequantize (blocks run along rows, so the Q/K row order does not matter).
+    qtype = Q[gguf_type.upper()]
+    rounded = {k: gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype) if w.ndim == 2 else w
+               for k, w in fused.items()}
+    reference = make_reference("llama", rounded)
+    got = load_model(str(result.gguf), dtype="float32").model(TOKENS)
+    np.testing.assert_allclose(np.array(got), np.array(reference(TOKENS)), rtol=1e-4, atol=1e-4)
+    print(f"{gguf_type}: logits relative error vs the LoRA model {rel_err(got, lora_model(TOKENS)):.2e}")
+
+
+def make_reference(module_name: str, weights: dict):
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(module_name)
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()], strict=True)
+    return model
+
+
+@pytest.mark.parametrize("gguf_type, bound", [("f16", 1e-3), ("bf16", 1e-2)])
+def test_half_precision_export_is_the_rounded_merge(tmp_path, llama, gguf_type, bound):
+    from mlx_lm import load
+
+    base, adapter, lora_model = llama
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type=gguf_type, dtype="float32")
+    fused = {k: np.array(v) for k, v in tree_flatten(load(str(result.folder))[0].parameters())}
+    back = gguf_to_mlx(result.gguf).weights
+    half = mx.float16 if gguf_type == "f16" else mx.bfloat16
+    for name, w in fused.items():  # bitwise: the same rounding of the same merged value, rows in place
+        want = np.array(mx.array(w).astype(half).astype(mx.float32)) if w.ndim == 2 else w
+        np.testing.assert_array_equal(np.array(back[name].astype(mx.float32)), want, err_msg=name)
+    err = rel_err(load_model(str(result.gguf), dtype="float32").model(TOKENS), lora_model(TOKENS))
+    print(f"{gguf_type}: logits relative error vs the LoRA model {err:.2e}")
+    assert err < bound, err
+
+
+def test_gemma3_export_restores_norm_offsets_and_reproduces_the_lora_model(tmp_path):
+    base = tmp_path / "gemma.gguf"
+    write_tiny_gemma3(base)
+    lora_model = write_adapter(str(base), tmp_path / "adapter")
+    tokens = mx.array([[2, 4, 270, 281, 290, 5, 7, 100, 200, 294, 295, 1]])
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"), gguf_type="f32",
+                            dtype="float32")
+    old = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(base)).tensors}
+    new = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(result.gguf)).tensors}
+    norms = [n for n in old if n.endswith("norm.weight")]
+    assert len(norms) == 6 * 6 + 1  # 4 block norms + q/k norms per layer, final norm
+    for name in norms:  # untouched by LoRA: stored exactly as the base stores them (1 + w)
+        np.testing.assert_allclose(new[name], old[name], rtol=0, atol=1e-7, err_msg=name)
+    back = load_model(str(result.gguf), dtype="float32")
+    assert back.config["model_type"] == "gemma3_text"
+    np.testing.assert_allclose(np.array(back.model(tokens)), np.array(lora_model(tokens)), rtol=1e-4, atol=1e-4)
+    assert back.tokenizer.encode("hello the é") == load_model(str(base)).tokenizer.encode("hello the é")
+
+
+def test_llama_rows_are_permuted_back_to_llama_cpp_order(tmp_path, llama):
+    base, adapter, _ = llama
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f32", dtype="float32")
+    from mlx_lm import load
+
+    fused = dict(tree_flatten(load(str(result.folder))[0].parameters()))
+    stored = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(result.gguf)).tensors}
+    q = np.array(fused["model.layers.2.self_attn.q_proj.weight"])
+    k = np.array(fused["model.layers.2.self_attn.k_proj.weight"])
+    np.testing.assert_array_equal(stored["blk.2.attn_q.weight"], permute_qk(q, 4))
+    np.testing.assert_array_equal(stored["blk.2.attn_k.weight"], permute_qk(k, 2))
+    assert not np.array_equal(stored["blk.2.attn_q.weight"], q)
+
+
+def test_rows_that_do_not_fill_a_block_fall_back_to_f16(tmp_path, capsys):
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, hidden_size=48)  # 48 columns: not a multiple of 32
+    write_adapter(str(base), tmp_path / "adapter")
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "adapter"), "--base", str(base), "--out", str(out), "--gguf", "q4_0"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote GGUF {out / 'model-Q4_0.gguf'}: tensor types F16 x25, F32 x9, Q4_0 x4" in printed
+    assert "F16 instead of Q4_0 (rows not a multiple of 32): token_embd.weight, blk.0.attn_q.weight" in printed
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out / "model-Q4_0.gguf")).tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q4_0" and types["blk.0.ffn_up.weight"] == "F16"
+    assert load_model(str(out / "model-Q4_0.gguf"), dtype="float32").config["hidden_size"] == 48
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
+    base, adapter, _ = llama
+    with pytest.raises(ModelError, match=r"empty: not an adapter folder \(missing adapters\.safetensors, "
+                                         r"adapter_config\.json\)"):
+        (tmp_path / "empty").mkdir()
+        export_adapter(str(tmp_path / "empty"), str(base), str(tmp_path / "o1"))
+    other = tmp_path / "other.gguf"
+    write_tiny_llama(other, {}, intermediate_size=96)
+    with pytest.raises(ModelError, match=r"adapter: this adapter does not fit the base model .*other\.gguf: "
+                                         r"Adapter at .* contains incompatible tensors: .*mlp\.down_proj\.lora_a"):
+        export_adapter(str(adapter), str(other), str(tmp_path / "o2"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "full")]) == 2
+    assert "output folder already exists and is not empty" in capsys.readouterr().err
+    with pytest.raises(ModelError, match=r"GGUF type 'q5_k' is not one of f32, f16, bf16, q8_0, q4_0"):
+        export_adapter(str(adapter), str(base), str(tmp_path / "o3"), gguf_type="q5_k")
+    folder = tmp_path / "o4"
+    export_adapter(str(adapter), str(base), str(folder))
+    with pytest.raises(ModelError, match=r"--gguf needs a GGUF base model .*/o4 is not a GGUF file"):
+        export_adapter(str(adapter), str(folder), str(tmp_path / "o5"), gguf_type="f16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf"]
+
+
+@pytest.mark.slow
+def test_demo_export_round_trip_greedy_tokens(demo_path, tmp_path, capsys):
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    base = load_model("demo", dtype="float32")
+    lora_model = add_random_lora(base.model, seed=3, scale=0.5)
+    (tmp_path / "adapter").mkdir()
+    mx.save_safetensors(str(tmp_path / "adapter" / "adapters.safetensors"),
+                        dict(tree_flatten(lora_model.trainable_parameters())))
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": 30, "lora_parameters": {"rank": 4, "scale": 0.5, "dropout": 0.0}}))
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "adapter"), "--base", "demo", "--out", str(out), "--gguf", "q8_0"]) == 0
+    assert "tensor types F32 x61, Q8_0 x211" in capsys.readouterr().out  # 30 x 7 matrices + embedding
+    prompt = base.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                add_generation_prompt=True)
+    tokens = mx.array([prompt])
+    back = load_model(str(out / "model-Q8_0.gguf"), dtype="float32")
+    assert back.tokenizer.encode("x = 123 <|im_end|>") == base.tokenizer.encode("x = 123 <|im_end|>")
+    err = rel_err(back.model(tokens), lora_model(tokens))
+    print(f"demo q8_0: logits relative error vs the LoRA model {err:.2e}")
+    greedy = make_sampler(temp=0.0)
+    want = generate(lora_model, base.tokenizer, prompt, max_tokens=8, sampler=greedy)
+    assert generate(back.model, back.tokenizer, prompt, max_tokens=8, sampler=greedy) == want

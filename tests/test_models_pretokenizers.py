@@ -1,0 +1,197 @@
+"""GGUF tokenizers split text as llama.cpp does, and refuse what they do not reproduce.
+
+Expected splits are hand-written (worked through the regex by hand) and, for
+every string, recomputed with Python's ``regex`` module — a second regex engine —
+running llama.cpp's sequential split (``unicode_regex_split``: each regex splits
+every piece into its matches and the text between them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import regex
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_models_gguf import gemma_vocab
+
+from dtrain.models.pretokenizers import PRE_TOKENIZERS, lookup, split_pre_tokenizer
+from dtrain.models.tokenizer import build_tokenizer
+
+
+def reference_split(regexes, text: str) -> list:
+    words = [text]
+    for pattern in regexes:
+        out = []
+        for word in words:
+            pos = 0
+            for m in regex.finditer(pattern, word):
+                if m.start() > pos:
+                    out.append(word[pos:m.start()])
+                out.append(m.group())
+                pos = m.end()
+            if pos < len(word):
+                out.append(word[pos:])
+        words = out
+    return words
+
+
+def our_split(name: str, text: str) -> list:
+    return [piece for piece, _ in split_pre_tokenizer(lookup(name)).pre_tokenize_str(text)]
+
+
+HAND_WRITTEN = {
+    "gpt-2": [
+        ("Hello world", ["Hello", " world"]),
+        ("I'm 12345 ok", ["I", "'m", " 12345", " ok"]),
+        ("I'M", ["I", "'", "M"]),  # contractions are case-sensitive in GPT-2
+        ("a  b", ["a", " ", " b"]),
+        ("x\n\ny", ["x", "\n", "\n", "y"]),
+    ],
+    "llama-bpe": [
+        ("12345", ["123", "45"]),
+        ("I'M here", ["I", "'M", " here"]),
+        ("x\n\n  y", ["x", "\n\n", " ", " y"]),
+        ("hello!!\n\nworld", ["hello", "!!\n\n", "world"]),
+        (" 2024", [" ", "202", "4"]),
+    ],
+    "smollm": [
+        ("x = 123", ["x", " =", " ", "1", "2", "3"]),
+        ("½ ٣٤", ["½", " ", "٣", "٤"]),  # \p{N} includes No and other scripts' digits
+    ],
+    "qwen2": [("12345", ["1", "2", "3", "4", "5"]), ("don't", ["don", "'t"])],
+    "tekken": [
+        ("HelloWorld", ["Hello", "World"]),
+        ("HTTPServer", ["HTTPServer"]),
+        ("ÉCOLE", ["É", "COLE"]),  # llama.cpp's "not a-z" stands in for \p{Lu}
+        ("a/b\n", ["a", "/b", "\n"]),
+        ("123", ["1", "2", "3"]),
+    ],
+    "gpt-4o": [("I'M here", ["I'M", " here"]), ("12345", ["123", "45"])],
+    "default": [("a+b=12345!", ["a", "+", "b", "=", "123", "45", "!"])],
+}
+
+TRICKY = [
+    "", " ", "   ", "\t\tx", "a\r\nb", "x \n y", "trailing   ", "\n\n\n", "1234567", "3.14159", "v1.2.3-rc4",
+    "don't I'LL we've", "naïve café", "e\u0301te", "ǅemal", "日本語のテキスト", "你好，世界！", "🙂🙂 ok",
+    "x\u00a0y", "a\u3000b", "ΑΒΓ δεζ", "Ⅻ ½ ²", "٣٤٥ ١", "<tag attr=\"1\">", "def f(x):\n    return x ** 2",
+    "$100,000.00", "a||b&&c", "CamelCaseWord", "ALLCAPS lower", "ok!?…", "\u200bzero\u200bwidth",
+]
+
+
+@pytest.mark.parametrize("name", sorted(HAND_WRITTEN))
+def test_hand_written_splits(name):
+    for text, expected in HAND_WRITTEN[name]:
+        assert our_split(name, text) == expected, text
+        assert reference_split(lookup(name).regexes, text) == expected, text
+
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
+def test_every_pre_tokenizer_matches_a_second_regex_engine_on_tricky_strings(name):
+    for text in TRICKY:
+        assert our_split(name, text) == reference_split(lookup(name).regexes, text), text
+
+
+ALPHABET = st.sampled_from(list("aZé1٣½ '\n\r\t.!?-_/\u00a0\u3000日🙂\u0301") + ["'s", "'LL", "123", "  "])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(ALPHABET, max_size=24).map("".join), st.sampled_from(["gpt-2", "llama-bpe", "smollm", "qwen2",
+                                                                     "tekken", "gpt-4o", "default"]))
+def test_split_equals_reference_on_generated_text(text, name):
+    pieces = our_split(name, text)
+    assert "".join(pieces) == text
+    assert pieces == reference_split(lookup(name).regexes, text)
+
+
+# ---------------------------------------------------------------- whole tokenizers
+
+
+def bpe_metadata(pre: str | None, **over) -> dict:
+    """A small gpt2-kind vocabulary: specials, the letters a-c, space and two merges."""
+    tokens = ["<s>", "</s>", "a", "b", "c", "Ġ", "bc", "ab", "abc"]
+    md = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3] + [1] * 7,
+        "tokenizer.ggml.merges": ["b c", "a b"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
+    if pre is not None:
+        md["tokenizer.ggml.pre"] = pre
+    return {**md, **over}
+
+
+def pieces(hf, text: str, **kw) -> list:
+    return hf.convert_ids_to_tokens(hf.encode(text, **kw))
+
+
+def test_llama3_family_ignores_merges_and_adds_bos_by_default():
+    # merges alone give a + bc ("a b" never applies after "b c"); llama3's
+    # ignore_merges emits the whole word when it is a vocabulary token.
+    assert pieces(build_tokenizer(bpe_metadata("gpt-2")), "abc") == ["a", "bc"]
+    assert pieces(build_tokenizer(bpe_metadata("llama-bpe")), "abc") == ["<s>", "abc"]
+    no_bos = bpe_metadata("llama-bpe", **{"tokenizer.ggml.add_bos_token": False})
+    assert pieces(build_tokenizer(no_bos), "abc") == ["abc"]
+
+
+def test_add_eos_token_appends_eos():
+    md = bpe_metadata("gpt-2", **{"tokenizer.ggml.add_eos_token": True, "tokenizer.ggml.add_bos_token": True})
+    assert pieces(build_tokenizer(md), "ab c") == ["<s>", "ab", "Ġ", "c", "</s>"]
+    assert pieces(build_tokenizer(md), "ab", add_special_tokens=False) == ["ab"]
+
+
+def test_missing_pre_is_llama_cpp_default_not_gpt2():
+    hf = build_tokenizer(bpe_metadata(None))
+    assert hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str("a+12345")[0][0] == "a"
+    pre = [p for p, _ in hf.backend_tokenizer.pre_tokenizer.pre_tokenize_str("a+12345")]
+    assert pre == ["a", "+", "123", "45"]
+
+
+@pytest.mark.parametrize("name", ["deepseek-llm", "deepseek-coder", "chatglm-bpe", "gpt2", "my-own-splitter"])
+def test_unimplemented_pre_tokenizer_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=rf"tokenizer\.ggml\.pre '{regex.escape(name)}' is not implemented"):
+        build_tokenizer(bpe_metadata(name))
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("tokenizer.ggml.add_sep_token", True, r"'tokenizer\.ggml\.add_sep_token' = true is not supported"),
+        ("tokenizer.ggml.precompiled_charsmap", [0, 1], r"'tokenizer\.ggml\.precompiled_charsmap' is not supported"),
+        ("tokenizer.ggml.add_eos_token", True, r"add_eos_token is true but tokenizer\.ggml\.eos_token_id is missing"),
+    ],
+)
+def test_tokenizer_metadata_that_changes_ids_is_refused_by_name(key, value, message):
+    md = bpe_metadata("gpt-2", **{key: value})
+    if key.endswith("add_eos_token"):
+        del md["tokenizer.ggml.eos_token_id"]
+    with pytest.raises(ValueError, match=message):
+        build_tokenizer(md)
+
+
+def spm_metadata(prefix: bool) -> dict:
+    tokens, scores, types = gemma_vocab()
+    return {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.add_space_prefix": prefix,
+        "tokenizer.ggml.pre": "default",  # llama.cpp ignores pre for SPM vocabularies
+    }
+
+
+def test_spm_space_prefix_goes_before_every_fragment_as_in_llama_cpp():
+    hf = build_tokenizer(spm_metadata(prefix=True))
+    # llama.cpp prefixes the text after each special token too, and always adds
+    # one space (a text that starts with a space gets two).
+    assert pieces(hf, "hello<end_of_turn>the") == ["<bos>", "▁hello", "<end_of_turn>", "▁the"]
+    assert pieces(hf, " the", add_special_tokens=False) == ["▁", "▁the"]
+    assert hf.decode(hf.encode("hello the", add_special_tokens=False)) == "hello the"
+    flat = build_tokenizer(spm_metadata(prefix=False))
+    assert pieces(flat, "hello<end_of_turn>the", add_special_tokens=False) == ["he", "llo", "<end_of_turn>", "t",
+                                                                                "he"]
+
+
+def test_unknown_type_token_is_matched_whole():
+    hf = build_tokenizer(spm_metadata(prefix=False))
+    assert pieces(hf, "a<unk>b", add_special_tokens=False) == ["a", "<unk>", "b"]
