@@ -25,6 +25,7 @@ This is gradient checkpointing at range granularity (Chen et al. 2016,
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -42,6 +43,7 @@ from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layou
 from .reference import ReferenceEngine
 
 GIB = 1024**3
+LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
 AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
 # measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
 ESTIMATE_MARGIN = 1.25
@@ -193,7 +195,9 @@ class SegmentedEngine:
             ``head_chunk_tokens = 0``: a single pass, nothing recomputed);
             ``"auto"``: per length bucket, the single pass when its estimated
             peak fits ``memory_budget`` bytes, else the largest range size that
-            fits (chunked head), logged once per bucket.
+            fits (chunked head), logged once per shape (``logging`` INFO on
+            ``dtrain.engine.segmented``; not printed unless the caller shows it,
+            so that ranks other than 0 stay silent).
         prefix_sharing: one ``[prompt; chosen; rejected]`` sequence per pair.
         head_chunk_tokens: target rows per LM-head chunk; 0 = all at once
             (with ``"auto"``: the chunk used when recomputing; 0 = 1024).
@@ -389,8 +393,8 @@ class SegmentedEngine:
             m = max(fitting) if fitting else min(sizes, key=sizes.get)
             choice, est = (m, chunk), sizes[m]
         what = "single pass" if choice == (n, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
-        _notice(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
-                f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
+        LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
+                 f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
         return choice
 
     # -- steps --------------------------------------------------------------
