@@ -19,7 +19,7 @@ import yaml
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
-from .launch_hosts import BACKENDS
+from .launch.hosts import BACKENDS
 from .models import DTYPE_NAMES
 
 
@@ -65,8 +65,13 @@ class LoraConfig:
 class DataConfig:
     """Preference pairs: files, row format, rendering and length limits."""
 
-    train: Optional[str] = option(None, "JSONL or JSON file of preference pairs (or set demo_pairs)")
-    valid: Optional[str] = option(None, "held-out pairs for eval/ metrics; null = split valid_fraction off train")
+    train: Optional[str] = option(None, "preference pairs: a JSONL/JSON/Parquet file, a data folder or a hub "
+                                        "dataset id (README: Data sources); or set demo_pairs")
+    valid: Optional[str] = option(None, "held-out pairs for eval/ metrics; null = train's own held-out split "
+                                        "(valid.jsonl, valid_split) or valid_fraction of train")
+    split: str = option("train", "split read for train from a DatasetDict folder, a Parquet folder or a hub dataset")
+    valid_split: Optional[str] = option(None, "split read for valid (from valid, or from train's container when "
+                                              "valid is null)")
     valid_fraction: float = option(0.1, "held-out share of train when valid is not given", at_least=0.0, below=1.0)
     format: str = option("auto", "row format; auto detects it from the first row", ("auto", *FORMATS))
     fields: Optional[dict] = option(None, "column names for the mapped format: {prompt: .., chosen: .., "
@@ -97,16 +102,24 @@ class OrpoConfig:
 class EngineConfig:
     """How the loss and LoRA gradients are computed (see dtrain/engine)."""
 
-    kind: str = option("reference", "reference: backprop through the whole model; segmented: recompute layer "
-                                    "ranges (same gradients, bounded memory)", ("reference", "segmented"))
+    kind: str = option("auto", "auto: the segmented engine choosing, once per length bucket, the single pass when it "
+                               "fits memory_budget_gb, else recomputed layer ranges; reference: backprop through the "
+                               "whole model; segmented: recompute layer ranges (same gradients, bounded memory)",
+                       ("auto", "reference", "segmented"))
     segment_layers: Union[int, Literal["auto"]] = option(
-        0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: sized from "
-           "memory_budget_gb", at_least=0)
-    memory_budget_gb: float = option(0.0, "memory for segment_layers: auto; 0 = 25% of RAM", at_least=0.0)
-    prefix_sharing: bool = option(False, "segmented: one [prompt; chosen; rejected] sequence per pair, the prompt "
-                                         "encoded once")
-    head_chunk_tokens: int = option(0, "segmented: LM head in chunks of this many target tokens; 0 = all at once",
-                                    at_least=0)
+        0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: as kind auto",
+        at_least=0)
+    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included); 0 = 85% of the GPU's "
+                                          "memory, or 25% of RAM on the CPU", at_least=0.0)
+    prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
+                                        "prompt encoded once")
+    head_chunk_tokens: int = option(0, "LM head in chunks of this many target tokens; 0 = all at once (auto: "
+                                       "1024 when it recomputes)", at_least=0)
+    length_bucket: Union[int, Literal["auto"]] = option(
+        "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
+                "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
+    compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
+                                  "(no faster on an H200, 30-80 s first steps: docs/gpu.md)")
 
 
 @dataclass
@@ -117,9 +130,10 @@ class TrainConfig:
     global_batch_pairs: int = option(8, "pairs per optimizer step, across all ranks", above=0)
     micro_batch_pairs: int = option(8, "pairs per forward/backward on one rank; smaller values accumulate "
                                        "gradients", above=0)
-    learning_rate: float = option(1e-4, "AdamW peak learning rate", at_least=0.0)
+    # 5e-4 + warmup, not 1e-4: on real pairs 1e-4 barely moved held-out accuracy (docs/defaults.md)
+    learning_rate: float = option(5e-4, "AdamW peak learning rate", at_least=0.0)
     schedule: str = option("cosine", "learning-rate decay after warmup", ("cosine", "linear", "constant"))
-    warmup_steps: int = option(0, "linear warmup: step s of the first N gets learning_rate * s / N", at_least=0)
+    warmup_steps: int = option(10, "linear warmup: step s of the first N gets learning_rate * s / N", at_least=0)
     min_lr_ratio: float = option(0.1, "the schedule's final learning rate as a share of the peak", at_least=0.0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0.0)
     grad_clip: float = option(1.0, "clip the global L2 norm of the LoRA gradients to this; 0 = off", at_least=0.0)
@@ -133,6 +147,9 @@ class TrainConfig:
                                          "or a checkpoint folder")
     max_skipped_steps: int = option(5, "save and stop after this many steps in a row with a non-finite loss or "
                                        "gradient (their updates are skipped)", at_least=1)
+    chosen_logps_drop_warn: float = option(0.1, "warn when the held-out eval/logps/chosen falls more than this many "
+                                                "nats/token below its step-0 value (the model is lowering the chosen "
+                                                "answers too); 0 = off", at_least=0.0)
     progress: bool = option(True, "show a progress bar on rank 0")
 
 
@@ -269,7 +286,68 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                           "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
-        raise ConfigError(f"{source}: set 'data.train' to a JSONL/JSON file, or 'data.demo_pairs' > 0 for generated pairs")
+        raise ConfigError(f"{source}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
+
+
+def is_override_flag(arg: str) -> bool:
+    """``--section.key`` or ``--section.key=VALUE``: a dot before any ``=``."""
+    return arg.startswith("--") and "." in arg.split("=", 1)[0]
+
+
+def take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--section.key VALUE`` and ``--section.key=VALUE`` from other arguments.
+
+    The one parser of the override grammar, for ``dtrain`` and ``./launch``.
+    ``(["-n", "2", "--train.steps", "5", "--model.path=x"])`` gives
+    ``(["-n", "2"], ["train.steps=5", "model.path=x"])``.
+
+    Raises:
+        ConfigError: an override flag at the end with no value.
+    """
+    others, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not is_override_flag(arg):
+            others.append(arg)
+            i += 1
+        elif "=" in arg:
+            overrides.append(arg[2:])
+            i += 1
+        elif i + 1 < len(argv):
+            overrides.append(f"{arg[2:]}={argv[i + 1]}")
+            i += 2
+        else:
+            raise ConfigError(f"override {arg} needs a value")
+    return others, overrides
+
+
+def split_overrides(argv: list[str]) -> list[str]:
+    """Overrides from ``argv`` (see :func:`take_overrides`), which must hold nothing else.
+
+    Raises:
+        ConfigError: an argument that is not ``--section.key``, or one that lacks a value.
+    """
+    others, overrides = take_overrides(argv)
+    if others:
+        raise ConfigError(f"unexpected argument {others[0]!r}: overrides look like --section.key VALUE")
+    return overrides
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``"section.key=value"`` -> ``(section, key, value)``, the value read as a YAML scalar.
+
+    Raises:
+        ConfigError: ``item`` is not of that form.
+    """
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"command line: override {item!r} must look like section.key=value")
+    dotted, text = item.split("=", 1)
+    section, key = dotted.split(".", 1)
+    try:
+        value = yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        value = text
+    return section, key, value
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
@@ -307,15 +385,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
             for key, value in values.items():
                 _apply(cfg, str(section), str(key), value, path)
     for item in overrides or []:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"command line: override {item!r} must look like section.key=value")
-        dotted, text = item.split("=", 1)
-        section, key = dotted.split(".", 1)
-        try:
-            value = yaml.safe_load(text) if text != "" else None
-        except yaml.YAMLError:
-            value = text
-        _apply(cfg, section, key, value, "command line")
+        _apply(cfg, *parse_override(item), "command line")
     _check(cfg, path or "command line")
     return cfg
 

@@ -161,7 +161,7 @@ def test_conversational_bad_rows(tmp_path):
 
 @pytest.mark.parametrize("setup, message", [
     (lambda p: None, "data file not found"),
-    (lambda p: p.mkdir(), "is a directory; expected a JSONL or JSON file"),
+    (lambda p: p.mkdir(), "is a directory but no data folder (data.train)"),
     (lambda p: p.write_text(" \n"), "file is empty"),
     (lambda p: p.write_text('{"question": "Q", "answer": "A"}\n'), "unknown row format (keys of the first row: ['answer', 'question'])"),
     (lambda p: p.write_text('[{"prompt": "Q",}]'), "1: invalid JSON array: Expecting property name enclosed in double quotes (column 17)"),

@@ -6,8 +6,8 @@ import dataclasses
 import json
 import math
 
-from .formats import parse_rows, read_objects
 from .render import tokenize_rows
+from .sources import read_rows, resolve
 
 
 def _stats(values: list) -> str:
@@ -40,7 +40,7 @@ def show_pair(pair, tokenizer, number: int) -> list:
 
 
 def check_file(path: str, cfg, tokenizer, show: int = 0) -> tuple[str, int]:
-    """A text report on one data file under the current data config, and its bad-row count.
+    """A text report on one data source (read as ``data.train`` reads it), and its bad-row count.
 
     Lists the bad rows and the dropped pairs (``file:line: reason``), the
     untruncated token lengths of prompt, chosen and rejected for the rows that
@@ -50,11 +50,11 @@ def check_file(path: str, cfg, tokenizer, show: int = 0) -> tuple[str, int]:
     the same :func:`tokenize_rows` as training.
 
     Raises:
-        DataError: the file cannot be read (missing, a directory, empty, not
-            JSON, unknown format, invalid JSON array), or the data config or
+        DataError: the data cannot be read (missing, a folder of no known
+            layout, empty, not JSON, unknown format, invalid JSON array), or the data config or
             tokenizer cannot render its rows.
     """
-    rows, report = parse_rows(read_objects(path), cfg, path)
+    rows, report = read_rows(resolve(path, cfg), cfg)
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
     report = report.merge(dataclasses.replace(tok_report, rows_read=0))

@@ -1,4 +1,4 @@
-"""Read preference files and normalise every row format to one :class:`Row`.
+"""Normalise every row format to one :class:`Row` (containers are read by sources.py).
 
 Supported row formats (``data.format``; ``auto`` detects one per file from the
 first JSON object):
@@ -30,7 +30,6 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Union
 
 from ..errors import DataError
@@ -124,80 +123,8 @@ class BadRowReport:
         return "\n".join(lines)
 
 
-# A JSONL line longer than this is reported instead of parsed and tokenized:
-# ~500k tokens, far past any max_length, and slow to tokenize.
-MAX_LINE_CHARS = 2_000_000
-
-
 class BadRow(Exception):
     """Raised inside row parsing; caught and recorded with the row's source."""
-
-
-def read_objects(path: str) -> list:
-    """Parse a JSONL file or a JSON array, detected by content.
-
-    Returns ``[(source, obj_or_BadRow)]`` in file order; a line that is not valid
-    JSON gives a :class:`BadRow`. Blank lines are skipped.
-
-    Raises:
-        DataError: missing file, a directory, an empty file, an invalid JSON
-            array, or a single JSON object that is not one-per-line.
-    """
-    p = Path(path)
-    if p.is_dir():
-        raise DataError(f"{path}: is a directory; expected a JSONL or JSON file")
-    if not p.is_file():
-        raise DataError(f"{path}: data file not found")
-    # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
-    # them are reported one by one instead of failing the whole file.
-    text = p.read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-    if not text.strip():
-        raise DataError(f"{path}: file is empty")
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
-        starts = _item_lines(text, len(items))
-        return [(f"{path}:{starts[i]}[{i}]", item) for i, item in enumerate(items)]
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        if len(line) > MAX_LINE_CHARS:
-            out.append((f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")))
-            continue
-        try:
-            out.append((f"{path}:{n}", json.loads(line)))
-        except json.JSONDecodeError as err:
-            if len(out) == 0 and n == 1:
-                _reject_single_object(path, text)
-            out.append((f"{path}:{n}", BadRow(f"invalid JSON: {err.msg} (column {err.colno})")))
-    if all(isinstance(obj, BadRow) and str(obj).startswith("invalid JSON") for _, obj in out):
-        first, why = out[0]
-        raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {len(out)} non-blank lines is JSON "
-                        f"({first.rsplit(':', 1)[1]}: {why})")
-    return out
-
-
-def _reject_single_object(path: str, text: str) -> None:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return
-    kind = type(obj).__name__
-    raise DataError(f"{path}: one JSON {kind} spread over several lines; expected JSONL (one object per line) or a JSON array of objects")
-
-
-def _item_lines(text: str, count: int) -> list:
-    """1-based line where each top-level array item starts."""
-    dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
-    ws = re.compile(r"[\s,]*")
-    for _ in range(count):
-        pos = ws.match(text, pos).end()
-        lines.append(text.count("\n", 0, pos) + 1)
-        _, pos = dec.raw_decode(text, pos)
-    return lines
 
 
 def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
@@ -218,7 +145,7 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
 def parse_rows(items: list, cfg, where: str) -> tuple:
     """Normalise parsed objects to rows; returns ``(rows, BadRowReport)``.
 
-    ``items`` is ``[(source, obj_or_BadRow)]`` as from :func:`read_objects`.
+    ``items`` is ``[(source, obj_or_BadRow)]`` as from :func:`.sources.read_items`.
 
     Raises:
         DataError: ``format: auto`` and no known format fits the first object, or
@@ -266,10 +193,13 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
     return rows, report
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")  # searched in C: a per-character loop was most of the parse time
+
+
 def _check_utf8(obj) -> None:
-    text = json.dumps(obj, ensure_ascii=False)
-    bad = next((ch for ch in text if "\ud800" <= ch <= "\udfff"), None)
-    if bad is not None:
+    found = _SURROGATE.search(json.dumps(obj, ensure_ascii=False))
+    if found is not None:
+        bad = found.group()
         detail = f"undecodable byte 0x{ord(bad) - 0xDC00:02x}" if ord(bad) >= 0xDC80 else "lone surrogate escape"
         raise BadRow(f"text is not valid UTF-8 ({detail})")
 

@@ -1,0 +1,171 @@
+"""Tokenized pairs cached by content, so a resume or a second run does not tokenize again.
+
+An entry's name is the sha256 of everything its pairs depend on: the rows (every
+field, sources included), every ``data`` config key, the tokenizer (its full
+``tokenizer.json`` serialisation, chat template and special tokens), the source
+of the data package and types.py, and the versions of the libraries
+that render and tokenize. Entries are ``.npz`` files (no pickle) written
+atomically; a damaged entry counts as absent and is written again. A tokenizer
+that cannot be serialised is never cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..types import TokenizedPair
+from .formats import BadRowReport
+from .render import tokenize_rows
+
+CACHE_VERSION = 1  # bump when the entry layout changes
+CHUNK_ROWS = 512  # rows tokenized between progress-bar updates
+
+
+def tokenizer_identity(tokenizer) -> Optional[str]:
+    """sha256 hex of what decides a tokenizer's output, or None when it cannot be serialised.
+
+    Covers the Hugging Face fast tokenizer's ``backend_tokenizer.to_str()``
+    (vocabulary, merges, normaliser, pre-tokenizer, post-processor, added
+    tokens; add-BOS/EOS flags live in its post-processor), the chat template
+    and the special tokens; works through mlx-lm's
+    ``TokenizerWrapper``, which forwards attributes to the HF tokenizer.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    facts = {"backend": backend.to_str(), "chat_template": getattr(tokenizer, "chat_template", None)}
+    for name in ("bos_token", "eos_token", "pad_token", "bos_token_id", "eos_token_id", "all_special_tokens"):
+        facts[name] = getattr(tokenizer, name, None)
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _code_identity() -> str:
+    import mlx_lm
+    import tokenizers
+    import transformers
+
+    here = Path(__file__).resolve().parent
+    parts = [f"v{CACHE_VERSION}", tokenizers.__version__, transformers.__version__, mlx_lm.__version__]
+    # every module of the data package (render.py, templates.py, ...) and the pair type
+    parts += [hashlib.sha256(p.read_bytes()).hexdigest() for p in [*sorted(here.glob("*.py")), here.parent / "types.py"]]
+    return " ".join(parts)
+
+
+def cache_key(rows: list, tokenizer, cfg) -> Optional[str]:
+    """sha256 hex naming the tokenized result of ``rows`` (see the module docstring), or None."""
+    tok = tokenizer_identity(tokenizer)
+    if tok is None:
+        return None
+    h = hashlib.sha256(f"{_code_identity()}\n{tok}\n".encode())
+    h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode())
+    for row in rows:
+        h.update(repr(row).encode("utf-8", errors="surrogatepass"))
+    return h.hexdigest()
+
+
+def tokenize_cached(rows: list, tokenizer, cfg, cache_dir: Optional[Path], progress: bool = False,
+                    desc: str = "", pending: Optional[list] = None) -> tuple:
+    """:func:`render.tokenize_rows` with a content-addressed cache in ``cache_dir``.
+
+    Returns ``(list[TokenizedPair], BadRowReport)``, equal to ``tokenize_rows``'
+    result. ``cache_dir=None`` turns the cache off. A miss tokenizes in chunks
+    with a tqdm bar on stderr (``progress``; shown after one second) and writes
+    the entry, or appends ``(path, pairs, report)`` to ``pending`` for
+    :func:`write_entries` (a run writes once it owns its output folder).
+
+    Raises:
+        DataError: as :func:`render.encode_rows`.
+    """
+    key = cache_key(rows, tokenizer, cfg) if cache_dir is not None and rows else None
+    path = Path(cache_dir) / f"{key}.npz" if key else None
+    if path is not None and path.is_file():
+        loaded = _load(path)
+        if loaded is not None:
+            return loaded
+    pairs, report = _tokenize(rows, tokenizer, cfg, progress, desc)
+    if path is not None:
+        entry = (path, pairs, report)
+        pending.append(entry) if pending is not None else write_entries([entry])
+    return pairs, report
+
+
+def write_entries(entries: list) -> None:
+    """Write ``(path, pairs, report)`` cache entries; one that cannot be written is skipped."""
+    for path, pairs, report in entries:
+        try:
+            _save(path, pairs, report)
+        except OSError:
+            pass  # a read-only or full disk costs only the next run's tokenization
+
+
+def _tokenize(rows: list, tokenizer, cfg, progress: bool, desc: str) -> tuple:
+    from tqdm import tqdm
+
+    pairs, report = [], BadRowReport()
+    label = f"tokenizing {desc}".strip()
+    with tqdm(total=len(rows), desc=label, unit="pair", disable=not progress, delay=1.0, file=sys.stderr) as bar:
+        for i in range(0, len(rows), CHUNK_ROWS):
+            part, part_report = tokenize_rows(rows[i:i + CHUNK_ROWS], tokenizer, cfg)
+            pairs += part
+            report = _add(report, part_report)
+            bar.update(min(CHUNK_ROWS, len(rows) - i))
+    return pairs, report
+
+
+def _add(report: BadRowReport, other: BadRowReport) -> BadRowReport:
+    """``report`` with ``other``'s counts added and entries appended, in place."""
+    for f in dataclasses.fields(report):
+        value = getattr(report, f.name)
+        if isinstance(value, list):
+            value.extend(getattr(other, f.name))
+        else:
+            setattr(report, f.name, value + getattr(other, f.name))
+    return report
+
+
+def _save(path: Path, pairs: list, report: BadRowReport) -> None:
+    """One ``.npz``: all token ids (int32), per-pair lengths (-1: no rejected prompt), JSON metadata."""
+    lengths = np.array([[len(p.prompt), len(p.chosen), len(p.rejected),
+                         -1 if p.rejected_prompt is None else len(p.rejected_prompt)] for p in pairs],
+                       dtype=np.int64).reshape(-1, 4)
+    tokens = np.fromiter((t for p in pairs for part in (p.prompt, p.chosen, p.rejected, p.rejected_prompt or [])
+                          for t in part), dtype=np.int32)
+    meta = {"sources": [p.source for p in pairs], "report": dataclasses.asdict(report)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, tokens=tokens, lengths=lengths, meta=np.array(json.dumps(meta)))
+        os.replace(tmp, path)  # atomic: ranks writing the same entry at once leave one whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(path: Path) -> Optional[tuple]:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            tokens, lengths, meta = z["tokens"].tolist(), z["lengths"].tolist(), json.loads(str(z["meta"]))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    pairs, pos = [], 0
+    for (p, c, r, rp), source in zip(lengths, meta["sources"]):
+        parts = []
+        for n in (p, c, r, max(rp, 0)):
+            parts.append(tokens[pos:pos + n])
+            pos += n
+        pairs.append(TokenizedPair(prompt=parts[0], chosen=parts[1], rejected=parts[2], source=source,
+                                   rejected_prompt=parts[3] if rp >= 0 else None))
+    # JSON turned the (source, reason) tuples of the report's lists into lists
+    report = {k: [tuple(e) for e in v] if isinstance(v, list) else v for k, v in meta["report"].items()}
+    return pairs, BadRowReport(**report)

@@ -1,0 +1,408 @@
+"""Where preference rows come from: files, folders, saved datasets, the hub.
+
+``data.train`` and ``data.valid`` each name one of (tried in this order):
+
+- a ``.parquet`` file, read in record batches with pyarrow; a row's source is
+  ``file.parquet:row N`` (N 0-based, the row index as in ``ds[N]``);
+- any other file: JSONL, streamed line by line (``file:line``), or a JSON array,
+  read whole (``file:line[index]``);
+- a ``datasets.save_to_disk`` folder: a Dataset (``state.json`` naming its
+  ``data-0000i-of-0000N.arrow`` stream files) or a DatasetDict
+  (``dataset_dict.json`` and one such folder per split). Read with pyarrow, so
+  ``datasets`` is not needed; sources ``folder:row N`` / ``folder[split]:row N``;
+- an mlx-lm data folder: ``train.jsonl`` for train, ``valid.jsonl`` for valid
+  (``test.jsonl`` is never read);
+- a folder of Parquet files, as ``hf download --repo-type dataset`` leaves it:
+  the files whose name or folder is the split (``data/train-00000-of-00002.parquet``,
+  ``train.parquet``, ``default/train/0000.parquet``);
+- a hub dataset id ``owner/name`` that is no local path, loaded with
+  ``datasets.load_dataset(id, split=...)`` (optional extra ``dtrain[hf]``).
+
+The split of a DatasetDict, Parquet folder or hub dataset is ``data.split`` for
+the training rows and ``data.valid_split`` for the held-out rows. Every
+container yields ``(source, object)`` items for :func:`formats.parse_rows`, so
+every row format and ``data.fields`` mapping reads the same from each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from ..errors import DataError
+from ..files import sha256_file
+from .formats import BadRow, BadRowReport, detect_format, parse_rows
+
+# A JSONL line longer than this is reported instead of parsed and tokenized:
+# ~500k tokens, far past any max_length, and slow to tokenize.
+MAX_LINE_CHARS = 2_000_000
+BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One resolved container of rows.
+
+    ``kind``: ``json`` (one JSONL/JSON file), ``parquet`` (Parquet files),
+    ``arrow`` (Arrow stream files of a saved dataset) or ``hub`` (a loaded
+    ``datasets.Dataset`` in ``dataset``). ``files``: what is read, in order (for
+    ``hub``, the dataset's Arrow cache files). ``label``: prefix of row sources
+    and messages. ``split``: the split read, if the container has splits.
+    """
+
+    kind: str
+    files: tuple
+    label: str
+    split: Optional[str] = None
+    dataset: Any = None
+
+
+def resolve(spec: str, cfg, role: str = "train") -> Source:
+    """The container named by ``spec`` (``data.train`` or ``data.valid``), for ``role``.
+
+    Raises:
+        DataError: the path does not exist and is no hub id; a folder of no known
+            layout; a split that the container does not have, or none chosen for
+            ``valid``; a hub dataset that cannot be loaded (one line saying how to
+            download it when offline).
+    """
+    key, split_attr, split_key = _ROLE_KEYS[role]
+    split = getattr(cfg, split_attr)
+    p = Path(spec)
+    if p.is_file():
+        return Source("parquet" if p.suffix == ".parquet" else "json", (p,), spec)
+    if p.is_dir():
+        return _folder(p, spec, role, split, key, split_key)
+    if is_hub_id(spec):
+        return _hub(spec, split, key, split_key)
+    raise DataError(f"{spec}: data file not found ({key})")
+
+
+def is_hub_id(spec: str) -> bool:
+    """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``."""
+    p = Path(spec)
+    return not p.exists() and bool(_HUB_ID.fullmatch(spec)) and p.suffix not in (".json", ".jsonl", ".parquet")
+
+
+def resolve_pair(cfg) -> tuple:
+    """``(train, valid_or_None)`` sources of a DataConfig with ``train`` set.
+
+    Without ``data.valid`` the held-out rows come from ``data.train``'s own
+    container when it has them: ``data.valid_split`` of a split container, or
+    ``valid.jsonl`` of an mlx-lm folder. None means: split by ``valid_fraction``.
+
+    Raises:
+        DataError: as :func:`resolve`; ``data.valid_split`` set while
+            ``data.train`` is a single file or saved Dataset.
+    """
+    train = resolve(cfg.train, cfg, "train")
+    if cfg.valid is not None:
+        return train, resolve(cfg.valid, cfg, "valid")
+    if cfg.valid_split is not None:
+        if train.split is None:
+            raise DataError(f"data.valid_split ({cfg.valid_split}) needs data.train to have splits "
+                            f"(a DatasetDict folder, a Parquet folder or a hub id); {cfg.train} has none")
+        return train, resolve(cfg.train, cfg, "valid")
+    if train.kind == "json" and Path(cfg.train).is_dir() and (Path(cfg.train) / "valid.jsonl").is_file():
+        return train, resolve(cfg.train, cfg, "valid")  # mlx-lm folder
+    return train, None
+
+
+def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split_key: str) -> Source:
+    if (p / "dataset_dict.json").is_file():
+        splits = _json_file(p / "dataset_dict.json").get("splits", [])
+        if split is None or split not in splits:
+            what = f"has no split {split!r}" if split is not None else "is a DatasetDict"
+            raise DataError(f"{spec}: {what} (splits: {', '.join(splits)}); set {split_key}")
+        return Source("arrow", _arrow_files(p / split), f"{spec}[{split}]", split)
+    if (p / "state.json").is_file():
+        return Source("arrow", _arrow_files(p), spec)
+    mlx = {"train": "train.jsonl", "valid": "valid.jsonl"}
+    if any((p / name).is_file() for name in mlx.values()):
+        f = p / mlx[role]
+        if not f.is_file():
+            raise DataError(f"{spec}: mlx-lm data folder without {mlx[role]} ({key})")
+        return Source("json", (f,), str(f))
+    parquet = sorted(q for q in p.rglob("*.parquet") if q.is_file())
+    if parquet:
+        if split is None:
+            raise DataError(f"{spec}: a folder of Parquet files; set {split_key} to choose the files")
+        chosen = tuple(q for q in parquet if _names_split(q.relative_to(p), split))
+        if not chosen:
+            shown = ", ".join(str(q.relative_to(p)) for q in parquet[:5]) + (", ..." if len(parquet) > 5 else "")
+            raise DataError(f"{spec}: no Parquet file of split {split!r} ({shown}); set {split_key}")
+        return Source("parquet", chosen, f"{spec}[{split}]", split)
+    raise DataError(f"{spec}: is a directory but no data folder ({key}); expected a JSONL/JSON/Parquet file, or a "
+                    "folder holding train.jsonl/valid.jsonl (mlx-lm), a datasets.save_to_disk folder (state.json "
+                    "or dataset_dict.json) or Parquet files")
+
+
+def _names_split(rel: Path, split: str) -> bool:
+    """``train.parquet``, ``train-00000-of-00002.parquet`` or ``train/...`` (hub layouts)."""
+    return split in rel.parts[:-1] or rel.stem == split or rel.stem.startswith(split + "-")
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: unreadable ({err})") from None
+
+
+def _arrow_files(folder: Path) -> tuple:
+    """The Arrow stream files of one saved Dataset, in row order (``state.json``)."""
+    if not (folder / "state.json").is_file():
+        raise DataError(f"{folder}: no state.json (not a datasets.save_to_disk folder)")
+    names = [f.get("filename") for f in _json_file(folder / "state.json").get("_data_files", [])]
+    files = tuple(folder / n for n in names if n)
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise DataError(f"{folder}: state.json names {'missing files ' + ', '.join(missing) if missing else 'no data files'}")
+    return files
+
+
+def _hub(spec: str, split: Optional[str], key: str, split_key: str) -> Source:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{spec}: no such file or folder; to read it as a Hugging Face hub dataset install "
+                        "the datasets library: pip install 'dtrain[hf]'") from None
+    if split is None:
+        raise DataError(f"{spec}: a hub dataset; set {split_key} ({key})")
+    try:
+        ds = datasets.load_dataset(spec, split=split)
+    except ConnectionError:
+        raise DataError(f"{spec}: hub dataset not in the local cache and the hub cannot be reached (offline?); "
+                        f"download it where there is network: hf download --repo-type dataset {spec} --local-dir DIR, "
+                        f"then set {key}: DIR") from None
+    except Exception as err:  # the library's own message names the missing dataset, split or file
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise DataError(f"{spec}: hub dataset, split {split!r}: {first}") from None
+    return dataset_source(ds, f"{spec}[{split}]", split)
+
+
+def dataset_source(ds, label: str, split: Optional[str] = None) -> Source:
+    """A :class:`Source` over a ``datasets.Dataset`` (as ``load_dataset`` returns it).
+
+    Raises:
+        DataError: a dataset held only in memory (no Arrow cache files, so no
+            content to fingerprint).
+    """
+    if not ds.cache_files:
+        raise DataError(f"{label}: the dataset has no Arrow cache files (held in memory); save it with save_to_disk")
+    return Source("hub", tuple(Path(f["filename"]) for f in ds.cache_files), label, split, ds)
+
+
+def read_items(src: Source) -> Iterator[tuple]:
+    """Yield ``(source, obj_or_BadRow)`` in row order, one record batch or line at a time.
+
+    Raises:
+        DataError: an empty or unreadable file (as a whole).
+    """
+    if src.kind == "json":
+        yield from _json_items(str(src.files[0]))
+        return
+    if src.kind == "hub":
+        yield from _table_items(src.dataset.with_format("arrow").iter(batch_size=BATCH_ROWS), src.label)
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 0  # a saved dataset numbers its rows across its files, as ds[n]
+    for f in src.files:
+        try:
+            if src.kind == "parquet":
+                with pq.ParquetFile(f) as pf:
+                    yield from _table_items(pf.iter_batches(batch_size=BATCH_ROWS), str(f))
+            else:
+                with pa.memory_map(str(f)) as mm:
+                    n = yield from _table_items(pa.ipc.open_stream(mm), src.label, n)
+        except (pa.ArrowException, OSError) as err:
+            what = "Parquet" if src.kind == "parquet" else "Arrow stream"
+            raise DataError(f"{f}: not a readable {what} file: {err}") from None
+
+
+def _table_items(batches, label: str, start: int = 0):
+    """Items of Arrow record batches (or tables); returns the next row number."""
+    n = start
+    for batch in batches:
+        plain = not all(_json_type(t) for t in batch.schema.types)
+        for obj in batch.to_pylist():
+            if plain:  # e.g. timestamp or binary columns: make the row JSON-able
+                obj = {k: _plain(v) for k, v in obj.items()}
+            yield f"{label}:row {n}", obj
+            n += 1
+    return n
+
+
+def _json_type(t) -> bool:
+    """True when Arrow type ``t`` converts to JSON-able Python values (str, numbers, lists, dicts)."""
+    import pyarrow.types as pt
+
+    if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
+        return _json_type(t.value_type)
+    if pt.is_struct(t):
+        return all(_json_type(t.field(i).type) for i in range(t.num_fields))
+    return (pt.is_string(t) or pt.is_large_string(t) or pt.is_integer(t) or pt.is_floating(t)
+            or pt.is_boolean(t) or pt.is_null(t))
+
+
+def _plain(value):
+    """JSON-able copy: bytes decoded (bad UTF-8 kept as surrogates, reported per row), others ``str``."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="surrogateescape")
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def _json_items(path: str) -> Iterator[tuple]:
+    """JSONL streamed line by line (lines split at ``\\n`` only), or a whole JSON array.
+
+    A line that is not valid JSON gives a :class:`BadRow`; blank lines are skipped.
+
+    Raises:
+        DataError: an empty file, an invalid JSON array, one JSON object spread
+            over several lines, or no line that is JSON at all (raised at the
+            end of the file, after its lines were yielded).
+    """
+    first_bad, lines, any_json = None, 0, False
+    with open(path, "rb") as f:
+        # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
+        # them are reported one by one instead of failing the whole file.
+        first = _first_char(f)
+        if not first:
+            raise DataError(f"{path}: file is empty")
+        if first == "[":
+            yield from _json_array(path, f)
+            return
+        f.seek(0)
+        for n, raw in enumerate(f, start=1):
+            line = raw.decode("utf-8", errors="surrogateescape").removesuffix("\n").removesuffix("\r")
+            if n == 1:
+                line = line.lstrip("\ufeff")
+            if not line.strip():
+                continue
+            lines += 1
+            if len(line) > MAX_LINE_CHARS:
+                any_json = True  # not judged: too long to parse
+                yield f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                if n == 1:
+                    _reject_single_object(path)
+                why = f"invalid JSON: {err.msg} (column {err.colno})"
+                first_bad = first_bad or (n, why)
+                yield f"{path}:{n}", BadRow(why)
+                continue
+            any_json = True
+            yield f"{path}:{n}", obj
+    if not any_json:
+        raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
+                        f"({first_bad[0]}: {first_bad[1]})")
+
+
+def _first_char(f) -> str:
+    """The first character that is not whitespace or a BOM ('' for none)."""
+    while chunk := f.read(1 << 16):
+        text = chunk.decode("utf-8", errors="surrogateescape").lstrip("\ufeff \t\r\n")
+        if text:
+            return text[0]
+    return ""
+
+
+def _json_array(path: str, f) -> Iterator[tuple]:
+    f.seek(0)
+    text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
+    starts = _item_lines(text, len(items))
+    for i, item in enumerate(items):
+        yield f"{path}:{starts[i]}[{i}]", item
+
+
+def _reject_single_object(path: str) -> None:
+    text = Path(path).read_bytes().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return
+    raise DataError(f"{path}: one JSON {type(obj).__name__} spread over several lines; "
+                    "expected JSONL (one object per line) or a JSON array of objects")
+
+
+def _item_lines(text: str, count: int) -> list:
+    """1-based line where each top-level array item starts."""
+    dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
+    ws = re.compile(r"[\s,]*")
+    for _ in range(count):
+        pos = ws.match(text, pos).end()
+        lines.append(text.count("\n", 0, pos) + 1)
+        _, pos = dec.raw_decode(text, pos)
+    return lines
+
+
+def read_rows(src: Source, cfg) -> tuple:
+    """Read and normalise a source's rows: ``(list[Row], BadRowReport)``.
+
+    Items are parsed :data:`BATCH_ROWS` at a time, so only one batch of raw
+    objects is alive besides the rows; ``format: auto`` is decided once, from the
+    first object of the source (as :func:`formats.parse_rows` does for a list).
+
+    Raises:
+        DataError: a source without rows, and as :func:`read_items` and
+            :func:`formats.parse_rows`.
+    """
+    items = read_items(src)
+    head = []  # items up to the first object, which decides the format
+    for item in items:
+        head.append(item)
+        if isinstance(item[1], dict):
+            break
+    if not head:
+        raise DataError(f"{src.label}: no rows")
+    fields = cfg.fields or None
+    fmt = detect_format(head[-1][1], fields) if cfg.format == "auto" and isinstance(head[-1][1], dict) else None
+    chunk_cfg = dataclasses.replace(cfg, format=fmt) if fmt is not None else cfg  # else parse_rows raises
+    rows, report = [], BadRowReport()
+    stream = itertools.chain(head, items)
+    while chunk := list(itertools.islice(stream, BATCH_ROWS)):
+        part, part_report = parse_rows(chunk, chunk_cfg, src.label)
+        rows += part
+        report.rows_read += part_report.rows_read
+        report.bad += part_report.bad
+    return rows, report
+
+
+def fingerprint(sources: list) -> str:
+    """sha256 hex of the data content, as ``Dataset.fingerprint``.
+
+    One JSON file: ``sha256sum`` of its bytes. Other containers: sha256 of
+    ``kind``, split and each file's sha256, in read order (paths do not count,
+    so a moved folder keeps its fingerprint). Several sources: sha256 of their
+    digests joined by spaces.
+    """
+    digests = []
+    for src in sources:
+        if src.kind == "json":
+            digests.append(sha256_file(src.files[0]))
+        else:
+            parts = [src.kind, src.split or ""] + [sha256_file(f) for f in src.files]
+            digests.append(hashlib.sha256("\n".join(parts).encode()).hexdigest())
+    return digests[0] if len(digests) == 1 else hashlib.sha256(" ".join(digests).encode()).hexdigest()

@@ -1,0 +1,441 @@
+"""Data containers (dtrain/data/sources.py) and the tokenization cache (dtrain/data/cache.py).
+
+Every container must give the rows a JSONL file of the same objects gives, in
+every row format; fixtures are written here (Parquet with pyarrow; save_to_disk
+folders with pyarrow in the layout `datasets` writes, checked against the real
+library when it is installed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dtrain.config import DataConfig
+from dtrain.data import check_file, load_dataset, load_rows, tokenize_rows
+from dtrain.data.cache import cache_key, tokenize_cached, write_entries
+from dtrain.data.sources import dataset_source, fingerprint, read_rows, resolve, resolve_pair
+from dtrain.errors import DataError
+
+FIELDS = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
+WORDS = ["alpha", "beta", "gamma", "ünïcode", "日本語", "line\nbreak", "sep\u2028arator", "tab\there", "\"quoted\""]
+
+
+def _text(rnd: random.Random) -> str:
+    return " ".join(rnd.choice(WORDS) for _ in range(rnd.randint(1, 6)))
+
+
+def gen_objs(fmt: str, n: int, seed: int) -> list:
+    """``n`` rows of one format; about one in five is bad (identical sides or an empty response)."""
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        q, a, b = _text(rnd), _text(rnd), _text(rnd)
+        kind = rnd.random()
+        if kind < 0.1:
+            b = a
+        elif kind < 0.2:
+            b = "  "
+        system = _text(rnd) if rnd.random() < 0.5 else None
+        msg = lambda role, content: {"role": role, "content": content}  # noqa: E731
+        out.append({
+            "standard": lambda: {"prompt": q, "chosen": a, "rejected": b, "system": system},
+            "conversational": lambda: {"prompt": [msg("user", q)], "chosen": [msg("assistant", a)],
+                                       "rejected": [msg("assistant", b)]},
+            "transcript": lambda: {"chosen": f"\n\nHuman: {q}\n\nAssistant: {a}", "rejected": f"\n\nHuman: {q}\n\nAssistant: {b}"},
+            "openai": lambda: {"input": {"messages": [msg("user", q)]}, "preferred_output": [msg("assistant", a)],
+                               "non_preferred_output": [msg("assistant", b)]},
+            "sharegpt": lambda: {"conversations": [{"from": "human", "value": q}], "chosen": {"from": "gpt", "value": a},
+                                 "rejected": {"from": "gpt", "value": b}},
+            "mapped": lambda: {"question": q, "response_j": a, "response_k": b, "score": rnd.random()},
+        }[fmt]())
+    return out
+
+
+def write_jsonl(path, objs) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs), encoding="utf-8")
+    return str(path)
+
+
+def write_parquet(path, objs, row_group_size=None) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(objs), path, row_group_size=row_group_size)
+    return str(path)
+
+
+def save_to_disk_like(folder, objs, shards: int = 1) -> str:
+    """A Dataset folder as ``datasets.Dataset.save_to_disk(folder, num_shards=shards)`` writes it.
+
+    Contiguous shards (the first ``len % shards`` get one more row), each an Arrow
+    stream file ``data-0000i-of-0000N.arrow``, listed in ``state.json``.
+    """
+    folder.mkdir(parents=True)
+    table, names, start = pa.Table.from_pylist(objs), [], 0
+    for i in range(shards):
+        size = len(objs) // shards + (i < len(objs) % shards)
+        names.append(f"data-{i:05d}-of-{shards:05d}.arrow")
+        with pa.OSFile(str(folder / names[-1]), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table.slice(start, size))
+        start += size
+    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_format_columns": None,
+             "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+    (folder / "state.json").write_text(json.dumps(state))
+    (folder / "dataset_info.json").write_text(json.dumps({"citation": "", "description": "", "features": {}}))
+    return str(folder)
+
+
+def save_dict_like(folder, splits: dict, shards=1) -> str:
+    """A DatasetDict folder: ``dataset_dict.json`` and one Dataset folder per split.
+
+    ``shards``: files per split, one number for all or ``{split: number}``.
+    """
+    for name, objs in splits.items():
+        save_to_disk_like(folder / name, objs, shards[name] if isinstance(shards, dict) else shards)
+    (folder / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    return str(folder)
+
+
+def cfg_for(fmt: str, **kw) -> DataConfig:
+    return DataConfig(fields=FIELDS if fmt == "mapped" else None, **kw)
+
+
+def plain(rows) -> list:
+    return [dataclasses.replace(r, source="") for r in rows]
+
+
+FORMATS = ["standard", "conversational", "transcript", "openai", "sharegpt", "mapped"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_container_reads_the_rows_of_the_jsonl(tmp_path, fmt):
+    objs = gen_objs(fmt, 2600, seed=FORMATS.index(fmt))  # > 2 record batches of 1024
+    cfg = cfg_for(fmt)
+    ref_rows, ref = load_rows(write_jsonl(tmp_path / "d.jsonl", objs), cfg)
+    assert len(ref_rows) + len(ref.bad) == 2600 and len(ref.bad) > 200
+    line_of = {int(src.rsplit(":", 1)[1]) - 1 for src, _ in ref.bad}  # 0-based row numbers of bad rows
+    write_jsonl(tmp_path / "mlx/train.jsonl", objs)
+    write_jsonl(tmp_path / "mlx/test.jsonl", objs[:3])
+    write_parquet(tmp_path / "hub/data/train-00000-of-00001.parquet", objs)
+    write_parquet(tmp_path / "hub/data/test-00000-of-00001.parquet", objs[:3])
+    containers = {  # name: (path, source pattern of row i)
+        "parquet": (write_parquet(tmp_path / "d.parquet", objs, row_group_size=700), "{p}:row {i}"),
+        "saved": (save_to_disk_like(tmp_path / "saved", objs, shards=3), "{p}:row {i}"),
+        "dict": (save_dict_like(tmp_path / "dict", {"test": objs[:5], "train": objs}, shards=2), "{p}[train]:row {i}"),
+        "mlx": (str(tmp_path / "mlx"), None),
+        "pqdir": (str(tmp_path / "hub"), None),
+    }
+    for name, (path, pattern) in containers.items():
+        rows, report = load_rows(path, cfg)
+        assert plain(rows) == plain(ref_rows), name
+        assert [why for _, why in report.bad] == [why for _, why in ref.bad] and report.rows_read == 2600, name
+        if pattern:
+            assert {int(src.rsplit(" ", 1)[1]) for src, _ in report.bad} == line_of, name
+            assert rows[0].source == pattern.format(p=path, i=int(ref_rows[0].source.rsplit(":", 1)[1]) - 1), name
+    assert load_rows(containers["pqdir"][0], cfg)[0][-1].source == f"{tmp_path}/hub/data/train-00000-of-00001.parquet:row 2599"
+    assert load_rows(containers["mlx"][0], cfg)[0][0].source.startswith(f"{tmp_path}/mlx/train.jsonl:")
+
+
+def test_bad_rows_name_file_and_row(tmp_path):
+    objs = [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"prompt": "Q", "chosen": None, "rejected": "b"},
+            {"prompt": "Q", "chosen": "a", "rejected": "a"}]
+    path = write_parquet(tmp_path / "x.parquet", objs)
+    rows, report = load_rows(path, DataConfig())
+    assert [r.source for r in rows] == [f"{path}:row 0"]
+    assert report.bad == [(f"{path}:row 1", "missing field 'chosen'"), (f"{path}:row 2", "chosen and rejected are identical")]
+    folder = save_dict_like(tmp_path / "dd", {"train": objs})
+    assert load_rows(folder, DataConfig())[1].bad[0] == (f"{folder}[train]:row 1", "missing field 'chosen'")
+
+
+def test_non_json_column_types(tmp_path):
+    table = pa.table({"prompt": pa.array([b"Q1", b"\xff"], pa.binary()), "chosen": ["a", "a"], "rejected": ["b", "b"],
+                      "when": pa.array([0, 1], pa.timestamp("s"))})
+    pq.write_table(table, tmp_path / "t.parquet")
+    rows, report = load_rows(str(tmp_path / "t.parquet"), DataConfig())
+    assert [(r.prompt, r.chosen) for r in rows] == [("Q1", "a")]
+    assert report.bad == [(f"{tmp_path}/t.parquet:row 1", "text is not valid UTF-8 (undecodable byte 0xff)")]
+
+
+def test_jsonl_lines_split_at_newline_only(tmp_path):
+    # json.dumps(ensure_ascii=False) leaves U+2028 and \x1c raw; both are inside strings, not line ends
+    obj = {"prompt": "a\u2028b\x1cc\rd", "chosen": "x", "rejected": "y"}
+    path = tmp_path / "u.jsonl"
+    path.write_text(json.dumps(obj, ensure_ascii=False) + "\r\n" + json.dumps(obj, ensure_ascii=False) + "\n",
+                    encoding="utf-8", newline="")
+    rows, report = load_rows(str(path), DataConfig())
+    assert report.bad == [] and [r.prompt for r in rows] == [obj["prompt"]] * 2
+    assert [r.source for r in rows] == [f"{path}:1", f"{path}:2"]
+
+
+def test_datasetdict_splits_and_valid_split(tmp_path):
+    objs = gen_objs("standard", 40, seed=1)
+    folder = save_dict_like(tmp_path / "dd", {"train": objs[:30], "test": objs[30:]})
+    train, valid = resolve_pair(DataConfig(train=folder, valid_split="test"))
+    assert (train.label, valid.label) == (f"{folder}[train]", f"{folder}[test]")
+    assert valid.files == (tmp_path / "dd/test/data-00000-of-00001.arrow",)
+    assert resolve_pair(DataConfig(train=folder))[1] is None  # held-out by valid_fraction
+    with pytest.raises(DataError) as err:
+        resolve(folder, DataConfig(split="validation"))
+    assert str(err.value) == f"{folder}: has no split 'validation' (splits: train, test); set data.split"
+    with pytest.raises(DataError) as err:
+        resolve(folder, DataConfig(), "valid")
+    assert str(err.value) == f"{folder}: is a DatasetDict (splits: train, test); set data.valid_split"
+    with pytest.raises(DataError, match=r"data.valid_split \(test\) needs data.train to have splits"):
+        resolve_pair(DataConfig(train=write_jsonl(tmp_path / "f.jsonl", objs), valid_split="test"))
+
+
+def test_mlx_folder_train_and_valid(tmp_path, tokenizer):
+    objs = gen_objs("standard", 30, seed=2)
+    write_jsonl(tmp_path / "m/train.jsonl", objs[:20])
+    folder = str(tmp_path / "m")
+    only_train = load_dataset(DataConfig(train=folder, valid_fraction=0.25), tokenizer, log=None)
+    assert len(only_train.train) + len(only_train.valid) == len(load_rows(folder, DataConfig())[0])
+    assert len(only_train.valid) > 0  # no valid.jsonl: split by valid_fraction
+    write_jsonl(tmp_path / "m/valid.jsonl", objs[20:])
+    write_jsonl(tmp_path / "m/test.jsonl", [{"broken": 1}])  # never read
+    ds = load_dataset(DataConfig(train=folder), tokenizer, log=None)
+    assert {p.source.rsplit(":", 1)[0] for p in ds.train} == {f"{folder}/train.jsonl"}
+    assert {p.source.rsplit(":", 1)[0] for p in ds.valid} == {f"{folder}/valid.jsonl"}
+    assert len(ds.train) == len(load_rows(folder, DataConfig())[0])
+    assert len(ds.valid) == len(load_rows(folder, DataConfig(), "valid")[0])
+    digest = lambda name: hashlib.sha256((tmp_path / "m" / name).read_bytes()).hexdigest()  # noqa: E731
+    assert ds.fingerprint == hashlib.sha256(f"{digest('train.jsonl')} {digest('valid.jsonl')}".encode()).hexdigest()
+    (tmp_path / "n").mkdir()
+    write_jsonl(tmp_path / "n/valid.jsonl", objs)
+    with pytest.raises(DataError) as err:
+        resolve(str(tmp_path / "n"), DataConfig())
+    assert str(err.value) == f"{tmp_path}/n: mlx-lm data folder without train.jsonl (data.train)"
+
+
+def test_parquet_folder_split_choice(tmp_path):
+    objs = gen_objs("standard", 10, seed=3)
+    for name in ("data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",
+                 "data/train_prefs-00000-of-00001.parquet", "default/test/0000.parquet"):
+        write_parquet(tmp_path / "hub" / name, objs)
+    folder = str(tmp_path / "hub")
+    src = resolve(folder, DataConfig())
+    assert [f.name for f in src.files] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+    assert [f.name for f in resolve(folder, DataConfig(split="train_prefs")).files] == ["train_prefs-00000-of-00001.parquet"]
+    assert resolve(folder, DataConfig(valid_split="test"), "valid").files == (tmp_path / "hub/default/test/0000.parquet",)
+    with pytest.raises(DataError) as err:
+        resolve(folder, DataConfig(split="validation"))
+    assert str(err.value) == (f"{folder}: no Parquet file of split 'validation' (data/train-00000-of-00002.parquet, "
+                              "data/train-00001-of-00002.parquet, data/train_prefs-00000-of-00001.parquet, "
+                              "default/test/0000.parquet); set data.split")
+
+
+def test_unknown_folder_and_missing_paths(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="is a directory but no data folder"):
+        resolve(str(tmp_path / "empty"), DataConfig())
+    with pytest.raises(DataError) as err:
+        resolve(str(tmp_path / "gone.parquet"), DataConfig())
+    assert str(err.value) == f"{tmp_path}/gone.parquet: data file not found (data.train)"
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=f"^{tmp_path}/junk.parquet: not a readable Parquet file"):
+        load_rows(str(tmp_path / "junk.parquet"), DataConfig())
+
+
+def test_empty_table_has_no_rows(tmp_path):
+    path = tmp_path / "e.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), path)
+    with pytest.raises(DataError) as err:
+        load_rows(str(path), DataConfig())
+    assert str(err.value) == f"{path}: no rows"
+
+
+def test_fingerprint_covers_content_not_place(tmp_path):
+    objs = gen_objs("standard", 20, seed=4)
+    a = save_dict_like(tmp_path / "a", {"train": objs, "test": objs[:4]}, shards=2)
+    shutil.copytree(a, tmp_path / "b")
+    fp = lambda p, **kw: fingerprint([resolve(str(p), DataConfig(**kw))])  # noqa: E731
+    assert fp(a) == fp(tmp_path / "b") and len(fp(a)) == 64
+    assert fp(a) != fp(a, split="test")
+    save_dict_like(tmp_path / "c", {"train": objs[:19] + [{**objs[19], "chosen": "changed"}], "test": objs[:4]}, shards=2)
+    assert fp(tmp_path / "c") != fp(a)
+    p1 = write_parquet(tmp_path / "p1.parquet", objs)
+    assert fp(p1) != fp(write_parquet(tmp_path / "p2.parquet", objs[1:]))
+    j = write_jsonl(tmp_path / "j.jsonl", objs)
+    assert fp(j) == hashlib.sha256((tmp_path / "j.jsonl").read_bytes()).hexdigest()  # sha256sum, as before
+
+
+def test_data_check_on_each_container(tmp_path, tokenizer):
+    objs = [{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": "Q", "chosen": "a"}]
+    for path, bad in ((write_parquet(tmp_path / "c.parquet", objs), f"{tmp_path}/c.parquet:row 1"),
+                      (save_dict_like(tmp_path / "cd", {"train": objs}), f"{tmp_path}/cd[train]:row 1")):
+        out, n_bad = check_file(path, DataConfig(), tokenizer)
+        lines = out.splitlines()
+        assert n_bad == 1 and lines[0] == f"{path}: 2 rows, 1 usable, 1 bad, 0 dropped"
+        assert lines[2] == f"  {bad}: missing field 'rejected'"
+
+
+def test_parquet_dataset_equals_jsonl_dataset(tmp_path, tokenizer):
+    objs = gen_objs("conversational", 60, seed=5)
+    cfg = dict(valid_fraction=0.2, max_length=24, max_prompt_length=12)
+    a = load_dataset(DataConfig(train=write_jsonl(tmp_path / "d.jsonl", objs), **cfg), tokenizer, seed=3, log=None)
+    b = load_dataset(DataConfig(train=write_parquet(tmp_path / "d.parquet", objs), **cfg), tokenizer, seed=3, log=None)
+    strip = lambda ps: [dataclasses.replace(p, source="") for p in ps]  # noqa: E731
+    assert strip(a.train) == strip(b.train) and strip(a.valid) == strip(b.valid) and len(a.train) > 30
+    assert (a.report.truncated, len(a.report.bad)) == (b.report.truncated, len(b.report.bad))
+
+
+class CountingTokenizer:
+    """Forwards to ``inner`` (mlx-lm's TokenizerWrapper); counts the calls that render or tokenize."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.encode(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):  # render.py calls the Hugging Face tokenizer for offsets
+        self.calls += 1
+        return self.inner._tokenizer(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_cache_equals_tokenizing_and_skips_it(tmp_path, tokenizer):
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 80, seed=6)), DataConfig())
+    cfg = DataConfig(max_length=20, max_prompt_length=10)
+    expected = tokenize_rows(rows, tokenizer, cfg)
+    assert expected[1].truncated > 0 and len(expected[0]) > 0
+    counting = CountingTokenizer(tokenizer)
+    first = tokenize_cached(rows, counting, cfg, tmp_path / "cache")
+    assert first == expected and counting.calls > 0
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert entry.name == f"{cache_key(rows, tokenizer, cfg)}.npz"
+    counting.calls = 0
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls == 0
+    entry.write_bytes(b"damaged")  # a damaged entry is tokenized and written again
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls > 0
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected
+
+
+def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
+    from conftest import make_tokenizer
+
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 10, seed=7)), DataConfig())
+    key = cache_key(rows, tokenizer, DataConfig())
+    assert key == cache_key(rows, make_tokenizer(), DataConfig())  # same tokenizer rebuilt
+    for other in (cache_key(rows[1:], tokenizer, DataConfig()),
+                  cache_key(rows[:-1] + [dataclasses.replace(rows[-1], chosen="other")], tokenizer, DataConfig()),
+                  cache_key(rows, tokenizer, DataConfig(max_length=100)),
+                  cache_key(rows, tokenizer, DataConfig(append_eos=False)),
+                  cache_key(rows, tokenizer, DataConfig(prompt_template="raw")),
+                  cache_key(rows, make_tokenizer(chat_template=None), DataConfig()),
+                  cache_key(rows, make_tokenizer(add_bos=False), DataConfig())):
+        assert other != key
+
+
+def test_load_dataset_caches_next_to_output(tmp_path, tokenizer):
+    cfg = DataConfig(train=write_parquet(tmp_path / "d.parquet", gen_objs("openai", 50, seed=8)))
+    first = load_dataset(cfg, tokenizer, log=None, cache_dir=tmp_path / "out/data_cache")
+    assert not (tmp_path / "out").exists()  # written only once the run owns its folder
+    write_entries(first.cache_entries)
+    assert len(list((tmp_path / "out/data_cache").iterdir())) == 2  # train and valid
+    counting = CountingTokenizer(tokenizer)
+    again = load_dataset(cfg, counting, log=None, cache_dir=tmp_path / "out/data_cache")
+    assert again == first and counting.calls == 0 and again.cache_entries == []
+
+
+def _datasets():
+    return pytest.importorskip("datasets")
+
+
+def test_fixture_layout_matches_datasets(tmp_path):
+    ds_lib = _datasets()
+    objs = gen_objs("conversational", 25, seed=9)
+    ds_lib.DatasetDict({"train": ds_lib.Dataset.from_list(objs), "test": ds_lib.Dataset.from_list(objs[:7])}).save_to_disk(
+        str(tmp_path / "real"), num_shards={"train": 3, "test": 1})
+    save_dict_like(tmp_path / "ours", {"train": objs, "test": objs[:7]}, shards={"train": 3, "test": 1})
+    files = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())  # noqa: E731
+    assert files(tmp_path / "real") == files(tmp_path / "ours") and len(files(tmp_path / "ours")) == 9
+    real_state = json.loads((tmp_path / "real/train/state.json").read_text())
+    assert set(real_state) == set(json.loads((tmp_path / "ours/train/state.json").read_text()))
+    for split in ("train", "test"):
+        cfg = DataConfig(split=split)
+        real, ours = load_rows(str(tmp_path / "real"), cfg), load_rows(str(tmp_path / "ours"), cfg)
+        assert plain(real[0]) == plain(ours[0]) and [r.source for r in real[0]] == [
+            s.replace("/ours", "/real") for s in (r.source for r in ours[0])]
+    single = tmp_path / "single"
+    ds_lib.Dataset.from_list(objs).save_to_disk(str(single))
+    assert plain(load_rows(str(single), DataConfig())[0]) == plain(load_rows(str(tmp_path / "ours"), DataConfig())[0])
+
+
+def test_hub_dataset_rows(tmp_path):
+    ds_lib = _datasets()
+    objs = gen_objs("sharegpt", 30, seed=10)
+    path = write_parquet(tmp_path / "d.parquet", objs)
+    ds = ds_lib.load_dataset("parquet", data_files={"train": path}, split="train", cache_dir=str(tmp_path / "hf"))
+    src = dataset_source(ds, "owner/name[train]", "train")
+    rows, report = read_rows(src, DataConfig())
+    ref_rows, ref = load_rows(path, DataConfig())
+    assert plain(rows) == plain(ref_rows) and report.bad == [(s.replace(path, "owner/name[train]"), w) for s, w in ref.bad]
+    assert rows[0].source == ref_rows[0].source.replace(path, "owner/name[train]")
+    assert len(fingerprint([src])) == 64
+    with pytest.raises(DataError, match="has no Arrow cache files"):
+        dataset_source(ds_lib.Dataset.from_list(objs), "mem")
+
+
+def _resolve_in_subprocess(spec: str, env: dict, prelude: str = "") -> str:
+    code = (prelude + "from dtrain.config import DataConfig\nfrom dtrain.data.sources import resolve\n"
+            "from dtrain.errors import DataError\n"
+            f"try:\n    resolve({spec!r}, DataConfig())\nexcept DataError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
+    return out.stdout.strip()
+
+
+def test_hub_id_offline_says_how_to_download():
+    _datasets()
+    msg = _resolve_in_subprocess("owner-x/no-such-dataset", {"HF_HUB_OFFLINE": "1"})
+    assert msg == ("owner-x/no-such-dataset: hub dataset not in the local cache and the hub cannot be reached "
+                   "(offline?); download it where there is network: hf download --repo-type dataset "
+                   "owner-x/no-such-dataset --local-dir DIR, then set data.train: DIR")
+
+
+def test_hub_id_without_datasets_library():
+    no_datasets = "import sys\nsys.modules['datasets'] = None  # import datasets raises ImportError\n"
+    assert _resolve_in_subprocess("owner/name", {}, no_datasets) == (
+        "owner/name: no such file or folder; to read it as a Hugging Face hub dataset "
+        "install the datasets library: pip install 'dtrain[hf]'")
+
+
+def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):
+    from types import SimpleNamespace
+
+    from conftest import make_tiny_model, make_tokenizer
+    from dtrain.config import load_config
+    from dtrain.trainer import train
+
+    objs = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(12)]
+    data = write_parquet(tmp_path / "d.parquet", objs)
+    out = tmp_path / "out"
+
+    def run(steps: int, *extra):
+        cfg = load_config(None, [f"data.train={data}", f"train.output_dir={out}", f"train.steps={steps}",
+                                 "train.global_batch_pairs=2", "train.micro_batch_pairs=2", "lora.rank=2",
+                                 "train.progress=false", "train.save_every=1", *extra])
+        tok = CountingTokenizer(make_tokenizer())
+        train(cfg, loaded=SimpleNamespace(model=make_tiny_model(), tokenizer=tok, identity="tiny", source="tiny",
+                                          reference={}))
+        return tok.calls
+
+    assert run(1) > 0 and len(list((out / "data_cache").iterdir())) == 2
+    assert run(2, "train.resume=auto") == 0  # the resumed run reads the cache
