@@ -79,14 +79,20 @@ def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int
         when ``pairs`` is empty) and the summed gradient tree (None without
         grads or pairs).
     """
-    sums, grads = dict.fromkeys(METRIC_KEYS, 0.0), None
+    sums, grads, device = dict.fromkeys(METRIC_KEYS, 0.0), None, {}
     for chunk in sampler.micro_batches(pairs, micro):
         result = engine.step(chunk, norm) if with_grads else engine.evaluate(chunk, norm)
         if with_grads:
             grads = result.grads if grads is None else tree_map(lambda a, b: a + b, grads, result.grads)
-        mx.eval(result.loss, result.sums, grads)  # one sync per micro-batch bounds memory
-        for k, v in result.sums.items():
-            sums[k] += float(v)
+        for k, v in result.sums.items():  # device sums stay on the device; host counts add here
+            if isinstance(v, mx.array):
+                device[k] = device[k] + v if k in device else v
+            else:
+                sums[k] += v
+        mx.eval(result.loss, list(device.values()), grads)  # one sync per micro-batch bounds memory
+    if device:  # one read for all of them
+        for k, v in zip(device, mx.stack(list(device.values())).tolist()):
+            sums[k] += v
     return sums, grads
 
 
