@@ -102,16 +102,24 @@ class OrpoConfig:
 class EngineConfig:
     """How the loss and LoRA gradients are computed (see dtrain/engine)."""
 
-    kind: str = option("reference", "reference: backprop through the whole model; segmented: recompute layer "
-                                    "ranges (same gradients, bounded memory)", ("reference", "segmented"))
+    kind: str = option("auto", "auto: the segmented engine choosing, once per length bucket, the single pass when it "
+                               "fits memory_budget_gb, else recomputed layer ranges; reference: backprop through the "
+                               "whole model; segmented: recompute layer ranges (same gradients, bounded memory)",
+                       ("auto", "reference", "segmented"))
     segment_layers: Union[int, Literal["auto"]] = option(
-        0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: sized from "
-           "memory_budget_gb", at_least=0)
-    memory_budget_gb: float = option(0.0, "memory for segment_layers: auto; 0 = 25% of RAM", at_least=0.0)
-    prefix_sharing: bool = option(False, "segmented: one [prompt; chosen; rejected] sequence per pair, the prompt "
-                                         "encoded once")
-    head_chunk_tokens: int = option(0, "segmented: LM head in chunks of this many target tokens; 0 = all at once",
-                                    at_least=0)
+        0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: as kind auto",
+        at_least=0)
+    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included); 0 = 85% of the GPU's "
+                                          "memory, or 25% of RAM on the CPU", at_least=0.0)
+    prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
+                                        "prompt encoded once")
+    head_chunk_tokens: int = option(0, "LM head in chunks of this many target tokens; 0 = all at once (auto: "
+                                       "1024 when it recomputes)", at_least=0)
+    length_bucket: Union[int, Literal["auto"]] = option(
+        "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
+                "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
+    compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
+                                  "(no faster on an H200, 30-80 s first steps: docs/gpu.md)")
 
 
 @dataclass
@@ -122,9 +130,10 @@ class TrainConfig:
     global_batch_pairs: int = option(8, "pairs per optimizer step, across all ranks", above=0)
     micro_batch_pairs: int = option(8, "pairs per forward/backward on one rank; smaller values accumulate "
                                        "gradients", above=0)
-    learning_rate: float = option(1e-4, "AdamW peak learning rate", at_least=0.0)
+    # 5e-4 + warmup, not 1e-4: on real pairs 1e-4 barely moved held-out accuracy (docs/defaults.md)
+    learning_rate: float = option(5e-4, "AdamW peak learning rate", at_least=0.0)
     schedule: str = option("cosine", "learning-rate decay after warmup", ("cosine", "linear", "constant"))
-    warmup_steps: int = option(0, "linear warmup: step s of the first N gets learning_rate * s / N", at_least=0)
+    warmup_steps: int = option(10, "linear warmup: step s of the first N gets learning_rate * s / N", at_least=0)
     min_lr_ratio: float = option(0.1, "the schedule's final learning rate as a share of the peak", at_least=0.0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0.0)
     grad_clip: float = option(1.0, "clip the global L2 norm of the LoRA gradients to this; 0 = off", at_least=0.0)
@@ -138,6 +147,9 @@ class TrainConfig:
                                          "or a checkpoint folder")
     max_skipped_steps: int = option(5, "save and stop after this many steps in a row with a non-finite loss or "
                                        "gradient (their updates are skipped)", at_least=1)
+    chosen_logps_drop_warn: float = option(0.1, "warn when the held-out eval/logps/chosen falls more than this many "
+                                                "nats/token below its step-0 value (the model is lowering the chosen "
+                                                "answers too); 0 = off", at_least=0.0)
     progress: bool = option(True, "show a progress bar on rank 0")
 
 
