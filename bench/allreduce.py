@@ -12,6 +12,17 @@ random float32 trees shaped like the LoRA gradients, and the median of
 reference-engine step of a random SmolLM2-shaped model (one pair, ``--step-tokens``
 tokens per side) on this machine; no 7B step fits on it, so that share is left out.
 Prints a markdown table and writes ``bench/results/allreduce.json``.
+
+    python bench/allreduce.py --endurance 10000 [--timeout 30]
+
+Endurance instead: that many consecutive ``all_sum_tree`` calls of the
+SmolLM2-135M r8 LoRA gradient (2,442,240 float32) at 3 ranks over the ring and
+2 ranks over MPI, each under the collective watchdog. Every call sums
+integer-valued contributions that change with the call and the rank, so each
+rank checks the exact sum of every call. A worker that exits (a watchdog
+firing = a hang, or a failure) is started again from the next call, as
+``./launch --max-restarts`` would. Reports hangs, failures, wrong sums and
+per-call latency percentiles; writes ``bench/results/allreduce-endurance.json``.
 """
 
 from __future__ import annotations
@@ -64,21 +75,97 @@ def worker(out: Path, repeats: int) -> None:
         (out / f"{group.backend}-{group.size}.json").write_text(json.dumps(times))
 
 
-def launch(backend: str, n: int, out: Path, repeats: int) -> dict:
+def run_ranks(backend: str, n: int, worker_args: list, check: bool = True, port: int = 33500) -> int:
+    """Run this script with ``worker_args`` on ``n`` ranks (ring via mlx.launch, or mpirun); returns the exit status."""
     env, _ = blas_env(dict(os.environ))
     env.update(PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, "--worker", str(out), "--repeats", str(repeats)]
+    cmd = [sys.executable, __file__, *worker_args]
     if n == 1:
-        subprocess.run(cmd, env=env, check=True)
-        return json.loads((out / "none-1.json").read_text())
+        return subprocess.run(cmd, env=env, check=check).returncode
     if backend == "mpi":
         blas_flags = [x for k in CHILD_VARS if k in env for x in ("-x", k)]
-        subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *blas_flags, "-x",
-                        "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS", *cmd], env=env, check=True, capture_output=True)
-    else:
-        launcher = Path(sys.executable).parent / "mlx.launch"
-        subprocess.run([str(launcher), "-n", str(n), "--python", sys.executable, "--", *cmd[1:]], env=env, check=True)
-    return json.loads((out / f"{backend}-{n}.json").read_text())
+        return subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", str(n), *blas_flags, "-x",
+                               "PYTHONPATH", "-x", "OPENBLAS_NUM_THREADS", *cmd], env=env, check=check,
+                              capture_output=True).returncode
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    return subprocess.run([str(launcher), "-n", str(n), "--starting-port", str(port), "--python", sys.executable, "--",
+                           *cmd[1:]], env=env, check=check).returncode
+
+
+def launch(backend: str, n: int, out: Path, repeats: int) -> dict:
+    run_ranks(backend, n, ["--worker", str(out), "--repeats", str(repeats)])
+    return json.loads((out / f"{backend if n > 1 else 'none'}-{n}.json").read_text())
+
+
+def endurance_worker(out: Path, start: int, calls: int, timeout_s: float) -> int:
+    """One rank: calls ``start .. calls-1`` of ``all_sum_tree``, each sum checked exactly.
+
+    Rank ``r`` contributes ``base * (r + 1) + (i % 1000)`` at call ``i`` (``base``:
+    integers 0..999), so the sum is ``base * n(n+1)/2 + n * (i % 1000)``, exact in
+    float32. Each rank appends ``i seconds ok`` per call to ``out/rank-R.txt``.
+    Returns 4 when MLX reported a lost peer; a hang ends the process through
+    the watchdog (exit status 3).
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dtrain.distributed import CollectiveError, init_group
+
+    group = init_group("any", timeout_s=timeout_s)
+    n, r = group.size, group.rank
+    shapes = lora_shapes(*SHAPES["SmolLM2-135M r8"])
+    sizes = [a * b for a, b in shapes]
+    base_flat = mx.arange(sum(sizes), dtype=mx.int32) % 1000  # (2442240,)
+    base, offset = {}, 0
+    for k, (shape, size) in enumerate(zip(shapes, sizes)):
+        base[f"p{k}"] = base_flat[offset : offset + size].reshape(shape).astype(mx.float32)
+        offset += size
+    base_flat = base_flat.astype(mx.float32)
+    mx.eval(base, base_flat)
+    with open(out / f"rank-{r}.txt", "a") as log:
+        for i in range(start, calls):
+            tree = {k: v * (r + 1) + (i % 1000) for k, v in base.items()}
+            mx.eval(tree)
+            t0 = time.perf_counter()
+            try:
+                summed = group.all_sum_tree(tree, i, "endurance all_sum")
+            except CollectiveError as err:
+                print(f"rank {r} call {i}: {err}", file=sys.stderr, flush=True)
+                return 4
+            seconds = time.perf_counter() - t0
+            flat = mx.concatenate([v.reshape(-1) for _, v in tree_flatten(summed)])
+            ok = bool(mx.array_equal(flat, base_flat * (n * (n + 1) // 2) + n * (i % 1000)).item())
+            log.write(f"{i} {seconds:.6f} {int(ok)}\n")
+            log.flush()
+    return 0
+
+
+def endurance(backend: str, n: int, calls: int, timeout_s: float, scratch: Path, max_restarts: int = 50) -> dict:
+    """Run ``calls`` checked all-reduces on ``n`` ranks, restarting workers that exit; returns the counts."""
+    import statistics
+
+    out = scratch / f"{backend}-{n}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    exits, start, t0 = [], 0, time.time()
+    while start < calls and len(exits) <= max_restarts:
+        code = run_ranks(backend, n, ["--endurance-worker", str(out), "--start", str(start), "--endurance", str(calls),
+                                      "--timeout", str(timeout_s)], check=False, port=33500 + 10 * len(exits))
+        done = [int(line.split()[0]) for line in (out / "rank-0.txt").read_text().splitlines()] if (out / "rank-0.txt").exists() else []
+        if code == 0 and done and done[-1] == calls - 1:
+            break
+        exits.append({"code": code, "after_call": done[-1] if done else None})
+        start = (done[-1] + 1) if done else 0
+    rows = {r: [line.split() for line in (out / f"rank-{r}.txt").read_text().splitlines()] for r in range(n)}
+    wrong = sorted({int(i) for r in rows.values() for i, _, ok in r if ok != "1"})
+    lat = sorted(float(s) for _, s, _ in rows[0])
+    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3  # noqa: E731
+    hangs = sum(1 for e in exits if e["code"] == 3 or e["code"] == 3 + 128)
+    return {"backend": backend, "ranks": n, "calls": len({int(i) for i, _, _ in rows[0]}), "target_calls": calls,
+            "params": sum(a * b for a, b in lora_shapes(*SHAPES["SmolLM2-135M r8"])), "watchdog_s": timeout_s,
+            "worker_exits": exits, "hangs": hangs, "failures": len(exits) - hangs, "wrong_sums": len(wrong),
+            "wrong_calls": wrong[:20], "p50_ms": pick(0.50), "p99_ms": pick(0.99), "max_ms": lat[-1] * 1e3,
+            "mean_ms": statistics.fmean(lat) * 1e3, "wall_minutes": (time.time() - t0) / 60}
 
 
 def demo_step_seconds(tokens: int) -> float:
@@ -112,12 +199,27 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--step-tokens", type=int, default=256)
+    p.add_argument("--endurance", type=int, default=0, help="checked all-reduce calls per backend (endurance mode)")
+    p.add_argument("--timeout", type=float, default=30.0, help="endurance: collective watchdog in seconds")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--endurance-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(Path(args.worker), args.repeats)
         return 0
+    if args.endurance_worker:
+        return endurance_worker(Path(args.endurance_worker), args.start, args.endurance, args.timeout)
     results = ROOT / "bench" / "results"
+    if args.endurance:
+        scratch = results / "allreduce-endurance-scratch"
+        runs = [("ring", 3)] + ([("mpi", 2)] if shutil.which("mpirun") else [])
+        rows = []
+        for backend, n in runs:
+            rows.append(endurance(backend, n, args.endurance, args.timeout, scratch))
+            print(json.dumps(rows[-1]), flush=True)
+        (results / "allreduce-endurance.json").write_text(json.dumps({"rows": rows}, indent=1))
+        return 0
     scratch = results / "allreduce-scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     step = demo_step_seconds(args.step_tokens)

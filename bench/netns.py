@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dtrain.launch_plan import base_env, ring_hostfile  # noqa: E402
+from dtrain.launch.env import ring_hostfile  # noqa: E402
+from dtrain.launch.plan import base_env  # noqa: E402
 
 SMOLLM2_LORA_PARAMS = 30 * 8 * (2 * 1152 + 2 * 768 + 3 * 2112)  # 2,442,240
 TBF = "burst {burst} latency 400ms"  # burst 32kbit = a 4 KB bucket

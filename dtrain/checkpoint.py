@@ -1,96 +1,182 @@
-"""Checkpoints: everything needed to continue a run exactly, written atomically.
+"""Run state, checkpoints and output-folder ownership: everything needed to continue a run exactly.
 
 A checkpoint is a folder ``OUTPUT_DIR/checkpoints/step-NNNNNNN`` holding
 
-- the adapter in mlx-lm's format (``adapters.safetensors``, ``adapter_config.json``),
-  loadable on its own by ``mlx_lm.generate --adapter-path``;
+- the adapter in mlx-lm's format (``adapters.safetensors``, ``adapter_config.json``,
+  written by :func:`dtrain.lora.write_adapter`), loadable on its own by
+  ``mlx_lm.generate --adapter-path``;
 - ``optimizer.safetensors``: the AdamW state (moments, step, learning rate);
-- ``state.json``: step, skipped steps, the RNG state, the data position
-  (epoch, cursor in the global pair stream, seed), the TensorBoard run
-  folder, world size and global batch, and the identities the run must keep
-  (model, data fingerprint, LoRA shapes);
+- ``state.json``: the :class:`RunState`;
 - ``config.yaml``: the resolved config;
 - ``manifest.json``: sha256 and size of every file, written last.
 
-It is written into a hidden temporary folder, every file fsynced, then renamed
-into place, so a crash leaves the previous checkpoint or the new one, never a
-half-written folder that looks valid. A folder is valid only when its manifest
-exists and every checksum matches.
+It is written with :func:`dtrain.files.atomic_folder`, so a crash leaves the
+previous checkpoint or the new one, never a half-written folder that looks
+valid. A folder is valid only when its manifest exists and every checksum
+matches.
+
+One run owns its output folder for its whole life: :func:`lock_output` takes
+an exclusive ``flock`` on ``OUTPUT_DIR/.dtrain.lock``, so a second run into the
+same folder stops before it writes anything; a checkpoint of another run is
+never replaced.
+
+:func:`resume` is the one way a run continues: rank 0 finds and validates the
+checkpoint, checks every field of its :class:`RunState` against this run, and
+sends the step, weights and optimizer state to every rank (other ranks never
+read the checkpoint, so they need no copy of it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import hashlib
 import json
 import os
+import secrets
 import shutil
-from dataclasses import dataclass
+import socket
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
+import numpy as np
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
-from .files import fsync_path, sha256_file
-from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
+from .files import atomic_folder, sha256_file
+from .lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 PREFIX = "step-"
+LOCK = ".dtrain.lock"
+
+
+@dataclass
+class RunState:
+    """What a checkpoint says about its run, besides the arrays (``state.json``).
+
+    ``seed``, ``global_batch_pairs``, ``data``, ``model`` and ``lora_shapes``
+    must be equal for a run to continue from the checkpoint: ``data`` holds
+    every ``data.*`` key, the data files' fingerprint, the number of training
+    pairs and a sha256 of their token ids, so together with the seed and the
+    global batch they decide which pairs each step sees.
+    """
+
+    step: int
+    skipped_steps: int
+    run_id: str  # made when a run starts fresh, kept across resumes
+    seed: int  # train.seed: pair order and per-step RNG
+    global_batch_pairs: int
+    world_size: int  # informational: a resume may use another world size
+    data: dict
+    model: str  # LoadedModel.identity
+    lora_shapes: dict  # parameter name -> shape
+    position: dict = field(default_factory=dict)  # sampler.Sampler.position(step)
+    tensorboard_run: Optional[str] = None
+    evals: dict = field(default_factory=dict)  # "step" -> eval metrics of the whole run
+
+    def must_match(self) -> dict:
+        """``{name shown to the user: value}`` of every field a resume may not change."""
+        return {"train.seed": self.seed, "train.global_batch_pairs": self.global_batch_pairs, **self.data,
+                "model": self.model, "lora shapes": self.lora_shapes}
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "RunState":
+        """Parse ``state.json``.
+
+        Raises:
+            UserError: naming the fields an older or foreign ``state.json`` lacks.
+        """
+        raw = json.loads(text)
+        names = [f.name for f in dataclasses.fields(cls)]
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        missing = [n for n in required if n not in raw]
+        if missing:
+            raise UserError(f"resume: {where} lacks {', '.join(missing)} (written by an older dtrain?); "
+                            f"it cannot be resumed by this version")
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def data_identity(data_keys: dict, fingerprint: str, train_pairs: list) -> dict:
+    """The ``data`` field of :class:`RunState`: every ``data.*`` key and what the pairs are.
+
+    Args:
+        data_keys: the resolved ``data`` section (``to_dict(cfg)["data"]``).
+        fingerprint: ``Dataset.fingerprint`` (sha256 of the data files).
+        train_pairs: the tokenized training pairs, in order.
+    """
+    digest = hashlib.sha256()
+    for p in train_pairs:
+        for ids in (p.prompt, p.chosen, p.rejected):
+            digest.update(np.asarray(ids, np.int64).tobytes() + b"|")
+    return {**{f"data.{k}": v for k, v in data_keys.items()}, "data fingerprint": fingerprint,
+            "training pairs": len(train_pairs), "training pairs sha256": digest.hexdigest()}
+
+
+def new_run_id() -> str:
+    """A fresh run's id: time, host and 64 random bits (two runs in one process and second differ)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{secrets.token_hex(8)}"
 
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint: its folder, ``state.json`` contents and arrays."""
+    """A loaded checkpoint: its folder, state and arrays."""
 
     path: Path
-    state: dict
+    state: RunState
     adapter: dict  # name -> array
     optimizer: dict  # flattened optimizer state
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, lora_cfg, state: dict, resolved: dict) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically and return its folder.
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:07d}"
+
+
+def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, resolved: dict,
+                    base_model: Optional[dict] = None) -> Path:
+    """Write checkpoint ``state.step`` under ``root`` atomically and return its folder.
+
+    A folder of the same step is replaced only when it is not a valid
+    checkpoint of another run (a re-save of this run's own step, or debris).
 
     Args:
         root: ``OUTPUT_DIR/checkpoints``.
+        state: the run state after ``state.step``.
         model: the model with LoRA layers; its trainable parameters are saved.
         optimizer: an initialised ``mlx.optimizers`` optimizer.
         lora_cfg: the LoRA config (for ``adapter_config.json``).
-        state: JSON-able trainer state (see module docstring); ``step`` is added.
         resolved: the resolved config as plain data.
+        base_model: the base model reference for ``adapter_config.json``.
     Raises:
-        UserError: the folder could not be written (disk full, permissions);
-            the previous checkpoints are left untouched.
+        UserError: the folder could not be written (disk full, permissions;
+            the previous checkpoints are left untouched), or ``step-N`` is a
+            valid checkpoint of another run.
     """
-    final = root / f"{PREFIX}{step:07d}"
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    final = checkpoint_dir(root, state.step)
+    owner = run_id_of(final)
+    if owner is not None and owner != state.run_id:
+        raise UserError(f"{final} is a checkpoint of another run (run id {owner}; this run is {state.run_id}); "
+                        f"not replacing it")
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        mx.save_safetensors(str(tmp / ADAPTER_WEIGHTS), dict(tree_flatten(model.trainable_parameters())))
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora_cfg, model), indent=2))
-        mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-        (tmp / STATE).write_text(json.dumps({**state, "step": step}, indent=2))
-        (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
-        files = sorted(p for p in tmp.iterdir())
-        for p in files:
-            fsync_path(p)
-        manifest = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
-        fsync_path(tmp / MANIFEST)
-        fsync_path(tmp)
-        if final.exists():  # a re-save of the same step (e.g. after resume)
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_path(root)
+        with atomic_folder(final) as tmp:
+            write_adapter(tmp, model, lora_cfg, base_model)
+            mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
+            (tmp / STATE).write_text(state.to_json())
+            (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
+            files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+            (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=2))
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"could not write checkpoint {final}: {err.strerror or err}; "
                         f"the previous checkpoints are intact") from None
     return final
@@ -114,6 +200,13 @@ def validate(path: Path) -> Optional[str]:
     return None
 
 
+def run_id_of(path: Path) -> Optional[str]:
+    """The run id of a valid checkpoint folder (``""`` for an older one without), None when not valid."""
+    if not path.is_dir() or validate(path) is not None:
+        return None
+    return str(json.loads((path / STATE).read_text()).get("run_id", ""))
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Checkpoint folders under ``root`` (valid or not), oldest step first."""
     if not root.is_dir():
@@ -135,7 +228,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     """Read a checkpoint folder.
 
     Raises:
-        UserError: the folder is missing or not a valid checkpoint.
+        UserError: the folder is missing, not a valid checkpoint, or its
+            ``state.json`` lacks fields.
     """
     path = Path(path)
     if not path.is_dir():
@@ -143,38 +237,115 @@ def load_checkpoint(path: Path) -> Checkpoint:
     problem = validate(path)
     if problem is not None:
         raise UserError(f"resume: {path} is not a valid checkpoint: {problem}")
-    state = json.loads((path / STATE).read_text())
+    state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
     return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)))
 
 
-def restore(ckpt: Checkpoint, model, optimizer) -> None:
-    """Put the checkpoint's LoRA weights and optimizer state into ``model``/``optimizer``."""
-    model.load_weights(list(ckpt.adapter.items()), strict=False)
-    optimizer.state = tree_unflatten(list(ckpt.optimizer.items()))
+def _differs(name: str, saved, now) -> str:
+    if isinstance(saved, dict) and isinstance(now, dict):  # name the first entry that differs
+        key = next(k for k in sorted(set(saved) | set(now), key=str) if saved.get(k) != now.get(k))
+        return f"{name} ({key}: {saved.get(key)!r} in the checkpoint, {now.get(key)!r} now)"
+    return f"{name}: {saved!r} in the checkpoint, {now!r} now"
+
+
+def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: Path) -> None:
+    """Refuse to continue ``saved`` when a field that decides what is trained changed.
+
+    Args:
+        current: this run's state (its ``step`` and bookkeeping are ignored).
+        next_pairs: the pair indices this run's sampler gives step ``saved.step + 1``.
+    Raises:
+        UserError: naming every changed key with both values.
+    """
+    was = saved.must_match()
+    now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
+    diffs = [_differs(k, was.get(k), now.get(k)) for k in [*now, *(k for k in was if k not in now)]
+             if was.get(k) != now.get(k)]
+    if not diffs and saved.position.get("next_pairs") != next_pairs:
+        diffs.append(f"the sampler's pairs for step {saved.step + 1}: {saved.position.get('next_pairs')} in the "
+                     f"checkpoint, {next_pairs} now (a dtrain version with another sampler?)")
+    if diffs:
+        raise UserError(f"resume: {path} was made with different settings: {'; '.join(diffs)}. These decide which "
+                        f"pairs each step sees or what is trained; set them back, or train into a new "
+                        f"train.output_dir")
+
+
+def restore(model, optimizer, adapter: dict, optimizer_state: dict) -> None:
+    """Put LoRA weights and a flattened optimizer state into ``model``/``optimizer``."""
+    model.load_weights(list(adapter.items()), strict=False)
+    optimizer.state = tree_unflatten(list(optimizer_state.items()))
     mx.eval(model.trainable_parameters(), optimizer.state)
 
 
-def check_compatible(ckpt: Checkpoint, facts: dict, global_batch_pairs: int) -> None:
-    """Refuse to resume into a different model, data, LoRA shape or global batch.
+def _spec(arrays: dict) -> dict:
+    return {k: [list(v.shape), str(v.dtype).rsplit(".", 1)[-1]] for k, v in arrays.items()}
+
+
+def _zeros(spec: dict) -> dict:
+    return {k: mx.zeros(shape, dtype=getattr(mx, dtype)) for k, (shape, dtype) in spec.items()}
+
+
+def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Callable[[int], list], model, optimizer,
+           group, report: Callable[[str], None] = print) -> Optional[Checkpoint]:
+    """Continue a run: find, validate, check and restore a checkpoint, the same on every rank.
+
+    Rank 0 alone reads checkpoints: it finds the one ``spec`` names (``auto``:
+    the newest valid one under ``root``, invalid ones reported and skipped;
+    else a folder path), checks it with :func:`check_resumable` and checks that
+    ``root`` holds no valid checkpoint of another run. Its decision and the
+    :class:`RunState` go to every rank as text, then the LoRA weights and
+    optimizer state as arrays (:meth:`dtrain.distributed.Group.broadcast_arrays`,
+    bit for bit), and every rank restores them.
 
     Args:
-        facts: ``{"model": ..., "data": ..., "lora shapes": ...}`` of this run.
+        spec: ``train.resume``: None, ``auto`` or a checkpoint folder.
+        root: ``OUTPUT_DIR/checkpoints`` (rank 0's).
+        current: this run's state, for :func:`check_resumable`.
+        next_pairs: step -> pair indices of this run's sampler.
+        group: the process group.
+        report: where rank 0 reports skipped checkpoints.
+    Returns:
+        The checkpoint continued (``adapter``/``optimizer`` as restored), or
+        None to start at step 1 (no ``spec``, or ``auto`` found none).
     Raises:
-        UserError: naming every fact that differs.
+        UserError: on every rank, with rank 0's reason.
     """
-    saved = ckpt.state.get("identity", {})
-    diffs = [name for name, value in facts.items() if json.dumps(saved.get(name), sort_keys=True) != json.dumps(value, sort_keys=True)]
-    if ckpt.state.get("global_batch_pairs") != global_batch_pairs:
-        diffs.append(f"global batch ({ckpt.state.get('global_batch_pairs')} in the checkpoint, {global_batch_pairs} now)")
-    if diffs:
-        raise UserError(f"resume: {ckpt.path} was made with a different {', '.join(diffs)}; refusing to continue")
+    if spec is None:
+        return None
+    decision: dict = {"path": None}
+    found = None
+    if group.is_main:
+        try:
+            path = find_latest(root, report) if spec == "auto" else Path(spec)
+            if path is not None:
+                found = load_checkpoint(path)
+                check_resumable(found.state, current, next_pairs(found.state.step + 1), path)
+                others = [p.name for p in list_checkpoints(root) if run_id_of(p) not in (None, found.state.run_id)]
+                if others:
+                    raise UserError(f"{root} also holds checkpoints of another run ({', '.join(others)}); resuming "
+                                    f"{path} there would mix two runs: train into a new train.output_dir")
+                decision = {"path": str(path), "state": dataclasses.asdict(found.state),
+                            "adapter": _spec(found.adapter), "optimizer": _spec(found.optimizer)}
+        except UserError as err:
+            decision = {"error": str(err)}
+    decision = json.loads(group.broadcast_text(json.dumps(decision), None, "resume decision of rank 0"))
+    if "error" in decision:
+        raise UserError(decision["error"] if group.is_main else f"rank 0: {decision['error']}")
+    if decision["path"] is None:
+        return None
+    adapter = group.broadcast_arrays(found.adapter if found else _zeros(decision["adapter"]), None,
+                                     "broadcast of the checkpoint's LoRA weights")
+    opt = group.broadcast_arrays(found.optimizer if found else _zeros(decision["optimizer"]), None,
+                                 "broadcast of the checkpoint's optimizer state")
+    restore(model, optimizer, adapter, opt)
+    return Checkpoint(Path(decision["path"]), RunState(**decision["state"]), adapter, opt)
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` valid checkpoints, and stale temporaries."""
+def prune(root: Path, keep_last: int, run_id: str) -> None:
+    """Delete all but the newest ``keep_last`` valid checkpoints of run ``run_id``, and stale temporaries."""
     for tmp in root.glob(f".{PREFIX}*.tmp-*") if root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True)
-    done = [p for p in list_checkpoints(root) if validate(p) is None]
+    done = [p for p in list_checkpoints(root) if run_id_of(p) == run_id]
     for p in done[: max(len(done) - keep_last, 0)]:
         shutil.rmtree(p, ignore_errors=True)
 
@@ -183,6 +354,69 @@ def estimate_bytes(model) -> int:
     """Bytes one checkpoint needs: adapter + two AdamW moments, plus 1 MiB of metadata."""
     n = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
     return 3 * n + (1 << 20)
+
+
+class OutputLock:
+    """Exclusive ownership of an output folder, held until :meth:`release` (or process exit).
+
+    ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``OUTPUT_DIR/.dtrain.lock``: atomic,
+    released by the kernel when the process dies (even by SIGKILL), and
+    exclusive between two open files even within one process. The file
+    stays (deleting it would let a third run lock a new inode while the
+    second still holds the old one); it names the holder for the message.
+    """
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / LOCK
+        self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self._fd, 200).decode("utf-8", "replace").strip() or "another process"
+            os.close(self._fd)
+            self._fd = None
+            raise UserError(f"output folder {out} is in use by another dtrain run ({holder}); wait for it to end, "
+                            f"or choose another train.output_dir") from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the flock
+            self._fd = None
+
+
+def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
+    """Take ownership of ``out``, then check it: writable, room for a checkpoint, no earlier run's checkpoints.
+
+    A fresh run into a folder holding another run's checkpoints would mix the
+    two (``resume: auto`` would later pick the other run's newest step). The
+    checks run under the lock, so no other run can change the answer.
+
+    Args:
+        resuming: ``train.resume`` is set (earlier checkpoints are then
+            checked by :func:`resume`).
+    Returns:
+        The held lock; release it when the run ends.
+    Raises:
+        UserError: another run holds ``out``; not writable; too little space;
+            earlier checkpoints and not ``resuming``.
+    """
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = OutputLock(out)
+    except OSError as err:
+        raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
+    try:
+        check_output_dir(out, need_bytes)
+        earlier = find_latest(out / "checkpoints", report=lambda _: None)
+        if not resuming and earlier is not None:
+            raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
+                            f"continue it with train.resume=auto, or choose another train.output_dir")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def check_output_dir(out: Path, need_bytes: int) -> None:

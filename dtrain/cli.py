@@ -14,29 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import split_overrides
 from .errors import UserError
-
-
-def split_overrides(extra: list[str]) -> list[str]:
-    """``["--train.steps", "5", "--model.path=x"]`` -> ``["train.steps=5", "model.path=x"]``.
-
-    Raises:
-        UserError: an argument that is not ``--section.key`` or lacks a value.
-    """
-    out, i = [], 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise UserError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
-        if "=" in arg:
-            out.append(arg[2:])
-            i += 1
-        else:
-            if i + 1 >= len(extra):
-                raise UserError(f"override {arg} needs a value")
-            out.append(f"{arg[2:]}={extra[i + 1]}")
-            i += 2
-    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,11 +73,8 @@ def _train(args, overrides) -> int:
     if group.is_main:
         if result.stopped:
             print(f"stopped after step {result.steps}; continue with --train.resume auto")
-        elif len(result.evals) >= 2:
-            first, last = min(result.evals), max(result.evals)
-            acc = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
-            print(f"eval reward accuracy (chosen preferred over rejected): step {first} "
-                  f"{result.evals[first][acc]:.3f} -> step {last} {result.evals[last][acc]:.3f}")
+        elif summary := result.summary():  # from the run's evaluations, those before a resume included
+            print(summary)
     return 0
 
 
@@ -168,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args) if args.command == "export" else _convert(args)
     except UserError as err:
         print(f"dtrain: error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_status", 2)  # distributed.CollectiveError: 4 (a restart may succeed)
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)
         return 130

@@ -8,7 +8,7 @@ block in ``mx.eval``, and the ring backend can wait forever for a peer that
 stalled, so each method evaluates its result while a timer is armed. When the
 timer fires, the rank prints which collective at which step did not complete
 and exits with :data:`EXIT_TIMEOUT`; a peer that died outright usually makes
-MLX raise at once, which becomes a one-line :class:`UserError`.
+MLX raise at once, which becomes a one-line :class:`CollectiveError` (exit status 4).
 """
 
 from __future__ import annotations
@@ -26,9 +26,16 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
+from .launch.env import EXIT_LOST_PEER, EXIT_TIMEOUT, RANK_VARS, launcher_backend, rank_from_env  # the launcher contract
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
-EXIT_TIMEOUT = 3  # exit status of a rank whose collective timed out
+
+
+class CollectiveError(UserError):
+    """A collective failed because MLX lost a peer: the rank exits with ``EXIT_LOST_PEER``,
+    which ``./launch --max-restarts`` treats as transient (unlike other user errors)."""
+
+    exit_status = EXIT_LOST_PEER
 
 
 class Watchdog:
@@ -39,7 +46,7 @@ class Watchdog:
     On firing it writes one line to stderr and calls ``os._exit(EXIT_TIMEOUT)``
     (no clean-up: the main thread is stuck in native code). A ``RuntimeError``
     from MLX inside the block (e.g. ``[ring] connection to a peer was lost``)
-    becomes a :class:`UserError` naming the collective and the step.
+    becomes a :class:`CollectiveError` naming the collective and the step.
 
     Args:
         rank: this process's rank, for the message.
@@ -77,7 +84,7 @@ class Watchdog:
             self._timer.cancel()
             self._timer.join()  # returns at once after cancel(); leaves no thread behind
         if exc_type is not None and issubclass(exc_type, RuntimeError):
-            raise UserError(f"rank {self.rank}: {self.what} {self.where} failed: {exc}") from None
+            raise CollectiveError(f"rank {self.rank}: {self.what} {self.where} failed: {exc}") from None
         return False
 
 
@@ -124,7 +131,7 @@ class Group:
         split back. The result is evaluated and keeps each leaf's shape and dtype.
 
         Raises:
-            UserError: MLX reported a lost peer during the collective.
+            CollectiveError: MLX reported a lost peer during the collective.
         """
         if self.size == 1:
             return tree
@@ -168,26 +175,50 @@ class Group:
         return [bytes(got[r, : int(lengths[r])].astype(np.uint8)).decode("utf-8") for r in range(self.size)]
 
 
-def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
-    """The backend and world size a launcher announced in ``env``, or ``(None, 1)``.
+    def broadcast_text(self, text: str, step: Optional[int], what: str = "broadcast of text") -> str:
+        """Rank 0's ``text`` on every rank (other ranks' ``text`` is ignored)."""
+        if self.size == 1:
+            return text
+        return self.all_gather_text(text if self.is_main else "", step, what)[0]
 
-    mlx.launch's ring sets ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON list of one
-    address list per rank; empty for one rank); its JACCL sets
-    ``MLX_JACCL_COORDINATOR`` or ``MLX_IBV_DEVICES``; OpenMPI's ``mpirun`` sets
-    ``OMPI_COMM_WORLD_SIZE`` (MPICH/Hydra: ``PMI_SIZE``). A size of 0 means
-    "set by a launcher, size not known here".
-    """
-    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi", int(env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or 0)
-    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
-        return "jaccl", 0
-    if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
-        try:
-            with open(env["MLX_HOSTFILE"], encoding="utf-8") as f:
-                return "ring", len(json.loads(f.read() or "[]")) or 1
-        except (OSError, ValueError):
-            return "ring", 0
-    return None, 1
+    def broadcast_arrays(self, arrays: Mapping[str, mx.array], step: Optional[int],
+                         what: str = "broadcast of arrays") -> dict:
+        """Rank 0's arrays on every rank, bit for bit, each in its own dtype.
+
+        Every rank passes arrays of the same names, shapes and dtypes; only
+        rank 0's values matter. MLX has no broadcast, so this is an
+        ``all_sum`` in which the other ranks contribute ``-0.0`` (integers: 0):
+        ``x + (-0.0) == x`` for every IEEE float ``x``, signed zeros and NaN
+        included, so the sum is rank 0's value exactly. Names are taken in
+        sorted order; one flat collective per dtype and bucket, as in
+        :meth:`all_sum_tree`.
+
+        Returns:
+            ``{name: array}``, evaluated.
+        Raises:
+            CollectiveError: MLX reported a lost peer during the collective.
+        """
+        if self.size == 1:
+            return dict(arrays)
+        out = {}
+        for dtype in sorted({v.dtype for v in arrays.values()}, key=str):
+            names = sorted(k for k, v in arrays.items() if v.dtype == dtype)
+            zero = -0.0 if mx.issubdtype(dtype, mx.floating) else 0
+            mine = [arrays[k].reshape(-1) if self.is_main else mx.full((arrays[k].size,), zero, dtype=dtype)
+                    for k in names]
+            flat = mx.concatenate(mine) if len(mine) > 1 else mine[0]
+            bounds = bucket_bounds(flat.size, dtype.size)
+            with self.watch(f"{what} ({len(bounds)} bucket(s) of {dtype})", step):
+                parts = [mx.distributed.all_sum(flat[a:b], group=self.mlx_group) for a, b in bounds]
+                mx.eval(parts)
+            summed = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+            start = 0
+            for k in names:
+                out[k] = summed[start : start + arrays[k].size].reshape(arrays[k].shape)
+                start += arrays[k].size
+        mx.eval(out)
+        return out
+
 
 
 def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mapping[str, str]] = None) -> Group:
@@ -203,15 +234,18 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
         timeout_s: watchdog for ``mx.distributed.init`` itself (0 = off).
         env: the environment to read (default ``os.environ``).
     Raises:
-        UserError: the backend could not start, or the group is smaller than
-            the launcher announced.
+        UserError: the backend could not start, the group is smaller than
+            the launcher announced, or the environment names a rank >= 1 but
+            no group of several ranks was formed.
     """
     env = os.environ if env is None else env
     found, expected = launcher_backend(env)
+    rank = rank_from_env(env)
     if backend == "none" or (backend == "any" and found is None):
+        _refuse_lone_rank(rank, env, "no launcher variables name the other ranks" if backend == "any"
+                          else "distributed.backend is none")
         return Group()
     name = found if backend == "any" else backend
-    rank = int(env.get("MLX_RANK") or env.get("OMPI_COMM_WORLD_RANK") or 0)
     try:
         with Watchdog(rank, f"joining the '{name}' group", None, timeout_s):
             g = mx.distributed.init(strict=True, backend=name)
@@ -220,8 +254,17 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
     if expected > 1 and g.size() != expected:
         raise UserError(f"distributed backend '{name}' formed a group of {g.size()} rank(s); the launcher started {expected}")
     if g.size() == 1:
+        _refuse_lone_rank(rank, env, f"the '{name}' backend formed a group of one")
         return Group(timeout_s=timeout_s)
     return Group(rank=g.rank(), size=g.size(), backend=name, mlx_group=g, timeout_s=timeout_s)
+
+
+def _refuse_lone_rank(rank: int, env: Mapping[str, str], why: str) -> None:
+    """A process told it is rank >= 1 must not train alone as rank 0 (it would write rank 0's files)."""
+    if rank >= 1:
+        var = next(k for k in RANK_VARS if env.get(k))
+        raise UserError(f"{var}={env[var]} says this process is rank {rank}, but it joined no group ({why}); "
+                        f"start every rank with ./launch or mlx.launch, or unset {var} to train alone")
 
 
 def fingerprint(obj: Any) -> str:

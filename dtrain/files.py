@@ -1,10 +1,18 @@
-"""Small file helpers shared by checkpoints, adapters and the model cache."""
+"""Small file helpers shared by checkpoints, adapters, event files and the model cache.
+
+:func:`atomic_folder` is the one way dtrain writes a folder that readers must
+see whole or not at all (checkpoints, adapters): files go into a hidden
+sibling, are fsynced, and the folder is renamed into place.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 from pathlib import Path
+from typing import Iterator
 
 
 def sha256_file(path: Path) -> str:
@@ -23,3 +31,47 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
+    """Write a folder so that ``final`` is either the old folder or the complete new one.
+
+    Yields a temporary sibling ``.<name>.tmp-<pid>`` to fill. When the block
+    ends normally every file in it and the folder itself are fsynced, an
+    existing ``final`` is moved aside, the temporary folder is renamed to
+    ``final``, the parent is fsynced and the old folder removed. When the block
+    raises, the temporary folder is removed and ``final`` is untouched.
+    (``rename(2)`` is atomic within one filesystem; POSIX.)
+
+    Args:
+        final: the folder to create or replace.
+        replace: when False, an existing ``final`` raises ``FileExistsError``
+            before anything is written.
+    Raises:
+        FileExistsError: ``final`` exists and ``replace`` is False.
+        OSError: from the filesystem (disk full, permissions).
+    """
+    final = Path(final)
+    if final.exists() and not replace:
+        raise FileExistsError(f"{final} already exists")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash of a process with this pid
+    tmp.mkdir()
+    try:
+        yield tmp
+        for p in tmp.iterdir():
+            fsync_path(p)
+        fsync_path(tmp)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        fsync_path(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            old.rename(final)  # the rename of the new folder failed: put the old one back
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -10,8 +10,6 @@ and ``mlx_lm.fuse`` take it as is.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,7 +19,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from .config import LoraConfig
 from .errors import ConfigError
-from .files import fsync_path
+from .files import atomic_folder
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -57,39 +55,45 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     return count
 
 
-def adapter_config(cfg: LoraConfig, model: nn.Module) -> dict:
+def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = None) -> dict:
+    """``adapter_config.json``: mlx-lm's keys, plus ``base_model`` (where the base weights are).
+
+    ``base_model`` is what :class:`dtrain.models.LoadedModel` records: the path
+    and sha256 of a GGUF file, a model folder, or a hub id. mlx-lm ignores the
+    extra key; a reader uses it to find the model the adapter belongs to.
+    """
     n_layers = len(model.layers)
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)
-    return {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": lora_parameters(cfg)}
+    out = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": lora_parameters(cfg)}
+    if base_model:
+        out["base_model"] = base_model
+    return out
 
 
-def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, extra: dict | None = None) -> Path:
-    """Write the adapter folder atomically (temporary folder, fsync, rename).
+def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: dict | None = None) -> None:
+    """Write ``adapters.safetensors`` and ``adapter_config.json`` into an existing ``folder``.
+
+    Not atomic by itself: callers write into a folder made by
+    :func:`dtrain.files.atomic_folder` (this function and checkpoints).
+    """
+    mx.save_safetensors(str(folder / ADAPTER_WEIGHTS), dict(tree_flatten(model.trainable_parameters())))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, model, base_model), indent=2))
+
+
+def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model: dict | None = None) -> Path:
+    """Write the adapter folder atomically (:func:`dtrain.files.atomic_folder`).
 
     Args:
         model: model with LoRA layers.
         cfg: the LoRA config it was built with.
         out_dir: destination folder; replaced as a whole if it exists.
-        extra: more keys for ``adapter_config.json`` (e.g. the base model).
+        base_model: the base model reference for ``adapter_config.json``.
     Returns:
         ``out_dir`` as a Path.
+    Raises:
+        OSError: from the filesystem; an existing ``out_dir`` is then untouched.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    weights = dict(tree_flatten(model.trainable_parameters()))
-    mx.save_safetensors(str(tmp / ADAPTER_WEIGHTS), weights)
-    (tmp / ADAPTER_CONFIG).write_text(json.dumps({**adapter_config(cfg, model), **(extra or {})}, indent=2))
-    for f in tmp.iterdir():
-        fsync_path(f)
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    fsync_path(out.parent)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    with atomic_folder(out) as tmp:
+        write_adapter(tmp, model, cfg, base_model)
     return out

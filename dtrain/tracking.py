@@ -1,18 +1,31 @@
-"""TensorBoard scalars (tensorboardX) and the progress bar (tqdm), rank 0 only.
+"""TensorBoard scalars (tensorboardX) and progress bars (tqdm), rank 0 only.
 
 Each run gets a new directory under ``OUTPUT_DIR/tb``, created with an
 exclusive ``mkdir`` so two runs never share one, even in the same second. A
 resumed run passes the directory of the run it continues.
+
+Events are written synchronously with tensorboardX's record writer and
+summary builders, not through ``SummaryWriter``: its writer thread keeps
+events in a queue that ``flush()`` does not drain, so a process killed right
+after a checkpoint could lose steps the checkpoint covers. Here
+:meth:`RunLogger.flush` puts every logged event on disk (fsync) and the
+trainer calls it before a checkpoint is declared complete. The hparams record
+goes into the same event file (``SummaryWriter.add_hparams`` writes a second
+run ``<run>/<name>``), so TensorBoard lists one run per training run.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import yaml
+
+from .files import fsync_path
 
 
 def new_run_dir(root: Path) -> Path:
@@ -29,13 +42,63 @@ def new_run_dir(root: Path) -> Path:
             n += 1
 
 
+class EventFile:
+    """One TensorBoard event file, written synchronously.
+
+    The name follows TensorBoard's ``events.out.tfevents.<time>.<host>`` with
+    the pid appended, so a run resumed within the same second never truncates
+    the file of the process it continues.
+
+    Args:
+        run_dir: the run's folder.
+        purge_step: when set, a ``SessionLog.START`` event at this step makes
+            TensorBoard drop events at or after it from earlier files
+            (``SummaryWriter(purge_step=...)`` writes the same two events).
+    """
+
+    def __init__(self, run_dir: Path, purge_step: Optional[int] = None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.record_writer import RecordWriter
+
+        self.path = Path(run_dir) / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self._writer = RecordWriter(str(self.path))
+        self._event = Event
+        self.write(Event(wall_time=time.time(), step=purge_step or 0, file_version="brain.Event:2"))
+        if purge_step is not None:
+            self.write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def write(self, event) -> None:
+        self._writer.write(event.SerializeToString())
+
+    def summary(self, summary, step: int) -> None:
+        self.write(self._event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def flush(self) -> None:
+        """Everything written so far is on disk when this returns."""
+        self._writer.flush()
+        fsync_path(self.path)
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.close()
+
+
+def flat_hparams(resolved: dict) -> dict:
+    """``{"section.key": value}`` with values TensorBoard's hparams accept (others as text)."""
+    flat = {}
+    for section, values in resolved.items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
 class RunLogger:
-    """Writes scalars, the resolved config and hparams; a no-op off rank 0.
+    """Writes scalars, text, the resolved config and hparams; a no-op off rank 0.
 
     Args:
         run_dir: TensorBoard directory of this run (None disables writing).
         total_steps: for the progress bar.
-        progress: show a tqdm bar on stderr.
+        progress: show tqdm bars on stderr (training steps; evaluations apart).
         first_step: steps already done (a resumed run).
         purge_step: on resume, the first step this run will log.
     """
@@ -43,62 +106,101 @@ class RunLogger:
     def __init__(self, run_dir: Optional[Path], total_steps: int, progress: bool = True, first_step: int = 0,
                  purge_step: Optional[int] = None):
         self.run_dir = run_dir
-        self.writer = None
+        self.events = EventFile(run_dir, purge_step) if run_dir is not None else None
         self.bar = None
-        if run_dir is not None:
-            from tensorboardX import SummaryWriter
+        self.train_seconds, self.timed_steps = 0.0, 0  # optimizer steps only, evaluation excluded
+        if self.events is not None and progress:
+            from tqdm import tqdm
 
-            # purge_step: TensorBoard drops events at or after this step from
-            # earlier files of the folder (a resumed run overwrites, never duplicates)
-            self.writer = SummaryWriter(logdir=str(run_dir), flush_secs=10, purge_step=purge_step)
-            if progress:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total_steps, initial=first_step, file=sys.stderr, dynamic_ncols=True, unit="step")
+            # no tqdm rate: it would count evaluations in; the postfix gives s/step of training
+            self.bar = tqdm(total=total_steps, initial=first_step, file=sys.stderr, dynamic_ncols=True, unit="step",
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+            self.bar.set_description("train")
 
     def config(self, resolved: dict) -> None:
-        if self.writer is not None:
-            text = yaml.safe_dump(resolved, sort_keys=False)
-            self.writer.add_text("config", "```\n" + text + "\n```", 0)
+        self.text("config", "```\n" + yaml.safe_dump(resolved, sort_keys=False) + "\n```", 0)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A TensorBoard text entry (markdown) under ``tag`` at ``step``."""
+        if self.events is not None:
+            from tensorboardX.summary import text as text_summary
+
+            self.events.summary(text_summary(tag, text), step)
 
     def scalars(self, step: int, values: dict) -> None:
-        if self.writer is None:
+        if self.events is None:
             return
+        from tensorboardX.summary import scalar
+
         for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+            self.events.summary(scalar(key, float(value)), step)
+
+    def step_rate(self) -> Optional[float]:
+        """Mean seconds per optimizer step so far in this process (evaluations excluded)."""
+        return self.train_seconds / self.timed_steps if self.timed_steps else None
 
     def progress(self, step: int, values: dict) -> None:
+        """Advance the step bar; ``values["perf/step_seconds"]`` feeds the step rate."""
+        self.train_seconds += values.get("perf/step_seconds", 0.0)
+        self.timed_steps += 1
         if self.bar is not None:
+            self.bar.set_description("train")
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{values.get('loss', float('nan')):.4f}", pairs_s=f"{values.get('pairs_per_second', 0):.2f}")
+            self.bar.set_postfix_str(f"{self.step_rate():.2f} s/step, loss {values.get('loss', float('nan')):.4f}")
+
+    def doing(self, text: str) -> None:
+        """Say what the run is doing now (the step bar's label, or a line without a bar)."""
+        if self.bar is not None:
+            self.bar.set_description(text)
+            self.bar.refresh()
+        elif self.events is not None:
+            self.message(text)
+
+    def eval_bar(self, step: int, pairs: int):
+        """A bar of its own for one evaluation (None when bars are off); call ``update(n)`` per pair."""
+        if self.bar is None:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=pairs, desc=f"eval at step {step}", unit="pair", file=sys.stderr, dynamic_ncols=True,
+                    leave=False)
 
     def message(self, text: str) -> None:
-        if self.writer is None:
+        if self.events is None:
             return
         if self.bar is not None:
             self.bar.write(text, file=sys.stderr)
         else:
             print(text, file=sys.stderr, flush=True)
 
-    def hparams(self, resolved: dict, final: dict) -> None:
-        """Record the flattened config with the final metrics (TensorBoard HPARAMS)."""
-        if self.writer is None:
+    def hparams(self, resolved: dict, final: dict, step: int) -> None:
+        """Record the flattened config with the final metrics (TensorBoard HPARAMS), in this run.
+
+        The experiment, session-start and session-end summaries of
+        ``tensorboardX.summary.hparams`` and the ``hparam/<metric>`` scalars
+        they point at all go into this run's event file.
+        """
+        if self.events is None:
             return
-        flat = {}
-        for section, values in resolved.items():
-            for key, value in values.items():
-                flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+        from tensorboardX.summary import hparams
+
         metrics = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, float)}
-        self.writer.add_hparams(flat, metrics, name="hparams", global_step=None)
+        for summary in hparams(flat_hparams(resolved), metrics):
+            self.events.summary(summary, step)
+        self.scalars(step, metrics)
+
+    def flush(self) -> None:
+        """Put every event logged so far on disk (called before a checkpoint is complete)."""
+        if self.events is not None:
+            self.events.flush()
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-            self.writer = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
 
 
 def peak_memory_gb() -> float:
@@ -107,19 +209,16 @@ def peak_memory_gb() -> float:
     return mx.get_peak_memory() / 1e9
 
 
-def read_scalars(run_dir: Path) -> dict:
-    """Scalars from the event files in ``run_dir``: tag -> [(step, value)].
+def read_events(run_dir: Path):
+    """Every ``Event`` in the event files of ``run_dir`` (not its subfolders), file by file.
 
     Reads the TFRecord framing (u64 length, u32 crc, payload, u32 crc) and
-    parses each payload with tensorboardX's ``Event`` protobuf. Like
-    TensorBoard, a ``SessionLog.START`` event at step ``s`` (written with
-    ``purge_step``) discards values logged earlier at steps ``>= s``.
+    parses each payload with tensorboardX's ``Event`` protobuf.
     """
     import struct
 
     from tensorboardX.proto.event_pb2 import Event
 
-    out: dict = {}
     for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
         data = path.read_bytes()
         pos = 0
@@ -127,10 +226,20 @@ def read_scalars(run_dir: Path) -> dict:
             (length,) = struct.unpack("<Q", data[pos : pos + 8])
             payload = data[pos + 12 : pos + 12 + length]
             pos += 12 + length + 4
-            event = Event.FromString(payload)
-            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
-                out = {tag: [(s, v) for s, v in vals if s < event.step] for tag, vals in out.items()}
-            for v in event.summary.value:
-                if v.HasField("simple_value"):
-                    out.setdefault(v.tag, []).append((event.step, v.simple_value))
+            yield Event.FromString(payload)
+
+
+def read_scalars(run_dir: Path) -> dict:
+    """Scalars from the event files in ``run_dir``: tag -> [(step, value)].
+
+    Like TensorBoard, a ``SessionLog.START`` event at step ``s`` (written with
+    ``purge_step``) discards values logged earlier at steps ``>= s``.
+    """
+    out: dict = {}
+    for event in read_events(run_dir):
+        if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+            out = {tag: [(s, v) for s, v in vals if s < event.step] for tag, vals in out.items()}
+        for v in event.summary.value:
+            if v.HasField("simple_value"):
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
     return out

@@ -1,15 +1,18 @@
 """The training loop: data -> engine -> all-reduce -> AdamW step -> logs, adapter.
 
-Read top to bottom: :func:`train` sets up the run, then each step takes this
-rank's shard of the global batch (``sampler``), splits it into micro-batches,
-asks the engine for loss contributions and LoRA gradients normalised by the
-*global* counts, sums them over micro-batches and ranks, clips, checks they
-are finite on every rank, and applies one AdamW update with the learning rate
-of ``schedule.learning_rate(step)``.
+Read top to bottom: :func:`train` calls :func:`setup` (model, data, LoRA,
+engine, handshake, output folder, optimizer, resume, logger) and then
+:func:`loop`, which only loops. Each step takes the global batch from the
+sampler and this rank's shard of it, splits it into micro-batches, asks the
+engine for loss contributions and LoRA gradients normalised by the *global*
+counts, sums them over micro-batches and ranks, clips, checks they are finite
+on every rank, and applies one AdamW update with the learning rate of
+``schedule.learning_rate(step)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -17,14 +20,14 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
-from . import sampler
+from . import guards, sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
@@ -36,18 +39,28 @@ from .schedule import learning_rate
 from .tracking import RunLogger, new_run_dir, peak_memory_gb
 from .types import TokenizedPair
 
+ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
+
 
 @dataclass
 class TrainResult:
     """What a finished run reports: final metrics, where things were written."""
 
     steps: int
-    history: list = field(default_factory=list)  # per-step metric dicts
-    evals: dict = field(default_factory=dict)  # step -> eval metrics
+    history: list = field(default_factory=list)  # per-step metric dicts of this process's steps
+    evals: dict = field(default_factory=dict)  # step -> eval metrics, of the whole run (a resume included)
     adapter_dir: Optional[Path] = None
     run_dir: Optional[Path] = None
     skipped_steps: int = 0
     stopped: bool = False  # stopped early by a signal (checkpoint saved)
+
+    def summary(self) -> Optional[str]:
+        """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation, or None."""
+        if len(self.evals) < 2:
+            return None
+        first, last = min(self.evals), max(self.evals)
+        return (f"eval reward accuracy (chosen preferred over rejected): step {first} "
+                f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
 
 
 def nll_token_count(pair: TokenizedPair, nll_scope: str) -> int:
@@ -83,19 +96,31 @@ def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int
     return sums, grads
 
 
-def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group, step: int) -> dict:
-    """``eval/`` metrics over held-out ``pairs``, each rank taking its shard."""
+def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group, step: int, bar=None) -> dict:
+    """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
+
+    ``bar``: a progress bar advanced by the pairs of each micro-batch (rank 0's).
+    """
     model.eval()
     norm = global_norm(pairs, cfg.orpo.nll_scope)
-    mine = sampler.rank_shard(pairs, group.rank, group.size)
-    sums, _ = run_micro_batches(engine, mine, norm, cfg.train.micro_batch_pairs, with_grads=False)
+    micro = cfg.train.micro_batch_pairs
+    sums = dict.fromkeys(METRIC_KEYS, 0.0)
+    for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
+        part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
+        sums = {k: sums[k] + part[k] for k in sums}  # the same float additions as one call over all chunks
+        if bar is not None:
+            bar.update(len(chunk))
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
     model.train()
     return finalize_metrics(sums, cfg.orpo.lam, prefix="eval/")
 
 
-def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: Group, stop_requested: bool = False):
-    """One optimizer step.
+def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
+    """One optimizer step on the global ``batch`` (this rank trains its shard).
+
+    ``stop`` (a :class:`StopRequest` or None) is read when the step's metrics
+    are all-reduced, after the gradients: a signal that arrived during this
+    step is agreed in this step, not the next.
 
     Returns ``(metrics, applied, stop)``: ``applied`` is False when the loss or
     gradients were not finite and the update was skipped (the same decision on
@@ -105,7 +130,6 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
     t = cfg.train
     start = time.perf_counter()
     mx.random.seed(step_seed(t.seed, step))  # dropout etc.: a pure function of the step
-    batch = [train_pairs[i] for _, i in sampler.global_batch(step, len(train_pairs), t.global_batch_pairs, t.seed)]
     norm = global_norm(batch, cfg.orpo.nll_scope)
     mine = sampler.rank_shard(batch, group.rank, group.size)
     sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
@@ -114,7 +138,7 @@ def train_step(step, engine, model, optimizer, train_pairs, cfg: Config, group: 
     reduce_start = time.perf_counter()
     grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
     reduce_seconds = time.perf_counter() - reduce_start
-    sums = group.all_sum_scalars({**sums, "stop": float(stop_requested)}, step)
+    sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
     if t.grad_clip > 0:
         grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
     else:
@@ -146,6 +170,32 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63)
 
 
+@dataclass
+class Run:
+    """Everything :func:`loop` needs, built by :func:`setup`; ``state.step`` is the last step done."""
+
+    cfg: Config
+    group: Group
+    model: Any
+    engine: Any
+    optimizer: Any
+    sampler: sampler.Sampler
+    train_pairs: list
+    valid: list
+    state: ckpt.RunState
+    log: RunLogger
+    stop: "StopRequest"
+    resolved: dict
+    base_model: dict
+    result: TrainResult
+    resumed_from: Optional[Path] = None
+    cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.cfg.train.output_dir) / "checkpoints"
+
+
 def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> TrainResult:
     """Run a whole training job described by ``cfg``.
 
@@ -157,8 +207,58 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         dataset: already tokenized pairs (``dtrain.data.Dataset``); built from
             ``cfg.data`` when None.
     Raises:
-        UserError: bad model, data or config; an unusable output folder or
-            checkpoint; too many non-finite steps in a row.
+        UserError: bad model, data or config; a global batch larger than the
+            training pairs; an output folder in use by another run, unusable,
+            or holding another run's checkpoints; a checkpoint that cannot be
+            continued; too many non-finite steps in a row.
+    """
+    run = setup(cfg, group, loaded, dataset)
+    with run.cleanup:  # stop handlers, event file, output-folder lock
+        return loop(run)
+
+
+def loop(run: Run) -> TrainResult:
+    """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
+    t, log, result = run.cfg.train, run.log, run.result
+    if run.valid and run.state.step == 0:
+        evaluate_and_log(run, 0)
+    if run.state.step < t.steps:
+        log.doing(first_step_text(run))
+    skipped_in_row = 0
+    for step in range(run.state.step + 1, t.steps + 1):
+        batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
+        metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
+                                                run.group, run.stop)
+        skipped_in_row = 0 if applied else skipped_in_row + 1
+        record(run, step, metrics, applied)
+        if skipped_in_row >= t.max_skipped_steps:
+            save(run, step)
+            sources = ", ".join(p.source or "?" for p in batch[:8])
+            raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
+                            f"(last batch: {sources}); saved a checkpoint and stopped")
+        if stopping:
+            save(run, step)
+            log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
+            result.steps, result.stopped = step, True
+            return result
+        if run.cfg.distributed.check_sync_every and step % run.cfg.distributed.check_sync_every == 0:
+            check_in_sync(run.group, run.model.trainable_parameters(), step)
+        if run.valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+            evaluate_and_log(run, step)
+        if t.save_every and step % t.save_every == 0 and step != t.steps:
+            save(run, step)
+    if run.valid:
+        evaluate_and_log(run, t.steps)
+    save(run, t.steps)
+    finish(run)
+    return result
+
+
+def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> Run:
+    """Model, data, LoRA, engine, handshake, output folder, optimizer, resume, logger: a ready :class:`Run`.
+
+    What it takes (the output-folder lock, signal handlers, the event file) is
+    released by ``run.cleanup``, or here when a later part fails.
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
@@ -176,147 +276,145 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
                                cache_dir=Path(t.output_dir) / "data_cache")
         cache_entries = dataset.cache_entries
-    if not dataset.train:
-        raise UserError("no training pairs left after loading and filtering the data")
+    pairs_sampler = make_sampler(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
     engine = make_engine(cfg, model)
-    lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     resolved = to_dict(cfg)
-    identity = {"model": loaded.identity, "data": dataset.fingerprint, "lora shapes": lora_shapes}
-    handshake(group, {"config": resolved, **identity})
-
+    lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
+    handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
+                      "lora shapes": lora_shapes})
+    state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), seed=t.seed,
+                          global_batch_pairs=t.global_batch_pairs, world_size=group.size,
+                          data=ckpt.data_identity(resolved["data"], dataset.fingerprint, dataset.train),
+                          model=loaded.identity, lora_shapes=lora_shapes)
     out = Path(t.output_dir)
-    ckpt_root = out / "checkpoints"
-    _main_rank_check(group, lambda: _check_output(out, ckpt_root, t.resume, ckpt.estimate_bytes(model)))
-    if cache_entries:
-        from .data import write_entries
+    with contextlib.ExitStack() as cleanup:
+        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, ckpt.estimate_bytes(model), t.resume is not None))
+        if lock is not None:
+            cleanup.callback(lock.release)
+        if cache_entries:
+            from .data import write_entries
 
-        write_entries(cache_entries)
-    # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
-    optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
-    optimizer.init(model.trainable_parameters())
-    start_step, skipped, run_dir = 1, 0, None
-    resume_from = _resume_path(t.resume, ckpt_root, group)
-    if resume_from is not None:
-        saved = ckpt.load_checkpoint(resume_from)
-        ckpt.check_compatible(saved, identity, t.global_batch_pairs)
-        ckpt.restore(saved, model, optimizer)
-        start_step, skipped = saved.state["step"] + 1, saved.state["skipped_steps"]
-        run_dir = Path(saved.state["tensorboard_dir"]) if saved.state.get("tensorboard_dir") else None
-    if group.is_main and (run_dir is None or not run_dir.is_dir()):
-        run_dir = new_run_dir(out / "tb")
-    log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress,
-                    first_step=start_step - 1, purge_step=start_step if resume_from else None)
-    result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=skipped)
-    valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
-    extra = {"base_model": loaded.source}
-    stop = StopRequest()
-
-    def save(step: int) -> None:
-        if group.is_main:
-            state = {"skipped_steps": result.skipped_steps, "rng": {"seed": t.seed, "per_step": "step_seed(seed, step)"},
-                     "data": data_position(step, len(dataset.train), t.global_batch_pairs, t.seed),
-                     "tensorboard_dir": str(run_dir), "world_size": group.size,
-                     "global_batch_pairs": t.global_batch_pairs, "identity": identity}
-            ckpt.save_checkpoint(ckpt_root, step, model, optimizer, cfg.lora, state, resolved)
-            ckpt.prune(ckpt_root, max(t.keep_last, 1))
-
-    try:
+            write_entries(cache_entries)
+        # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
+        optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
+        optimizer.init(model.trainable_parameters())
+        resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
+                              model, optimizer, group, report=_stderr if group.is_main else lambda _: None)
+        if resumed is not None:
+            if resumed.state.step > t.steps:
+                raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
+                                f"raise train.steps to continue it")
+            state = replace(resumed.state, world_size=group.size)
+        run_dir = Path(state.tensorboard_run) if state.tensorboard_run else None
+        if group.is_main and (run_dir is None or not run_dir.is_dir()):
+            run_dir = new_run_dir(out / "tb")
+        state.tensorboard_run = str(run_dir) if group.is_main else None
+        log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
+                        purge_step=state.step + 1 if resumed else None)
+        cleanup.callback(log.close)
+        stop = StopRequest()
         stop.install()
+        cleanup.callback(stop.uninstall)
+        valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
+        result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
+                             evals={int(k): v for k, v in state.evals.items()})
         log.config(resolved)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
-                    + (f"; resumed from {resume_from} at step {start_step}" if resume_from else ""))
-        if valid and resume_from is None:
-            result.evals[0] = evaluate(engine, model, valid, cfg, group, 0)
-            log.scalars(0, result.evals[0])
-        skipped_in_row = 0
-        step = start_step - 1
-        for step in range(start_step, t.steps + 1):
-            metrics, applied, stopping = train_step(step, engine, model, optimizer, dataset.train, cfg, group, stop.requested)
-            if not applied:
-                result.skipped_steps += 1
-                skipped_in_row += 1
-                log.message(f"step {step}: non-finite loss or gradient, update skipped")
-            else:
-                skipped_in_row = 0
-            metrics["skipped_steps"] = float(result.skipped_steps)
-            result.history.append(metrics)
-            log.scalars(step, metrics)
-            log.progress(step, metrics)
-            if skipped_in_row >= t.max_skipped_steps:
-                save(step)
-                batch = sampler.global_batch(step, len(dataset.train), t.global_batch_pairs, t.seed)
-                sources = ", ".join(dataset.train[i].source or str(i) for _, i in batch[:8])
-                raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
-                                f"(last batch: {sources}); saved a checkpoint and stopped")
-            if stopping:
-                save(step)
-                log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
-                result.steps = step
-                result.stopped = True
-                return result
-            if cfg.distributed.check_sync_every and step % cfg.distributed.check_sync_every == 0:
-                check_in_sync(group, model.trainable_parameters(), step)
-            if valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                result.evals[step] = evaluate(engine, model, valid, cfg, group, step)
-                log.scalars(step, result.evals[step])
-            if t.save_every and step % t.save_every == 0 and step != t.steps:
-                save(step)
-        if valid:
-            result.evals[t.steps] = evaluate(engine, model, valid, cfg, group, t.steps)
-            log.scalars(t.steps, result.evals[t.steps])
-        save(t.steps)
-        if group.is_main:
-            result.adapter_dir = save_adapter(model, cfg.lora, out / "adapters", extra)
-            final = {**(result.history[-1] if result.history else {}), **result.evals.get(t.steps, {})}
-            log.hparams(resolved, final)
-            log.message(f"adapter written to {result.adapter_dir}")
+                    + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
+        return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
+                   resolved, {**loaded.reference, "source": loaded.source}, result,
+                   resumed.path if resumed else None, cleanup.pop_all())
+
+
+def make_sampler(cfg: Config, train_pairs: list) -> sampler.Sampler:
+    """The run's :class:`dtrain.sampler.Sampler`.
+
+    Raises:
+        UserError: no training pairs, or a global batch larger than them (a
+            step would have to train a pair twice).
+    """
+    n, b = len(train_pairs), cfg.train.global_batch_pairs
+    where = cfg.data.train or "the demo data"
+    if n == 0:
+        raise UserError(f"no training pairs left after loading and filtering {where}")
+    if b > n:
+        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s) (after the held-out "
+                        f"split, data.valid_fraction={cfg.data.valid_fraction}); a step would train a pair more than "
+                        f"once: set train.global_batch_pairs to at most {n}, or add data")
+    return sampler.Sampler(n, b, cfg.train.seed)
+
+
+def first_step_text(run: Run) -> str:
+    """What the next step does, shown until it ends (the first step also warms MLX up)."""
+    t, size = run.cfg.train, run.group.size
+    mine = math.ceil(t.global_batch_pairs / size)
+    return (f"step {run.state.step + 1}: forward+backward of {t.global_batch_pairs} pairs "
+            f"(<= {mine} on each of {size} rank(s), micro-batches of {t.micro_batch_pairs})")
+
+
+def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
+    """Count a skipped update, log the step's metrics, advance the state and the bar."""
+    if not applied:
+        run.state.skipped_steps += 1
+        run.log.message(f"step {step}: non-finite loss or gradient, update skipped")
+    metrics["skipped_steps"] = float(run.state.skipped_steps)
+    run.state.step = step
+    run.result.skipped_steps = run.state.skipped_steps
+    run.result.history.append(metrics)
+    run.log.scalars(step, metrics)
+    run.log.progress(step, metrics)
+
+
+def evaluate_and_log(run: Run, step: int) -> None:
+    """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics."""
+    bar = run.log.eval_bar(step, len(sampler.rank_shard(run.valid, run.group.rank, run.group.size)))
+    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
+    try:
+        metrics = evaluate(run.engine, run.model, run.valid, run.cfg, run.group, step, bar)
     finally:
-        stop.uninstall()
-        log.close()
-    return result
+        if bar is not None:
+            bar.close()
+    run.result.evals[step] = metrics
+    run.state.evals[str(step)] = metrics
+    run.log.scalars(step, metrics)
+    warning = guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn)
+    if warning:
+        run.log.message(warning)
+
+
+def save(run: Run, step: int) -> None:
+    """Rank 0 writes checkpoint ``step`` after the event file is on disk (so it covers every logged step)."""
+    if run.group.is_main:
+        state = replace(run.state, step=step, position=run.sampler.position(step))
+        run.log.flush()
+        ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
+                             run.base_model)
+        ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
+
+
+def finish(run: Run) -> None:
+    """Rank 0 writes the adapter and the hparams record."""
+    if run.group.is_main:
+        t = run.cfg.train
+        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, Path(t.output_dir) / "adapters", run.base_model)
+        final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
+        run.log.hparams(run.resolved, final, t.steps)
+        run.log.message(f"adapter written to {run.result.adapter_dir}")
 
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def data_position(step: int, n_pairs: int, global_batch_pairs: int, seed: int) -> dict:
-    """Where the global pair stream stands after ``step``: epoch, cursor, seed."""
-    epoch, cursor = divmod(step * global_batch_pairs, n_pairs)
-    return {"epoch": epoch, "cursor": cursor, "shuffle_seed": seed}
-
-
-def _check_output(out: Path, ckpt_root: Path, resume: Optional[str], need_bytes: int) -> None:
-    """Writable, room for a checkpoint, and no earlier run's checkpoints unless resuming.
-
-    A fresh run into a folder holding another run's checkpoints would mix the
-    two (``resume: auto`` would later pick the other run's newest step).
-    """
-    ckpt.check_output_dir(out, need_bytes)
-    if resume is None:
-        earlier = ckpt.find_latest(ckpt_root, report=lambda _: None)
-        if earlier is not None:
-            raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
-                            f"continue it with train.resume=auto, or choose another train.output_dir")
-
-
-def _resume_path(resume: Optional[str], root: Path, group: Group) -> Optional[Path]:
-    if resume is None:
-        return None
-    if resume == "auto":
-        return ckpt.find_latest(root, report=lambda m: print(m, file=sys.stderr) if group.is_main else None)
-    return Path(resume)
-
-
-def _main_rank_check(group: Group, check) -> None:
-    """Run ``check`` on rank 0; every rank raises when it failed there."""
-    message = ""
+def _main_rank_check(group: Group, check):
+    """Run ``check`` on rank 0 and return its result there (None elsewhere); every rank raises when it failed."""
+    message, value = "", None
     if group.is_main:
         try:
-            check()
+            value = check()
         except UserError as err:
             message = str(err)
     failed = group.all_sum_scalars({"failed": float(bool(message))}, None, "all_sum of the output-folder check")["failed"] > 0
@@ -324,10 +422,11 @@ def _main_rank_check(group: Group, check) -> None:
         raise UserError(message)
     if failed:
         raise UserError("rank 0 could not prepare the output folder; see its message")
+    return value
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set ``requested``; the loop stops at the next step boundary.
+    """SIGINT/SIGTERM set ``requested``; the step in progress agrees on it and the loop saves after it.
 
     Handlers are installed only in the main thread and restored on exit.
     """

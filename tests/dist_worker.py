@@ -2,6 +2,7 @@
 
     python tests/dist_worker.py OUT_DIR [options] [section.key=value ...]
     python tests/dist_worker.py OUT_DIR --allreduce-check       # bucketed all_sum vs mpi4py (under mpirun)
+    python tests/dist_worker.py OUT_DIR --broadcast-check       # rank 0's arrays on every rank, bit for bit
 
 It joins whatever group its launcher set up (``mlx.launch``/ring variables,
 ``mpirun``, or none: one rank), runs :func:`dtrain.trainer.train` and writes
@@ -58,6 +59,7 @@ def parse(argv):
     p.add_argument("--rank-override", action="append", default=[])
     p.add_argument("--data-seed", action="append", default=[])
     p.add_argument("--allreduce-check", action="store_true")
+    p.add_argument("--broadcast-check", action="store_true")
     return p.parse_known_args(argv)
 
 
@@ -117,7 +119,8 @@ def run_training(args, overrides, group):
     pairs = make_pairs(args.pairs + 3, seed=seed)
     data_id = distributed.fingerprint([[p.prompt, p.chosen, p.rejected] for p in pairs])
     dataset = SimpleNamespace(train=pairs[: args.pairs], valid=pairs[args.pairs :], fingerprint=data_id)
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny")
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny",
+                             reference={"path": "tiny"})
     seen: dict = {}
     instrument(args, group, seen)
     result = trainer.train(cfg, group=group, loaded=loaded, dataset=dataset)
@@ -164,6 +167,29 @@ def allreduce_check(args, group):
     Path(args.out, f"allreduce{group.rank}.json").write_text(json.dumps(report))
 
 
+def broadcast_check(args, group):
+    """``Group.broadcast_arrays`` of awkward values (signed zeros, NaN, inf, a
+    subnormal, uint64 beyond 2**32, bfloat16); other ranks start from their own
+    garbage. Writes ``OUT_DIR/broadcast{R}.json``: each array's bytes in hex."""
+    import numpy as np
+
+    special = [-0.0, 0.0, float("nan"), float("-inf"), 1e-45, 3.5]
+    mine = {
+        "f32": mx.array(special, dtype=mx.float32),
+        "bf16": mx.array(special, dtype=mx.bfloat16),
+        "step": mx.array(2**40 + 7, dtype=mx.uint64),
+        "i32": mx.array([[-5, 7], [0, 1]], dtype=mx.int32),
+    }
+    if not group.is_main:
+        mine = {k: (v + 1).astype(v.dtype) for k, v in mine.items()}
+    got = group.broadcast_arrays(mine, None)
+    hexes = {k: np.array(v.view(mx.uint8) if v.ndim else v.reshape(1).view(mx.uint8)).tobytes().hex()
+             for k, v in got.items()}
+    shapes = {k: list(v.shape) for k, v in got.items()}
+    dtypes = {k: str(v.dtype) for k, v in got.items()}
+    Path(args.out, f"broadcast{group.rank}.json").write_text(json.dumps({"hex": hexes, "shapes": shapes, "dtypes": dtypes}))
+
+
 def main(argv=None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -171,6 +197,8 @@ def main(argv=None) -> int:
         group = distributed.init_group("any", timeout_s=60)
         if args.allreduce_check:
             allreduce_check(args, group)
+        elif args.broadcast_check:
+            broadcast_check(args, group)
         else:
             run_training(args, overrides, group)
     except UserError as err:

@@ -22,8 +22,10 @@ WORKER = Path(__file__).resolve().parent / "train_worker.py"
 TIMING = {"tokens_per_second", "pairs_per_second", "peak_memory_gb"}
 
 
-def start(out, *overrides, delay=0.0):
+def start(out, *overrides, delay=0.0, marks=False):
     env = {**os.environ, "WORKER_STEP_DELAY": str(delay)} if delay else dict(os.environ)
+    if marks:
+        env["WORKER_MARK_STEPS"] = "1"
     return subprocess.Popen([sys.executable, str(WORKER), str(out), *overrides], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -71,6 +73,9 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     newest = ckpt.find_latest(tmp_path / "checkpoints")
     resumed_from = int(newest.name.split("-")[1])
     assert resumed_from in (3, 6)
+    # the event file was on disk before the checkpoint was complete: every step it covers survived the kill
+    killed_run = next((tmp_path / "tb").iterdir())
+    assert [s for s, _ in read_scalars(killed_run)["loss"]][:resumed_from] == list(range(1, resumed_from + 1))
     resumed = finish(tmp_path, *ARGS, "--train.resume", "auto")
     assert adapters_equal(resumed["adapter_dir"], whole["adapter_dir"])
     # identical logged metrics from the first resumed step on
@@ -81,6 +86,20 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     assert [s for s, _ in scalars["loss"]] == list(range(1, 9))
     whole_loss = [v for _, v in read_scalars(Path(whole["run_dir"]))["loss"]]
     assert [v for _, v in scalars["loss"]] == whole_loss
+
+
+def test_sigkill_right_after_the_first_checkpoint_keeps_what_it_covers(tmp_path, uninterrupted):
+    """The event file is flushed (and fsynced) before a checkpoint is complete:
+    killed while step 2 runs, the file holds step 0's eval and step 1's scalars."""
+    _, whole = uninterrupted
+    proc = start(tmp_path, *ARGS, "--train.save_every", "1", delay=1.0, marks=True)
+    wait_for(tmp_path / "checkpoints" / "step-0000001" / "manifest.json", proc)
+    assert not (tmp_path / "in-step-3").exists()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    scalars = read_scalars(next((tmp_path / "tb").iterdir()))
+    assert scalars["loss"] == [(1, pytest.approx(whole["history"][0]["loss"], rel=1e-6))]
+    assert scalars["eval/loss"] == [(0, pytest.approx(whole["evals"]["0"]["eval/loss"], rel=1e-6))]
 
 
 def test_sigint_saves_at_step_boundary_and_resume_matches(tmp_path, uninterrupted):
@@ -127,12 +146,93 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
     assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest.json" in seen[1]
 
 
-def test_incompatible_resume_is_refused(tmp_path):
+def test_incompatible_resume_is_refused_in_one_line(tmp_path):
+    """Every key is covered in-process by test_trainer; here the CLI-style worker: one line, exit 2."""
     finish(tmp_path, "--train.steps", "2")
-    for override, word in ((("--lora.rank", "4"), "lora shapes"), (("--train.global_batch_pairs", "4"), "global batch")):
+    for override, changed in ((("--lora.rank", "4"), "lora shapes (model.layers.0.mlp.down_proj.lora_a: [64, 2] in "
+                                                       "the checkpoint, [64, 4] now)"),
+                              (("--train.global_batch_pairs", "4"), "train.global_batch_pairs: 8 in the checkpoint, 4 now")):
         proc = start(tmp_path, "--train.steps", "4", "--train.resume", "auto", *override)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 2 and word in err and "Traceback" not in err, err
+        assert proc.returncode == 2 and err.splitlines() == [
+            f"dtrain: error: resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: {changed}. "
+            "These decide which pairs each step sees or what is trained; set them back, or train into a new "
+            "train.output_dir"], err
+
+
+def test_sigint_during_a_step_saves_right_after_that_step(tmp_path):
+    """The stop flag is read at the step's all-reduce: a signal while step 3 runs stops after step 3, not 4."""
+    proc = start(tmp_path, "--train.steps", "8", "--train.eval_every", "0", delay=1.0, marks=True)
+    wait_for(tmp_path / "in-step-3", proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    stopped = json.loads((tmp_path / "result-rank0.json").read_text())
+    assert stopped["stopped"] and stopped["steps"] == 3 and len(stopped["history"]) == 3
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000003"]
+    assert "stopped by signal after step 3; checkpoint saved, resume with train.resume=auto" in err
+    assert not (tmp_path / "in-step-4").exists()
+
+
+def test_two_runs_started_together_into_one_folder(tmp_path, uninterrupted):
+    """One takes the folder, the other stops at once with one line; the first run is unharmed."""
+    import socket
+
+    _, whole = uninterrupted
+    procs = [start(tmp_path, *ARGS, delay=1.0) for _ in range(2)]
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+    codes = [p.returncode for p in procs]
+    assert sorted(codes) == [0, 2], errs
+    winner, loser = codes.index(0), codes.index(2)
+    assert errs[loser].splitlines() == [
+        f"dtrain: error: output folder {tmp_path} is in use by another dtrain run (pid {procs[winner].pid} on "
+        f"{socket.gethostname()}); wait for it to end, or choose another train.output_dir"]
+    done = json.loads((tmp_path / "result-rank0.json").read_text())
+    assert adapters_equal(done["adapter_dir"], whole["adapter_dir"])
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == [Path(done["run_dir"]).name]
+    assert [s for s, _ in read_scalars(Path(done["run_dir"]))["loss"]] == list(range(1, 9))
+
+
+def test_a_checkpoint_of_another_run_is_never_replaced(tmp_path):
+    import dataclasses
+
+    import mlx.optimizers as optim
+
+    from test_trainer import run
+
+    _, model = run(tmp_path / "a", "train.steps=2")
+    root = tmp_path / "a" / "checkpoints"
+    mine = ckpt.load_checkpoint(root / "step-0000002").state
+    before = {p.name: p.read_bytes() for p in (root / "step-0000002").iterdir()}
+    optimizer = optim.AdamW(learning_rate=1e-3)
+    optimizer.init(model.trainable_parameters())
+    other = dataclasses.replace(mine, run_id="another-run")
+    with pytest.raises(UserError) as err:
+        ckpt.save_checkpoint(root, other, model, optimizer, None, {})
+    assert str(err.value) == (f"{root}/step-0000002 is a checkpoint of another run (run id {mine.run_id}; "
+                              f"this run is another-run); not replacing it")
+    assert {p.name: p.read_bytes() for p in (root / "step-0000002").iterdir()} == before
+    # the same run may re-save its own step (a resume that ends where it started)
+    from dtrain.config import LoraConfig
+
+    ckpt.save_checkpoint(root, mine, model, optimizer, LoraConfig(rank=2), {})
+    assert ckpt.validate(root / "step-0000002") is None and [p.name for p in root.iterdir()] == ["step-0000002"]
+
+
+def test_resume_into_a_folder_with_another_runs_checkpoints_is_refused(tmp_path):
+    import shutil
+
+    from test_trainer import run
+
+    run(tmp_path / "a", "train.steps=1")
+    run(tmp_path / "b", "train.steps=2", "train.save_every=1")
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-0000001", tmp_path / "b" / "checkpoints" / "step-0000001",
+                    dirs_exist_ok=True)  # b's own step 1 becomes run a's
+    with pytest.raises(UserError) as err:
+        run(tmp_path / "b", "train.steps=3", "train.resume=auto")
+    root = tmp_path / "b" / "checkpoints"
+    assert str(err.value) == (f"{root} also holds checkpoints of another run (step-0000001); resuming "
+                              f"{root}/step-0000002 there would mix two runs: train into a new train.output_dir")
 
 
 def test_resume_path_must_be_a_valid_checkpoint(tmp_path):
@@ -162,10 +262,12 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert state["skipped_steps"] == 3
 
 
-def test_two_rank_run_with_a_killed_rank_resumes_exactly(tmp_path):
-    """Rank 1 is SIGKILLed at step 4: rank 0 exits non-zero; `resume: auto` with
-    2 ranks continues from the step-2 checkpoint and ends bitwise equal to an
-    uninterrupted 2-rank run; a 1-rank resume (same global batch) is accepted."""
+def test_two_ranks_on_separate_disks_resume_from_rank_0s_checkpoint(tmp_path):
+    """Two "machines" with their own folders: rank 1 is SIGKILLed at step 4 and
+    rank 0 exits non-zero; only rank 0's disk holds checkpoints. `resume: auto`
+    on both continues from rank 0's step 2 on both ranks (rank 0 sends the step,
+    weights and optimizer state) and ends bitwise equal to an uninterrupted
+    2-rank run; a 1-rank resume of the same checkpoint (same global batch) is accepted."""
     from test_distributed import WORKER as WORKER_DIST
     from test_distributed import finish as finish_ranks
     from test_distributed import run_cmd, start_ring
@@ -173,17 +275,23 @@ def test_two_rank_run_with_a_killed_rank_resumes_exactly(tmp_path):
     args = ("train.save_every=2", "distributed.collective_timeout_s=20")
     whole = finish_ranks(start_ring(2, tmp_path / "whole", *args), timeout=120)
     assert [rc for rc, _, _ in whole] == [0, 0], whole
-    killed = finish_ranks(start_ring(2, tmp_path / "cut", *args, "--kill-at", "4:1"), timeout=80)
+    disks = [tmp_path / "mac0", tmp_path / "mac1"]
+    apart = (*args, "train.output_dir=run")  # relative: each rank's own disk, one config
+    killed = finish_ranks(start_ring(2, tmp_path, *apart, "--kill-at", "4:1", disks=disks), timeout=80)
     assert killed[0][0] != 0 and killed[1][0] == -signal.SIGKILL
-    root = tmp_path / "cut" / "run" / "checkpoints"
-    assert ckpt.find_latest(root).name == "step-0000002"
-    resumed = finish_ranks(start_ring(2, tmp_path / "cut", *args, "train.resume=auto"), timeout=120)
+    root = disks[0] / "run" / "checkpoints"
+    assert ckpt.find_latest(root).name == "step-0000002" and not (disks[1] / "run").exists()
+    resumed = finish_ranks(start_ring(2, tmp_path, *apart, "train.resume=auto", disks=disks), timeout=120)
     assert [rc for rc, _, _ in resumed] == [0, 0], resumed
     a = mx.load(str(tmp_path / "whole" / "rank0.safetensors"))
-    b = mx.load(str(tmp_path / "cut" / "rank0.safetensors"))
-    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+    for r in (0, 1):
+        b = mx.load(str(disks[r] / f"rank{r}.safetensors"))
+        assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a), r
+    assert [len(json.loads((disks[r] / f"rank{r}.json").read_text())["history"]) for r in (0, 1)] == [3, 3]
+    assert not (disks[1] / "run").exists()  # rank 1 never wrote a file there
     # the same checkpoint on one rank: world size may change when the global batch does not
-    one = run_cmd([sys.executable, str(WORKER_DIST), str(tmp_path / "cut"), *args, f"train.resume={root / 'step-0000004'}"])
+    one = run_cmd([sys.executable, str(WORKER_DIST), str(disks[0]), *apart, "train.resume=run/checkpoints/step-0000004"],
+                  cwd=disks[0])
     assert one.returncode == 0, one.stderr
 
 
@@ -210,3 +318,23 @@ def test_failed_checkpoint_write_stops_the_run_and_keeps_the_last_good_one(tmp_p
     root = tmp_path / "checkpoints"
     assert [p.name for p in root.iterdir()] == ["step-0000002"]
     assert ckpt.validate(root / "step-0000002") is None
+
+
+def test_atomic_folder_replaces_whole_or_not_at_all(tmp_path):
+    from dtrain.files import atomic_folder
+
+    final = tmp_path / "adapters"
+    with atomic_folder(final) as tmp:
+        (tmp / "a.txt").write_text("one")
+    assert [p.name for p in tmp_path.iterdir()] == ["adapters"] and (final / "a.txt").read_text() == "one"
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        with atomic_folder(final) as tmp:
+            (tmp / "a.txt").write_text("two")
+            raise RuntimeError("disk on fire")
+    assert [p.name for p in tmp_path.iterdir()] == ["adapters"] and (final / "a.txt").read_text() == "one"
+    with atomic_folder(final) as tmp:
+        (tmp / "b.txt").write_text("two")
+    assert [p.name for p in tmp_path.iterdir()] == ["adapters"] and [p.name for p in final.iterdir()] == ["b.txt"]
+    with pytest.raises(FileExistsError):
+        with atomic_folder(final, replace=False):
+            pass

@@ -52,13 +52,21 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def start_ring(n: int, out: Path, *args: str) -> list[subprocess.Popen]:
-    """``n`` worker ranks joined by the ring backend on 127.0.0.1, as mlx.launch would start them."""
+def start_ring(n: int, out: Path, *args: str, disks: list[Path] | None = None) -> list[subprocess.Popen]:
+    """``n`` worker ranks joined by the ring backend on 127.0.0.1, as mlx.launch would start them.
+
+    ``disks``: one folder per rank, as separate machines would have: rank r
+    runs in ``disks[r]`` (its working folder and its OUT_DIR); pass a relative
+    ``train.output_dir`` so that every rank has the same config.
+    """
     out.mkdir(parents=True, exist_ok=True)
     hostfile = out / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
-    return [subprocess.Popen([sys.executable, str(WORKER), str(out), *args], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
+    for d in disks or []:
+        d.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([sys.executable, str(WORKER), str(disks[r] if disks else out), *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=disks[r] if disks else None,
                              env=rank_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}))
             for r in range(n)]
 
@@ -76,8 +84,8 @@ def finish(procs, timeout: float) -> list[tuple[int, str, float]]:
     return results
 
 
-def run_cmd(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env())
+def run_cmd(cmd: list[str], timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=rank_env(), cwd=cwd)
 
 
 def mpirun(n: int, *args: str) -> list[str]:
@@ -227,3 +235,18 @@ def test_bucketed_all_sum_matches_mpi4py_allreduce(tmp_path, n):
         for case in cases:
             assert len(case["calls"]) == case["expected_calls"]  # one all_sum per bucket
             assert case["shapes_kept"] and case["max_abs_diff"] <= 1e-6 * case["max_abs"], case
+
+
+def test_broadcast_gives_every_rank_rank_0s_bits(tmp_path):
+    """-0.0, NaN, inf, a subnormal, uint64 > 2**32, int32 and bfloat16 arrive bit for bit."""
+    import struct
+
+    results = finish(start_ring(3, tmp_path, "--broadcast-check"), timeout=120)
+    assert [rc for rc, _, _ in results] == [0, 0, 0], [err[-1000:] for _, err, _ in results]
+    got = [json.loads((tmp_path / f"broadcast{r}.json").read_text()) for r in range(3)]
+    assert got[1] == got[0] and got[2] == got[0]
+    f32 = bytes.fromhex(got[0]["hex"]["f32"])
+    assert f32 == struct.pack("<6f", -0.0, 0.0, float("nan"), float("-inf"), 1e-45, 3.5)
+    assert bytes.fromhex(got[0]["hex"]["step"]) == struct.pack("<Q", 2**40 + 7)
+    assert bytes.fromhex(got[0]["hex"]["i32"]) == struct.pack("<4i", -5, 7, 0, 1)
+    assert got[0]["shapes"] == {"bf16": [6], "f32": [6], "i32": [2, 2], "step": []}

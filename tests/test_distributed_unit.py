@@ -72,3 +72,22 @@ def test_watchdog_ends_a_stuck_process_with_a_message():
     assert done.returncode == EXIT_TIMEOUT
     assert done.stderr.strip() == ("dtrain: error: rank 1: all_sum of LoRA gradients (1 bucket(s)) at step 4 did not "
                                    "complete within 0.5 s (distributed.collective_timeout_s); a peer rank died or stalled")
+
+
+def test_a_rank_above_zero_without_a_group_stops():
+    with pytest.raises(UserError) as err:
+        init_group("any", env={"MLX_RANK": "1"})
+    assert str(err.value) == ("MLX_RANK=1 says this process is rank 1, but it joined no group (no launcher variables "
+                              "name the other ranks); start every rank with ./launch or mlx.launch, or unset MLX_RANK "
+                              "to train alone")
+    with pytest.raises(UserError, match=r"^OMPI_COMM_WORLD_RANK=2 says this process is rank 2, but it joined no group "
+                                        r"\(distributed.backend is none\)"):
+        init_group("none", env={"OMPI_COMM_WORLD_RANK": "2"})
+    assert init_group("any", env={"MLX_RANK": "0"}).size == 1  # rank 0 alone is a run of one
+
+
+def test_broadcast_at_world_size_one_returns_the_input():
+    arrays = {"a": mx.array([1.5, -0.0]), "step": mx.array(3, dtype=mx.uint64)}
+    got = Group().broadcast_arrays(arrays, None)
+    assert got.keys() == arrays.keys() and all(got[k] is arrays[k] for k in arrays)
+    assert Group().broadcast_text("rank 0's", None) == "rank 0's"

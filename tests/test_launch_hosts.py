@@ -4,11 +4,14 @@ starts; valid hostfiles give the plan mlx.launch / mpirun will run."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 
-from dtrain.launch_rank import parse_report, report_line
-from dtrain.launcher import summarize
+from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
+from dtrain.launch.supervise import summarize
 from fixtures_launch import launch, make_job, write_hostfile
 
 TWO = [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
@@ -119,17 +122,67 @@ def test_jaccl_hostfile_plan(config, tmp_path):
 
 
 def test_report_line_round_trip():
-    line = report_line(3, -15, ["a", "dtrain: error: x"])
-    assert parse_report(line.rstrip("\n")) == (3, -15, ["a", "dtrain: error: x"])
+    report = Report("exit", 3, -15, ["a", "dtrain: error: x"], stop="SIGUSR2", killed="abort")
+    assert parse_report(report_line(report).rstrip("\n")) == report
+    start = Report("start", 1, pid=4242, host="mac2")
+    assert parse_report(report_line(start).rstrip("\n")) == start
     assert parse_report("dtrain: error: x") is None
 
 
+def exit_reports(*items) -> tuple[dict, list]:
+    """``(rank, code, tail, stop, killed)`` tuples -> summarize's reports and their order."""
+    reports = {r: Report("exit", r, code, tail, stop, killed) for r, code, tail, stop, killed in items}
+    return reports, [r for r, *_ in items]
+
+
 def test_summarize_exit_status(capsys):
-    assert summarize(2, [(0, 0, []), (1, 0, [])], 0, None) == 0
-    assert summarize(2, [(1, 3, ["boom"]), (0, -15, [])], 0, None) == 3
+    assert summarize(2, *exit_reports((0, 0, [], None, None), (1, 0, [], None, None)), 0, None).code == 0
+    out = summarize(2, *exit_reports((1, 3, ["boom"], None, None), (0, -9, [], None, "abort")), 0, None)
+    assert (out.code, out.failed, out.restartable) == (3, [1], True)
+    assert out.cause() == "rank 1 failed (exit status 3 (collective watchdog: a peer stalled))"
     err = capsys.readouterr().err
     assert "launch: rank 1 failed with exit code 3; its last lines:\n  [rank 1] boom\n" in err
-    assert "launch: rank(s) 0 stopped by a signal" in err
-    assert summarize(2, [(0, 0, [])], 0, None) == 1  # rank 1 never reported
+    assert "launch: rank(s) 0 killed by the launcher" in err
+    out = summarize(2, *exit_reports((0, 0, [], None, None)), 0, None)  # rank 1 never reported
+    assert (out.code, out.missing, out.restartable) == (1, [1], True)
     assert "rank(s) 1 did not report an exit status" in capsys.readouterr().err
-    assert summarize(2, [(0, 0, []), (1, 0, [])], 0, 2) == 130  # stopped by Ctrl-C
+    assert summarize(2, *exit_reports((0, 0, [], "SIGUSR2", None), (1, 0, [], "SIGUSR2", None)), 0, 2).code == 130
+
+
+def test_summarize_names_the_cause_not_the_lost_peer(capsys):
+    """A killed rank's peers fail with 'lost a peer' (4), sometimes before its own report arrives."""
+    out = summarize(3, *exit_reports((0, 4, ["lost"], None, None), (2, -9, [], None, None), (1, 4, [], None, None)), 1, None)
+    assert out.failed == [0, 2, 1] and out.code == 4 and out.restartable
+    assert out.cause() == "rank 2 failed (killed by SIGKILL)"
+    err = capsys.readouterr().err
+    assert "launch: rank 0 failed with exit code 4; its last lines:\n  [rank 0] lost\n" in err
+    assert "launch: rank 2 was killed by SIGKILL\n" in err  # no output: no "last lines"
+
+
+def test_a_user_error_is_not_restartable(capsys):
+    """Exit status 2 on any rank is bad input (config, data, model): a restart would repeat it."""
+    out = summarize(2, *exit_reports((1, 2, ["dtrain: error: x"], None, None), (0, 4, [], None, None)), 1, None)
+    assert out.user_error and not out.restartable and out.code == 2
+
+
+def test_stop_timeout_kills_only_a_rank_without_cpu_progress():
+    """The wrapper's rule: CPU time that keeps growing is progress; none for stop_timeout s is stuck."""
+    busy = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True)\nwhile True: pass"], stdout=subprocess.PIPE)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE)
+    try:
+        assert busy.stdout.readline() == idle.stdout.readline() == b"ready\n"  # both past start-up
+        watches = {p.pid: Watch(stop_timeout=1.5) for p in (busy, idle)}
+        start = time.monotonic()
+        verdicts = {pid: w.overdue(pid, start) for pid, w in watches.items()}
+        while time.monotonic() - start < 3.0:
+            time.sleep(0.5)
+            verdicts = {pid: w.overdue(pid, time.monotonic()) for pid, w in watches.items()}
+        assert verdicts == {busy.pid: False, idle.pid: True}
+        assert cpu_seconds(busy.pid) > cpu_seconds(idle.pid)
+    finally:
+        busy.kill()
+        idle.kill()
+        busy.wait()
+        idle.wait()
+    assert cpu_seconds(busy.pid) is None

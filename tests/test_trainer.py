@@ -15,15 +15,16 @@ from dtrain.tracking import read_scalars
 from dtrain.trainer import train
 
 
-def run(tmp_path, *overrides, seed=0):
+def run(tmp_path, *overrides, seed=0, n_train=9, data_seed=0):
     cfg = load_config(None, [
         f"train.output_dir={tmp_path}", "data.demo_pairs=1", "train.steps=4", "train.global_batch_pairs=4",
         "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=2", "train.progress=false",
         "train.eval_every=2", *overrides,
     ])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=seed), tokenizer=None, identity="tiny", source="tiny-llama")
-    pairs = make_pairs(12)
-    dataset = SimpleNamespace(train=pairs[:9], valid=pairs[9:], fingerprint="fp")
+    loaded = SimpleNamespace(model=make_tiny_model(seed=seed), tokenizer=None, identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
+    pairs = make_pairs(n_train + 3, seed=data_seed)
+    dataset = SimpleNamespace(train=pairs[:n_train], valid=pairs[n_train:], fingerprint="fp")
     return train(cfg, loaded=loaded, dataset=dataset), loaded.model
 
 
@@ -117,3 +118,135 @@ def test_first_adamw_step_is_bias_corrected(tmp_path):
     lora_b = np.concatenate([np.abs(np.array(v)).ravel() for k, v in weights.items() if k.endswith("lora_b")])
     assert lora_b.max() == pytest.approx(1e-2, rel=1e-3)  # lora_b starts at 0
     assert np.median(lora_b) > 0.9e-2
+
+
+def test_global_batch_larger_than_the_training_pairs_is_refused(tmp_path):
+    from dtrain.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.global_batch_pairs=8", n_train=1)
+    assert str(err.value) == ("train.global_batch_pairs is 8 but the demo data has 1 training pair(s) (after the "
+                              "held-out split, data.valid_fraction=0.1); a step would train a pair more than once: "
+                              "set train.global_batch_pairs to at most 1, or add data")
+    assert not tmp_path.exists() or list(tmp_path.iterdir()) == []  # refused before the output folder
+
+
+def test_output_folder_in_use_is_refused_and_left_alone(tmp_path):
+    import os
+    import socket
+
+    from dtrain.checkpoint import OutputLock
+    from dtrain.errors import UserError
+
+    tmp_path.mkdir(exist_ok=True)
+    holder = OutputLock(tmp_path)  # another run holding the folder (flock: exclusive even within one process)
+    with pytest.raises(UserError) as err:
+        run(tmp_path)
+    assert str(err.value) == (f"output folder {tmp_path} is in use by another dtrain run (pid {os.getpid()} on "
+                              f"{socket.gethostname()}); wait for it to end, or choose another train.output_dir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".dtrain.lock"]  # nothing written
+    holder.release()
+    result, _ = run(tmp_path, "train.steps=1")
+    assert result.steps == 1 and result.adapter_dir.is_dir()
+
+
+def test_adapter_config_names_the_base_model_in_adapter_and_checkpoint(tmp_path):
+    import json
+
+    result, _ = run(tmp_path, "train.steps=2")
+    final = json.loads((result.adapter_dir / ADAPTER_CONFIG).read_text())
+    assert final == {"fine_tune_type": "lora", "num_layers": 4,
+                     "lora_parameters": {"rank": 2, "scale": 20.0, "dropout": 0.0},
+                     "base_model": {"path": "tiny-llama", "source": "tiny-llama"}}
+    saved = json.loads((tmp_path / "checkpoints" / "step-0000002" / ADAPTER_CONFIG).read_text())
+    assert saved == final  # one writer (lora.write_adapter) for both
+
+
+def test_gguf_base_model_reference_is_path_and_sha256(demo_path):
+    from dtrain.models import demo, load_model
+
+    loaded = load_model(str(demo_path))
+    assert loaded.reference == {"path": str(demo_path.resolve()), "sha256": demo.SHA256}
+
+
+def test_hparams_are_recorded_in_the_run_itself(tmp_path):
+    from dtrain.tracking import read_events
+
+    result, _ = run(tmp_path)
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == [result.run_dir.name]
+    assert [p for p in result.run_dir.iterdir() if p.is_dir()] == []  # no <run>/hparams second run
+    tags = {v.tag: e.step for e in read_events(result.run_dir) for v in e.summary.value}
+    assert {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"} <= tags.keys()
+    scalars = read_scalars(result.run_dir)
+    assert scalars["hparam/loss"] == [(4, pytest.approx(result.history[-1]["loss"], rel=1e-6))]
+    assert scalars["hparam/eval/loss"] == [(4, pytest.approx(result.evals[4]["eval/loss"], rel=1e-6))]
+
+
+RESUME_TAIL = ("These decide which pairs each step sees or what is trained; set them back, or train into a new "
+               "train.output_dir")
+
+
+@pytest.mark.parametrize("override, changed", [
+    ("train.seed=1", "train.seed: 0 in the checkpoint, 1 now"),
+    ("data.valid_fraction=0.2", "data.valid_fraction: 0.1 in the checkpoint, 0.2 now"),
+    ("data.demo_seed=3", "data.demo_seed: 0 in the checkpoint, 3 now"),
+    ("data.max_prompt_length=64", "data.max_prompt_length: 512 in the checkpoint, 64 now"),
+    ("train.global_batch_pairs=3", "train.global_batch_pairs: 4 in the checkpoint, 3 now"),
+    ("lora.rank=4", "lora shapes (model.layers.0.mlp.down_proj.lora_a: [64, 2] in the checkpoint, [64, 4] now)"),
+])
+def test_resume_refuses_a_change_of_what_each_step_trains(tmp_path, override, changed):
+    from dtrain.errors import UserError
+
+    run(tmp_path, "train.steps=2")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.steps=4", "train.resume=auto", override)
+    assert str(err.value) == (f"resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: "
+                              f"{changed}. {RESUME_TAIL}")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_resume_refuses_other_training_pairs(tmp_path):
+    from dtrain.checkpoint import data_identity
+    from dtrain.errors import UserError
+
+    run(tmp_path, "train.steps=2")
+    was = data_identity({}, "fp", make_pairs(12)[:9])["training pairs sha256"]
+    now = data_identity({}, "fp", make_pairs(12, seed=1)[:9])["training pairs sha256"]
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.steps=4", "train.resume=auto", data_seed=1)
+    assert str(err.value) == (f"resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: "
+                              f"training pairs sha256: {was!r} in the checkpoint, {now!r} now. {RESUME_TAIL}")
+
+
+def test_resumed_run_reports_the_evaluations_of_the_whole_run(tmp_path):
+    args = ("train.schedule=constant", "train.save_every=2")
+    whole, _ = run(tmp_path / "whole", *args)
+    run(tmp_path / "cut", *args, "train.steps=2")
+    resumed, _ = run(tmp_path / "cut", *args, "train.resume=auto")
+    assert len(resumed.history) == 2 and sorted(resumed.evals) == [0, 2, 4]
+    assert resumed.evals == whole.evals  # bitwise: step 0 and 2 from the checkpoint, 4 computed
+    acc = "eval/rewards/accuracies"
+    assert resumed.summary() == (f"eval reward accuracy (chosen preferred over rejected): step 0 "
+                                 f"{whole.evals[0][acc]:.3f} -> step 4 {whole.evals[4][acc]:.3f}")
+
+
+def test_progress_shows_evaluation_apart_and_the_first_step(tmp_path, capsys):
+    run(tmp_path, "train.progress=true", "train.steps=2", "train.eval_every=0")
+    err = capsys.readouterr().err
+    assert "eval at step 0: 3 held-out pairs" in err
+    assert "step 1: forward+backward of 4 pairs (<= 4 on each of 1 rank(s), micro-batches of 4)" in err
+    assert " s/step, loss " in err and "step/s" not in err  # no tqdm rate: it would count evaluations in
+
+
+def test_step_rate_counts_optimizer_steps_only(tmp_path):
+    from dtrain.tracking import RunLogger
+
+    log = RunLogger(tmp_path, total_steps=3, progress=True)
+    log.progress(1, {"perf/step_seconds": 2.0, "loss": 1.0})
+    bar = log.eval_bar(1, 5)
+    bar.update(5)
+    bar.close()
+    log.progress(2, {"perf/step_seconds": 4.0, "loss": 1.0})
+    assert log.step_rate() == 3.0 and log.bar.postfix == "3.00 s/step, loss 1.0000"
+    log.close()

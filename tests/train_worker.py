@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -24,14 +25,17 @@ from dtrain import trainer  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
 
-def slow_steps(seconds: float) -> None:
-    """Test harness only: make each optimizer step take ``seconds`` longer, so
-    a test can kill the process mid-run."""
+def slow_steps(seconds: float, marks: Optional[Path]) -> None:
+    """Test harness only: make each optimizer step take ``seconds`` longer (the
+    sleep is inside the step), so a test can kill or interrupt the process
+    mid-run; with ``marks``, touch ``marks/in-step-N`` when step N begins."""
     step = trainer.train_step
 
-    def delayed(*args, **kwargs):
+    def delayed(step_no, *args, **kwargs):
+        if marks is not None:
+            (marks / f"in-step-{step_no}").touch()
         time.sleep(seconds)
-        return step(*args, **kwargs)
+        return step(step_no, *args, **kwargs)
 
     trainer.train_step = delayed
 
@@ -39,14 +43,15 @@ def slow_steps(seconds: float) -> None:
 def main(argv):
     out = Path(argv[0])
     if os.environ.get("WORKER_STEP_DELAY"):
-        slow_steps(float(os.environ["WORKER_STEP_DELAY"]))
+        slow_steps(float(os.environ["WORKER_STEP_DELAY"]), out if os.environ.get("WORKER_MARK_STEPS") else None)
     overrides = [f"train.output_dir={out}", "data.demo_pairs=1", "train.progress=false", "lora.rank=2",
                  "train.learning_rate=1e-2", *split_overrides(argv[1:])]
     try:
         cfg = load_config(None, overrides)
         group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
         pairs = make_pairs(24)
-        loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama")
+        loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+                                 reference={"path": "tiny-llama"})
         dataset = SimpleNamespace(train=pairs[:20], valid=pairs[20:], fingerprint="tiny-pairs")
         result = train(cfg, group=group, loaded=loaded, dataset=dataset)
     except UserError as err:

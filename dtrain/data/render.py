@@ -144,6 +144,7 @@ class RowTokenizer:
     chat: Optional[Renderer]
     text: Renderer
     controls: tuple  # control-token strings, longest first
+    control_re: Optional[re.Pattern]  # matches any of them
     control_ids: frozenset
     marks: tuple  # end-of-turn texts removed from the end of message content
 
@@ -154,7 +155,9 @@ class RowTokenizer:
         controls = control_strings(tokenizer)
         ids = frozenset(tokenizer.convert_tokens_to_ids(list(controls))) if controls else frozenset()
         marks = {r.closing.strip() for r in (chat, text) if r is not None} | {tokenizer.eos_token or ""}
-        return cls(tokenizer, cfg, chat, text, controls, ids, tuple(sorted((m for m in marks if m), key=len, reverse=True)))
+        pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
+        return cls(tokenizer, cfg, chat, text, controls, pattern, ids,
+                   tuple(sorted((m for m in marks if m), key=len, reverse=True)))
 
     # -- text --------------------------------------------------------------
     def _strip_marks(self, content: str) -> str:
@@ -172,11 +175,9 @@ class RowTokenizer:
         Returns ``(messages, marker or None, first control text found or None)``;
         the marker is a private-use character absent from the row.
         """
-        found = None
-        if self.controls:
-            pattern = re.compile("|".join(map(re.escape, self.controls)))
-            hit = next((m for m in (pattern.search(x["content"]) for x in msgs) if m), None)
-            found = hit.group(0) if hit else None
+        pattern = self.control_re
+        hit = next((m for m in (pattern.search(x["content"]) for x in msgs) if m), None) if pattern else None
+        found = hit.group(0) if hit else None
         if found is None:
             return msgs, None, None
         used = "".join(m["content"] for m in msgs)

@@ -81,9 +81,15 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
         return Source("parquet" if p.suffix == ".parquet" else "json", (p,), spec)
     if p.is_dir():
         return _folder(p, spec, role, split, key, split_key)
-    if _HUB_ID.fullmatch(spec) and p.suffix not in (".json", ".jsonl", ".parquet"):
+    if is_hub_id(spec):
         return _hub(spec, split, key, split_key)
     raise DataError(f"{spec}: data file not found ({key})")
+
+
+def is_hub_id(spec: str) -> bool:
+    """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``."""
+    p = Path(spec)
+    return not p.exists() and bool(_HUB_ID.fullmatch(spec)) and p.suffix not in (".json", ".jsonl", ".parquet")
 
 
 def resolve_pair(cfg) -> tuple:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
 from mlx_lm.utils import save_config, save_model
 
 from ..errors import ModelError
+from ..files import atomic_folder
 from .demo import demo_model_path
 from .gguf import gguf_to_mlx
 from .load import build_gguf_model
@@ -72,22 +70,10 @@ def check_new_folder(out_dir: str) -> None:
 def write_folder(out_dir: str, fill: Callable[[Path], None]) -> Path:
     """Run ``fill(tmp)`` on a temporary sibling folder, then rename it to ``out_dir``.
 
-    Nothing is left behind when ``fill`` fails; an existing ``out_dir`` must be
-    empty (see :func:`check_new_folder`).
+    Nothing is left behind when ``fill`` fails (:func:`dtrain.files.atomic_folder`);
+    an existing ``out_dir`` must be empty (see :func:`check_new_folder`).
     """
     check_new_folder(out_dir)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; the result is an ordinary folder
-    try:
+    with atomic_folder(Path(out_dir)) as tmp:
         fill(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out_dir)

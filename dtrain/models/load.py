@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,9 @@ class LoadedModel:
     ``identity``: short string that changes when the weights change (GGUF:
     ``gguf-sha256:<hex>``; folder: resolved path + hash of config.json).
     ``source``: human-readable description.
+    ``reference``: where the weights are, for an adapter's ``base_model``:
+    ``{"path", "sha256"}`` of a GGUF file (absolute; the demo's cached file
+    too), ``{"path"}`` of a model folder, or ``{"hub_id"}``.
     """
 
     model: nn.Module
@@ -46,6 +49,7 @@ class LoadedModel:
     config: dict
     identity: str
     source: str
+    reference: dict = field(default_factory=dict)
 
 
 def on_gpu() -> bool:
@@ -109,7 +113,9 @@ def _load_gguf(path: Path, keep_quantized: bool, float_dtype, source: str) -> Lo
 
     tokenizer = TokenizerWrapper(hf, eos_token_ids=eos_token_ids(gm.metadata))
     model, config = build_gguf_model(gm, keep_quantized, float_dtype)
-    return LoadedModel(model, tokenizer, config, f"gguf-sha256:{sha256_file(path)}", source)
+    sha = sha256_file(path)
+    return LoadedModel(model, tokenizer, config, f"gguf-sha256:{sha}", source,
+                       reference={"path": str(Path(path).resolve()), "sha256": sha})
 
 
 def build_gguf_model(gm: GGUFModel, keep_quantized: bool, float_dtype) -> tuple[nn.Module, dict]:
@@ -171,4 +177,5 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
     mx.eval(model.parameters())
     config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
     location = str(Path(path).resolve()) if Path(path).is_dir() else path
-    return LoadedModel(model, tokenizer, config, f"mlx-lm:{location}:{config_hash}", f"mlx-lm model {path}")
+    reference = {"path": location} if Path(path).is_dir() else {"hub_id": path}
+    return LoadedModel(model, tokenizer, config, f"mlx-lm:{location}:{config_hash}", f"mlx-lm model {path}", reference)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import UserError
+from ..errors import UserError
 
 BACKENDS = ("ring", "jaccl", "mpi", "nccl")
 TOP_KEYS = ("backend", "envs", "hosts")

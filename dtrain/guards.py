@@ -1,0 +1,45 @@
+"""Warnings about a run that trains but is heading somewhere unwanted.
+
+Pure functions over the held-out metrics the trainer already keeps
+(step -> ``eval/`` metrics, as the run state keeps them); the trainer logs what they
+return. Nothing here stops a run.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+CHOSEN_LOGPS = "eval/logps/chosen"
+
+
+def chosen_logps_drop(evals: dict, margin: float) -> Optional[str]:
+    """A warning when the held-out chosen log-probability fell below its step-0 value.
+
+    ORPO can raise ``rewards/accuracies`` by lowering the likelihood of both
+    answers, the rejected one faster: the preference is learned while the
+    model gets worse at producing the chosen answers. A falling
+    ``eval/logps/chosen`` (mean log-probability of the chosen response tokens,
+    nats/token) is the sign; Pal et al. 2024 ("Smaug", arXiv:2402.13228)
+    describe the same failure for DPO.
+
+    Args:
+        evals: step (int or its string, as checkpoints keep it) -> eval
+            metrics; the step-0 entry is the base model's (without one nothing
+            is compared).
+        margin: nats/token the latest value may fall below the step-0 value
+            before a warning (``train.chosen_logps_drop_warn``); 0 turns the
+            check off.
+
+    Returns:
+        The warning text for the latest evaluated step, or None.
+    """
+    evals = {int(step): metrics for step, metrics in evals.items()}  # checkpoints keep str keys
+    if margin <= 0 or 0 not in evals or len(evals) < 2:
+        return None
+    step = max(evals)
+    base, now = evals[0].get(CHOSEN_LOGPS), evals[step].get(CHOSEN_LOGPS)
+    if base is None or now is None or not now < base - margin:
+        return None
+    return (f"warning: step {step}: held-out {CHOSEN_LOGPS} is {now:.4f}, {base - now:.4f} nats/token below "
+            f"its step-0 value {base:.4f} (train.chosen_logps_drop_warn: {margin:g}); the model is making the "
+            f"chosen answers less likely too; try a lower train.learning_rate or orpo.lambda")

@@ -1,0 +1,99 @@
+"""The contract between a launcher and its ranks: environment variables and exit statuses.
+
+A launcher tells each rank who it is through environment variables, and each
+backend has its own set: mlx.launch 0.32 (``mlx/_distributed_utils/launch.py``)
+for ring, JACCL and NCCL, OpenMPI's ``mpirun`` for MPI (MPICH/Hydra: ``PMI_*``).
+This module is their one owner: ``dtrain.launch.plan`` writes them (and prints
+them for ``--dry-run``), ``dtrain.distributed`` reads them through
+:func:`launcher_backend` and :func:`rank_from_env`. In the other direction a
+rank tells the launcher why it ended through its exit status (``EXIT_*``),
+which decides whether ``--max-restarts`` may start the job again.
+
+Pure Python (no MLX): the launcher and the rank wrapper import it cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping, Optional
+
+# Exit statuses of `dtrain train`. A user error repeats on a restart; the other two are
+# transient (a peer died or stalled) and a restart from the newest checkpoint can succeed.
+EXIT_USER_ERROR = 2  # bad config, data, model, output folder (dtrain.errors.UserError)
+EXIT_TIMEOUT = 3  # the collective watchdog fired: a peer stalled (distributed.Watchdog)
+EXIT_LOST_PEER = 4  # a collective failed: MLX reported a lost peer (distributed.CollectiveError)
+
+RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # first one set wins
+# mlx.launch writes these variables' values to temporary files and passes the file's path
+FILE_VARS = ("MLX_HOSTFILE", "MLX_IBV_DEVICES")
+STOP_TIMEOUT_VAR = "DTRAIN_STOP_TIMEOUT"  # launcher -> rank wrapper: --stop-timeout in seconds
+
+
+def rank_from_env(env: Mapping[str, str]) -> int:
+    """This process's rank as its launcher set it (mlx.launch, OpenMPI, MPICH), 0 if none."""
+    for key in RANK_VARS:
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 0
+
+
+def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
+    """The backend and world size a launcher announced in ``env``, or ``(None, 1)``.
+
+    mlx.launch's ring sets ``MLX_RANK`` and ``MLX_HOSTFILE`` (a JSON list of one
+    address list per rank; empty for one rank); its JACCL sets
+    ``MLX_JACCL_COORDINATOR`` or ``MLX_IBV_DEVICES``; its NCCL sets
+    ``NCCL_HOST_IP`` and ``MLX_WORLD_SIZE``; OpenMPI's ``mpirun`` sets
+    ``OMPI_COMM_WORLD_SIZE`` (MPICH/Hydra: ``PMI_SIZE``). A size of 0 means
+    "set by a launcher, size not known here".
+    """
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "mpi", int(env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or 0)
+    if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
+        return "jaccl", 0
+    if "NCCL_HOST_IP" in env and "MLX_RANK" in env:
+        size = env.get("MLX_WORLD_SIZE", "")
+        return "nccl", int(size) if size.isdigit() else 0
+    if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
+        try:
+            with open(env["MLX_HOSTFILE"], encoding="utf-8") as f:
+                return "ring", len(json.loads(f.read() or "[]")) or 1
+        except (OSError, ValueError):
+            return "ring", 0
+    return None, 1
+
+
+def ring_hostfile(ips_per_rank: list[list[str]], port: int) -> list[list[str]]:
+    """The ring backend's ``MLX_HOSTFILE`` content: ``ip:port`` per rank, one port per IP, as mlx.launch numbers them."""
+    out = []
+    for ips in ips_per_rank:
+        out.append([f"{ip}:{port + i}" for i, ip in enumerate(ips)])
+        port += len(ips)
+    return out
+
+
+def rank_variables(backend: str, rank: int, ips: list[list[str]], port: int, rdma: Optional[list] = None,
+                   one_gpu_per_host: bool = False) -> dict:
+    """The variables ``backend``'s launcher gives rank ``rank`` (values of :data:`FILE_VARS` are file contents).
+
+    Args:
+        backend: ``ring | jaccl | nccl | mpi``.
+        ips: per rank, the IP addresses it talks over (one list per rank).
+        port: the first ring/JACCL port, or the NCCL port.
+        rdma: JACCL only: per host, one RDMA device per peer (null for itself).
+        one_gpu_per_host: NCCL: every rank sees GPU 0 of its own host (hostfile
+            runs) instead of GPU ``rank`` of this machine.
+    Raises:
+        ValueError: an unknown backend.
+    """
+    n = len(ips)
+    if backend == "ring":
+        return {"MLX_RANK": str(rank), "MLX_HOSTFILE": json.dumps(ring_hostfile(ips, port)) if n > 1 else ""}
+    if backend == "jaccl":
+        return {"MLX_RANK": str(rank), "MLX_JACCL_COORDINATOR": f"{ips[0][0]}:{port}", "MLX_IBV_DEVICES": json.dumps(rdma)}
+    if backend == "nccl":
+        return {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(n), "NCCL_HOST_IP": ips[0][0], "NCCL_PORT": str(port),
+                "CUDA_VISIBLE_DEVICES": "0" if one_gpu_per_host else str(rank)}
+    if backend == "mpi":  # mpirun sets them itself; shown for --dry-run
+        return {"OMPI_COMM_WORLD_RANK": f"{rank} (set by mpirun)", "OMPI_COMM_WORLD_SIZE": f"{n} (set by mpirun)"}
+    raise ValueError(f"unknown backend {backend!r}")

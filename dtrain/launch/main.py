@@ -1,0 +1,263 @@
+"""``./launch``: run a training job on one rank, N local ranks, several hosts or MPI.
+
+    ./launch CONFIG [--section.key VALUE ...]          one rank, no distributed setup
+    ./launch -n N CONFIG                                N ranks on loopback (mlx.launch, ring)
+    ./launch --hostfile HOSTS.json CONFIG               one rank per host (mlx.launch: ring, jaccl, nccl)
+    ./launch -n N --backend mpi CONFIG                  mpirun directly
+    ./launch --max-restarts 5 ... CONFIG                start the job again when a rank fails
+    ./launch --dry-run ... / --tensorboard [PORT] ...   print the plan / serve TensorBoard
+
+Before anything starts, the config, the hostfile and (for runs on this
+machine) the data files are checked; a problem is one line
+``launch: error: ...`` and exit status 2. Every rank gets its environment
+explicitly (:mod:`.plan`) and runs under :mod:`.rank`, which reports how it
+ended; the launcher exits non-zero when any rank failed and shows that rank's
+last lines (:mod:`.supervise`).
+
+Ctrl-C/SIGTERM stops the job for good: every rank saves after its step; a
+rank that makes no progress for ``--stop-timeout`` seconds is killed, and the
+launcher says what that lost. A second Ctrl-C kills the ranks at once.
+
+With ``--max-restarts N`` a failed job (a rank killed or crashed, a lost peer,
+the collective watchdog) is stopped, and after ``--restart-delay`` seconds
+started again with ``train.resume=auto``, at most N times; a user error (exit
+status 2 on any rank) is not restarted, since it would repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+from ..config import load_config, take_overrides
+from ..errors import UserError
+from . import restart
+from .hosts import BACKENDS, LaunchError, load_hostfile
+from .plan import build_plan, describe
+from .supervise import Attempt, Outcome
+
+TB_DEFAULT_PORT = 6006
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch", description="Run a dtrain job on one or more ranks. "
+                                "Config keys are overridden with --section.key VALUE.")
+    p.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
+    p.add_argument("-n", "--ranks", type=int, default=1, help="ranks on this machine (ring on loopback unless --backend)")
+    p.add_argument("--hostfile", help="mlx.launch JSON hostfile: one rank per host")
+    p.add_argument("--backend", choices=BACKENDS, help="default: the hostfile's, then the config's, then ring")
+    p.add_argument("--port", type=int, default=32323, help="first ring/JACCL port, or the NCCL port (default 32323)")
+    p.add_argument("--tensorboard", type=int, nargs="?", const=TB_DEFAULT_PORT, metavar="PORT",
+                   help=f"serve TensorBoard on 127.0.0.1:PORT (default {TB_DEFAULT_PORT}) while the run lasts")
+    p.add_argument("--stop-timeout", type=float, default=60.0,
+                   help="after Ctrl-C/SIGTERM, kill a rank that has used no CPU for this many seconds "
+                        "(a rank finishing its step or saving is never killed; default 60)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a rank fails, start the whole job again from its newest checkpoint "
+                        "(train.resume=auto), at most this many times (default 0)")
+    p.add_argument("--restart-delay", type=float, default=5.0, help="seconds between a failure and the restart (default 5)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and start nothing")
+    return p
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Launcher options and ``section.key=value`` overrides (grammar: ``dtrain.config.take_overrides``).
+
+    ``--tensorboard`` followed by something other than a port number takes the
+    default port, so ``--tensorboard CONFIG`` reads as meant.
+
+    Raises:
+        ConfigError: an override with no value.
+    """
+    options, overrides = take_overrides(argv)
+    for i, arg in enumerate(options):
+        if arg == "--tensorboard" and not (i + 1 < len(options) and options[i + 1].isdigit()):
+            options[i] = f"--tensorboard={TB_DEFAULT_PORT}"
+    return options, overrides
+
+
+def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Popen:
+    """Serve ``logdir`` on 127.0.0.1:``port`` with the ``tensorboard`` package.
+
+    Raises:
+        LaunchError: the package is missing or the port is taken.
+    """
+    if importlib.util.find_spec("tensorboard") is None:
+        raise LaunchError("--tensorboard needs the tensorboard package: pip install tensorboard (or pip install -e '.[dev]')")
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise LaunchError(f"--tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}") from None
+    logdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+           "--port", str(port), "--reload_interval", "5"]
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_tensorboard(tb: subprocess.Popen, log_path: Path, timeout: float = 5.0) -> None:
+    """Stop the TensorBoard server (or say why it ended early)."""
+    if tb.poll() is not None:
+        last = [x for x in log_path.read_text(errors="replace").splitlines() if x.strip()][-1:]
+        print(f"launch: TensorBoard exited early (code {tb.returncode}): {' '.join(last)}", file=sys.stderr)
+        return
+    os.killpg(tb.pid, signal.SIGTERM)  # its own session: the server and anything it started
+    try:
+        tb.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(tb.pid, signal.SIGKILL)
+        tb.wait()
+
+
+def check_data(cfg) -> None:
+    """``data.train`` and ``data.valid`` exist, and a JSONL/JSON file holds something, before any rank starts.
+
+    For runs on this machine (ranks on other hosts read their own files); hub
+    dataset ids are left to the ranks (loading one here would download it twice).
+
+    Raises:
+        DataError: the first missing, unreadable or empty source (the ranks' own message).
+    """
+    from ..data.sources import is_hub_id, read_items, resolve
+
+    for spec, role in ((cfg.data.train, "train"), (cfg.data.valid, "valid")):
+        if spec is not None and not is_hub_id(spec):
+            source = resolve(spec, cfg.data, role)
+            if source.kind == "json":
+                next(read_items(source), None)  # an empty file raises at its first item
+
+
+class StopSignals:
+    """SIGINT/SIGTERM for the launcher's whole life.
+
+    The first stops the job for good: the running attempt's ranks save and
+    stop, and no restart follows (also when it comes during the restart delay).
+    The second kills the ranks at once.
+    """
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.attempt: Optional[Attempt] = None
+        self.wake = threading.Event()
+
+    def __call__(self, signum, _frame) -> None:
+        self.received.append(signum)
+        self.wake.set()
+        if self.attempt is None:
+            return
+        if len(self.received) == 1:
+            self.attempt.stop(signum)
+        else:
+            self.attempt.abort(f"{signal.Signals(signum).name} again: killing the ranks now")
+
+    def install(self) -> dict:
+        return {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: float, output_dir: Optional[Path],
+            signals: StopSignals) -> int:
+    """Run attempts of the job until it succeeds, is stopped, fails for good or runs out of restarts.
+
+    Args:
+        plan_for: ``plan_for(resume)`` -> the :class:`~.plan.Plan`; ``resume=True`` adds ``train.resume=auto``.
+        output_dir: the run's output folder when it is on this machine, else None.
+    Returns:
+        The launcher's exit status.
+    """
+    restarts = 0
+    while True:
+        attempt = Attempt(plan_for(restarts > 0), stop_timeout)
+        signals.attempt = attempt
+        if signals.received:
+            return 128 + signals.received[0]
+        try:
+            outcome = attempt.run()
+        finally:
+            signals.attempt = None
+        if outcome.stopped_by is not None:
+            _say_what_was_lost(outcome, output_dir)
+            return outcome.code
+        if not outcome.restartable or restarts >= max_restarts:
+            if max_restarts and outcome.code != 0:
+                why = ("a rank reported a user error, which a restart would repeat" if outcome.user_error
+                       else f"all {max_restarts} restart(s) used")
+                print(f"launch: not restarting: {why}", file=sys.stderr, flush=True)
+            return outcome.code
+        restarts += 1
+        point = restart.resume_point(output_dir) if output_dir is not None else None
+        if point is not None:
+            where = f"resuming from step {point.step} ({point.path})"
+        elif output_dir is not None:
+            where = "starting from step 0 (no checkpoint yet)"
+        else:
+            where = "resuming from rank 0's newest checkpoint"
+        text = f"restart {restarts} of at most {max_restarts}: {outcome.cause()}; {where}"
+        print(f"launch: {text}; starting again in {restart_delay:g} s", file=sys.stderr, flush=True)
+        restart.record(point, text)
+        if signals.wake.wait(restart_delay):
+            name = signal.Signals(signals.received[0]).name
+            print(f"launch: {name} during the restart delay: not restarting", file=sys.stderr, flush=True)
+            return 128 + signals.received[0]
+
+
+def _say_what_was_lost(outcome: Outcome, output_dir: Optional[Path]) -> None:
+    rank0 = outcome.reports.get(0)
+    if rank0 is not None and rank0.code == 0 and rank0.killed is None:
+        return  # rank 0 finished its save (or had nothing left to do)
+    print(f"launch: rank 0 did not save: {restart.describe_loss(output_dir)}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``./launch``; returns the exit status."""
+    signals = StopSignals()
+    previous = signals.install()
+    tb = None
+    try:
+        options, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+        args = _parser().parse_args(options)
+        if args.ranks < 1:
+            raise LaunchError(f"-n must be at least 1; got {args.ranks}")
+        if args.max_restarts < 0 or args.restart_delay < 0 or args.stop_timeout <= 0:
+            raise LaunchError("--max-restarts and --restart-delay must be >= 0, --stop-timeout > 0")
+        cfg = load_config(args.config, overrides)
+        hostfile = load_hostfile(args.hostfile) if args.hostfile else None
+        with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:
+            def plan_for(resume: bool):
+                extra = ["train.resume=auto"] if resume else []
+                return build_plan(args.config, [*overrides, *extra], cfg, ranks=args.ranks, backend=args.backend,
+                                  port=args.port, hostfile=hostfile, hostfile_path=args.hostfile, tmpdir=tmp)
+
+            plan = plan_for(False)
+            if plan.local:
+                check_data(cfg)
+            for line in plan.notes:
+                print(f"launch: {line}", file=sys.stderr, flush=True)
+            if args.dry_run:
+                print(describe(plan), flush=True)
+                return 0
+            if args.tensorboard is not None:
+                logdir = Path(cfg.train.output_dir) / "tb"
+                tb = start_tensorboard(logdir, args.tensorboard, Path(tmp) / "tensorboard.log")
+                print(f"launch: TensorBoard at http://127.0.0.1:{args.tensorboard}/ (logdir {logdir})", flush=True)
+            try:
+                output_dir = Path(cfg.train.output_dir) if plan.local else None
+                return run_job(plan_for, args.stop_timeout, args.max_restarts, args.restart_delay, output_dir, signals)
+            finally:
+                if tb is not None:
+                    stop_tensorboard(tb, Path(tmp) / "tensorboard.log")
+    except UserError as err:
+        print(f"launch: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

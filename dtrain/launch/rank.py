@@ -1,0 +1,209 @@
+"""The process every rank runs in: ``python -m dtrain.launch.rank -- CMD ...``.
+
+It runs ``CMD`` (``dtrain train ...``) as a child in its own session, passes
+its stdout through, copies its stderr through while keeping the last lines,
+and writes two report lines to stderr that the launcher reads::
+
+    \\x1edtrain-rank {"event": "start", "rank": 1, "pid": 4242, "host": "mac2"}
+    \\x1edtrain-rank {"event": "exit", "rank": 1, "code": 2, "tail": [...], "stop": null, "killed": null}
+
+Signals (the launcher's, or a hung-up ssh session's):
+
+- SIGINT, SIGTERM, SIGHUP, SIGUSR2: stop gently. The child gets one SIGINT and
+  saves a checkpoint after its step. It is killed only when it stops making
+  progress: when its CPU time has not grown for ``DTRAIN_STOP_TIMEOUT`` seconds
+  (default 60). A rank computing a step or writing a checkpoint uses CPU, and so
+  does one waiting in a ring or MPI collective for a slower peer (both poll);
+  a process that uses none for that long is stuck (e.g. its host went to sleep).
+- SIGUSR1: abort (another rank failed, or a second Ctrl-C): the child gets SIGINT and is
+  killed ``ABORT_GRACE_S`` seconds later unless it ended by then, which a rank whose peer
+  died usually does at once, through its own error path (closing its files).
+
+The report says which happened (``stop``: the signal, ``killed``: why). It
+exists because ``mlx.launch`` exits 0 even when a rank fails (mlx 0.32:
+``_launch_with_io`` only logs a warning) and mixes the ranks' output without
+saying which rank wrote what; mpirun forwards SIGUSR1/SIGUSR2 to its ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .env import STOP_TIMEOUT_VAR, rank_from_env
+
+MARK = "\x1edtrain-rank "
+TAIL_LINES = 15
+DEFAULT_STOP_TIMEOUT = 60.0
+ABORT_GRACE_S = 3.0
+CPU_STEP = 0.02  # CPU seconds per sample that count as progress (an idle Python process uses ~0)
+GENTLE = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+
+
+@dataclass
+class Report:
+    """One report line: ``event`` is ``start`` (with ``pid``, ``host``) or ``exit`` (with the rest)."""
+
+    event: str
+    rank: int
+    code: Optional[int] = None  # the child's exit status; negative: killed by that signal
+    tail: list = field(default_factory=list)
+    stop: Optional[str] = None  # the gentle stop signal it received, e.g. "SIGINT"
+    killed: Optional[str] = None  # why this wrapper killed the child, e.g. "abort"
+    pid: Optional[int] = None
+    host: Optional[str] = None
+
+
+def report_line(report: Report) -> str:
+    d = {k: v for k, v in report.__dict__.items() if v is not None and v != []}
+    return MARK + json.dumps(d) + "\n"
+
+
+def parse_report(line: str) -> Optional[Report]:
+    """The :class:`Report` on a report line, or None for any other line."""
+    if not line.startswith(MARK):
+        return None
+    try:
+        d = json.loads(line[len(MARK):])
+        return Report(**{**d, "rank": int(d["rank"]), "tail": list(d.get("tail", []))})
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds of process ``pid`` (Linux: /proc; elsewhere: ps), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    except FileNotFoundError:
+        if sys.platform.startswith("linux"):
+            return None
+    except (OSError, IndexError, ValueError):
+        return None
+    out = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    if not out:
+        return None
+    days, _, clock = out.rpartition("-")  # [[DD-]HH:]MM:SS[.ss]
+    seconds = 0.0
+    for part in clock.split(":"):
+        seconds = seconds * 60 + float(part)
+    return seconds + 86400 * int(days or 0)
+
+
+class Watch:
+    """The stop state of one child: signals received, and when it last made progress."""
+
+    def __init__(self, stop_timeout: float):
+        self.stop_timeout = stop_timeout
+        self.stop: Optional[str] = None
+        self.abort_at: Optional[float] = None  # when SIGUSR1 came
+        self.killed: Optional[str] = None
+        self._cpu, self._progress_at = -1.0, 0.0
+
+    def overdue(self, pid: int, now: float) -> bool:
+        """True when the child used no CPU for ``stop_timeout`` seconds since the stop signal."""
+        cpu = cpu_seconds(pid)
+        if cpu is None:
+            return False
+        if cpu > self._cpu + CPU_STEP or self._cpu < 0:
+            self._cpu, self._progress_at = cpu, now
+        return now - self._progress_at > self.stop_timeout
+
+
+def run(cmd: list) -> int:
+    """Run ``cmd``, relay its output and signals, report; returns its exit code (128+N for signal N)."""
+    rank = rank_from_env(os.environ)
+    watch = Watch(float(os.environ.get(STOP_TIMEOUT_VAR, DEFAULT_STOP_TIMEOUT)))
+    started: list = []
+
+    def on_signal(signum, _frame):
+        if signum == signal.SIGUSR1:
+            if watch.abort_at is None:
+                watch.abort_at = time.monotonic()
+                for proc in started:
+                    _send(proc, signal.SIGINT)
+        elif watch.stop is None:
+            watch.stop = signal.Signals(signum).name
+            for proc in started:
+                _send(proc, signal.SIGINT)
+
+    # Handlers first: the launcher may start us with these signals ignored, and
+    # an ignored signal stays ignored across exec; a handled one resets to default.
+    for sig in (*GENTLE, signal.SIGUSR1):
+        signal.signal(sig, on_signal)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
+    started.append(proc)
+    _write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
+    if watch.stop is not None:  # a signal came while starting
+        _send(proc, signal.SIGINT)
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    partial, fd, checked = b"", proc.stderr.fileno(), 0.0
+    while True:
+        now = time.monotonic()
+        if proc.poll() is None and watch.killed is None:
+            if watch.abort_at is not None and now - watch.abort_at >= ABORT_GRACE_S:
+                watch.killed = "abort"
+            elif watch.stop is not None and now - checked >= 1.0:
+                checked = now
+                if watch.overdue(proc.pid, now):
+                    watch.killed = f"no CPU use for {watch.stop_timeout:g} s after {watch.stop}"
+            if watch.killed is not None:
+                _send(proc, signal.SIGKILL)
+        try:
+            ready = select.select([fd], [], [], 0.5)[0]
+        except InterruptedError:
+            continue
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        _write(chunk)
+        *lines, partial = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
+        tail.extend(x.decode(errors="replace")[:300] for x in lines if x.strip())
+    if partial.strip():
+        tail.append(partial.decode(errors="replace")[:300])
+    code = proc.wait()
+    sys.stdout.flush()
+    _write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed)).encode())
+    return code if code >= 0 else 128 - code
+
+
+def _send(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _write(data: bytes) -> None:
+    """Write to stderr; a closed terminal (ssh hung up) must not stop the relay."""
+    try:
+        sys.stderr.buffer.write(data)
+        sys.stderr.buffer.flush()
+    except OSError:
+        pass
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m dtrain.launch.rank -- COMMAND ...", file=sys.stderr)
+        return 2
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

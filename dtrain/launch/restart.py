@@ -1,0 +1,64 @@
+"""What a restart resumes from, and its record in the run's TensorBoard folder.
+
+The launcher reads the newest valid checkpoint under ``OUTPUT_DIR/checkpoints``
+(``dtrain.checkpoint.find_latest``: manifest and checksums verified) when the
+output folder is on this machine, which it is for ``-n`` and MPI runs on one
+host. A restart is recorded as a TensorBoard text entry (tag ``launch/restarts``)
+in the run folder named by that checkpoint, at the checkpoint's step: the
+resumed rank 0 continues the same folder from the next step, and its
+``purge_step`` (which drops earlier events at later steps) leaves the entry alone.
+The entry goes into an event file of its own (suffix ``.launch``), so the
+launcher never touches the trainer's files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+TAG = "launch/restarts"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest valid checkpoint: its ``step``, folder, and the TensorBoard run it belongs to."""
+
+    step: int
+    path: Path
+    tensorboard_dir: Optional[Path]
+
+
+def resume_point(output_dir: Path) -> Optional[ResumePoint]:
+    """The checkpoint ``train.resume: auto`` will continue from, or None when there is none."""
+    from ..checkpoint import STATE, RunState, find_latest
+
+    path = find_latest(Path(output_dir) / "checkpoints", report=lambda _: None)
+    if path is None:
+        return None
+    state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
+    return ResumePoint(state.step, path, Path(state.tensorboard_run) if state.tensorboard_run else None)
+
+
+def describe_loss(output_dir: Optional[Path]) -> str:
+    """What a job that ended without its final save loses, in words (``output_dir`` None: not on this machine)."""
+    if output_dir is None:
+        return "the work after rank 0's newest checkpoint is lost; continue from it with --train.resume auto"
+    point = resume_point(output_dir)
+    if point is None:
+        return f"no checkpoint was saved in {Path(output_dir) / 'checkpoints'}: all of this run's steps are lost"
+    return f"the work after step {point.step} ({point.path}) is lost; continue from there with --train.resume auto"
+
+
+def record(point: Optional[ResumePoint], text: str) -> Optional[Path]:
+    """Add ``text`` to the run's TensorBoard folder at the resumed step; returns the folder or None."""
+    if point is None or point.tensorboard_dir is None or not point.tensorboard_dir.is_dir():
+        return None
+    from tensorboardX import SummaryWriter
+
+    writer = SummaryWriter(logdir=str(point.tensorboard_dir), filename_suffix=".launch")
+    try:
+        writer.add_text(TAG, text, point.step)
+    finally:
+        writer.close()
+    return point.tensorboard_dir

@@ -1,0 +1,263 @@
+"""One attempt of a job: start the plan, relay the ranks' output, stop them, summarize.
+
+Every rank runs under :mod:`dtrain.launch.rank`, whose report lines say when
+it started (its trainer's pid) and how it ended. The launcher talks to those
+wrappers with two signals: SIGUSR2 asks them to stop gently (the trainers save
+a checkpoint after their step), SIGUSR1 makes them end their trainers within
+``rank.ABORT_GRACE_S`` seconds.
+Under mlx.launch they go to the whole process group (mlx.launch itself ignores
+them); mpirun forwards both to its ranks, so under MPI they go to mpirun only.
+
+The first rank that fails on its own makes the launcher abort the others
+(a survivor stuck in a collective with a dead peer would otherwise wait for
+its watchdog). Trainer processes on this machine that outlive their wrapper
+(mpirun kills wrappers when a rank fails) are killed before the attempt ends,
+so a restart never meets a rank of the previous attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from .env import EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, STOP_TIMEOUT_VAR
+from .plan import Plan
+from .rank import MARK, Report, parse_report
+
+ABORT_GRACE_S = 10.0  # after SIGUSR1: seconds before the launcher kills the whole group
+LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
+
+
+def describe_status(code: int) -> str:
+    """``killed by SIGKILL``, ``exit status 3 (collective watchdog: a peer stalled)``, ..."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    meaning = {EXIT_USER_ERROR: "user error", EXIT_TIMEOUT: "collective watchdog: a peer stalled",
+               EXIT_LOST_PEER: "lost a peer"}.get(code)
+    return f"exit status {code}" + (f" ({meaning})" if meaning else "")
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended.
+
+    ``code``: the launcher's exit status (0, the failed rank's status, 128+signal).
+    ``failed``: ranks that failed on their own (not stopped or killed by the
+    launcher), first-reported first; ``missing``: ranks that never reported.
+    ``stopped_by``: the signal that stopped the job for good, if any.
+    """
+
+    code: int
+    reports: dict = field(default_factory=dict)
+    failed: list = field(default_factory=list)
+    missing: list = field(default_factory=list)
+    stopped_by: Optional[int] = None
+
+    @property
+    def user_error(self) -> bool:
+        """Some rank ended with a user error (bad input): a restart would only repeat it."""
+        return any(self.reports[r].code == EXIT_USER_ERROR for r in self.failed)
+
+    @property
+    def restartable(self) -> bool:
+        return self.code != 0 and self.stopped_by is None and not self.user_error
+
+    def cause(self) -> str:
+        """The failure in words: the first failed rank that is not a consequence (a lost peer)."""
+        roots = [r for r in self.failed if self.reports[r].code != EXIT_LOST_PEER] or self.failed
+        if roots:
+            return f"rank {roots[0]} failed ({describe_status(self.reports[roots[0]].code)})"
+        if self.missing:
+            return f"rank(s) {', '.join(map(str, self.missing))} ended without reporting"
+        return f"the launcher's command failed (exit status {self.code})"
+
+
+class Attempt:
+    """Run ``plan`` once (see the module docstring); :meth:`stop` and :meth:`abort` may come from a signal handler."""
+
+    def __init__(self, plan: Plan, stop_timeout: float):
+        self.plan, self.stop_timeout = plan, stop_timeout
+        self.reports: dict = {}  # rank -> exit Report
+        self.order: list = []  # ranks in the order their exit reports came
+        self.started: dict = {}  # rank -> start Report
+        self.stopped_by: Optional[int] = None
+        self.aborted_at: Optional[float] = None
+        self.proc: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
+
+    def run(self) -> Outcome:
+        """Start the ranks, wait for them (and any leftover trainer), summarize."""
+        for path, content in self.plan.files.items():
+            Path(path).write_text(content)
+        env = {**os.environ, **self.plan.explicit, STOP_TIMEOUT_VAR: str(self.stop_timeout)}
+        # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
+        # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
+        shield = self.plan.backend not in ("mpi", "none")
+        self.proc = subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True, preexec_fn=_ignore_signals if shield else None)
+        relay = threading.Thread(target=self._relay, daemon=True)
+        relay.start()
+        while self.proc.poll() is None:
+            if self.aborted_at is not None and time.monotonic() - self.aborted_at > ABORT_GRACE_S:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+            time.sleep(0.1)
+        relay.join(timeout=5)
+        self._kill_leftovers()
+        return self._summarize()
+
+    def stop(self, signum: int) -> None:
+        """The first Ctrl-C/SIGTERM: ask every rank to save and stop."""
+        self.stopped_by = signum
+        print(f"launch: {signal.Signals(signum).name}: stopping {self.plan.world_size} rank(s) after their step; "
+              f"a rank that uses no CPU for {self.stop_timeout:g} s is killed (Ctrl-C again to kill now)",
+              file=sys.stderr, flush=True)
+        self._send(signal.SIGUSR2)
+
+    def abort(self, why: str) -> None:
+        """End every rank's trainer within seconds (a rank failed, or a second Ctrl-C)."""
+        with self._lock:
+            if self.aborted_at is not None:
+                return
+            self.aborted_at = time.monotonic()
+        print(f"launch: {why}; stopping the other rank(s)", file=sys.stderr, flush=True)
+        self._send(signal.SIGUSR1)
+
+    def _send(self, sig: int) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if self.plan.backend == "mpi":
+            _signal(self.proc.pid, sig)
+        else:
+            _signal_group(self.proc.pid, sig)
+
+    def _relay(self) -> None:
+        """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure."""
+        mark, buf, out, fd = MARK.encode(), b"", sys.stderr.buffer, self.proc.stderr.fileno()
+        for chunk in iter(lambda: os.read(fd, 65536), b""):
+            *lines, buf = (buf + chunk).split(b"\n")
+            for line in lines:
+                report = parse_report(line.decode(errors="replace"))
+                if report is None:
+                    out.write(line + b"\n")
+                else:
+                    self._on_report(report)
+            if buf and mark[:1] not in buf:  # progress bars end in \r, not \n: pass them on now
+                out.write(buf)
+                buf = b""
+            out.flush()
+        if buf:
+            out.write(buf)
+            out.flush()
+
+    def _on_report(self, report: Report) -> None:
+        if report.event == "start":
+            self.started[report.rank] = report
+            return
+        self.reports[report.rank] = report
+        self.order.append(report.rank)
+        if report.code != 0 and self.stopped_by is None and report.killed is None:
+            self.abort(f"rank {report.rank} failed ({describe_status(report.code)})")
+
+    def _kill_leftovers(self) -> None:
+        """Kill this machine's trainers whose wrapper died without reporting (e.g. killed by mpirun)."""
+        here = socket.gethostname()
+        pids = {s.rank: s.pid for s in self.started.values()
+                if s.host == here and s.rank not in self.reports and _is_trainer(s.pid)}
+        end = time.monotonic() + (LEFTOVER_GRACE_S if self.stopped_by is not None and self.aborted_at is None else 0)
+        while pids and time.monotonic() < end:
+            pids = {r: p for r, p in pids.items() if _is_trainer(p)}
+            time.sleep(0.2)
+        for rank, pid in sorted(pids.items()):
+            if _is_trainer(pid):
+                _signal(pid, signal.SIGKILL)
+                print(f"launch: killed rank {rank}'s trainer (pid {pid}), left running after its wrapper ended",
+                      file=sys.stderr, flush=True)
+
+    def _summarize(self) -> Outcome:
+        return summarize(self.plan.world_size, self.reports, self.order, self.proc.returncode, self.stopped_by)
+
+
+def summarize(world_size: int, reports: dict, order: list, launcher_code: int, stopped_by: Optional[int]) -> Outcome:
+    """Print what went wrong, if anything, and return the :class:`Outcome`.
+
+    Args:
+        reports: rank -> exit :class:`Report`; ``order``: ranks as their reports came.
+        launcher_code: exit status of mlx.launch / mpirun / the single rank's wrapper.
+        stopped_by: the signal that stopped the job for good, or None.
+    """
+    failed = [r for r in order if reports[r].code != 0 and reports[r].killed is None and reports[r].stop is None]
+    for r in failed:
+        rep = reports[r]
+        what = f"failed with exit code {rep.code}" if rep.code > 0 else f"was {describe_status(rep.code)}"
+        print(f"launch: rank {r} {what}" + ("; its last lines:" if rep.tail else ""), file=sys.stderr)
+        for line in rep.tail[-10:]:
+            print(f"  [rank {r}] {line}", file=sys.stderr)
+    aborted = sorted(r for r in reports if reports[r].killed == "abort")
+    if aborted:
+        print(f"launch: rank(s) {', '.join(map(str, aborted))} killed by the launcher", file=sys.stderr)
+    for r in sorted(r for r in reports if reports[r].killed not in (None, "abort")):
+        print(f"launch: rank {r} was killed before it saved: {reports[r].killed}", file=sys.stderr)
+    stopped = sorted(r for r in reports if reports[r].code != 0 and reports[r].stop is not None and reports[r].killed is None)
+    if stopped:
+        print(f"launch: rank(s) {', '.join(map(str, stopped))} stopped by a signal "
+              f"({', '.join(describe_status(reports[r].code) for r in stopped)})", file=sys.stderr)
+    missing = [r for r in range(world_size) if r not in reports]
+    if missing:
+        print(f"launch: rank(s) {', '.join(map(str, missing))} did not report an exit status "
+              f"(launcher exit code {launcher_code})", file=sys.stderr)
+    sys.stderr.flush()
+    if stopped_by:
+        code = 128 + stopped_by
+    elif failed:
+        first = reports[failed[0]].code
+        code = first if first > 0 else 128 - first
+    elif aborted or stopped or missing or launcher_code != 0:
+        code = launcher_code or 1
+    else:
+        code = 0
+    return Outcome(code, dict(reports), failed, missing, stopped_by)
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _is_trainer(pid: int) -> bool:
+    """Process ``pid`` is alive and (where /proc tells) runs ``dtrain train``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return b"dtrain" in cmdline
