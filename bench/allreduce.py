@@ -22,7 +22,7 @@ integer-valued contributions that change with the call and the rank, so each
 rank checks the exact sum of every call. A worker that exits (a watchdog
 firing = a hang, or a failure) is started again from the next call, as
 ``./launch --max-restarts`` would. Reports hangs, failures, wrong sums and
-per-call latency percentiles; writes ``bench/results/allreduce-endurance.json``.
+per-call latency percentiles; writes ``bench/results/allreduce-endurance-<runs>.json``.
 """
 
 from __future__ import annotations
@@ -201,6 +201,7 @@ def main() -> int:
     p.add_argument("--step-tokens", type=int, default=256)
     p.add_argument("--endurance", type=int, default=0, help="checked all-reduce calls per backend (endurance mode)")
     p.add_argument("--timeout", type=float, default=30.0, help="endurance: collective watchdog in seconds")
+    p.add_argument("--runs", default="ring:3,mpi:2", help="endurance: BACKEND:RANKS, comma separated")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--endurance-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
@@ -213,12 +214,13 @@ def main() -> int:
     results = ROOT / "bench" / "results"
     if args.endurance:
         scratch = results / "allreduce-endurance-scratch"
-        runs = [("ring", 3)] + ([("mpi", 2)] if shutil.which("mpirun") else [])
+        runs = [(b, int(n)) for b, n in (x.split(":") for x in args.runs.split(","))]
         rows = []
         for backend, n in runs:
             rows.append(endurance(backend, n, args.endurance, args.timeout, scratch))
             print(json.dumps(rows[-1]), flush=True)
-        (results / "allreduce-endurance.json").write_text(json.dumps({"rows": rows}, indent=1))
+        name = "allreduce-endurance-" + "-".join(f"{b}{n}" for b, n in runs) + ".json"
+        (results / name).write_text(json.dumps({"rows": rows}, indent=1))
         return 0
     scratch = results / "allreduce-scratch"
     scratch.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dtrain.checkpoint import validate  # noqa: E402
-from dtrain.launch.env import rank_from_env  # noqa: E402
+from dtrain.launch.supervise import find_trainers  # noqa: E402
 from dtrain.tracking import read_scalars  # noqa: E402
 
 LAUNCH = ROOT / "launch"
@@ -56,7 +56,7 @@ SSH_SHIM = """#!/bin/sh
 # ssh for bench/endurance.py: 'ssh [-tt] [-o X] HOST CMD' runs CMD in network namespace HOST.
 while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done
 host="$1"; shift
-exec ip netns exec "$host" /bin/bash -c "$*"
+exec ip netns exec "$host" /bin/bash -c "stty() { :; }; $*"  # no terminal here: mlx.launch's 'stty -echo' is a no-op
 """
 
 
@@ -105,26 +105,10 @@ def run_launch(args: list, log: Path, env: dict | None = None) -> subprocess.Pop
     return proc
 
 
-def trainer_pids(marker: str) -> dict:
-    """``{rank: pid}`` of this machine's ``dtrain train`` processes whose command line mentions ``marker``."""
-    found = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            args = (p / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            if args[1:4] != ["-m", "dtrain", "train"] or not any(marker in a for a in args):
-                continue
-            env = dict(x.split("=", 1) for x in (p / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
-        except OSError:
-            continue
-        found[rank_from_env(env)] = int(p.name)
-    return found
-
-
 def time_steps(config: Path, work: Path, ranks: int, port: int, steps: int = 30) -> float:
     """Seconds per step (checkpoint included) of an uninterrupted run of ``steps`` steps."""
     out = work / "timing"
+    subprocess.run(["rm", "-rf", str(out)])
     r = subprocess.run([sys.executable, str(LAUNCH), "-n", str(ranks), "--port", str(port), str(config),
                         "--train.steps", str(steps), "--train.output_dir", str(out)], cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
@@ -146,7 +130,7 @@ def hurt_loop(proc, fault: str, out: Path, ranks: int, every: tuple, link_down: 
             return
         rank = rng.randrange(ranks)
         if fault == "kill":
-            pid = trainer_pids(str(out)).get(rank)
+            pid = find_trainers(str(out)).get(rank)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
             events.append({"t": time.time(), "rank": rank, "pid": pid, "hit": pid is not None})
@@ -166,6 +150,23 @@ def check_run(out: Path, steps: int) -> dict:
     return {"tensorboard_runs": len(runs), "steps_logged": len(logged), "distinct_steps": len(set(logged)),
             "every_step_once": logged == list(range(1, steps + 1)), "checkpoint_folders": [p.name for p in folders],
             "partial_or_invalid": bad}
+
+
+def resumes(lines: list) -> list:
+    """``(time, step)`` of each "resumed from ... at step N" line a rank printed (not the launcher's copies
+    of a failed rank's last lines, which start with ``[rank R]``)."""
+    out = []
+    for line in lines:
+        stamp, _, text = line.partition(" ")
+        m = re.search(r"resumed from \S+ at step (\d+)", text)
+        if m and not text.lstrip().startswith("[rank"):
+            out.append((float(stamp), int(m.group(1))))
+    return out
+
+
+def downtimes(faults: list, resumed: list) -> list:
+    """Seconds from each fault to the next resumed start (training again), None when none followed."""
+    return [next((round(t - f["t"], 1) for t, _ in resumed if t > f["t"]), None) for f in faults]
 
 
 def adapter_diff(a: Path, b: Path) -> dict:
@@ -194,7 +195,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     every = tuple(float(x) for x in args.every.split(","))
     config = make_job(work, 1, args.ranks)
-    step_s = time_steps(config, work, args.ranks, args.port)
+    step_s = time_steps(config, work, args.ranks, args.port) if not args.steps else float("nan")
     steps = args.steps or int(args.minutes * 60 / step_s) + 1
     config = make_job(work, steps, args.ranks)
     print(f"{step_s:.3f} s per step (checkpoint included): {steps} steps for {args.minutes:g} minutes", flush=True)
@@ -229,7 +230,7 @@ def main() -> int:
         hurt_seconds = time.time() - start
     lines = log.read_text().splitlines()
     restarts = [x.split(" ", 1)[1] for x in lines if " launch: restart " in x]
-    resumed = [int(m.group(1)) for x in lines for m in [re.search(r"resumed from \S+ at step (\d+)", x)] if m]
+    resumed = resumes(lines)
     print(f"hurt run: exit {code}, {hurt_seconds / 60:.1f} min, {sum(e['hit'] for e in events)} faults, "
           f"{len(restarts)} restarts", flush=True)
     t0 = time.time()
@@ -240,7 +241,8 @@ def main() -> int:
         "seconds_per_step": step_s, "seed": args.seed, "every_s": every, "restart_delay_s": args.restart_delay,
         "hurt_exit_code": code, "hurt_minutes": hurt_seconds / 60, "reference_exit_code": r.returncode,
         "reference_minutes": (time.time() - t0) / 60, "faults": events, "faults_that_hit": sum(e["hit"] for e in events),
-        "restarts": len(restarts), "restart_lines": restarts, "resumed_at_steps": resumed,
+        "restarts": len(restarts), "restart_lines": restarts, "resumed_at_steps": [step for _, step in resumed],
+        "fault_to_resume_s": downtimes(events, resumed),
         "hurt": check_run(out, steps), "reference": check_run(ref, steps) if r.returncode == 0 else r.stderr[-2000:],
         "adapter": adapter_diff(out / "adapters" / "adapters.safetensors", ref / "adapters" / "adapters.safetensors")
         if code == 0 and r.returncode == 0 else None,

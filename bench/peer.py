@@ -71,6 +71,15 @@ VARIANTS = {
     # one range of all layers and an unchunked head: one pass, nothing recomputed (fastest when it fits)
     "dtrain one range+prefix": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
                                 "head_chunk_tokens": 0},
+    # the default: plan per length bucket from the memory model, buckets and mx.compile on a GPU
+    "dtrain auto": {"kind": "auto", "prefix_sharing": True},
+    "dtrain auto eager": {"kind": "auto", "prefix_sharing": True, "compile": False},
+    # the single pass with exact shapes and no compile (the engine as it ran before buckets)
+    "dtrain single exact": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True, "head_chunk_tokens": 0,
+                            "length_bucket": 0, "compile": False},
+    # buckets without compile (what the buckets alone give)
+    "dtrain single bucketed": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
+                               "head_chunk_tokens": 0, "length_bucket": 128, "compile": False},
 }
 PEER = "mlx-lm-lora"
 ITER_LINE = re.compile(r"Iter (\d+): loss ([-\d.naif]+),.*?it/s ([\d.]+), tok/s ([\d.]+), peak_mem ([\d.]+)GB")
@@ -246,6 +255,8 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
     from dtrain.tracking import read_scalars
 
     out = work / variant.replace(" ", "_").replace("+", "_")
+    if a.budget:
+        engine = dict(engine, memory_budget_gb=a.budget)
     if engine.get("segment_layers") == "sqrt":
         engine = dict(engine, segment_layers=max(1, round(math.sqrt(a.n_layers))))
     cfg = {"model": {"path": str(a.model_dir), "dtype": a.dtype},
@@ -253,7 +264,8 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
            "data": {"train": str(data_file), "valid_fraction": 0.0, "max_length": a.max_length,
                     "max_prompt_length": a.max_length},
            "orpo": {"lambda": 0.1}, "engine": engine,
-           "train": {"steps": steps, "global_batch_pairs": 1, "micro_batch_pairs": 1, "learning_rate": a.lr,
+           "train": {"steps": steps // a.pairs_per_step, "global_batch_pairs": a.pairs_per_step,
+                     "micro_batch_pairs": a.micro or a.pairs_per_step, "learning_rate": a.lr,
                      "schedule": "constant", "warmup_steps": 0, "seed": 0, "output_dir": str(out), "progress": False}}
     cfg_path = work / f"{out.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
@@ -263,6 +275,11 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
     scalars = read_scalars(run_dir)
     pps = dict(scalars["pairs_per_second"])
     tps = dict(scalars["tokens_per_second"])
+    if a.pairs_per_step > 1:  # several pairs per step: per-step records only
+        return {"tool": variant, "wall_s": wall, "max_rss_gb": rss, "pairs_per_step": a.pairs_per_step,
+                "steps": [{"step": k, "pair": -k, "seconds": v} for k, v in sorted(scalars["perf/step_seconds"])],
+                "peak_gb": max(v for _, v in scalars["peak_memory_gb"]),
+                "adapter": lora_b_change(out / "adapters" / "adapters.safetensors")}
     # step -> pair: the same sampler the trainer uses, over the same tokenized pairs
     pairs = _dataset(load_config(str(cfg_path)), a.model_dir)
     steps_out = []
@@ -393,6 +410,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pairs-per-run", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of (every dtrain variant, mlx-lm-lora)")
     ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--pairs-per-step", type=int, default=1, help="dtrain's global batch (figures per step when > 1)")
+    ap.add_argument("--budget", type=float, default=0.0, help="dtrain's engine.memory_budget_gb (0 = its default)")
+    ap.add_argument("--micro", type=int, default=0, help="dtrain's micro-batch pairs (0 = --pairs-per-step)")
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama3.2-1b", "llama3.1-8b"],
                     help="smollm2: the demo GGUF converted to float32; others: random weights of that shape")
@@ -424,10 +444,11 @@ def main(argv=None) -> int:
         print(table(summarize([r for f in a.table for r in json.loads(Path(f).read_text())["runs"]], a.skip_first)))
         return 0
 
-    if a.model == "smollm2" and a.model_dir is None and a.dtype != "float32":
+    if a.model == "smollm2" and a.model_dir is None and a.tokenizer_dir is None and a.dtype != "float32":
         ap.error("--model smollm2 is the float32 folder both tools train; use --dtype float32 (or --model-dir)")
     if a.model_dir is None:
-        a.model_dir = smollm2_dir() if a.model == "smollm2" else random_model_dir(a.model, a.dtype, a.layers, a.tokenizer_dir)
+        real = a.model == "smollm2" and a.tokenizer_dir is None  # the demo model; else random weights of the shape
+        a.model_dir = smollm2_dir() if real else random_model_dir(a.model, a.dtype, a.layers, a.tokenizer_dir)
     a.n_layers = json.loads((a.model_dir / "config.json").read_text())["num_hidden_layers"]  # LoRA on all of them
     tools = [t for t in [*VARIANTS, PEER] if not a.only or t in a.only]
     root = Path(tempfile.mkdtemp(prefix="dtrain-peer-"))

@@ -102,16 +102,24 @@ class OrpoConfig:
 class EngineConfig:
     """How the loss and LoRA gradients are computed (see dtrain/engine)."""
 
-    kind: str = option("reference", "reference: backprop through the whole model; segmented: recompute layer "
-                                    "ranges (same gradients, bounded memory)", ("reference", "segmented"))
+    kind: str = option("auto", "auto: the segmented engine choosing, once per length bucket, the single pass when it "
+                               "fits memory_budget_gb, else recomputed layer ranges; reference: backprop through the "
+                               "whole model; segmented: recompute layer ranges (same gradients, bounded memory)",
+                       ("auto", "reference", "segmented"))
     segment_layers: Union[int, Literal["auto"]] = option(
-        0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: sized from "
-           "memory_budget_gb", at_least=0)
-    memory_budget_gb: float = option(0.0, "memory for segment_layers: auto; 0 = 25% of RAM", at_least=0.0)
-    prefix_sharing: bool = option(False, "segmented: one [prompt; chosen; rejected] sequence per pair, the prompt "
-                                         "encoded once")
-    head_chunk_tokens: int = option(0, "segmented: LM head in chunks of this many target tokens; 0 = all at once",
-                                    at_least=0)
+        0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: as kind auto",
+        at_least=0)
+    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included); 0 = 85% of the GPU's "
+                                          "memory, or 25% of RAM on the CPU", at_least=0.0)
+    prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
+                                        "prompt encoded once")
+    head_chunk_tokens: int = option(0, "LM head in chunks of this many target tokens; 0 = all at once (auto: "
+                                       "1024 when it recomputes)", at_least=0)
+    length_bucket: Union[int, Literal["auto"]] = option(
+        "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
+                "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
+    compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
+                                  "(no faster on an H200, 30-80 s first steps: docs/gpu.md)")
 
 
 @dataclass

@@ -32,9 +32,9 @@ from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
 from .engine import Norm, make_engine
-from .engine.loss import finalize_metrics
 from .errors import UserError
 from .lora import apply_lora, save_adapter
+from .objective import ORPO
 from .schedule import learning_rate
 from .tracking import RunLogger, new_run_dir, peak_memory_gb
 from .types import TokenizedPair
@@ -63,18 +63,12 @@ class TrainResult:
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
 
 
-def nll_token_count(pair: TokenizedPair, nll_scope: str) -> int:
-    """Tokens in the NLL term of one pair: predictions over ``[prompt; chosen]``."""
-    return len(pair.chosen) + (len(pair.prompt) - 1 if nll_scope == "full" else 0)
-
-
 def global_norm(pairs: list[TokenizedPair], nll_scope: str) -> Norm:
-    """Global normalisers of a step; every rank computes them from the global batch."""
-    return Norm(nll_tokens=float(sum(nll_token_count(p, nll_scope) for p in pairs)), pairs=float(len(pairs)))
+    """Global normalisers of a step (``ORPO.totals``, the one rule); every rank computes them from the global batch."""
+    return ORPO(0.0, nll_scope).totals(pairs)
 
 
-METRIC_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum", "logps_chosen_sum",
-               "logps_rejected_sum", "accuracy_sum", "pairs", "nll_tokens", "input_tokens", "fallback_pairs")
+METRIC_KEYS = ORPO.metric_keys
 
 
 def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int, with_grads: bool):
@@ -85,14 +79,20 @@ def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int
         when ``pairs`` is empty) and the summed gradient tree (None without
         grads or pairs).
     """
-    sums, grads = dict.fromkeys(METRIC_KEYS, 0.0), None
+    sums, grads, device = dict.fromkeys(METRIC_KEYS, 0.0), None, {}
     for chunk in sampler.micro_batches(pairs, micro):
         result = engine.step(chunk, norm) if with_grads else engine.evaluate(chunk, norm)
         if with_grads:
             grads = result.grads if grads is None else tree_map(lambda a, b: a + b, grads, result.grads)
-        mx.eval(result.loss, result.sums, grads)  # one sync per micro-batch bounds memory
-        for k, v in result.sums.items():
-            sums[k] += float(v)
+        for k, v in result.sums.items():  # device sums stay on the device; host counts add here
+            if isinstance(v, mx.array):
+                device[k] = device[k] + v if k in device else v
+            else:
+                sums[k] += v
+        mx.eval(result.loss, list(device.values()), grads)  # one sync per micro-batch bounds memory
+    if device:  # one read for all of them
+        for k, v in zip(device, mx.stack(list(device.values())).tolist()):
+            sums[k] += v
     return sums, grads
 
 
@@ -102,7 +102,8 @@ def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Grou
     ``bar``: a progress bar advanced by the pairs of each micro-batch (rank 0's).
     """
     model.eval()
-    norm = global_norm(pairs, cfg.orpo.nll_scope)
+    objective = ORPO.from_config(cfg)
+    norm = objective.totals(pairs)
     micro = cfg.train.micro_batch_pairs
     sums = dict.fromkeys(METRIC_KEYS, 0.0)
     for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
@@ -112,7 +113,7 @@ def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Grou
             bar.update(len(chunk))
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
     model.train()
-    return finalize_metrics(sums, cfg.orpo.lam, prefix="eval/")
+    return objective.finalize(sums, prefix="eval/")
 
 
 def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
@@ -130,7 +131,8 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     t = cfg.train
     start = time.perf_counter()
     mx.random.seed(step_seed(t.seed, step))  # dropout etc.: a pure function of the step
-    norm = global_norm(batch, cfg.orpo.nll_scope)
+    objective = ORPO.from_config(cfg)
+    norm = objective.totals(batch)
     mine = sampler.rank_shard(batch, group.rank, group.size)
     sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
     if grads is None:  # this rank got no pairs this step: contribute zeros
@@ -144,7 +146,7 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     else:
         grad_norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
     grad_norm = float(grad_norm)
-    metrics = finalize_metrics(sums, cfg.orpo.lam)
+    metrics = objective.finalize(sums)
     lr = learning_rate(step, t)
     finite = math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)
     if finite:

@@ -70,22 +70,3 @@ def write_hostfile(path: Path, data) -> Path:
     path.write_text(json.dumps(data))
     return path
 
-
-def trainer_pids(marker: str) -> dict[int, int]:
-    """``{rank: pid}`` of live ``dtrain train`` processes whose command line mentions ``marker``
-    (not their ``dtrain.launch.rank`` wrappers); the rank is read from the process's environment."""
-    from dtrain.launch.env import rank_from_env
-
-    found = {}
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            args = (p / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            if args[1:4] != ["-m", "dtrain", "train"] or not any(marker in a for a in args):
-                continue
-            env = dict(x.split("=", 1) for x in (p / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
-        except OSError:
-            continue
-        found[rank_from_env(env)] = int(p.name)
-    return found

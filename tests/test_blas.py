@@ -133,9 +133,10 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_import_dtrain_loads_no_blas():
-    code = ("import dtrain, dtrain.cli, dtrain.config, dtrain.blas\n"
+    code = ("import os, dtrain, dtrain.cli, dtrain.config, dtrain.blas\n"
             "maps = open('/proc/self/maps').read()\n"
-            "print(dtrain.blas.global_cblas(), 'openblas' in maps, 'mlx' in maps)")
+            "libs = [p for p in (dtrain.blas.find_openblas(), dtrain.blas.find_mkl()) if p]\n"
+            "print(dtrain.blas.global_cblas(), any(os.path.realpath(p) in maps for p in libs), 'libmlx' in maps)")
     r = _python(code, _clean_env())
     assert r.stdout.split() == ["None", "False", "False"], r.stderr
 

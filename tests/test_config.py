@@ -126,7 +126,8 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert len(lines) == 2, lines
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert lines[1] in ci
-    assert "configs/demo.yaml" in lines[0]
+    assert lines[0] == "./setup && ./launch configs/demo.yaml"
+    assert "./setup dev,mpi" in ci  # CI installs through the README's setup step
 
 
 def test_data_file_and_demo_pairs_together_is_an_error():

@@ -74,3 +74,60 @@ def test_finalize_metrics_trl_names_and_values():
     assert m["eval/rewards/chosen"] == pytest.approx(0.5 * (LW - 2.0) / 2)
     assert m["eval/rewards/margins"] == pytest.approx(0.5 * ((LW - 2.0) - (LR - 1.0)) / 2)
     assert m["eval/log_odds_ratio"] == pytest.approx(-sums["or_sum"] / 2)
+
+
+def test_orpo_objective_keys_are_the_loss_sums_and_layout_counts():
+    from dtrain.engine.common import layout_counts
+    from dtrain.engine.layout import two_sequence_layout
+    from dtrain.engine.loss import ORPO_SUM_KEYS
+    from dtrain.objective import ORPO
+    from dtrain.types import TokenizedPair
+
+    _, sums = orpo_loss(mx.array([-0.5]), mx.array([-1.0]), mx.array(2.0), 0.1, 4.0, 1.0)
+    assert tuple(sums) == ORPO_SUM_KEYS
+    counts = layout_counts(two_sequence_layout([TokenizedPair([1, 2], [3], [4, 5])]))
+    assert ORPO.metric_keys == ORPO_SUM_KEYS + tuple(counts)
+
+
+def test_orpo_totals_worked_numbers():
+    from dtrain.objective import ORPO
+    from dtrain.types import TokenizedPair
+
+    pairs = [TokenizedPair([1, 2, 3], [4, 5], [6]), TokenizedPair([1], [7, 8, 9], [6, 6])]
+    # full: (3 - 1) + 2 = 4 and (1 - 1) + 3 = 3; response: 2 + 3
+    full = ORPO(0.1, "full").totals(pairs)
+    assert (full.nll_tokens, full.pairs) == (7.0, 2.0)
+    assert ORPO(0.1, "response").totals(pairs).nll_tokens == 5.0
+    assert ORPO(0.1).totals([]).nll_tokens == 0.0
+
+
+@pytest.mark.parametrize("scope", ["full", "response"])
+def test_orpo_totals_agree_with_layout_nll_weights(scope):
+    """The step total (objective) and the layouts' NLL weights count the same tokens."""
+    import random
+
+    from dtrain.engine.layout import shared_prefix_layout, two_sequence_layout
+    from dtrain.objective import ORPO
+    from dtrain.types import TokenizedPair
+
+    rng = random.Random(14)
+    for _ in range(30):
+        def ids(lo):
+            return [rng.randrange(1, 50) for _ in range(rng.randint(lo, 6))]
+        pairs = [TokenizedPair(ids(1), ids(1), ids(1)) for _ in range(rng.randint(1, 4))]
+        want = ORPO(0.1, scope).totals(pairs).nll_tokens
+        for build in (two_sequence_layout, shared_prefix_layout):
+            layout = build(pairs, scope)
+            assert float(layout.nll_tokens) == want
+            assert float(np.array(layout.w_nll).sum()) == want
+
+
+def test_orpo_finalize_is_finalize_metrics():
+    from dtrain.objective import ORPO
+
+    sums = {"nll_sum": 6.0, "or_sum": 1.5, "log_odds_ratio_sum": -1.5, "log_odds_chosen_sum": 2.0,
+            "logps_chosen_sum": -1.0, "logps_rejected_sum": -3.0, "accuracy_sum": 1.0,
+            "pairs": 2.0, "nll_tokens": 4.0, "input_tokens": 20.0, "fallback_pairs": 0.0}
+    assert ORPO(0.5).finalize(sums, "eval/") == finalize_metrics(sums, 0.5, prefix="eval/")
+    # loss = 6/4 + 0.5 * 1.5/2 = 1.875
+    assert ORPO(0.5).finalize(sums)["loss"] == 1.875

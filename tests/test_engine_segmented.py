@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from dtrain.config import Config
 from dtrain.engine import Norm, ReferenceEngine, make_engine
 from dtrain.engine.arch import adapter_for
-from dtrain.engine.segmented import SegmentedEngine, auto_segment_layers
+from dtrain.engine.segmented import SegmentedEngine
 from dtrain.types import TokenizedPair
 
 from conftest import add_random_lora, make_tiny_model
@@ -173,19 +173,6 @@ def test_from_config_and_fallback_notice(capsys):
     assert "does not support mlx-lm architecture 'phi3'; using the reference engine" in err
 
 
-def test_auto_segment_layers():
-    # budget for everything: one range; tight budget: about sqrt(n) layers
-    assert auto_segment_layers(30, 1.0, 10.0, 1e9) == 30
-    assert auto_segment_layers(30, 10.0, 10.0, 0.0) == 5
-    assert auto_segment_layers(30, 10.0, 10.0, 160.0) == 12  # (3 + 1) * 10 + 12 * 10 = 160 <= 160
-    cfg = Config()
-    cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.memory_budget_gb = "segmented", "auto", 1.0
-    cfg.data.max_length = 64
-    assert make_engine(cfg, lora_model("llama")).ranges == [(0, 5)]
-    cfg.data.max_length = 1024  # ~0.5 GB of attention scores per layer: one layer per range
-    assert make_engine(cfg, lora_model("llama")).ranges == [(i, i + 1) for i in range(5)]
-
-
 def test_trainable_outside_layers_is_an_error():
     model = lora_model("llama")
     model.model.norm.unfreeze()
@@ -206,34 +193,36 @@ def test_mlx_causal_mask_aligns_bottom_right():
 
 
 def test_shared_attention_equals_explicit_mask_on_mixed_batch():
-    """Shared rows of different lengths, a fallback pair's two rows, padding: the fused
-    plan equals the explicit block-sparse mask on every real query; padded queries get 0."""
+    """Shared rows of different lengths, a fallback pair's two rows, padding: the batched
+    plan equals the explicit block-sparse mask on every real query, with and without buckets."""
     from dtrain.engine.arch import shared_attention
     from dtrain.engine.layout import SharedAttention, attention_mask, attention_plan, shared_prefix_layout
 
-    layout = shared_prefix_layout(make_pairs(fallback=True, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))))
-    S, L = layout.shape
-    assert layout.spans == ((6, 4, 5), (3, 7, 0), (5, 2, 0), (9, 2, 3)) and S == 4 and L == 15
-    plan = attention_plan(layout)
-    assert isinstance(plan, SharedAttention)
-    mx.random.seed(1)
-    q, k, v = mx.random.normal((S, 4, L, 8)), mx.random.normal((S, 2, L, 8)), mx.random.normal((S, 2, L, 8))
-    fused = np.array(shared_attention(q, k, v, 0.35, plan))
-    explicit = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=attention_mask(layout)))
-    real = np.array(layout.blocks) >= 0  # (S, L)
-    assert np.allclose(fused.transpose(0, 2, 1, 3)[real], explicit.transpose(0, 2, 1, 3)[real], atol=1e-5)
-    assert not fused.transpose(0, 2, 1, 3)[~real].any()
+    for bucket, (L, M) in ((0, (15, 12)), (4, (16, 12))):
+        layout = shared_prefix_layout(make_pairs(fallback=True, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))), bucket=bucket)
+        S = layout.shape[0]
+        assert layout.spans == ((6, 4, 5), (3, 7, 0), (5, 2, 0), (9, 2, 3)) and layout.shape == (4, L)
+        plan = attention_plan(layout)
+        # rows: [P; C] and [P; R] of each shared sequence, one row per fallback sequence
+        assert isinstance(plan, SharedAttention) and (plan.rows, plan.length) == (6, M)
+        assert plan.gather.shape == (6, M) and plan.scatter.shape == (S * L,)
+        mx.random.seed(1)
+        q, k, v = mx.random.normal((S, 4, L, 8)), mx.random.normal((S, 2, L, 8)), mx.random.normal((S, 2, L, 8))
+        fused = np.array(shared_attention(q, k, v, 0.35, plan))  # (S, L, H * Dh)
+        explicit = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=attention_mask(layout)))
+        real = np.array(layout.blocks) >= 0  # (S, L)
+        assert np.allclose(fused[real], explicit.transpose(0, 2, 1, 3).reshape(S, L, -1)[real], atol=1e-5)
 
 
 def test_unwindowed_prefix_sharing_builds_no_mask_array(monkeypatch):
-    """Without a sliding window the plan carries host-side ints only, and a whole step
-    (mixed batch with a fallback pair) never calls the (S, 1, L, L) mask builder."""
+    """Without a sliding window the plan holds index arrays only (no (L, L) mask), and a
+    whole step (mixed batch with a fallback pair) never calls the (S, 1, L, L) mask builder."""
     import dtrain.engine.layout as layout_mod
 
     layout = layout_mod.shared_prefix_layout(make_pairs(fallback=True))
     plan = layout_mod.attention_plan(layout)
     assert isinstance(plan, layout_mod.SharedAttention)
-    assert all(isinstance(x, int) for span in plan.spans for x in span) and isinstance(plan.length, int)
+    assert plan.gather.dtype == mx.int32 and plan.gather.ndim == 2 and plan.scatter.ndim == 1
     assert layout_mod.attention_plan(layout_mod.two_sequence_layout(make_pairs())) == "causal"
     assert layout_mod.attention_plan(layout, window=5).shape == (3 + 1, 1, 15, 15)  # sliding layers keep the mask
 

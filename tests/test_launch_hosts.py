@@ -127,6 +127,9 @@ def test_report_line_round_trip():
     start = Report("start", 1, pid=4242, host="mac2")
     assert parse_report(report_line(start).rstrip("\n")) == start
     assert parse_report("dtrain: error: x") is None
+    # mlx.launch writes its warnings without a newline before the next rank's output
+    warned = "\x1b[33m[WARN] Node with rank 0 exited with code 2 " + report_line(report).rstrip("\n")
+    assert parse_report(warned) == report
 
 
 def exit_reports(*items) -> tuple[dict, list]:

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from dtrain.tracking import read_scalars
-from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job, trainer_pids
+from dtrain.launch.supervise import find_trainers
+from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
 
 ADAPTER = "adapters/adapters.safetensors"
 STEPS = 8
@@ -83,7 +84,7 @@ def test_a_rank_killed_once_restarts_and_equals_the_uninterrupted_run(job, tmp_p
                  "--train.output_dir", out, log=tmp_path / "log")
     try:
         wait_for(lambda: (out / "checkpoints" / "step-0000002").is_dir(), 60, "checkpoint 2")
-        victim = wait_for(lambda: trainer_pids(str(out)).get(1), 5, "rank 1's trainer")
+        victim = wait_for(lambda: find_trainers(str(out)).get(1), 5, "rank 1's trainer")
         os.kill(victim, signal.SIGKILL)
         assert proc.wait(120) == 0, (tmp_path / "log").read_text()
     finally:
@@ -99,7 +100,7 @@ def test_a_rank_killed_once_restarts_and_equals_the_uninterrupted_run(job, tmp_p
     (run_dir,) = (out / "tb").iterdir()  # the restart continued the same TensorBoard run
     assert [s for s, _ in read_scalars(run_dir)["loss"]] == list(range(1, STEPS + 1))  # every step once
     assert text_events(run_dir, "launch/restarts") == [(resumed, line.split("launch: ", 1)[1].split("; starting again")[0])]
-    assert not trainer_pids(str(out))
+    assert not find_trainers(str(out))
 
 
 def test_restarts_are_counted_then_the_failure_is_final(job, tmp_path):
@@ -133,7 +134,7 @@ def test_ctrl_c_during_the_restart_delay_stops_for_good(job, tmp_path):
         proc.kill()
     text = log.read_text()
     assert text.strip().splitlines()[-1] == "launch: SIGINT during the restart delay: not restarting"
-    assert text.count("launch: restart ") == 1 and not trainer_pids(str(tmp_path / "run"))
+    assert text.count("launch: restart ") == 1 and not find_trainers(str(tmp_path / "run"))
 
 
 def test_ctrl_c_kills_a_stuck_rank_and_says_what_was_lost(job, tmp_path):
@@ -143,7 +144,7 @@ def test_ctrl_c_kills_a_stuck_rank_and_says_what_was_lost(job, tmp_path):
                  "--train.save_every", 1, "--train.steps", 5000, log=log)
     try:
         wait_for(lambda: (out / "checkpoints" / "step-0000002").is_dir(), 60, "checkpoint 2")
-        pids = wait_for(lambda: trainer_pids(str(out)), 5, "the trainers")
+        pids = wait_for(lambda: find_trainers(str(out)), 5, "the trainers")
         os.kill(pids[1], signal.SIGSTOP)
         time.sleep(0.5)
         newest = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))[-1]
@@ -155,7 +156,7 @@ def test_ctrl_c_kills_a_stuck_rank_and_says_what_was_lost(job, tmp_path):
     assert "launch: rank 1 was killed before it saved: no CPU use for 2 s after SIGUSR2" in text, text
     assert (f"launch: rank 0 did not save: the work after step {int(newest[5:])} ({out / 'checkpoints' / newest}) "
             "is lost; continue from there with --train.resume auto") in text
-    assert not trainer_pids(str(out))
+    assert not find_trainers(str(out))
 
 
 @pytest.mark.parametrize("key,content", [("train", None), ("train", ""), ("train", "\n  \n"), ("valid", None)],

@@ -14,8 +14,9 @@ from .reference import ReferenceEngine
 
 
 def make_engine(cfg: Config, model):
-    """Build the engine named by ``cfg.engine.kind`` for ``model``."""
-    if cfg.engine.kind == "segmented":
+    """Build the engine named by ``cfg.engine.kind`` for ``model`` (``auto``: the
+    segmented engine choosing its plan per length bucket, see ``SegmentedEngine``)."""
+    if cfg.engine.kind in ("auto", "segmented"):
         from .segmented import SegmentedEngine
 
         return SegmentedEngine.from_config(cfg, model)

@@ -85,27 +85,23 @@ def _heads(attn) -> tuple[int, int]:
 
 
 def shared_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, plan: SharedAttention) -> mx.array:
-    """Prefix-shared attention by fused causal calls per sequence (see ``SharedAttention``).
+    """Prefix-shared attention as one batched fused causal call (see ``SharedAttention``).
 
-    ``q`` ``(S, H, L, Dh)``, ``k``/``v`` ``(S, Hkv, L, Dh)``. Padded query rows
-    get zeros: no real query attends to them, so nothing downstream reads them.
-    Relies on MLX's bottom-right ``mask="causal"`` when ``Lq < Lk``.
-    Returns ``(S, H, L, Dh)``.
+    ``q`` ``(S, H, L, Dh)``, ``k``/``v`` ``(S, Hkv, L, Dh)``. Each token's row is
+    gathered into the plan's ``(rows, M)`` attention rows, attended with
+    ``mask="causal"`` and gathered back (the gathers' vjps sum the prompt's
+    key/value gradients over its two rows). Padded query rows get values
+    nothing reads. Returns ``(S, L, H * Dh)``.
     """
-    sdpa = mx.fast.scaled_dot_product_attention
-    rows = []
-    for s, (P, C, R) in enumerate(plan.spans):
-        n = P + C
-        qs, ks, vs = q[s : s + 1], k[s : s + 1], v[s : s + 1]  # (1, H|Hkv, L, Dh)
-        parts = [sdpa(qs[:, :, :n], ks[:, :, :n], vs[:, :, :n], scale=scale, mask="causal")]  # (1, H, P+C, Dh)
-        if R:  # rejected queries over [prompt keys; rejected keys]: query i sees keys <= i + P
-            kr = mx.concatenate([ks[:, :, :P], ks[:, :, n : n + R]], axis=2)  # (1, Hkv, P+R, Dh)
-            vr = mx.concatenate([vs[:, :, :P], vs[:, :, n : n + R]], axis=2)
-            parts.append(sdpa(qs[:, :, n : n + R], kr, vr, scale=scale, mask="causal"))  # (1, H, R, Dh)
-        if n + R < plan.length:
-            parts.append(mx.zeros((1, q.shape[1], plan.length - n - R, q.shape[3]), q.dtype))
-        rows.append(mx.concatenate(parts, axis=2))  # (1, H, L, Dh)
-    return mx.concatenate(rows, axis=0)
+    S, H, L, Dh = q.shape
+
+    def to_rows(x):  # (S, h, L, Dh) -> (rows, h, M, Dh)
+        flat = x.transpose(0, 2, 1, 3).reshape(S * L, x.shape[1], Dh)  # (S*L, h, Dh)
+        return flat[plan.gather].transpose(0, 2, 1, 3)
+
+    out = mx.fast.scaled_dot_product_attention(to_rows(q), to_rows(k), to_rows(v), scale=scale, mask="causal")
+    out = out.transpose(0, 2, 1, 3).reshape(plan.rows * plan.length, H * Dh)  # (rows*M, H*Dh)
+    return out[plan.scatter].reshape(S, L, H * Dh)
 
 
 def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = False) -> mx.array:
@@ -117,7 +113,7 @@ def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = Fals
         x: ``(B, L, D)`` normalised input.
         mask: ``(B, 1, L, L)`` bool, True where a query may attend; ``"causal"``
             (MLX's fused causal mode, no mask array); or a ``SharedAttention``
-            plan (prefix sharing by fused causal calls, no mask array).
+            plan (prefix sharing by one batched fused causal call, no mask array).
         positions: ``(B, L)`` int32 RoPE positions.
     Returns:
         ``(B, L, D)`` output of ``o_proj``.
@@ -140,9 +136,8 @@ def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arra
     """
     B, _, L, _ = q.shape
     if isinstance(mask, SharedAttention):
-        out = shared_attention(q, k, v, scale, mask)  # (B, H, L, Dh)
-    else:
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)  # (B, H, L, Dh)
+        return shared_attention(q, k, v, scale, mask)  # (B, L, H * Dh)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)  # (B, H, L, Dh)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 

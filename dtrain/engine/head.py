@@ -34,7 +34,8 @@ def target_logps(head: Callable, targets: mx.array) -> Callable:
     return f
 
 
-def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int = 0, with_jacobian: bool = True):
+def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int = 0, with_jacobian: bool = True,
+                vjp_fn: Callable | None = None):
     """Log-probabilities of ``targets`` under the head, chunk by chunk.
 
     Args:
@@ -43,21 +44,26 @@ def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int 
         targets: ``(N,)`` int32 target ids.
         chunk: rows per chunk; 0 = all rows at once.
         with_jacobian: also return ``J`` ``(N, D)``, ``J[i] = d logp_i / d h_rows[i]``.
+        vjp_fn: ``(h_c (n, D), targets_c (n,)) -> (logps, J)`` for a chunk (e.g. a
+            compiled one); default: ``mx.vjp`` of :func:`target_logps`.
     Returns:
-        ``(logps (N,), J (N, D) or None)``, both evaluated; at most a
-        ``(chunk, V)`` logits array (and its gradient) exists at any time.
+        ``(logps (N,), J (N, D) or None)``, both scheduled for evaluation chunk
+        by chunk (``mx.async_eval``): at most a ``(chunk, V)`` logits array
+        (and its gradient) exists at any time.
     """
     logps, jac = [], []
     for lo, hi in _chunks(h_rows.shape[0], chunk):
-        f = target_logps(head, targets[lo:hi])
-        h_c = h_rows[lo:hi]  # (n, D)
+        h_c, t_c = h_rows[lo:hi], targets[lo:hi]  # (n, D), (n,)
         if with_jacobian:
-            (lp,), (j,) = mx.vjp(f, [h_c], [mx.ones((hi - lo,), mx.float32)])
-            mx.eval(lp, j)
+            if vjp_fn is None:
+                (lp,), (j,) = mx.vjp(target_logps(head, t_c), [h_c], [mx.ones((hi - lo,), mx.float32)])
+            else:
+                lp, j = vjp_fn(h_c, t_c)
+            mx.async_eval(lp, j)
             jac.append(j)
         else:
-            lp = f(h_c)
-            mx.eval(lp)
+            lp = target_logps(head, t_c)(h_c)
+            mx.async_eval(lp)
         logps.append(lp)
     cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs)  # noqa: E731
     return cat(logps), (cat(jac) if with_jacobian else None)

@@ -13,10 +13,17 @@ the same loss:
   sequences inside the same layout (counted in ``fallback_pairs``).
 
 Everything here is host-side numpy; arrays become ``mx.array`` at the end.
+
+Length buckets: with ``bucket > 0`` the sequence length ``L`` and the target
+count ``N`` are padded up to :func:`bucket_length`, so a run sees a few shapes
+instead of one per pair. Padded tokens sit after every real token (causal
+attention never shows them to a real query) and padded targets have zero
+weights, so losses and gradients are those of the unpadded layout.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -27,6 +34,22 @@ from ..types import TokenizedPair
 PAD = 0
 # Block ids per token, used to build attention masks.
 BLOCK_PAD, BLOCK_PROMPT, BLOCK_CHOSEN, BLOCK_REJECTED = -1, 0, 1, 2
+BUCKETS_PER_OCTAVE = 8  # above 8 quanta, steps grow with the length: <= 12.5% padding
+
+
+def bucket_length(n: int, quantum: int) -> int:
+    """``n`` rounded up to a bucket: a multiple of ``quantum`` below ``16 * quantum``,
+    then of ``quantum * 2**k`` for ``n`` in ``[8, 16) * quantum * 2**k``: each octave
+    holds 8 buckets and the padding is under one quantum or under ``n / 8``.
+
+    ``quantum <= 0`` returns ``n`` (exact shapes). 128 is what MLX's CUDA backend
+    needs for its fused (cuDNN) attention backward: query lengths that are not
+    a multiple of 128 fall back to materialising the scores.
+    """
+    if quantum <= 0 or n <= 0:
+        return n
+    step = quantum * 2 ** max(0, math.floor(math.log2(n / (BUCKETS_PER_OCTAVE * quantum))))
+    return -(-n // step) * step
 
 
 @dataclass
@@ -50,6 +73,8 @@ class Layout:
             ``[prompt; chosen; rejected]`` blocks; ``R = 0`` for a two-sequence
             row ``[prompt; response]`` (``C`` is then the response). Padding
             follows ``P + C + R``.
+        bucket: the length quantum ``L`` and ``N`` were padded with (0 = none);
+            attention plans pad their own lengths with it too.
     """
 
     tokens: mx.array
@@ -69,6 +94,7 @@ class Layout:
     fallback_pairs: int
     block_sparse: bool = False
     spans: tuple[tuple[int, int, int], ...] = ()
+    bucket: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -119,14 +145,16 @@ class _Builder:
         # rejected[0] from the last prompt position, then from rejected positions
         self.add_targets(s, [P - 1] + list(range(P + C, P + C + R - 1)), rejected, pair, 0, 0, 1)
 
-    def finish(self, pairs, fallback: int) -> Layout:
-        S, L = len(self.seqs), max(len(x) for x in self.seqs)
+    def finish(self, pairs, fallback: int, bucket: int = 0) -> Layout:
+        S, L = len(self.seqs), bucket_length(max(len(x) for x in self.seqs), bucket)
         tokens = np.full((S, L), PAD, np.int32)
         positions = np.zeros((S, L), np.int32)
         blocks = np.full((S, L), BLOCK_PAD, np.int8)
         for s, (x, p, b) in enumerate(zip(self.seqs, self.pos, self.blk)):
             tokens[s, : len(x)], positions[s, : len(x)], blocks[s, : len(x)] = x, p, b
         t = np.array(self.targets, np.int64).reshape(-1, 7)
+        pad = bucket_length(len(t), bucket) - len(t)  # zero-weight targets read row 0, pair 0
+        t = np.concatenate([t, np.zeros((pad, 7), np.int64)])
         return Layout(
             tokens=mx.array(tokens),
             positions=mx.array(positions),
@@ -145,6 +173,7 @@ class _Builder:
             fallback_pairs=fallback,
             block_sparse=self.block_sparse,
             spans=tuple(self.spans),
+            bucket=bucket,
         )
 
 
@@ -156,8 +185,10 @@ def _check(pairs: list[TokenizedPair]) -> None:
             raise ValueError(f"pair {p.source or '?'} has an empty prompt or response")
 
 
-def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full") -> Layout:
+def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bucket: int = 0) -> Layout:
     """Lay out each pair as two right-padded sequences (chosen row, rejected row).
+
+    ``bucket``: pad ``L`` and the target count to :func:`bucket_length` (0 = exact).
 
     Raises:
         ValueError: no pairs, or a pair with an empty prompt or response.
@@ -167,13 +198,14 @@ def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full") -> 
     for i, p in enumerate(pairs):
         b.add_side(i, p.prompt, p.chosen, chosen=True)
         b.add_side(i, p.rejected_prompt if p.rejected_prompt is not None else p.prompt, p.rejected, chosen=False)
-    return b.finish(pairs, fallback=0)
+    return b.finish(pairs, fallback=0, bucket=bucket)
 
 
-def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full") -> Layout:
+def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bucket: int = 0) -> Layout:
     """Lay out each pair as one ``[prompt; chosen; rejected]`` sequence.
 
-    Pairs with ``rejected_prompt`` set fall back to two sequences.
+    Pairs with ``rejected_prompt`` set fall back to two sequences. ``bucket`` as
+    in :func:`two_sequence_layout`.
 
     Raises:
         ValueError: no pairs, or a pair with an empty prompt or response.
@@ -188,7 +220,7 @@ def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full") ->
             fallback += 1
             b.add_side(i, p.prompt, p.chosen, chosen=True)
             b.add_side(i, p.rejected_prompt, p.rejected, chosen=False)
-    return b.finish(pairs, fallback=fallback)
+    return b.finish(pairs, fallback=fallback, bucket=bucket)
 
 
 def attention_mask(layout: Layout, window: int | None = None) -> mx.array:
@@ -215,21 +247,56 @@ def attention_mask(layout: Layout, window: int | None = None) -> mx.array:
 
 @dataclass(frozen=True)
 class SharedAttention:
-    """Prefix-shared attention as fused causal calls, with no mask array.
+    """Prefix-shared attention as one batched fused causal call, with no mask array.
 
-    For a sequence with spans ``(P, C, R)``, the ``[prompt; chosen]`` queries
-    attend causally to ``[prompt; chosen]`` keys and the rejected queries to
-    ``[prompt keys; rejected keys]`` with MLX's ``mask="causal"``, which for
-    fewer queries than keys aligns to the bottom right (query ``i`` sees keys
-    ``<= i + Lk - Lq``). Interpreted by ``arch.attention``.
+    A sequence ``[prompt; chosen; rejected]`` with spans ``(P, C, R)`` becomes
+    two attention rows gathered from its tokens: ``[prompt; chosen]`` and
+    ``[prompt; rejected]``, each plain causal (the rejected tokens then see
+    the prompt and earlier rejected tokens, at their own positions). A
+    two-sequence row ``(P, C, 0)`` is one attention row. All rows are padded
+    to one length ``M`` and run as one ``mask="causal"`` call; only the
+    prompt's attention is computed twice (its projections and MLP are not).
+    Interpreted by ``arch.shared_attention``.
 
     Attributes:
-        length: ``L``, the padded sequence length.
-        spans: per sequence ``(P, C, R)`` as in ``Layout.spans``.
+        gather: ``(n_rows, M)`` int32 flat token index ``s * L + t`` of each
+            attention row's tokens; padding repeats a real token of the
+            sequence after the row's real tokens, so no real query sees it.
+        scatter: ``(S * L,)`` int32, for each token, the flat index
+            ``row * M + i`` of the attention output it takes (padded tokens
+            take any; nothing reads them).
+        rows, length: host-side ``n_rows`` and ``M``.
     """
 
+    gather: mx.array
+    scatter: mx.array
+    rows: int
     length: int
-    spans: tuple[tuple[int, int, int], ...]
+
+
+def shared_attention_plan(layout: Layout) -> SharedAttention:
+    """The :class:`SharedAttention` of a prefix-shared layout; ``M`` is bucketed
+    with ``layout.bucket``."""
+    S, L = layout.shape
+    rows, first = [], []  # rows: (sequence, token indices); first: each sequence's first row
+    for s, (P, C, R) in enumerate(layout.spans):
+        first.append(len(rows))
+        rows.append((s, np.arange(P + C)))
+        if R:
+            rows.append((s, np.concatenate([np.arange(P), np.arange(P + C, P + C + R)])))
+    M = bucket_length(max(len(t) for _, t in rows), layout.bucket)
+    gather = np.zeros((len(rows), M), np.int64)
+    for i, (s, t) in enumerate(rows):
+        gather[i] = s * L  # padding: the sequence's token 0, after every real query of the row
+        gather[i, : len(t)] = s * L + t
+    scatter = np.zeros((S, L), np.int64)
+    for s, (P, C, R) in enumerate(layout.spans):
+        row, n = first[s], P + C
+        scatter[s] = row * M  # padded tokens: any output
+        scatter[s, :n] = row * M + np.arange(n)
+        scatter[s, n : n + R] = (row + 1) * M + P + np.arange(R)  # rejected i sits at P + i in its row
+    return SharedAttention(mx.array(gather.astype(np.int32)), mx.array(scatter.reshape(-1).astype(np.int32)),
+                           len(rows), M)
 
 
 def attention_plan(layout: Layout, window: int | None = None):
@@ -245,4 +312,4 @@ def attention_plan(layout: Layout, window: int | None = None):
         return attention_mask(layout, window)
     if not layout.block_sparse:
         return "causal"
-    return SharedAttention(layout.shape[1], layout.spans)
+    return shared_attention_plan(layout)

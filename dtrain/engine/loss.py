@@ -109,6 +109,11 @@ def orpo_loss(
     return loss, sums
 
 
+# The additive sums orpo_loss returns, in a fixed order (dtrain.objective.ORPO.metric_keys).
+ORPO_SUM_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum", "logps_chosen_sum",
+                 "logps_rejected_sum", "accuracy_sum")
+
+
 def finalize_metrics(sums: dict, lam: float, prefix: str = "") -> dict:
     """Turn summed metrics (over micro-batches and ranks) into TRL-named means.
 

@@ -25,6 +25,7 @@ This is gradient checkpointing at range granularity (Chen et al. 2016,
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -38,40 +39,74 @@ from ..types import TokenizedPair
 from .arch import Arch, adapter_for, module_name
 from .common import Norm, StepResult, layout_counts, loss_from_token_logps
 from .head import hidden_grad, target_logps, token_logps
-from .layout import Layout, attention_plan, shared_prefix_layout, two_sequence_layout
+from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
 from .reference import ReferenceEngine
 
 GIB = 1024**3
+LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
+AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
+# measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
+ESTIMATE_MARGIN = 1.25
 
 
 def _notice(msg: str) -> None:
     print(f"dtrain: {msg}", file=sys.stderr)
 
 
-def estimate_range_bytes(args, seqs: int, length: int) -> tuple[float, float]:
-    """Rough float32 bytes of one boundary state and of one layer's recompute.
+def _fused_attention(dtype) -> bool:
+    """Whether MLX runs attention fused (no ``(Lq, Lk)`` scores kept): its CUDA
+    backend does for float16/bfloat16 through cuDNN; elsewhere the scores exist."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() == mx.gpu and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
 
-    Per layer inside a vjp: ~``6 D + 3 I + 2 (q + 2 kv)`` floats per token plus
-    two ``(S, H, L, L)`` attention-score arrays (CPU attention materialises them).
-    Returns ``(boundary_bytes, layer_bytes)``.
+
+def layer_bytes_per_token(args, itemsize: int) -> float:
+    """Bytes one decoder layer keeps per token for its backward (LoRA on every linear).
+
+    ~``16 D + 8 I + 2 (q + 2 kv)`` values: norms, projections and their LoRA
+    branches, rotated q/k, the attention output, the gated MLP. An estimate,
+    checked against measured peaks in docs/gpu.md.
     """
     D, I, H = args.hidden_size, args.intermediate_size, args.num_attention_heads
     kv = getattr(args, "num_key_value_heads", None) or H
     dh = getattr(args, "head_dim", None) or D // H
-    tokens = seqs * length
-    per_token = 6 * D + 3 * I + 2 * (H + 2 * kv) * dh
-    return 4.0 * tokens * D, 4.0 * (tokens * per_token + 2 * seqs * H * length * length)
+    return itemsize * (16 * D + 8 * I + 2 * (H + 2 * kv) * dh)
 
 
-def auto_segment_layers(n_layers: int, boundary_bytes: float, layer_bytes: float, budget_bytes: float) -> int:
-    """The largest range size whose estimated activation peak fits ``budget_bytes``.
+def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int, fused: bool) -> float:
+    """Estimated activation peak (bytes, weights excluded) of one step.
 
-    Peak(n) ~ (ceil(n_layers / n) + 1) boundaries + n layers of recompute.
-    If none fits, the size with the smallest estimate (about sqrt(n_layers)).
+    Args:
+        args: the model's ``ModelArgs``.
+        itemsize: bytes per activation value (the model dtype's).
+        shape: ``tokens`` (S * L), ``targets`` (N), ``rows`` and ``length``
+            (attention rows and their length), ``heads``.
+        size: layers per range (0 or >= layers: one range).
+        chunk: head rows per chunk (0: the whole head at once).
+        fused: attention keeps no scores (see ``_fused_attention``).
+    Returns:
+        bytes: kept boundaries + the layers alive at once + the head.
     """
-    peak = lambda n: (math.ceil(n_layers / n) + 1) * boundary_bytes + n * layer_bytes  # noqa: E731
-    fitting = [n for n in range(1, n_layers + 1) if peak(n) <= budget_bytes]
-    return max(fitting) if fitting else min(range(1, n_layers + 1), key=peak)
+    n = args.num_hidden_layers
+    size = n if size <= 0 else min(size, n)
+    T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
+    scores = 0.0 if fused else 2.0 * shape["rows"] * shape["heads"] * shape["length"] ** 2 * itemsize
+    layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
+    head = (chunk if chunk > 0 else N) * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
+    if size >= n and chunk <= 0:  # the single pass: nothing else kept
+        return layers + head
+    boundaries = (math.ceil(n / size) + 3) * T * D * itemsize  # + dL/dh, the cotangent, the jacobian rows
+    return layers + head + boundaries + N * D * itemsize
+
+
+def default_budget_bytes() -> float:
+    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or 25% of physical RAM on the CPU."""
+    if mx.default_device() == mx.gpu:
+        info = mx.device_info()
+        total = info.get("total_memory") or info.get("memory_size")
+        if total:
+            return 0.85 * float(total)
+    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _set_params(layers: list, names: list, params: list) -> None:
@@ -99,6 +134,56 @@ def _layer_paths(model: nn.Module, layers: list) -> list[str]:
     return [by_id[id(layer)] for layer in layers]
 
 
+def _has_dropout(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Dropout) and m._p_1 < 1.0 for _, m in model.named_modules())
+
+
+# -- what a compiled function may take: trees of arrays and hashable constants --
+
+def _encode_mask(mask):
+    """An attention plan as compile-friendly leaves (``"causal"``, an array, or a tuple)."""
+    if isinstance(mask, SharedAttention):
+        return (mask.gather, mask.scatter, mask.rows, mask.length)
+    return mask
+
+
+def _decode_mask(x):
+    return SharedAttention(*x) if isinstance(x, tuple) else x
+
+
+def _target_arrays(layout: Layout) -> dict:
+    return {k: getattr(layout, k) for k in ("rows", "targets", "pair_of", "w_nll", "w_chosen", "w_rejected",
+                                            "chosen_len", "rejected_len")}
+
+
+class _Targets:
+    """The target arrays of a layout, as ``loss_from_token_logps`` reads them."""
+
+    def __init__(self, arrays: dict):
+        self.__dict__.update(arrays)
+        self.n_pairs = arrays["chosen_len"].shape[0]
+
+
+class _RangeSet:
+    """Layer ranges of one size: their bounds, K/V routing and range functions.
+
+    ``run[r]`` is range ``r``'s eager function (see ``SegmentedEngine._make_range_fn``);
+    ``fwd[r]`` and ``bwd[r]`` its forward and its recompute-and-vjp, compiled
+    when the engine compiles (traced once per input shape, i.e. per length bucket).
+    """
+
+    def __init__(self, engine: "SegmentedEngine", size: int):
+        n = len(engine.arch.layers)
+        self.size = n if size <= 0 else min(size, n)
+        self.ranges = [(lo, min(lo + self.size, n)) for lo in range(0, n, self.size)]
+        self.kv_imports = [_kv_imports(engine.donors, lo, hi) for lo, hi in self.ranges]
+        self.kv_exports = [_kv_exports(engine.donors, lo, hi) for lo, hi in self.ranges]
+        self.run = [engine._make_range_fn(lo, hi, i, e) for (lo, hi), i, e in
+                    zip(self.ranges, self.kv_imports, self.kv_exports)]
+        self.fwd = [engine._maybe_compile(engine._forward_fn(run)) for run in self.run]
+        self.bwd = [engine._maybe_compile(engine._backward_fn(run, r > 0)) for r, run in enumerate(self.run)]
+
+
 class SegmentedEngine:
     """Loss, metrics and LoRA gradients by range-wise recompute (see module doc).
 
@@ -107,9 +192,20 @@ class SegmentedEngine:
         arch: the model's adapter (``arch.adapter_for``).
         lam: ORPO lambda; nll_scope: ``full`` or ``response``.
         segment_layers: layers per range; 0 = one range of all layers (with
-            ``head_chunk_tokens = 0``: a single pass, nothing recomputed).
+            ``head_chunk_tokens = 0``: a single pass, nothing recomputed);
+            ``"auto"``: per length bucket, the single pass when its estimated
+            peak fits ``memory_budget`` bytes, else the largest range size that
+            fits (chunked head), logged once per shape (``logging`` INFO on
+            ``dtrain.engine.segmented``; not printed unless the caller shows it,
+            so that ranks other than 0 stay silent).
         prefix_sharing: one ``[prompt; chosen; rejected]`` sequence per pair.
-        head_chunk_tokens: target rows per LM-head chunk; 0 = all at once.
+        head_chunk_tokens: target rows per LM-head chunk; 0 = all at once
+            (with ``"auto"``: the chunk used when recomputing; 0 = 1024).
+        length_bucket: pad lengths and target counts to ``layout.bucket_length``
+            with this quantum (0 = exact shapes).
+        compile: ``mx.compile`` the single pass and the range functions (traced
+            once per bucket); ignored when LoRA dropout is on.
+        memory_budget: bytes for ``"auto"`` (weights included).
 
     Raises:
         ValueError: a trainable parameter outside the decoder layers (the
@@ -119,13 +215,17 @@ class SegmentedEngine:
     name = "segmented"
 
     def __init__(self, model: nn.Module, arch: Arch, lam: float, nll_scope: str = "full",
-                 segment_layers: int = 0, prefix_sharing: bool = False, head_chunk_tokens: int = 0):
+                 segment_layers=0, prefix_sharing: bool = False, head_chunk_tokens: int = 0,
+                 length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0):
         self.model, self.arch = model, arch
         self.lam, self.nll_scope = lam, nll_scope
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
+        self.length_bucket = length_bucket
+        self.random = _has_dropout(model)  # dropout needs per-range seeds (a host read) and eager ranges
+        self.compile = compile and not self.random
+        self.auto = segment_layers == "auto"
+        self.memory_budget = memory_budget or default_budget_bytes()
         n = len(arch.layers)
-        size = n if segment_layers <= 0 else min(segment_layers, n)
-        self.ranges = [(lo, min(lo + size, n)) for lo in range(0, n, size)]
         self.paths = _layer_paths(model, arch.layers)
         # per layer, the flattened names of its trainable parameters (fixed order)
         self.param_names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in arch.layers]
@@ -137,18 +237,31 @@ class SegmentedEngine:
                 f"trainable outside them: {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''}"
             )
         self.donors = arch.donors or [None] * n
-        # per range, the donors whose K/V enter it from below / leave it for a later range
-        self.kv_imports = [_kv_imports(self.donors, lo, hi) for lo, hi in self.ranges]
-        self.kv_exports = [_kv_exports(self.donors, lo, hi) for lo, hi in self.ranges]
-        self.range_fns = [self._make_range_fn(r) for r in range(len(self.ranges))]  # built once
+        self.windows = sorted(set(arch.windows), key=lambda w: -1 if w is None else w)
+        self.dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        self.lora_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+        self._sets, self._plans = {}, {}
+        self._set = self._range_set(0 if self.auto else segment_layers)  # built once per size
+        self._whole = self._maybe_compile(self._whole_fn())
+        self._head_vjp = self._maybe_compile(self._head_vjp_fn())
+
+    @property
+    def ranges(self) -> list:
+        """``[(lo, hi)]`` of the range size of the last step (the configured one before any)."""
+        return self._set.ranges
+
+    @property
+    def range_fns(self) -> list:
+        return self._set.run
 
     @classmethod
     def from_config(cls, cfg: Config, model: nn.Module):
         """Build from ``cfg.engine``; unsupported architectures get the reference engine.
 
-        ``segment_layers: auto`` picks the range size from
-        ``engine.memory_budget_gb`` (0 = 25% of physical RAM) for a worst-case
-        micro-batch of ``train.micro_batch_pairs`` pairs of ``data.max_length`` tokens.
+        ``kind: auto`` and ``segment_layers: auto`` choose the plan per length
+        bucket from ``engine.memory_budget_gb`` (0 = 85% of the GPU's memory or
+        25% of physical RAM); ``length_bucket: auto`` is 128 on a GPU, 0 on the CPU.
         """
         arch = adapter_for(model)
         if arch is None:
@@ -156,44 +269,79 @@ class SegmentedEngine:
                     f"'{module_name(model)}'; using the reference engine")
             return ReferenceEngine(model, cfg.orpo.lam, cfg.orpo.nll_scope)
         e = cfg.engine
-        size = e.segment_layers
-        if size == "auto":
-            budget = e.memory_budget_gb * GIB or 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            seqs = cfg.train.micro_batch_pairs * (1 if e.prefix_sharing else 2)
-            length = cfg.data.max_length * (2 if e.prefix_sharing else 1)
-            size = auto_segment_layers(len(arch.layers), *estimate_range_bytes(model.args, seqs, length), budget)
-        if (size <= 0 or size >= len(arch.layers)) and e.head_chunk_tokens > 0:
+        size = "auto" if e.kind == "auto" else e.segment_layers
+        gpu = mx.default_device() == mx.gpu
+        bucket = (128 if gpu else 0) if e.length_bucket == "auto" else e.length_bucket
+        if size != "auto" and (size <= 0 or size >= len(arch.layers)) and e.head_chunk_tokens > 0:
             _notice("one range of all layers with a chunked head recomputes every layer; "
                     "engine.head_chunk_tokens: 0 gives the single pass (faster, keeps the logits)")
-        return cls(model, arch, cfg.orpo.lam, cfg.orpo.nll_scope, size, e.prefix_sharing, e.head_chunk_tokens)
+        return cls(model, arch, cfg.orpo.lam, cfg.orpo.nll_scope, size, e.prefix_sharing, e.head_chunk_tokens,
+                   bucket, e.compile, e.memory_budget_gb * GIB)
 
     # -- ranges -------------------------------------------------------------
 
-    def _make_range_fn(self, r: int):
+    def _maybe_compile(self, fn):
+        return mx.compile(fn) if self.compile else fn
+
+    def _range_set(self, size: int) -> _RangeSet:
+        n = len(self.arch.layers)
+        size = n if size <= 0 else min(size, n)
+        if size not in self._sets:
+            self._sets[size] = _RangeSet(self, size)
+        return self._sets[size]
+
+    def _make_range_fn(self, lo: int, hi: int, imports: list, exports: list):
         """``run(h (S, L, D), params (flat list), kv_in (flat list), masks, positions,
-        layer_inputs) -> (h (S, L, D), kv_out (flat list))`` for range ``r``, layers [lo, hi).
+        layer_inputs) -> (h (S, L, D), kv_out (flat list))`` for layers [lo, hi).
 
         The LoRA parameters are set into the layer modules inside the function
         (as ``nn.value_and_grad`` does with ``model.update``), so under
         ``mx.vjp`` they are primals and get gradients. ``kv_in`` holds
-        ``[k, v]`` of each donor in ``self.kv_imports[r]`` (K/V shared from an
-        earlier range); ``kv_out`` those of ``self.kv_exports[r]``.
+        ``[k, v]`` of each donor in ``imports`` (K/V shared from an earlier
+        range); ``kv_out`` those of ``exports``. ``masks``: per window, the
+        encoded attention plan (``_encode_mask``).
         """
-        lo, hi = self.ranges[r]
         layers, names = self.arch.layers[lo:hi], self.param_names[lo:hi]
         windows, call = self.arch.windows[lo:hi], self.arch.layer_call
         donors = self.donors[lo:hi]
-        imports, exports = self.kv_imports[r], self.kv_exports[r]
 
         def run(h, params, kv_in, masks, positions, layer_inputs):
             _set_params(layers, names, params)
+            plans = {w: _decode_mask(m) for w, m in zip(self.windows, masks)}
             kv = {d: (kv_in[2 * j], kv_in[2 * j + 1]) for j, d in enumerate(imports)}
             for i, (layer, window, donor) in enumerate(zip(layers, windows, donors), start=lo):
                 extra = None if layer_inputs is None else layer_inputs[:, :, i]  # (S, L, P)
-                h, kv[i] = call(layer, h, masks[window], positions, extra, kv.get(donor))  # (S, L, D)
+                h, kv[i] = call(layer, h, plans[window], positions, extra, kv.get(donor))  # (S, L, D)
             return h, [x for d in exports for x in kv[d]]
 
         return run
+
+    @staticmethod
+    def _forward_fn(run):
+        return lambda h, params, kv_in, masks, positions, layer_inputs: run(h, params, kv_in, masks, positions,
+                                                                            layer_inputs)
+
+    @staticmethod
+    def _backward_fn(run, lead: bool):
+        """``(h_in, params, kv_in, cot_out, masks, positions, layer_inputs) -> (dh_in or None,
+        LoRA grads, dL/d kv_in)``: the range recomputed inside ``mx.vjp``
+        (``dL/dh_in`` only when ``lead``: not needed below the first range)."""
+
+        def bwd(h_in, params, kv_in, cot_out, masks, positions, layer_inputs):
+            n_p = len(params)
+
+            def f(*xs):  # [h_in?, *params, *kv_in] -> [h_out, *kv_out]
+                h = xs[0] if lead else h_in
+                rest = xs[1:] if lead else xs
+                out, kv_out = run(h, list(rest[:n_p]), list(rest[n_p:]), masks, positions, layer_inputs)
+                return [out, *kv_out]
+
+            _, cot = mx.vjp(f, ([h_in] if lead else []) + list(params) + list(kv_in), cot_out)
+            dh = cot[0] if lead else None
+            rest = cot[1:] if lead else cot
+            return dh, rest[:n_p], rest[n_p:]
+
+        return bwd
 
     def _params(self, lo: int, hi: int) -> list:
         out = []
@@ -202,111 +350,188 @@ class SegmentedEngine:
             out.extend(flat[k] for k in keys)
         return out
 
-    # -- steps --------------------------------------------------------------
+    # -- plans --------------------------------------------------------------
 
     def _layout(self, pairs: list[TokenizedPair]) -> Layout:
         build = shared_prefix_layout if self.prefix_sharing else two_sequence_layout
-        return build(pairs, self.nll_scope)
+        return build(pairs, self.nll_scope, self.length_bucket)
 
-    def _range_seeds(self) -> list:
-        """One RNG seed per range, drawn from the global generator.
+    def _masks(self, layout: Layout) -> list:
+        """Per window (``self.windows`` order): the encoded attention plan, built once per step
+        (an ``(S, 1, L, L)`` mask for sliding layers, MLX's fused causal mode or a
+        prefix-sharing plan otherwise)."""
+        return [_encode_mask(attention_plan(layout, w)) for w in self.windows]
+
+    def plan(self, layout: Layout, masks: list) -> tuple[int, int]:
+        """``(layers per range, head chunk)`` for this layout's shapes: fixed, or chosen
+        once per shape by the memory model (``segment_layers: auto``)."""
+        if not self.auto:
+            return self._set.size, self.head_chunk_tokens
+        S, L = layout.shape
+        attn = next((m for m in masks if isinstance(m, tuple)), None)
+        rows, length = (attn[2], attn[3]) if attn else (S, L)
+        key = (S, L, int(layout.targets.shape[0]), rows, length)
+        if key not in self._plans:
+            self._plans[key] = self._choose(dict(tokens=S * L, targets=key[2], rows=rows, length=length,
+                                                 heads=self.model.args.num_attention_heads), key)
+        return self._plans[key]
+
+    def _choose(self, shape: dict, key: tuple) -> tuple[int, int]:
+        """The single pass when it fits the budget, else the largest range size that does
+        (the fewest ranges: every plan that recomputes runs each layer twice)."""
+        n, args = len(self.arch.layers), self.model.args
+        itemsize, fused = self.dtype.size, _fused_attention(self.dtype)
+        fixed = self.weight_bytes + 3 * self.lora_bytes  # + gradients and AdamW's two moments
+        budget = self.memory_budget / ESTIMATE_MARGIN
+        chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
+        single = fixed + estimate_step_bytes(args, itemsize, shape, 0, 0, fused)
+        if single <= budget:
+            choice, est = (n, 0), single
+        else:
+            sizes = {m: fixed + estimate_step_bytes(args, itemsize, shape, m, chunk, fused) for m in range(1, n + 1)}
+            fitting = [m for m, b in sizes.items() if b <= budget]
+            m = max(fitting) if fitting else min(sizes, key=sizes.get)
+            choice, est = (m, chunk), sizes[m]
+        what = "single pass" if choice == (n, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
+        LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
+                 f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
+        return choice
+
+    # -- steps --------------------------------------------------------------
+
+    def _range_seeds(self, n: int) -> list:
+        """One RNG seed per range, drawn from the global generator (only with dropout).
 
         Each range's forward and its recompute under ``mx.vjp`` start from the
         same seed, so random ops inside (LoRA dropout) draw the same masks and
-        the gradient is that of the forward that was run.
+        the gradient is that of the forward that was run. Without dropout
+        nothing random runs, and no seed is read back from the device.
         """
+        if not self.random:
+            return [None] * n
         base = int(mx.random.randint(0, 2**30, ()).item())
-        return [base + r for r in range(len(self.ranges))]
+        return [base + r for r in range(n)]
 
-    def _forward(self, layout: Layout, seeds: list, stop: int | None = None):
-        """Boundary states ``[(S, L, D)] * (stop + 1)``, evaluated, after the
-        first ``stop`` ranges (default: all), plus the range constants: masks,
-        per-layer inputs and each exported donor's K/V."""
-        # per window: an (S, 1, L, L) bool mask for sliding layers; without a window, MLX's
-        # fused causal mode or a prefix-sharing plan of fused causal calls (no (L, L) mask)
-        masks = {w: attention_plan(layout, w) for w in set(self.arch.windows)}
-        h = self.arch.embed(layout.tokens)  # (S, L, D)
+    @staticmethod
+    def _seed(seed) -> None:
+        if seed is not None:
+            mx.random.seed(seed)
+
+    def _embed(self, tokens: mx.array):
+        h = self.arch.embed(tokens)  # (S, L, D)
         # constants of every range: no LoRA outside the decoder layers
-        layer_inputs = self.arch.layer_inputs(layout.tokens, h) if self.arch.layer_inputs else None  # (S, L, n, P)
-        mx.eval(h, layer_inputs, [m for m in masks.values() if isinstance(m, mx.array)])
+        layer_inputs = self.arch.layer_inputs(tokens, h) if self.arch.layer_inputs else None  # (S, L, n, P)
+        return h, layer_inputs
+
+    def _forward(self, layout: Layout, masks: list, rs: _RangeSet, seeds: list, eager: bool = False):
+        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated (asynchronously), plus
+        the per-layer inputs and each exported donor's K/V."""
+        h, layer_inputs = self._embed(layout.tokens)
+        mx.async_eval(h, layer_inputs, masks)
         bounds, kv = [h], {}  # kv: donor -> [k, v] (S, Hkv, L, Dh)
-        for r, ((lo, hi), run) in enumerate(zip(self.ranges[:stop], self.range_fns[:stop])):
-            kv_in = [x for d in self.kv_imports[r] for x in kv[d]]
-            mx.random.seed(seeds[r])
-            h, kv_out = run(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
-            mx.eval(h, kv_out)
-            kv.update({d: kv_out[2 * j : 2 * j + 2] for j, d in enumerate(self.kv_exports[r])})
+        for r, (lo, hi) in enumerate(rs.ranges):
+            kv_in = [x for d in rs.kv_imports[r] for x in kv[d]]
+            self._seed(seeds[r])
+            fn = rs.run[r] if eager else rs.fwd[r]
+            h, kv_out = fn(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
+            mx.async_eval(h, kv_out)  # graph-free boundary; the host goes on building the next range
+            _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], self._params_saved[r])
+            kv.update({d: kv_out[2 * j : 2 * j + 2] for j, d in enumerate(rs.kv_exports[r])})
             bounds.append(h)
-        return bounds, (masks, layer_inputs, kv)
+        return bounds, layer_inputs, kv
 
     def _head(self, layout: Layout, h: mx.array, with_jacobian: bool):
         S, L, D = h.shape
         rows = h.reshape(S * L, D)[layout.rows]  # (N, D)
-        return token_logps(self.arch.head, rows, layout.targets, self.head_chunk_tokens, with_jacobian)
+        return token_logps(self.arch.head, rows, layout.targets, self._chunk, with_jacobian,
+                           self._head_vjp if with_jacobian else None)
+
+    def _head_vjp_fn(self):
+        def head_vjp(h_c, targets):  # (n, D), (n,) -> logp (n,), J (n, D)
+            (lp,), (j,) = mx.vjp(target_logps(self.arch.head, targets), [h_c], [mx.ones(targets.shape, mx.float32)])
+            return lp, j
+
+        return head_vjp
 
     def step(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch.
 
         Returns the same ``StepResult`` as ``ReferenceEngine.step``; ``grads``
-        is shaped like ``model.trainable_parameters()``.
+        is shaped like ``model.trainable_parameters()``. Nothing is read back
+        to the host (without dropout): the caller's ``mx.eval`` is the step's sync.
         """
         layout = self._layout(pairs)
-        seeds = self._range_seeds()
-        if len(self.ranges) == 1 and self.head_chunk_tokens <= 0:
-            return self._step_whole(layout, seeds[0], norm)
-        bounds, (masks, layer_inputs, kv) = self._forward(layout, seeds)
+        masks = self._masks(layout)
+        size, self._chunk = self.plan(layout, masks)
+        rs = self._set = self._range_set(size)
+        seeds = self._range_seeds(len(rs.ranges))
+        norm_arr = (mx.array(norm.nll_tokens, mx.float32), mx.array(norm.pairs, mx.float32))
+        if len(rs.ranges) == 1 and self._chunk <= 0:
+            return self._step_whole(layout, masks, seeds[0], norm_arr)
+        self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
+        bounds, layer_inputs, kv = self._forward(layout, masks, rs, seeds)
         S, L, D = bounds[-1].shape
         logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
-        loss_fn = lambda lp: loss_from_token_logps(lp, layout, self.lam, norm)  # noqa: E731
+        targets = _Targets(_target_arrays(layout))
+        loss_fn = lambda lp: loss_from_token_logps(lp, targets, self.lam, Norm(*norm_arr))  # noqa: E731
         (loss, sums), dl_dlogp = mx.value_and_grad(loss_fn)(logps)
         dh = hidden_grad(dl_dlogp, jac, layout.rows, S * L).reshape(S, L, D)  # (S, L, D)
-        mx.eval(loss, sums, dh)
+        mx.async_eval(loss, sums, dh)
         del jac
         grads, dkv = {}, {}  # dkv: donor -> [dk, dv], summed over the ranges that reuse its K/V
-        for r in reversed(range(len(self.ranges))):
-            lo, hi = self.ranges[r]
-            run, params, h_in = self.range_fns[r], self._params(lo, hi), bounds[r]
-            imports, n_p = self.kv_imports[r], len(params)
+        for r in reversed(range(len(rs.ranges))):
+            lo, hi = rs.ranges[r]
+            params, h_in = self._params_saved[r], bounds[r]
+            imports = rs.kv_imports[r]
             kv_in = [x for d in imports for x in kv[d]]
             bounds[r + 1] = None  # the range output is no longer needed
-            cot_out = [dh] + [x for d in self.kv_exports[r] for x in dkv.pop(d)]
-            lead = [h_in] if r > 0 else []  # dL/d(embedding) is not needed
-
-            def f(*xs):  # [*lead, *params, *kv_in] -> [h_out, *kv_out]
-                h, p, kv_x = (xs[0] if lead else h_in), xs[len(lead) : len(lead) + n_p], xs[len(lead) + n_p :]
-                out, kv_out = run(h, list(p), list(kv_x), masks, layout.positions, layer_inputs)
-                return [out, *kv_out]
-
-            mx.random.seed(seeds[r])  # the same dropout masks as this range's forward
-            _, cot = mx.vjp(f, lead + params + kv_in, cot_out)
-            dh = cot[0] if lead else None  # dL/dh_in (S, L, D)
-            pgrads, kv_cot = cot[len(lead) : len(lead) + n_p], cot[len(lead) + n_p :]  # LoRA grads, dL/d kv_in
+            cot_out = [dh] + [x for d in rs.kv_exports[r] for x in dkv.pop(d)]
+            self._seed(seeds[r])  # the same dropout masks as this range's forward
+            dh, pgrads, kv_cot = rs.bwd[r](h_in, params, kv_in, cot_out, masks, layout.positions, layer_inputs)
             for j, d in enumerate(imports):  # summed over every range that reuses the donor's K/V
-                g = kv_cot[2 * j : 2 * j + 2]
+                g = list(kv_cot[2 * j : 2 * j + 2])
                 dkv[d] = [a + b for a, b in zip(dkv[d], g)] if d in dkv else g
-            mx.eval(dh, pgrads, list(dkv.values()))
+            mx.async_eval(dh, pgrads, list(dkv.values()))
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], params)  # drop the traced copies
             grads.update(self._named_grads(lo, hi, pgrads))
+        self._params_saved = None
         return self._result(loss, sums, layout, grads)
 
-    def _step_whole(self, layout: Layout, seed: int, norm: Norm) -> StepResult:
+    def _whole_fn(self):
+        """``(params, tokens, positions, masks, targets, norm) -> (loss, sums, LoRA grads)``:
+        one ``mx.value_and_grad`` over embedding, layers, head and loss."""
+        n = len(self.arch.layers)
+
+        def whole(params, tokens, positions, masks, targets, norm):
+            run = self._range_set(n).run[0]
+            h, layer_inputs = self._embed(tokens)
+            t = _Targets(targets)
+
+            def loss_of(params):
+                out, _ = run(h, params, [], masks, positions, layer_inputs)  # (S, L, D)
+                S, L, D = out.shape
+                logps = target_logps(self.arch.head, t.targets)(out.reshape(S * L, D)[t.rows])  # (N,)
+                return loss_from_token_logps(logps, t, self.lam, Norm(*norm))[0], logps
+
+            # the metric sums from the returned log-probabilities, outside the vjp: MLX 0.32's
+            # compile fails (IndexError _Map_base::at) on value_and_grad aux outputs that share
+            # nodes with the loss
+            (loss, logps), pgrads = mx.value_and_grad(loss_of)(params)
+            return loss, loss_from_token_logps(mx.stop_gradient(logps), t, self.lam, Norm(*norm))[1], pgrads
+
+        return whole
+
+    def _step_whole(self, layout: Layout, masks: list, seed, norm_arr) -> StepResult:
         """One range and an unchunked head: nothing to recompute, so one lazy
         ``mx.value_and_grad`` over layers, head and loss (as the reference
-        engine, on this engine's layout: prefix sharing, explicit positions).
+        engine, on this engine's layout: prefix sharing, explicit positions),
+        compiled per length bucket when the engine compiles.
         Peak memory is every layer's activations plus the ``(N, V)`` logits."""
-        bounds, (masks, layer_inputs, _) = self._forward(layout, [seed], stop=0)
-        run, n = self.range_fns[0], len(self.arch.layers)
-
-        def loss_of(params):
-            h, _ = run(bounds[0], params, [], masks, layout.positions, layer_inputs)  # (S, L, D)
-            S, L, D = h.shape
-            logps = target_logps(self.arch.head, layout.targets)(h.reshape(S * L, D)[layout.rows])  # (N,)
-            return loss_from_token_logps(logps, layout, self.lam, norm)
-
+        n = len(self.arch.layers)
         params = self._params(0, n)
-        mx.random.seed(seed)
-        (loss, sums), pgrads = mx.value_and_grad(loss_of)(params)
-        mx.eval(loss, sums, pgrads)
+        self._seed(seed)
+        loss, sums, pgrads = self._whole(params, layout.tokens, layout.positions, masks, _target_arrays(layout),
+                                         norm_arr)
         _set_params(self.arch.layers, self.param_names, params)  # drop the traced copies
         return self._result(loss, sums, layout, self._named_grads(0, n, pgrads))
 
@@ -322,9 +547,14 @@ class SegmentedEngine:
         return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
 
     def evaluate(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
-        """Loss contribution and metric sums, without gradients."""
+        """Loss contribution and metric sums, without gradients (eager ranges)."""
         layout = self._layout(pairs)
-        bounds, _ = self._forward(layout, self._range_seeds())
+        masks = self._masks(layout)
+        size, self._chunk = self.plan(layout, masks)
+        rs = self._range_set(size)
+        self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
+        bounds, _, _ = self._forward(layout, masks, rs, self._range_seeds(len(rs.ranges)), eager=True)
+        self._params_saved = None
         logps, _ = self._head(layout, bounds[-1], with_jacobian=False)
         loss, sums = loss_from_token_logps(logps, layout, self.lam, norm)
         return StepResult(loss, {**sums, **layout_counts(layout)})

@@ -158,7 +158,7 @@ class StopSignals:
         if len(self.received) == 1:
             self.attempt.stop(signum)
         else:
-            self.attempt.abort(f"{signal.Signals(signum).name} again: killing the ranks now")
+            self.attempt.abort(f"{signal.Signals(signum).name} again: ending the ranks now (killed within 3 s)")
 
     def install(self) -> dict:
         return {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -69,11 +69,15 @@ def report_line(report: Report) -> str:
 
 
 def parse_report(line: str) -> Optional[Report]:
-    """The :class:`Report` on a report line, or None for any other line."""
-    if not line.startswith(MARK):
+    """The :class:`Report` at the end of ``line`` (after :data:`MARK`), or None for any other line.
+
+    The mark may follow other text on the line: mlx.launch writes its own
+    warnings without a newline before the next rank's output.
+    """
+    if MARK not in line:
         return None
     try:
-        d = json.loads(line[len(MARK):])
+        d = json.loads(line[line.index(MARK) + len(MARK):])
         return Report(**{**d, "rank": int(d["rank"]), "tail": list(d.get("tail", []))})
     except (ValueError, KeyError, TypeError):
         return None
@@ -206,4 +210,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter shutdown: it restores default signal handlers, and a SIGUSR1 from the
+    # launcher arriving then would end this process with that signal after its report.
+    os._exit(status)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .env import EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, STOP_TIMEOUT_VAR
+from .env import EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, STOP_TIMEOUT_VAR, rank_from_env
 from .plan import Plan
 from .rank import MARK, Report, parse_report
 
@@ -151,6 +151,9 @@ class Attempt:
                 if report is None:
                     out.write(line + b"\n")
                 else:
+                    before = line[: line.index(mark)]  # another process's text ahead of the mark
+                    if before.strip():
+                        out.write(before + b"\n")
                     self._on_report(report)
             if buf and mark[:1] not in buf:  # progress bars end in \r, not \n: pass them on now
                 out.write(buf)
@@ -261,3 +264,23 @@ def _is_trainer(pid: int) -> bool:
     except OSError:
         return True
     return b"dtrain" in cmdline
+
+
+def find_trainers(marker: str) -> dict:
+    """``{rank: pid}`` of this machine's live ``dtrain train`` processes (not their rank wrappers)
+    whose command line mentions ``marker`` (e.g. the output folder); the rank is read from each
+    process's environment. Linux only (/proc): tests and bench/endurance.py use it to hurt one rank.
+    """
+    found = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            args = (p / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if args[1:4] != ["-m", "dtrain", "train"] or not any(marker in a for a in args):
+                continue
+            env = dict(x.split("=", 1) for x in (p / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
+        except OSError:
+            continue
+        found[rank_from_env(env)] = int(p.name)
+    return found

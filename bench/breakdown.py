@@ -1,0 +1,129 @@
+"""Where a training step's time goes: host graph building, evaluation, the optimizer.
+
+    python bench/breakdown.py --model smollm2 --dtype float32 --steps 24          # real orca pair lengths
+    python bench/breakdown.py --model smollm2 --layers 2 --steps 4 --modes exact  # smoke run on a CPU
+
+Random weights of ``--model``'s shape with LoRA rank 8 (scale 20) on every linear
+layer; pairs are the first ``--steps`` orca pairs of ``--data`` tokenized with
+SmolLM2's tokenizer (``--tokenizer-dir``, else the converted demo model's) and
+cut at ``--max-length`` as ``dtrain train`` cuts them. For each engine mode
+(``exact``: the single pass with exact shapes, eager; ``bucketed``: lengths
+padded to 128-token buckets, eager; ``compiled``: buckets + ``mx.compile``;
+``auto``: the default engine) it times, per step:
+
+- ``build``: the host building the lazy graph (``engine.step`` returning);
+- ``eval``: ``mx.eval`` of loss and gradients (device work plus per-op
+  dispatch, cuDNN/JIT setup of new shapes, allocation);
+- ``optimizer``: AdamW on the LoRA parameters and its ``mx.eval``, as the trainer does;
+
+first over ``--repeat`` steps of one pair repeated (one shape, warm), then over
+``--steps`` new pairs (one step each, as in training). Prints a markdown table
+and writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DTYPES, MODELS, build_model, write_results  # noqa: E402  (before MLX)
+
+import mlx.core as mx  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from dtrain.config import Config  # noqa: E402
+from dtrain.engine import make_engine  # noqa: E402
+from dtrain.trainer import global_norm  # noqa: E402
+
+DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
+MODES = {"exact": dict(kind="segmented", segment_layers=0, length_bucket=0, compile=False),
+         "bucketed": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=False),
+         "compiled": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=True),
+         "auto": dict(kind="auto")}
+
+
+def real_pairs(tokenizer_dir: Path, data: str, n: int, max_length: int):
+    from mlx_lm.utils import load_tokenizer
+
+    from dtrain.data import load_dataset
+
+    cfg = Config()
+    cfg.data.train, cfg.data.valid_fraction, cfg.data.max_length, cfg.data.max_prompt_length = data, 0.0, max_length, max_length
+    tok = load_tokenizer(tokenizer_dir, eos_token_ids=[2])
+    pairs = load_dataset(cfg.data, tok, 0, log=None).train
+    return pairs[:n]
+
+
+def timed_step(engine, optimizer, model, pairs) -> dict:
+    norm = global_norm(pairs, "full")
+    t0 = time.perf_counter()
+    out = engine.step(pairs, norm)
+    t1 = time.perf_counter()
+    mx.eval(out.loss, out.sums, out.grads)
+    t2 = time.perf_counter()
+    optimizer.update(model, out.grads)
+    mx.eval(model.trainable_parameters(), optimizer.state)
+    t3 = time.perf_counter()
+    return {"build": t1 - t0, "eval": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
+            "shape": list(engine._layout(pairs).shape) if hasattr(engine, "_layout") else None}
+
+
+def med(rows, key):
+    return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=list(MODELS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--repeat", type=int, default=8)
+    ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--data", default=DATA)
+    ap.add_argument("--tokenizer-dir", type=Path, default=Path.home() / ".cache/dtrain/smollm2-135m-instruct-f32")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a = ap.parse_args(argv)
+    pairs = real_pairs(a.tokenizer_dir, a.data, a.steps, a.max_length)
+    rows = []
+    for mode in a.modes:
+        model = build_model(a.model, a.layers, DTYPES[a.dtype], lora_scale=20.0)
+        cfg = Config()
+        for k, v in MODES[mode].items():
+            setattr(cfg.engine, k, v)
+        engine = make_engine(cfg, model)
+        optimizer = optim.AdamW(learning_rate=1e-5)
+        optimizer.init(model.trainable_parameters())
+        mx.reset_peak_memory()
+        first = timed_step(engine, optimizer, model, [pairs[0]])
+        same = [timed_step(engine, optimizer, model, [pairs[0]]) for _ in range(a.repeat)]
+        new = [timed_step(engine, optimizer, model, [p]) for p in pairs[1:]]
+        row = {"mode": mode, "first": first, "same": same, "new": new, "peak_gb": mx.get_peak_memory() / 1e9,
+               "shapes": len({tuple(r["shape"] or ()) for r in new})}
+        rows.append(row)
+        print({k: (v if not isinstance(v, list) else [round(r["total"], 3) for r in v]) for k, v in row.items()},
+              flush=True)
+        del engine, optimizer, model
+        mx.clear_cache()
+    path = write_results("breakdown", {"model": a.model, "dtype": a.dtype, "rows": rows}, a.out)
+    print(f"\n{a.model} {a.dtype}, {len(pairs) - 1} new pairs, {a.repeat} repeats of pair 0; median seconds per step")
+    print("| mode | first step | same pair: build / eval / optimizer / total | new pairs: build / eval / optimizer "
+          "/ total | new ÷ same | shapes | peak GB |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        s, n = r["same"], r["new"]
+        print(f"| {r['mode']} | {r['first']['total']:.2f} | {med(s, 'build'):.3f} / {med(s, 'eval'):.3f} / "
+              f"{med(s, 'optimizer'):.3f} / {med(s, 'total'):.3f} | {med(n, 'build'):.3f} / {med(n, 'eval'):.3f} / "
+              f"{med(n, 'optimizer'):.3f} / {med(n, 'total'):.3f} | {med(n, 'total') / med(s, 'total'):.2f} "
+              f"| {r['shapes']} | {r['peak_gb']:.2f} |")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

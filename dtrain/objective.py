@@ -1,0 +1,53 @@
+"""The training objective: what a step sums, how it counts its tokens, and its metrics.
+
+One object per objective (ORPO today) owns the names of its additive sums, the
+rule for a step's global totals and the finalisation of summed values into TRL
+metric names, so the trainer never matches the loss's sums by string. The loss
+itself stays a pure function in :mod:`dtrain.engine.loss`. See
+docs/architecture.md ("Design note: a second objective") for what a second
+objective implements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .engine.common import Norm
+from .engine.loss import ORPO_SUM_KEYS, finalize_metrics
+from .types import TokenizedPair
+
+# Host-side counts every engine adds to its sums (engine.common.layout_counts).
+COUNT_KEYS = ("pairs", "nll_tokens", "input_tokens", "fallback_pairs")
+
+
+@dataclass(frozen=True)
+class ORPO:
+    """ORPO (Hong et al. 2024, eq. 6): NLL of the chosen side plus λ times the odds-ratio term.
+
+    Args:
+        lam: λ, the weight of the odds-ratio term (``orpo.lam``).
+        nll_scope: ``full`` (NLL over prompt and chosen response) or ``response``.
+    """
+
+    lam: float
+    nll_scope: str = "full"
+
+    metric_keys = ORPO_SUM_KEYS + COUNT_KEYS
+
+    @classmethod
+    def from_config(cls, cfg) -> "ORPO":
+        """The objective of a run's ``Config`` (its ``orpo`` section)."""
+        return cls(cfg.orpo.lam, cfg.orpo.nll_scope)
+
+    def nll_tokens(self, pair: TokenizedPair) -> int:
+        """Tokens in the NLL term of one pair: predictions over ``[prompt; chosen]``
+        (``full``: every token after the first; ``response``: the chosen tokens)."""
+        return len(pair.chosen) + (len(pair.prompt) - 1 if self.nll_scope == "full" else 0)
+
+    def totals(self, pairs: list[TokenizedPair]) -> Norm:
+        """Global normalisers of a step; every rank computes them from the global batch."""
+        return Norm(nll_tokens=float(sum(self.nll_tokens(p) for p in pairs)), pairs=float(len(pairs)))
+
+    def finalize(self, sums: dict, prefix: str = "") -> dict:
+        """Summed values (over micro-batches and ranks) -> TRL-named metrics (``finalize_metrics``)."""
+        return finalize_metrics(sums, self.lam, prefix)

@@ -1,0 +1,152 @@
+"""Length buckets, the compiled step and the ``auto`` plan.
+
+Bucket padding (longer sequences, zero-weight targets, padded attention rows)
+must leave the loss, the metric sums and the LoRA gradients those of the exact
+shapes; a compiled step must train the adapter the eager one trains; the auto
+plan picks the single pass when the memory model says it fits.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx.utils import tree_flatten, tree_map
+
+from dtrain.config import Config, load_config
+from dtrain.engine import Norm, make_engine
+from dtrain.engine.layout import bucket_length, shared_prefix_layout
+from dtrain.engine.segmented import SegmentedEngine, estimate_step_bytes, layer_bytes_per_token
+from dtrain.errors import ConfigError
+
+from test_engine_segmented import NORM, assert_parity, engine_for, lora_model, make_pairs, rel
+
+
+def test_bucket_length_worked_values():
+    assert [bucket_length(n, 128) for n in (1, 128, 129, 1024, 1025, 2048, 2049, 5000)] == \
+        [128, 128, 256, 1024, 1152, 2048, 2304, 5120]
+    assert bucket_length(77, 0) == 77 and bucket_length(5, 4) == 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 100_000), st.sampled_from([1, 8, 64, 128]))
+def test_bucket_length_bounds_padding(n, quantum):
+    b = bucket_length(n, quantum)
+    assert b >= n and b % quantum == 0
+    assert b - n < quantum or (b - n) < n / 8  # under one quantum, or under 12.5%
+    assert bucket_length(b, quantum) == b  # a bucket is its own bucket
+
+
+def random_pairs(seed: int, n: int = 3, fallback: bool = False):
+    rng = random.Random(seed)
+    lengths = [(rng.randint(1, 9), rng.randint(1, 8), rng.randint(1, 8)) for _ in range(n)]
+    return make_pairs(seed, n, fallback, lengths)
+
+
+VARIANTS = {"single": dict(segment_layers=0), "ranges": dict(segment_layers=2, head_chunk_tokens=5)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "llama_sliding", "qwen3", "gemma3"])
+def test_bucket_padding_leaves_loss_sums_and_grads_unchanged(arch, prefix, variant):
+    """In float64, so that only the padding could tell the two apart (float32 differs by
+    ~1e-6 from the changed summation order alone)."""
+    model = lora_model(arch)
+    model.set_dtype(mx.float64)
+    for seed in range(2):
+        pairs = random_pairs(seed, fallback=prefix and seed == 1)
+        kw = dict(VARIANTS[variant], prefix_sharing=prefix)
+        exact = engine_for(model, **kw).step(pairs, NORM)
+        padded_engine = engine_for(model, length_bucket=16, **kw)
+        layout = padded_engine._layout(pairs)
+        assert layout.shape[1] % 16 == 0 and layout.targets.shape[0] % 16 == 0  # really padded
+        padded = padded_engine.step(pairs, NORM)
+        mx.eval(exact.loss, exact.grads, padded.loss, padded.grads)
+        assert rel(padded.loss, exact.loss) < 1e-12
+        for k, v in exact.sums.items():
+            assert abs(float(padded.sums[k]) - float(v)) <= 1e-12 * max(1.0, abs(float(v))), k
+        for (k, a), (_, b) in zip(tree_flatten(exact.grads), tree_flatten(padded.grads)):
+            assert rel(b, a) < 1e-12, (k, rel(b, a))
+
+
+def test_bucketed_engine_matches_reference():
+    model = lora_model("qwen3")
+    assert_parity(model, engine_for(model, segment_layers=0, prefix_sharing=True, length_bucket=8),
+                  make_pairs(fallback=True))
+
+
+def train_adapter(model, engine, steps: int = 3):
+    opt = optim.AdamW(learning_rate=1e-2)
+    opt.init(model.trainable_parameters())
+    for seed in range(steps):
+        pairs = random_pairs(seed + 10)
+        norm = Norm(nll_tokens=float(sum(len(p.prompt) + len(p.chosen) - 1 for p in pairs)), pairs=3.0)
+        out = engine.step(pairs, norm)
+        opt.update(model, out.grads)
+        mx.eval(model.trainable_parameters(), opt.state)
+    return dict(tree_flatten(model.trainable_parameters()))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_compiled_step_trains_the_eager_adapter(variant):
+    """Three AdamW steps on new pairs (two length buckets): compiled = eager within 1e-6 (float32)."""
+    start = dict(tree_flatten(lora_model("llama").trainable_parameters()))
+    adapters = []
+    for compiled in (False, True):
+        model = lora_model("llama")
+        kw = dict(VARIANTS[variant], prefix_sharing=True, length_bucket=8, compile=compiled)
+        adapters.append(train_adapter(model, engine_for(model, **kw)))
+    eager, compiled = adapters
+    assert any(rel(eager[k], start[k]) > 1e-3 for k in eager)  # the adapter moved
+    for k in eager:
+        assert rel(compiled[k], eager[k]) < 1e-6, (k, rel(compiled[k], eager[k]))
+
+
+def test_layer_and_step_estimates_worked_numbers():
+    args = lora_model("llama").args  # D 32, I 64, 4 heads, 2 kv heads, head dim 8, 5 layers, vocab 512
+    assert layer_bytes_per_token(args, 4) == 4 * (16 * 32 + 8 * 64 + 2 * (4 + 4) * 8) == 4608
+    shape = dict(tokens=30, targets=20, rows=3, length=12, heads=4)
+    scores = 2 * 3 * 4 * 12**2 * 4
+    assert estimate_step_bytes(args, 4, shape, 0, 0, fused=False) == 5 * (30 * 4608 + scores) + 20 * 512 * 16
+    assert estimate_step_bytes(args, 4, shape, 0, 0, fused=True) == 5 * 30 * 4608 + 20 * 512 * 16
+    # ranges of 2 layers, chunks of 8 rows: 2 layers alive, (3 + 3) boundaries, the jacobian rows
+    assert estimate_step_bytes(args, 4, shape, 2, 8, fused=True) == \
+        2 * 30 * 4608 + 8 * 512 * 16 + 6 * 30 * 32 * 4 + 20 * 32 * 4
+
+
+def test_auto_plan_single_pass_when_it_fits_else_recompute(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="dtrain.engine.segmented")
+    model = lora_model("llama")
+    roomy = SegmentedEngine.from_config(load_config(overrides=["engine.memory_budget_gb=1", "data.demo_pairs=1"]), model)
+    pairs = make_pairs()
+    out = roomy.step(pairs, NORM)
+    assert roomy.ranges == [(0, 5)] and roomy._chunk == 0
+    roomy.step(make_pairs(1), NORM)  # other tokens, the same shape: no new choice, no new notice
+    assert caplog.messages == ["engine plan for 3 x 15 tokens (38 targets): single pass "
+                               "(estimated peak 0.0 GiB, x 1.25 within a 1.0 GiB budget)"]
+    roomy.step(random_pairs(3), NORM)  # another shape: one more notice
+    assert len(caplog.messages) == 2
+    tight = SegmentedEngine.from_config(load_config(overrides=["engine.memory_budget_gb=0.000001", "data.demo_pairs=1"]),
+                                        model)
+    assert_parity(model, tight, pairs)
+    assert tight._chunk == 1024 and len(tight.ranges) > 1
+    assert "ranges of" in caplog.messages[-1]
+    mx.eval(out.loss)
+
+
+def test_auto_is_the_default_and_bucket_keys_are_checked():
+    cfg = Config()
+    assert cfg.engine.kind == "auto" and cfg.engine.length_bucket == "auto" and cfg.engine.prefix_sharing
+    assert isinstance(make_engine(cfg, lora_model("llama")), SegmentedEngine)
+    with pytest.raises(ConfigError, match="key 'engine.length_bucket' must be >= 0; got -1"):
+        load_config(overrides=["engine.length_bucket=-1", "data.demo_pairs=1"])
+    with pytest.raises(ConfigError, match="key 'engine.kind' must be one of auto, reference, segmented"):
+        load_config(overrides=["engine.kind=fast", "data.demo_pairs=1"])
