@@ -25,10 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of a file (overrides: "
+    dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of the data (overrides: "
                                        "--data.key VALUE; exit status 1 when there are bad rows and "
                                        "data.on_bad_row is error)")
-    dc.add_argument("file")
+    dc.add_argument("file", help="a JSONL/JSON/Parquet file, a data folder or a hub dataset id, read as data.train")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
     dc.add_argument("--show", type=int, default=0, metavar="N",
                     help="print the first N usable pairs as trained: text with control tokens visible, and ids")

@@ -439,3 +439,17 @@ def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):
 
     assert run(1) > 0 and len(list((out / "data_cache").iterdir())) == 2
     assert run(2, "train.resume=auto") == 0  # the resumed run reads the cache
+
+
+def test_data_check_command_on_a_saved_dataset(tmp_path, capsys):
+    from fixtures_launch import make_model_folder
+
+    from dtrain.cli import main
+
+    model = make_model_folder(tmp_path / "model")
+    objs = [{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": "Q", "chosen": "a"}]
+    folder = save_dict_like(tmp_path / "dd", {"train": objs[:1], "test": objs})
+    assert main(["data", "check", folder, "--model.path", str(model), "--data.split", "test"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{folder}: 2 rows, 1 usable, 1 bad, 0 dropped"
+    assert f"  {folder}[test]:row 1: missing field 'rejected'" in out

@@ -21,8 +21,6 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
 from ..types import TokenizedPair
 from .formats import BadRowReport
 from .render import tokenize_rows
@@ -135,6 +133,8 @@ def _add(report: BadRowReport, other: BadRowReport) -> BadRowReport:
 
 def _save(path: Path, pairs: list, report: BadRowReport) -> None:
     """One ``.npz``: all token ids (int32), per-pair lengths (-1: no rejected prompt), JSON metadata."""
+    import numpy as np  # here, not at import: numpy maps a BLAS, and `import dtrain` must load none (blas.py)
+
     lengths = np.array([[len(p.prompt), len(p.chosen), len(p.rejected),
                          -1 if p.rejected_prompt is None else len(p.rejected_prompt)] for p in pairs],
                        dtype=np.int64).reshape(-1, 4)
@@ -153,6 +153,8 @@ def _save(path: Path, pairs: list, report: BadRowReport) -> None:
 
 
 def _load(path: Path) -> Optional[tuple]:
+    import numpy as np
+
     try:
         with np.load(path, allow_pickle=False) as z:
             tokens, lengths, meta = z["tokens"].tolist(), z["lengths"].tolist(), json.loads(str(z["meta"]))
