@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from dtrain.config import Config  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
-from dtrain.trainer import global_norm  # noqa: E402
+from dtrain.objective import ORPO  # noqa: E402
 
 DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
 MODES = {"exact": dict(kind="segmented", segment_layers=0, length_bucket=0, compile=False),
@@ -60,7 +60,7 @@ def real_pairs(tokenizer_dir: Path, data: str, n: int, max_length: int):
 
 
 def timed_step(engine, optimizer, model, pairs) -> dict:
-    norm = global_norm(pairs, "full")
+    norm = ORPO(0.1, "full").totals(pairs)
     t0 = time.perf_counter()
     out = engine.step(pairs, norm)
     t1 = time.perf_counter()

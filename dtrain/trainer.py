@@ -63,23 +63,15 @@ class TrainResult:
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
 
 
-def global_norm(pairs: list[TokenizedPair], nll_scope: str) -> Norm:
-    """Global normalisers of a step (``ORPO.totals``, the one rule); every rank computes them from the global batch."""
-    return ORPO(0.0, nll_scope).totals(pairs)
-
-
-METRIC_KEYS = ORPO.metric_keys
-
-
 def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int, with_grads: bool):
     """Sum engine results over micro-batches of ``pairs``.
 
     Returns:
-        ``(sums, grads)``: every ``METRIC_KEYS`` sum as a Python float (zeros
+        ``(sums, grads)``: every ``ORPO.metric_keys`` sum as a Python float (zeros
         when ``pairs`` is empty) and the summed gradient tree (None without
         grads or pairs).
     """
-    sums, grads, device = dict.fromkeys(METRIC_KEYS, 0.0), None, {}
+    sums, grads, device = dict.fromkeys(ORPO.metric_keys, 0.0), None, {}
     for chunk in sampler.micro_batches(pairs, micro):
         result = engine.step(chunk, norm) if with_grads else engine.evaluate(chunk, norm)
         if with_grads:
@@ -105,7 +97,7 @@ def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Grou
     objective = ORPO.from_config(cfg)
     norm = objective.totals(pairs)
     micro = cfg.train.micro_batch_pairs
-    sums = dict.fromkeys(METRIC_KEYS, 0.0)
+    sums = dict.fromkeys(ORPO.metric_keys, 0.0)
     for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
         part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
         sums = {k: sums[k] + part[k] for k in sums}  # the same float additions as one call over all chunks

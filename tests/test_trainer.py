@@ -88,14 +88,15 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     from dtrain.config import LoraConfig
     from dtrain.engine import ReferenceEngine
     from dtrain.lora import apply_lora
-    from dtrain.trainer import global_norm, run_micro_batches
+    from dtrain.objective import ORPO
+    from dtrain.trainer import run_micro_batches
 
     model = make_tiny_model()
     apply_lora(model, LoraConfig(rank=2))
     model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
     engine = ReferenceEngine(model, lam=0.1)
     pairs = make_pairs(4)
-    norm = global_norm(pairs, "full")
+    norm = ORPO(0.1, "full").totals(pairs)
     whole, g_whole = run_micro_batches(engine, pairs, norm, 4, with_grads=True)
     parts, g_parts = run_micro_batches(engine, pairs, norm, 1, with_grads=True)
     assert parts["pairs"] == whole["pairs"] == 4 and parts["nll_sum"] == pytest.approx(whole["nll_sum"], rel=1e-6)
