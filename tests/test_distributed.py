@@ -190,7 +190,13 @@ def test_killed_rank_makes_every_other_rank_exit(tmp_path):
 
 
 def test_stalled_rank_trips_the_watchdog_of_the_others(tmp_path):
-    """A SIGSTOPped peer keeps its sockets open, so only the watchdog ends the wait."""
+    """A SIGSTOPped peer keeps its sockets open, so only a watchdog ends the wait.
+
+    Ranks 0 and 1 start their watchdogs within milliseconds of each other; the
+    first to fire exits (status 3), and the other may then see that rank's
+    sockets close before its own watchdog fires (status 2, "connection to a peer
+    was lost").  Either way every live rank stops, names step 3, and at least
+    one of them says it was the watchdog."""
     timeout_s = 5
     procs = start_ring(3, tmp_path, "--stall-at", "3:2", "train.steps=20", f"distributed.collective_timeout_s={timeout_s}")
     try:
@@ -198,10 +204,15 @@ def test_stalled_rank_trips_the_watchdog_of_the_others(tmp_path):
     finally:
         procs[2].kill()
         procs[2].communicate()
+    watchdog = "all_sum of LoRA gradients (1 bucket(s)) at step 3 did not complete within {} s".format(timeout_s)
+    lost = "all_sum of LoRA gradients (1 bucket(s)) at step 3 failed: [ring] connection to a peer was lost"
+    fired = []
     for rank, (rc, err, seconds) in enumerate(results):
-        assert rc == 3, (rank, rc, err[-1000:])
-        assert (f"dtrain: error: rank {rank}: all_sum of LoRA gradients (1 bucket(s)) at step 3 did not complete "
-                f"within {timeout_s} s") in err
+        assert rc in (2, 3), (rank, rc, err[-1000:])
+        message = watchdog if rc == 3 else lost
+        assert f"dtrain: error: rank {rank}: {message}" in err, (rank, err[-1000:])
+        fired.append(rc == 3)
+    assert any(fired), [err[-500:] for _, err, _ in results]
 
 
 def test_handshake_names_what_differs_and_where(tmp_path):
