@@ -51,10 +51,15 @@ setup()  # before MLX; blas_env() then gives the workers the same library and co
 SHAPES = {"SmolLM2-135M r8": (30, 576, 1536, 576, 192, 8), "Llama-2-7B r16": (32, 4096, 11008, 4096, 4096, 16)}
 
 
-def lora_shapes(layers, hidden, inter, q, kv, r) -> list[tuple[int, int]]:
-    """``(in, r)`` and ``(r, out)`` of every LoRA matrix on every linear layer."""
-    linears = [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
-    return [s for _ in range(layers) for i, o in linears for s in ((i, r), (r, o))]
+def lora_shapes(layers, hidden, inter, q, kv, r, keys=("q", "k", "v", "o", "gate", "up", "down")) -> list[tuple[int, int]]:
+    """``(in, r)`` and ``(r, out)`` of every LoRA matrix on the ``keys`` linear layers of every layer."""
+    linears = {"q": (hidden, q), "k": (hidden, kv), "v": (hidden, kv), "o": (q, hidden), "gate": (hidden, inter),
+               "up": (hidden, inter), "down": (inter, hidden)}
+    return [s for _ in range(layers) for key in keys for i, o in [linears[key]] for s in ((i, r), (r, o))]
+
+
+# Endurance gradients: the demo's LoRA (every linear layer), or only on q_proj and v_proj (5.3x smaller).
+ENDURANCE = {"all": SHAPES["SmolLM2-135M r8"], "qv": (*SHAPES["SmolLM2-135M r8"], ("q", "v"))}
 
 
 def worker(out: Path, repeats: int) -> None:
@@ -151,7 +156,7 @@ def launch(backend: str, n: int, out: Path, repeats: int) -> dict:
     return json.loads((out / f"{backend if n > 1 else 'none'}-{n}.json").read_text())
 
 
-def endurance_worker(out: Path, start: int, calls: int, timeout_s: float) -> int:
+def endurance_worker(out: Path, start: int, calls: int, timeout_s: float, lora: str = "all") -> int:
     """One rank: calls ``start .. calls-1`` of ``all_sum_tree``, each sum checked exactly.
 
     Rank ``r`` contributes ``base * (r + 1) + (i % 1000)`` at call ``i`` (``base``:
@@ -167,9 +172,9 @@ def endurance_worker(out: Path, start: int, calls: int, timeout_s: float) -> int
 
     group = init_group("any", timeout_s=timeout_s)
     n, r = group.size, group.rank
-    shapes = lora_shapes(*SHAPES["SmolLM2-135M r8"])
+    shapes = lora_shapes(*ENDURANCE[lora])
     sizes = [a * b for a, b in shapes]
-    base_flat = mx.arange(sum(sizes), dtype=mx.int32) % 1000  # (2442240,)
+    base_flat = mx.arange(sum(sizes), dtype=mx.int32) % 1000  # (2442240,) for "all"
     base, offset = {}, 0
     for k, (shape, size) in enumerate(zip(shapes, sizes)):
         base[f"p{k}"] = base_flat[offset : offset + size].reshape(shape).astype(mx.float32)
@@ -210,7 +215,7 @@ def thread_cpu() -> list[float]:
 
 
 def endurance(backend: str, n: int, calls: int, timeout_s: float, scratch: Path, max_restarts: int = 50,
-              deadline: float = float("inf"), launcher: str = "mlx.launch") -> dict:
+              deadline: float = float("inf"), launcher: str = "mlx.launch", lora: str = "all") -> dict:
     """Run ``calls`` checked all-reduces on ``n`` ranks, restarting workers that exit, until ``deadline``
     (``time.time()``; the workers are killed then); returns the counts."""
     import statistics
@@ -221,7 +226,7 @@ def endurance(backend: str, n: int, calls: int, timeout_s: float, scratch: Path,
     exits, start, t0, stopped = [], 0, time.time(), False
     while start < calls and len(exits) <= max_restarts:
         code = run_ranks(backend, n, ["--endurance-worker", str(out), "--start", str(start), "--endurance", str(calls),
-                                      "--timeout", str(timeout_s)], check=False, port=33500 + 10 * len(exits),
+                                      "--timeout", str(timeout_s), "--lora", lora], check=False, port=33500 + 10 * len(exits),
                          timeout=max(deadline - time.time(), 1), launcher=launcher)
         done = [int(line.split()[0]) for line in (out / "rank-0.txt").read_text().splitlines()] if (out / "rank-0.txt").exists() else []
         stopped = code is None
@@ -238,7 +243,7 @@ def endurance(backend: str, n: int, calls: int, timeout_s: float, scratch: Path,
     hangs = sum(1 for e in exits if e["code"] == 3 or e["code"] == 3 + 128)
     cpu = [json.loads(line) for line in (out / "rank-0.cpu").read_text().splitlines()] if (out / "rank-0.cpu").exists() else []
     return {"backend": backend, "launcher": launcher if backend == "ring" else "mpirun", "ranks": n, "calls": len({int(i) for i, _, _ in rows[0]}), "target_calls": calls, "stopped_at_deadline": stopped,
-            "params": sum(a * b for a, b in lora_shapes(*SHAPES["SmolLM2-135M r8"])), "watchdog_s": timeout_s,
+            "lora": lora, "params": sum(a * b for a, b in lora_shapes(*ENDURANCE[lora])), "watchdog_s": timeout_s,
             "worker_exits": exits, "hangs": hangs, "failures": len(exits) - hangs, "wrong_sums": len(wrong),
             "wrong_calls": wrong[:20], "p50_ms": pick(0.50), "p99_ms": pick(0.99), "max_ms": lat[-1] * 1e3,
             "mean_ms": statistics.fmean(lat) * 1e3, "wall_minutes": (time.time() - t0) / 60,
@@ -281,6 +286,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="endurance: collective watchdog in seconds")
     p.add_argument("--runs", default="ring:3,mpi:2", help="endurance: BACKEND:RANKS, comma separated")
     p.add_argument("--minutes", type=float, default=0, help="endurance: stop each run after this long (0: no limit)")
+    p.add_argument("--lora", choices=tuple(ENDURANCE), default="all",
+                   help="endurance: SmolLM2-135M rank-8 LoRA on every linear layer, or on q_proj and v_proj only")
     p.add_argument("--launcher", choices=("mlx.launch", "direct"), default="mlx.launch",
                    help="endurance: start ring ranks with mlx.launch or directly (MLX_RANK, MLX_HOSTFILE)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -291,18 +298,18 @@ def main() -> int:
         worker(Path(args.worker), args.repeats)
         return 0
     if args.endurance_worker:
-        return endurance_worker(Path(args.endurance_worker), args.start, args.endurance, args.timeout)
+        return endurance_worker(Path(args.endurance_worker), args.start, args.endurance, args.timeout, args.lora)
     results = ROOT / "bench" / "results"
     if args.endurance:
-        scratch = results / "allreduce-endurance-scratch"
+        scratch = results / f"allreduce-endurance-scratch-{args.lora}"
         runs = [(b, int(n)) for b, n in (x.split(":") for x in args.runs.split(","))]
         rows = []
         for backend, n in runs:
             deadline = time.time() + 60 * args.minutes if args.minutes else float("inf")
             rows.append(endurance(backend, n, args.endurance, args.timeout, scratch, deadline=deadline,
-                                  launcher=args.launcher))
+                                  launcher=args.launcher, lora=args.lora))
             print(json.dumps(rows[-1]), flush=True)
-        name = "allreduce-endurance-" + "-".join(f"{b}{n}" for b, n in runs) + ".json"
+        name = "allreduce-endurance-" + "-".join(f"{b}{n}" for b, n in runs) + f"-{args.lora}.json"
         (results / name).write_text(json.dumps({"rows": rows}, indent=1))
         return 0
     scratch = results / "allreduce-scratch"
