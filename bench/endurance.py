@@ -48,7 +48,8 @@ import numpy as np  # noqa: E402
 
 from dtrain.checkpoint import validate  # noqa: E402
 from dtrain.launch.supervise import find_trainers  # noqa: E402
-from dtrain.tracking import read_scalars  # noqa: E402
+from dtrain.launch.restart import TAG as RESTART_TAG  # noqa: E402
+from dtrain.tracking import read_events, read_scalars  # noqa: E402
 
 LAUNCH = ROOT / "launch"
 TINY = dict(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
@@ -143,12 +144,14 @@ def hurt_loop(proc, fault: str, out: Path, ranks: int, every: tuple, link_down: 
 
 
 def check_run(out: Path, steps: int) -> dict:
-    """TensorBoard steps, checkpoint folders and restart entries of a finished run."""
+    """TensorBoard steps and restart entries (``launch/restarts`` text) and the checkpoint folders of a finished run."""
     runs = sorted(p for p in (out / "tb").iterdir() if p.is_dir())
     logged = [s for s, _ in read_scalars(runs[-1])["loss"]] if runs else []
     folders = sorted((out / "checkpoints").iterdir())
     bad = [f"{p.name}: {validate(p) or 'ok'}" for p in folders if not p.name.startswith("step-") or validate(p)]
+    restarts = [e.step for e in read_events(runs[-1]) for v in e.summary.value if v.tag.startswith(RESTART_TAG)] if runs else []
     return {"tensorboard_runs": len(runs), "steps_logged": len(logged), "distinct_steps": len(set(logged)),
+            "restart_entries_at_steps": restarts,
             "every_step_once": logged == list(range(1, steps + 1)), "checkpoint_folders": [p.name for p in folders],
             "partial_or_invalid": bad}
 
