@@ -14,9 +14,10 @@ to last ``--minutes`` (timed on a short run first). While it runs, every
   through ``./launch --hostfile`` with an ``ssh`` shim that enters the namespace.
 
 The same config also runs uninterrupted (``--reference after``, the default, or
-``alongside``: at the same time, so a time-boxed session surely gets it), and the script checks: the
-adapters are equal bitwise; TensorBoard holds every step exactly once (one
-run folder); every folder under ``checkpoints/`` is a complete, valid
+``alongside``: at the same time, so a time-boxed session surely gets it), and
+the script checks: the adapters are equal bitwise; TensorBoard holds every step
+exactly once (one run folder) and one ``launch/restarts`` entry per restart
+(``-n`` runs only); every folder under ``checkpoints/`` is a complete, valid
 checkpoint (nothing partial or temporary). Results go to
 ``bench/results/endurance-<fault>.json`` and the launcher's log (timestamped)
 next to it.
@@ -149,7 +150,8 @@ def check_run(out: Path, steps: int) -> dict:
     logged = [s for s, _ in read_scalars(runs[-1])["loss"]] if runs else []
     folders = sorted((out / "checkpoints").iterdir())
     bad = [f"{p.name}: {validate(p) or 'ok'}" for p in folders if not p.name.startswith("step-") or validate(p)]
-    restarts = [e.step for e in read_events(runs[-1]) for v in e.summary.value if v.tag.startswith(RESTART_TAG)] if runs else []
+    events = read_events(runs[-1]) if runs else []
+    restarts = [e.step for e in events for v in e.summary.value if v.tag.startswith(RESTART_TAG)]
     return {"tensorboard_runs": len(runs), "steps_logged": len(logged), "distinct_steps": len(set(logged)),
             "restart_entries_at_steps": restarts,
             "every_step_once": logged == list(range(1, steps + 1)), "checkpoint_folders": [p.name for p in folders],
