@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import mlx.core as mx
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
@@ -35,6 +34,7 @@ from .engine import Norm, make_engine
 from .errors import UserError
 from .lora import apply_lora, save_adapter
 from .objective import ORPO
+from .optimizer import AdamWStep, applied
 from .schedule import learning_rate
 from .tracking import RunLogger, new_run_dir, peak_memory_gb
 from .types import TokenizedPair
@@ -133,18 +133,13 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
     reduce_seconds = time.perf_counter() - reduce_start
     sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-    if t.grad_clip > 0:
-        grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
-    else:
-        grad_norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-    grad_norm = float(grad_norm)
     metrics = objective.finalize(sums)
     lr = learning_rate(step, t)
-    finite = math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)
-    if finite:
-        optimizer.learning_rate = lr
-        optimizer.update(model, grads)
-        mx.eval(model.trainable_parameters(), optimizer.state)
+    loss_finite = math.isfinite(metrics["loss"])
+    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped on the device if non-finite
+    mx.eval(grad_norm, model.trainable_parameters(), optimizer.state)  # the step's one wait for the device
+    grad_norm = float(grad_norm)
+    finite = applied(loss_finite, grad_norm)
     seconds = time.perf_counter() - start
     metrics.update({
         "grad_norm": grad_norm,
@@ -291,9 +286,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             from .data import write_entries
 
             write_entries(cache_entries)
-        # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
-        optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
-        optimizer.init(model.trainable_parameters())
+        optimizer = AdamWStep(t, model.trainable_parameters())
         resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
                               model, optimizer, group, report=_stderr if group.is_main else lambda _: None)
         if resumed is not None:
