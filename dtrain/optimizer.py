@@ -11,6 +11,12 @@ learning rate included) when the loss or the gradient norm is not finite, so
 the host reads the norm once, after the update, instead of waiting for it
 before. The gradients are already summed over ranks, so every rank computes the
 same norm and takes the same decision.
+
+Uncompiled (``train.compile_optimizer: false``, and ``auto`` on the CPU) it is
+the eager path: the host reads the norm, then updates or skips. On the CPU the
+compiled step saves ~0.1 s of host time per SmolLM2 step but its first step
+on a machine compiles ~13 fused C++ kernels (~14 s of g++), more than a short
+run gains; the eager path with ``mx.where`` would add ~1,300 ops (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import math
 
 import mlx.core as mx
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from .config import TrainConfig
 from .schedule import learning_rate
@@ -45,7 +51,10 @@ class AdamWStep:
                                  bias_correction=True)
         self.adamw.init(params)
         self.grad_clip = cfg.grad_clip
-        self._apply = mx.compile(self._pure) if cfg.compile_optimizer else self._pure
+        compiled = cfg.compile_optimizer
+        if compiled == "auto":
+            compiled = mx.default_device() == mx.gpu
+        self.compiled = mx.compile(self._pure) if compiled else None
 
     @property
     def state(self) -> dict:
@@ -65,29 +74,47 @@ class AdamWStep:
             loss_finite: whether the step's loss (all-reduced) is finite.
         Returns:
             The global L2 norm of ``grads`` before clipping (float32 or the grads'
-            dtype, shape ``()``), lazy: the parameters and state are lazy too; one
-            ``mx.eval`` of all three reads it. The update was applied iff
-            ``loss_finite`` and the norm is finite (:func:`applied`).
+            dtype, shape ``()``). Compiled it is lazy, as are the parameters and
+            state: one ``mx.eval`` of all three reads it. The update was applied
+            iff ``loss_finite`` and the norm is finite (:func:`applied`).
         """
-        params, state, norm = self._apply(model.trainable_parameters(), self.adamw.state, grads,
-                                          mx.array(lr, mx.float32), mx.array(loss_finite))
+        if self.compiled is None:  # eager: wait for the norm, then update or skip
+            grads, norm = self._clip(grads)
+            if applied(loss_finite, float(norm)):
+                self.adamw.learning_rate = lr
+                self.adamw.update(model, grads)
+            return norm
+        params, state, norm = self.compiled(model.trainable_parameters(), self.adamw.state, grads,
+                                            mx.array(lr, mx.float32), mx.array(loss_finite))
         model.update(params)
         self.adamw.state = state
         return norm
 
+    def _clip(self, grads: dict):
+        """``(clipped grads, norm before clipping)``; the grads unchanged when ``grad_clip`` is 0."""
+        if self.grad_clip > 0:
+            return optim.clip_grad_norm(grads, self.grad_clip)
+        return grads, mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+
     def _pure(self, params: dict, state: dict, grads: dict, lr: mx.array, loss_finite: mx.array):
         """``(new params, new state, grad norm)``; old params and state where the step is not finite."""
-        if self.grad_clip > 0:
-            grads, norm = optim.clip_grad_norm(grads, self.grad_clip)
-        else:
-            norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+        grads, norm = self._clip(grads)
         ok = mx.logical_and(loss_finite, mx.isfinite(norm))
         adamw = copy.copy(self.adamw)  # the same hyperparameters; its own state (apply_gradients writes into it)
         adamw.state = tree_map(lambda a: a, state)  # new containers, the same arrays
         adamw.state["learning_rate"] = lr  # as the ``learning_rate`` setter stores it: a float32 scalar
         new_params = adamw.apply_gradients(grads, params)
-        keep = lambda new, old: mx.where(ok, new, old)  # noqa: E731
-        return tree_map(keep, new_params, params), tree_map(keep, adamw.state, state), norm
+        return _select(ok, params, new_params), _select(ok, state, adamw.state), norm
+
+
+def _select(ok: mx.array, old, new):
+    """``old``'s tree with each array replaced by ``new``'s at the same path where ``ok``.
+
+    Matched by path, not by structure: the trees may differ in empty containers
+    (``apply_gradients`` adds placeholders that a restored state or a gradient tree lacks).
+    """
+    new = dict(tree_flatten(new))
+    return tree_map_with_path(lambda path, a: mx.where(ok, new[path], a) if path in new else a, old)
 
 
 def applied(loss_finite: bool, grad_norm: float) -> bool:
