@@ -64,8 +64,10 @@ class AdamWStep:
     def state(self, state: dict) -> None:
         self.adamw.state = state
 
-    def apply(self, model, grads: dict, lr: float, loss_finite: bool) -> mx.array:
+    def apply(self, model, grads: dict, lr: float, loss_finite: bool) -> float:
         """Clip ``grads``, and unless the step is non-finite, update ``model``'s LoRA and the state.
+
+        Evaluates the update: compiled, this is the step's one wait for the device.
 
         Args:
             model: the model; its ``trainable_parameters()`` match ``grads``.
@@ -73,22 +75,23 @@ class AdamWStep:
             lr: this step's learning rate.
             loss_finite: whether the step's loss (all-reduced) is finite.
         Returns:
-            The global L2 norm of ``grads`` before clipping (float32 or the grads'
-            dtype, shape ``()``). Compiled it is lazy, as are the parameters and
-            state: one ``mx.eval`` of all three reads it. The update was applied
-            iff ``loss_finite`` and the norm is finite (:func:`applied`).
+            The global L2 norm of ``grads`` before clipping. The update was
+            applied iff ``loss_finite`` and the norm is finite (:func:`applied`).
         """
         if self.compiled is None:  # eager: wait for the norm, then update or skip
             grads, norm = self._clip(grads)
-            if applied(loss_finite, float(norm)):
+            norm, params = float(norm), []
+            if applied(loss_finite, norm):
                 self.adamw.learning_rate = lr
-                self.adamw.update(model, grads)
-            return norm
-        params, state, norm = self.compiled(model.trainable_parameters(), self.adamw.state, grads,
-                                            mx.array(lr, mx.float32), mx.array(loss_finite))
-        model.update(params)
-        self.adamw.state = state
-        return norm
+                params = self.adamw.apply_gradients(grads, model)  # = adamw.update(model, grads)
+                model.update(params)
+        else:
+            params, state, norm = self.compiled(model.trainable_parameters(), self.adamw.state, grads,
+                                                mx.array(lr, mx.float32), mx.array(loss_finite))
+            model.update(params)
+            self.adamw.state = state
+        mx.eval(norm, params, self.adamw.state)  # the new arrays themselves: no walk over the model
+        return float(norm)
 
     def _clip(self, grads: dict):
         """``(clipped grads, norm before clipping)``; the grads unchanged when ``grad_clip`` is 0."""

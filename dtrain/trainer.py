@@ -136,9 +136,7 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     metrics = objective.finalize(sums)
     lr = learning_rate(step, t)
     loss_finite = math.isfinite(metrics["loss"])
-    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped on the device if non-finite
-    mx.eval(grad_norm, model.trainable_parameters(), optimizer.state)  # the step's one wait for the device
-    grad_norm = float(grad_norm)
+    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
     finite = applied(loss_finite, grad_norm)
     seconds = time.perf_counter() - start
     metrics.update({
