@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         cfg = Config()
         for k, v in MODES[mode].items():
             setattr(cfg.engine, k, v)
-        engine = make_engine(cfg, model)
+        engine = make_engine(cfg.engine, model, ORPO.from_config(cfg))
         optimizer = optim.AdamW(learning_rate=1e-5)
         optimizer.init(model.trainable_parameters())
         mx.reset_peak_memory()
