@@ -70,7 +70,10 @@ VARIATIONS = [  # in priority order: what runs first when the budget is short
     ("lr1e-4", {"learning_rate": 1e-4}),
 ]
 GRIDS = {"full": [n for n, _ in VARIATIONS], "cpu": ["centre", "old-defaults"],
-         "quick": ["old-defaults", "lr2e-4", "centre", "lr1e-3"], "smoke": ["centre", "lr2e-3"]}
+         "quick": ["old-defaults", "lr2e-4", "centre", "lr1e-3"], "smoke": ["centre", "lr2e-3"],
+         # what "quick" (learning rate only) left out: the other axes around the centre
+         "rest": ["centre", "lam0.2", "constant", "scale10", "rank16", "lam0.05", "lam0.5", "linear",
+                  "no-warmup", "rank4", "lr2e-3"]}
 
 
 def setting(name: str) -> dict:
