@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         cfg = Config()
         for k, v in MODES[mode].items():
             setattr(cfg.engine, k, v)
-        engine = make_engine(cfg, model)
+        engine = make_engine(cfg.engine, model, ORPO.from_config(cfg))
         optimizer = make_optimizer(kind, model)
         mx.reset_peak_memory()
         first = timed_step(engine, optimizer, model, [pairs[0]])

@@ -32,18 +32,19 @@ import mlx.core as mx  # noqa: E402
 from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
 from dtrain.engine.arch import adapter_for  # noqa: E402
 from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
+from dtrain.objective import ORPO  # noqa: E402
 
 
 def engines(model, segment: int, chunk: int) -> dict:
     arch = adapter_for(model)
-    seg = lambda **kw: SegmentedEngine(model, arch, 0.1, segment_layers=segment, **kw)  # noqa: E731
+    seg = lambda **kw: SegmentedEngine(model, arch, ORPO(0.1), segment_layers=segment, **kw)  # noqa: E731
     return {
-        "reference": lambda: ReferenceEngine(model, 0.1),
+        "reference": lambda: ReferenceEngine(model, ORPO(0.1)),
         "segmented": lambda: seg(),
         "+ prefix sharing": lambda: seg(prefix_sharing=True),
         "+ chunked head": lambda: seg(prefix_sharing=True, head_chunk_tokens=chunk),
         # prefix sharing, one range of all layers, unchunked head: nothing recomputed
-        "one range": lambda: SegmentedEngine(model, arch, 0.1, segment_layers=0, prefix_sharing=True),
+        "one range": lambda: SegmentedEngine(model, arch, ORPO(0.1), segment_layers=0, prefix_sharing=True),
     }
 
 

@@ -46,6 +46,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
 from dtrain.engine.arch import adapter_for  # noqa: E402
 from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
+from dtrain.objective import ORPO  # noqa: E402
 
 
 def matmul_gflops(n: int, dtype, reps: int) -> list[float]:
@@ -69,10 +70,10 @@ def matmul_params(model) -> int:
 
 def make_engine(kind: str, model, segment: int, chunk: int):
     if kind == "reference":
-        return ReferenceEngine(model, 0.1)
+        return ReferenceEngine(model, ORPO(0.1))
     if kind == "one-range":  # prefix sharing, one range, whole head: one pass, no recompute
-        return SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=0, prefix_sharing=True)
-    return SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=segment, prefix_sharing=True,
+        return SegmentedEngine(model, adapter_for(model), ORPO(0.1), segment_layers=0, prefix_sharing=True)
+    return SegmentedEngine(model, adapter_for(model), ORPO(0.1), segment_layers=segment, prefix_sharing=True,
                            head_chunk_tokens=chunk)
 
 

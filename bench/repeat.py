@@ -29,6 +29,7 @@ import mlx.core as mx  # noqa: E402
 from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
 from dtrain.engine.arch import adapter_for  # noqa: E402
 from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
+from dtrain.objective import ORPO  # noqa: E402
 
 MODES = ("same", "new-lengths", "new-tokens")
 
@@ -52,8 +53,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     model = build_model(a.model, a.layers, DTYPES[a.dtype], lora_scale=20.0)
     vocab = model.args.vocab_size
-    engines = {"single pass": SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=0, prefix_sharing=True),
-               "reference": ReferenceEngine(model, 0.1)}
+    engines = {"single pass": SegmentedEngine(model, adapter_for(model), ORPO(0.1), segment_layers=0, prefix_sharing=True),
+               "reference": ReferenceEngine(model, ORPO(0.1))}
     rows = []
     for name, engine in engines.items():
         for mode in MODES:

@@ -30,7 +30,7 @@ from . import guards, sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
-from .engine import Norm, make_engine
+from .engine import make_engine, run_micro_batches
 from .errors import UserError
 from .lora import apply_lora, save_adapter
 from .objective import ORPO
@@ -63,41 +63,16 @@ class TrainResult:
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
 
 
-def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int, with_grads: bool):
-    """Sum engine results over micro-batches of ``pairs``.
-
-    Returns:
-        ``(sums, grads)``: every ``ORPO.metric_keys`` sum as a Python float (zeros
-        when ``pairs`` is empty) and the summed gradient tree (None without
-        grads or pairs).
-    """
-    sums, grads, device = dict.fromkeys(ORPO.metric_keys, 0.0), None, {}
-    for chunk in sampler.micro_batches(pairs, micro):
-        result = engine.step(chunk, norm) if with_grads else engine.evaluate(chunk, norm)
-        if with_grads:
-            grads = result.grads if grads is None else tree_map(lambda a, b: a + b, grads, result.grads)
-        for k, v in result.sums.items():  # device sums stay on the device; host counts add here
-            if isinstance(v, mx.array):
-                device[k] = device[k] + v if k in device else v
-            else:
-                sums[k] += v
-        mx.eval(result.loss, list(device.values()), grads)  # one sync per micro-batch bounds memory
-    if device:  # one read for all of them
-        for k, v in zip(device, mx.stack(list(device.values())).tolist()):
-            sums[k] += v
-    return sums, grads
-
-
 def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group, step: int, bar=None) -> dict:
     """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
 
     ``bar``: a progress bar advanced by the pairs of each micro-batch (rank 0's).
     """
     model.eval()
-    objective = ORPO.from_config(cfg)
+    objective = engine.objective
     norm = objective.totals(pairs)
     micro = cfg.train.micro_batch_pairs
-    sums = dict.fromkeys(ORPO.metric_keys, 0.0)
+    sums = dict.fromkeys(objective.metric_keys, 0.0)
     for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
         part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
         sums = {k: sums[k] + part[k] for k in sums}  # the same float additions as one call over all chunks
@@ -123,7 +98,7 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     t = cfg.train
     start = time.perf_counter()
     mx.random.seed(step_seed(t.seed, step))  # dropout etc.: a pure function of the step
-    objective = ORPO.from_config(cfg)
+    objective = engine.objective
     norm = objective.totals(batch)
     mine = sampler.rank_shard(batch, group.rank, group.size)
     sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
@@ -266,7 +241,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     pairs_sampler = make_sampler(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = make_engine(cfg, model)
+    engine = make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None)
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -286,7 +261,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             write_entries(cache_entries)
         optimizer = AdamWStep(t, model.trainable_parameters())
         resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=_stderr if group.is_main else lambda _: None)
+                              model, optimizer, group, report=_stderr if group.is_main else None)
         if resumed is not None:
             if resumed.state.step > t.steps:
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "

@@ -96,7 +96,7 @@ def instrument(args, group, seen):
 
     class Recording:
         def __init__(self, engine):
-            self.engine, self.name = engine, engine.name
+            self.engine, self.name, self.objective = engine, engine.name, engine.objective
 
         def step(self, chunk, norm):
             seen.setdefault(current["step"], []).extend(p.source for p in chunk)
@@ -106,7 +106,7 @@ def instrument(args, group, seen):
             return self.engine.evaluate(chunk, norm)
 
     trainer.train_step = train_step
-    trainer.make_engine = lambda cfg, model: Recording(inner_engine(cfg, model))
+    trainer.make_engine = lambda *args, **kw: Recording(inner_engine(*args, **kw))
 
 
 def run_training(args, overrides, group):

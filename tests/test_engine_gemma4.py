@@ -73,8 +73,9 @@ def test_parity_lambda_zero_and_fallback_pair():
 def test_from_config_picks_segmented(capsys):
     from dtrain.config import Config
     from dtrain.engine import make_engine
+    from dtrain.objective import ORPO
 
     cfg = Config()
     cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.prefix_sharing = "segmented", "auto", True
-    engine = make_engine(cfg, gemma4_model("gemma4"))
+    engine = make_engine(cfg.engine, gemma4_model("gemma4"), ORPO(0.1))
     assert isinstance(engine, SegmentedEngine) and capsys.readouterr().err == ""

@@ -86,15 +86,14 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     """Micro-batches are weighted by their real token and pair counts: the
     summed gradient of 1-pair micro-batches equals the 4-pair batch's."""
     from dtrain.config import LoraConfig
-    from dtrain.engine import ReferenceEngine
+    from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
     from dtrain.objective import ORPO
-    from dtrain.trainer import run_micro_batches
 
     model = make_tiny_model()
     apply_lora(model, LoraConfig(rank=2))
     model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
-    engine = ReferenceEngine(model, lam=0.1)
+    engine = ReferenceEngine(model, ORPO(0.1))
     pairs = make_pairs(4)
     norm = ORPO(0.1, "full").totals(pairs)
     whole, g_whole = run_micro_batches(engine, pairs, norm, 4, with_grads=True)

@@ -33,34 +33,35 @@ def gather_token_logps(logits: mx.array, layout: Layout) -> mx.array:
 class ReferenceEngine:
     """Loss, metrics and LoRA gradients by plain backpropagation.
 
+    Implements :class:`dtrain.engine.common.Engine`.
+
     Args:
         model: an mlx-lm model whose LoRA parameters are the trainable ones.
-        lam: ORPO lambda.
-        nll_scope: ``full`` (prompt + chosen response) or ``response``.
+        objective: the training objective (``dtrain.objective.ORPO``): its
+            ``nll_scope`` lays out the targets, its ``loss`` scores them.
     """
 
     name = "reference"
 
-    def __init__(self, model: nn.Module, lam: float, nll_scope: str = "full"):
+    def __init__(self, model: nn.Module, objective):
         self.model = model
-        self.lam = lam
-        self.nll_scope = nll_scope
+        self.objective = objective
 
-        def loss_fn(layout: Layout, norm: Norm):
+        def loss_fn(layout: Layout, totals: Norm):
             logps = gather_token_logps(self.model(layout.tokens), layout)
-            return loss_from_token_logps(logps, layout, self.lam, norm)
+            return loss_from_token_logps(logps, layout, self.objective, totals)
 
         self._loss_fn = loss_fn
         self._value_and_grad = nn.value_and_grad(model, loss_fn)
 
-    def step(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+    def step(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch."""
-        layout = two_sequence_layout(pairs, self.nll_scope)
-        (loss, sums), grads = self._value_and_grad(layout, norm)
+        layout = two_sequence_layout(pairs, self.objective.nll_scope)
+        (loss, sums), grads = self._value_and_grad(layout, totals)
         return StepResult(loss, {**sums, **layout_counts(layout)}, grads)
 
-    def evaluate(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
         """Loss contribution and metric sums, without gradients."""
-        layout = two_sequence_layout(pairs, self.nll_scope)
-        loss, sums = self._loss_fn(layout, norm)
+        layout = two_sequence_layout(pairs, self.objective.nll_scope)
+        loss, sums = self._loss_fn(layout, totals)
         return StepResult(loss, {**sums, **layout_counts(layout)})

@@ -28,29 +28,22 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from ..config import Config
 from ..types import TokenizedPair
-from .arch import Arch, adapter_for, module_name
+from .arch import Arch
 from .common import Norm, StepResult, layout_counts, loss_from_token_logps
 from .head import hidden_grad, target_logps, token_logps
 from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
-from .reference import ReferenceEngine
 
 GIB = 1024**3
 LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
 AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
 # measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
 ESTIMATE_MARGIN = 1.25
-
-
-def _notice(msg: str) -> None:
-    print(f"dtrain: {msg}", file=sys.stderr)
 
 
 def _fused_attention(dtype) -> bool:
@@ -134,8 +127,17 @@ def _layer_paths(model: nn.Module, layers: list) -> list[str]:
     return [by_id[id(layer)] for layer in layers]
 
 
-def _has_dropout(model: nn.Module) -> bool:
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` holds an active ``nn.Dropout`` (LoRA dropout > 0)."""
     return any(isinstance(m, nn.Dropout) and m._p_1 < 1.0 for _, m in model.named_modules())
+
+
+def trainable_outside_layers(model: nn.Module, layers: list) -> list[str]:
+    """Dotted names of trainable parameters of ``model`` outside ``layers`` (the segmented
+    engine differentiates the decoder layers only)."""
+    inside = {f"{p}.{k}" for p, layer in zip(_layer_paths(model, layers), layers)
+              for k, _ in tree_flatten(layer.trainable_parameters())}
+    return [k for k, _ in tree_flatten(model.trainable_parameters()) if k not in inside]
 
 
 # -- what a compiled function may take: trees of arrays and hashable constants --
@@ -190,7 +192,7 @@ class SegmentedEngine:
     Args:
         model: an mlx-lm model whose only trainable parameters are in decoder layers.
         arch: the model's adapter (``arch.adapter_for``).
-        lam: ORPO lambda; nll_scope: ``full`` or ``response``.
+        objective: the training objective (``dtrain.objective.ORPO``).
         segment_layers: layers per range; 0 = one range of all layers (with
             ``head_chunk_tokens = 0``: a single pass, nothing recomputed);
             ``"auto"``: per length bucket, the single pass when its estimated
@@ -204,33 +206,36 @@ class SegmentedEngine:
         length_bucket: pad lengths and target counts to ``layout.bucket_length``
             with this quantum (0 = exact shapes).
         compile: ``mx.compile`` the single pass and the range functions (traced
-            once per bucket); ignored when LoRA dropout is on.
+            once per bucket).
         memory_budget: bytes for ``"auto"`` (weights included).
+
+    ``dtrain.engine.make_engine`` decides when this engine cannot be used (it
+    falls back to the reference engine) and resolves the config's ``auto`` values.
 
     Raises:
         ValueError: a trainable parameter outside the decoder layers (the
-            segmented engine only differentiates the layers).
+            segmented engine only differentiates the layers), or ``compile``
+            with LoRA dropout (compiled ranges would replay one mask).
     """
 
     name = "segmented"
 
-    def __init__(self, model: nn.Module, arch: Arch, lam: float, nll_scope: str = "full",
-                 segment_layers=0, prefix_sharing: bool = False, head_chunk_tokens: int = 0,
-                 length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0):
-        self.model, self.arch = model, arch
-        self.lam, self.nll_scope = lam, nll_scope
+    def __init__(self, model: nn.Module, arch: Arch, objective, segment_layers=0, prefix_sharing: bool = False,
+                 head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0):
+        self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
         self.length_bucket = length_bucket
-        self.random = _has_dropout(model)  # dropout needs per-range seeds (a host read) and eager ranges
-        self.compile = compile and not self.random
+        self.random = has_dropout(model)  # dropout needs per-range seeds (a host read) and eager ranges
+        if compile and self.random:
+            raise ValueError("compile with LoRA dropout: compiled ranges would replay the traced masks")
+        self.compile = compile
         self.auto = segment_layers == "auto"
         self.memory_budget = memory_budget or default_budget_bytes()
         n = len(arch.layers)
         self.paths = _layer_paths(model, arch.layers)
         # per layer, the flattened names of its trainable parameters (fixed order)
         self.param_names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in arch.layers]
-        inside = {f"{p}.{k}" for p, names in zip(self.paths, self.param_names) for k in names}
-        outside = [k for k, _ in tree_flatten(model.trainable_parameters()) if k not in inside]
+        outside = trainable_outside_layers(model, arch.layers)
         if outside:
             raise ValueError(
                 f"the segmented engine differentiates only decoder-layer parameters; "
@@ -254,29 +259,6 @@ class SegmentedEngine:
     @property
     def range_fns(self) -> list:
         return self._set.run
-
-    @classmethod
-    def from_config(cls, cfg: Config, model: nn.Module):
-        """Build from ``cfg.engine``; unsupported architectures get the reference engine.
-
-        ``kind: auto`` and ``segment_layers: auto`` choose the plan per length
-        bucket from ``engine.memory_budget_gb`` (0 = 85% of the GPU's memory or
-        25% of physical RAM); ``length_bucket: auto`` is 128 on a GPU, 0 on the CPU.
-        """
-        arch = adapter_for(model)
-        if arch is None:
-            _notice(f"the segmented engine does not support mlx-lm architecture "
-                    f"'{module_name(model)}'; using the reference engine")
-            return ReferenceEngine(model, cfg.orpo.lam, cfg.orpo.nll_scope)
-        e = cfg.engine
-        size = "auto" if e.kind == "auto" else e.segment_layers
-        gpu = mx.default_device() == mx.gpu
-        bucket = (128 if gpu else 0) if e.length_bucket == "auto" else e.length_bucket
-        if size != "auto" and (size <= 0 or size >= len(arch.layers)) and e.head_chunk_tokens > 0:
-            _notice("one range of all layers with a chunked head recomputes every layer; "
-                    "engine.head_chunk_tokens: 0 gives the single pass (faster, keeps the logits)")
-        return cls(model, arch, cfg.orpo.lam, cfg.orpo.nll_scope, size, e.prefix_sharing, e.head_chunk_tokens,
-                   bucket, e.compile, e.memory_budget_gb * GIB)
 
     # -- ranges -------------------------------------------------------------
 
@@ -354,7 +336,7 @@ class SegmentedEngine:
 
     def _layout(self, pairs: list[TokenizedPair]) -> Layout:
         build = shared_prefix_layout if self.prefix_sharing else two_sequence_layout
-        return build(pairs, self.nll_scope, self.length_bucket)
+        return build(pairs, self.objective.nll_scope, self.length_bucket)
 
     def _masks(self, layout: Layout) -> list:
         """Per window (``self.windows`` order): the encoded attention plan, built once per step
@@ -453,7 +435,7 @@ class SegmentedEngine:
 
         return head_vjp
 
-    def step(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+    def step(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch.
 
         Returns the same ``StepResult`` as ``ReferenceEngine.step``; ``grads``
@@ -465,7 +447,7 @@ class SegmentedEngine:
         size, self._chunk = self.plan(layout, masks)
         rs = self._set = self._range_set(size)
         seeds = self._range_seeds(len(rs.ranges))
-        norm_arr = (mx.array(norm.nll_tokens, mx.float32), mx.array(norm.pairs, mx.float32))
+        norm_arr = (mx.array(totals.nll_tokens, mx.float32), mx.array(totals.pairs, mx.float32))
         if len(rs.ranges) == 1 and self._chunk <= 0:
             return self._step_whole(layout, masks, seeds[0], norm_arr)
         self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
@@ -473,7 +455,7 @@ class SegmentedEngine:
         S, L, D = bounds[-1].shape
         logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
         targets = _Targets(_target_arrays(layout))
-        loss_fn = lambda lp: loss_from_token_logps(lp, targets, self.lam, Norm(*norm_arr))  # noqa: E731
+        loss_fn = lambda lp: loss_from_token_logps(lp, targets, self.objective, Norm(*norm_arr))  # noqa: E731
         (loss, sums), dl_dlogp = mx.value_and_grad(loss_fn)(logps)
         dh = hidden_grad(dl_dlogp, jac, layout.rows, S * L).reshape(S, L, D)  # (S, L, D)
         mx.async_eval(loss, sums, dh)
@@ -511,13 +493,13 @@ class SegmentedEngine:
                 out, _ = run(h, params, [], masks, positions, layer_inputs)  # (S, L, D)
                 S, L, D = out.shape
                 logps = target_logps(self.arch.head, t.targets)(out.reshape(S * L, D)[t.rows])  # (N,)
-                return loss_from_token_logps(logps, t, self.lam, Norm(*norm))[0], logps
+                return loss_from_token_logps(logps, t, self.objective, Norm(*norm))[0], logps
 
             # the metric sums from the returned log-probabilities, outside the vjp: MLX 0.32's
             # compile fails (IndexError _Map_base::at) on value_and_grad aux outputs that share
             # nodes with the loss
             (loss, logps), pgrads = mx.value_and_grad(loss_of)(params)
-            return loss, loss_from_token_logps(mx.stop_gradient(logps), t, self.lam, Norm(*norm))[1], pgrads
+            return loss, loss_from_token_logps(mx.stop_gradient(logps), t, self.objective, Norm(*norm))[1], pgrads
 
         return whole
 
@@ -546,7 +528,7 @@ class SegmentedEngine:
         tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
         return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
 
-    def evaluate(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
         """Loss contribution and metric sums, without gradients (eager ranges)."""
         layout = self._layout(pairs)
         masks = self._masks(layout)
@@ -556,5 +538,5 @@ class SegmentedEngine:
         bounds, _, _ = self._forward(layout, masks, rs, self._range_seeds(len(rs.ranges)), eager=True)
         self._params_saved = None
         logps, _ = self._head(layout, bounds[-1], with_jacobian=False)
-        loss, sums = loss_from_token_logps(logps, layout, self.lam, norm)
+        loss, sums = loss_from_token_logps(logps, layout, self.objective, totals)
         return StepResult(loss, {**sums, **layout_counts(layout)})
