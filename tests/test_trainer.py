@@ -55,6 +55,19 @@ def test_tensorboard_scalars_read_back(tmp_path):
     np.testing.assert_allclose(logged, [h["loss"] for h in result.history], rtol=1e-6)
 
 
+def test_a_steps_scalars_are_one_tensorboard_event(tmp_path):
+    """One record (and checksum) per step, not one per scalar: each is a pure-Python CRC in tensorboardX."""
+    from dtrain.tracking import RunLogger, read_events
+
+    log = RunLogger(tmp_path, total_steps=2, progress=False)
+    log.scalars(1, {"loss": 0.5, "grad_norm": 2.25})
+    log.scalars(2, {"loss": 0.25, "grad_norm": 1.0})
+    log.close()
+    steps = [(e.step, [(v.tag, v.simple_value) for v in e.summary.value]) for e in read_events(tmp_path) if e.summary.value]
+    assert steps == [(1, [("loss", 0.5), ("grad_norm", 2.25)]), (2, [("loss", 0.25), ("grad_norm", 1.0)])]
+    assert read_scalars(tmp_path) == {"loss": [(1, 0.5), (2, 0.25)], "grad_norm": [(1, 2.25), (2, 1.0)]}
+
+
 def test_two_runs_never_share_a_tensorboard_directory(tmp_path):
     from dtrain.tracking import new_run_dir
 
