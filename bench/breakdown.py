@@ -3,6 +3,7 @@
     python bench/breakdown.py --model smollm2 --dtype float32 --steps 24          # real orca pair lengths
     python bench/breakdown.py --model smollm2 --layers 2 --steps 4 --modes exact  # smoke run on a CPU
     python bench/breakdown.py --model smollm2 --modes bucketed --optimizers eager compiled  # optimizer before/after
+    python bench/breakdown.py --model smollm2 --optimizer-only --optimizers eager compiled --steps 20
 
 Random weights of ``--model``'s shape with LoRA rank 8 (scale 20) on every linear
 layer; pairs are the first ``--steps`` orca pairs of ``--data`` tokenized with
@@ -84,6 +85,29 @@ def timed_step(engine, optimizer, model, pairs) -> dict:
             "shape": list(engine._layout(pairs).shape) if hasattr(engine, "_layout") else None}
 
 
+def optimizer_only(a) -> int:
+    """``--optimizer-only``: the optimizer step alone on random LoRA gradients, per ``--optimizers`` kind."""
+    from mlx.utils import tree_map
+
+    model = build_model(a.model, a.layers, DTYPES[a.dtype], lora_scale=20.0)
+    grads = tree_map(lambda p: 0.1 * mx.random.normal(p.shape).astype(p.dtype), model.trainable_parameters())
+    mx.eval(grads)
+    print(f"{BLAS.line()}\n{a.model} {a.dtype}, {len(tree_flatten(grads))} LoRA arrays; optimizer step alone, "
+          f"{a.steps} steps after the first")
+    rows = []
+    for kind in a.optimizers:
+        optimizer, times = make_optimizer(kind, model), []
+        for _ in range(a.steps + 1):
+            t, c = time.perf_counter(), time.process_time()
+            optimizer.apply(model, grads, 1e-5, loss_finite=True)
+            times.append({"wall": time.perf_counter() - t, "cpu": time.process_time() - c})
+        rows.append({"optimizer": kind, "first": times[0], "steps": times[1:]})
+        print(f"{kind}: first {times[0]['wall']:.3f} s wall ({times[0]['cpu']:.3f} s CPU); then median "
+              f"{med(times[1:], 'wall') * 1e3:.1f} ms wall, {med(times[1:], 'cpu') * 1e3:.1f} ms CPU", flush=True)
+    print(f"wrote {write_results('breakdown-optimizer', {'model': a.model, 'dtype': a.dtype, 'rows': rows}, a.out)}")
+    return 0
+
+
 def med(rows, key):
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 
@@ -101,7 +125,11 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--optimizers", nargs="+", default=["compiled"], choices=["eager", "compiled"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--optimizer-only", action="store_true",
+                    help="time only the optimizer step, on random gradients (no data, no engine)")
     a = ap.parse_args(argv)
+    if a.optimizer_only:
+        return optimizer_only(a)
     pairs = real_pairs(a.tokenizer_dir, a.data, a.steps, a.max_length)
     rows = []
     for mode, kind in [(m, k) for m in a.modes for k in a.optimizers]:
