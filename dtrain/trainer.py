@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -97,11 +97,11 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     """
     t = cfg.train
     start = time.perf_counter()
-    mx.random.seed(step_seed(t.seed, step))  # dropout etc.: a pure function of the step
     objective = engine.objective
     norm = objective.totals(batch)
     mine = sampler.rank_shard(batch, group.rank, group.size)
-    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
+    key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
+    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True, key=key)
     if grads is None:  # this rank got no pairs this step: contribute zeros
         grads = tree_map(mx.zeros_like, model.trainable_parameters())
     reduce_start = time.perf_counter()
@@ -135,8 +135,28 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
 
 
 def step_seed(seed: int, step: int) -> int:
-    """The RNG seed of an optimizer step, so a resumed run draws the same numbers."""
+    """The dropout key seed of an optimizer step, so a resumed run draws the same masks."""
     return (seed * 1_000_003 + step) % (2**63)
+
+
+def _nothing(*_) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Explicit entry points into a run, for tests (fault injection, recording what
+    each step trains); the defaults change nothing.
+
+    ``engine(engine) -> engine`` wraps the engine :func:`setup` builds;
+    ``before_step(step, run)`` runs at the start of each optimizer step (inside
+    it: a signal that arrives there is agreed in this step); ``after_step(step, run)``
+    right after the update, before the step is logged.
+    """
+
+    engine: Callable = lambda engine: engine
+    before_step: Callable = _nothing
+    after_step: Callable = _nothing
 
 
 @dataclass
@@ -159,13 +179,14 @@ class Run:
     result: TrainResult
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    hooks: Hooks = Hooks()
 
     @property
     def checkpoints(self) -> Path:
         return Path(self.cfg.train.output_dir) / "checkpoints"
 
 
-def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> TrainResult:
+def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> TrainResult:
     """Run a whole training job described by ``cfg``.
 
     Args:
@@ -175,13 +196,14 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             from ``cfg.model`` when None.
         dataset: already tokenized pairs (``dtrain.data.Dataset``); built from
             ``cfg.data`` when None.
+        hooks: test entry points (:class:`Hooks`); none by default.
     Raises:
         UserError: bad model, data or config; a global batch larger than the
             training pairs; an output folder in use by another run, unusable,
             or holding another run's checkpoints; a checkpoint that cannot be
             continued; too many non-finite steps in a row.
     """
-    run = setup(cfg, group, loaded, dataset)
+    run = setup(cfg, group, loaded, dataset, hooks)
     with run.cleanup:  # stop handlers, event file, output-folder lock
         return loop(run)
 
@@ -196,8 +218,10 @@ def loop(run: Run) -> TrainResult:
     skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
         batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
+        run.hooks.before_step(step, run)
         metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
                                                 run.group, run.stop)
+        run.hooks.after_step(step, run)
         skipped_in_row = 0 if applied else skipped_in_row + 1
         record(run, step, metrics, applied)
         if skipped_in_row >= t.max_skipped_steps:
@@ -223,7 +247,7 @@ def loop(run: Run) -> TrainResult:
     return result
 
 
-def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> Run:
+def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
     """Model, data, LoRA, engine, handshake, output folder, optimizer, resume, logger: a ready :class:`Run`.
 
     What it takes (the output-folder lock, signal handlers, the event file) is
@@ -248,7 +272,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
     pairs_sampler = make_sampler(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None)
+    engine = hooks.engine(make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -295,7 +319,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result,
-                   resumed.path if resumed else None, cleanup.pop_all())
+                   resumed.path if resumed else None, cleanup.pop_all(), hooks)
 
 
 def make_sampler(cfg: Config, train_pairs: list) -> sampler.Sampler:

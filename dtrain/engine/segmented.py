@@ -33,9 +33,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
+from ..lora import keyed_dropout
 from ..types import TokenizedPair
 from .arch import Arch
-from .common import Norm, StepResult, layout_counts, loss_from_token_logps
+from .common import Norm, StepResult, layout_counts, loss_from_token_logps, with_key
 from .head import hidden_grad, target_logps, token_logps
 from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
 
@@ -225,8 +226,10 @@ class SegmentedEngine:
         self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
         self.length_bucket = length_bucket
-        self.random = has_dropout(model)  # dropout needs per-range seeds (a host read) and eager ranges
-        if compile and self.random:
+        # LoRA dropout: each range's forward and its recompute draw from the key the
+        # range started with (``dtrain.lora.DropoutKeys``); compiled ranges would replay one mask
+        self.dropout_keys = keyed_dropout(model)
+        if compile and self.dropout_keys is not None:
             raise ValueError("compile with LoRA dropout: compiled ranges would replay the traced masks")
         self.compile = compile
         self.auto = segment_layers == "auto"
@@ -381,46 +384,31 @@ class SegmentedEngine:
 
     # -- steps --------------------------------------------------------------
 
-    def _range_seeds(self, n: int) -> list:
-        """One RNG seed per range, drawn from the global generator (only with dropout).
-
-        Each range's forward and its recompute under ``mx.vjp`` start from the
-        same seed, so random ops inside (LoRA dropout) draw the same masks and
-        the gradient is that of the forward that was run. Without dropout
-        nothing random runs, and no seed is read back from the device.
-        """
-        if not self.random:
-            return [None] * n
-        base = int(mx.random.randint(0, 2**30, ()).item())
-        return [base + r for r in range(n)]
-
-    @staticmethod
-    def _seed(seed) -> None:
-        if seed is not None:
-            mx.random.seed(seed)
-
     def _embed(self, tokens: mx.array):
         h = self.arch.embed(tokens)  # (S, L, D)
         # constants of every range: no LoRA outside the decoder layers
         layer_inputs = self.arch.layer_inputs(tokens, h) if self.arch.layer_inputs else None  # (S, L, n, P)
         return h, layer_inputs
 
-    def _forward(self, layout: Layout, masks: list, rs: _RangeSet, seeds: list, eager: bool = False):
-        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated (asynchronously), plus
-        the per-layer inputs and each exported donor's K/V."""
+    def _forward(self, layout: Layout, masks: list, rs: _RangeSet, key, eager: bool = False):
+        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated (asynchronously), the
+        per-layer inputs, each exported donor's K/V, and the dropout key each range started
+        from (the stream runs on through the ranges, as through the reference's whole model)."""
         h, layer_inputs = self._embed(layout.tokens)
         mx.async_eval(h, layer_inputs, masks)
-        bounds, kv = [h], {}  # kv: donor -> [k, v] (S, Hkv, L, Dh)
+        bounds, kv, starts = [h], {}, []  # kv: donor -> [k, v] (S, Hkv, L, Dh)
+        with_key(self.dropout_keys, key)
         for r, (lo, hi) in enumerate(rs.ranges):
             kv_in = [x for d in rs.kv_imports[r] for x in kv[d]]
-            self._seed(seeds[r])
+            starts.append(self.dropout_keys.key if self.dropout_keys else None)
             fn = rs.run[r] if eager else rs.fwd[r]
             h, kv_out = fn(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
             mx.async_eval(h, kv_out)  # graph-free boundary; the host goes on building the next range
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], self._params_saved[r])
             kv.update({d: kv_out[2 * j : 2 * j + 2] for j, d in enumerate(rs.kv_exports[r])})
             bounds.append(h)
-        return bounds, layer_inputs, kv
+        with_key(self.dropout_keys, None)
+        return bounds, layer_inputs, kv, starts
 
     def _head(self, layout: Layout, h: mx.array, with_jacobian: bool):
         S, L, D = h.shape
@@ -435,23 +423,23 @@ class SegmentedEngine:
 
         return head_vjp
 
-    def step(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
+    def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch.
 
         Returns the same ``StepResult`` as ``ReferenceEngine.step``; ``grads``
-        is shaped like ``model.trainable_parameters()``. Nothing is read back
-        to the host (without dropout): the caller's ``mx.eval`` is the step's sync.
+        is shaped like ``model.trainable_parameters()``. ``key``: LoRA dropout's
+        (the reference engine's masks on the same layout). Nothing is read back
+        to the host: the caller's ``mx.eval`` is the step's sync.
         """
         layout = self._layout(pairs)
         masks = self._masks(layout)
         size, self._chunk = self.plan(layout, masks)
         rs = self._set = self._range_set(size)
-        seeds = self._range_seeds(len(rs.ranges))
         norm_arr = (mx.array(totals.nll_tokens, mx.float32), mx.array(totals.pairs, mx.float32))
         if len(rs.ranges) == 1 and self._chunk <= 0:
-            return self._step_whole(layout, masks, seeds[0], norm_arr)
+            return self._step_whole(layout, masks, key, norm_arr)
         self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
-        bounds, layer_inputs, kv = self._forward(layout, masks, rs, seeds)
+        bounds, layer_inputs, kv, starts = self._forward(layout, masks, rs, key)
         S, L, D = bounds[-1].shape
         logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
         targets = _Targets(_target_arrays(layout))
@@ -468,7 +456,7 @@ class SegmentedEngine:
             kv_in = [x for d in imports for x in kv[d]]
             bounds[r + 1] = None  # the range output is no longer needed
             cot_out = [dh] + [x for d in rs.kv_exports[r] for x in dkv.pop(d)]
-            self._seed(seeds[r])  # the same dropout masks as this range's forward
+            with_key(self.dropout_keys, starts[r])  # the same dropout masks as this range's forward
             dh, pgrads, kv_cot = rs.bwd[r](h_in, params, kv_in, cot_out, masks, layout.positions, layer_inputs)
             for j, d in enumerate(imports):  # summed over every range that reuses the donor's K/V
                 g = list(kv_cot[2 * j : 2 * j + 2])
@@ -477,6 +465,7 @@ class SegmentedEngine:
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], params)  # drop the traced copies
             grads.update(self._named_grads(lo, hi, pgrads))
         self._params_saved = None
+        with_key(self.dropout_keys, None)
         return self._result(loss, sums, layout, grads)
 
     def _whole_fn(self):
@@ -503,7 +492,7 @@ class SegmentedEngine:
 
         return whole
 
-    def _step_whole(self, layout: Layout, masks: list, seed, norm_arr) -> StepResult:
+    def _step_whole(self, layout: Layout, masks: list, key, norm_arr) -> StepResult:
         """One range and an unchunked head: nothing to recompute, so one lazy
         ``mx.value_and_grad`` over layers, head and loss (as the reference
         engine, on this engine's layout: prefix sharing, explicit positions),
@@ -511,9 +500,10 @@ class SegmentedEngine:
         Peak memory is every layer's activations plus the ``(N, V)`` logits."""
         n = len(self.arch.layers)
         params = self._params(0, n)
-        self._seed(seed)
+        with_key(self.dropout_keys, key)
         loss, sums, pgrads = self._whole(params, layout.tokens, layout.positions, masks, _target_arrays(layout),
                                          norm_arr)
+        with_key(self.dropout_keys, None)
         _set_params(self.arch.layers, self.param_names, params)  # drop the traced copies
         return self._result(loss, sums, layout, self._named_grads(0, n, pgrads))
 
@@ -528,14 +518,14 @@ class SegmentedEngine:
         tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
         return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
 
-    def evaluate(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients (eager ranges)."""
         layout = self._layout(pairs)
         masks = self._masks(layout)
         size, self._chunk = self.plan(layout, masks)
         rs = self._range_set(size)
         self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
-        bounds, _, _ = self._forward(layout, masks, rs, self._range_seeds(len(rs.ranges)), eager=True)
+        bounds = self._forward(layout, masks, rs, key, eager=True)[0]
         self._params_saved = None
         logps, _ = self._head(layout, bounds[-1], with_jacobian=False)
         loss, sums = loss_from_token_logps(logps, layout, self.objective, totals)
