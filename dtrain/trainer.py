@@ -27,20 +27,18 @@ import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
-from . import guards, sampler
+from . import sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
 from .engine import make_engine, run_micro_batches
+from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
 from .lora import apply_lora, save_adapter
 from .objective import ORPO
 from .schedule import learning_rate
 from .tracking import RunLogger, new_run_dir, peak_memory_gb
 from .types import TokenizedPair
-
-ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
-
 
 @dataclass
 class TrainResult:
@@ -61,26 +59,6 @@ class TrainResult:
         first, last = min(self.evals), max(self.evals)
         return (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
-
-
-def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group, step: int, bar=None) -> dict:
-    """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
-
-    ``bar``: a progress bar advanced by the pairs of each micro-batch (rank 0's).
-    """
-    model.eval()
-    objective = engine.objective
-    norm = objective.totals(pairs)
-    micro = cfg.train.micro_batch_pairs
-    sums = dict.fromkeys(objective.metric_keys, 0.0)
-    for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
-        part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
-        sums = {k: sums[k] + part[k] for k in sums}  # the same float additions as one call over all chunks
-        if bar is not None:
-            bar.update(len(chunk))
-    sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
-    model.train()
-    return objective.finalize(sums, prefix="eval/")
 
 
 def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
@@ -269,7 +247,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
                                cache_dir=Path(t.output_dir) / "data_cache")
         cache_entries = dataset.cache_entries
-    pairs_sampler = make_sampler(cfg, dataset.train)
+    pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
     engine = hooks.engine(make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None))
@@ -322,24 +300,6 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks)
 
 
-def make_sampler(cfg: Config, train_pairs: list) -> sampler.Sampler:
-    """The run's :class:`dtrain.sampler.Sampler`.
-
-    Raises:
-        UserError: no training pairs, or a global batch larger than them (a
-            step would have to train a pair twice).
-    """
-    n, b = len(train_pairs), cfg.train.global_batch_pairs
-    where = cfg.data.train or "the demo data"
-    if n == 0:
-        raise UserError(f"no training pairs left after loading and filtering {where}")
-    if b > n:
-        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s) (after the held-out "
-                        f"split, data.valid_fraction={cfg.data.valid_fraction}); a step would train a pair more than "
-                        f"once: set train.global_batch_pairs to at most {n}, or add data")
-    return sampler.Sampler(n, b, cfg.train.seed)
-
-
 def first_step_text(run: Run) -> str:
     """What the next step does, shown until it ends (the first step also warms MLX up)."""
     t, size = run.cfg.train, run.group.size
@@ -359,23 +319,6 @@ def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
     run.result.history.append(metrics)
     run.log.scalars(step, metrics)
     run.log.progress(step, metrics)
-
-
-def evaluate_and_log(run: Run, step: int) -> None:
-    """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics."""
-    bar = run.log.eval_bar(step, len(sampler.rank_shard(run.valid, run.group.rank, run.group.size)))
-    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
-    try:
-        metrics = evaluate(run.engine, run.model, run.valid, run.cfg, run.group, step, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    run.result.evals[step] = metrics
-    run.state.evals[str(step)] = metrics
-    run.log.scalars(step, metrics)
-    warning = guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn)
-    if warning:
-        run.log.message(warning)
 
 
 def save(run: Run, step: int) -> None:

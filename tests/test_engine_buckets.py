@@ -21,7 +21,8 @@ from mlx.utils import tree_flatten, tree_map
 from dtrain.config import Config, load_config
 from dtrain.engine import Norm, make_engine
 from dtrain.engine.layout import bucket_length, shared_prefix_layout
-from dtrain.engine.segmented import SegmentedEngine, estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.plan import estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.segmented import SegmentedEngine
 from dtrain.errors import ConfigError
 from dtrain.objective import ORPO
 
@@ -124,7 +125,7 @@ def test_layer_and_step_estimates_worked_numbers():
 def test_auto_plan_single_pass_when_it_fits_else_recompute(caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="dtrain.engine.segmented")
+    caplog.set_level(logging.INFO, logger="dtrain.engine.plan")
     model = lora_model("llama")
     roomy = make_engine(load_config(overrides=["engine.memory_budget_gb=1", "data.demo_pairs=1"]).engine, model, ORPO(0.1))
     pairs = make_pairs()

@@ -25,10 +25,6 @@ This is gradient checkpointing at range granularity (Chen et al. 2016,
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
@@ -39,68 +35,7 @@ from .arch import Arch
 from .common import Norm, StepResult, layout_counts, loss_from_token_logps, with_key
 from .head import hidden_grad, target_logps, token_logps
 from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
-
-GIB = 1024**3
-LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
-AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
-# measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
-ESTIMATE_MARGIN = 1.25
-
-
-def _fused_attention(dtype) -> bool:
-    """Whether MLX runs attention fused (no ``(Lq, Lk)`` scores kept): its CUDA
-    backend does for float16/bfloat16 through cuDNN; elsewhere the scores exist."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
-
-
-def layer_bytes_per_token(args, itemsize: int) -> float:
-    """Bytes one decoder layer keeps per token for its backward (LoRA on every linear).
-
-    ~``16 D + 8 I + 2 (q + 2 kv)`` values: norms, projections and their LoRA
-    branches, rotated q/k, the attention output, the gated MLP. An estimate,
-    checked against measured peaks in docs/gpu.md.
-    """
-    D, I, H = args.hidden_size, args.intermediate_size, args.num_attention_heads
-    kv = getattr(args, "num_key_value_heads", None) or H
-    dh = getattr(args, "head_dim", None) or D // H
-    return itemsize * (16 * D + 8 * I + 2 * (H + 2 * kv) * dh)
-
-
-def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int, fused: bool) -> float:
-    """Estimated activation peak (bytes, weights excluded) of one step.
-
-    Args:
-        args: the model's ``ModelArgs``.
-        itemsize: bytes per activation value (the model dtype's).
-        shape: ``tokens`` (S * L), ``targets`` (N), ``rows`` and ``length``
-            (attention rows and their length), ``heads``.
-        size: layers per range (0 or >= layers: one range).
-        chunk: head rows per chunk (0: the whole head at once).
-        fused: attention keeps no scores (see ``_fused_attention``).
-    Returns:
-        bytes: kept boundaries + the layers alive at once + the head.
-    """
-    n = args.num_hidden_layers
-    size = n if size <= 0 else min(size, n)
-    T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
-    scores = 0.0 if fused else 2.0 * shape["rows"] * shape["heads"] * shape["length"] ** 2 * itemsize
-    layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
-    head = (chunk if chunk > 0 else N) * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
-    if size >= n and chunk <= 0:  # the single pass: nothing else kept
-        return layers + head
-    boundaries = (math.ceil(n / size) + 3) * T * D * itemsize  # + dL/dh, the cotangent, the jacobian rows
-    return layers + head + boundaries + N * D * itemsize
-
-
-def default_budget_bytes() -> float:
-    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or 25% of physical RAM on the CPU."""
-    if mx.default_device() == mx.gpu:
-        info = mx.device_info()
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return 0.85 * float(total)
-    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+from .plan import Plan, kv_exports, kv_imports, range_bounds
 
 
 def _set_params(layers: list, names: list, params: list) -> None:
@@ -110,16 +45,6 @@ def _set_params(layers: list, names: list, params: list) -> None:
         if keys:
             layer.update(tree_unflatten(list(zip(keys, params[i : i + len(keys)]))))
             i += len(keys)
-
-
-def _kv_imports(donors: list, lo: int, hi: int) -> list[int]:
-    """Donors below ``lo`` whose K/V layers in [lo, hi) reuse."""
-    return sorted({d for d in donors[lo:hi] if d is not None and d < lo})
-
-
-def _kv_exports(donors: list, lo: int, hi: int) -> list[int]:
-    """Layers in [lo, hi) whose K/V layers at or above ``hi`` reuse."""
-    return sorted({d for d in donors[hi:] if d is not None and lo <= d < hi})
 
 
 def _layer_paths(model: nn.Module, layers: list) -> list[str]:
@@ -154,6 +79,11 @@ def _decode_mask(x):
     return SharedAttention(*x) if isinstance(x, tuple) else x
 
 
+def _attention_rows(masks: list):
+    """``(rows, length)`` of the prefix-sharing attention among encoded ``masks``, or None."""
+    return next(((m[2], m[3]) for m in masks if isinstance(m, tuple)), None)
+
+
 def _target_arrays(layout: Layout) -> dict:
     return {k: getattr(layout, k) for k in ("rows", "targets", "pair_of", "w_nll", "w_chosen", "w_rejected",
                                             "chosen_len", "rejected_len")}
@@ -176,11 +106,9 @@ class _RangeSet:
     """
 
     def __init__(self, engine: "SegmentedEngine", size: int):
-        n = len(engine.arch.layers)
-        self.size = n if size <= 0 else min(size, n)
-        self.ranges = [(lo, min(lo + self.size, n)) for lo in range(0, n, self.size)]
-        self.kv_imports = [_kv_imports(engine.donors, lo, hi) for lo, hi in self.ranges]
-        self.kv_exports = [_kv_exports(engine.donors, lo, hi) for lo, hi in self.ranges]
+        self.ranges = range_bounds(len(engine.arch.layers), size)
+        self.kv_imports = [kv_imports(engine.donors, lo, hi) for lo, hi in self.ranges]
+        self.kv_exports = [kv_exports(engine.donors, lo, hi) for lo, hi in self.ranges]
         self.run = [engine._make_range_fn(lo, hi, i, e) for (lo, hi), i, e in
                     zip(self.ranges, self.kv_imports, self.kv_exports)]
         self.fwd = [engine._maybe_compile(engine._forward_fn(run)) for run in self.run]
@@ -198,9 +126,7 @@ class SegmentedEngine:
             ``head_chunk_tokens = 0``: a single pass, nothing recomputed);
             ``"auto"``: per length bucket, the single pass when its estimated
             peak fits ``memory_budget`` bytes, else the largest range size that
-            fits (chunked head), logged once per shape (``logging`` INFO on
-            ``dtrain.engine.segmented``; not printed unless the caller shows it,
-            so that ranks other than 0 stay silent).
+            fits (chunked head), chosen and logged once per shape (``plan.Plan``).
         prefix_sharing: one ``[prompt; chosen; rejected]`` sequence per pair.
         head_chunk_tokens: target rows per LM-head chunk; 0 = all at once
             (with ``"auto"``: the chunk used when recomputing; 0 = 1024).
@@ -232,9 +158,8 @@ class SegmentedEngine:
         if compile and self.dropout_keys is not None:
             raise ValueError("compile with LoRA dropout: compiled ranges would replay the traced masks")
         self.compile = compile
-        self.auto = segment_layers == "auto"
-        self.memory_budget = memory_budget or default_budget_bytes()
         n = len(arch.layers)
+        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget)
         self.paths = _layer_paths(model, arch.layers)
         # per layer, the flattened names of its trainable parameters (fixed order)
         self.param_names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in arch.layers]
@@ -246,11 +171,8 @@ class SegmentedEngine:
             )
         self.donors = arch.donors or [None] * n
         self.windows = sorted(set(arch.windows), key=lambda w: -1 if w is None else w)
-        self.dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
-        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        self.lora_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
-        self._sets, self._plans = {}, {}
-        self._set = self._range_set(0 if self.auto else segment_layers)  # built once per size
+        self._sets = {}
+        self._set = self._range_set(self.plan.size)  # built once per size
         self._whole = self._maybe_compile(self._whole_fn())
         self._head_vjp = self._maybe_compile(self._head_vjp_fn())
 
@@ -335,7 +257,7 @@ class SegmentedEngine:
             out.extend(flat[k] for k in keys)
         return out
 
-    # -- plans --------------------------------------------------------------
+    # -- layouts ------------------------------------------------------------
 
     def _layout(self, pairs: list[TokenizedPair]) -> Layout:
         build = shared_prefix_layout if self.prefix_sharing else two_sequence_layout
@@ -346,41 +268,6 @@ class SegmentedEngine:
         (an ``(S, 1, L, L)`` mask for sliding layers, MLX's fused causal mode or a
         prefix-sharing plan otherwise)."""
         return [_encode_mask(attention_plan(layout, w)) for w in self.windows]
-
-    def plan(self, layout: Layout, masks: list) -> tuple[int, int]:
-        """``(layers per range, head chunk)`` for this layout's shapes: fixed, or chosen
-        once per shape by the memory model (``segment_layers: auto``)."""
-        if not self.auto:
-            return self._set.size, self.head_chunk_tokens
-        S, L = layout.shape
-        attn = next((m for m in masks if isinstance(m, tuple)), None)
-        rows, length = (attn[2], attn[3]) if attn else (S, L)
-        key = (S, L, int(layout.targets.shape[0]), rows, length)
-        if key not in self._plans:
-            self._plans[key] = self._choose(dict(tokens=S * L, targets=key[2], rows=rows, length=length,
-                                                 heads=self.model.args.num_attention_heads), key)
-        return self._plans[key]
-
-    def _choose(self, shape: dict, key: tuple) -> tuple[int, int]:
-        """The single pass when it fits the budget, else the largest range size that does
-        (the fewest ranges: every plan that recomputes runs each layer twice)."""
-        n, args = len(self.arch.layers), self.model.args
-        itemsize, fused = self.dtype.size, _fused_attention(self.dtype)
-        fixed = self.weight_bytes + 3 * self.lora_bytes  # + gradients and AdamW's two moments
-        budget = self.memory_budget / ESTIMATE_MARGIN
-        chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
-        single = fixed + estimate_step_bytes(args, itemsize, shape, 0, 0, fused)
-        if single <= budget:
-            choice, est = (n, 0), single
-        else:
-            sizes = {m: fixed + estimate_step_bytes(args, itemsize, shape, m, chunk, fused) for m in range(1, n + 1)}
-            fitting = [m for m, b in sizes.items() if b <= budget]
-            m = max(fitting) if fitting else min(sizes, key=sizes.get)
-            choice, est = (m, chunk), sizes[m]
-        what = "single pass" if choice == (n, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
-        LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
-                 f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
-        return choice
 
     # -- steps --------------------------------------------------------------
 
@@ -433,7 +320,7 @@ class SegmentedEngine:
         """
         layout = self._layout(pairs)
         masks = self._masks(layout)
-        size, self._chunk = self.plan(layout, masks)
+        size, self._chunk = self.plan(layout, _attention_rows(masks))
         rs = self._set = self._range_set(size)
         norm_arr = (mx.array(totals.nll_tokens, mx.float32), mx.array(totals.pairs, mx.float32))
         if len(rs.ranges) == 1 and self._chunk <= 0:
@@ -522,7 +409,7 @@ class SegmentedEngine:
         """Loss contribution and metric sums, without gradients (eager ranges)."""
         layout = self._layout(pairs)
         masks = self._masks(layout)
-        size, self._chunk = self.plan(layout, masks)
+        size, self._chunk = self.plan(layout, _attention_rows(masks))
         rs = self._range_set(size)
         self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
         bounds = self._forward(layout, masks, rs, key, eager=True)[0]
