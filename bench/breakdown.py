@@ -70,7 +70,7 @@ def timed_step(engine, optimizer, model, pairs) -> dict:
     mx.eval(model.trainable_parameters(), optimizer.state)
     t3 = time.perf_counter()
     return {"build": t1 - t0, "eval": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
-            "shape": list(engine._layout(pairs).shape) if hasattr(engine, "_layout") else None}
+            "shape": list(engine.layout(pairs).shape)}
 
 
 def med(rows, key):

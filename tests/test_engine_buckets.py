@@ -66,7 +66,7 @@ def test_bucket_padding_leaves_loss_sums_and_grads_unchanged(arch, prefix, varia
         kw = dict(VARIANTS[variant], prefix_sharing=prefix)
         exact = engine_for(model, **kw).step(pairs, NORM)
         padded_engine = engine_for(model, length_bucket=16, **kw)
-        layout = padded_engine._layout(pairs)
+        layout = padded_engine.layout(pairs)
         assert layout.shape[1] % 16 == 0 and layout.targets.shape[0] % 16 == 0  # really padded
         padded = padded_engine.step(pairs, NORM)
         mx.eval(exact.loss, exact.grads, padded.loss, padded.grads)

@@ -60,6 +60,9 @@ class Engine(Protocol):
     name: str
     objective: object
 
+    def layout(self, pairs: list[TokenizedPair]) -> Layout:
+        """The token rows, targets and role weights this engine runs for ``pairs``."""
+
     def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch."""
 

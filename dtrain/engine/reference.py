@@ -60,9 +60,13 @@ class ReferenceEngine:
         self._loss_fn = loss_fn
         self._value_and_grad = nn.value_and_grad(model, loss_fn)
 
+    def layout(self, pairs: list[TokenizedPair]) -> Layout:
+        """The rows this engine runs for ``pairs``: two sequences per pair."""
+        return two_sequence_layout(pairs, self.objective.nll_scope)
+
     def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch (``key``: dropout)."""
-        layout = two_sequence_layout(pairs, self.objective.nll_scope)
+        layout = self.layout(pairs)
         with_key(self.dropout_keys, key)
         (loss, sums), grads = self._value_and_grad(layout, totals)
         with_key(self.dropout_keys, None)
@@ -70,7 +74,7 @@ class ReferenceEngine:
 
     def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients."""
-        layout = two_sequence_layout(pairs, self.objective.nll_scope)
+        layout = self.layout(pairs)
         with_key(self.dropout_keys, key)
         loss, sums = self._loss_fn(layout, totals)
         with_key(self.dropout_keys, None)

@@ -259,7 +259,8 @@ class SegmentedEngine:
 
     # -- layouts ------------------------------------------------------------
 
-    def _layout(self, pairs: list[TokenizedPair]) -> Layout:
+    def layout(self, pairs: list[TokenizedPair]) -> Layout:
+        """The rows this engine runs for ``pairs`` (prefix sharing and buckets as configured)."""
         build = shared_prefix_layout if self.prefix_sharing else two_sequence_layout
         return build(pairs, self.objective.nll_scope, self.length_bucket)
 
@@ -318,7 +319,7 @@ class SegmentedEngine:
         (the reference engine's masks on the same layout). Nothing is read back
         to the host: the caller's ``mx.eval`` is the step's sync.
         """
-        layout = self._layout(pairs)
+        layout = self.layout(pairs)
         masks = self._masks(layout)
         size, self._chunk = self.plan(layout, _attention_rows(masks))
         rs = self._set = self._range_set(size)
@@ -407,7 +408,7 @@ class SegmentedEngine:
 
     def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients (eager ranges)."""
-        layout = self._layout(pairs)
+        layout = self.layout(pairs)
         masks = self._masks(layout)
         size, self._chunk = self.plan(layout, _attention_rows(masks))
         rs = self._range_set(size)
