@@ -3,9 +3,10 @@
 Read top to bottom: :func:`train` calls :func:`setup` (model, data, LoRA,
 engine, handshake, output folder, optimizer, resume, logger) and then
 :func:`loop`, which only loops. Each step takes the global batch from the
-sampler and this rank's shard of it, splits it into micro-batches, asks the
-engine for loss contributions and LoRA gradients normalised by the *global*
-counts, sums them over micro-batches and ranks, clips, checks they are finite
+sampler and this rank's shard of it, asks the engine
+(``engine.run_micro_batches``) for the loss contributions and LoRA gradients of
+its micro-batches, normalised by the objective's *global* totals, sums them
+over ranks, clips, checks they are finite
 on every rank, and applies one AdamW update with the learning rate of
 ``schedule.learning_rate(step)``.
 """
