@@ -70,7 +70,7 @@ def timed_step(engine, optimizer, model, pairs) -> dict:
     mx.eval(model.trainable_parameters(), optimizer.state)
     t3 = time.perf_counter()
     return {"build": t1 - t0, "eval": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
-            "shape": list(engine._layout(pairs).shape) if hasattr(engine, "_layout") else None}
+            "shape": list(engine.layout(pairs).shape)}
 
 
 def med(rows, key):
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         cfg = Config()
         for k, v in MODES[mode].items():
             setattr(cfg.engine, k, v)
-        engine = make_engine(cfg, model)
+        engine = make_engine(cfg.engine, model, ORPO.from_config(cfg))
         optimizer = optim.AdamW(learning_rate=1e-5)
         optimizer.init(model.trainable_parameters())
         mx.reset_peak_memory()
