@@ -82,7 +82,7 @@ def timed_step(engine, optimizer, model, pairs) -> dict:
     t3, c3 = time.perf_counter(), time.process_time()
     return {"build": t1 - t0, "eval": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
             "optimizer_cpu": c3 - c2,  # CPU seconds of this process (all its threads): host cost on a busy machine
-            "shape": list(engine._layout(pairs).shape) if hasattr(engine, "_layout") else None}
+            "shape": list(engine.layout(pairs).shape)}
 
 
 def optimizer_only(a) -> int:

@@ -10,10 +10,11 @@ to last ``--minutes`` (timed on a short run first). While it runs, every
 
 - ``kill``: its ``dtrain train`` process gets SIGKILL (3 ranks on loopback);
 - ``link``: its network namespace's link goes down for ``--link-down`` seconds
-  (``ip link set eth0 down/up``); ranks run one per namespace (bench/netns.py)
+  (``ip link set eth0 down/up``); ranks run one per namespace (dtrain/launch/netns.py)
   through ``./launch --hostfile`` with an ``ssh`` shim that enters the namespace.
 
-Afterwards the same config runs uninterrupted, and the script checks: the
+The same config also runs uninterrupted (``--reference after``, the default, or
+``alongside``: at the same time, so a time-boxed session surely gets it), and the script checks: the
 adapters are equal bitwise; TensorBoard holds every step exactly once (one
 run folder); every folder under ``checkpoints/`` is a complete, valid
 checkpoint (nothing partial or temporary). Results go to
@@ -47,7 +48,8 @@ import numpy as np  # noqa: E402
 
 from dtrain.checkpoint import validate  # noqa: E402
 from dtrain.launch.supervise import find_trainers  # noqa: E402
-from dtrain.tracking import read_scalars  # noqa: E402
+from dtrain.launch.restart import TAG as RESTART_TAG  # noqa: E402
+from dtrain.tracking import read_events, read_scalars  # noqa: E402
 
 LAUNCH = ROOT / "launch"
 TINY = dict(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
@@ -142,12 +144,14 @@ def hurt_loop(proc, fault: str, out: Path, ranks: int, every: tuple, link_down: 
 
 
 def check_run(out: Path, steps: int) -> dict:
-    """TensorBoard steps, checkpoint folders and restart entries of a finished run."""
+    """TensorBoard steps and restart entries (``launch/restarts`` text) and the checkpoint folders of a finished run."""
     runs = sorted(p for p in (out / "tb").iterdir() if p.is_dir())
     logged = [s for s, _ in read_scalars(runs[-1])["loss"]] if runs else []
     folders = sorted((out / "checkpoints").iterdir())
     bad = [f"{p.name}: {validate(p) or 'ok'}" for p in folders if not p.name.startswith("step-") or validate(p)]
+    restarts = [e.step for e in read_events(runs[-1]) for v in e.summary.value if v.tag.startswith(RESTART_TAG)] if runs else []
     return {"tensorboard_runs": len(runs), "steps_logged": len(logged), "distinct_steps": len(set(logged)),
+            "restart_entries_at_steps": restarts,
             "every_step_once": logged == list(range(1, steps + 1)), "checkpoint_folders": [p.name for p in folders],
             "partial_or_invalid": bad}
 
@@ -167,6 +171,13 @@ def resumes(lines: list) -> list:
 def downtimes(faults: list, resumed: list) -> list:
     """Seconds from each fault to the next resumed start (training again), None when none followed."""
     return [next((round(t - f["t"], 1) for t, _ in resumed if t > f["t"]), None) for f in faults]
+
+
+def run_reference(args: list, log: Path, box: dict) -> None:
+    """The uninterrupted run: ``./launch ARGS``; puts its exit status and minutes in ``box``."""
+    t0 = time.time()
+    box["code"] = run_launch(args, log).wait()
+    box["minutes"] = (time.time() - t0) / 60
 
 
 def adapter_diff(a: Path, b: Path) -> dict:
@@ -190,6 +201,8 @@ def main() -> int:
     p.add_argument("--port", type=int, default=38100)
     p.add_argument("--work", default="/tmp/dtrain-endurance")
     p.add_argument("--steps", type=int, default=0, help="steps (0: enough for --minutes, timed first)")
+    p.add_argument("--reference", choices=("after", "alongside"), default="after",
+                   help="run the uninterrupted reference after the hurt run or at the same time")
     args = p.parse_args()
     work = Path(args.work) / args.fault
     work.mkdir(parents=True, exist_ok=True)
@@ -199,15 +212,20 @@ def main() -> int:
     steps = args.steps or int(args.minutes * 60 / step_s) + 1
     config = make_job(work, steps, args.ranks)
     print(f"{step_s:.3f} s per step (checkpoint included): {steps} steps for {args.minutes:g} minutes", flush=True)
-    log, out, ref = work / "launch.log", work / "hurt", work / "reference"
-    for path in (log, out, ref):
+    log, out, ref, ref_log = work / "launch.log", work / "hurt", work / "reference", work / "reference.log"
+    for path in (log, out, ref, ref_log):
         subprocess.run(["rm", "-rf", str(path)])
     rng, events = random.Random(args.seed), []
+    ref_box = {}
+    reference = threading.Thread(target=run_reference, args=(["-n", args.ranks, "--port", args.port + 50, config,
+                                                              "--train.output_dir", ref], ref_log, ref_box))
+    if args.reference == "alongside":
+        reference.start()
     with ExitStack() as stack:
         common = ["--max-restarts", args.max_restarts, "--restart-delay", args.restart_delay]
         names, env = [], None
         if args.fault == "link":
-            import netns
+            from dtrain.launch import netns
 
             names, ips = stack.enter_context(netns.namespaces(args.ranks))
             shim = work / "shim"
@@ -228,24 +246,27 @@ def main() -> int:
         code = proc.wait()
         hurt.join(timeout=args.link_down + 5)
         hurt_seconds = time.time() - start
+    print(f"hurt run: exit {code}, {hurt_seconds / 60:.1f} min, {sum(e['hit'] for e in events)} faults", flush=True)
+    if args.reference == "after":
+        reference.start()
+    reference.join()
+    ref_code = ref_box.get("code")
+    print(f"reference run: exit {ref_code}, {ref_box.get('minutes', 0):.1f} min", flush=True)
     lines = log.read_text().splitlines()
     restarts = [x.split(" ", 1)[1] for x in lines if " launch: restart " in x]
     resumed = resumes(lines)
-    print(f"hurt run: exit {code}, {hurt_seconds / 60:.1f} min, {sum(e['hit'] for e in events)} faults, "
-          f"{len(restarts)} restarts", flush=True)
-    t0 = time.time()
-    r = subprocess.run([sys.executable, str(LAUNCH), "-n", str(args.ranks), "--port", str(args.port + 50), str(config),
-                        "--train.output_dir", str(ref)], cwd=ROOT, capture_output=True, text=True)
     result = {
         "fault": args.fault, "ranks": args.ranks, "backend": "ring", "steps": steps,
         "seconds_per_step": step_s, "seed": args.seed, "every_s": every, "restart_delay_s": args.restart_delay,
-        "hurt_exit_code": code, "hurt_minutes": hurt_seconds / 60, "reference_exit_code": r.returncode,
-        "reference_minutes": (time.time() - t0) / 60, "faults": events, "faults_that_hit": sum(e["hit"] for e in events),
+        "hurt_exit_code": code, "hurt_minutes": hurt_seconds / 60, "reference": args.reference,
+        "reference_exit_code": ref_code, "reference_minutes": ref_box.get("minutes"), "faults": events,
+        "faults_that_hit": sum(e["hit"] for e in events),
         "restarts": len(restarts), "restart_lines": restarts, "resumed_at_steps": [step for _, step in resumed],
         "fault_to_resume_s": downtimes(events, resumed),
-        "hurt": check_run(out, steps), "reference": check_run(ref, steps) if r.returncode == 0 else r.stderr[-2000:],
+        "hurt": check_run(out, steps),
+        "reference_run": check_run(ref, steps) if ref_code == 0 else ref_log.read_text()[-2000:],
         "adapter": adapter_diff(out / "adapters" / "adapters.safetensors", ref / "adapters" / "adapters.safetensors")
-        if code == 0 and r.returncode == 0 else None,
+        if code == 0 and ref_code == 0 else None,
     }
     path = write_results(f"endurance-{args.fault}", result)
     path.with_suffix(".log").write_text(log.read_text())

@@ -9,7 +9,7 @@ model and pairs, one rank) and splits each step into engine compute (loss and
 LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 
 ``validate`` simulates hosts with one network namespace per rank
-(bench/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
+(dtrain/launch/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
 rate and rank count it first fits the link (hop latency and bus bandwidth)
 from plain ``all_sum`` calls at 2 ranks, then runs dtrain's
 ``train_step`` on a small random model with a large LoRA gradient in two
@@ -162,7 +162,7 @@ def worker(spec: dict) -> None:
 
 def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
     """Start ``n`` worker ranks in namespaces; every rank's records."""
-    import netns
+    from dtrain.launch import netns
 
     env_program = ["env", "OPENBLAS_NUM_THREADS=1", f"PYTHONPATH={ROOT}", sys.executable, __file__, "worker", json.dumps(spec)]
     with netns.namespaces(n, rate, burst) as (names, ips):
@@ -175,7 +175,7 @@ def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
 
 def fit_link(rate: str | None, burst: str, elements: int, iters: int) -> pm.Link:
     """Hop latency and bus bandwidth from ``all_sum`` of 16 and ``elements`` float32 at 2 ranks."""
-    import netns
+    from dtrain.launch import netns
 
     t = netns.all_sum_seconds(2, rate, [16, elements], iters, burst=burst)
     latency = t[16] / 2  # 2 (N - 1) hops at N = 2

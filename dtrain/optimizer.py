@@ -76,12 +76,12 @@ class AdamWStep:
             loss_finite: whether the step's loss (all-reduced) is finite.
         Returns:
             The global L2 norm of ``grads`` before clipping. The update was
-            applied iff ``loss_finite`` and the norm is finite (:func:`applied`).
+            applied iff ``loss_finite`` and the norm is finite (:func:`update_applied`).
         """
         if self.compiled is None:  # eager: wait for the norm, then update or skip
             grads, norm = self._clip(grads)
             norm, params = float(norm), []
-            if applied(loss_finite, norm):
+            if update_applied(loss_finite, norm):
                 self.adamw.learning_rate = lr
                 params = self.adamw.apply_gradients(grads, model)  # = adamw.update(model, grads)
                 model.update(params)
@@ -120,6 +120,6 @@ def _select(ok: mx.array, old, new):
     return tree_map_with_path(lambda path, a: mx.where(ok, new[path], a) if path in new else a, old)
 
 
-def applied(loss_finite: bool, grad_norm: float) -> bool:
+def update_applied(loss_finite: bool, grad_norm: float) -> bool:
     """Whether :meth:`AdamWStep.apply` updated: the decision it took on the device, read on the host."""
     return loss_finite and math.isfinite(grad_norm)

@@ -21,7 +21,8 @@ from mlx.utils import tree_flatten, tree_map
 from dtrain.config import Config, load_config
 from dtrain.engine import Norm, make_engine
 from dtrain.engine.layout import bucket_length, shared_prefix_layout
-from dtrain.engine.segmented import SegmentedEngine, estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.plan import estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.segmented import SegmentedEngine
 from dtrain.errors import ConfigError
 from dtrain.objective import ORPO
 
@@ -65,7 +66,7 @@ def test_bucket_padding_leaves_loss_sums_and_grads_unchanged(arch, prefix, varia
         kw = dict(VARIANTS[variant], prefix_sharing=prefix)
         exact = engine_for(model, **kw).step(pairs, NORM)
         padded_engine = engine_for(model, length_bucket=16, **kw)
-        layout = padded_engine._layout(pairs)
+        layout = padded_engine.layout(pairs)
         assert layout.shape[1] % 16 == 0 and layout.targets.shape[0] % 16 == 0  # really padded
         padded = padded_engine.step(pairs, NORM)
         mx.eval(exact.loss, exact.grads, padded.loss, padded.grads)
@@ -124,7 +125,7 @@ def test_layer_and_step_estimates_worked_numbers():
 def test_auto_plan_single_pass_when_it_fits_else_recompute(caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="dtrain.engine.segmented")
+    caplog.set_level(logging.INFO, logger="dtrain.engine.plan")
     model = lora_model("llama")
     roomy = make_engine(load_config(overrides=["engine.memory_budget_gb=1", "data.demo_pairs=1"]).engine, model, ORPO(0.1))
     pairs = make_pairs()

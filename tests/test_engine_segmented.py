@@ -261,42 +261,72 @@ def test_unwindowed_prefix_sharing_builds_no_mask_array(monkeypatch):
         assert out.sums["fallback_pairs"] == 1
 
 
-def test_lora_dropout_gradient_matches_finite_differences_of_the_same_masks():
-    """With LoRA dropout on, each range's recompute draws the masks its forward
-    drew (per-range seeds), so the gradient is that of the loss that was run:
-    checked by central differences of ``evaluate`` under the same seed (float64)."""
+def dropout_model(dtype=mx.float32):
+    """The llama test model with LoRA dropout 0.5 on every layer (random LoRA weights)."""
     from mlx.utils import tree_map
     from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    from dtrain.engine.arch import adapter_for
 
     model = make_tiny_model("llama", seed=0, **ARCHS["llama"][1])
     model.freeze()
     linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.5})
     model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
-    model.set_dtype(mx.float64)
+    model.set_dtype(dtype)
     model.train()
+    return model
+
+
+def test_lora_dropout_gradient_matches_finite_differences_of_the_same_masks():
+    """With LoRA dropout on, each range's recompute draws the masks its forward
+    drew (the key the range started from), so the gradient is that of the loss
+    that was run: checked by central differences of ``evaluate`` under the same key (float64)."""
+    from mlx.utils import tree_map
+
+    model = dropout_model(mx.float64)
     engine = SegmentedEngine(model, adapter_for(model), ORPO(0.1, "full"), segment_layers=2, prefix_sharing=True)
     pairs = make_pairs()
-    norm = Norm(nll_tokens=float(sum(len(p.prompt) + len(p.chosen) - 1 for p in pairs)), pairs=float(len(pairs)))
-    mx.random.seed(123)
-    grads = engine.step(pairs, norm).grads
+    norm = ORPO(0.1, "full").totals(pairs)
+    key = mx.random.key(123)
+    grads = engine.step(pairs, norm, key).grads
     params = model.trainable_parameters()
     mx.random.seed(5)
     direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
 
     def along(eps):
         model.update(tree_map(lambda p, d: p + eps * d, params, direction))
-        mx.random.seed(123)  # the same range seeds, hence the same dropout masks
-        return engine.evaluate(pairs, norm).loss.item()
+        return engine.evaluate(pairs, norm, key).loss.item()  # the same key, hence the same dropout masks
 
     d = lambda h: (along(h) - along(-h)) / (2 * h)  # noqa: E731
     fd = (4 * d(2e-3) - d(4e-3)) / 3  # Richardson: cancels the O(h^2) term
     model.update(params)
     analytic = sum((g * v).sum().item() for (_, g), (_, v) in zip(tree_flatten(grads), tree_flatten(direction)))
     assert analytic == pytest.approx(fd, rel=2e-4)
-    mx.random.seed(124)  # other masks give another loss: dropout is really on
-    assert engine.evaluate(pairs, norm).loss.item() != pytest.approx(along(0.0), rel=1e-6)
+    # another key gives other masks, hence another loss: dropout is really on
+    assert engine.evaluate(pairs, norm, mx.random.key(124)).loss.item() != pytest.approx(along(0.0), rel=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(segment_layers=2), dict(segment_layers=2, head_chunk_tokens=7),
+                                dict(segment_layers=0)])
+def test_lora_dropout_segmented_equals_reference_and_repeats_bitwise(kw):
+    """One dropout key: the segmented engine (two-sequence layout, so the same shapes) draws
+    the reference engine's masks, range by range and again in each recompute; the same key
+    twice gives bitwise equal gradients; nothing reads or seeds MLX's global generator."""
+    model = dropout_model()
+    engine = engine_for(model, **kw)
+    pairs, key = make_pairs(), mx.random.key(7)
+    before = np.array(mx.random.state[0])
+    ref = ReferenceEngine(model, ORPO(0.1)).step(pairs, NORM, key)
+    out, again = engine.step(pairs, NORM, key), engine.step(pairs, NORM, key)
+    other = engine.step(pairs, NORM, mx.random.key(8))
+    mx.eval(ref.grads, out.grads, again.grads, other.grads)
+    assert np.array_equal(np.array(mx.random.state[0]), before)  # the global generator did not move
+    g_ref, g_out, g_again, g_other = (dict(tree_flatten(r.grads)) for r in (ref, out, again, other))
+    assert rel(out.loss, ref.loss) < 1e-5
+    for k in g_ref:
+        assert rel(g_out[k], g_ref[k]) < 1e-4, (k, rel(g_out[k], g_ref[k]))
+        assert np.array_equal(np.array(g_out[k]), np.array(g_again[k])), k
+    assert max(rel(g_other[k], g_out[k]) for k in g_out) > 1e-2  # other masks: other gradients
+    with pytest.raises(ValueError, match="LoRA dropout is on but no key was given"):
+        engine.step(pairs, NORM)
 
 
 @pytest.mark.parametrize("size, chunk, runs", [(2, 7, [2] * 5), (0, 7, [2] * 5), (2, 0, [2] * 5), (0, 0, [1] * 5)])

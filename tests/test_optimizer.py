@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from conftest import add_random_lora, make_tiny_model
 from dtrain.config import load_config
-from dtrain.optimizer import AdamWStep, applied
+from dtrain.optimizer import AdamWStep, update_applied
 from dtrain.schedule import learning_rate
 
 STEPS = 6
@@ -87,7 +87,7 @@ def test_step_equals_eager_adamw_with_clipping_and_schedule(clip, compiled):
         grads = random_grads(model, s)
         ref_norm = ref_step(grads, lr)
         norm = opt.apply(model, grads, lr, loss_finite=True)
-        assert norm == pytest.approx(ref_norm, rel=1e-6) and applied(True, norm)
+        assert norm == pytest.approx(ref_norm, rel=1e-6) and update_applied(True, norm)
         assert clip == 0 or ref_norm > 10 * clip  # clipping is active
     rel = 1e-6 if compiled else 0
     assert_close(flat(ref_model.trainable_parameters()), flat(model.trainable_parameters()), rel)
@@ -120,7 +120,7 @@ def test_non_finite_step_changes_nothing(compiled, bad):
         grads = tree_unflatten([(k, mx.array(poisoned) if k == name else v) for k, v in tree_flatten(grads)])
     loss_finite = bad != "loss"
     norm = opt.apply(model, grads, learning_rate(2, cfg), loss_finite)
-    assert not applied(loss_finite, norm)
+    assert not update_applied(loss_finite, norm)
     assert (bad == "loss") == np.isfinite(norm)
     assert_close(before, flat(model.trainable_parameters()), 0)
     assert_close(state_before, flat(opt.state), 0)

@@ -46,7 +46,8 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     import mlx.core as mx
 
     from .arch import adapter_for, module_name
-    from .segmented import GIB, SegmentedEngine, has_dropout, trainable_outside_layers
+    from .plan import GIB
+    from .segmented import SegmentedEngine, has_dropout, trainable_outside_layers
 
     arch = adapter_for(model)
     if arch is None:

@@ -52,16 +52,21 @@ class StepResult:
 class Engine(Protocol):
     """What the trainer asks of an engine (built by ``dtrain.engine.make_engine``).
 
-    ``totals`` are the global counts of the step (:class:`Norm`).
+    ``totals`` are the global counts of the step (:class:`Norm`); ``key`` is an
+    ``mx.random.key`` for LoRA dropout (``dtrain.lora.DropoutKeys``; None
+    without dropout): the same key gives the same masks, in either engine.
     """
 
     name: str
     objective: object
 
-    def step(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
+    def layout(self, pairs: list[TokenizedPair]) -> Layout:
+        """The token rows, targets and role weights this engine runs for ``pairs``."""
+
+    def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch."""
 
-    def evaluate(self, pairs: list[TokenizedPair], totals: Norm) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients."""
 
 
@@ -88,6 +93,13 @@ def loss_from_token_logps(token_logps: mx.array, layout: Layout, objective, tota
                           nll_sum, totals)
 
 
+def with_key(stream, key: mx.array | None) -> None:
+    """Set the model's dropout key stream (``dtrain.lora.DropoutKeys``, None without dropout)
+    to ``key``; engines clear it after a step so that a stray draw fails instead of reusing it."""
+    if stream is not None:
+        stream.key = key
+
+
 def layout_counts(layout: Layout) -> dict:
     """Host-side counts of a layout, as metric sums."""
     return {
@@ -98,18 +110,21 @@ def layout_counts(layout: Layout) -> dict:
     }
 
 
-def run_micro_batches(engine: Engine, pairs: list[TokenizedPair], totals: Norm, micro: int, with_grads: bool):
+def run_micro_batches(engine: Engine, pairs: list[TokenizedPair], totals: Norm, micro: int, with_grads: bool,
+                      key: mx.array | None = None):
     """Sum ``engine.step`` (or ``evaluate``) results over micro-batches of ``micro`` pairs.
 
+    ``key``: split into one dropout key per micro-batch (None: no dropout).
     Returns:
         ``(sums, grads)``: every ``engine.objective.metric_keys`` sum as a Python
         float (zeros when ``pairs`` is empty) and the summed gradient tree
         (None without grads or pairs).
     """
     chunks = [pairs[i : i + micro] for i in range(0, len(pairs), micro)]
+    keys = list(mx.random.split(key, len(chunks))) if key is not None and chunks else [None] * len(chunks)
     sums, grads, device = dict.fromkeys(engine.objective.metric_keys, 0.0), None, {}
-    for chunk in chunks:
-        result = engine.step(chunk, totals) if with_grads else engine.evaluate(chunk, totals)
+    for chunk, k in zip(chunks, keys):
+        result = engine.step(chunk, totals, k) if with_grads else engine.evaluate(chunk, totals, k)
         if with_grads:
             grads = result.grads if grads is None else tree_map(lambda a, b: a + b, grads, result.grads)
         for name, v in result.sums.items():  # device sums stay on the device; host counts add here
