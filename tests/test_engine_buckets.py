@@ -12,15 +12,14 @@ import random
 
 import mlx.core as mx
 import mlx.optimizers as optim
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from dtrain.config import Config, load_config
 from dtrain.engine import Norm, make_engine
-from dtrain.engine.layout import bucket_length, shared_prefix_layout
+from dtrain.engine.layout import bucket_length
 from dtrain.engine.plan import estimate_step_bytes, layer_bytes_per_token
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.errors import ConfigError

@@ -10,7 +10,6 @@ runs on each, for a dense, an untied K = V and an MoE configuration.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
 from dtrain.engine.arch import adapter_for
