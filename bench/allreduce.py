@@ -256,10 +256,9 @@ def demo_step_seconds(tokens: int) -> float:
     from mlx_lm.models import llama
 
     from dtrain.config import LoraConfig
-    from dtrain.engine import ReferenceEngine
+    from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
     from dtrain.objective import ORPO
-    from dtrain.trainer import run_micro_batches
     from dtrain.types import TokenizedPair
 
     args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
@@ -270,7 +269,7 @@ def demo_step_seconds(tokens: int) -> float:
     apply_lora(model, LoraConfig(rank=8))
     half = tokens // 2
     pair = TokenizedPair(list(range(1, half + 1)), list(range(100, 100 + half)), list(range(200, 200 + half)))
-    engine = ReferenceEngine(model, lam=0.1)
+    engine = ReferenceEngine(model, ORPO(0.1))
     norm = ORPO(0.1, "full").totals([pair])
     run_micro_batches(engine, [pair], norm, 1, with_grads=True)  # warm-up
     start = time.perf_counter()

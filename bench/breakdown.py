@@ -2,6 +2,8 @@
 
     python bench/breakdown.py --model smollm2 --dtype float32 --steps 24          # real orca pair lengths
     python bench/breakdown.py --model smollm2 --layers 2 --steps 4 --modes exact  # smoke run on a CPU
+    python bench/breakdown.py --model smollm2 --modes bucketed --optimizers eager compiled  # optimizer before/after
+    python bench/breakdown.py --model smollm2 --optimizer-only --optimizers eager compiled --steps 20
 
 Random weights of ``--model``'s shape with LoRA rank 8 (scale 20) on every linear
 layer; pairs are the first ``--steps`` orca pairs of ``--data`` tokenized with
@@ -14,7 +16,10 @@ padded to 128-token buckets, eager; ``compiled``: buckets + ``mx.compile``;
 - ``build``: the host building the lazy graph (``engine.step`` returning);
 - ``eval``: ``mx.eval`` of loss and gradients (device work plus per-op
   dispatch, cuDNN/JIT setup of new shapes, allocation);
-- ``optimizer``: AdamW on the LoRA parameters and its ``mx.eval``, as the trainer does;
+- ``optimizer``: clipping + AdamW on the LoRA parameters and their ``mx.eval``, as the
+  trainer does it (``dtrain.optimizer.AdamWStep``; ``--optimizers``: ``eager``, the norm
+  read before the update, as the trainer did before, or ``compiled``: one ``mx.compile``d
+  function, one evaluation; ``train.compile_optimizer``);
 
 first over ``--repeat`` steps of one pair repeated (one shape, warm), then over
 ``--steps`` new pairs (one step each, as in training). Prints a markdown table
@@ -30,15 +35,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, MODELS, build_model, write_results  # noqa: E402  (before MLX)
+from common import BLAS, DTYPES, MODELS, build_model, write_results  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from dtrain.config import Config  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
 from dtrain.objective import ORPO  # noqa: E402
+from dtrain.optimizer import AdamWStep  # noqa: E402
 
 DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
 MODES = {"exact": dict(kind="segmented", segment_layers=0, length_bucket=0, compile=False),
@@ -59,18 +64,48 @@ def real_pairs(tokenizer_dir: Path, data: str, n: int, max_length: int):
     return pairs[:n]
 
 
+def make_optimizer(kind: str, model) -> AdamWStep:
+    """The trainer's optimizer step, ``train.compile_optimizer`` set by ``kind`` (``eager`` or ``compiled``)."""
+    cfg = Config()
+    cfg.train.learning_rate, cfg.train.compile_optimizer = 1e-5, kind == "compiled"
+    return AdamWStep(cfg.train, model.trainable_parameters())
+
+
 def timed_step(engine, optimizer, model, pairs) -> dict:
     norm = ORPO(0.1, "full").totals(pairs)
     t0 = time.perf_counter()
     out = engine.step(pairs, norm)
     t1 = time.perf_counter()
     mx.eval(out.loss, out.sums, out.grads)
-    t2 = time.perf_counter()
-    optimizer.update(model, out.grads)
-    mx.eval(model.trainable_parameters(), optimizer.state)
-    t3 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
+    optimizer.apply(model, out.grads, 1e-5, loss_finite=True)  # as dtrain.trainer.train_step (evaluated)
+    t3, c3 = time.perf_counter(), time.process_time()
     return {"build": t1 - t0, "eval": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
-            "shape": list(engine._layout(pairs).shape) if hasattr(engine, "_layout") else None}
+            "optimizer_cpu": c3 - c2,  # CPU seconds of this process (all its threads): host cost on a busy machine
+            "shape": list(engine.layout(pairs).shape)}
+
+
+def optimizer_only(a) -> int:
+    """``--optimizer-only``: the optimizer step alone on random LoRA gradients, per ``--optimizers`` kind."""
+    from mlx.utils import tree_map
+
+    model = build_model(a.model, a.layers, DTYPES[a.dtype], lora_scale=20.0)
+    grads = tree_map(lambda p: 0.1 * mx.random.normal(p.shape).astype(p.dtype), model.trainable_parameters())
+    mx.eval(grads)
+    print(f"{BLAS.line()}\n{a.model} {a.dtype}, {len(tree_flatten(grads))} LoRA arrays; optimizer step alone, "
+          f"{a.steps} steps after the first")
+    rows = []
+    for kind in a.optimizers:
+        optimizer, times = make_optimizer(kind, model), []
+        for _ in range(a.steps + 1):
+            t, c = time.perf_counter(), time.process_time()
+            optimizer.apply(model, grads, 1e-5, loss_finite=True)
+            times.append({"wall": time.perf_counter() - t, "cpu": time.process_time() - c})
+        rows.append({"optimizer": kind, "first": times[0], "steps": times[1:]})
+        print(f"{kind}: first {times[0]['wall']:.3f} s wall ({times[0]['cpu']:.3f} s CPU); then median "
+              f"{med(times[1:], 'wall') * 1e3:.1f} ms wall, {med(times[1:], 'cpu') * 1e3:.1f} ms CPU", flush=True)
+    print(f"wrote {write_results('breakdown-optimizer', {'model': a.model, 'dtype': a.dtype, 'rows': rows}, a.out)}")
+    return 0
 
 
 def med(rows, key):
@@ -88,23 +123,27 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=DATA)
     ap.add_argument("--tokenizer-dir", type=Path, default=Path.home() / ".cache/dtrain/smollm2-135m-instruct-f32")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--optimizers", nargs="+", default=["compiled"], choices=["eager", "compiled"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--optimizer-only", action="store_true",
+                    help="time only the optimizer step, on random gradients (no data, no engine)")
     a = ap.parse_args(argv)
+    if a.optimizer_only:
+        return optimizer_only(a)
     pairs = real_pairs(a.tokenizer_dir, a.data, a.steps, a.max_length)
     rows = []
-    for mode in a.modes:
+    for mode, kind in [(m, k) for m in a.modes for k in a.optimizers]:
         model = build_model(a.model, a.layers, DTYPES[a.dtype], lora_scale=20.0)
         cfg = Config()
         for k, v in MODES[mode].items():
             setattr(cfg.engine, k, v)
-        engine = make_engine(cfg, model)
-        optimizer = optim.AdamW(learning_rate=1e-5)
-        optimizer.init(model.trainable_parameters())
+        engine = make_engine(cfg.engine, model, ORPO.from_config(cfg))
+        optimizer = make_optimizer(kind, model)
         mx.reset_peak_memory()
         first = timed_step(engine, optimizer, model, [pairs[0]])
         same = [timed_step(engine, optimizer, model, [pairs[0]]) for _ in range(a.repeat)]
         new = [timed_step(engine, optimizer, model, [p]) for p in pairs[1:]]
-        row = {"mode": mode, "first": first, "same": same, "new": new, "peak_gb": mx.get_peak_memory() / 1e9,
+        row = {"mode": f"{mode}, {kind} optimizer", "first": first, "same": same, "new": new, "peak_gb": mx.get_peak_memory() / 1e9,
                "shapes": len({tuple(r["shape"] or ()) for r in new})}
         rows.append(row)
         print({k: (v if not isinstance(v, list) else [round(r["total"], 3) for r in v]) for k, v in row.items()},
@@ -112,7 +151,7 @@ def main(argv=None) -> int:
         del engine, optimizer, model
         mx.clear_cache()
     path = write_results("breakdown", {"model": a.model, "dtype": a.dtype, "rows": rows}, a.out)
-    print(f"\n{a.model} {a.dtype}, {len(pairs) - 1} new pairs, {a.repeat} repeats of pair 0; median seconds per step")
+    print(f"\n{BLAS.line()}\n{a.model} {a.dtype}, {len(pairs) - 1} new pairs, {a.repeat} repeats of pair 0; median seconds per step")
     print("| mode | first step | same pair: build / eval / optimizer / total | new pairs: build / eval / optimizer "
           "/ total | new ÷ same | shapes | peak GB |\n|---|---|---|---|---|---|---|")
     for r in rows:
@@ -121,6 +160,9 @@ def main(argv=None) -> int:
               f"{med(s, 'optimizer'):.3f} / {med(s, 'total'):.3f} | {med(n, 'build'):.3f} / {med(n, 'eval'):.3f} / "
               f"{med(n, 'optimizer'):.3f} / {med(n, 'total'):.3f} | {med(n, 'total') / med(s, 'total'):.2f} "
               f"| {r['shapes']} | {r['peak_gb']:.2f} |")
+    print("optimizer CPU seconds of the process, median same pair / new pairs: "
+          + "; ".join(f"{r['mode']} {med(r['same'], 'optimizer_cpu'):.3f} / {med(r['new'], 'optimizer_cpu'):.3f}"
+                      for r in rows))
     print(f"wrote {path}")
     return 0
 

@@ -52,6 +52,18 @@ SHAPES = {"even": 0.5, "long-prompt": 0.8}  # prompt share of P + R; 0.8 gives P
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
+def dtrain_engine(model, kind: str = "segmented", **keys):
+    """dtrain's engine for ``model`` as a run with these ``engine`` config keys gets it
+    (``dtrain.engine.make_engine``, ORPO with lambda 0.1); exact shapes unless
+    ``length_bucket`` is given. ``EngineConfig``'s defaults hold for keys left out
+    (``prefix_sharing`` is on by default)."""
+    from dtrain.config import EngineConfig
+    from dtrain.engine import make_engine
+    from dtrain.objective import ORPO
+
+    return make_engine(EngineConfig(kind=kind, **{"length_bucket": 0, **keys}), model, ORPO(0.1))
+
+
 def build_model(name: str, layers: int | None = None, dtype=mx.float32, lora_scale: float = 2.0, rank: int = 8):
     """A randomly initialised model of shape ``MODELS[name]`` in ``dtype``, frozen,
     with LoRA (``rank``, ``lora_scale``, no dropout) on every linear layer of every

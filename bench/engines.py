@@ -25,25 +25,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DTYPES, MODELS, SHAPES, build_model, make_pairs, measure, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, SHAPES, build_model, dtrain_engine, make_pairs, measure, write_results  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 
-from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
-from dtrain.engine.arch import adapter_for  # noqa: E402
-from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
+from dtrain.engine import Norm  # noqa: E402
 
 
 def engines(model, segment: int, chunk: int) -> dict:
-    arch = adapter_for(model)
-    seg = lambda **kw: SegmentedEngine(model, arch, 0.1, segment_layers=segment, **kw)  # noqa: E731
+    seg = lambda **kw: dtrain_engine(model, segment_layers=segment, **kw)  # noqa: E731
     return {
-        "reference": lambda: ReferenceEngine(model, 0.1),
-        "segmented": lambda: seg(),
+        "reference": lambda: dtrain_engine(model, "reference"),
+        "segmented": lambda: seg(prefix_sharing=False),
         "+ prefix sharing": lambda: seg(prefix_sharing=True),
         "+ chunked head": lambda: seg(prefix_sharing=True, head_chunk_tokens=chunk),
         # prefix sharing, one range of all layers, unchunked head: nothing recomputed
-        "one range": lambda: SegmentedEngine(model, arch, 0.1, segment_layers=0, prefix_sharing=True),
+        "one range": lambda: dtrain_engine(model, segment_layers=0, prefix_sharing=True),
     }
 
 

@@ -38,14 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DTYPES, MODELS, build_model, make_pairs, measure, spread, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, measure, spread, write_results  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
-from dtrain.engine.arch import adapter_for  # noqa: E402
-from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
+from dtrain.engine import Norm  # noqa: E402
 
 
 def matmul_gflops(n: int, dtype, reps: int) -> list[float]:
@@ -69,11 +67,10 @@ def matmul_params(model) -> int:
 
 def make_engine(kind: str, model, segment: int, chunk: int):
     if kind == "reference":
-        return ReferenceEngine(model, 0.1)
+        return dtrain_engine(model, "reference")
     if kind == "one-range":  # prefix sharing, one range, whole head: one pass, no recompute
-        return SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=0, prefix_sharing=True)
-    return SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=segment, prefix_sharing=True,
-                           head_chunk_tokens=chunk)
+        return dtrain_engine(model, segment_layers=0, prefix_sharing=True)
+    return dtrain_engine(model, segment_layers=segment, prefix_sharing=True, head_chunk_tokens=chunk)
 
 
 def main(argv=None) -> int:

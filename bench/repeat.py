@@ -22,13 +22,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, MODELS, build_model, make_pairs, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, write_results  # noqa: E402  (before MLX)
 
 import mlx.core as mx  # noqa: E402
 
-from dtrain.engine import Norm, ReferenceEngine  # noqa: E402
-from dtrain.engine.arch import adapter_for  # noqa: E402
-from dtrain.engine.segmented import SegmentedEngine  # noqa: E402
+from dtrain.engine import Norm  # noqa: E402
 
 MODES = ("same", "new-lengths", "new-tokens")
 
@@ -52,8 +50,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     model = build_model(a.model, a.layers, DTYPES[a.dtype], lora_scale=20.0)
     vocab = model.args.vocab_size
-    engines = {"single pass": SegmentedEngine(model, adapter_for(model), 0.1, segment_layers=0, prefix_sharing=True),
-               "reference": ReferenceEngine(model, 0.1)}
+    engines = {"single pass": dtrain_engine(model, segment_layers=0, prefix_sharing=True),
+               "reference": dtrain_engine(model, "reference")}
     rows = []
     for name, engine in engines.items():
         for mode in MODES:

@@ -9,7 +9,7 @@ model and pairs, one rank) and splits each step into engine compute (loss and
 LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 
 ``validate`` simulates hosts with one network namespace per rank
-(bench/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
+(dtrain/launch/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
 rate and rank count it first fits the link (hop latency and bus bandwidth)
 from plain ``all_sum`` calls at 2 ranks, then runs dtrain's
 ``train_step`` on a small random model with a large LoRA gradient in two
@@ -39,13 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import build_model, machine, make_pairs, write_results  # noqa: E402  (before MLX: OpenBLAS)
 
 import mlx.core as mx  # noqa: E402
-import mlx.optimizers as optim  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from dtrain import perfmodel as pm  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.distributed import Group, init_group  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
+from dtrain.objective import ORPO  # noqa: E402
+from dtrain.optimizer import AdamWStep  # noqa: E402
 from dtrain.trainer import train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ class TimedEngine:
     """An engine whose ``step`` evaluates its results and adds the seconds to ``seconds``."""
 
     def __init__(self, inner):
-        self.inner, self.seconds, self.name = inner, 0.0, inner.name
+        self.inner, self.seconds, self.name, self.objective = inner, 0.0, inner.name, inner.objective
 
     def step(self, pairs, norm):
         start = time.perf_counter()
@@ -97,8 +98,8 @@ def timed_step(step, engine, model, optimizer, pairs, cfg, group) -> dict:
     return {"step": metrics["perf/step_seconds"], "compute": engine.seconds, "reduce": metrics["perf/allreduce_seconds"]}
 
 
-def new_optimizer():
-    return optim.AdamW(learning_rate=1e-4, bias_correction=True)  # as dtrain.trainer.train
+def new_optimizer(cfg, model) -> AdamWStep:
+    return AdamWStep(cfg.train, model.trainable_parameters())  # as dtrain.trainer.setup
 
 
 def measure_demo(steps: int, warmup: int) -> dict:
@@ -112,8 +113,8 @@ def measure_demo(steps: int, warmup: int) -> dict:
     dataset = load_dataset(cfg.data, loaded.tokenizer, cfg.train.seed, log=None)
     params = apply_lora(loaded.model, cfg.lora)
     loaded.model.train()
-    engine = TimedEngine(make_engine(cfg, loaded.model))
-    optimizer = new_optimizer()
+    engine = TimedEngine(make_engine(cfg.engine, loaded.model, ORPO.from_config(cfg)))
+    optimizer = new_optimizer(cfg, loaded.model)
     rows = [timed_step(s, engine, loaded.model, optimizer, dataset.train, cfg, Group()) for s in range(1, warmup + steps + 1)]
     rows = rows[warmup:]
     g = cfg.train.global_batch_pairs
@@ -136,7 +137,7 @@ def worker(spec: dict) -> None:
     cfg = load_config(None, overrides)
     alone = replace(cfg, train=replace(cfg.train, global_batch_pairs=p))
     pairs = make_pairs(64, spec["length"], 0.5, model.args.vocab_size)
-    engine, optimizer = TimedEngine(make_engine(cfg, model)), new_optimizer()
+    engine, optimizer = TimedEngine(make_engine(cfg.engine, model, ORPO.from_config(cfg))), new_optimizer(cfg, model)
     # A group of one MLX rank presented as size 2: all_sum_tree then flattens, casts and splits
     # the gradients while its all_sum is a no-op -- the copy work the collective adds to a step.
     single = mx.distributed.init(strict=False, backend="mpi")
@@ -161,7 +162,7 @@ def worker(spec: dict) -> None:
 
 def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
     """Start ``n`` worker ranks in namespaces; every rank's records."""
-    import netns
+    from dtrain.launch import netns
 
     env_program = ["env", "OPENBLAS_NUM_THREADS=1", f"PYTHONPATH={ROOT}", sys.executable, __file__, "worker", json.dumps(spec)]
     with netns.namespaces(n, rate, burst) as (names, ips):
@@ -174,7 +175,7 @@ def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
 
 def fit_link(rate: str | None, burst: str, elements: int, iters: int) -> pm.Link:
     """Hop latency and bus bandwidth from ``all_sum`` of 16 and ``elements`` float32 at 2 ranks."""
-    import netns
+    from dtrain.launch import netns
 
     t = netns.all_sum_seconds(2, rate, [16, elements], iters, burst=burst)
     latency = t[16] / 2  # 2 (N - 1) hops at N = 2

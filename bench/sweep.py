@@ -70,7 +70,10 @@ VARIATIONS = [  # in priority order: what runs first when the budget is short
     ("lr1e-4", {"learning_rate": 1e-4}),
 ]
 GRIDS = {"full": [n for n, _ in VARIATIONS], "cpu": ["centre", "old-defaults"],
-         "quick": ["old-defaults", "lr2e-4", "centre", "lr1e-3"], "smoke": ["centre", "lr2e-3"]}
+         "quick": ["old-defaults", "lr2e-4", "centre", "lr1e-3"], "smoke": ["centre", "lr2e-3"],
+         # what "quick" (learning rate only) left out: the other axes around the centre
+         "rest": ["centre", "lam0.2", "constant", "scale10", "rank16", "lam0.05", "lam0.5", "linear",
+                  "no-warmup", "rank4", "lr2e-3"]}
 
 
 def setting(name: str) -> dict:
@@ -336,6 +339,57 @@ def plot(table: list, sets: list, order: list, png: Path) -> None:
     print(f"\nwrote {png}")
 
 
+def steps_report(args) -> None:
+    """Table and plot of the same settings run for different step counts (one sweep folder per count)."""
+    runs = []
+    for d in args.outs:
+        runs += rows(json.loads((Path(d) / "results.json").read_text()))
+    sets = [d for d in ("orca", "stack", "demo") if any(r["dataset"] == d for r in runs)]
+    counts = sorted({r["steps"] for r in runs})
+    names = [n for n, _ in VARIATIONS if len({r["steps"] for r in runs if r["setting"] == n}) > 1]  # run at 2+ lengths
+    by = {(r["dataset"], r["setting"], r["steps"]): r for r in runs}
+    print("| dataset | setting | lr | " + " | ".join(f"{c} steps: acc / Δ logps/chosen / nll" for c in counts) + " |")
+    print("|---|---|---|" + "---|" * len(counts))
+    for ds in sets:
+        for n in names:
+            cells = []
+            for c in counts:
+                r = by.get((ds, n, c))
+                cells.append("–" if r is None else f"{r['rewards/accuracies@end']:.2f} / "
+                             f"{r['logps/chosen@end'] - r['logps/chosen@0']:+.3f} / {r['nll_loss@end']:.3f}")
+            lr = next(r["learning_rate"] for r in runs if r["setting"] == n)
+            print(f"| {ds} | {n} | {lr:g} | " + " | ".join(cells) + " |")
+    if not args.png:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(sets), figsize=(4.2 * len(sets), 6.5), sharex=True, squeeze=False)
+    for j, ds in enumerate(sets):
+        for n in names:
+            pts = [(c, by[(ds, n, c)]) for c in counts if (ds, n, c) in by]
+            if not pts:
+                continue
+            xs = [c for c, _ in pts]
+            axes[0][j].plot(xs, [r["rewards/accuracies@end"] for _, r in pts], marker="o", label=n)
+            axes[1][j].plot(xs, [r["logps/chosen@end"] - r["logps/chosen@0"] for _, r in pts], marker="o", label=n)
+        axes[0][j].axhline(by_base(runs, ds), color="grey", ls="--", lw=1)
+        axes[0][j].set_title(ds)
+        axes[0][j].set_ylim(0, 1.05)
+        axes[1][j].axhline(0, color="black", lw=0.8)
+        axes[1][j].set_xlabel("optimizer steps (8 pairs each)")
+    axes[0][0].set_ylabel("held-out reward accuracy\n(dashed: base model)")
+    axes[1][0].set_ylabel("held-out logps/chosen\nchange from base (nats/token)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Learning rate against run length, SmolLM2-135M-Instruct, ORPO + LoRA")
+    fig.tight_layout()
+    Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.png, dpi=110)
+    print(f"\nwrote {args.png}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -365,10 +419,13 @@ def main() -> None:
     g = sub.add_parser("report")
     g.add_argument("out")
     g.add_argument("--png", default=None)
+    st = sub.add_parser("steps", help="the same settings at several step counts: table and plot")
+    st.add_argument("outs", nargs="+", help="sweep folders, one per step count")
+    st.add_argument("--png", default=None)
     args = p.parse_args()
     if args.command == "train":
         sys.exit(train_one(args))
-    run(args) if args.command == "run" else report(args)
+    {"run": run, "report": report, "steps": steps_report}[args.command](args)
 
 
 if __name__ == "__main__":

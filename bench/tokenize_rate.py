@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_results  # noqa: E402  (before MLX: preloads OpenBLAS)
 
 from dtrain.config import DataConfig  # noqa: E402
-from dtrain.data.cache import cache_key, tokenize_cached  # noqa: E402
-from dtrain.data.sources import read_rows, resolve  # noqa: E402
+from dtrain.data import cache_key, read_rows, resolve, tokenize_cached  # noqa: E402
 
 WORDS = ("the of and to in is was for on are with as by at from this that which or an be it not "
          "model data train value answer question number result because when where how many more "

@@ -137,6 +137,9 @@ class TrainConfig:
     min_lr_ratio: float = option(0.1, "the schedule's final learning rate as a share of the peak", at_least=0.0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0.0)
     grad_clip: float = option(1.0, "clip the global L2 norm of the LoRA gradients to this; 0 = off", at_least=0.0)
+    compile_optimizer: Union[bool, Literal["auto"]] = option(
+        "auto", "mx.compile clipping + AdamW + the non-finite skip into one function, traced once per run (the "
+                "same update); auto: on a GPU, off on the CPU (its first run on a machine builds C++ kernels)")
     seed: int = option(0, "data order and per-step RNG: the same seed gives the same run")
     eval_every: int = option(0, "eval/ metrics every N steps; 0 = only at step 0 and at the end", at_least=0)
     eval_pairs: int = option(0, "held-out pairs per evaluation; 0 = all", at_least=0)

@@ -1,4 +1,4 @@
-"""LoRA layers (from mlx-lm) and the adapter folder mlx-lm reads.
+"""LoRA layers (from mlx-lm), their dropout keys, and the adapter folder mlx-lm reads.
 
 The adapter format is mlx-lm's (``mlx_lm/tuner/utils.py: load_adapters``):
 ``adapters.safetensors`` with the ``lora_a``/``lora_b`` tensors under their
@@ -53,6 +53,68 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     if count == 0:
         raise ConfigError(f"lora.keys {cfg.keys!r} matched no linear layer of the model")
     return count
+
+
+class DropoutKeys:
+    """The explicit key stream LoRA dropout draws from (never MLX's global generator).
+
+    An engine sets ``key`` (an ``mx.random.key``) before it runs layers; each
+    dropout call splits it and draws its mask with one half, so the masks are a
+    function of the key and the order of the calls. Setting the same key again
+    replays the same masks (a layer range recomputed under ``mx.vjp``).
+    """
+
+    def __init__(self):
+        self.key = None
+
+    def next(self) -> mx.array:
+        """A fresh key for one dropout mask; advances ``key``.
+
+        Raises:
+            ValueError: no key was set (an engine step called without ``key``).
+        """
+        if self.key is None:
+            raise ValueError("LoRA dropout is on but no key was given: pass key=mx.random.key(...) to the "
+                             "engine's step or evaluate")
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+class KeyedDropout(nn.Dropout):
+    """``nn.Dropout`` whose masks come from a :class:`DropoutKeys` stream; the same
+    scaling as ``nn.Dropout`` (kept values times ``1 / (1 - p)``)."""
+
+    def __init__(self, p: float, keys: DropoutKeys):
+        super().__init__(p)
+        self.stream = keys  # not an array: a plain attribute, not a parameter
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self._p_1 == 1 or not self.training:
+            return x
+        mask = mx.random.bernoulli(self._p_1, x.shape, key=self.stream.next())
+        return (mask * x) * (1 / self._p_1)
+
+
+def keyed_dropout(model: nn.Module) -> DropoutKeys | None:
+    """Give every active dropout of ``model`` (mlx-lm's LoRA dropout) one shared key stream.
+
+    Replaces each ``nn.Dropout`` with ``p > 0`` by a :class:`KeyedDropout` (the
+    module instance, not its class); already keyed ones keep their stream.
+    Called by the engines; idempotent.
+
+    Returns:
+        The stream, or None when the model has no active dropout.
+    """
+    found = [(parent, k, v) for _, parent in model.named_modules() for k, v in parent.items()
+             if isinstance(v, nn.Dropout) and v._p_1 < 1.0]
+    if not found:
+        return None
+    keys = next((v.stream for _, _, v in found if isinstance(v, KeyedDropout)), None) or DropoutKeys()
+    for parent, k, v in found:
+        if not isinstance(v, KeyedDropout) or v.stream is not keys:
+            parent[k] = KeyedDropout(1.0 - v._p_1, keys)
+            parent[k].train(v.training)
+    return keys
 
 
 def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = None) -> dict:

@@ -3,7 +3,8 @@
 One object per objective (ORPO today) owns the names of its additive sums, the
 rule for a step's global totals and the finalisation of summed values into TRL
 metric names, so the trainer never matches the loss's sums by string. The loss
-itself stays a pure function in :mod:`dtrain.engine.loss`. See
+itself stays a pure function in :mod:`dtrain.engine.loss`; the engines call it
+through :meth:`ORPO.loss`. See
 docs/architecture.md ("Design note: a second objective") for what a second
 objective implements.
 """
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from .engine.common import Norm
-from .engine.loss import ORPO_SUM_KEYS, finalize_metrics
+from .engine.layout import nll_tokens
+from .engine.loss import ORPO_SUM_KEYS, finalize_metrics, orpo_loss
 from .types import TokenizedPair
 
 # Host-side counts every engine adds to its sums (engine.common.layout_counts).
@@ -39,14 +43,23 @@ class ORPO:
         """The objective of a run's ``Config`` (its ``orpo`` section)."""
         return cls(cfg.orpo.lam, cfg.orpo.nll_scope)
 
-    def nll_tokens(self, pair: TokenizedPair) -> int:
-        """Tokens in the NLL term of one pair: predictions over ``[prompt; chosen]``
-        (``full``: every token after the first; ``response``: the chosen tokens)."""
-        return len(pair.chosen) + (len(pair.prompt) - 1 if self.nll_scope == "full" else 0)
-
     def totals(self, pairs: list[TokenizedPair]) -> Norm:
-        """Global normalisers of a step; every rank computes them from the global batch."""
-        return Norm(nll_tokens=float(sum(self.nll_tokens(p) for p in pairs)), pairs=float(len(pairs)))
+        """Global normalisers of a step; every rank computes them from the global batch.
+
+        The NLL token count is the sum of the layouts' ``w_nll`` weights
+        (``engine.layout.nll_tokens``, the one rule), without building layouts.
+        """
+        return Norm(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
+
+    def loss(self, chosen_logps: mx.array, rejected_logps: mx.array, nll_sum: mx.array, totals: Norm):
+        """``(loss, sums)`` of one micro-batch (``engine.loss.orpo_loss``).
+
+        Args:
+            chosen_logps, rejected_logps: ``(B,)`` mean response log-probabilities (nats/token).
+            nll_sum: scalar, summed NLL (nats) of the micro-batch's NLL targets.
+            totals: the step's global counts (``totals()``).
+        """
+        return orpo_loss(chosen_logps, rejected_logps, nll_sum, self.lam, totals.nll_tokens, totals.pairs)
 
     def finalize(self, sums: dict, prefix: str = "") -> dict:
         """Summed values (over micro-batches and ranks) -> TRL-named metrics (``finalize_metrics``)."""

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import UserError
+
 
 def epoch_permutation(n_pairs: int, seed: int, epoch: int) -> np.ndarray:
     """The seeded permutation of ``n_pairs`` behind ``epoch`` (int64 indices), before the repair."""
@@ -129,3 +131,21 @@ def rank_shard(items: list, rank: int, world_size: int) -> list:
 def micro_batches(items: list, size: int) -> list[list]:
     """Consecutive chunks of at most ``size`` items."""
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def for_run(cfg, train_pairs: list) -> Sampler:
+    """The run's :class:`Sampler` (``cfg``: the run's ``Config``).
+
+    Raises:
+        UserError: no training pairs, or a global batch larger than them (a
+            step would have to train a pair twice).
+    """
+    n, b = len(train_pairs), cfg.train.global_batch_pairs
+    where = cfg.data.train or "the demo data"
+    if n == 0:
+        raise UserError(f"no training pairs left after loading and filtering {where}")
+    if b > n:
+        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s) (after the held-out "
+                        f"split, data.valid_fraction={cfg.data.valid_fraction}); a step would train a pair more than "
+                        f"once: set train.global_batch_pairs to at most {n}, or add data")
+    return Sampler(n, b, cfg.train.seed)

@@ -128,12 +128,14 @@ class RunLogger:
             self.events.summary(text_summary(tag, text), step)
 
     def scalars(self, step: int, values: dict) -> None:
+        """All ``values`` at ``step`` as one event (one record and checksum per step, not per scalar)."""
         if self.events is None:
             return
+        from tensorboardX.proto.summary_pb2 import Summary
         from tensorboardX.summary import scalar
 
-        for key, value in values.items():
-            self.events.summary(scalar(key, float(value)), step)
+        self.events.summary(Summary(value=[v for key, value in values.items() for v in scalar(key, float(value)).value]),
+                            step)
 
     def step_rate(self) -> Optional[float]:
         """Mean seconds per optimizer step so far in this process (evaluations excluded)."""
@@ -143,10 +145,11 @@ class RunLogger:
         """Advance the step bar; ``values["perf/step_seconds"]`` feeds the step rate."""
         self.train_seconds += values.get("perf/step_seconds", 0.0)
         self.timed_steps += 1
-        if self.bar is not None:
-            self.bar.set_description("train")
+        if self.bar is not None:  # one redraw per step (update's), not three
+            self.bar.set_description("train", refresh=False)
+            self.bar.set_postfix_str(f"{self.step_rate():.2f} s/step, loss {values.get('loss', float('nan')):.4f}",
+                                     refresh=False)
             self.bar.update(1)
-            self.bar.set_postfix_str(f"{self.step_rate():.2f} s/step, loss {values.get('loss', float('nan')):.4f}")
 
     def doing(self, text: str) -> None:
         """Say what the run is doing now (the step bar's label, or a line without a bar)."""

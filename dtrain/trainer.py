@@ -3,9 +3,10 @@
 Read top to bottom: :func:`train` calls :func:`setup` (model, data, LoRA,
 engine, handshake, output folder, optimizer, resume, logger) and then
 :func:`loop`, which only loops. Each step takes the global batch from the
-sampler and this rank's shard of it, splits it into micro-batches, asks the
-engine for loss contributions and LoRA gradients normalised by the *global*
-counts, sums them over micro-batches and ranks, clips, checks they are finite
+sampler and this rank's shard of it, asks the engine
+(``engine.run_micro_batches``) for the loss contributions and LoRA gradients of
+its micro-batches, normalised by the objective's *global* totals, sums them
+over ranks, clips, checks they are finite
 on every rank, and applies one AdamW update with the learning rate of
 ``schedule.learning_rate(step)``.
 """
@@ -20,27 +21,25 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
-from . import guards, sampler
+from . import sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
-from .engine import Norm, make_engine
+from .engine import make_engine, run_micro_batches
+from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
 from .lora import apply_lora, save_adapter
 from .objective import ORPO
+from .optimizer import AdamWStep, update_applied
 from .schedule import learning_rate
 from .tracking import RunLogger, new_run_dir, peak_memory_gb
 from .types import TokenizedPair
-
-ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
-
 
 @dataclass
 class TrainResult:
@@ -63,51 +62,6 @@ class TrainResult:
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
 
 
-def run_micro_batches(engine, pairs: list[TokenizedPair], norm: Norm, micro: int, with_grads: bool):
-    """Sum engine results over micro-batches of ``pairs``.
-
-    Returns:
-        ``(sums, grads)``: every ``ORPO.metric_keys`` sum as a Python float (zeros
-        when ``pairs`` is empty) and the summed gradient tree (None without
-        grads or pairs).
-    """
-    sums, grads, device = dict.fromkeys(ORPO.metric_keys, 0.0), None, {}
-    for chunk in sampler.micro_batches(pairs, micro):
-        result = engine.step(chunk, norm) if with_grads else engine.evaluate(chunk, norm)
-        if with_grads:
-            grads = result.grads if grads is None else tree_map(lambda a, b: a + b, grads, result.grads)
-        for k, v in result.sums.items():  # device sums stay on the device; host counts add here
-            if isinstance(v, mx.array):
-                device[k] = device[k] + v if k in device else v
-            else:
-                sums[k] += v
-        mx.eval(result.loss, list(device.values()), grads)  # one sync per micro-batch bounds memory
-    if device:  # one read for all of them
-        for k, v in zip(device, mx.stack(list(device.values())).tolist()):
-            sums[k] += v
-    return sums, grads
-
-
-def evaluate(engine, model, pairs: list[TokenizedPair], cfg: Config, group: Group, step: int, bar=None) -> dict:
-    """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
-
-    ``bar``: a progress bar advanced by the pairs of each micro-batch (rank 0's).
-    """
-    model.eval()
-    objective = ORPO.from_config(cfg)
-    norm = objective.totals(pairs)
-    micro = cfg.train.micro_batch_pairs
-    sums = dict.fromkeys(ORPO.metric_keys, 0.0)
-    for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
-        part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
-        sums = {k: sums[k] + part[k] for k in sums}  # the same float additions as one call over all chunks
-        if bar is not None:
-            bar.update(len(chunk))
-    sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
-    model.train()
-    return objective.finalize(sums, prefix="eval/")
-
-
 def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
     """One optimizer step on the global ``batch`` (this rank trains its shard).
 
@@ -122,29 +76,22 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     """
     t = cfg.train
     start = time.perf_counter()
-    mx.random.seed(step_seed(t.seed, step))  # dropout etc.: a pure function of the step
-    objective = ORPO.from_config(cfg)
+    objective = engine.objective
     norm = objective.totals(batch)
     mine = sampler.rank_shard(batch, group.rank, group.size)
-    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True)
+    key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
+    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True, key=key)
     if grads is None:  # this rank got no pairs this step: contribute zeros
         grads = tree_map(mx.zeros_like, model.trainable_parameters())
     reduce_start = time.perf_counter()
     grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
     reduce_seconds = time.perf_counter() - reduce_start
     sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-    if t.grad_clip > 0:
-        grads, grad_norm = optim.clip_grad_norm(grads, t.grad_clip)
-    else:
-        grad_norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
-    grad_norm = float(grad_norm)
     metrics = objective.finalize(sums)
     lr = learning_rate(step, t)
-    finite = math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)
-    if finite:
-        optimizer.learning_rate = lr
-        optimizer.update(model, grads)
-        mx.eval(model.trainable_parameters(), optimizer.state)
+    loss_finite = math.isfinite(metrics["loss"])
+    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
+    finite = update_applied(loss_finite, grad_norm)
     seconds = time.perf_counter() - start
     metrics.update({
         "grad_norm": grad_norm,
@@ -160,8 +107,28 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
 
 
 def step_seed(seed: int, step: int) -> int:
-    """The RNG seed of an optimizer step, so a resumed run draws the same numbers."""
+    """The dropout key seed of an optimizer step, so a resumed run draws the same masks."""
     return (seed * 1_000_003 + step) % (2**63)
+
+
+def _nothing(*_) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Explicit entry points into a run, for tests (fault injection, recording what
+    each step trains); the defaults change nothing.
+
+    ``engine(engine) -> engine`` wraps the engine :func:`setup` builds;
+    ``before_step(step, run)`` runs at the start of each optimizer step (inside
+    it: a signal that arrives there is agreed in this step); ``after_step(step, run)``
+    right after the update, before the step is logged.
+    """
+
+    engine: Callable = lambda engine: engine
+    before_step: Callable = _nothing
+    after_step: Callable = _nothing
 
 
 @dataclass
@@ -184,13 +151,14 @@ class Run:
     result: TrainResult
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    hooks: Hooks = Hooks()
 
     @property
     def checkpoints(self) -> Path:
         return Path(self.cfg.train.output_dir) / "checkpoints"
 
 
-def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> TrainResult:
+def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> TrainResult:
     """Run a whole training job described by ``cfg``.
 
     Args:
@@ -200,13 +168,14 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             from ``cfg.model`` when None.
         dataset: already tokenized pairs (``dtrain.data.Dataset``); built from
             ``cfg.data`` when None.
+        hooks: test entry points (:class:`Hooks`); none by default.
     Raises:
         UserError: bad model, data or config; a global batch larger than the
             training pairs; an output folder in use by another run, unusable,
             or holding another run's checkpoints; a checkpoint that cannot be
             continued; too many non-finite steps in a row.
     """
-    run = setup(cfg, group, loaded, dataset)
+    run = setup(cfg, group, loaded, dataset, hooks)
     with run.cleanup:  # stop handlers, event file, output-folder lock
         return loop(run)
 
@@ -221,8 +190,10 @@ def loop(run: Run) -> TrainResult:
     skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
         batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
+        run.hooks.before_step(step, run)
         metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
                                                 run.group, run.stop)
+        run.hooks.after_step(step, run)
         skipped_in_row = 0 if applied else skipped_in_row + 1
         record(run, step, metrics, applied)
         if skipped_in_row >= t.max_skipped_steps:
@@ -248,7 +219,7 @@ def loop(run: Run) -> TrainResult:
     return result
 
 
-def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None) -> Run:
+def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
     """Model, data, LoRA, engine, handshake, output folder, optimizer, resume, logger: a ready :class:`Run`.
 
     What it takes (the output-folder lock, signal handlers, the event file) is
@@ -270,10 +241,10 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
                                cache_dir=Path(t.output_dir) / "data_cache")
         cache_entries = dataset.cache_entries
-    pairs_sampler = make_sampler(cfg, dataset.train)
+    pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = make_engine(cfg, model)
+    engine = hooks.engine(make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -291,11 +262,9 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
             from .data import write_entries
 
             write_entries(cache_entries)
-        # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
-        optimizer = optim.AdamW(learning_rate=learning_rate(1, t), weight_decay=t.weight_decay, bias_correction=True)
-        optimizer.init(model.trainable_parameters())
+        optimizer = AdamWStep(t, model.trainable_parameters())
         resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=_stderr if group.is_main else lambda _: None)
+                              model, optimizer, group, report=_stderr if group.is_main else None)
         if resumed is not None:
             if resumed.state.step > t.steps:
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
@@ -320,25 +289,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None)
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result,
-                   resumed.path if resumed else None, cleanup.pop_all())
-
-
-def make_sampler(cfg: Config, train_pairs: list) -> sampler.Sampler:
-    """The run's :class:`dtrain.sampler.Sampler`.
-
-    Raises:
-        UserError: no training pairs, or a global batch larger than them (a
-            step would have to train a pair twice).
-    """
-    n, b = len(train_pairs), cfg.train.global_batch_pairs
-    where = cfg.data.train or "the demo data"
-    if n == 0:
-        raise UserError(f"no training pairs left after loading and filtering {where}")
-    if b > n:
-        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s) (after the held-out "
-                        f"split, data.valid_fraction={cfg.data.valid_fraction}); a step would train a pair more than "
-                        f"once: set train.global_batch_pairs to at most {n}, or add data")
-    return sampler.Sampler(n, b, cfg.train.seed)
+                   resumed.path if resumed else None, cleanup.pop_all(), hooks)
 
 
 def first_step_text(run: Run) -> str:
@@ -360,23 +311,6 @@ def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
     run.result.history.append(metrics)
     run.log.scalars(step, metrics)
     run.log.progress(step, metrics)
-
-
-def evaluate_and_log(run: Run, step: int) -> None:
-    """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics."""
-    bar = run.log.eval_bar(step, len(sampler.rank_shard(run.valid, run.group.rank, run.group.size)))
-    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
-    try:
-        metrics = evaluate(run.engine, run.model, run.valid, run.cfg, run.group, step, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    run.result.evals[step] = metrics
-    run.state.evals[str(step)] = metrics
-    run.log.scalars(step, metrics)
-    warning = guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn)
-    if warning:
-        run.log.message(warning)
 
 
 def save(run: Run, step: int) -> None:

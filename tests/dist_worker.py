@@ -76,37 +76,35 @@ def for_rank(items, rank):
     return [v for r, v in (i.split(":", 1) for i in items) if int(r) == rank]
 
 
-def instrument(args, group, seen):
-    """Wrap ``trainer.train_step`` and ``trainer.make_engine`` (this process only) to
-    record each step's pair sources and to inject the requested faults."""
+def hooks_for(args, group, seen) -> trainer.Hooks:
+    """Trainer hooks (this process only) that record each step's pair sources, as the
+    engine receives them, and inject the requested faults."""
     kill, stall, drift = (at(s, group.rank) for s in (args.kill_at, args.stall_at, args.drift_at))
-    inner_step, inner_engine = trainer.train_step, trainer.make_engine
     current = {}
 
-    def train_step(step, engine, model, *rest, **kw):
+    def before_step(step, run):
         current["step"] = step
         if step == kill:
             os.kill(os.getpid(), signal.SIGKILL)
         if step == stall:
             os.kill(os.getpid(), signal.SIGSTOP)
-        out = inner_step(step, engine, model, *rest, **kw)
+
+    def after_step(step, run):
         if step == drift:
-            model.update(tree_map(lambda p: p + 1e-3, model.trainable_parameters()))
-        return out
+            run.model.update(tree_map(lambda p: p + 1e-3, run.model.trainable_parameters()))
 
     class Recording:
         def __init__(self, engine):
-            self.engine, self.name = engine, engine.name
+            self.engine, self.name, self.objective = engine, engine.name, engine.objective
 
-        def step(self, chunk, norm):
+        def step(self, chunk, totals, key=None):
             seen.setdefault(current["step"], []).extend(p.source for p in chunk)
-            return self.engine.step(chunk, norm)
+            return self.engine.step(chunk, totals, key)
 
-        def evaluate(self, chunk, norm):
-            return self.engine.evaluate(chunk, norm)
+        def evaluate(self, chunk, totals, key=None):
+            return self.engine.evaluate(chunk, totals, key)
 
-    trainer.train_step = train_step
-    trainer.make_engine = lambda cfg, model: Recording(inner_engine(cfg, model))
+    return trainer.Hooks(engine=Recording, before_step=before_step, after_step=after_step)
 
 
 def run_training(args, overrides, group):
@@ -122,8 +120,7 @@ def run_training(args, overrides, group):
     loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny",
                              reference={"path": "tiny"})
     seen: dict = {}
-    instrument(args, group, seen)
-    result = trainer.train(cfg, group=group, loaded=loaded, dataset=dataset)
+    result = trainer.train(cfg, group=group, loaded=loaded, dataset=dataset, hooks=hooks_for(args, group, seen))
     mx.save_safetensors(str(out / f"rank{group.rank}.safetensors"), dict(tree_flatten(loaded.model.trainable_parameters())))
     report = {
         "rank": group.rank, "size": group.size, "backend": group.backend,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtrain import blas
+from dtrain import blas, blas_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = blas.find_openblas() or blas.find_mkl()
@@ -68,9 +68,9 @@ def _numpy_sgemm(wrong_at=None):
 
 
 def test_verify_accepts_a_correct_sgemm_and_rejects_one_wrong_element():
-    assert blas.verify(_numpy_sgemm(), np) < 1e-3
+    assert blas_probe.verify(_numpy_sgemm(), np) < 1e-3
     # one element off by 1.0 in a 37x19 result (k=73): the bound 4 * eps * k * |row| * |column| is ~4e-3
-    assert blas.verify(_numpy_sgemm(wrong_at=(3, 5)), np) > 100
+    assert blas_probe.verify(_numpy_sgemm(wrong_at=(3, 5)), np) > 100
 
 
 def _fake_probe(reports: dict, calls: list):

@@ -12,17 +12,18 @@ import random
 
 import mlx.core as mx
 import mlx.optimizers as optim
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from dtrain.config import Config, load_config
 from dtrain.engine import Norm, make_engine
-from dtrain.engine.layout import bucket_length, shared_prefix_layout
-from dtrain.engine.segmented import SegmentedEngine, estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.layout import bucket_length
+from dtrain.engine.plan import estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.segmented import SegmentedEngine
 from dtrain.errors import ConfigError
+from dtrain.objective import ORPO
 
 from test_engine_segmented import NORM, assert_parity, engine_for, lora_model, make_pairs, rel
 
@@ -64,7 +65,7 @@ def test_bucket_padding_leaves_loss_sums_and_grads_unchanged(arch, prefix, varia
         kw = dict(VARIANTS[variant], prefix_sharing=prefix)
         exact = engine_for(model, **kw).step(pairs, NORM)
         padded_engine = engine_for(model, length_bucket=16, **kw)
-        layout = padded_engine._layout(pairs)
+        layout = padded_engine.layout(pairs)
         assert layout.shape[1] % 16 == 0 and layout.targets.shape[0] % 16 == 0  # really padded
         padded = padded_engine.step(pairs, NORM)
         mx.eval(exact.loss, exact.grads, padded.loss, padded.grads)
@@ -123,9 +124,9 @@ def test_layer_and_step_estimates_worked_numbers():
 def test_auto_plan_single_pass_when_it_fits_else_recompute(caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="dtrain.engine.segmented")
+    caplog.set_level(logging.INFO, logger="dtrain.engine.plan")
     model = lora_model("llama")
-    roomy = SegmentedEngine.from_config(load_config(overrides=["engine.memory_budget_gb=1", "data.demo_pairs=1"]), model)
+    roomy = make_engine(load_config(overrides=["engine.memory_budget_gb=1", "data.demo_pairs=1"]).engine, model, ORPO(0.1))
     pairs = make_pairs()
     out = roomy.step(pairs, NORM)
     assert roomy.ranges == [(0, 5)] and roomy._chunk == 0
@@ -134,8 +135,8 @@ def test_auto_plan_single_pass_when_it_fits_else_recompute(caplog):
                                "(estimated peak 0.0 GiB, x 1.25 within a 1.0 GiB budget)"]
     roomy.step(random_pairs(3), NORM)  # another shape: one more notice
     assert len(caplog.messages) == 2
-    tight = SegmentedEngine.from_config(load_config(overrides=["engine.memory_budget_gb=0.000001", "data.demo_pairs=1"]),
-                                        model)
+    tight = make_engine(load_config(overrides=["engine.memory_budget_gb=0.000001", "data.demo_pairs=1"]).engine,
+                        model, ORPO(0.1))
     assert_parity(model, tight, pairs)
     assert tight._chunk == 1024 and len(tight.ranges) > 1
     assert "ranges of" in caplog.messages[-1]
@@ -145,7 +146,7 @@ def test_auto_plan_single_pass_when_it_fits_else_recompute(caplog):
 def test_auto_is_the_default_and_bucket_keys_are_checked():
     cfg = Config()
     assert cfg.engine.kind == "auto" and cfg.engine.length_bucket == "auto" and cfg.engine.prefix_sharing
-    assert isinstance(make_engine(cfg, lora_model("llama")), SegmentedEngine)
+    assert isinstance(make_engine(cfg.engine, lora_model("llama"), ORPO(0.1)), SegmentedEngine)
     with pytest.raises(ConfigError, match="key 'engine.length_bucket' must be >= 0; got -1"):
         load_config(overrides=["engine.length_bucket=-1", "data.demo_pairs=1"])
     with pytest.raises(ConfigError, match="key 'engine.kind' must be one of auto, reference, segmented"):

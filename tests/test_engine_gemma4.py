@@ -10,11 +10,11 @@ runs on each, for a dense, an untied K = V and an MoE configuration.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
 from dtrain.engine.arch import adapter_for
-from dtrain.engine.segmented import SegmentedEngine, _kv_exports, _kv_imports
+from dtrain.engine.plan import kv_exports, kv_imports
+from dtrain.engine.segmented import SegmentedEngine
 
 from conftest import add_random_lora, make_tiny_model
 from test_engine_segmented import VOCAB, assert_parity, engine_for, make_pairs
@@ -50,9 +50,9 @@ def test_donors_and_range_crossings():
     arch = adapter_for(gemma4_model("gemma4"))
     assert arch.donors == [None, None, None, None, 2, 3]
     assert arch.windows == [4, None] * 3
-    assert [_kv_exports(arch.donors, lo, hi) for lo, hi in ((0, 3), (3, 6))] == [[2], []]
-    assert [_kv_imports(arch.donors, lo, hi) for lo, hi in ((0, 3), (3, 6))] == [[], [2]]  # 3 -> 5 stays inside
-    assert _kv_exports(arch.donors, 2, 4) == [2, 3] and _kv_imports(arch.donors, 4, 6) == [2, 3]
+    assert [kv_exports(arch.donors, lo, hi) for lo, hi in ((0, 3), (3, 6))] == [[2], []]
+    assert [kv_imports(arch.donors, lo, hi) for lo, hi in ((0, 3), (3, 6))] == [[], [2]]  # 3 -> 5 stays inside
+    assert kv_exports(arch.donors, 2, 4) == [2, 3] and kv_imports(arch.donors, 4, 6) == [2, 3]
 
 
 @pytest.mark.parametrize("size", [2, 3, 0])
@@ -73,8 +73,9 @@ def test_parity_lambda_zero_and_fallback_pair():
 def test_from_config_picks_segmented(capsys):
     from dtrain.config import Config
     from dtrain.engine import make_engine
+    from dtrain.objective import ORPO
 
     cfg = Config()
     cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.prefix_sharing = "segmented", "auto", True
-    engine = make_engine(cfg, gemma4_model("gemma4"))
+    engine = make_engine(cfg.engine, gemma4_model("gemma4"), ORPO(0.1))
     assert isinstance(engine, SegmentedEngine) and capsys.readouterr().err == ""

@@ -18,6 +18,7 @@ from dtrain.config import Config
 from dtrain.engine import Norm, ReferenceEngine, make_engine
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
+from dtrain.objective import ORPO
 from dtrain.types import TokenizedPair
 
 from conftest import add_random_lora, make_tiny_model
@@ -74,7 +75,7 @@ def rel(a, b) -> float:
 
 
 def assert_parity(model, engine, pairs, lam=0.1, norm=NORM):
-    ref = ReferenceEngine(model, lam).step(pairs, norm)
+    ref = ReferenceEngine(model, ORPO(lam)).step(pairs, norm)
     out = engine.step(pairs, norm)
     mx.eval(ref.loss, ref.grads, out.loss, out.grads)
     assert rel(out.loss, ref.loss) < 1e-5, (float(out.loss), float(ref.loss))
@@ -87,14 +88,14 @@ def assert_parity(model, engine, pairs, lam=0.1, norm=NORM):
     assert g_ref.keys() == g_out.keys()
     for k in g_ref:
         assert rel(g_out[k], g_ref[k]) < 1e-4, (k, rel(g_out[k], g_ref[k]))
-    ev_ref, ev = ReferenceEngine(model, lam).evaluate(pairs, norm), engine.evaluate(pairs, norm)
+    ev_ref, ev = ReferenceEngine(model, ORPO(lam)).evaluate(pairs, norm), engine.evaluate(pairs, norm)
     assert rel(ev.loss, ev_ref.loss) < 1e-5
     assert ev.grads is None
     return out
 
 
 def engine_for(model, lam=0.1, **kw):
-    return SegmentedEngine(model, adapter_for(model), lam, **kw)
+    return SegmentedEngine(model, adapter_for(model), ORPO(lam), **kw)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -163,14 +164,38 @@ def test_params_restored_after_step():
 def test_from_config_and_fallback_notice(capsys):
     cfg = Config()
     cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.prefix_sharing = "segmented", 2, True
-    engine = make_engine(cfg, lora_model("llama"))
+    engine = make_engine(cfg.engine, lora_model("llama"), ORPO(0.1))
     assert isinstance(engine, SegmentedEngine) and engine.ranges == [(0, 2), (2, 4), (4, 5)]
     assert engine.prefix_sharing and capsys.readouterr().err == ""
 
     other = make_tiny_model("phi3", **dict(SMALL, num_hidden_layers=2, model_type="phi3"))
-    assert isinstance(make_engine(cfg, other), ReferenceEngine)
+    assert isinstance(make_engine(cfg.engine, other, ORPO(0.1)), ReferenceEngine)
     err = capsys.readouterr().err
     assert "does not support mlx-lm architecture 'phi3'; using the reference engine" in err
+
+
+def test_factory_decides_each_fallback_and_reports_it_once():
+    """make_engine is the one place that turns segmented into reference or drops compile."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    cfg = Config()
+    cfg.engine.kind, cfg.engine.compile = "segmented", True
+    notes = []
+    model = lora_model("llama")
+    model.model.norm.unfreeze()
+    assert isinstance(make_engine(cfg.engine, model, ORPO(0.1), notes.append), ReferenceEngine)
+    assert notes == ["the segmented engine differentiates only decoder-layer parameters; trainable outside them: "
+                     "model.norm.weight; using the reference engine"]
+    notes.clear()
+    dropout = make_tiny_model("llama", seed=0, **ARCHS["llama"][1])
+    dropout.freeze()
+    linear_to_lora_layers(dropout, 2, {"rank": 4, "scale": 2.0, "dropout": 0.5})
+    engine = make_engine(cfg.engine, dropout, ORPO(0.1), notes.append)
+    assert isinstance(engine, SegmentedEngine) and not engine.compile
+    assert notes == ["engine.compile is off: LoRA dropout draws new masks each step, which compiled ranges would "
+                     "replay"]
+    notes.clear()
+    assert make_engine(cfg.engine, lora_model("llama"), ORPO(0.1), notes.append).compile and notes == []
 
 
 def test_trainable_outside_layers_is_an_error():
@@ -236,42 +261,72 @@ def test_unwindowed_prefix_sharing_builds_no_mask_array(monkeypatch):
         assert out.sums["fallback_pairs"] == 1
 
 
-def test_lora_dropout_gradient_matches_finite_differences_of_the_same_masks():
-    """With LoRA dropout on, each range's recompute draws the masks its forward
-    drew (per-range seeds), so the gradient is that of the loss that was run:
-    checked by central differences of ``evaluate`` under the same seed (float64)."""
+def dropout_model(dtype=mx.float32):
+    """The llama test model with LoRA dropout 0.5 on every layer (random LoRA weights)."""
     from mlx.utils import tree_map
     from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    from dtrain.engine.arch import adapter_for
 
     model = make_tiny_model("llama", seed=0, **ARCHS["llama"][1])
     model.freeze()
     linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.5})
     model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
-    model.set_dtype(mx.float64)
+    model.set_dtype(dtype)
     model.train()
-    engine = SegmentedEngine(model, adapter_for(model), 0.1, "full", segment_layers=2, prefix_sharing=True)
+    return model
+
+
+def test_lora_dropout_gradient_matches_finite_differences_of_the_same_masks():
+    """With LoRA dropout on, each range's recompute draws the masks its forward
+    drew (the key the range started from), so the gradient is that of the loss
+    that was run: checked by central differences of ``evaluate`` under the same key (float64)."""
+    from mlx.utils import tree_map
+
+    model = dropout_model(mx.float64)
+    engine = SegmentedEngine(model, adapter_for(model), ORPO(0.1, "full"), segment_layers=2, prefix_sharing=True)
     pairs = make_pairs()
-    norm = Norm(nll_tokens=float(sum(len(p.prompt) + len(p.chosen) - 1 for p in pairs)), pairs=float(len(pairs)))
-    mx.random.seed(123)
-    grads = engine.step(pairs, norm).grads
+    norm = ORPO(0.1, "full").totals(pairs)
+    key = mx.random.key(123)
+    grads = engine.step(pairs, norm, key).grads
     params = model.trainable_parameters()
     mx.random.seed(5)
     direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
 
     def along(eps):
         model.update(tree_map(lambda p, d: p + eps * d, params, direction))
-        mx.random.seed(123)  # the same range seeds, hence the same dropout masks
-        return engine.evaluate(pairs, norm).loss.item()
+        return engine.evaluate(pairs, norm, key).loss.item()  # the same key, hence the same dropout masks
 
     d = lambda h: (along(h) - along(-h)) / (2 * h)  # noqa: E731
     fd = (4 * d(2e-3) - d(4e-3)) / 3  # Richardson: cancels the O(h^2) term
     model.update(params)
     analytic = sum((g * v).sum().item() for (_, g), (_, v) in zip(tree_flatten(grads), tree_flatten(direction)))
     assert analytic == pytest.approx(fd, rel=2e-4)
-    mx.random.seed(124)  # other masks give another loss: dropout is really on
-    assert engine.evaluate(pairs, norm).loss.item() != pytest.approx(along(0.0), rel=1e-6)
+    # another key gives other masks, hence another loss: dropout is really on
+    assert engine.evaluate(pairs, norm, mx.random.key(124)).loss.item() != pytest.approx(along(0.0), rel=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(segment_layers=2), dict(segment_layers=2, head_chunk_tokens=7),
+                                dict(segment_layers=0)])
+def test_lora_dropout_segmented_equals_reference_and_repeats_bitwise(kw):
+    """One dropout key: the segmented engine (two-sequence layout, so the same shapes) draws
+    the reference engine's masks, range by range and again in each recompute; the same key
+    twice gives bitwise equal gradients; nothing reads or seeds MLX's global generator."""
+    model = dropout_model()
+    engine = engine_for(model, **kw)
+    pairs, key = make_pairs(), mx.random.key(7)
+    before = np.array(mx.random.state[0])
+    ref = ReferenceEngine(model, ORPO(0.1)).step(pairs, NORM, key)
+    out, again = engine.step(pairs, NORM, key), engine.step(pairs, NORM, key)
+    other = engine.step(pairs, NORM, mx.random.key(8))
+    mx.eval(ref.grads, out.grads, again.grads, other.grads)
+    assert np.array_equal(np.array(mx.random.state[0]), before)  # the global generator did not move
+    g_ref, g_out, g_again, g_other = (dict(tree_flatten(r.grads)) for r in (ref, out, again, other))
+    assert rel(out.loss, ref.loss) < 1e-5
+    for k in g_ref:
+        assert rel(g_out[k], g_ref[k]) < 1e-4, (k, rel(g_out[k], g_ref[k]))
+        assert np.array_equal(np.array(g_out[k]), np.array(g_again[k])), k
+    assert max(rel(g_other[k], g_out[k]) for k in g_out) > 1e-2  # other masks: other gradients
+    with pytest.raises(ValueError, match="LoRA dropout is on but no key was given"):
+        engine.step(pairs, NORM)
 
 
 @pytest.mark.parametrize("size, chunk, runs", [(2, 7, [2] * 5), (0, 7, [2] * 5), (2, 0, [2] * 5), (0, 0, [1] * 5)])
@@ -289,12 +344,12 @@ def test_one_range_without_chunked_head_runs_each_layer_once(size, chunk, runs):
         counts[index[id(layer)]] += 1
         return arch.layer_call(layer, *args)
 
-    engine = SegmentedEngine(model, dataclasses.replace(arch, layer_call=counting), 0.1,
+    engine = SegmentedEngine(model, dataclasses.replace(arch, layer_call=counting), ORPO(0.1),
                              segment_layers=size, prefix_sharing=True, head_chunk_tokens=chunk)
     out = engine.step(make_pairs(), NORM)
     mx.eval(out.loss, out.grads)
     assert counts == runs
-    assert_parity(model, SegmentedEngine(model, arch, 0.1, segment_layers=size, prefix_sharing=True,
+    assert_parity(model, SegmentedEngine(model, arch, ORPO(0.1), segment_layers=size, prefix_sharing=True,
                                          head_chunk_tokens=chunk), make_pairs())
 
 
@@ -302,5 +357,5 @@ def test_one_range_without_chunked_head_runs_each_layer_once(size, chunk, runs):
 def test_one_range_with_chunked_head_gets_a_notice(capsys, size, chunk, noticed):
     cfg = Config()
     cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.head_chunk_tokens = "segmented", size, chunk
-    make_engine(cfg, lora_model("llama"))  # 5 layers
+    make_engine(cfg.engine, lora_model("llama"), ORPO(0.1))  # 5 layers
     assert ("head_chunk_tokens: 0 gives the single pass" in capsys.readouterr().err) == noticed

@@ -1,4 +1,4 @@
-"""Two hosts simulated with network namespaces (bench/netns.py): one rank per
+"""Two hosts simulated with network namespaces (dtrain/launch/netns.py): one rank per
 namespace with its own IP, ring backend over those IPs, rank and hostfile
 given through the environment as mlx.launch gives them to remote hosts."""
 
@@ -8,11 +8,9 @@ import sys
 
 import pytest
 
-from fixtures_launch import ROOT, free_port, launch, make_job
+from dtrain.launch import netns
+from fixtures_launch import free_port, launch, make_job
 from test_launch import ADAPTER, assert_same_adapter
-
-sys.path.insert(0, str(ROOT / "bench"))
-import netns  # noqa: E402
 
 REASON = netns.can_create_namespaces() if sys.platform == "linux" else "network namespaces are Linux only"
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cannot simulate hosts: {REASON}")

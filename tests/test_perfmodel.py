@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import random
 
-import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama

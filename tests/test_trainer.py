@@ -55,6 +55,19 @@ def test_tensorboard_scalars_read_back(tmp_path):
     np.testing.assert_allclose(logged, [h["loss"] for h in result.history], rtol=1e-6)
 
 
+def test_a_steps_scalars_are_one_tensorboard_event(tmp_path):
+    """One record (and checksum) per step, not one per scalar: each is a pure-Python CRC in tensorboardX."""
+    from dtrain.tracking import RunLogger, read_events
+
+    log = RunLogger(tmp_path, total_steps=2, progress=False)
+    log.scalars(1, {"loss": 0.5, "grad_norm": 2.25})
+    log.scalars(2, {"loss": 0.25, "grad_norm": 1.0})
+    log.close()
+    steps = [(e.step, [(v.tag, v.simple_value) for v in e.summary.value]) for e in read_events(tmp_path) if e.summary.value]
+    assert steps == [(1, [("loss", 0.5), ("grad_norm", 2.25)]), (2, [("loss", 0.25), ("grad_norm", 1.0)])]
+    assert read_scalars(tmp_path) == {"loss": [(1, 0.5), (2, 0.25)], "grad_norm": [(1, 2.25), (2, 1.0)]}
+
+
 def test_two_runs_never_share_a_tensorboard_directory(tmp_path):
     from dtrain.tracking import new_run_dir
 
@@ -82,19 +95,31 @@ def test_same_seed_same_losses_and_adapter(tmp_path):
     assert all(mx.array_equal(wa[k], wb[k]).item() for k in wa)
 
 
+def test_lora_dropout_runs_are_bitwise_repeatable(tmp_path):
+    """Dropout masks come from a key per step (``step_seed``), not from MLX's global generator:
+    the same seed gives the same adapter bit for bit (the global state moved in between)."""
+    a, _ = run(tmp_path / "a", "lora.dropout=0.5")
+    mx.random.normal((3,))  # the global generator moves between the runs
+    b, _ = run(tmp_path / "b", "lora.dropout=0.5")
+    c, _ = run(tmp_path / "c")  # no dropout: another loss, so the masks were really drawn
+    wa, wb = (mx.load(str(r.adapter_dir / ADAPTER_WEIGHTS)) for r in (a, b))
+    assert [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
+    assert all(mx.array_equal(wa[k], wb[k]).item() for k in wa)
+    assert a.history[-1]["loss"] != c.history[-1]["loss"]  # (step 1 is equal: lora_b starts at zero)
+
+
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     """Micro-batches are weighted by their real token and pair counts: the
     summed gradient of 1-pair micro-batches equals the 4-pair batch's."""
     from dtrain.config import LoraConfig
-    from dtrain.engine import ReferenceEngine
+    from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
     from dtrain.objective import ORPO
-    from dtrain.trainer import run_micro_batches
 
     model = make_tiny_model()
     apply_lora(model, LoraConfig(rank=2))
     model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
-    engine = ReferenceEngine(model, lam=0.1)
+    engine = ReferenceEngine(model, ORPO(0.1))
     pairs = make_pairs(4)
     norm = ORPO(0.1, "full").totals(pairs)
     whole, g_whole = run_micro_batches(engine, pairs, norm, 4, with_grads=True)

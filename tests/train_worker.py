@@ -25,25 +25,24 @@ from dtrain import trainer  # noqa: E402
 from dtrain.trainer import train  # noqa: E402
 
 
-def slow_steps(seconds: float, marks: Optional[Path]) -> None:
+def slow_steps(seconds: float, marks: Optional[Path]) -> trainer.Hooks:
     """Test harness only: make each optimizer step take ``seconds`` longer (the
-    sleep is inside the step), so a test can kill or interrupt the process
-    mid-run; with ``marks``, touch ``marks/in-step-N`` when step N begins."""
-    step = trainer.train_step
+    sleep is inside the step, in ``Hooks.before_step``), so a test can kill or
+    interrupt the process mid-run; with ``marks``, touch ``marks/in-step-N`` when step N begins."""
 
-    def delayed(step_no, *args, **kwargs):
+    def delayed(step, run):
         if marks is not None:
-            (marks / f"in-step-{step_no}").touch()
+            (marks / f"in-step-{step}").touch()
         time.sleep(seconds)
-        return step(step_no, *args, **kwargs)
 
-    trainer.train_step = delayed
+    return trainer.Hooks(before_step=delayed)
 
 
 def main(argv):
     out = Path(argv[0])
+    hooks = trainer.Hooks()
     if os.environ.get("WORKER_STEP_DELAY"):
-        slow_steps(float(os.environ["WORKER_STEP_DELAY"]), out if os.environ.get("WORKER_MARK_STEPS") else None)
+        hooks = slow_steps(float(os.environ["WORKER_STEP_DELAY"]), out if os.environ.get("WORKER_MARK_STEPS") else None)
     overrides = [f"train.output_dir={out}", "data.demo_pairs=1", "train.progress=false", "lora.rank=2",
                  "train.learning_rate=1e-2", *split_overrides(argv[1:])]
     try:
@@ -53,7 +52,7 @@ def main(argv):
         loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                                  reference={"path": "tiny-llama"})
         dataset = SimpleNamespace(train=pairs[:20], valid=pairs[20:], fingerprint="tiny-pairs")
-        result = train(cfg, group=group, loaded=loaded, dataset=dataset)
+        result = train(cfg, group=group, loaded=loaded, dataset=dataset, hooks=hooks)
     except UserError as err:
         print(f"dtrain: error: {err}", file=sys.stderr, flush=True)
         return 2

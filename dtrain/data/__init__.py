@@ -17,14 +17,15 @@ from typing import Callable, Optional
 from ..errors import DataError
 from .check import check_file
 from .demo import demo_pairs
-from .cache import tokenize_cached, write_entries
+from .cache import cache_key, tokenize_cached, write_entries
 from .formats import BadRowReport, Row, parse_rows
 from .render import end_of_turn, tokenize_rows
 from .sources import fingerprint as data_fingerprint
 from .sources import read_rows, resolve, resolve_pair
 
-__all__ = ["BadRowReport", "Dataset", "Row", "check_file", "demo_pairs", "end_of_turn",
-           "load_dataset", "load_rows", "split_rows", "tokenize_rows", "write_entries"]
+__all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn",
+           "load_dataset", "load_rows", "read_rows", "resolve", "split_rows", "tokenize_cached", "tokenize_rows",
+           "write_entries"]
 
 DEMO_VERSION = 1  # bump when demo.py changes its output, so fingerprints change too
 

@@ -2,25 +2,74 @@
 contribution, metric sums and LoRA gradients (``StepResult``).
 
 ``reference`` backpropagates through the whole mlx-lm model; ``segmented``
-recomputes layer ranges inside ``mx.vjp`` (see segmented.py). Both take the
-same config and return the same outputs.
+recomputes layer ranges inside ``mx.vjp`` (see segmented.py). Both implement
+:class:`Engine` for one model and one objective and return the same outputs;
+:func:`make_engine` is the one place that decides which one a run gets.
 """
 
 from __future__ import annotations
 
-from ..config import Config
-from .common import Norm, StepResult
+import sys
+from typing import Callable, Optional
+
+from ..config import EngineConfig
+from .common import Engine, Norm, StepResult, run_micro_batches
 from .reference import ReferenceEngine
 
 
-def make_engine(cfg: Config, model):
-    """Build the engine named by ``cfg.engine.kind`` for ``model`` (``auto``: the
-    segmented engine choosing its plan per length bucket, see ``SegmentedEngine``)."""
-    if cfg.engine.kind in ("auto", "segmented"):
-        from .segmented import SegmentedEngine
 
-        return SegmentedEngine.from_config(cfg, model)
-    return ReferenceEngine(model, cfg.orpo.lam, cfg.orpo.nll_scope)
+def _stderr(message: str) -> None:
+    print(f"dtrain: {message}", file=sys.stderr, flush=True)
 
 
-__all__ = ["Norm", "StepResult", "ReferenceEngine", "make_engine"]
+def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[str], None]] = _stderr) -> Engine:
+    """The engine named by ``cfg.kind`` for ``model`` and ``objective``, with every fallback decided here.
+
+    ``auto``/``segmented`` get :class:`SegmentedEngine` (``auto``: its plan chosen
+    per length bucket from ``cfg.memory_budget_gb``), except where it cannot run,
+    which gives the reference engine: an architecture without an adapter in
+    ``engine/arch.py``, or trainable parameters outside the decoder layers.
+    ``compile`` is dropped with LoRA dropout (compiled ranges would replay one
+    mask); ``length_bucket: auto`` is 128 on a GPU, 0 on the CPU. Each decision
+    that changes what was asked, and the advice for one range with a chunked
+    head, is passed to ``report`` once (the trainer reports on rank 0 only).
+
+    Args:
+        cfg: the run's ``engine`` section.
+        model: an mlx-lm model with LoRA applied.
+        objective: the training objective (``dtrain.objective.ORPO``).
+        report: called with each one-line notice (None: silent).
+    """
+    report = report or (lambda _: None)
+    if cfg.kind == "reference":
+        return ReferenceEngine(model, objective)
+    import mlx.core as mx
+
+    from .arch import adapter_for, module_name
+    from .plan import GIB
+    from .segmented import SegmentedEngine, has_dropout, trainable_outside_layers
+
+    arch = adapter_for(model)
+    if arch is None:
+        report(f"the segmented engine does not support mlx-lm architecture '{module_name(model)}'; "
+               f"using the reference engine")
+        return ReferenceEngine(model, objective)
+    outside = trainable_outside_layers(model, arch.layers)
+    if outside:
+        report(f"the segmented engine differentiates only decoder-layer parameters; trainable outside them: "
+               f"{', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''}; using the reference engine")
+        return ReferenceEngine(model, objective)
+    size = "auto" if cfg.kind == "auto" else cfg.segment_layers
+    if size != "auto" and (size <= 0 or size >= len(arch.layers)) and cfg.head_chunk_tokens > 0:
+        report("one range of all layers with a chunked head recomputes every layer; "
+               "engine.head_chunk_tokens: 0 gives the single pass (faster, keeps the logits)")
+    compile = cfg.compile
+    if compile and has_dropout(model):
+        report("engine.compile is off: LoRA dropout draws new masks each step, which compiled ranges would replay")
+        compile = False
+    bucket = (128 if mx.default_device() == mx.gpu else 0) if cfg.length_bucket == "auto" else cfg.length_bucket
+    return SegmentedEngine(model, arch, objective, size, cfg.prefix_sharing, cfg.head_chunk_tokens, bucket, compile,
+                           cfg.memory_budget_gb * GIB)
+
+
+__all__ = ["Engine", "Norm", "StepResult", "ReferenceEngine", "make_engine", "run_micro_batches"]

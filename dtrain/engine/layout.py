@@ -104,8 +104,8 @@ class Layout:
 class _Builder:
     """Accumulates sequences and target rows; ``finish`` pads and converts."""
 
-    def __init__(self, nll_response_only: bool):
-        self.nll_response_only = nll_response_only
+    def __init__(self, nll_scope: str):
+        self.nll_scope = nll_scope
         self.seqs, self.pos, self.blk, self.spans = [], [], [], []
         self.targets = []  # (seq index, t, target id, pair, nll, chosen, rejected)
         self.block_sparse = False
@@ -121,14 +121,19 @@ class _Builder:
         for t, i in zip(ts, ids):
             self.targets.append((s, t, i, pair, nll, chosen, rejected))
 
+    def add_prompt_nll(self, s, prompt, pair) -> None:
+        """Prompt tokens 1.. of sequence ``s`` (which starts with ``prompt``), NLL only."""
+        k = nll_prompt_targets(len(prompt), self.nll_scope)
+        self.add_targets(s, range(k), list(prompt)[1 : k + 1], pair, 1, 0, 0)
+
     def add_side(self, pair, prompt, response, chosen: bool) -> None:
         """One ``[prompt; response]`` sequence (two-sequence layout)."""
         P, R = len(prompt), len(response)
         seq = list(prompt) + list(response)
         blocks = [BLOCK_PROMPT] * P + [BLOCK_CHOSEN if chosen else BLOCK_REJECTED] * R
         s = self.add_sequence(seq, list(range(P + R)), blocks, (P, R, 0))
-        if chosen and not self.nll_response_only:
-            self.add_targets(s, range(P - 1), seq[1:P], pair, 1, 0, 0)
+        if chosen:
+            self.add_prompt_nll(s, prompt, pair)
         self.add_targets(s, range(P - 1, P + R - 1), response, pair, int(chosen), int(chosen), int(not chosen))
 
     def add_shared(self, pair, prompt, chosen, rejected) -> None:
@@ -139,8 +144,7 @@ class _Builder:
         blocks = [BLOCK_PROMPT] * P + [BLOCK_CHOSEN] * C + [BLOCK_REJECTED] * R
         s = self.add_sequence(seq, pos, blocks, (P, C, R))
         self.block_sparse = True
-        if not self.nll_response_only:
-            self.add_targets(s, range(P - 1), seq[1:P], pair, 1, 0, 0)
+        self.add_prompt_nll(s, prompt, pair)
         self.add_targets(s, range(P - 1, P + C - 1), chosen, pair, 1, 1, 0)
         # rejected[0] from the last prompt position, then from rejected positions
         self.add_targets(s, [P - 1] + list(range(P + C, P + C + R - 1)), rejected, pair, 0, 0, 1)
@@ -177,6 +181,19 @@ class _Builder:
         )
 
 
+def nll_prompt_targets(prompt_len: int, nll_scope: str) -> int:
+    """Prompt tokens predicted in the NLL term: every prompt token after the first
+    (``full``), or none (``response``). With the chosen response tokens, which are
+    always NLL targets, this is the one rule for the NLL token count (the layouts'
+    ``w_nll`` and :func:`nll_tokens`, hence ``ORPO.totals``)."""
+    return prompt_len - 1 if nll_scope == "full" else 0
+
+
+def nll_tokens(pair: TokenizedPair, nll_scope: str) -> int:
+    """NLL targets of one pair over ``[prompt; chosen]``: ``sum(w_nll)`` of its layout rows."""
+    return nll_prompt_targets(len(pair.prompt), nll_scope) + len(pair.chosen)
+
+
 def _check(pairs: list[TokenizedPair]) -> None:
     if not pairs:
         raise ValueError("a micro-batch needs at least one pair")
@@ -194,7 +211,7 @@ def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full", buc
         ValueError: no pairs, or a pair with an empty prompt or response.
     """
     _check(pairs)
-    b = _Builder(nll_scope == "response")
+    b = _Builder(nll_scope)
     for i, p in enumerate(pairs):
         b.add_side(i, p.prompt, p.chosen, chosen=True)
         b.add_side(i, p.rejected_prompt if p.rejected_prompt is not None else p.prompt, p.rejected, chosen=False)
@@ -211,7 +228,7 @@ def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bu
         ValueError: no pairs, or a pair with an empty prompt or response.
     """
     _check(pairs)
-    b = _Builder(nll_scope == "response")
+    b = _Builder(nll_scope)
     fallback = 0
     for i, p in enumerate(pairs):
         if p.shared_prompt:

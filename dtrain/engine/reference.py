@@ -10,8 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..lora import keyed_dropout
 from ..types import TokenizedPair
-from .common import Norm, StepResult, layout_counts, loss_from_token_logps
+from .common import Norm, StepResult, layout_counts, loss_from_token_logps, with_key
 from .layout import Layout, two_sequence_layout
 from .loss import upcast
 
@@ -33,34 +34,48 @@ def gather_token_logps(logits: mx.array, layout: Layout) -> mx.array:
 class ReferenceEngine:
     """Loss, metrics and LoRA gradients by plain backpropagation.
 
+    Implements :class:`dtrain.engine.common.Engine`.
+
     Args:
         model: an mlx-lm model whose LoRA parameters are the trainable ones.
-        lam: ORPO lambda.
-        nll_scope: ``full`` (prompt + chosen response) or ``response``.
+        objective: the training objective (``dtrain.objective.ORPO``): its
+            ``nll_scope`` lays out the targets, its ``loss`` scores them.
+
+    LoRA dropout draws from ``key`` (``dtrain.lora.keyed_dropout``), module by
+    module in call order: the segmented engine on the same layout draws the
+    same masks from the same key.
     """
 
     name = "reference"
 
-    def __init__(self, model: nn.Module, lam: float, nll_scope: str = "full"):
+    def __init__(self, model: nn.Module, objective):
         self.model = model
-        self.lam = lam
-        self.nll_scope = nll_scope
+        self.objective = objective
+        self.dropout_keys = keyed_dropout(model)  # None without dropout
 
-        def loss_fn(layout: Layout, norm: Norm):
+        def loss_fn(layout: Layout, totals: Norm):
             logps = gather_token_logps(self.model(layout.tokens), layout)
-            return loss_from_token_logps(logps, layout, self.lam, norm)
+            return loss_from_token_logps(logps, layout, self.objective, totals)
 
         self._loss_fn = loss_fn
         self._value_and_grad = nn.value_and_grad(model, loss_fn)
 
-    def step(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
-        """Loss contribution, metric sums and LoRA gradients of one micro-batch."""
-        layout = two_sequence_layout(pairs, self.nll_scope)
-        (loss, sums), grads = self._value_and_grad(layout, norm)
+    def layout(self, pairs: list[TokenizedPair]) -> Layout:
+        """The rows this engine runs for ``pairs``: two sequences per pair."""
+        return two_sequence_layout(pairs, self.objective.nll_scope)
+
+    def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
+        """Loss contribution, metric sums and LoRA gradients of one micro-batch (``key``: dropout)."""
+        layout = self.layout(pairs)
+        with_key(self.dropout_keys, key)
+        (loss, sums), grads = self._value_and_grad(layout, totals)
+        with_key(self.dropout_keys, None)
         return StepResult(loss, {**sums, **layout_counts(layout)}, grads)
 
-    def evaluate(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients."""
-        layout = two_sequence_layout(pairs, self.nll_scope)
-        loss, sums = self._loss_fn(layout, norm)
+        layout = self.layout(pairs)
+        with_key(self.dropout_keys, key)
+        loss, sums = self._loss_fn(layout, totals)
+        with_key(self.dropout_keys, None)
         return StepResult(loss, {**sums, **layout_counts(layout)})

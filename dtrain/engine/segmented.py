@@ -25,88 +25,17 @@ This is gradient checkpointing at range granularity (Chen et al. 2016,
 
 from __future__ import annotations
 
-import logging
-import math
-import os
-import sys
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from ..config import Config
+from ..lora import keyed_dropout
 from ..types import TokenizedPair
-from .arch import Arch, adapter_for, module_name
-from .common import Norm, StepResult, layout_counts, loss_from_token_logps
+from .arch import Arch
+from .common import Norm, StepResult, layout_counts, loss_from_token_logps, with_key
 from .head import hidden_grad, target_logps, token_logps
 from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
-from .reference import ReferenceEngine
-
-GIB = 1024**3
-LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
-AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
-# measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
-ESTIMATE_MARGIN = 1.25
-
-
-def _notice(msg: str) -> None:
-    print(f"dtrain: {msg}", file=sys.stderr)
-
-
-def _fused_attention(dtype) -> bool:
-    """Whether MLX runs attention fused (no ``(Lq, Lk)`` scores kept): its CUDA
-    backend does for float16/bfloat16 through cuDNN; elsewhere the scores exist."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
-
-
-def layer_bytes_per_token(args, itemsize: int) -> float:
-    """Bytes one decoder layer keeps per token for its backward (LoRA on every linear).
-
-    ~``16 D + 8 I + 2 (q + 2 kv)`` values: norms, projections and their LoRA
-    branches, rotated q/k, the attention output, the gated MLP. An estimate,
-    checked against measured peaks in docs/gpu.md.
-    """
-    D, I, H = args.hidden_size, args.intermediate_size, args.num_attention_heads
-    kv = getattr(args, "num_key_value_heads", None) or H
-    dh = getattr(args, "head_dim", None) or D // H
-    return itemsize * (16 * D + 8 * I + 2 * (H + 2 * kv) * dh)
-
-
-def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int, fused: bool) -> float:
-    """Estimated activation peak (bytes, weights excluded) of one step.
-
-    Args:
-        args: the model's ``ModelArgs``.
-        itemsize: bytes per activation value (the model dtype's).
-        shape: ``tokens`` (S * L), ``targets`` (N), ``rows`` and ``length``
-            (attention rows and their length), ``heads``.
-        size: layers per range (0 or >= layers: one range).
-        chunk: head rows per chunk (0: the whole head at once).
-        fused: attention keeps no scores (see ``_fused_attention``).
-    Returns:
-        bytes: kept boundaries + the layers alive at once + the head.
-    """
-    n = args.num_hidden_layers
-    size = n if size <= 0 else min(size, n)
-    T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
-    scores = 0.0 if fused else 2.0 * shape["rows"] * shape["heads"] * shape["length"] ** 2 * itemsize
-    layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
-    head = (chunk if chunk > 0 else N) * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
-    if size >= n and chunk <= 0:  # the single pass: nothing else kept
-        return layers + head
-    boundaries = (math.ceil(n / size) + 3) * T * D * itemsize  # + dL/dh, the cotangent, the jacobian rows
-    return layers + head + boundaries + N * D * itemsize
-
-
-def default_budget_bytes() -> float:
-    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or 25% of physical RAM on the CPU."""
-    if mx.default_device() == mx.gpu:
-        info = mx.device_info()
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return 0.85 * float(total)
-    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+from .plan import Plan, kv_exports, kv_imports, range_bounds
 
 
 def _set_params(layers: list, names: list, params: list) -> None:
@@ -118,24 +47,23 @@ def _set_params(layers: list, names: list, params: list) -> None:
             i += len(keys)
 
 
-def _kv_imports(donors: list, lo: int, hi: int) -> list[int]:
-    """Donors below ``lo`` whose K/V layers in [lo, hi) reuse."""
-    return sorted({d for d in donors[lo:hi] if d is not None and d < lo})
-
-
-def _kv_exports(donors: list, lo: int, hi: int) -> list[int]:
-    """Layers in [lo, hi) whose K/V layers at or above ``hi`` reuse."""
-    return sorted({d for d in donors[hi:] if d is not None and lo <= d < hi})
-
-
 def _layer_paths(model: nn.Module, layers: list) -> list[str]:
     """Dotted parameter paths of ``layers`` inside ``model`` (e.g. ``model.layers.3``)."""
     by_id = {id(m): name for name, m in model.named_modules()}
     return [by_id[id(layer)] for layer in layers]
 
 
-def _has_dropout(model: nn.Module) -> bool:
+def has_dropout(model: nn.Module) -> bool:
+    """Whether ``model`` holds an active ``nn.Dropout`` (LoRA dropout > 0)."""
     return any(isinstance(m, nn.Dropout) and m._p_1 < 1.0 for _, m in model.named_modules())
+
+
+def trainable_outside_layers(model: nn.Module, layers: list) -> list[str]:
+    """Dotted names of trainable parameters of ``model`` outside ``layers`` (the segmented
+    engine differentiates the decoder layers only)."""
+    inside = {f"{p}.{k}" for p, layer in zip(_layer_paths(model, layers), layers)
+              for k, _ in tree_flatten(layer.trainable_parameters())}
+    return [k for k, _ in tree_flatten(model.trainable_parameters()) if k not in inside]
 
 
 # -- what a compiled function may take: trees of arrays and hashable constants --
@@ -149,6 +77,11 @@ def _encode_mask(mask):
 
 def _decode_mask(x):
     return SharedAttention(*x) if isinstance(x, tuple) else x
+
+
+def _attention_rows(masks: list):
+    """``(rows, length)`` of the prefix-sharing attention among encoded ``masks``, or None."""
+    return next(((m[2], m[3]) for m in masks if isinstance(m, tuple)), None)
 
 
 def _target_arrays(layout: Layout) -> dict:
@@ -173,11 +106,9 @@ class _RangeSet:
     """
 
     def __init__(self, engine: "SegmentedEngine", size: int):
-        n = len(engine.arch.layers)
-        self.size = n if size <= 0 else min(size, n)
-        self.ranges = [(lo, min(lo + self.size, n)) for lo in range(0, n, self.size)]
-        self.kv_imports = [_kv_imports(engine.donors, lo, hi) for lo, hi in self.ranges]
-        self.kv_exports = [_kv_exports(engine.donors, lo, hi) for lo, hi in self.ranges]
+        self.ranges = range_bounds(len(engine.arch.layers), size)
+        self.kv_imports = [kv_imports(engine.donors, lo, hi) for lo, hi in self.ranges]
+        self.kv_exports = [kv_exports(engine.donors, lo, hi) for lo, hi in self.ranges]
         self.run = [engine._make_range_fn(lo, hi, i, e) for (lo, hi), i, e in
                     zip(self.ranges, self.kv_imports, self.kv_exports)]
         self.fwd = [engine._maybe_compile(engine._forward_fn(run)) for run in self.run]
@@ -190,47 +121,49 @@ class SegmentedEngine:
     Args:
         model: an mlx-lm model whose only trainable parameters are in decoder layers.
         arch: the model's adapter (``arch.adapter_for``).
-        lam: ORPO lambda; nll_scope: ``full`` or ``response``.
+        objective: the training objective (``dtrain.objective.ORPO``).
         segment_layers: layers per range; 0 = one range of all layers (with
             ``head_chunk_tokens = 0``: a single pass, nothing recomputed);
             ``"auto"``: per length bucket, the single pass when its estimated
             peak fits ``memory_budget`` bytes, else the largest range size that
-            fits (chunked head), logged once per shape (``logging`` INFO on
-            ``dtrain.engine.segmented``; not printed unless the caller shows it,
-            so that ranks other than 0 stay silent).
+            fits (chunked head), chosen and logged once per shape (``plan.Plan``).
         prefix_sharing: one ``[prompt; chosen; rejected]`` sequence per pair.
         head_chunk_tokens: target rows per LM-head chunk; 0 = all at once
             (with ``"auto"``: the chunk used when recomputing; 0 = 1024).
         length_bucket: pad lengths and target counts to ``layout.bucket_length``
             with this quantum (0 = exact shapes).
         compile: ``mx.compile`` the single pass and the range functions (traced
-            once per bucket); ignored when LoRA dropout is on.
+            once per bucket).
         memory_budget: bytes for ``"auto"`` (weights included).
+
+    ``dtrain.engine.make_engine`` decides when this engine cannot be used (it
+    falls back to the reference engine) and resolves the config's ``auto`` values.
 
     Raises:
         ValueError: a trainable parameter outside the decoder layers (the
-            segmented engine only differentiates the layers).
+            segmented engine only differentiates the layers), or ``compile``
+            with LoRA dropout (compiled ranges would replay one mask).
     """
 
     name = "segmented"
 
-    def __init__(self, model: nn.Module, arch: Arch, lam: float, nll_scope: str = "full",
-                 segment_layers=0, prefix_sharing: bool = False, head_chunk_tokens: int = 0,
-                 length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0):
-        self.model, self.arch = model, arch
-        self.lam, self.nll_scope = lam, nll_scope
+    def __init__(self, model: nn.Module, arch: Arch, objective, segment_layers=0, prefix_sharing: bool = False,
+                 head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0):
+        self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
         self.length_bucket = length_bucket
-        self.random = _has_dropout(model)  # dropout needs per-range seeds (a host read) and eager ranges
-        self.compile = compile and not self.random
-        self.auto = segment_layers == "auto"
-        self.memory_budget = memory_budget or default_budget_bytes()
+        # LoRA dropout: each range's forward and its recompute draw from the key the
+        # range started with (``dtrain.lora.DropoutKeys``); compiled ranges would replay one mask
+        self.dropout_keys = keyed_dropout(model)
+        if compile and self.dropout_keys is not None:
+            raise ValueError("compile with LoRA dropout: compiled ranges would replay the traced masks")
+        self.compile = compile
         n = len(arch.layers)
+        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget)
         self.paths = _layer_paths(model, arch.layers)
         # per layer, the flattened names of its trainable parameters (fixed order)
         self.param_names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in arch.layers]
-        inside = {f"{p}.{k}" for p, names in zip(self.paths, self.param_names) for k in names}
-        outside = [k for k, _ in tree_flatten(model.trainable_parameters()) if k not in inside]
+        outside = trainable_outside_layers(model, arch.layers)
         if outside:
             raise ValueError(
                 f"the segmented engine differentiates only decoder-layer parameters; "
@@ -238,11 +171,8 @@ class SegmentedEngine:
             )
         self.donors = arch.donors or [None] * n
         self.windows = sorted(set(arch.windows), key=lambda w: -1 if w is None else w)
-        self.dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
-        self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-        self.lora_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
-        self._sets, self._plans = {}, {}
-        self._set = self._range_set(0 if self.auto else segment_layers)  # built once per size
+        self._sets = {}
+        self._set = self._range_set(self.plan.size)  # built once per size
         self._whole = self._maybe_compile(self._whole_fn())
         self._head_vjp = self._maybe_compile(self._head_vjp_fn())
 
@@ -254,29 +184,6 @@ class SegmentedEngine:
     @property
     def range_fns(self) -> list:
         return self._set.run
-
-    @classmethod
-    def from_config(cls, cfg: Config, model: nn.Module):
-        """Build from ``cfg.engine``; unsupported architectures get the reference engine.
-
-        ``kind: auto`` and ``segment_layers: auto`` choose the plan per length
-        bucket from ``engine.memory_budget_gb`` (0 = 85% of the GPU's memory or
-        25% of physical RAM); ``length_bucket: auto`` is 128 on a GPU, 0 on the CPU.
-        """
-        arch = adapter_for(model)
-        if arch is None:
-            _notice(f"the segmented engine does not support mlx-lm architecture "
-                    f"'{module_name(model)}'; using the reference engine")
-            return ReferenceEngine(model, cfg.orpo.lam, cfg.orpo.nll_scope)
-        e = cfg.engine
-        size = "auto" if e.kind == "auto" else e.segment_layers
-        gpu = mx.default_device() == mx.gpu
-        bucket = (128 if gpu else 0) if e.length_bucket == "auto" else e.length_bucket
-        if size != "auto" and (size <= 0 or size >= len(arch.layers)) and e.head_chunk_tokens > 0:
-            _notice("one range of all layers with a chunked head recomputes every layer; "
-                    "engine.head_chunk_tokens: 0 gives the single pass (faster, keeps the logits)")
-        return cls(model, arch, cfg.orpo.lam, cfg.orpo.nll_scope, size, e.prefix_sharing, e.head_chunk_tokens,
-                   bucket, e.compile, e.memory_budget_gb * GIB)
 
     # -- ranges -------------------------------------------------------------
 
@@ -350,11 +257,12 @@ class SegmentedEngine:
             out.extend(flat[k] for k in keys)
         return out
 
-    # -- plans --------------------------------------------------------------
+    # -- layouts ------------------------------------------------------------
 
-    def _layout(self, pairs: list[TokenizedPair]) -> Layout:
+    def layout(self, pairs: list[TokenizedPair]) -> Layout:
+        """The rows this engine runs for ``pairs`` (prefix sharing and buckets as configured)."""
         build = shared_prefix_layout if self.prefix_sharing else two_sequence_layout
-        return build(pairs, self.nll_scope, self.length_bucket)
+        return build(pairs, self.objective.nll_scope, self.length_bucket)
 
     def _masks(self, layout: Layout) -> list:
         """Per window (``self.windows`` order): the encoded attention plan, built once per step
@@ -362,60 +270,7 @@ class SegmentedEngine:
         prefix-sharing plan otherwise)."""
         return [_encode_mask(attention_plan(layout, w)) for w in self.windows]
 
-    def plan(self, layout: Layout, masks: list) -> tuple[int, int]:
-        """``(layers per range, head chunk)`` for this layout's shapes: fixed, or chosen
-        once per shape by the memory model (``segment_layers: auto``)."""
-        if not self.auto:
-            return self._set.size, self.head_chunk_tokens
-        S, L = layout.shape
-        attn = next((m for m in masks if isinstance(m, tuple)), None)
-        rows, length = (attn[2], attn[3]) if attn else (S, L)
-        key = (S, L, int(layout.targets.shape[0]), rows, length)
-        if key not in self._plans:
-            self._plans[key] = self._choose(dict(tokens=S * L, targets=key[2], rows=rows, length=length,
-                                                 heads=self.model.args.num_attention_heads), key)
-        return self._plans[key]
-
-    def _choose(self, shape: dict, key: tuple) -> tuple[int, int]:
-        """The single pass when it fits the budget, else the largest range size that does
-        (the fewest ranges: every plan that recomputes runs each layer twice)."""
-        n, args = len(self.arch.layers), self.model.args
-        itemsize, fused = self.dtype.size, _fused_attention(self.dtype)
-        fixed = self.weight_bytes + 3 * self.lora_bytes  # + gradients and AdamW's two moments
-        budget = self.memory_budget / ESTIMATE_MARGIN
-        chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
-        single = fixed + estimate_step_bytes(args, itemsize, shape, 0, 0, fused)
-        if single <= budget:
-            choice, est = (n, 0), single
-        else:
-            sizes = {m: fixed + estimate_step_bytes(args, itemsize, shape, m, chunk, fused) for m in range(1, n + 1)}
-            fitting = [m for m, b in sizes.items() if b <= budget]
-            m = max(fitting) if fitting else min(sizes, key=sizes.get)
-            choice, est = (m, chunk), sizes[m]
-        what = "single pass" if choice == (n, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
-        LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
-                 f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
-        return choice
-
     # -- steps --------------------------------------------------------------
-
-    def _range_seeds(self, n: int) -> list:
-        """One RNG seed per range, drawn from the global generator (only with dropout).
-
-        Each range's forward and its recompute under ``mx.vjp`` start from the
-        same seed, so random ops inside (LoRA dropout) draw the same masks and
-        the gradient is that of the forward that was run. Without dropout
-        nothing random runs, and no seed is read back from the device.
-        """
-        if not self.random:
-            return [None] * n
-        base = int(mx.random.randint(0, 2**30, ()).item())
-        return [base + r for r in range(n)]
-
-    @staticmethod
-    def _seed(seed) -> None:
-        if seed is not None:
-            mx.random.seed(seed)
 
     def _embed(self, tokens: mx.array):
         h = self.arch.embed(tokens)  # (S, L, D)
@@ -423,22 +278,25 @@ class SegmentedEngine:
         layer_inputs = self.arch.layer_inputs(tokens, h) if self.arch.layer_inputs else None  # (S, L, n, P)
         return h, layer_inputs
 
-    def _forward(self, layout: Layout, masks: list, rs: _RangeSet, seeds: list, eager: bool = False):
-        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated (asynchronously), plus
-        the per-layer inputs and each exported donor's K/V."""
+    def _forward(self, layout: Layout, masks: list, rs: _RangeSet, key, eager: bool = False):
+        """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated (asynchronously), the
+        per-layer inputs, each exported donor's K/V, and the dropout key each range started
+        from (the stream runs on through the ranges, as through the reference's whole model)."""
         h, layer_inputs = self._embed(layout.tokens)
         mx.async_eval(h, layer_inputs, masks)
-        bounds, kv = [h], {}  # kv: donor -> [k, v] (S, Hkv, L, Dh)
+        bounds, kv, starts = [h], {}, []  # kv: donor -> [k, v] (S, Hkv, L, Dh)
+        with_key(self.dropout_keys, key)
         for r, (lo, hi) in enumerate(rs.ranges):
             kv_in = [x for d in rs.kv_imports[r] for x in kv[d]]
-            self._seed(seeds[r])
+            starts.append(self.dropout_keys.key if self.dropout_keys else None)
             fn = rs.run[r] if eager else rs.fwd[r]
             h, kv_out = fn(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
             mx.async_eval(h, kv_out)  # graph-free boundary; the host goes on building the next range
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], self._params_saved[r])
             kv.update({d: kv_out[2 * j : 2 * j + 2] for j, d in enumerate(rs.kv_exports[r])})
             bounds.append(h)
-        return bounds, layer_inputs, kv
+        with_key(self.dropout_keys, None)
+        return bounds, layer_inputs, kv, starts
 
     def _head(self, layout: Layout, h: mx.array, with_jacobian: bool):
         S, L, D = h.shape
@@ -453,27 +311,27 @@ class SegmentedEngine:
 
         return head_vjp
 
-    def step(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+    def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch.
 
         Returns the same ``StepResult`` as ``ReferenceEngine.step``; ``grads``
-        is shaped like ``model.trainable_parameters()``. Nothing is read back
-        to the host (without dropout): the caller's ``mx.eval`` is the step's sync.
+        is shaped like ``model.trainable_parameters()``. ``key``: LoRA dropout's
+        (the reference engine's masks on the same layout). Nothing is read back
+        to the host: the caller's ``mx.eval`` is the step's sync.
         """
-        layout = self._layout(pairs)
+        layout = self.layout(pairs)
         masks = self._masks(layout)
-        size, self._chunk = self.plan(layout, masks)
+        size, self._chunk = self.plan(layout, _attention_rows(masks))
         rs = self._set = self._range_set(size)
-        seeds = self._range_seeds(len(rs.ranges))
-        norm_arr = (mx.array(norm.nll_tokens, mx.float32), mx.array(norm.pairs, mx.float32))
+        norm_arr = (mx.array(totals.nll_tokens, mx.float32), mx.array(totals.pairs, mx.float32))
         if len(rs.ranges) == 1 and self._chunk <= 0:
-            return self._step_whole(layout, masks, seeds[0], norm_arr)
+            return self._step_whole(layout, masks, key, norm_arr)
         self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
-        bounds, layer_inputs, kv = self._forward(layout, masks, rs, seeds)
+        bounds, layer_inputs, kv, starts = self._forward(layout, masks, rs, key)
         S, L, D = bounds[-1].shape
         logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
         targets = _Targets(_target_arrays(layout))
-        loss_fn = lambda lp: loss_from_token_logps(lp, targets, self.lam, Norm(*norm_arr))  # noqa: E731
+        loss_fn = lambda lp: loss_from_token_logps(lp, targets, self.objective, Norm(*norm_arr))  # noqa: E731
         (loss, sums), dl_dlogp = mx.value_and_grad(loss_fn)(logps)
         dh = hidden_grad(dl_dlogp, jac, layout.rows, S * L).reshape(S, L, D)  # (S, L, D)
         mx.async_eval(loss, sums, dh)
@@ -486,7 +344,7 @@ class SegmentedEngine:
             kv_in = [x for d in imports for x in kv[d]]
             bounds[r + 1] = None  # the range output is no longer needed
             cot_out = [dh] + [x for d in rs.kv_exports[r] for x in dkv.pop(d)]
-            self._seed(seeds[r])  # the same dropout masks as this range's forward
+            with_key(self.dropout_keys, starts[r])  # the same dropout masks as this range's forward
             dh, pgrads, kv_cot = rs.bwd[r](h_in, params, kv_in, cot_out, masks, layout.positions, layer_inputs)
             for j, d in enumerate(imports):  # summed over every range that reuses the donor's K/V
                 g = list(kv_cot[2 * j : 2 * j + 2])
@@ -495,6 +353,7 @@ class SegmentedEngine:
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], params)  # drop the traced copies
             grads.update(self._named_grads(lo, hi, pgrads))
         self._params_saved = None
+        with_key(self.dropout_keys, None)
         return self._result(loss, sums, layout, grads)
 
     def _whole_fn(self):
@@ -511,17 +370,17 @@ class SegmentedEngine:
                 out, _ = run(h, params, [], masks, positions, layer_inputs)  # (S, L, D)
                 S, L, D = out.shape
                 logps = target_logps(self.arch.head, t.targets)(out.reshape(S * L, D)[t.rows])  # (N,)
-                return loss_from_token_logps(logps, t, self.lam, Norm(*norm))[0], logps
+                return loss_from_token_logps(logps, t, self.objective, Norm(*norm))[0], logps
 
             # the metric sums from the returned log-probabilities, outside the vjp: MLX 0.32's
             # compile fails (IndexError _Map_base::at) on value_and_grad aux outputs that share
             # nodes with the loss
             (loss, logps), pgrads = mx.value_and_grad(loss_of)(params)
-            return loss, loss_from_token_logps(mx.stop_gradient(logps), t, self.lam, Norm(*norm))[1], pgrads
+            return loss, loss_from_token_logps(mx.stop_gradient(logps), t, self.objective, Norm(*norm))[1], pgrads
 
         return whole
 
-    def _step_whole(self, layout: Layout, masks: list, seed, norm_arr) -> StepResult:
+    def _step_whole(self, layout: Layout, masks: list, key, norm_arr) -> StepResult:
         """One range and an unchunked head: nothing to recompute, so one lazy
         ``mx.value_and_grad`` over layers, head and loss (as the reference
         engine, on this engine's layout: prefix sharing, explicit positions),
@@ -529,9 +388,10 @@ class SegmentedEngine:
         Peak memory is every layer's activations plus the ``(N, V)`` logits."""
         n = len(self.arch.layers)
         params = self._params(0, n)
-        self._seed(seed)
+        with_key(self.dropout_keys, key)
         loss, sums, pgrads = self._whole(params, layout.tokens, layout.positions, masks, _target_arrays(layout),
                                          norm_arr)
+        with_key(self.dropout_keys, None)
         _set_params(self.arch.layers, self.param_names, params)  # drop the traced copies
         return self._result(loss, sums, layout, self._named_grads(0, n, pgrads))
 
@@ -546,15 +406,15 @@ class SegmentedEngine:
         tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
         return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
 
-    def evaluate(self, pairs: list[TokenizedPair], norm: Norm) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients (eager ranges)."""
-        layout = self._layout(pairs)
+        layout = self.layout(pairs)
         masks = self._masks(layout)
-        size, self._chunk = self.plan(layout, masks)
+        size, self._chunk = self.plan(layout, _attention_rows(masks))
         rs = self._range_set(size)
         self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
-        bounds, _, _ = self._forward(layout, masks, rs, self._range_seeds(len(rs.ranges)), eager=True)
+        bounds = self._forward(layout, masks, rs, key, eager=True)[0]
         self._params_saved = None
         logps, _ = self._head(layout, bounds[-1], with_jacobian=False)
-        loss, sums = loss_from_token_logps(logps, layout, self.lam, norm)
+        loss, sums = loss_from_token_logps(logps, layout, self.objective, totals)
         return StepResult(loss, {**sums, **layout_counts(layout)})

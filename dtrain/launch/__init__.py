@@ -7,6 +7,7 @@
     rank.py       the wrapper every rank runs in: relays output and signals, reports its exit
     supervise.py  one attempt of a job: start, relay, stop on signals or a failed rank, summarize
     restart.py    what a restart resumes from and its record in TensorBoard
+    netns.py      several hosts simulated with network namespaces (tests and bench/ only)
 
 Nothing is imported here, so ``dtrain.distributed`` can read ``env`` without the launcher.
 """

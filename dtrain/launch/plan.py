@@ -9,7 +9,6 @@ variables shown for them come from :mod:`dtrain.launch.env`. MPI runs
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys

@@ -1,0 +1,161 @@
+"""The segmented engine's plan: which layer ranges, how K/V cross them, how much memory.
+
+Pure functions of the model's shape and the layout's shape (nothing here runs a
+layer): the range bounds of a range size, the Gemma 4 K/V each range imports
+from below or exports above, the activation-memory model of a step, and
+:class:`Plan`, which gives each layout shape its ``(layers per range, head
+chunk)`` — fixed by the config, or (``segment_layers: auto``) the single pass
+when its estimate fits the memory budget, else the largest range size that does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .layout import Layout
+
+GIB = 1024**3
+LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
+AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
+# measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
+ESTIMATE_MARGIN = 1.25
+
+
+def fused_attention(dtype) -> bool:
+    """Whether MLX runs attention fused (no ``(Lq, Lk)`` scores kept): its CUDA
+    backend does for float16/bfloat16 through cuDNN; elsewhere the scores exist."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() == mx.gpu and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
+
+
+def layer_bytes_per_token(args, itemsize: int) -> float:
+    """Bytes one decoder layer keeps per token for its backward (LoRA on every linear).
+
+    ~``16 D + 8 I + 2 (q + 2 kv)`` values: norms, projections and their LoRA
+    branches, rotated q/k, the attention output, the gated MLP. An estimate,
+    checked against measured peaks in docs/gpu.md.
+    """
+    D, I, H = args.hidden_size, args.intermediate_size, args.num_attention_heads
+    kv = getattr(args, "num_key_value_heads", None) or H
+    dh = getattr(args, "head_dim", None) or D // H
+    return itemsize * (16 * D + 8 * I + 2 * (H + 2 * kv) * dh)
+
+
+def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int, fused: bool) -> float:
+    """Estimated activation peak (bytes, weights excluded) of one step.
+
+    Args:
+        args: the model's ``ModelArgs``.
+        itemsize: bytes per activation value (the model dtype's).
+        shape: ``tokens`` (S * L), ``targets`` (N), ``rows`` and ``length``
+            (attention rows and their length), ``heads``.
+        size: layers per range (0 or >= layers: one range).
+        chunk: head rows per chunk (0: the whole head at once).
+        fused: attention keeps no scores (see ``fused_attention``).
+    Returns:
+        bytes: kept boundaries + the layers alive at once + the head.
+    """
+    n = args.num_hidden_layers
+    size = n if size <= 0 else min(size, n)
+    T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
+    scores = 0.0 if fused else 2.0 * shape["rows"] * shape["heads"] * shape["length"] ** 2 * itemsize
+    layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
+    head = (chunk if chunk > 0 else N) * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
+    if size >= n and chunk <= 0:  # the single pass: nothing else kept
+        return layers + head
+    boundaries = (math.ceil(n / size) + 3) * T * D * itemsize  # + dL/dh, the cotangent, the jacobian rows
+    return layers + head + boundaries + N * D * itemsize
+
+
+def default_budget_bytes() -> float:
+    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or 25% of physical RAM on the CPU."""
+    if mx.default_device() == mx.gpu:
+        info = mx.device_info()
+        total = info.get("total_memory") or info.get("memory_size")
+        if total:
+            return 0.85 * float(total)
+    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_imports(donors: list, lo: int, hi: int) -> list[int]:
+    """Donors below ``lo`` whose K/V layers in [lo, hi) reuse."""
+    return sorted({d for d in donors[lo:hi] if d is not None and d < lo})
+
+
+def kv_exports(donors: list, lo: int, hi: int) -> list[int]:
+    """Layers in [lo, hi) whose K/V layers at or above ``hi`` reuse."""
+    return sorted({d for d in donors[hi:] if d is not None and lo <= d < hi})
+
+
+def range_bounds(n_layers: int, size: int) -> list[tuple[int, int]]:
+    """``[(lo, hi)]`` of ranges of ``size`` layers (0 or >= ``n_layers``: one range)."""
+    size = n_layers if size <= 0 else min(size, n_layers)
+    return [(lo, min(lo + size, n_layers)) for lo in range(0, n_layers, size)]
+
+
+class Plan:
+    """``(layers per range, head chunk)`` of each layout shape.
+
+    Args:
+        model: the mlx-lm model (its ``args``, dtype, weight and LoRA bytes).
+        n_layers: decoder layers.
+        segment_layers: layers per range (0: one range), or ``"auto"``.
+        head_chunk_tokens: the configured head chunk (0: whole head; with
+            ``"auto"``, the chunk used when recomputing, 0 = ``AUTO_HEAD_CHUNK``).
+        memory_budget: bytes for ``"auto"``, weights included (0: :func:`default_budget_bytes`).
+
+    ``"auto"`` chooses once per shape and logs the choice (``logging`` INFO on
+    ``dtrain.engine.plan``; not printed unless the caller shows it, so that
+    ranks other than 0 stay silent).
+    """
+
+    def __init__(self, model, n_layers: int, segment_layers, head_chunk_tokens: int, memory_budget: float = 0.0):
+        self.args, self.n_layers = model.args, n_layers
+        self.auto = segment_layers == "auto"
+        self.size = n_layers if self.auto or segment_layers <= 0 else min(segment_layers, n_layers)
+        self.head_chunk_tokens = head_chunk_tokens
+        self.memory_budget = memory_budget or default_budget_bytes()
+        self.dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+        weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        lora_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+        self.fixed_bytes = weight_bytes + 3 * lora_bytes  # + gradients and AdamW's two moments
+        self._chosen = {}
+
+    def __call__(self, layout: Layout, attention_rows: tuple[int, int] | None) -> tuple[int, int]:
+        """The plan of ``layout``; ``attention_rows``: ``(rows, length)`` of its prefix-sharing
+        attention (``layout.SharedAttention``), None when it attends as ``(S, L)``."""
+        if not self.auto:
+            return self.size, self.head_chunk_tokens
+        S, L = layout.shape
+        rows, length = attention_rows or (S, L)
+        key = (S, L, int(layout.targets.shape[0]), rows, length)
+        if key not in self._chosen:
+            self._chosen[key] = self._choose(dict(tokens=S * L, targets=key[2], rows=rows, length=length,
+                                                  heads=self.args.num_attention_heads), key)
+        return self._chosen[key]
+
+    def _choose(self, shape: dict, key: tuple) -> tuple[int, int]:
+        """The single pass when it fits the budget, else the largest range size that does
+        (the fewest ranges: every plan that recomputes runs each layer twice)."""
+        n, args = self.n_layers, self.args
+        itemsize, fused = self.dtype.size, fused_attention(self.dtype)
+        budget = self.memory_budget / ESTIMATE_MARGIN
+        chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
+        single = self.fixed_bytes + estimate_step_bytes(args, itemsize, shape, 0, 0, fused)
+        if single <= budget:
+            choice, est = (n, 0), single
+        else:
+            sizes = {m: self.fixed_bytes + estimate_step_bytes(args, itemsize, shape, m, chunk, fused)
+                     for m in range(1, n + 1)}
+            fitting = [m for m, b in sizes.items() if b <= budget]
+            m = max(fitting) if fitting else min(sizes, key=sizes.get)
+            choice, est = (m, chunk), sizes[m]
+        what = "single pass" if choice == (n, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
+        LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
+                 f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
+        return choice

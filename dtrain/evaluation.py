@@ -1,0 +1,49 @@
+"""Held-out evaluation: ``eval/`` metrics over the valid pairs, each rank taking its
+shard, the metric sums added over ranks and finalised by the engine's objective."""
+
+from __future__ import annotations
+
+from . import guards, sampler
+from .engine import run_micro_batches
+from .types import TokenizedPair
+
+ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
+
+
+def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None) -> dict:
+    """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
+
+    ``micro``: pairs per micro-batch; ``group``: the ``distributed.Group`` whose
+    ranks sum the metric sums (every rank joins); ``bar``: a progress bar
+    advanced by the pairs of each micro-batch (rank 0's).
+    """
+    model.eval()
+    objective = engine.objective
+    norm = objective.totals(pairs)
+    sums = dict.fromkeys(objective.metric_keys, 0.0)
+    for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
+        part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
+        sums = {k: sums[k] + part[k] for k in sums}  # the same float additions as one call over all chunks
+        if bar is not None:
+            bar.update(len(chunk))
+    sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
+    model.train()
+    return objective.finalize(sums, prefix="eval/")
+
+
+def evaluate_and_log(run, step: int) -> None:
+    """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics
+    (``run``: the trainer's ``Run``)."""
+    bar = run.log.eval_bar(step, len(sampler.rank_shard(run.valid, run.group.rank, run.group.size)))
+    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
+    try:
+        metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    run.result.evals[step] = metrics
+    run.state.evals[str(step)] = metrics
+    run.log.scalars(step, metrics)
+    warning = guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn)
+    if warning:
+        run.log.message(warning)
