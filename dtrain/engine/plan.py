@@ -73,13 +73,15 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
 
 
 def default_budget_bytes() -> float:
-    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or 25% of physical RAM on the CPU."""
+    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or half of physical RAM on the CPU."""
     if mx.default_device() == mx.gpu:
         info = mx.device_info()
         total = info.get("total_memory") or info.get("memory_size")
         if total:
             return 0.85 * float(total)
-    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # half, not a quarter: at 1,024 tokens on a 24 GiB box a quarter made auto recompute pairs the
+    # single pass fits in 5 GB, 1.4x slower (docs/benchmarks.md, 2026-12-01)
+    return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def kv_imports(donors: list, lo: int, hi: int) -> list[int]:
