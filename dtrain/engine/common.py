@@ -6,7 +6,7 @@ An engine (``ReferenceEngine``, ``SegmentedEngine``) is built for one model and
 one objective (``dtrain.objective.ORPO``) and answers two questions about a
 micro-batch of pairs (see :class:`Engine`). The objective is duck-typed here
 (``nll_scope``, ``loss``, ``metric_keys``) so that the engine package imports
-nothing above it.
+no module above it that imports the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Protocol
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from ..sampler import micro_batches
 from ..types import TokenizedPair
 from .layout import Layout
 
@@ -120,7 +121,7 @@ def run_micro_batches(engine: Engine, pairs: list[TokenizedPair], totals: Norm, 
         float (zeros when ``pairs`` is empty) and the summed gradient tree
         (None without grads or pairs).
     """
-    chunks = [pairs[i : i + micro] for i in range(0, len(pairs), micro)]
+    chunks = micro_batches(pairs, micro)
     keys = list(mx.random.split(key, len(chunks))) if key is not None and chunks else [None] * len(chunks)
     sums, grads, device = dict.fromkeys(engine.objective.metric_keys, 0.0), None, {}
     for chunk, k in zip(chunks, keys):
