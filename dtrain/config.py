@@ -109,8 +109,9 @@ class EngineConfig:
     segment_layers: Union[int, Literal["auto"]] = option(
         0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: as kind auto",
         at_least=0)
-    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included); 0 = 85% of the GPU's "
-                                          "memory, or 50% of RAM on the CPU", at_least=0.0)
+    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included); 0 = Metal's recommended "
+                                          "working set less what is in use, 85% of a CUDA GPU's memory, or 50% "
+                                          "of RAM on the CPU", at_least=0.0)
     prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
                                         "prompt encoded once")
     head_chunk_tokens: int = option(0, "LM head in chunks of this many target tokens; 0 = all at once (auto: "

@@ -35,6 +35,7 @@ from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
 from .lora import apply_lora, save_adapter
+from .memory import wired_limit
 from .objective import ORPO
 from .optimizer import AdamWStep, update_applied
 from .schedule import learning_rate
@@ -280,6 +281,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         stop = StopRequest()
         stop.install()
         cleanup.callback(stop.uninstall)
+        cleanup.enter_context(wired_limit(model, report=_stderr if group.is_main else None))  # Metal only
         valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()})

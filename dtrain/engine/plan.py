@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..memory import default_budget_bytes, weight_bytes
 from .layout import Layout
 
 GIB = 1024**3
@@ -72,18 +72,6 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     return layers + head + boundaries + N * D * itemsize
 
 
-def default_budget_bytes() -> float:
-    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or half of physical RAM on the CPU."""
-    if mx.default_device() == mx.gpu:
-        info = mx.device_info()
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return 0.85 * float(total)
-    # half, not a quarter: at 1,024 tokens on a 24 GiB box a quarter made auto recompute pairs the
-    # single pass fits in 5 GB, 1.4x slower (docs/benchmarks.md, 2026-12-01)
-    return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def kv_imports(donors: list, lo: int, hi: int) -> list[int]:
     """Donors below ``lo`` whose K/V layers in [lo, hi) reuse."""
     return sorted({d for d in donors[lo:hi] if d is not None and d < lo})
@@ -109,7 +97,7 @@ class Plan:
         segment_layers: layers per range (0: one range), or ``"auto"``.
         head_chunk_tokens: the configured head chunk (0: whole head; with
             ``"auto"``, the chunk used when recomputing, 0 = ``AUTO_HEAD_CHUNK``).
-        memory_budget: bytes for ``"auto"``, weights included (0: :func:`default_budget_bytes`).
+        memory_budget: bytes for ``"auto"``, weights included (0: ``dtrain.memory.default_budget_bytes``).
 
     ``"auto"`` chooses once per shape and logs the choice (``logging`` INFO on
     ``dtrain.engine.plan``; not printed unless the caller shows it, so that
@@ -121,11 +109,11 @@ class Plan:
         self.auto = segment_layers == "auto"
         self.size = n_layers if self.auto or segment_layers <= 0 else min(segment_layers, n_layers)
         self.head_chunk_tokens = head_chunk_tokens
-        self.memory_budget = memory_budget or default_budget_bytes()
+        weights = weight_bytes(model)
+        self.memory_budget = memory_budget or default_budget_bytes(counted=weights)
         self.dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
-        weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         lora_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
-        self.fixed_bytes = weight_bytes + 3 * lora_bytes  # + gradients and AdamW's two moments
+        self.fixed_bytes = weights + 3 * lora_bytes  # + gradients and AdamW's two moments
         self._chosen = {}
 
     def __call__(self, layout: Layout, attention_rows: tuple[int, int] | None) -> tuple[int, int]:
@@ -142,22 +130,33 @@ class Plan:
         return self._chosen[key]
 
     def _choose(self, shape: dict, key: tuple) -> tuple[int, int]:
-        """The single pass when it fits the budget, else the largest range size that does
-        (the fewest ranges: every plan that recomputes runs each layer twice)."""
-        n, args = self.n_layers, self.args
-        itemsize, fused = self.dtype.size, fused_attention(self.dtype)
-        budget = self.memory_budget / ESTIMATE_MARGIN
         chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
-        single = self.fixed_bytes + estimate_step_bytes(args, itemsize, shape, 0, 0, fused)
-        if single <= budget:
-            choice, est = (n, 0), single
-        else:
-            sizes = {m: self.fixed_bytes + estimate_step_bytes(args, itemsize, shape, m, chunk, fused)
-                     for m in range(1, n + 1)}
-            fitting = [m for m, b in sizes.items() if b <= budget]
-            m = max(fitting) if fitting else min(sizes, key=sizes.get)
-            choice, est = (m, chunk), sizes[m]
-        what = "single pass" if choice == (n, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
+        choice, est = choose(self.args, self.n_layers, self.dtype.size, fused_attention(self.dtype), shape,
+                             self.fixed_bytes, self.memory_budget, chunk)
+        what = "single pass" if choice == (self.n_layers, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
         LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
                  f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
         return choice
+
+
+def choose(args, n_layers: int, itemsize: int, fused: bool, shape: dict, fixed_bytes: float, memory_budget: float,
+           chunk: int) -> tuple[tuple[int, int], float]:
+    """``auto``'s plan for one shape: the single pass when its estimate x ``ESTIMATE_MARGIN`` fits
+    ``memory_budget``, else the largest range size that does (the fewest ranges: every plan that
+    recomputes runs each layer twice), else the one with the smallest estimate.
+
+    Args:
+        shape: as :func:`estimate_step_bytes`.
+        fixed_bytes: weights + LoRA, its gradients and AdamW moments (bytes).
+        chunk: head rows per chunk when recomputing.
+    Returns:
+        ``((layers per range, head chunk), estimated peak bytes)``; the single pass is ``(n_layers, 0)``.
+    """
+    budget = memory_budget / ESTIMATE_MARGIN
+    single = fixed_bytes + estimate_step_bytes(args, itemsize, shape, 0, 0, fused)
+    if single <= budget:
+        return (n_layers, 0), single
+    sizes = {m: fixed_bytes + estimate_step_bytes(args, itemsize, shape, m, chunk, fused) for m in range(1, n_layers + 1)}
+    fitting = [m for m, b in sizes.items() if b <= budget]
+    m = max(fitting) if fitting else min(sizes, key=sizes.get)
+    return (m, chunk), sizes[m]

@@ -1,0 +1,107 @@
+"""Device memory: the budget the ``auto`` engine plans within, and Metal's wired limit for a run.
+
+One owner for "how much memory may a training step use": :func:`budget_bytes`
+turns MLX's ``mx.device_info()`` into a byte budget per backend, and
+:func:`wired_limit` keeps the weights resident on Metal while a run lasts, as
+mlx-lm's trainer does (``mlx_lm.utils.maybe_set_recommended_wired_limit``).
+
+``mx.device_info()`` keys at MLX 0.32 (``mlx/backend/*/device_info.cpp``):
+Metal: ``device_name``, ``architecture``, ``max_buffer_length``,
+``max_recommended_working_set_size``, ``memory_size`` (the Mac's whole RAM),
+``resource_limit``; CUDA: ``device_name``, ``architecture``, ``uuid``,
+``pci_bus_id``, ``compute_capability_major/minor``, ``free_memory``,
+``total_memory``; CPU: ``device_name``, ``architecture``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, Iterator, Mapping, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+GIB = 1024**3
+CUDA_SHARE = 0.85  # of the GPU's total memory; ESTIMATE_MARGIN (engine/plan.py) was measured under it
+CPU_SHARE = 0.5  # of physical RAM (a quarter made auto recompute what fits: docs/benchmarks.md, 2026-12-01)
+
+
+def backend() -> str:
+    """What the default device runs on: ``"metal"``, ``"cuda"`` or ``"cpu"``."""
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    return "cuda" if cuda is not None and cuda.is_available() else "cpu"
+
+
+def physical_memory() -> int:
+    """This machine's RAM in bytes (``sysconf``; Linux and macOS)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def budget_bytes(kind: str, info: Mapping, in_use: int, ram: int) -> float:
+    """The memory (bytes) the auto plans may fill, weights included.
+
+    Args:
+        kind: ``metal | cuda | cpu`` (:func:`backend`).
+        info: ``mx.device_info()`` of the default device.
+        in_use: bytes MLX already holds that the plan does not count itself.
+        ram: physical memory in bytes (the CPU's budget, and a fallback).
+    Returns:
+        Metal: ``max_recommended_working_set_size`` less ``in_use`` (the most
+        Metal advises a process to keep resident; ``memory_size`` is the whole
+        unified RAM, shared with the OS). CUDA: 85% of ``total_memory``.
+        CPU: half of ``ram``.
+    """
+    if kind == "metal" and info.get("max_recommended_working_set_size"):
+        return float(max(0, int(info["max_recommended_working_set_size"]) - in_use))
+    if kind == "cuda" and info.get("total_memory"):
+        return CUDA_SHARE * float(info["total_memory"])
+    return CPU_SHARE * float(ram)
+
+
+def default_budget_bytes(counted: int = 0) -> float:
+    """``engine.memory_budget_gb: 0`` on this device (:func:`budget_bytes`).
+
+    Args:
+        counted: bytes of arrays the caller's estimate already includes
+            (weights, LoRA); the rest of MLX's active memory is in use.
+    """
+    in_use = max(0, mx.get_active_memory() - counted)
+    return budget_bytes(backend(), mx.device_info(), in_use, physical_memory())
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every parameter of ``model`` (frozen and trainable)."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@contextlib.contextmanager
+def wired_limit(model, report: Optional[Callable[[str], None]] = None) -> Iterator[Optional[int]]:
+    """On Metal, wire up to ``max_recommended_working_set_size`` while the block runs; restore it after.
+
+    Keeps the weights resident instead of paged out between steps
+    (``mx.set_wired_limit``, as mlx-lm's trainer and ``generate.wired_limit``).
+    When the weights alone exceed the working set, ``report`` gets one line.
+    Elsewhere (CPU, CUDA) it changes nothing.
+
+    Yields:
+        The wired limit set (bytes), or None where nothing was set.
+    """
+    limit = mx.device_info().get("max_recommended_working_set_size") if backend() == "metal" else None
+    if not limit:
+        yield None
+        return
+    weights = weight_bytes(model)
+    if weights > limit and report is not None:
+        report(f"the weights alone ({weights / GIB:.1f} GiB) exceed Metal's recommended working set "
+               f"({limit / GIB:.1f} GiB): expect paging and slow steps; a smaller or quantized model fits")
+    previous = mx.set_wired_limit(int(limit))
+    try:
+        yield int(limit)
+    finally:
+        mx.synchronize()  # no kernel may still run when the limit changes (mlx-lm does the same)
+        mx.set_wired_limit(previous)
