@@ -5,6 +5,7 @@
     dtrain convert GGUF_FILE OUT_DIR
     dtrain config [-c CONFIG] [--section.key VALUE ...]
     dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE]
+    dtrain doctor [--steps N] [--max-length L] [--no-demo]
 
 User errors print one line ``dtrain: error: ...`` and exit with status 2.
 """
@@ -48,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
                         "q8_0 or q4_0")
     e.add_argument("--dtype", default="bfloat16", help="weights of the mlx-lm folder: bfloat16 (default), "
                                                      "float16 or float32")
+    doc = sub.add_parser("doctor", help="print what a bug report needs: MLX, device, memory, BLAS, distributed "
+                                        "backends, Python, OS, and a short timed demo run")
+    doc.add_argument("--steps", type=int, default=2, help="demo run: optimizer steps (default 2)")
+    doc.add_argument("--max-length", type=int, default=128, help="demo run: tokens per side (default 128, as configs/demo.yaml)")
+    doc.add_argument("--pairs", type=int, default=4, help="demo run: pairs per step (default 4)")
+    doc.add_argument("--model", default="demo", help="demo run: model.path (default: the demo model)")
+    doc.add_argument("--no-demo", action="store_true", help="skip the demo run")
     return p
 
 
@@ -128,6 +136,25 @@ def _export(args) -> int:
     return 0
 
 
+def _doctor(args) -> int:
+    import platform
+
+    from .blas import setup
+
+    blas = setup()  # before MLX loads
+    from .doctor import demo_lines, system_lines
+
+    if args.steps < 1 or args.pairs < 1 or args.max_length < 8:
+        raise UserError("doctor: --steps and --pairs must be >= 1, --max-length >= 8")
+    print("dtrain doctor (paste all of it into a report)", flush=True)
+    for line in system_lines(blas.line() if platform.system() == "Linux" else None):
+        print(line, flush=True)
+    if not args.no_demo:
+        for line in demo_lines(args.steps, args.max_length, args.pairs, args.model):
+            print(line, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
     args, extra = _parser().parse_known_args(argv)
@@ -139,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             return _data_check(args, overrides)
         if args.command == "config":
             return _config(args, overrides)
+        if args.command == "doctor" and not extra:
+            return _doctor(args)
         if extra:
             raise UserError(f"unexpected arguments {' '.join(extra)}")
         return _export(args) if args.command == "export" else _convert(args)

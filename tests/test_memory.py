@@ -40,7 +40,7 @@ CPU = {"device_name": "AMD EPYC", "architecture": "x86_64"}
 def stub_device(monkeypatch, kind: str, info: dict, active: int = 0, wired: list | None = None):
     """Make MLX report ``info`` for a default device on ``kind`` (metal | cuda | cpu)."""
     monkeypatch.setattr(mx, "device_info", lambda *_: dict(info))
-    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu if kind == "cpu" else mx.gpu)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu if kind == "cpu" else mx.gpu))
     monkeypatch.setattr(mx.metal, "is_available", lambda: kind == "metal")
     monkeypatch.setattr(mx.cuda, "is_available", lambda: kind == "cuda")
     monkeypatch.setattr(mx, "get_active_memory", lambda: active)

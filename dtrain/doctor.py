@@ -1,0 +1,128 @@
+"""``dtrain doctor``: what a bug report needs, in lines to paste.
+
+MLX and its backend, the device and its memory figures (Metal's recommended
+working set and wired limit, the budget ``engine.kind: auto`` plans within),
+the BLAS (Linux), the distributed backends MLX was built with, Python and the
+OS, and a short demo run timed step by step with its peak memory.
+Import it after :func:`dtrain.blas.setup` (the ``dtrain`` command does).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import mlx.core as mx
+
+from . import memory
+from .launch.hosts import LaunchError
+from .launch.plan import mlx_launch_path
+
+GIB = memory.GIB
+DISTRIBUTED = ("ring", "mpi", "jaccl", "nccl")
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _gib(n) -> str:
+    return f"{n / GIB:.2f} GiB ({int(n):,} bytes)"
+
+
+def _os_line() -> str:
+    if platform.system() == "Darwin":
+        return f"macOS {platform.mac_ver()[0]} ({platform.machine()})"
+    return f"{platform.platform()} ({platform.machine()})"
+
+
+def current_wired_limit() -> Optional[int]:
+    """Metal's wired limit now (bytes), read by setting it and putting it back; None elsewhere."""
+    if memory.backend() != "metal":
+        return None
+    previous = mx.set_wired_limit(0)
+    mx.set_wired_limit(previous)
+    return previous
+
+
+def system_lines(blas_line: Optional[str]) -> list[str]:
+    """Versions, device, memory figures, BLAS and distributed backends, one ``name: value`` per line."""
+    kind, info = memory.backend(), dict(mx.device_info())
+    lines = [
+        f"dtrain: {_version('dtrain')}; mlx: {mx.__version__}; mlx-lm: {_version('mlx-lm')}",
+        f"python: {platform.python_version()} ({sys.executable})",
+        f"os: {_os_line()}; {os.cpu_count()} CPU threads; RAM {_gib(memory.physical_memory())}",
+        f"backend: {kind} (default device {mx.default_device()}; metal available: {mx.metal.is_available()}, "
+        f"cuda available: {mx.cuda.is_available()})",
+        f"device: {info.get('device_name', '?')} ({info.get('architecture', '?')})",
+        "device_info: " + ", ".join(f"{k}={v}" for k, v in sorted(info.items())),
+    ]
+    if "max_recommended_working_set_size" in info:
+        lines.append(f"recommended working set: {_gib(info['max_recommended_working_set_size'])}; "
+                     f"unified memory: {_gib(info.get('memory_size', 0))}")
+        lines.append(f"wired limit: {_gib(current_wired_limit() or 0)} now; a training run sets it to the "
+                     f"recommended working set")
+    elif "total_memory" in info:
+        lines.append(f"GPU memory: total {_gib(info['total_memory'])}, free {_gib(info.get('free_memory', 0))}")
+    lines.append(f"MLX memory limit: {_gib(mx.get_memory_limit())}")
+    lines.append(f"auto engine budget (engine.memory_budget_gb: 0): {_gib(memory.default_budget_bytes())}")
+    if blas_line:
+        lines.append(blas_line)
+    built = [b for b in DISTRIBUTED if mx.distributed.is_available(b)]
+    try:
+        launch = mlx_launch_path()
+    except LaunchError:
+        launch = "not found"
+    lines.append(f"distributed backends in this MLX: {', '.join(built) or 'none'}; mlx.launch: {launch}; "
+                 f"mpirun: {shutil.which('mpirun') or 'not found'}")
+    return lines
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform.system() == "Darwin" else peak * 1024
+
+
+def demo_lines(steps: int = 2, max_length: int = 128, pairs: int = 4, model: str = "demo") -> list[str]:
+    """Train ``steps`` steps of ``pairs`` generated pairs (``max_length`` tokens per side) on
+    ``model``; one line per step with its seconds, and the peaks of MLX memory and RSS."""
+    from .config import load_config
+    from .trainer import Hooks, train
+
+    times, peaks, engine = [], [], []
+
+    def before(_step, run):
+        engine[:] = [run.engine.name]
+        mx.reset_peak_memory()
+        times.append(time.perf_counter())
+
+    def after(_step, _run):
+        times[-1] = time.perf_counter() - times[-1]
+        peaks.append(mx.get_peak_memory())
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-doctor-") as out:
+        cfg = load_config(overrides=[
+            f"model.path={model}", f"data.demo_pairs={pairs * 2}", f"data.max_length={max_length}",
+            f"data.max_prompt_length={max_length * 3 // 4}", "data.valid_fraction=0.25", f"train.steps={steps}",
+            f"train.global_batch_pairs={pairs}", f"train.micro_batch_pairs={pairs}", "train.warmup_steps=0",
+            "train.eval_pairs=1", "train.progress=false", f"train.output_dir={out}"])
+        start = time.perf_counter()
+        train(cfg, hooks=Hooks(before_step=before, after_step=after))
+        total = time.perf_counter() - start
+    lines = [f"demo run: model {model}, {steps} steps of {pairs} pairs (<= {max_length} tokens per side), "
+             f"engine {cfg.engine.kind} ({''.join(engine)}); {total:.1f} s in all (loading, data, evaluation, saving included)"]
+    for i, (s, p) in enumerate(zip(times, peaks), 1):
+        lines.append(f"  step {i}: {s:.2f} s, peak MLX memory {_gib(p)}" + (" (includes warm-up)" if i == 1 else ""))
+    lines.append(f"  peak RSS of this process: {_gib(_peak_rss())}")
+    return lines

@@ -1,0 +1,62 @@
+"""``dtrain doctor``: the lines a report needs, on a (stubbed) Mac and on this machine, and a timed demo run."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+from dtrain import doctor
+from test_memory import MACS, stub_device
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_doctor_on_a_16gb_mac_shows_the_working_set_wired_limit_and_budget(monkeypatch):
+    wired = []
+    stub_device(monkeypatch, "metal", MACS[16], active=0, wired=wired)
+    lines = doctor.system_lines(None)
+    assert lines[3] == "backend: metal (default device Device(gpu, 0); metal available: True, cuda available: False)"
+    assert lines[4] == "device: Apple M1 (applegpu_g13g)"
+    assert lines[5] == ("device_info: architecture=applegpu_g13g, device_name=Apple M1, max_buffer_length=8589934592, "
+                        "max_recommended_working_set_size=11453251584, memory_size=17179869184, resource_limit=499000")
+    assert lines[6] == ("recommended working set: 10.67 GiB (11,453,251,584 bytes); "
+                        "unified memory: 16.00 GiB (17,179,869,184 bytes)")
+    assert lines[7] == "wired limit: 0.00 GiB (0 bytes) now; a training run sets it to the recommended working set"
+    assert wired == [0, 0]  # read by setting it and putting the old value back
+    assert "auto engine budget (engine.memory_budget_gb: 0): 10.67 GiB (11,453,251,584 bytes)" in lines
+    assert not any(x.startswith("BLAS:") for x in lines)  # macOS: MLX's own, nothing to choose
+
+
+def test_doctor_without_demo_on_this_machine():
+    r = subprocess.run([sys.executable, "-m", "dtrain", "doctor", "--no-demo"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "dtrain doctor (paste all of it into a report)"
+    assert lines[1].startswith(f"dtrain: 0.1.0; mlx: {mx.__version__}; mlx-lm: ")
+    assert lines[2] == f"python: {platform.python_version()} ({sys.executable})"
+    assert lines[4] == "backend: cpu (default device Device(cpu, 0); metal available: False, cuda available: False)"
+    assert any(x.startswith("auto engine budget (engine.memory_budget_gb: 0): ") for x in lines)
+    assert sum(x.startswith("BLAS: ") for x in lines) == (platform.system() == "Linux")
+    assert lines[-1].startswith("distributed backends in this MLX: ring")
+    assert not any(x.startswith("demo run") for x in lines)
+
+
+def test_doctor_bad_option_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "dtrain", "doctor", "--steps", "0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines()[-1] == "dtrain: error: doctor: --steps and --pairs must be >= 1, --max-length >= 8"
+
+
+def test_doctor_demo_run_times_each_step(demo_path):
+    lines = doctor.demo_lines(steps=2, max_length=64, pairs=2)
+    assert lines[0].startswith("demo run: model demo, 2 steps of 2 pairs (<= 64 tokens per side), engine auto (")
+    assert [x.split(":")[0] for x in lines[1:]] == ["  step 1", "  step 2", "  peak RSS of this process"]
+    for line in lines[1:3]:
+        seconds, peak = line.split(": ", 1)[1].split(" s, peak MLX memory ")
+        assert float(seconds) > 0 and float(peak.split(" GiB")[0]) > 0
