@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,15 +37,15 @@ CASES = [
     ({"hosts": TWO, "backnd": "ring"},
      "{f}: unknown key(s) 'backnd' (known: backend, envs, hosts)"),
     ([{"ssh": "mac1", "ips": ["10.0.0.1"], "ip": "x"}, TWO[1]],
-     "{f}: host 0: unknown key(s) 'ip' (known: ssh, ips, rdma)"),
+     "{f}:1: host 0: unknown key(s) 'ip' (known: ssh, ips, rdma)"),
     ([{"ssh": "mac1"}, TWO[1]],
-     "{f}: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses"),
+     "{f}:1: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses"),
     ([TWO[0], {"ssh": "mac1", "ips": ["10.0.0.2"]}],
-     "{f}: host 1 repeats ssh 'mac1' of host 0; list each machine once"),
+     "{f}:1: host 1 repeats ssh 'mac1' of host 0; list each machine once"),
     ([TWO[0], {"ssh": "mac2", "ips": ["10.0.0.1"]}],
-     "{f}: host 1 repeats ip '10.0.0.1' of host 0; list each machine once"),
+     "{f}:1: host 1 repeats ip '10.0.0.1' of host 0; list each machine once"),
     ([TWO[0], {"ssh": "mac2", "ips": ["mac2.local"]}],
-     "{f}: host 1 (mac2): 'mac2.local' in 'ips' is not an IP address (use e.g. 192.168.1.2, not a host name)"),
+     "{f}:1: host 1 (mac2): 'mac2.local' in 'ips' is not an IP address (use e.g. 192.168.1.2, not a host name)"),
     ({"hosts": TWO, "backend": "gloo"},
      "{f}: backend 'gloo' must be one of ring, jaccl, mpi, nccl"),
     ({"hosts": TWO, "envs": ["NOEQUALS"]},
@@ -54,13 +55,13 @@ CASES = [
     ([],
      "{f}: expected a non-empty list of hosts, got []"),
     ([{"ips": ["10.0.0.1"]}],
-     "{f}: host 0: 'ssh' must be a non-empty host name, got None"),
+     "{f}:1: host 0: 'ssh' must be a non-empty host name, got None"),
     ({"backend": "jaccl", "hosts": [{**TWO[0], "rdma": [None]}, {**TWO[1], "rdma": ["rdma_en2", None]}]},
-     "{f}: host 0 (mac1): 'rdma' lists 1 devices; jaccl needs one per host (2), null for itself"),
+     "{f}:1: host 0 (mac1): 'rdma' lists 1 devices; jaccl needs one per host (2), null for itself"),
     ({"backend": "jaccl", "hosts": [{**TWO[0], "rdma": ["rdma_en2", None]}, {**TWO[1], "rdma": ["rdma_en2", None]}]},
-     "{f}: host 0 (mac1): rdma[0] must be null (a host has no RDMA link to itself)"),
+     "{f}:1: host 0 (mac1): rdma[0] must be null (a host has no RDMA link to itself)"),
     ({"backend": "nccl", "hosts": [{"ssh": "gpu1"}, {"ssh": "gpu2"}]},
-     "{f}: host 0 (gpu1) needs 'ips': the nccl coordinator must be reachable by IP"),
+     "{f}:1: host 0 (gpu1) needs 'ips': the nccl coordinator must be reachable by IP"),
 ]
 
 
@@ -74,13 +75,16 @@ def test_hostfile_missing_and_not_json(config, tmp_path):
     assert one_error(config, tmp_path / "nope.json") == f"launch: error: {tmp_path / 'nope.json'}: hostfile not found"
     bad = tmp_path / "bad.json"
     bad.write_text("[{'ssh': 'mac1'}]")
-    assert one_error(config, bad).startswith(f"launch: error: {bad}: not valid JSON (Expecting property name")
+    assert one_error(config, bad) == (f"launch: error: {bad}:1:3: not valid JSON "
+                                      "(Expecting property name enclosed in double quotes)")
+    bad.write_text('{"hosts": [\n  {"ssh": "mac1", "ips": ["10.0.0.1"]}\n  {"ssh": "mac2"}\n]}\n')
+    assert one_error(config, bad) == f"launch: error: {bad}:3:3: not valid JSON (Expecting ',' delimiter)"
 
 
 def test_backend_override_is_checked_against_hostfile(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", {"backend": "mpi", "hosts": [{"ssh": "mac1"}, {"ssh": "mac2"}]})
     assert one_error(config, f, "--backend", "ring") == (
-        f"launch: error: {f}: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses")
+        f"launch: error: {f}:1: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses")
 
 
 def test_ranks_and_hostfile_together_is_an_error(config, tmp_path):
@@ -112,6 +116,53 @@ def test_mpi_hostfile_plan(config, tmp_path):
     assert "global batch: 4 pairs/step = 2 + 1 + 1" in r.stdout
 
 
+JACCL_TWO_MACS = """{
+  "backend": "jaccl",
+  "hosts": [
+    {"ssh": "mac1.local", "ips": ["192.168.10.1"], "rdma": [null, "rdma_en5"]},
+    {"ssh": "mac2.local", "ips": ["192.168.10.2"],
+     "rdma": [%s, null]}
+  ]
+}
+"""
+
+
+@pytest.mark.parametrize("entry,message", [
+    ('"rdma_en5"', None),
+    ('["rdma_en5", "rdma_en6"]', None),  # two Thunderbolt links, as mlx.distributed_config writes them
+    ("null", "{f}:5: host 1 (mac2.local) has no RDMA device to host(s) 0"),
+    ("5", '{f}:5: host 1 (mac2.local): rdma[0] must be a device name such as "rdma_en2", a list of them, or null; got 5'),
+    ("[]", '{f}:5: host 1 (mac2.local): rdma[0] must be a device name such as "rdma_en2", a list of them, or null; got []'),
+    ('""', '{f}:5: host 1 (mac2.local): rdma[0] must be a device name such as "rdma_en2", a list of them, or null; got \'\''),
+])
+def test_jaccl_errors_name_the_file_and_line_of_the_host(config, tmp_path, entry, message):
+    f = tmp_path / "hosts.json"
+    f.write_text(JACCL_TWO_MACS % entry)
+    if message is None:
+        r = launch("--hostfile", f, "--dry-run", config)
+        assert r.returncode == 0, r.stderr
+        devices = json.dumps([[None, "rdma_en5"], [json.loads(entry), None]])
+        assert r.stdout.count(f"  MLX_IBV_DEVICES=<temp file> {devices}\n") == 2
+    else:
+        assert one_error(config, f) == "launch: error: " + message.format(f=f)
+
+
+def test_host_lines_property():
+    """Any host list, dumped with any indent as a list or under "hosts": the line of each host's "{"."""
+    import random
+
+    from dtrain.launch.hosts import host_lines
+
+    rng = random.Random(0)
+    for _ in range(200):
+        hosts = [{"ssh": f"h{i}", "ips": [f"10.0.0.{i}"] * rng.randint(0, 2)} for i in range(rng.randint(1, 5))]
+        data = rng.choice([hosts, {"envs": ["A=1"], "hosts": hosts}, {"hosts": hosts, "backend": "ring"}])
+        text = json.dumps(data, indent=rng.choice([None, 0, 1, 2, 4]))
+        # each host's "{" is the last one before its (unique, first) "ssh" key
+        want = [text.count("\n", 0, text.rindex("{", 0, text.index(f'"ssh": "{h["ssh"]}"'))) + 1 for h in hosts]
+        assert host_lines(text) == want, text
+
+
 def test_jaccl_hostfile_plan(config, tmp_path):
     hosts = [{**TWO[0], "rdma": [None, "rdma_en2"]}, {**TWO[1], "rdma": ["rdma_en2", None]}]
     f = write_hostfile(tmp_path / "hosts.json", {"backend": "jaccl", "hosts": hosts})
@@ -119,6 +170,19 @@ def test_jaccl_hostfile_plan(config, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("  MLX_JACCL_COORDINATOR=10.0.0.1:7000\n") == 2
     assert r.stdout.count('  MLX_IBV_DEVICES=<temp file> [[null, "rdma_en2"], ["rdma_en2", null]]\n') == 2
+    # the exact mlx.launch command: its flags, --env for each variable it does not set itself, then the
+    # rank wrapper running `dtrain train` (rank 0's variables are printed below the command)
+    out = r.stdout.splitlines()
+    command = next(x for x in out if x.startswith("command: "))
+    py = sys.executable
+    head = f"command: {Path(py).parent / 'mlx.launch'} --hostfile {f} --backend jaccl --starting-port 7000 "
+    tail = f" -- {py} -m dtrain.launch.rank -- {py} -m dtrain train -c {config} --distributed.backend=jaccl"
+    assert command.startswith(head) and command.endswith(tail), command
+    rank0 = out[out.index("rank 0 on mac1: shard 2 pairs/step") + 1:out.index("rank 1 on mac2: shard 2 pairs/step")]
+    passed = sorted(x.strip() for x in rank0 if not x.strip().startswith("MLX_"))
+    assert "PYTHONUNBUFFERED=1" in passed
+    flags = command[len(head):-len(tail)].split(" ")
+    assert flags[::2] == ["--env"] * len(passed) and sorted(flags[1::2]) == passed
 
 
 def test_report_line_round_trip():

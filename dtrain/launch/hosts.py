@@ -9,8 +9,15 @@ reads them::
      "hosts": [{"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [null, "rdma_en2"]},
                {"ssh": "mac2", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", null]}]}
 
+An ``rdma`` entry is a device name, a list of device names (several
+Thunderbolt links between two Macs, as ``mlx.distributed_config`` writes
+them) or null (itself). mlx.launch 0.32 (``launch_jaccl``) gives every JACCL
+rank ``MLX_RANK``, ``MLX_JACCL_COORDINATOR`` (host 0's first IP and
+``--starting-port``) and ``MLX_IBV_DEVICES`` (a file holding the ``rdma`` lists).
+
 mlx.launch accepts unknown keys silently and fails late (or hangs) on a bad
-file; here every problem is one :class:`LaunchError` line naming the host.
+file; here every problem is one :class:`LaunchError` line naming the file,
+the line the host starts on and the host.
 """
 
 from __future__ import annotations
@@ -45,9 +52,16 @@ class Host:
 
 @dataclass
 class Hostfile:
+    """``hosts`` in rank order; ``lines``: the 1-based line each host starts on (empty when not from a file)."""
+
     hosts: list
     backend: Optional[str] = None
     envs: list = field(default_factory=list)
+    lines: list = field(default_factory=list)
+
+    def where(self, path: str, i: int) -> str:
+        """``path:line`` of host ``i`` (``path`` alone without line numbers)."""
+        return f"{path}:{self.lines[i]}" if i < len(self.lines) else path
 
 
 def _is_ip(text) -> bool:
@@ -56,6 +70,10 @@ def _is_ip(text) -> bool:
         return True
     except ValueError:
         return False
+
+
+def _device(d) -> bool:
+    return isinstance(d, str) and bool(d.strip())
 
 
 def _host(i: int, raw, where: str) -> Host:
@@ -76,11 +94,17 @@ def _host(i: int, raw, where: str) -> Host:
     rdma = raw.get("rdma", [])
     if not isinstance(rdma, list):
         raise LaunchError(f"{where}: host {i} ({ssh}): 'rdma' must be a list with one device (or null) per host, got {rdma!r}")
+    for j, d in enumerate(rdma):
+        if not (d is None or _device(d) or (isinstance(d, list) and d and all(map(_device, d)))):
+            raise LaunchError(f"{where}: host {i} ({ssh}): rdma[{j}] must be a device name such as \"rdma_en2\", "
+                              f"a list of them, or null; got {d!r}")
     return Host(ssh, list(ips), list(rdma))
 
 
-def parse_hostfile(data, where: str = "hostfile") -> Hostfile:
+def parse_hostfile(data, where: str = "hostfile", lines: Optional[list] = None) -> Hostfile:
     """Validate decoded hostfile JSON (structure, keys, addresses, duplicates).
+
+    ``lines``: the line each host starts on (:func:`host_lines`), for the messages.
 
     Raises:
         LaunchError: one line naming the file, the host and the problem.
@@ -99,14 +123,50 @@ def parse_hostfile(data, where: str = "hostfile") -> Hostfile:
             raise LaunchError(f"{where}: 'envs' must be a list of \"NAME=VALUE\" strings, got {envs!r}")
     if not isinstance(data, list) or not data:
         raise LaunchError(f"{where}: expected a non-empty list of hosts, got {data!r}")
-    hosts = [_host(i, raw, where) for i, raw in enumerate(data)]
+    hf = Hostfile([], backend, list(envs), list(lines or []))
+    hf.hosts = [_host(i, raw, hf.where(where, i)) for i, raw in enumerate(data)]
     seen: dict = {}
-    for i, h in enumerate(hosts):
+    for i, h in enumerate(hf.hosts):
         for key in [("ssh", h.ssh)] + [("ip", ip) for ip in h.ips]:
             if key in seen:
-                raise LaunchError(f"{where}: host {i} repeats {key[0]} {key[1]!r} of host {seen[key]}; list each machine once")
+                raise LaunchError(f"{hf.where(where, i)}: host {i} repeats {key[0]} {key[1]!r} of host {seen[key]}; "
+                                  f"list each machine once")
             seen[key] = i
-    return Hostfile(hosts, backend, list(envs))
+    return hf
+
+
+def host_lines(text: str) -> list[int]:
+    """The 1-based line on which each host of hostfile JSON ``text`` starts (``text`` must parse).
+
+    Walks the top level with ``json.JSONDecoder.raw_decode``, which reports where each value ends.
+    """
+    decode, n = json.JSONDecoder().raw_decode, len(text)
+
+    def skip(i: int) -> int:
+        while i < n and text[i] in " \t\r\n,:":
+            i += 1
+        return i
+
+    def elements(i: int) -> list[int]:
+        out, i = [], skip(i + 1)
+        while i < n and text[i] != "]":
+            out.append(text.count("\n", 0, i) + 1)
+            i = skip(decode(text, i)[1])
+        return out
+
+    i = skip(0)
+    if i < n and text[i] == "[":
+        return elements(i)
+    if i >= n or text[i] != "{":
+        return []
+    found, i = [], skip(i + 1)
+    while i < n and text[i] != "}":
+        key, i = decode(text, i)
+        i = skip(i)
+        if key == "hosts" and text[i] == "[":
+            found = elements(i)  # the last "hosts" wins, as in json.loads
+        i = skip(decode(text, i)[1])
+    return found
 
 
 def load_hostfile(path: str) -> Hostfile:
@@ -119,10 +179,13 @@ def load_hostfile(path: str) -> Hostfile:
     if not p.is_file():
         raise LaunchError(f"{path}: hostfile not found")
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise LaunchError(f"{path}: not valid JSON ({err})") from None
-    return parse_hostfile(data, path)
+        text = p.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise LaunchError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
+    except UnicodeDecodeError as err:
+        raise LaunchError(f"{path}: not UTF-8 text ({err})") from None
+    return parse_hostfile(data, path, host_lines(text))
 
 
 def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
@@ -136,15 +199,16 @@ def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
     if backend == "ring":
         for i, h in enumerate(hosts):
             if not h.ips:
-                raise LaunchError(f"{where}: host {i} ({h.ssh}) has no 'ips'; the ring backend connects to IP addresses")
+                raise LaunchError(f"{hf.where(where, i)}: host {i} ({h.ssh}) has no 'ips'; the ring backend connects to IP addresses")
     if backend in ("jaccl", "nccl") and not hosts[0].ips:
-        raise LaunchError(f"{where}: host 0 ({hosts[0].ssh}) needs 'ips': the {backend} coordinator must be reachable by IP")
+        raise LaunchError(f"{hf.where(where, 0)}: host 0 ({hosts[0].ssh}) needs 'ips': the {backend} coordinator must be reachable by IP")
     if backend == "jaccl":
         for i, h in enumerate(hosts):
+            at = hf.where(where, i)
             if len(h.rdma) != len(hosts):
-                raise LaunchError(f"{where}: host {i} ({h.ssh}): 'rdma' lists {len(h.rdma)} devices; jaccl needs one per host ({len(hosts)}), null for itself")
+                raise LaunchError(f"{at}: host {i} ({h.ssh}): 'rdma' lists {len(h.rdma)} devices; jaccl needs one per host ({len(hosts)}), null for itself")
             if h.rdma[i] is not None:
-                raise LaunchError(f"{where}: host {i} ({h.ssh}): rdma[{i}] must be null (a host has no RDMA link to itself)")
+                raise LaunchError(f"{at}: host {i} ({h.ssh}): rdma[{i}] must be null (a host has no RDMA link to itself)")
             missing = [j for j, d in enumerate(h.rdma) if j != i and d is None]
             if missing:
-                raise LaunchError(f"{where}: host {i} ({h.ssh}) has no RDMA device to host(s) {', '.join(map(str, missing))}")
+                raise LaunchError(f"{at}: host {i} ({h.ssh}) has no RDMA device to host(s) {', '.join(map(str, missing))}")
