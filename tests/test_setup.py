@@ -1,0 +1,102 @@
+"""``./setup`` on macOS, run here under a faked ``uname``/``sysctl``/``sw_vers`` and fake Pythons:
+what it accepts, what it prints when something is missing; and shellcheck on the shell scripts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ("dirname", "date", "tail", "id", "cat")  # what ./setup runs besides the fakes
+
+
+def fake(path: Path, body: str) -> None:
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def mac(tmp_path: Path, pythons: dict, machine: str = "arm64", arm64: str = "1", version: str = "15.2") -> Path:
+    """A copy of ./setup in ``tmp_path/repo`` and a PATH folder faking a Mac.
+
+    ``pythons``: name -> ``"3.12 arm64"`` (what python_info prints). The venv's Python is a fake
+    that records its arguments and says Metal is available.
+    """
+    repo, bin_ = tmp_path / "repo", tmp_path / "bin"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    bin_.mkdir()
+    shutil.copy(ROOT / "setup", repo / "setup")
+    for tool in TOOLS:
+        (bin_ / tool).symlink_to(shutil.which(tool))
+    fake(bin_ / "uname", f'[ "$1" = -m ] && echo {machine} || echo Darwin')
+    fake(bin_ / "sysctl", f'[ "$*" = "-n hw.optional.arm64" ] && echo {arm64}')
+    fake(bin_ / "sw_vers", f'[ "$1" = -productVersion ] && echo {version}')
+    for name, info in pythons.items():
+        fake(bin_ / name, f'echo "{info}"')
+    fake(repo / ".venv" / "bin" / "python",
+         f'echo "$*" >> {tmp_path}/venv-calls; case "$*" in *metal.is_available*) echo True;; esac')
+    return repo
+
+
+def run_setup(repo: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": str(repo.parent / "bin"), "HOME": str(repo.parent), "CI": "true"}
+    return subprocess.run(["/bin/bash", str(repo / "setup"), "dev"], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_mac_with_a_native_python_installs_the_metal_wheel(tmp_path):
+    repo = mac(tmp_path, {"python3": "3.9 arm64", "python3.12": "3.12 arm64"})
+    r = run_setup(repo)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "setup: installing dtrain and its dependencies into .venv (pip's output goes to .setup.log)"
+    assert lines[1] == "setup: Mac users: run .venv/bin/dtrain doctor first and paste its output into any report"
+    assert lines[2].startswith("setup: done in ")
+    calls = (tmp_path / "venv-calls").read_text().splitlines()
+    assert calls[0] == "-m pip install -q --disable-pip-version-check -e .[dev]"  # pyproject: mlx on darwin
+    assert "apt" not in r.stdout + (repo / ".setup.log").read_text()
+
+
+def test_mac_without_a_usable_python_says_what_to_install(tmp_path):
+    repo = mac(tmp_path, {"python3": "3.9 arm64", "python3.11": "3.11 x86_64"})
+    r = run_setup(repo)
+    assert r.returncode == 1
+    bin_ = tmp_path / "bin"
+    assert r.stdout.splitlines() == [
+        f"setup: error: dtrain needs a native (arm64) Python >= 3.10; found: {bin_}/python3 (3.9); "
+        f"{bin_}/python3.11 (3.11, x86_64: Rosetta);",
+        "setup: install one, then run ./setup again: brew install python@3.12 (Homebrew, https://brew.sh)",
+        "setup: or the macOS installer from https://www.python.org/downloads/macos/",
+    ]
+    assert not (tmp_path / "venv-calls").exists()
+
+
+def test_mac_with_no_python_at_all(tmp_path):
+    r = run_setup(mac(tmp_path, {}))
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[0] == "setup: error: dtrain needs a native (arm64) Python >= 3.10; found: none"
+
+
+def test_intel_mac_and_old_macos_are_refused(tmp_path):
+    r = run_setup(mac(tmp_path / "intel", {"python3": "3.12 x86_64"}, machine="x86_64", arm64="0"))
+    assert (r.returncode, r.stdout) == (1, "setup: error: MLX needs a Mac with Apple silicon (M1 or later); "
+                                           "this one is x86_64\n")
+    r = run_setup(mac(tmp_path / "old", {"python3": "3.12 arm64"}, version="13.6.1"))
+    assert (r.returncode, r.stdout) == (1, "setup: error: MLX needs macOS 14.0 or later; this Mac runs macOS 13.6.1 "
+                                           "(System Settings -> Software Update)\n")
+
+
+def test_a_rosetta_terminal_on_apple_silicon_is_not_an_intel_mac(tmp_path):
+    # uname -m says x86_64 under Rosetta; hw.optional.arm64 still says 1, and a native Python is found
+    repo = mac(tmp_path, {"python3": "3.13 arm64"}, machine="x86_64", arm64="1")
+    assert run_setup(repo).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
+def test_shell_scripts_pass_shellcheck():
+    r = subprocess.run(["shellcheck", "setup", ".ci/run"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ})
+    assert r.returncode == 0, r.stdout
