@@ -5,7 +5,7 @@
     dtrain convert GGUF_FILE OUT_DIR
     dtrain config [-c CONFIG] [--section.key VALUE ...]
     dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE]
-    dtrain doctor [--steps N] [--max-length L] [--no-demo]
+    dtrain doctor [--steps N] [--max-length L] [--pairs N] [--model PATH] [--no-demo]
 
 User errors print one line ``dtrain: error: ...`` and exit with status 2.
 """

@@ -48,16 +48,20 @@ def _os_line() -> str:
 
 def current_wired_limit() -> Optional[int]:
     """Metal's wired limit now (bytes), read by setting it and putting it back; None elsewhere."""
-    if memory.backend() != "metal":
+    if not mx.metal.is_available():
         return None
-    previous = mx.set_wired_limit(0)
+    try:
+        previous = mx.set_wired_limit(0)
+    except (RuntimeError, ValueError):  # an MLX or macOS without wired limits
+        return None
     mx.set_wired_limit(previous)
     return previous
 
 
 def system_lines(blas_line: Optional[str]) -> list[str]:
     """Versions, device, memory figures, BLAS and distributed backends, one ``name: value`` per line."""
-    kind, info = memory.backend(), dict(mx.device_info())
+    kind = memory.backend()
+    info = dict(mx.device_info(mx.gpu) if mx.metal.is_available() else mx.device_info())  # Metal's even if CPU is default
     lines = [
         f"dtrain: {_version('dtrain')}; mlx: {mx.__version__}; mlx-lm: {_version('mlx-lm')}",
         f"python: {platform.python_version()} ({sys.executable})",
@@ -70,8 +74,9 @@ def system_lines(blas_line: Optional[str]) -> list[str]:
     if "max_recommended_working_set_size" in info:
         lines.append(f"recommended working set: {_gib(info['max_recommended_working_set_size'])}; "
                      f"unified memory: {_gib(info.get('memory_size', 0))}")
-        lines.append(f"wired limit: {_gib(current_wired_limit() or 0)} now; a training run sets it to the "
-                     f"recommended working set")
+        wired = current_wired_limit()
+        lines.append(f"wired limit: {'not readable' if wired is None else _gib(wired)} now; a training run "
+                     f"sets it to the recommended working set")
     elif "total_memory" in info:
         lines.append(f"GPU memory: total {_gib(info['total_memory'])}, free {_gib(info.get('free_memory', 0))}")
     lines.append(f"MLX memory limit: {_gib(mx.get_memory_limit())}")
