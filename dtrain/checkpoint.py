@@ -56,36 +56,40 @@ MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 PREFIX = "step-"
 LOCK = ".dtrain.lock"
+RESUME_HINT = ("These decide what is trained or what its eval/ metrics measure; set them back, or train into a new "
+               "train.output_dir (README: Checkpoints and resume)")
 
 
 @dataclass
 class RunState:
     """What a checkpoint says about its run, besides the arrays (``state.json``).
 
-    ``seed``, ``global_batch_pairs``, ``data``, ``model`` and ``lora_shapes``
-    must be equal for a run to continue from the checkpoint: ``data`` holds
-    every ``data.*`` key, the data files' fingerprint, the number of training
-    pairs and a sha256 of their token ids, so together with the seed and the
-    global batch they decide which pairs each step sees.
+    ``settings``, ``data``, ``model`` and ``lora_shapes`` must be equal for a
+    run to continue from the checkpoint: ``settings`` holds every config key
+    that decides what is trained (:func:`dtrain.identity.settings`), ``data``
+    the data files' sha256 and the sha256 of the training and held-out pairs'
+    token ids. ``schedule_steps`` is the ``train.steps`` the learning-rate
+    schedule was planned for when the run started; a resume keeps it.
+    ``tensorboard_run`` is relative to the output folder, so a copied or
+    moved folder logs into its own ``tb/``.
     """
 
     step: int
     skipped_steps: int
     run_id: str  # made when a run starts fresh, kept across resumes
-    seed: int  # train.seed: pair order and per-step RNG
-    global_batch_pairs: int
+    settings: dict  # identity.settings(resolved config)
+    schedule_steps: int
     world_size: int  # informational: a resume may use another world size
     data: dict
     model: str  # LoadedModel.identity
     lora_shapes: dict  # parameter name -> shape
     position: dict = field(default_factory=dict)  # sampler.Sampler.position(step)
-    tensorboard_run: Optional[str] = None
+    tensorboard_run: Optional[str] = None  # relative to the output folder
     evals: dict = field(default_factory=dict)  # "step" -> eval metrics of the whole run
 
     def must_match(self) -> dict:
-        """``{name shown to the user: value}`` of every field a resume may not change."""
-        return {"train.seed": self.seed, "train.global_batch_pairs": self.global_batch_pairs, **self.data,
-                "model": self.model, "lora shapes": self.lora_shapes}
+        """``{name shown to the user: value}`` of every field a resume may not change, settings first."""
+        return {**self.settings, **self.data, "model": self.model, "lora shapes": self.lora_shapes}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -108,20 +112,25 @@ class RunState:
         return cls(**{k: v for k, v in raw.items() if k in names})
 
 
-def data_identity(data_keys: dict, fingerprint: str, train_pairs: list) -> dict:
-    """The ``data`` field of :class:`RunState`: every ``data.*`` key and what the pairs are.
-
-    Args:
-        data_keys: the resolved ``data`` section (``to_dict(cfg)["data"]``).
-        fingerprint: ``Dataset.fingerprint`` (sha256 of the data files).
-        train_pairs: the tokenized training pairs, in order.
-    """
+def pairs_sha256(pairs: list) -> str:
+    """sha256 hex of the pairs' token ids (prompt, chosen, rejected), in order."""
     digest = hashlib.sha256()
-    for p in train_pairs:
+    for p in pairs:
         for ids in (p.prompt, p.chosen, p.rejected):
             digest.update(np.asarray(ids, np.int64).tobytes() + b"|")
-    return {**{f"data.{k}": v for k, v in data_keys.items()}, "data fingerprint": fingerprint,
-            "training pairs": len(train_pairs), "training pairs sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def data_identity(fingerprint: str, train_pairs: list, valid_pairs: list) -> dict:
+    """The ``data`` field of :class:`RunState`: what the data is, not where it lies.
+
+    Args:
+        fingerprint: ``Dataset.fingerprint`` (sha256 of the data files' content).
+        train_pairs: the tokenized training pairs, in order.
+        valid_pairs: the held-out pairs evaluated, in order.
+    """
+    return {"data content sha256 (data.train, data.valid)": fingerprint, "training pairs": len(train_pairs),
+            "training pairs sha256": pairs_sha256(train_pairs), "held-out pairs sha256": pairs_sha256(valid_pairs)}
 
 
 def new_run_id() -> str:
@@ -259,15 +268,15 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
     """
     was = saved.must_match()
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
-    diffs = [_differs(k, was.get(k), now.get(k)) for k in [*now, *(k for k in was if k not in now)]
-             if was.get(k) != now.get(k)]
+    keys = [*now, *(k for k in was if k not in now)]
+    diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if k in current.settings and was.get(k) != now.get(k)]
+    if not diffs:  # what the settings decide (pairs, shapes) differs only when they do, or the content does
+        diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if was.get(k) != now.get(k)]
     if not diffs and saved.position.get("next_pairs") != next_pairs:
         diffs.append(f"the sampler's pairs for step {saved.step + 1}: {saved.position.get('next_pairs')} in the "
                      f"checkpoint, {next_pairs} now (a dtrain version with another sampler?)")
     if diffs:
-        raise UserError(f"resume: {path} was made with different settings: {'; '.join(diffs)}. These decide which "
-                        f"pairs each step sees or what is trained; set them back, or train into a new "
-                        f"train.output_dir")
+        raise UserError(f"resume: {path} was made with different settings: {'; '.join(diffs)}. {RESUME_HINT}")
 
 
 def restore(model, optimizer, adapter: dict, optimizer_state: dict) -> None:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from .config import TrainConfig
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
+def learning_rate(step: int, cfg: TrainConfig, schedule_steps: Optional[int] = None) -> float:
     """Learning rate for optimizer step ``step`` (1-based).
 
     Linear warmup from ``lr / warmup_steps`` to ``lr`` over ``warmup_steps``,
     then ``constant``, ``linear`` decay or ``cosine`` decay to
-    ``min_lr_ratio * lr`` at the last step (``cfg.steps``).
+    ``min_lr_ratio * lr`` at step ``schedule_steps`` (default ``cfg.steps``).
+    Steps past ``schedule_steps`` hold the rate of step ``schedule_steps``: a
+    run resumed with a larger ``train.steps`` keeps the schedule it was planned
+    with and continues at its final rate, never jumping back up.
     """
-    lr, warm, total = cfg.learning_rate, cfg.warmup_steps, cfg.steps
+    total = cfg.steps if schedule_steps is None else schedule_steps
+    step = min(step, total)
+    lr, warm = cfg.learning_rate, cfg.warmup_steps
     if warm > 0 and step <= warm:
         return lr * step / warm
     if cfg.schedule == "constant" or total <= warm:

@@ -16,6 +16,7 @@ run ``<run>/<name>``), so TensorBoard lists one run per training run.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -60,7 +61,9 @@ class EventFile:
         from tensorboardX.proto.event_pb2 import Event, SessionLog
         from tensorboardX.record_writer import RecordWriter
 
-        self.path = Path(run_dir) / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        # a second run in the same process and second (a resume through the Python API) gets its own file
+        self.path = next(p for n in itertools.count() if not (p := Path(run_dir) / (stem + (f".{n}" if n else ""))).exists())
         self._writer = RecordWriter(str(self.path))
         self._event = Event
         self.write(Event(wall_time=time.time(), step=purge_step or 0, file_version="brain.Event:2"))
