@@ -232,16 +232,17 @@ def test_resume_refuses_a_change_of_what_each_step_trains(tmp_path, override, ch
 
 
 def test_resume_refuses_other_training_pairs(tmp_path):
-    from dtrain.checkpoint import data_identity
+    from dtrain.checkpoint import pairs_sha256
     from dtrain.errors import UserError
 
     run(tmp_path, "train.steps=2")
-    was = data_identity("fp", make_pairs(12)[:9], [])["training pairs sha256"]
-    now = data_identity("fp", make_pairs(12, seed=1)[:9], [])["training pairs sha256"]
+    was, now = make_pairs(12), make_pairs(12, seed=1)
     with pytest.raises(UserError) as err:
         run(tmp_path, "train.steps=4", "train.resume=auto", data_seed=1)
     assert str(err.value) == (f"resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: "
-                              f"training pairs sha256: {was!r} in the checkpoint, {now!r} now. {RESUME_HINT}")
+                              f"training pairs sha256: {pairs_sha256(was[:9])!r} in the checkpoint, "
+                              f"{pairs_sha256(now[:9])!r} now; held-out pairs sha256: {pairs_sha256(was[9:])!r} in "
+                              f"the checkpoint, {pairs_sha256(now[9:])!r} now. {RESUME_HINT}")
 
 
 def test_resumed_run_reports_the_evaluations_of_the_whole_run(tmp_path):
