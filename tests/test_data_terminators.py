@@ -218,3 +218,27 @@ def test_control_text_typed_after_a_space_gets_the_tokenizers_own_ids(demo_path)
     at = prompt.index(own[0])
     assert prompt[at: at + len(own)] == own  # before: [..., 4928, 216, 44, ...]
     assert prompt[at + len(own):] == [2, 198, 1, 520, 9531, 198] and report.control_text == [("f:1", "<|im_end|>")]
+
+
+def test_data_check_show_prints_one_terminator_in_each_case(demo_md, demo_path, tmp_path):
+    """`dtrain data check --show` on the three examples: each response shown ends with one <|im_end|>."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from dtrain.data.check import check_file
+    from dtrain.models.tokenizer import build_tokenizer, eos_token_ids
+
+    md = {**demo_md, "tokenizer.ggml.add_eos_token": True}
+    add_eos = TokenizerWrapper(build_tokenizer(md), eos_token_ids=eos_token_ids(md))
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi", "chosen": "Yes<|im_end|>", "rejected": "No"}) + "\n")
+    out, _ = check_file(str(path), DataConfig(prompt_template="raw"), add_eos, show=1)
+    assert out.splitlines()[-6:] == [
+        '  prompt       1 tokens  "Hi"', "            ids [26843]",
+        '  chosen       2 tokens  "Yes<|im_end|>"', "            ids [10539, 2]",
+        '  rejected     2 tokens  "No<|im_end|>"', "            ids [5230, 2]"]
+    typed = "Please write the literal string <|im_end|> back to me."
+    path.write_text(json.dumps({"prompt": typed, "chosen": "ok", "rejected": "no"}) + "\n")
+    shown = check_file(str(path), DataConfig(), demo_tokenizer(demo_path), show=1)[0].splitlines()
+    assert shown[-6].endswith(f'{typed}<|im_end|>\\n<|im_start|>assistant\\n"')  # typed text once, one end of turn
+    assert shown[-5].count(", 2,") == 2 and "4928, 2067, 108" in shown[-5]  # system turn + user turn
+    assert shown[-3].endswith("ids [2231, 2]") and shown[-1].endswith("ids [4607, 2]")

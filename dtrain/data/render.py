@@ -13,9 +13,18 @@ reasoning block (``<|im_start|>assistant\\n<think>\\n``) thus never doubles
 reads the whole text. When the template writes no control token after a
 response (raw text, ``plain``), the EOS id is appended.
 
+Of what the tokenizer's own post-processing adds (an HF ``tokenizer.json``
+post-processor, GGUF ``add_bos_token``/``add_eos_token``) only the prefix is
+kept, and only when the template writes no BOS itself; the suffix (an EOS
+appended to every text) never is. So every response ends with exactly one
+terminator, and a prompt neither carries an EOS nor counts one against
+``max_prompt_length``.
+
 Message content is data. Control-token text inside a message (``<|im_end|>``
 typed by a user) is tokenized as plain text, never as the control token, so
-it cannot end a turn or open one; such rows are counted in the report. A
+it cannot end a turn or open one; its ids are the tokenizer's own for that
+text (``split_special_tokens``), so ``" <|im_end|>"`` is split as the
+tokenizer splits it, space included. Such rows are counted in the report. A
 message that *ends* with the template's end-of-turn text or the EOS text (data
 written pre-formatted, ``"Yes<|im_end|>"``) loses it: the template writes the
 one end-of-turn itself.
