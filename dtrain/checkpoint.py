@@ -47,7 +47,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
-from .files import atomic_folder, sha256_file
+from .files import atomic_folder, sha256_file, storage, storage_reason
 from .lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
@@ -177,17 +177,13 @@ def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, res
     if owner is not None and owner != state.run_id:
         raise UserError(f"{final} is a checkpoint of another run (run id {owner}; this run is {state.run_id}); "
                         f"not replacing it")
-    try:
-        with atomic_folder(final) as tmp:
-            write_adapter(tmp, model, lora_cfg, base_model)
-            mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-            (tmp / STATE).write_text(state.to_json())
-            (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
-            files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
-            (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=2))
-    except OSError as err:
-        raise UserError(f"could not write checkpoint {final}: {err.strerror or err}; "
-                        f"the previous checkpoints are intact") from None
+    with storage(f"write checkpoint {final}", "; the previous checkpoints are intact"), atomic_folder(final) as tmp:
+        write_adapter(tmp, model, lora_cfg, base_model)
+        mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
+        (tmp / STATE).write_text(state.to_json())
+        (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
+        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=2))
     return final
 
 
@@ -204,8 +200,11 @@ def validate(path: Path) -> Optional[str]:
         p = path / name
         if not p.is_file():
             return f"missing {name}"
-        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
-            return f"checksum mismatch in {name}"
+        try:
+            if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+                return f"checksum mismatch in {name}"
+        except OSError as err:
+            return f"unreadable {name} ({storage_reason(err)})"
     return None
 
 
@@ -246,8 +245,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
     problem = validate(path)
     if problem is not None:
         raise UserError(f"resume: {path} is not a valid checkpoint: {problem}")
-    state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
-    return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)))
+    with storage(f"read checkpoint {path}"):
+        state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
+        return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)))
 
 
 def _differs(name: str, saved, now) -> str:
@@ -365,6 +365,33 @@ def estimate_bytes(model) -> int:
     return 3 * n + (1 << 20)
 
 
+@dataclass(frozen=True)
+class DiskPlan:
+    """What a run will still write into its output folder, for the free-space check.
+
+    ``checkpoint_bytes``: one checkpoint (:func:`estimate_bytes`).
+    ``save_steps``: the steps that save a checkpoint (``save_every`` multiples and the last step).
+    ``keep_last``: ``train.keep_last``.
+    """
+
+    checkpoint_bytes: int
+    save_steps: tuple
+    keep_last: int
+
+    def need(self, kept: int, done_step: int) -> tuple[int, int]:
+        """``(bytes, new checkpoints on disk at the peak)`` still needed after step ``done_step``.
+
+        Each save writes a new checkpoint before the oldest beyond ``keep_last``
+        is pruned, so at the peak ``keep_last + 1`` coexist: the ``kept``
+        checkpoints already on disk (a resume's, the one it will prune
+        included) count toward them. The adapter folder at the end takes a
+        third of a checkpoint (the weights without AdamW's two moments).
+        """
+        ahead = sum(1 for s in self.save_steps if s > done_step)
+        more = max(min(self.keep_last + 1, kept + ahead) - kept, 0)
+        return more * self.checkpoint_bytes + self.checkpoint_bytes // 3, more
+
+
 class OutputLock:
     """Exclusive ownership of an output folder, held until :meth:`release` (or process exit).
 
@@ -395,7 +422,7 @@ class OutputLock:
             self._fd = None
 
 
-def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
+def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     """Take ownership of ``out``, then check it: writable, room for a checkpoint, no earlier run's checkpoints.
 
     A fresh run into a folder holding another run's checkpoints would mix the
@@ -403,6 +430,8 @@ def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
     checks run under the lock, so no other run can change the answer.
 
     Args:
+        plan: what the run will write (the free-space check counts the
+            checkpoints already there, the ones a resume will prune included).
         resuming: ``train.resume`` is set (earlier checkpoints are then
             checked by :func:`resume`).
     Returns:
@@ -417,19 +446,23 @@ def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
     except OSError as err:
         raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
     try:
-        check_output_dir(out, need_bytes)
         earlier = find_latest(out / "checkpoints", report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
                             f"continue it with train.resume=auto, or choose another train.output_dir")
+        kept = [p for p in list_checkpoints(out / "checkpoints") if validate(p) is None] if earlier else []
+        need, more = plan.need(len(kept), int(earlier.name.removeprefix(PREFIX)) if earlier else 0)
+        check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
+                                    f"oldest beyond train.keep_last={plan.keep_last} is pruned ({len(kept)} on disk "
+                                    f"now), and the adapter")
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def check_output_dir(out: Path, need_bytes: int) -> None:
-    """Stop early when ``out`` is not writable or lacks room for a checkpoint.
+def check_output_dir(out: Path, need_bytes: int, what: str = "a checkpoint") -> None:
+    """Stop early when ``out`` is not writable or has less than ``need_bytes`` free (``what`` says for what).
 
     Raises:
         UserError: naming the folder and the bytes needed/free.
@@ -442,6 +475,6 @@ def check_output_dir(out: Path, need_bytes: int) -> None:
     except OSError as err:
         raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
     free = shutil.disk_usage(out).free
-    if free < 2 * need_bytes:
-        raise UserError(f"output folder {out} has {free / 1e6:.1f} MB free; a checkpoint needs about "
-                        f"{need_bytes / 1e6:.1f} MB (twice that while one is replaced)")
+    if free < need_bytes:
+        raise UserError(f"output folder {out} has {free / 1e6:.1f} MB free; this run needs about "
+                        f"{need_bytes / 1e6:.1f} MB there: {what}")

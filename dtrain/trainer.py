@@ -33,6 +33,7 @@ from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
 from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
+from .files import storage
 from .identity import settings
 from .errors import UserError
 from .lora import apply_lora, save_adapter
@@ -265,7 +266,9 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                           model=loaded.identity, lora_shapes=lora_shapes)
     out = Path(t.output_dir)
     with contextlib.ExitStack() as cleanup:
-        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, ckpt.estimate_bytes(model), t.resume is not None))
+        saves = tuple(s for s in range(1, t.steps + 1) if s == t.steps or (t.save_every and s % t.save_every == 0))
+        plan = ckpt.DiskPlan(ckpt.estimate_bytes(model), saves, max(t.keep_last, 1))
+        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, plan, t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
@@ -338,7 +341,10 @@ def finish(run: Run, hparams: bool = True) -> None:
     """Rank 0 writes the adapter (the same bytes when written again) and, with ``hparams``, the hparams record."""
     if run.group.is_main:
         t = run.cfg.train
-        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, Path(t.output_dir) / "adapters", run.base_model)
+        out = Path(t.output_dir) / "adapters"
+        with storage(f"write the adapter {out}", f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, t.steps)} "
+                     f"holds the same weights"):
+            run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out, run.base_model)
         if hparams:
             final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
             run.log.hparams(run.resolved, final, t.steps)
