@@ -226,3 +226,24 @@ def test_a_copied_run_folder_logs_into_its_own_tensorboard_run(tmp_path):
     moved, _ = run(c, "train.steps=6", "train.resume=auto", *args)
     assert moved.run_dir == c / first.run_dir.relative_to(a)
     assert [s for s, _ in read_scalars(moved.run_dir)["loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_readme_lists_what_a_resume_refuses_and_compares_by_content():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("**What a resume accepts and refuses.**"): text.index("**Continuing a finished run.**")]
+    refused = section[section.index("- refused"): section.index("- compared by content")]
+    by_content = section[section.index("- compared by content"): section.index("- accepted")]
+    assert [k for k in identity.REFUSED if f"`{k}`" not in refused] == []
+    assert [k for k in identity.BY_CONTENT if f"`{k}`" not in by_content] == []
+    accepted = section[section.index("- accepted"):]
+    assert [k for k in identity.REFUSED if f"`{k}`" in accepted] == []
+
+
+def test_warmup_continues_past_a_plan_shorter_than_it():
+    """A run planned for 2 steps with 10 warmup steps, continued: warmup goes on, then the peak holds."""
+    t = load_config(None, ["data.demo_pairs=1", "train.learning_rate=1e-3", "train.warmup_steps=10",
+                           "train.schedule=cosine"]).train
+    rates = [learning_rate(s, t, schedule_steps=2) for s in range(1, 14)]
+    assert rates == pytest.approx([1e-3 * s / 10 for s in range(1, 11)] + [1e-3] * 3, rel=1e-12)
