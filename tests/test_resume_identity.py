@@ -218,6 +218,9 @@ def test_a_copied_run_folder_logs_into_its_own_tensorboard_run(tmp_path):
     state = json.loads((a / "checkpoints" / "step-0000002" / "state.json").read_text())
     assert state["tensorboard_run"] == str(first.run_dir.relative_to(a)) and state["tensorboard_run"].startswith("tb/")
     shutil.copytree(a, b)
+    from dtrain.launch.restart import resume_point
+
+    assert resume_point(b).tensorboard_dir == b / state["tensorboard_run"]  # where ./launch records restarts
     copied, _ = run(b, "train.steps=4", "train.resume=auto", *args)
     assert copied.run_dir == b / first.run_dir.relative_to(a)
     assert [s for s, _ in read_scalars(copied.run_dir)["loss"]] == [1, 2, 3, 4]
