@@ -14,6 +14,7 @@ post-processing. Exact ids of the issue's examples use the demo GGUF.
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 
 import pytest
@@ -113,16 +114,20 @@ def test_one_terminator_per_response_for_every_post_processor_and_template(style
     text = st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map("".join).filter(lambda s: s.strip())
 
     @settings(max_examples=6, deadline=None)
-    @given(st.sampled_from(choices), st.sampled_from(["standard", "conversational"]),
+    @given(st.sampled_from(choices), st.sampled_from(["standard", "conversational", "implicit"]),
            st.one_of(st.none(), text), text, text, text)
     def run(choice, fmt, system, prompt, chosen, rejected):
         assume(chosen.strip() != rejected.strip())
-        messages_row = fmt == "conversational"
+        messages_row = fmt != "standard"
         if not messages_row and choice == "own" and STYLES[style][0] is None:
             return
         cfg_kw, template, closing = rendering(style, choice, messages_row)
         sys_msg = [{"role": "system", "content": system}] if system is not None else []
-        if messages_row:
+        if fmt == "implicit":  # the whole conversation on each side
+            user = sys_msg + [{"role": "user", "content": prompt}]
+            obj = {"chosen": user + [{"role": "assistant", "content": chosen}],
+                   "rejected": user + [{"role": "assistant", "content": rejected}]}
+        elif messages_row:
             obj = {"prompt": sys_msg + [{"role": "user", "content": prompt}],
                    "chosen": [{"role": "assistant", "content": chosen}],
                    "rejected": [{"role": "assistant", "content": rejected}]}
@@ -149,6 +154,59 @@ def test_one_terminator_per_response_for_every_post_processor_and_template(style
         limit = len(bos + hf.encode(gen, add_special_tokens=False))
         tight, _ = tokenize_rows(rows, tok, DataConfig(**cfg_kw, max_prompt_length=limit))
         assert tight == pairs
+
+    run()
+
+
+def plain_control_oracle(tok, msgs, closing, add_bos):
+    """Ids of ``msgs`` + the closing control token, control text in contents read as plain text.
+
+    The template is rendered with placeholders for the contents, so the control
+    tokens it writes itself are known; the text between them (contents
+    included) gets the tokenizer's own ids with ``split_special_tokens``.
+    """
+    hf = hf_tokenizer(tok)
+    marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
+    skeleton = hf.apply_chat_template([{**m, "content": k} for m, k in zip(msgs, marks)], tokenize=False)
+    skeleton = skeleton[: len(skeleton) - len(closing)] + closing.rstrip()
+    controls = control_strings(tok)
+    split = re.compile("(" + "|".join(map(re.escape, controls)) + "|" + "|".join(map(re.escape, marks)) + ")")
+    ids, buffer = [hf.bos_token_id] if add_bos and not skeleton.startswith(hf.bos_token or "\0") else [], ""
+    for part in split.split(skeleton):
+        if part in marks:
+            buffer += msgs[marks.index(part)]["content"]
+        elif part in controls:
+            ids += hf(buffer, add_special_tokens=False, split_special_tokens=True)["input_ids"] if buffer else []
+            ids, buffer = ids + hf.convert_tokens_to_ids([part]), ""
+        else:
+            buffer += part
+    return ids + (hf(buffer, add_special_tokens=False, split_special_tokens=True)["input_ids"] if buffer else [])
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama3", "gemma", "think"])
+@pytest.mark.parametrize("post", ["none", "bos+eos"])
+def test_control_text_in_messages_gets_the_tokenizers_own_plain_ids(style, post):
+    """Control text typed anywhere in a message, after a space or not: the ids are the tokenizer's own split."""
+    if STYLES[style][2] is None and POST[post][0]:
+        post = "eos"
+    tok = variant(style, "hf", post)
+    controls = [c for c in control_strings(tok)]
+    piece = st.sampled_from(["hi", "yes", " ", "  ", "\n", "word", "42", *controls, *(" " + c for c in controls)])
+    text = st.lists(piece, min_size=1, max_size=6).map(lambda xs: "x" + "".join(xs) + "y")
+
+    @settings(max_examples=12, deadline=None)
+    @given(text, text, text)
+    def run(prompt, chosen, rejected):
+        assume(chosen != rejected)
+        msgs = [{"role": "user", "content": prompt}]
+        pairs, report = tokenize_rows([Row(msgs, chosen, rejected)], tok, DataConfig())
+        assert report.bad == []
+        if not pairs:
+            return
+        (pair,) = pairs
+        for resp, content in ((pair.chosen, chosen), (pair.rejected, rejected)):
+            side = msgs + [{"role": "assistant", "content": content}]
+            assert pair.prompt + resp == plain_control_oracle(tok, side, CLOSING[style], POST[post][0])
 
     run()
 
