@@ -241,9 +241,10 @@ def test_demo_gguf_with_add_eos_token_ends_each_response_once(demo_md):
     assert (pairs[0].prompt, pairs[0].chosen, pairs[0].rejected) == ([26843], [10539, 2], [5230, 2])  # before: 2, 2
 
 
-def test_demo_folder_whose_tokenizer_json_appends_eos(demo_md, tmp_path):
-    """The tokenizer files of `dtrain convert demo OUT` with a post-processor appending <|im_end|>,
-    data.chat_template plain (convert writes them with save_pretrained, as here)."""
+@pytest.fixture
+def folder_tok(demo_md, tmp_path):
+    """The tokenizer files of `dtrain convert demo OUT` (written by save_pretrained, as convert does) with a
+    tokenizer.json post-processor that appends <|im_end|>, loaded as mlx-lm loads a folder."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from dtrain.models.tokenizer import build_tokenizer
@@ -256,7 +257,12 @@ def test_demo_folder_whose_tokenizer_json_appends_eos(demo_md, tmp_path):
                               "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
                               "special_tokens": {"<|im_end|>": {"id": "<|im_end|>", "ids": [2], "tokens": ["<|im_end|>"]}}}
     (out / "tokenizer.json").write_text(json.dumps(spec))
-    tok = load_tokenizer(out)
+    return load_tokenizer(out)
+
+
+def test_demo_folder_whose_tokenizer_json_appends_eos(folder_tok):
+    """data.chat_template plain on the folder whose post-processor appends <|im_end|>."""
+    tok = folder_tok
     assert tok.encode("Yes") == [10539, 2]  # the folder's own post-processing appends <|im_end|>
     row = Row("What is two?", "Yes", "No")
     prompt = [11126, 42, 1812, 314, 827, 47, 198, 198, 9519, 9531, 42]  # "User: What is two?\n\nAssistant:"
@@ -278,7 +284,7 @@ def test_control_text_typed_after_a_space_gets_the_tokenizers_own_ids(demo_path)
     assert prompt[at + len(own):] == [2, 198, 1, 520, 9531, 198] and report.control_text == [("f:1", "<|im_end|>")]
 
 
-def test_data_check_show_prints_one_terminator_in_each_case(demo_md, demo_path, tmp_path):
+def test_data_check_show_prints_one_terminator_in_each_case(demo_md, demo_path, folder_tok, tmp_path):
     """`dtrain data check --show` on the three examples: each response shown ends with one <|im_end|>."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -300,3 +306,10 @@ def test_data_check_show_prints_one_terminator_in_each_case(demo_md, demo_path, 
     assert shown[-6].endswith(f'{typed}<|im_end|>\\n<|im_start|>assistant\\n"')  # typed text once, one end of turn
     assert shown[-5].count(", 2,") == 2 and "4928, 2067, 108" in shown[-5]  # system turn + user turn
     assert shown[-3].endswith("ids [2231, 2]") and shown[-1].endswith("ids [4607, 2]")
+    path.write_text(json.dumps({"prompt": "What is two?", "chosen": "Yes", "rejected": "No"}) + "\n")
+    shown = check_file(str(path), DataConfig(chat_template="plain", max_prompt_length=11), folder_tok, show=1)[0]
+    assert shown.splitlines()[-6:] == [
+        '  prompt      11 tokens  "User: What is two?\\n\\nAssistant:"',
+        "            ids [11126, 42, 1812, 314, 827, 47, 198, 198, 9519, 9531, 42]",
+        '  chosen       2 tokens  " Yes<|im_end|>"', "            ids [9230, 2]",
+        '  rejected     2 tokens  " No<|im_end|>"', "            ids [2838, 2]"]
