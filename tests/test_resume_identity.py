@@ -95,6 +95,18 @@ def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, valu
         ckpt.check_resumable(saved, current, [1, 2], tmp_path)
 
 
+@pytest.mark.parametrize("override", ["engine.kind=reference", "engine.segment_layers=1", "engine.prefix_sharing=false",
+                                      "engine.head_chunk_tokens=4", "train.micro_batch_pairs=2", "train.eval_every=1",
+                                      "train.save_every=1", "train.keep_last=3", "data.on_bad_row=error",
+                                      "distributed.check_sync_every=1", "train.max_skipped_steps=2",
+                                      "train.chosen_logps_drop_warn=0.5", "train.steps=5"])
+def test_accepted_keys_continue_a_real_run(tmp_path, override):
+    assert override.split("=")[0] in identity.ACCEPTED
+    run(tmp_path, "train.steps=2")
+    more, _ = run(tmp_path, "train.steps=4", "train.resume=auto", override)
+    assert [h["learning_rate"] > 0 for h in more.history] == [True] * (3 if override == "train.steps=5" else 2)
+
+
 @pytest.mark.parametrize("override, changed", [
     ("lora.scale=40", "lora.scale: 20.0 in the checkpoint, 40.0 now"),
     ("lora.dropout=0.2", "lora.dropout: 0.0 in the checkpoint, 0.2 now"),
