@@ -9,7 +9,6 @@ import typing
 
 import pytest
 
-from conftest import make_pairs
 from dtrain import checkpoint as ckpt
 from dtrain import identity
 from dtrain.config import Config, describe_fields, load_config, to_dict
