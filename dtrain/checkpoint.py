@@ -47,7 +47,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
-from .files import atomic_folder, sha256_file
+from .files import atomic_folder, sha256_file, storage, storage_reason
 from .lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
@@ -56,36 +56,40 @@ MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 PREFIX = "step-"
 LOCK = ".dtrain.lock"
+RESUME_HINT = ("These decide what is trained or what its eval/ metrics measure; set them back, or train into a new "
+               "train.output_dir (README: Checkpoints and resume)")
 
 
 @dataclass
 class RunState:
     """What a checkpoint says about its run, besides the arrays (``state.json``).
 
-    ``seed``, ``global_batch_pairs``, ``data``, ``model`` and ``lora_shapes``
-    must be equal for a run to continue from the checkpoint: ``data`` holds
-    every ``data.*`` key, the data files' fingerprint, the number of training
-    pairs and a sha256 of their token ids, so together with the seed and the
-    global batch they decide which pairs each step sees.
+    ``settings``, ``data``, ``model`` and ``lora_shapes`` must be equal for a
+    run to continue from the checkpoint: ``settings`` holds every config key
+    that decides what is trained (:func:`dtrain.identity.settings`), ``data``
+    the data files' sha256 and the sha256 of the training and held-out pairs'
+    token ids. ``schedule_steps`` is the ``train.steps`` the learning-rate
+    schedule was planned for when the run started; a resume keeps it.
+    ``tensorboard_run`` is relative to the output folder, so a copied or
+    moved folder logs into its own ``tb/``.
     """
 
     step: int
     skipped_steps: int
     run_id: str  # made when a run starts fresh, kept across resumes
-    seed: int  # train.seed: pair order and per-step RNG
-    global_batch_pairs: int
+    settings: dict  # identity.settings(resolved config)
+    schedule_steps: int
     world_size: int  # informational: a resume may use another world size
     data: dict
     model: str  # LoadedModel.identity
     lora_shapes: dict  # parameter name -> shape
     position: dict = field(default_factory=dict)  # sampler.Sampler.position(step)
-    tensorboard_run: Optional[str] = None
+    tensorboard_run: Optional[str] = None  # relative to the output folder
     evals: dict = field(default_factory=dict)  # "step" -> eval metrics of the whole run
 
     def must_match(self) -> dict:
-        """``{name shown to the user: value}`` of every field a resume may not change."""
-        return {"train.seed": self.seed, "train.global_batch_pairs": self.global_batch_pairs, **self.data,
-                "model": self.model, "lora shapes": self.lora_shapes}
+        """``{name shown to the user: value}`` of every field a resume may not change, settings first."""
+        return {**self.settings, **self.data, "model": self.model, "lora shapes": self.lora_shapes}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -108,20 +112,25 @@ class RunState:
         return cls(**{k: v for k, v in raw.items() if k in names})
 
 
-def data_identity(data_keys: dict, fingerprint: str, train_pairs: list) -> dict:
-    """The ``data`` field of :class:`RunState`: every ``data.*`` key and what the pairs are.
-
-    Args:
-        data_keys: the resolved ``data`` section (``to_dict(cfg)["data"]``).
-        fingerprint: ``Dataset.fingerprint`` (sha256 of the data files).
-        train_pairs: the tokenized training pairs, in order.
-    """
+def pairs_sha256(pairs: list) -> str:
+    """sha256 hex of the pairs' token ids (prompt, chosen, rejected), in order."""
     digest = hashlib.sha256()
-    for p in train_pairs:
+    for p in pairs:
         for ids in (p.prompt, p.chosen, p.rejected):
             digest.update(np.asarray(ids, np.int64).tobytes() + b"|")
-    return {**{f"data.{k}": v for k, v in data_keys.items()}, "data fingerprint": fingerprint,
-            "training pairs": len(train_pairs), "training pairs sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def data_identity(fingerprint: str, train_pairs: list, valid_pairs: list) -> dict:
+    """The ``data`` field of :class:`RunState`: what the data is, not where it lies.
+
+    Args:
+        fingerprint: ``Dataset.fingerprint`` (sha256 of the data files' content).
+        train_pairs: the tokenized training pairs, in order.
+        valid_pairs: the held-out pairs evaluated, in order.
+    """
+    return {"data content sha256 (data.train, data.valid)": fingerprint, "training pairs": len(train_pairs),
+            "training pairs sha256": pairs_sha256(train_pairs), "held-out pairs sha256": pairs_sha256(valid_pairs)}
 
 
 def new_run_id() -> str:
@@ -168,17 +177,13 @@ def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, res
     if owner is not None and owner != state.run_id:
         raise UserError(f"{final} is a checkpoint of another run (run id {owner}; this run is {state.run_id}); "
                         f"not replacing it")
-    try:
-        with atomic_folder(final) as tmp:
-            write_adapter(tmp, model, lora_cfg, base_model)
-            mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
-            (tmp / STATE).write_text(state.to_json())
-            (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
-            files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
-            (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=2))
-    except OSError as err:
-        raise UserError(f"could not write checkpoint {final}: {err.strerror or err}; "
-                        f"the previous checkpoints are intact") from None
+    with storage(f"write checkpoint {final}", "; the previous checkpoints are intact"), atomic_folder(final) as tmp:
+        write_adapter(tmp, model, lora_cfg, base_model)
+        mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
+        (tmp / STATE).write_text(state.to_json())
+        (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
+        files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"step": state.step, "files": files}, indent=2))
     return final
 
 
@@ -195,8 +200,11 @@ def validate(path: Path) -> Optional[str]:
         p = path / name
         if not p.is_file():
             return f"missing {name}"
-        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
-            return f"checksum mismatch in {name}"
+        try:
+            if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+                return f"checksum mismatch in {name}"
+        except OSError as err:
+            return f"unreadable {name} ({storage_reason(err)})"
     return None
 
 
@@ -237,8 +245,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
     problem = validate(path)
     if problem is not None:
         raise UserError(f"resume: {path} is not a valid checkpoint: {problem}")
-    state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
-    return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)))
+    with storage(f"read checkpoint {path}"):
+        state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
+        return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)))
 
 
 def _differs(name: str, saved, now) -> str:
@@ -259,15 +268,15 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
     """
     was = saved.must_match()
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
-    diffs = [_differs(k, was.get(k), now.get(k)) for k in [*now, *(k for k in was if k not in now)]
-             if was.get(k) != now.get(k)]
+    keys = [*now, *(k for k in was if k not in now)]
+    diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if k in current.settings and was.get(k) != now.get(k)]
+    if not diffs:  # what the settings decide (pairs, shapes) differs only when they do, or the content does
+        diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if was.get(k) != now.get(k)]
     if not diffs and saved.position.get("next_pairs") != next_pairs:
         diffs.append(f"the sampler's pairs for step {saved.step + 1}: {saved.position.get('next_pairs')} in the "
                      f"checkpoint, {next_pairs} now (a dtrain version with another sampler?)")
     if diffs:
-        raise UserError(f"resume: {path} was made with different settings: {'; '.join(diffs)}. These decide which "
-                        f"pairs each step sees or what is trained; set them back, or train into a new "
-                        f"train.output_dir")
+        raise UserError(f"resume: {path} was made with different settings: {'; '.join(diffs)}. {RESUME_HINT}")
 
 
 def restore(model, optimizer, adapter: dict, optimizer_state: dict) -> None:
@@ -356,6 +365,33 @@ def estimate_bytes(model) -> int:
     return 3 * n + (1 << 20)
 
 
+@dataclass(frozen=True)
+class DiskPlan:
+    """What a run will still write into its output folder, for the free-space check.
+
+    ``checkpoint_bytes``: one checkpoint (:func:`estimate_bytes`).
+    ``save_steps``: the steps that save a checkpoint (``save_every`` multiples and the last step).
+    ``keep_last``: ``train.keep_last``.
+    """
+
+    checkpoint_bytes: int
+    save_steps: tuple
+    keep_last: int
+
+    def need(self, kept: int, done_step: int) -> tuple[int, int]:
+        """``(bytes, new checkpoints on disk at the peak)`` still needed after step ``done_step``.
+
+        Each save writes a new checkpoint before the oldest beyond ``keep_last``
+        is pruned, so at the peak ``keep_last + 1`` coexist: the ``kept``
+        checkpoints already on disk (a resume's, the one it will prune
+        included) count toward them. The adapter folder at the end takes a
+        third of a checkpoint (the weights without AdamW's two moments).
+        """
+        ahead = sum(1 for s in self.save_steps if s > done_step)
+        more = max(min(self.keep_last + 1, kept + ahead) - kept, 0)
+        return more * self.checkpoint_bytes + self.checkpoint_bytes // 3, more
+
+
 class OutputLock:
     """Exclusive ownership of an output folder, held until :meth:`release` (or process exit).
 
@@ -386,7 +422,7 @@ class OutputLock:
             self._fd = None
 
 
-def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
+def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     """Take ownership of ``out``, then check it: writable, room for a checkpoint, no earlier run's checkpoints.
 
     A fresh run into a folder holding another run's checkpoints would mix the
@@ -394,6 +430,8 @@ def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
     checks run under the lock, so no other run can change the answer.
 
     Args:
+        plan: what the run will write (the free-space check counts the
+            checkpoints already there, the ones a resume will prune included).
         resuming: ``train.resume`` is set (earlier checkpoints are then
             checked by :func:`resume`).
     Returns:
@@ -408,19 +446,23 @@ def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
     except OSError as err:
         raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
     try:
-        check_output_dir(out, need_bytes)
         earlier = find_latest(out / "checkpoints", report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
                             f"continue it with train.resume=auto, or choose another train.output_dir")
+        kept = [p for p in list_checkpoints(out / "checkpoints") if validate(p) is None] if earlier else []
+        need, more = plan.need(len(kept), int(earlier.name.removeprefix(PREFIX)) if earlier else 0)
+        check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
+                                    f"oldest beyond train.keep_last={plan.keep_last} is pruned ({len(kept)} on disk "
+                                    f"now), and the adapter")
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def check_output_dir(out: Path, need_bytes: int) -> None:
-    """Stop early when ``out`` is not writable or lacks room for a checkpoint.
+def check_output_dir(out: Path, need_bytes: int, what: str = "a checkpoint") -> None:
+    """Stop early when ``out`` is not writable or has less than ``need_bytes`` free (``what`` says for what).
 
     Raises:
         UserError: naming the folder and the bytes needed/free.
@@ -433,6 +475,6 @@ def check_output_dir(out: Path, need_bytes: int) -> None:
     except OSError as err:
         raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
     free = shutil.disk_usage(out).free
-    if free < 2 * need_bytes:
-        raise UserError(f"output folder {out} has {free / 1e6:.1f} MB free; a checkpoint needs about "
-                        f"{need_bytes / 1e6:.1f} MB (twice that while one is replaced)")
+    if free < need_bytes:
+        raise UserError(f"output folder {out} has {free / 1e6:.1f} MB free; this run needs about "
+                        f"{need_bytes / 1e6:.1f} MB there: {what}")

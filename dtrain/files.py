@@ -10,9 +10,51 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
+
+from .errors import UserError
+
+# MLX reports I/O failures as RuntimeError: "[write] Unable to write 17309 bytes to file.",
+# "[save_safetensors] Failed to open file X", "[load_safetensors] Failed to open file X".
+_MLX_IO = re.compile(r"^\[\w+\] .*\b(file|write|read)", re.IGNORECASE)
+
+
+class StorageError(UserError):
+    """A file dtrain writes or reads failed (disk full, permissions, I/O); what was written before is intact."""
+
+
+def storage_reason(err: BaseException) -> Optional[str]:
+    """The one-line reason of a storage failure, or None when ``err`` is not one.
+
+    ``OSError``: its ``strerror``; MLX's I/O ``RuntimeError`` (MLX raises no
+    ``OSError``): its message. Other errors (an MLX computation failing while
+    arrays are evaluated for a save) are not storage failures.
+    """
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    if isinstance(err, RuntimeError) and _MLX_IO.match(str(err)):
+        return str(err)
+    return None
+
+
+@contextlib.contextmanager
+def storage(what: str, after: str = "") -> Iterator[None]:
+    """Turn a storage failure inside the block into ``StorageError("could not {what}: {reason}{after}")``.
+
+    Raises:
+        StorageError: for ``OSError`` and MLX's I/O ``RuntimeError``; other
+            exceptions pass unchanged.
+    """
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        reason = storage_reason(err)
+        if reason is None:
+            raise
+        raise StorageError(f"could not {what}: {reason.rstrip('.')}{after}") from None
 
 
 def sha256_file(path: Path) -> str:

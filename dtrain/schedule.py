@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from .config import TrainConfig
 
 
-def learning_rate(step: int, cfg: TrainConfig) -> float:
+def learning_rate(step: int, cfg: TrainConfig, schedule_steps: Optional[int] = None) -> float:
     """Learning rate for optimizer step ``step`` (1-based).
 
     Linear warmup from ``lr / warmup_steps`` to ``lr`` over ``warmup_steps``,
     then ``constant``, ``linear`` decay or ``cosine`` decay to
-    ``min_lr_ratio * lr`` at the last step (``cfg.steps``).
+    ``min_lr_ratio * lr`` at step ``schedule_steps`` (default ``cfg.steps``).
+    Past ``schedule_steps`` the warmup still ends at ``warmup_steps``, and
+    then the rate holds at the schedule's last value: a run resumed with a
+    larger ``train.steps`` keeps the schedule it was planned with and
+    continues at its final rate, never jumping back up (a ``constant``
+    schedule thus continues exactly as an uninterrupted longer run).
     """
-    lr, warm, total = cfg.learning_rate, cfg.warmup_steps, cfg.steps
+    lr, warm = cfg.learning_rate, cfg.warmup_steps
+    total = cfg.steps if schedule_steps is None else schedule_steps
+    step = min(step, max(total, warm))
     if warm > 0 and step <= warm:
         return lr * step / warm
     if cfg.schedule == "constant" or total <= warm:

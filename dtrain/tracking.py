@@ -16,6 +16,8 @@ run ``<run>/<name>``), so TensorBoard lists one run per training run.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import socket
 import sys
@@ -25,21 +27,26 @@ from typing import Optional
 
 import yaml
 
-from .files import fsync_path
+from .files import fsync_path, storage
 
 
 def new_run_dir(root: Path) -> Path:
-    """Create and return ``root/YYYYmmdd-HHMMSS-N``, the first N that is free."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Create and return ``root/YYYYmmdd-HHMMSS-N``, the first N that is free.
+
+    Raises:
+        StorageError: the folder cannot be created.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     n = 0
-    while True:
-        path = root / f"{stamp}-{n}"
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            n += 1
+    with storage(f"create a TensorBoard folder in {root}"):
+        root.mkdir(parents=True, exist_ok=True)
+        while True:
+            path = root / f"{stamp}-{n}"
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                n += 1
 
 
 class EventFile:
@@ -60,27 +67,48 @@ class EventFile:
         from tensorboardX.proto.event_pb2 import Event, SessionLog
         from tensorboardX.record_writer import RecordWriter
 
-        self.path = Path(run_dir) / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-        self._writer = RecordWriter(str(self.path))
+        stem = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        # a second run in the same process and second (a resume through the Python API) gets its own file
+        self.path = next(p for n in itertools.count() if not (p := Path(run_dir) / (stem + (f".{n}" if n else ""))).exists())
+        self.failed = False  # a write failed: close() then releases the file without writing again
+        with self._storage():
+            self._writer = RecordWriter(str(self.path))
         self._event = Event
         self.write(Event(wall_time=time.time(), step=purge_step or 0, file_version="brain.Event:2"))
         if purge_step is not None:
             self.write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
 
+    @contextlib.contextmanager
+    def _storage(self):
+        """A failed write or flush is one StorageError naming the file (files.storage)."""
+        try:
+            with storage(f"write TensorBoard events {self.path}", "; the checkpoints are intact"):
+                yield
+        except BaseException:
+            self.failed = True
+            raise
+
     def write(self, event) -> None:
-        self._writer.write(event.SerializeToString())
+        with self._storage():
+            self._writer.write(event.SerializeToString())
 
     def summary(self, summary, step: int) -> None:
         self.write(self._event(wall_time=time.time(), step=int(step), summary=summary))
 
     def flush(self) -> None:
         """Everything written so far is on disk when this returns."""
-        self._writer.flush()
-        fsync_path(self.path)
+        with self._storage():
+            self._writer.flush()
+            fsync_path(self.path)
 
     def close(self) -> None:
+        if self.failed:  # the failure is already being reported; do not raise a second one on the way out
+            with contextlib.suppress(OSError):
+                self._writer.close()
+            return
         self.flush()
-        self._writer.close()
+        with self._storage():
+            self._writer.close()
 
 
 def flat_hparams(resolved: dict) -> dict:

@@ -33,6 +33,8 @@ from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
 from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
+from .files import storage
+from .identity import settings
 from .errors import UserError
 from .lora import apply_lora, save_adapter
 from .memory import wired_limit
@@ -63,8 +65,12 @@ class TrainResult:
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
 
 
-def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
+def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None,
+               schedule_steps: Optional[int] = None):
     """One optimizer step on the global ``batch`` (this rank trains its shard).
+
+    ``schedule_steps``: the steps the learning-rate schedule was planned for
+    (``RunState.schedule_steps``; default ``train.steps``).
 
     ``stop`` (a :class:`StopRequest` or None) is read when the step's metrics
     are all-reduced, after the gradients: a signal that arrived during this
@@ -89,7 +95,7 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     reduce_seconds = time.perf_counter() - reduce_start
     sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
     metrics = objective.finalize(sums)
-    lr = learning_rate(step, t)
+    lr = learning_rate(step, t, schedule_steps)
     loss_finite = math.isfinite(metrics["loss"])
     grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
     finite = update_applied(loss_finite, grad_norm)
@@ -193,7 +199,7 @@ def loop(run: Run) -> TrainResult:
         batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
         run.hooks.before_step(step, run)
         metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
-                                                run.group, run.stop)
+                                                run.group, run.stop, run.state.schedule_steps)
         run.hooks.after_step(step, run)
         skipped_in_row = 0 if applied else skipped_in_row + 1
         record(run, step, metrics, applied)
@@ -213,10 +219,14 @@ def loop(run: Run) -> TrainResult:
             evaluate_and_log(run, step)
         if t.save_every and step % t.save_every == 0 and step != t.steps:
             save(run, step)
-    if run.valid:
+    # the end of a run is idempotent: a resume of its final checkpoint evaluates, saves and logs nothing again
+    done = run.resumed_from is not None and run.state.step == t.steps and (
+        not run.valid or str(t.steps) in run.state.evals)
+    if run.valid and str(t.steps) not in run.state.evals:
         evaluate_and_log(run, t.steps)
-    save(run, t.steps)
-    finish(run)
+    if not done:
+        save(run, t.steps)
+    finish(run, hparams=not done)
     return result
 
 
@@ -250,13 +260,16 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
                       "lora shapes": lora_shapes})
-    state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), seed=t.seed,
-                          global_batch_pairs=t.global_batch_pairs, world_size=group.size,
-                          data=ckpt.data_identity(resolved["data"], dataset.fingerprint, dataset.train),
+    valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
+    state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=settings(resolved),
+                          schedule_steps=t.steps, world_size=group.size,
+                          data=ckpt.data_identity(dataset.fingerprint, dataset.train, valid),
                           model=loaded.identity, lora_shapes=lora_shapes)
     out = Path(t.output_dir)
     with contextlib.ExitStack() as cleanup:
-        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, ckpt.estimate_bytes(model), t.resume is not None))
+        saves = tuple(s for s in range(1, t.steps + 1) if s == t.steps or (t.save_every and s % t.save_every == 0))
+        plan = ckpt.DiskPlan(ckpt.estimate_bytes(model), saves, max(t.keep_last, 1))
+        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, plan, t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
@@ -271,10 +284,12 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
                                 f"raise train.steps to continue it")
             state = replace(resumed.state, world_size=group.size)
-        run_dir = Path(state.tensorboard_run) if state.tensorboard_run else None
-        if group.is_main and (run_dir is None or not run_dir.is_dir()):
-            run_dir = new_run_dir(out / "tb")
-        state.tensorboard_run = str(run_dir) if group.is_main else None
+            if t.steps > state.schedule_steps and group.is_main:
+                _stderr(f"train.steps {t.steps} is past the {state.schedule_steps} steps this run's schedule was "
+                        f"planned for: steps {max(state.step, state.schedule_steps) + 1}-{t.steps} hold its final "
+                        f"learning rate {learning_rate(state.schedule_steps, t, state.schedule_steps):.3g}")
+        run_dir = tensorboard_dir(out, state.tensorboard_run) if group.is_main else None
+        state.tensorboard_run = str(run_dir.relative_to(out)) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
         cleanup.callback(log.close)
@@ -282,7 +297,6 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         stop.install()
         cleanup.callback(stop.uninstall)
         cleanup.enter_context(wired_limit(model, report=_stderr if group.is_main else None))  # Metal only
-        valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()})
         log.config(resolved)
@@ -325,14 +339,33 @@ def save(run: Run, step: int) -> None:
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
 
 
-def finish(run: Run) -> None:
-    """Rank 0 writes the adapter and the hparams record."""
+def finish(run: Run, hparams: bool = True) -> None:
+    """Rank 0 writes the adapter (the same bytes when written again) and, with ``hparams``, the hparams record."""
     if run.group.is_main:
         t = run.cfg.train
-        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, Path(t.output_dir) / "adapters", run.base_model)
-        final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
-        run.log.hparams(run.resolved, final, t.steps)
+        out = Path(t.output_dir) / "adapters"
+        with storage(f"write the adapter {out}", f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, t.steps)} "
+                     f"holds the same weights"):
+            run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out, run.base_model)
+        if hparams:
+            final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
+            run.log.hparams(run.resolved, final, t.steps)
         run.log.message(f"adapter written to {run.result.adapter_dir}")
+
+
+def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:
+    """The run's TensorBoard folder: ``out / kept`` when it exists there, else a new one under ``out/tb``.
+
+    ``kept`` is ``RunState.tensorboard_run``, relative to the output folder, so
+    a copied folder logs into its own ``tb/``. An absolute path (older state)
+    counts only when it lies inside ``out``.
+    """
+    path = Path(kept) if kept else None
+    if path is not None and path.is_absolute():
+        path = path.relative_to(out.resolve()) if path.is_relative_to(out.resolve()) else None
+    if path is not None and (out / path).is_dir():
+        return out / path
+    return new_run_dir(out / "tb")
 
 
 def _stderr(message: str) -> None:

@@ -149,15 +149,13 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
 def test_incompatible_resume_is_refused_in_one_line(tmp_path):
     """Every key is covered in-process by test_trainer; here the CLI-style worker: one line, exit 2."""
     finish(tmp_path, "--train.steps", "2")
-    for override, changed in ((("--lora.rank", "4"), "lora shapes (model.layers.0.mlp.down_proj.lora_a: [64, 2] in "
-                                                       "the checkpoint, [64, 4] now)"),
+    for override, changed in ((("--lora.rank", "4"), "lora.rank: 2 in the checkpoint, 4 now"),
                               (("--train.global_batch_pairs", "4"), "train.global_batch_pairs: 8 in the checkpoint, 4 now")):
         proc = start(tmp_path, "--train.steps", "4", "--train.resume", "auto", *override)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 2 and err.splitlines() == [
             f"dtrain: error: resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: {changed}. "
-            "These decide which pairs each step sees or what is trained; set them back, or train into a new "
-            "train.output_dir"], err
+            f"{ckpt.RESUME_HINT}"], err
 
 
 def test_sigint_during_a_step_saves_right_after_that_step(tmp_path):

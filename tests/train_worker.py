@@ -38,8 +38,27 @@ def slow_steps(seconds: float, marks: Optional[Path]) -> trainer.Hooks:
     return trainer.Hooks(before_step=delayed)
 
 
+def fail_save(spec: str) -> None:
+    """Test harness only: ``NAME:N`` makes the N-th ``mx.save_safetensors`` of a file NAME raise MLX's write error."""
+    import mlx.core as mx
+
+    name, nth = spec.rsplit(":", 1)
+    real, seen = mx.save_safetensors, []
+
+    def save(path, *a, **k):
+        if Path(path).name == name:
+            seen.append(path)
+            if len(seen) == int(nth):
+                raise RuntimeError("[write] Unable to write 17309 bytes to file.")
+        return real(path, *a, **k)
+
+    mx.save_safetensors = save
+
+
 def main(argv):
     out = Path(argv[0])
+    if os.environ.get("WORKER_FAIL_SAVE"):
+        fail_save(os.environ["WORKER_FAIL_SAVE"])
     hooks = trainer.Hooks()
     if os.environ.get("WORKER_STEP_DELAY"):
         hooks = slow_steps(float(os.environ["WORKER_STEP_DELAY"]), out if os.environ.get("WORKER_MARK_STEPS") else None)

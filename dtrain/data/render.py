@@ -13,9 +13,18 @@ reasoning block (``<|im_start|>assistant\\n<think>\\n``) thus never doubles
 reads the whole text. When the template writes no control token after a
 response (raw text, ``plain``), the EOS id is appended.
 
+Of what the tokenizer's own post-processing adds (an HF ``tokenizer.json``
+post-processor, GGUF ``add_bos_token``/``add_eos_token``) only the prefix is
+kept, and only when the template writes no BOS itself; the suffix (an EOS
+appended to every text) never is. So every response ends with exactly one
+terminator, and a prompt neither carries an EOS nor counts one against
+``max_prompt_length``.
+
 Message content is data. Control-token text inside a message (``<|im_end|>``
 typed by a user) is tokenized as plain text, never as the control token, so
-it cannot end a turn or open one; such rows are counted in the report. A
+it cannot end a turn or open one; its ids are the tokenizer's own for that
+text (``split_special_tokens``), so ``" <|im_end|>"`` is split as the
+tokenizer splits it, space included. Such rows are counted in the report. A
 message that *ends* with the template's end-of-turn text or the EOS text (data
 written pre-formatted, ``"Yes<|im_end|>"``) loses it: the template writes the
 one end-of-turn itself.
@@ -147,6 +156,24 @@ class RowTokenizer:
     control_re: Optional[re.Pattern]  # matches any of them
     control_ids: frozenset
     marks: tuple  # end-of-turn texts removed from the end of message content
+    prefix: tuple  # ids the tokenizer's own post-processing puts before a text (BOS); its suffix (EOS) is never used
+
+    @staticmethod
+    def own_additions(tokenizer) -> tuple:
+        """``(prefix, suffix)``: the ids ``encode(text)`` adds before and after ``encode(text, add_special_tokens=False)``.
+
+        The tokenizer's post-processor (an HF ``tokenizer.json`` template, GGUF
+        ``add_bos_token``/``add_eos_token``) decides them; dtrain keeps the
+        prefix where the template writes no BOS itself and drops the suffix,
+        since the template or dtrain ends each response with one terminator.
+        """
+        hf = hf_tokenizer(tokenizer)
+        bare = hf("a", add_special_tokens=False)["input_ids"]
+        full = hf("a", add_special_tokens=True)["input_ids"]
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i: i + len(bare)] == bare), None)
+        if not bare or at is None:
+            return (), ()
+        return tuple(full[:at]), tuple(full[at + len(bare):])
 
     @classmethod
     def build(cls, tokenizer, cfg) -> "RowTokenizer":
@@ -157,7 +184,7 @@ class RowTokenizer:
         marks = {r.closing.strip() for r in (chat, text) if r is not None} | {tokenizer.eos_token or ""}
         pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
         return cls(tokenizer, cfg, chat, text, controls, pattern, ids,
-                   tuple(sorted((m for m in marks if m), key=len, reverse=True)))
+                   tuple(sorted((m for m in marks if m), key=len, reverse=True)), cls.own_additions(tokenizer)[0])
 
     # -- text --------------------------------------------------------------
     def _strip_marks(self, content: str) -> str:
@@ -202,22 +229,26 @@ class RowTokenizer:
         return "".join(plain), spans
 
     def _encode(self, text: str, spans: dict, add: bool) -> list:
-        """Token ids of rendered text; control text at ``spans`` (from messages) gets the ids of its plain spelling.
+        """Token ids of rendered text, without the tokenizer's own suffix (a post-processor's EOS).
 
-        ``add``: let the tokenizer add its special tokens (BOS), false when the template wrote BOS itself.
+        ``add``: put the tokenizer's own prefix (BOS) first, false when the
+        template wrote BOS itself. Control text at ``spans`` (typed in messages)
+        is plain text: the pieces between the control tokens the template wrote
+        get the tokenizer's own ids with ``split_special_tokens``, so
+        ``"string <|im_end|>"`` gives the ids the tokenizer gives that text.
         """
+        prefix = list(self.prefix) if add else []
         if not spans:
-            return list(self.tokenizer.encode(text, add_special_tokens=add))
-        hf, spans = hf_tokenizer(self.tokenizer), dict(spans)
-        enc = hf(text, add_special_tokens=add, return_offsets_mapping=True)
-        out = []
-        for tid, span in zip(enc["input_ids"], enc["offset_mapping"]):
-            control = spans.pop(tuple(span), None) if tid in self.control_ids else None
-            out.extend(hf(control, add_special_tokens=False, split_special_tokens=True)["input_ids"] if control else [tid])
-        if spans:
-            raise BadRow(f"control-token text {next(iter(spans.values()))!r} in a message is not one token here, "
-                         "so it cannot be kept as plain text")
-        return out
+            return prefix + list(self.tokenizer.encode(text, add_special_tokens=False))
+        hf = hf_tokenizer(self.tokenizer)
+        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        plain = lambda piece: hf(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # noqa: E731
+        out, pos = prefix, 0
+        for tid, (start, end) in zip(enc["input_ids"], enc["offset_mapping"]):
+            if tid in self.control_ids and (start, end) not in spans:  # written by the template
+                out += (plain(text[pos:start]) if start > pos else []) + [tid]
+                pos = end
+        return out + (plain(text[pos:]) if pos < len(text) else [])
 
     def _render(self, r: Renderer, msgs: list, generation: bool, response: bool = False) -> tuple:
         """``(ids, text, control text found)`` for ``msgs``; ``response``: end after the final assistant turn.

@@ -37,7 +37,8 @@ def resume_point(output_dir: Path) -> Optional[ResumePoint]:
     if path is None:
         return None
     state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
-    return ResumePoint(state.step, path, Path(state.tensorboard_run) if state.tensorboard_run else None)
+    # tensorboard_run is relative to the output folder (an older absolute one stays absolute under /)
+    return ResumePoint(state.step, path, Path(output_dir) / state.tensorboard_run if state.tensorboard_run else None)
 
 
 def describe_loss(output_dir: Optional[Path]) -> str:

@@ -8,7 +8,7 @@ from typing import Callable
 from mlx_lm.utils import save_config, save_model
 
 from ..errors import ModelError
-from ..files import atomic_folder
+from ..files import atomic_folder, storage
 from .demo import demo_model_path
 from .gguf import gguf_to_mlx
 from .load import build_gguf_model
@@ -72,8 +72,11 @@ def write_folder(out_dir: str, fill: Callable[[Path], None]) -> Path:
 
     Nothing is left behind when ``fill`` fails (:func:`dtrain.files.atomic_folder`);
     an existing ``out_dir`` must be empty (see :func:`check_new_folder`).
+
+    Raises:
+        StorageError: a write failed (disk full, permissions; MLX's I/O RuntimeError included).
     """
     check_new_folder(out_dir)
-    with atomic_folder(Path(out_dir)) as tmp:
+    with storage(f"write {out_dir}", "; nothing was left there"), atomic_folder(Path(out_dir)) as tmp:
         fill(tmp)
     return Path(out_dir)

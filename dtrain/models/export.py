@@ -24,6 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ModelError
+from ..files import storage
 from .convert import check_new_folder, save_mlx_lm, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
@@ -67,7 +68,8 @@ def merge_adapter(adapter_dir: str, base: str) -> LoadedModel:
         raise ModelError(f"{adapter_dir}: not an adapter folder (missing {', '.join(missing)})")
     loaded = load_model(base, dtype="float32")
     try:
-        load_adapters(loaded.model, str(folder))
+        with storage(f"read the adapter {adapter_dir}"):
+            load_adapters(loaded.model, str(folder))
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
         detail = " ".join(str(err).split())[:400]
         raise ModelError(f"{adapter_dir}: this adapter does not fit the base model {base}: {detail}") from None

@@ -1,0 +1,83 @@
+"""What a resume may change: every config key, classified once.
+
+A resume continues the run its checkpoint belongs to. A change to a key that
+decides what is trained (or what its ``eval/`` curve measures) is refused,
+naming the key and both values; a key that only says how the run is computed,
+logged, kept or where it stops may change. Keys that name a file are compared
+by what the file holds, so a moved data file or GGUF continues the run.
+
+:func:`settings` refuses to work while a key of :class:`dtrain.config.Config`
+is in none of the three tables, so a key added later cannot be forgotten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import Config, yaml_key
+
+# A change alters what is trained or what the run's eval/ metrics compare: refused.
+REFUSED = {
+    "model.dtype": "the dtype the model computes in",
+    "lora.rank": "the adapter's shape", "lora.scale": "the adapter's update scale * B A x",
+    "lora.dropout": "the adapter's input dropout", "lora.num_layers": "which layers get adapters",
+    "lora.keys": "which modules get adapters",
+    "data.split": "which rows are read", "data.valid_split": "which held-out rows are read",
+    "data.valid_fraction": "the train/held-out split", "data.format": "how rows are read",
+    "data.fields": "which columns are read", "data.prompt_template": "how prompts are rendered",
+    "data.chat_template": "how conversations are rendered", "data.append_eos": "the response's last token",
+    "data.max_length": "where pairs are cut", "data.max_prompt_length": "where prompts are cut",
+    "data.demo_pairs": "the generated pairs", "data.demo_seed": "the generated pairs",
+    "orpo.lambda": "the loss", "orpo.nll_scope": "the loss",
+    "train.global_batch_pairs": "the pairs of each step", "train.seed": "pair order and dropout masks",
+    "train.learning_rate": "the schedule", "train.schedule": "the schedule", "train.warmup_steps": "the schedule",
+    "train.min_lr_ratio": "the schedule", "train.weight_decay": "the update", "train.grad_clip": "the update",
+    "train.eval_pairs": "the held-out pairs eval/ metrics average over",
+}
+
+# Compared by content, not by the text of the key: a moved file continues the run.
+BY_CONTENT = {
+    "model.path": "the model's identity (a GGUF's sha256; a folder's config)",
+    "data.train": "the data files' sha256 and the training pairs' token ids",
+    "data.valid": "the data files' sha256 and the held-out pairs' token ids",
+}
+
+# How the run is computed, logged, kept or where it stops: a change is accepted.
+ACCEPTED = {
+    "train.steps": "where the run stops; the schedule keeps the steps it was planned for (schedule.py)",
+    "train.micro_batch_pairs": "accumulation gives the same normalised gradient",
+    "train.compile_optimizer": "the same update, traced", "train.eval_every": "evaluation cadence",
+    "train.save_every": "checkpoint cadence", "train.keep_last": "checkpoints kept",
+    "train.output_dir": "where the run lives (a moved or copied folder continues)",
+    "train.resume": "which checkpoint continues", "train.max_skipped_steps": "when to give up",
+    "train.chosen_logps_drop_warn": "a warning threshold", "train.progress": "the progress bar",
+    "data.on_bad_row": "skip or stop at a bad row; the pairs trained are checked by their token ids",
+    **{f"engine.{k}": "how the same gradients are computed" for k in (
+        "kind", "segment_layers", "memory_budget_gb", "prefix_sharing", "head_chunk_tokens", "length_bucket",
+        "compile")},
+    "distributed.backend": "transport", "distributed.check_sync_every": "a check",
+    "distributed.collective_timeout_s": "a watchdog",
+}
+
+
+def config_keys() -> list[str]:
+    """Every ``section.key`` of :class:`Config`, read from the dataclasses (YAML spellings)."""
+    cfg = Config()
+    return [f"{s.name}.{yaml_key(f.name)}" for s in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def unclassified() -> list[str]:
+    """Config keys in none of :data:`REFUSED`, :data:`BY_CONTENT`, :data:`ACCEPTED`."""
+    return [k for k in config_keys() if k not in REFUSED and k not in BY_CONTENT and k not in ACCEPTED]
+
+
+def settings(resolved: dict) -> dict:
+    """``{"section.key": value}`` of every :data:`REFUSED` key, from the resolved config (``config.to_dict``).
+
+    Raises:
+        RuntimeError: a config key is not classified (a programming error: add it to a table here).
+    """
+    missing = unclassified()
+    if missing:
+        raise RuntimeError(f"config keys not classified for resume in dtrain/identity.py: {', '.join(missing)}")
+    return {key: resolved[key.split(".", 1)[0]][key.split(".", 1)[1]] for key in REFUSED}

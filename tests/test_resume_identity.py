@@ -1,0 +1,263 @@
+"""What a resume accepts and refuses, key by key from the config schema; the
+learning rate past the planned steps; an idempotent end of run; run files
+relative to the output folder (issue 22, sections 2 and 3)."""
+
+import dataclasses
+import json
+import shutil
+import typing
+
+import pytest
+
+from dtrain import checkpoint as ckpt
+from dtrain import identity
+from dtrain.config import Config, describe_fields, load_config, to_dict
+from dtrain.errors import UserError
+from dtrain.schedule import learning_rate
+from dtrain.tracking import read_events, read_scalars
+from test_trainer import run
+
+
+def test_every_config_key_is_classified_once():
+    keys = identity.config_keys()
+    assert identity.unclassified() == []
+    tables = [identity.REFUSED, identity.BY_CONTENT, identity.ACCEPTED]
+    assert sorted(k for t in tables for k in t) == sorted(keys)  # none twice, none stale
+
+
+def test_an_unclassified_key_stops_every_run(monkeypatch):
+    monkeypatch.delitem(identity.ACCEPTED, "train.progress")
+    with pytest.raises(RuntimeError, match=r"not classified for resume in dtrain/identity.py: train.progress$"):
+        identity.settings(to_dict(Config()))
+
+
+def changed_value(tp, default, meta):
+    """A valid value of a config field other than ``default``, from its type and allowed values."""
+    if meta.get("choices"):
+        return next(c for c in meta["choices"] if c != default)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        if default is None:
+            return changed_value(inner[0], {str: "", list: [], dict: {}}.get(inner[0], 0), meta)
+        if default != "auto":
+            return "auto"
+        plain = next(a for a in inner if typing.get_origin(a) is not typing.Literal)
+        return changed_value(plain, {bool: False, int: 0}[plain], meta)
+    if tp is bool:
+        return not default
+    if tp is int:
+        return default + 1
+    if tp is float:
+        hi = meta.get("below")
+        return (default + hi) / 2 if hi is not None else default + 0.5
+    if tp is str:
+        return default + "-moved"
+    if tp is list:
+        return ["self_attn.q_proj"]
+    if tp is dict:
+        return {"prompt": "question"}
+    raise AssertionError(f"no generated value for {tp}")
+
+
+def schema():
+    """``(section.key, changed value)`` for every key of the config, read from the dataclasses."""
+    cfg = Config()
+    for section in dataclasses.fields(cfg):
+        for key, tp, default, meta in describe_fields(type(getattr(cfg, section.name))):
+            yield f"{section.name}.{key}", changed_value(tp, default, meta)
+
+
+def state_for(resolved):
+    return ckpt.RunState(step=2, skipped_steps=0, run_id="r", settings=identity.settings(resolved), schedule_steps=4,
+                         world_size=1, data={"training pairs": 9}, model="m", lora_shapes={"a": [2, 2]},
+                         position={"next_pairs": [1, 2]})
+
+
+@pytest.mark.parametrize("key, value", list(schema()), ids=lambda x: x if isinstance(x, str) else None)
+def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, value):
+    """A change of one key at a time: REFUSED keys name the key and both values; the others continue."""
+    base = to_dict(Config())
+    now = json.loads(json.dumps(base))
+    section, name = key.split(".", 1)
+    now[section][name] = value
+    load_config(None, [f"{key}={json.dumps(value)}", "data.demo_pairs=1"] if key not in ("data.train", "data.demo_pairs")
+                else [f"{key}={json.dumps(value)}"])  # the generated value is one the config accepts
+    saved, current = state_for(base), state_for(now)
+    if key in identity.REFUSED:
+        with pytest.raises(UserError) as err:
+            ckpt.check_resumable(saved, current, [1, 2], tmp_path)
+        old = base[section][name]
+        assert str(err.value) == (f"resume: {tmp_path} was made with different settings: {key}: {old!r} in the "
+                                  f"checkpoint, {value!r} now. {ckpt.RESUME_HINT}")
+    else:
+        ckpt.check_resumable(saved, current, [1, 2], tmp_path)
+
+
+@pytest.mark.parametrize("override", ["engine.kind=reference", "engine.segment_layers=1", "engine.prefix_sharing=false",
+                                      "engine.head_chunk_tokens=4", "train.micro_batch_pairs=2", "train.eval_every=1",
+                                      "train.save_every=1", "train.keep_last=3", "data.on_bad_row=error",
+                                      "distributed.check_sync_every=1", "train.max_skipped_steps=2",
+                                      "train.chosen_logps_drop_warn=0.5", "train.steps=5"])
+def test_accepted_keys_continue_a_real_run(tmp_path, override):
+    assert override.split("=")[0] in identity.ACCEPTED
+    run(tmp_path, "train.steps=2")
+    more, _ = run(tmp_path, "train.steps=4", "train.resume=auto", override)
+    assert [h["learning_rate"] > 0 for h in more.history] == [True] * (3 if override == "train.steps=5" else 2)
+
+
+@pytest.mark.parametrize("override, changed", [
+    ("lora.scale=40", "lora.scale: 20.0 in the checkpoint, 40.0 now"),
+    ("lora.dropout=0.2", "lora.dropout: 0.0 in the checkpoint, 0.2 now"),
+    ("orpo.lambda=0.5", "orpo.lambda: 0.1 in the checkpoint, 0.5 now"),
+    ("lora.rank=4", "lora.rank: 2 in the checkpoint, 4 now"),
+    ("train.learning_rate=0.02", "train.learning_rate: 0.01 in the checkpoint, 0.02 now"),
+])
+def test_issue_examples_are_refused_naming_key_and_values(tmp_path, override, changed):
+    run(tmp_path, "train.steps=2")
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file() and p.name != ".dtrain.lock")
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.steps=4", "train.resume=auto", override)
+    assert str(err.value) == (f"resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: "
+                              f"{changed}. {ckpt.RESUME_HINT}")
+    after = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file() and p.name != ".dtrain.lock")
+    assert after == before
+
+
+def test_longer_train_steps_hold_the_final_rate_of_the_planned_schedule(tmp_path):
+    """A finished 10-step linear run resumed with train.steps=14: steps 11-14 keep step 10's 1e-5, no jump."""
+    args = ("train.schedule=linear", "train.warmup_steps=2", "train.learning_rate=1e-4", "train.eval_every=0")
+    first, _ = run(tmp_path, "train.steps=10", *args)
+    more, _ = run(tmp_path, "train.steps=14", "train.resume=auto", *args)
+    rates = [h["learning_rate"] for h in first.history + more.history]
+    expected = [5e-5, 1e-4] + [1e-4 - 9e-5 * (s - 2) / 8 for s in range(3, 11)] + [1e-5] * 4
+    assert rates == pytest.approx(expected, rel=1e-12, abs=0)
+    assert rates[9] == rates[10] == pytest.approx(1e-5, rel=1e-12)
+    lr = read_scalars(more.run_dir)["learning_rate"]
+    assert [s for s, _ in lr] == list(range(1, 15))
+    state = json.loads((tmp_path / "checkpoints" / "step-0000014" / "state.json").read_text())
+    assert state["schedule_steps"] == 10
+
+
+def test_readme_continuation_of_the_demo_has_no_jump():
+    """configs/demo.yaml (12 steps, cosine) continued to 24: before, 2.0e-5 at step 12 then 1.17e-4 at step 13."""
+    t = load_config("configs/demo.yaml").train
+    assert learning_rate(12, t) == pytest.approx(2.0e-5, rel=1e-12)
+    longer = dataclasses.replace(t, steps=24)
+    assert learning_rate(13, longer) == pytest.approx(1.1672e-4, rel=1e-4)  # the old jump: re-planned for 24
+    assert [learning_rate(s, longer, schedule_steps=12) for s in (12, 13, 24)] == [pytest.approx(2.0e-5, rel=1e-12)] * 3
+
+
+def test_resume_of_a_finished_run_evaluates_saves_and_logs_nothing_again(tmp_path):
+    first, _ = run(tmp_path, "train.steps=2")
+    ckpt_dir = tmp_path / "checkpoints" / "step-0000002"
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ckpt_dir.iterdir()}
+    again, _ = run(tmp_path, "train.steps=2", "train.resume=auto")
+    assert again.history == [] and again.evals == first.evals
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ckpt_dir.iterdir()} == files
+    scalars = read_scalars(again.run_dir)
+    assert [s for s, _ in scalars["eval/loss"]] == [0, 2]
+    assert [s for s, _ in scalars["hparam/loss"]] == [2]
+    tags = [v.tag for e in read_events(again.run_dir) for v in e.summary.value]
+    assert tags.count("_hparams_/experiment") == 1
+    assert (again.adapter_dir / "adapters.safetensors").read_bytes() == (
+        first.adapter_dir / "adapters.safetensors").read_bytes()
+
+
+def test_a_final_step_saved_by_a_stop_is_evaluated_once_on_resume(tmp_path):
+    """A stop at the last step saves before the final eval; the resume does that eval, once."""
+    from dtrain.trainer import Hooks
+
+    def stop_at_last(step, run_):
+        if step == 2:
+            run_.stop.requested = True
+
+    stopped, _ = run(tmp_path, "train.steps=2", hooks=Hooks(before_step=stop_at_last))
+    assert stopped.stopped and sorted(stopped.evals) == [0]
+    resumed, _ = run(tmp_path, "train.steps=2", "train.resume=auto")
+    assert resumed.history == [] and sorted(resumed.evals) == [0, 2]
+    assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2]
+
+
+def write_rows(path, n=12, salt=""):
+    words = "the quick brown fox jumps over lazy dog what is capital of france paris hello world".split()
+    rows = [{"prompt": f"{words[i % 16]} {words[(i * 3) % 16]}?{salt}", "chosen": f"{words[(i + 5) % 16]} yes",
+             "rejected": f"{words[(i + 7) % 16]} no"} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def run_on_file(out, data, *overrides):
+    from types import SimpleNamespace
+
+    from conftest import make_tiny_model, make_tokenizer
+    from dtrain.trainer import train
+
+    cfg = load_config(None, [f"train.output_dir={out}", f"data.train={data}", "train.steps=2",
+                             "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "lora.rank=2",
+                             "train.progress=false", "train.learning_rate=1e-2", *overrides])
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=make_tokenizer(), identity="tiny",
+                             source="tiny-llama", reference={"path": "tiny-llama"})
+    return train(cfg, loaded=loaded)
+
+
+def test_the_same_data_file_at_a_moved_path_continues_the_run(tmp_path):
+    data = tmp_path / "a" / "pairs.jsonl"
+    data.parent.mkdir()
+    write_rows(data)
+    run_on_file(tmp_path / "out", data)
+    moved = tmp_path / "b" / "renamed.jsonl"
+    moved.parent.mkdir()
+    shutil.move(data, moved)
+    more = run_on_file(tmp_path / "out", moved, "train.steps=4", "train.resume=auto")
+    assert len(more.history) == 2
+    other = tmp_path / "c.jsonl"
+    write_rows(other, salt=" again")
+    with pytest.raises(UserError) as err:
+        run_on_file(tmp_path / "out", other, "train.steps=6", "train.resume=auto")
+    from dtrain.data.sources import sha256_file
+
+    assert str(err.value).startswith(
+        f"resume: {tmp_path}/out/checkpoints/step-0000004 was made with different settings: data content sha256 "
+        f"(data.train, data.valid): {sha256_file(moved)!r} in the checkpoint, {sha256_file(other)!r} now; "
+        f"training pairs sha256: ")
+
+
+def test_a_copied_run_folder_logs_into_its_own_tensorboard_run(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    args = ("train.eval_every=0", "train.save_every=2")
+    first, _ = run(a, "train.steps=2", *args)
+    state = json.loads((a / "checkpoints" / "step-0000002" / "state.json").read_text())
+    assert state["tensorboard_run"] == str(first.run_dir.relative_to(a)) and state["tensorboard_run"].startswith("tb/")
+    shutil.copytree(a, b)
+    from dtrain.launch.restart import resume_point
+
+    assert resume_point(b).tensorboard_dir == b / state["tensorboard_run"]  # where ./launch records restarts
+    copied, _ = run(b, "train.steps=4", "train.resume=auto", *args)
+    assert copied.run_dir == b / first.run_dir.relative_to(a)
+    assert [s for s, _ in read_scalars(copied.run_dir)["loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in read_scalars(first.run_dir)["loss"]] == [1, 2]  # a's run is untouched
+    shutil.move(b, c)
+    moved, _ = run(c, "train.steps=6", "train.resume=auto", *args)
+    assert moved.run_dir == c / first.run_dir.relative_to(a)
+    assert [s for s, _ in read_scalars(moved.run_dir)["loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_readme_lists_what_a_resume_refuses_and_compares_by_content():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("**What a resume accepts and refuses.**"): text.index("**Continuing a finished run.**")]
+    refused = section[section.index("- refused"): section.index("- compared by content")]
+    by_content = section[section.index("- compared by content"): section.index("- accepted")]
+    assert [k for k in identity.REFUSED if f"`{k}`" not in refused] == []
+    assert [k for k in identity.BY_CONTENT if f"`{k}`" not in by_content] == []
+    accepted = section[section.index("- accepted"):]
+    assert [k for k in identity.REFUSED if f"`{k}`" in accepted] == []
+
+
+def test_warmup_continues_past_a_plan_shorter_than_it():
+    """A run planned for 2 steps with 10 warmup steps, continued: warmup goes on, then the peak holds."""
+    t = load_config(None, ["data.demo_pairs=1", "train.learning_rate=1e-3", "train.warmup_steps=10",
+                           "train.schedule=cosine"]).train
+    rates = [learning_rate(s, t, schedule_steps=2) for s in range(1, 14)]
+    assert rates == pytest.approx([1e-3 * s / 10 for s in range(1, 11)] + [1e-3] * 3, rel=1e-12)

@@ -1,0 +1,211 @@
+"""Storage failures are one line and leave the earlier checkpoint intact; the
+free-space check counts what the run will write (issue 22 §5).
+
+The write sites are not listed by hand: a first run records every call that
+writes (``mx.save_safetensors``, ``Path.write_text/write_bytes/mkdir/rename``,
+TensorBoard's record writer, ``os.fsync``) with the file it touches, and a
+failure is then injected at the last call of each site, both as MLX raises it
+(``RuntimeError: [write] Unable to write 17309 bytes to file.``) and as
+``OSError(ENOSPC)``.
+"""
+
+import errno
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from tensorboardX.record_writer import RecordWriter
+
+from dtrain import checkpoint as ckpt
+from dtrain.errors import UserError
+from dtrain.files import StorageError, storage, storage_reason
+from test_trainer import run
+
+MLX_WRITE = "[write] Unable to write 17309 bytes to file."
+ARGS = ("train.steps=4", "train.save_every=2", "train.eval_every=2")
+
+
+def _norm(name: str) -> str:
+    for pattern, repl in ((r"^\.?step-\d+.*", "step"), (r"^\.adapters\..*", "adapters"),
+                          (r"^\d{8}-\d{6}-\d+$", "tb-run"), (r"^events\.out\.tfevents\..*", "events"),
+                          (r"^\.write-test-\d+$", ".write-test")):
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def site_of(path, out: Path) -> str:
+    """A write site: the file's name in its kind of folder (step numbers, times and temporary suffixes dropped)."""
+    p = Path(path)
+    if p == out:
+        return "OUT"
+    return f"{'OUT' if p.parent == out else _norm(p.parent.name)}/{_norm(p.name)}"
+
+
+class Spy:
+    """Wraps the write functions; records ``(function, site)`` per call, or raises at one chosen call."""
+
+    TARGETS = [(mx, "save_safetensors"), (Path, "write_text"), (Path, "write_bytes"), (Path, "mkdir"),
+               (Path, "rename"), (RecordWriter, "write"), (RecordWriter, "flush"), (os, "fsync")]
+
+    def __init__(self, monkeypatch, out: Path, fail=None, error=None):
+        self.calls, self.out, self.fail, self.error = [], out, fail, error
+        for owner, name in self.TARGETS:
+            monkeypatch.setattr(owner, name, self.wrap(name, getattr(owner, name)))
+
+    def wrap(self, name, real):
+        spy = self
+
+        def call(*args, **kw):
+            first = args[0] if args else None
+            target = getattr(first, "path", None) if isinstance(first, RecordWriter) else first
+            if name == "fsync":
+                target = "fd"
+            elif not str(target).startswith(str(spy.out)):
+                return real(*args, **kw)
+            site = (name, "fd" if name == "fsync" else site_of(target, spy.out))
+            spy.calls.append(site)
+            if spy.fail is not None and (site, spy.calls.count(site)) == spy.fail:
+                raise spy.error
+            return real(*args, **kw)
+
+        return call
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spy")
+    mp = pytest.MonkeyPatch()
+    try:
+        spy = Spy(mp, out)
+        run(out, *ARGS)
+    finally:
+        mp.undo()
+    counts = {s: spy.calls.count(s) for s in dict.fromkeys(spy.calls)}
+    return counts
+
+
+def test_the_recorded_write_sites_cover_checkpoint_adapter_and_tensorboard(sites):
+    names = {site for _, site in sites}
+    assert {"step/adapters.safetensors", "step/optimizer.safetensors", "step/state.json", "step/config.yaml",
+            "step/manifest.json", "step/adapter_config.json", "adapters/adapters.safetensors",
+            "adapters/adapter_config.json", "tb-run/events"} <= names, names
+
+
+ERRORS = {"mlx": lambda: RuntimeError(MLX_WRITE), "enospc": lambda: OSError(errno.ENOSPC, "No space left on device")}
+
+
+@pytest.mark.parametrize("kind", ERRORS)
+def test_a_write_failure_at_each_site_is_one_line_and_keeps_the_earlier_checkpoint(tmp_path, monkeypatch, sites, kind):
+    """OSError at every site; MLX's RuntimeError where MLX writes (Python's own writes raise OSError only)."""
+    reason = {"mlx": MLX_WRITE.rstrip("."), "enospc": "No space left on device"}[kind]
+    chosen = {s: c for s, c in sites.items() if kind == "enospc" or s[0] == "save_safetensors"}
+    assert len(chosen) >= (2 if kind == "mlx" else 15)
+    for n, (site, count) in enumerate(sorted(chosen.items())):
+        out = tmp_path / f"site{n}"
+        with monkeypatch.context() as mp:
+            Spy(mp, out, fail=(site, count), error=ERRORS[kind]())
+            with pytest.raises(UserError) as err:
+                run(out, *ARGS)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith(("could not ", "output folder ")), (site, message)
+        assert reason in message, (site, message)
+        root = out / "checkpoints"
+        valid = [p.name for p in ckpt.list_checkpoints(root) if ckpt.validate(p) is None]
+        if "step-0000004" in message or "adapters" in message:
+            assert valid[:1] == ["step-0000002"] and "intact" in message or "holds the same weights" in message, \
+                (site, message, valid)
+        leftovers = [p.name for d in (out, root) if d.is_dir() for p in d.iterdir() if ".tmp-" in p.name]
+        assert leftovers == [], (site, leftovers)
+
+
+def test_a_failed_second_checkpoint_leaves_the_first_and_names_both(tmp_path, monkeypatch):
+    """The issue's example: MLX's RuntimeError while writing step 4's optimizer state."""
+    with monkeypatch.context() as mp:
+        Spy(mp, tmp_path, fail=(("save_safetensors", "step/optimizer.safetensors"), 2), error=RuntimeError(MLX_WRITE))
+        with pytest.raises(UserError) as err:
+            run(tmp_path, *ARGS)
+    assert str(err.value) == (f"could not write checkpoint {tmp_path}/checkpoints/step-0000004: [write] Unable to "
+                              f"write 17309 bytes to file; the previous checkpoints are intact")
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000002"]
+    assert ckpt.validate(tmp_path / "checkpoints" / "step-0000002") is None
+    resumed, _ = run(tmp_path, *ARGS, "train.resume=auto")
+    assert len(resumed.history) == 2
+
+
+def test_storage_passes_other_errors_through():
+    assert storage_reason(RuntimeError("[metal::malloc] Attempting to allocate 1 bytes")) is None
+    assert storage_reason(RuntimeError("[load_safetensors] Failed to open file x")) == \
+        "[load_safetensors] Failed to open file x"
+    with pytest.raises(RuntimeError, match="malloc"), storage("write x"):
+        raise RuntimeError("[metal::malloc] Attempting to allocate 1 bytes")
+    with pytest.raises(StorageError, match=r"^could not read y: Permission denied$"), storage("read y"):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+
+def test_an_unreadable_checkpoint_is_one_line(tmp_path, monkeypatch):
+    run(tmp_path, "train.steps=2")
+    real = mx.load
+
+    def failing(path, *a, **k):
+        if "optimizer" in str(path):
+            raise RuntimeError(f"[load_safetensors] Failed to open file {path}")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(mx, "load", failing)
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.steps=4", "train.resume=auto")
+    step = tmp_path / "checkpoints" / "step-0000002"
+    assert str(err.value) == (f"could not read checkpoint {step}: [load_safetensors] Failed to open file "
+                              f"{step}/optimizer.safetensors")
+
+
+def test_cli_exit_status_2_and_one_line_on_a_full_disk(tmp_path):
+    """The training worker (as the dtrain command) with MLX's write error at step 4's checkpoint."""
+    worker = Path(__file__).resolve().parent / "train_worker.py"
+    env = {**os.environ, "WORKER_FAIL_SAVE": "optimizer.safetensors:2"}
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), "--train.steps", "4", "--train.save_every",
+                           "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1] == (
+        f"dtrain: error: could not write checkpoint {tmp_path}/checkpoints/step-0000004: [write] Unable to write "
+        f"17309 bytes to file; the previous checkpoints are intact"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert ckpt.validate(tmp_path / "checkpoints" / "step-0000002") is None
+
+
+# -- the free-space check ---------------------------------------------------------------------
+
+
+def plan(keep_last=2, steps=8, save_every=2):
+    saves = tuple(s for s in range(1, steps + 1) if s == steps or s % save_every == 0)
+    return ckpt.DiskPlan(3_000_000, saves, keep_last)
+
+
+@pytest.mark.parametrize("kept, done, more", [
+    (0, 0, 3),  # a fresh run: keep_last + 1 checkpoints at the peak
+    (2, 4, 1),  # a resume with keep_last on disk: one more, then the oldest is pruned
+    (1, 6, 1),  # one kept, one save ahead
+    (2, 8, 0),  # resume of the final step: nothing more but the adapter
+])
+def test_disk_plan_counts_the_checkpoints_already_on_disk(kept, done, more):
+    assert plan().need(kept, done) == (more * 3_000_000 + 1_000_000, more)
+
+
+def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    run(tmp_path, "train.steps=4", "train.save_every=2")  # keep_last 2: step-2 and step-4 on disk
+    p = ckpt.DiskPlan(3_000_000, (2, 4, 6), 2)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 4_000_000))
+    ckpt.prepare_output(tmp_path, p, resuming=True).release()  # 3 MB checkpoint + 1 MB adapter fit in 4 MB
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 3_999_999))
+    with pytest.raises(UserError) as err:
+        ckpt.prepare_output(tmp_path, p, resuming=True)
+    assert str(err.value) == (f"output folder {tmp_path} has 4.0 MB free; this run needs about 4.0 MB there: 1 new "
+                              f"checkpoint(s) of 3.0 MB before the oldest beyond train.keep_last=2 is pruned (2 on "
+                              f"disk now), and the adapter")
