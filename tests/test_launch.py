@@ -90,7 +90,8 @@ def test_dry_run_prints_ranks_env_and_shards(job):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "ranks: 3\nbackend: ring\nhosts: 127.0.0.1\n" in out
-    assert f"--starting-port {port}" in out and "dtrain.launch.rank" in out
+    # started by the launcher itself, not mlx.launch (which spins a core for the whole run)
+    assert "\ncommand (each rank): " in out and "dtrain.launch.rank" in out and "mlx.launch" not in out
     ring = json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"], [f"127.0.0.1:{port + 2}"]])
     for rank, shard in enumerate((2, 2, 1)):
         assert f"rank {rank} on 127.0.0.1: shard {shard} pairs/step" in out

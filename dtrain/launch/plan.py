@@ -1,16 +1,19 @@
 """What ``./launch`` will run: the command, each rank's environment and shard.
 
 A :class:`Plan` is built without starting anything, from explicit arguments,
-so ``--dry-run`` prints exactly what a real launch executes. Ring, JACCL and
-NCCL ranks are started by ``mlx.launch`` (ssh for remote hosts); the per-rank
-variables shown for them come from :mod:`dtrain.launch.env`. MPI runs
-``mpirun`` directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
+so ``--dry-run`` prints exactly what a real launch executes. Ranks on this
+machine (``-n N``, ring or NCCL) are started by the launcher itself, each with
+the variables of :mod:`dtrain.launch.env`: mlx.launch 0.32 would sit between,
+spinning a core for the whole run (docs/reliability.md). Hostfile runs (ring,
+JACCL, NCCL) are started by ``mlx.launch`` over ssh. MPI runs ``mpirun``
+directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -19,6 +22,8 @@ from ..blas import CHILD_VARS, blas_env
 from ..sampler import rank_shard
 from .env import FILE_VARS, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
+
+DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port or taken
 
 
 @dataclass
@@ -29,6 +34,9 @@ class Plan:
     environment (what ``--dry-run`` prints). ``shards[r]``: pairs per step.
     ``files``: temporary files to write before starting (path -> content).
     ``local``: every rank runs on this machine (its files are the launcher's files).
+    ``direct``: the launcher starts ``command`` once per rank itself, rank ``r``
+    with ``direct[r]`` added (``rank_env[r]`` with files' paths for their
+    contents); empty: ``command`` starts every rank (mlx.launch, mpirun) or is the one rank.
     """
 
     backend: str
@@ -43,6 +51,7 @@ class Plan:
     local: bool = True
     files: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    direct: list = field(default_factory=list)
 
 
 def shard_sizes(global_batch_pairs: int, world_size: int) -> list[int]:
@@ -84,8 +93,45 @@ def _env_flags(flag: str, env: dict) -> list[str]:
     return [x for k, v in env.items() for x in (flag, f"{k}={v}")]
 
 
+def free_ports(count: int, first: Optional[int] = None, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports on ``host`` that can be listened on now.
+
+    ``first``: the user's ``--port``, checked as is; None: :data:`DEFAULT_PORT` if
+    free, else a port the system hands out. Another job may still take them
+    before the ranks do; the ranks' handshake then names the other job.
+
+    Raises:
+        LaunchError: ``first`` (or one of the ports after it) is in use.
+    """
+    def taken(base: int) -> Optional[int]:
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring listens
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    return port
+        return None
+
+    if first is not None:
+        busy = taken(first)
+        if busy is not None:
+            raise LaunchError(f"port {busy} is in use on {host} (another job?); pass another --port, "
+                              "or leave --port out to take free ones")
+        return first
+    base = DEFAULT_PORT
+    for _ in range(50):
+        if taken(base) is None:
+            return base
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        base = min(base, 65535 - count)
+    raise LaunchError(f"found no {count} free consecutive ports on {host}; pass --port")
+
+
 def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backend: Optional[str] = None,
-               port: int = 32323, hostfile: Optional[Hostfile] = None, hostfile_path: Optional[str] = None,
+               port: Optional[int] = None, hostfile: Optional[Hostfile] = None, hostfile_path: Optional[str] = None,
                tmpdir: Optional[str] = None) -> Plan:
     """The plan for ``config`` + ``overrides`` on ``ranks`` local ranks or one rank per ``hostfile`` host.
 
@@ -95,11 +141,12 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         cfg: the resolved :class:`dtrain.config.Config` (batch sizes, backend).
         ranks: ranks on this machine (1 without a hostfile: no distributed setup).
         backend: ``--backend``; None takes the hostfile's, then the config's, then ring.
-        port: the first ring/JACCL port, or the NCCL port.
+        port: the first ring/JACCL port, or the NCCL port; None: free ones for
+            ranks on this machine (:func:`free_ports`), else :data:`DEFAULT_PORT`.
         hostfile: a validated hostfile (``hostfile_path`` names it), or None.
         tmpdir: where MPI's host list is written (hostfile runs under MPI).
     Raises:
-        LaunchError: a combination that cannot run (e.g. ``-n`` with a hostfile).
+        LaunchError: a combination that cannot run (e.g. ``-n`` with a hostfile), a port in use.
     """
     explicit, notes = base_env(hostfile.envs if hostfile else None)
     backend = backend or (hostfile.backend if hostfile else None)
@@ -128,7 +175,29 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         return Plan(command=program, rank_env=[dict(explicit)], **common)
     if backend == "mpi":
         return _mpi_plan(hostfile, program, tmpdir, common)
-    return _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common)
+    if hostfile is None:
+        port = free_ports(n if backend == "ring" else 1, port)
+        return _direct_plan(backend, port, program, tmpdir, common)
+    return _mlx_launch_plan(hostfile, hostfile_path, backend, DEFAULT_PORT if port is None else port, program, common)
+
+
+def _direct_plan(backend, port, program, tmpdir, common) -> Plan:
+    """Ranks on this machine, each started by the launcher with mlx.launch's variables for it."""
+    n, explicit = common["world_size"], dict(common["explicit"])
+    if backend == "nccl":
+        explicit["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off: it hangs on some multi-GPU hosts
+        common["explicit"] = explicit
+    rank_env = [{**explicit, **rank_variables(backend, r, [["127.0.0.1"]] * n, port)} for r in range(n)]
+    files, direct = {}, []
+    for env in rank_env:
+        started = dict(env)
+        for key in FILE_VARS:
+            if env.get(key):  # the same content for every rank: one file
+                path = os.path.join(tmpdir or ".", f"{key.lower()}.json")
+                files[path] = env[key]
+                started[key] = path
+        direct.append(started)
+    return Plan(command=program, rank_env=rank_env, files=files, direct=direct, **common)
 
 
 def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) -> Plan:
@@ -136,15 +205,13 @@ def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) ->
     if backend == "nccl":
         explicit["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off: it hangs on some multi-GPU hosts
         common["explicit"] = explicit
-    where = ["--hostfile", hostfile_path] if hostfile else ["-n", str(n)]
+    where = ["--hostfile", hostfile_path]
     port_flag = ["--nccl-port", str(port)] if backend == "nccl" else ["--starting-port", str(port)]
     hostfile_env = {k: v for k, v in (e.split("=", 1) for e in (hostfile.envs if hostfile else []))}
     passed = {k: v for k, v in explicit.items() if k not in hostfile_env}  # mlx.launch adds the hostfile's own
     command = [mlx_launch_path(), *where, "--backend", backend, *port_flag, *_env_flags("--env", passed), "--", *program]
-    ips = [h.ips for h in hostfile.hosts] if hostfile else [["127.0.0.1"]] * n
-    rdma = [h.rdma for h in hostfile.hosts] if hostfile else None
-    rank_env = [{**explicit, **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=hostfile is not None)}
-                for r in range(n)]
+    ips, rdma = [h.ips for h in hostfile.hosts], [h.rdma for h in hostfile.hosts]
+    rank_env = [{**explicit, **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=True)} for r in range(n)]
     return Plan(command=command, rank_env=rank_env, **common)
 
 
@@ -176,7 +243,7 @@ def describe(plan: Plan) -> str:
         f"ranks: {plan.world_size}",
         f"backend: {plan.backend}",
         f"hosts: {', '.join(hosts)}",
-        f"command: {' '.join(plan.command)}",
+        f"command{' (each rank)' if plan.direct else ''}: {' '.join(plan.command)}",
     ]
     for path, content in plan.files.items():
         lines.append(f"file {path}: {content.strip()!r}")
