@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``./launch``; returns the exit status."""
     signals = StopSignals()
     previous = signals.install()
-    tb = None
+    tb, port_locks = None, []
     try:
         options, overrides = split_argv(sys.argv[1:] if argv is None else argv)
         args = _parser().parse_args(options)
@@ -237,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:
             def plan_for(resume: bool):
                 extra = ["train.resume=auto"] if resume else []
+                release(port_locks)  # the previous attempt's ports: its ranks have ended
                 return build_plan(args.config, [*overrides, *extra], cfg, ranks=args.ranks, backend=args.backend,
-                                  port=args.port, hostfile=hostfile, hostfile_path=args.hostfile, tmpdir=tmp)
+                                  port=args.port, hostfile=hostfile, hostfile_path=args.hostfile, tmpdir=tmp,
+                                  port_locks=port_locks)
 
             plan = plan_for(False)
             if plan.local:
@@ -262,5 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: error: {err}", file=sys.stderr)
         return 2
     finally:
+        release(port_locks)
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def release(fds: list) -> None:
+    """Close the port locks in ``fds`` (see ``plan.free_ports``), emptying the list."""
+    while fds:
+        os.close(fds.pop())

@@ -11,10 +11,12 @@ directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -93,46 +95,72 @@ def _env_flags(flag: str, env: dict) -> list[str]:
     return [x for k, v in env.items() for x in (flag, f"{k}={v}")]
 
 
-def free_ports(count: int, first: Optional[int] = None, host: str = "127.0.0.1") -> int:
-    """The first of ``count`` consecutive TCP ports on ``host`` that can be listened on now.
+def _port_lock(port: int) -> Optional[int]:
+    """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it."""
+    fd = os.open(os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
 
-    ``first``: the user's ``--port``, checked as is; None: :data:`DEFAULT_PORT` if
-    free, else a port the system hands out. Another job may still take them
-    before the ranks do; the ranks' handshake then names the other job.
 
-    Raises:
-        LaunchError: ``first`` (or one of the ports after it) is in use.
-    """
-    def taken(base: int) -> Optional[int]:
-        for port in range(base, base + count):
+def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int, str]]:
+    """Lock ports ``base .. base+count-1`` for this launcher (fds appended to ``locks``) and check
+    that each can be listened on; ``(port, why)`` of the first that cannot (its locks released)."""
+    taken = []
+    for port in range(base, base + count):
+        fd = _port_lock(port)
+        if fd is None:
+            problem = (port, "another ./launch job on this machine holds it")
+        else:
+            taken.append(fd)
             with socket.socket() as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring listens
                 try:
                     s.bind((host, port))
+                    continue
                 except OSError:
-                    return port
-        return None
+                    problem = (port, f"a process on {host} listens on it")
+        for held in taken:
+            os.close(held)
+        return problem
+    locks.extend(taken)
+    return None
 
+
+def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports on ``host`` for this job's ranks.
+
+    Each port is claimed with a lock file that the launcher holds while its job
+    runs (fds appended to ``locks``; closing them releases the ports), so two
+    launchers started together never take the same ports, and checked to be
+    free of listeners. ``first``: the user's ``--port``, taken as is; None:
+    :data:`DEFAULT_PORT`, else ports the system hands out.
+
+    Raises:
+        LaunchError: ``first`` (or one of the ports after it) is in use.
+    """
     if first is not None:
-        busy = taken(first)
-        if busy is not None:
-            raise LaunchError(f"port {busy} is in use on {host} (another job?); pass another --port, "
+        problem = _claim(first, count, host, locks)
+        if problem is not None:
+            raise LaunchError(f"port {problem[0]} is in use ({problem[1]}); pass another --port, "
                               "or leave --port out to take free ones")
         return first
     base = DEFAULT_PORT
     for _ in range(50):
-        if taken(base) is None:
+        if _claim(base, count, host, locks) is None:
             return base
         with socket.socket() as s:
             s.bind((host, 0))
-            base = s.getsockname()[1]
-        base = min(base, 65535 - count)
+            base = min(s.getsockname()[1], 65535 - count)
     raise LaunchError(f"found no {count} free consecutive ports on {host}; pass --port")
 
 
 def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backend: Optional[str] = None,
                port: Optional[int] = None, hostfile: Optional[Hostfile] = None, hostfile_path: Optional[str] = None,
-               tmpdir: Optional[str] = None) -> Plan:
+               tmpdir: Optional[str] = None, port_locks: Optional[list] = None) -> Plan:
     """The plan for ``config`` + ``overrides`` on ``ranks`` local ranks or one rank per ``hostfile`` host.
 
     Args:
@@ -144,7 +172,9 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         port: the first ring/JACCL port, or the NCCL port; None: free ones for
             ranks on this machine (:func:`free_ports`), else :data:`DEFAULT_PORT`.
         hostfile: a validated hostfile (``hostfile_path`` names it), or None.
-        tmpdir: where MPI's host list is written (hostfile runs under MPI).
+        tmpdir: where MPI's host list and the ring's MLX_HOSTFILE are written.
+        port_locks: receives the locks on the ports of ranks on this machine
+            (:func:`free_ports`); the caller closes them when the job ends.
     Raises:
         LaunchError: a combination that cannot run (e.g. ``-n`` with a hostfile), a port in use.
     """
@@ -176,7 +206,7 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
     if backend == "mpi":
         return _mpi_plan(hostfile, program, tmpdir, common)
     if hostfile is None:
-        port = free_ports(n if backend == "ring" else 1, port)
+        port = free_ports(n if backend == "ring" else 1, port, [] if port_locks is None else port_locks)
         return _direct_plan(backend, port, program, tmpdir, common)
     return _mlx_launch_plan(hostfile, hostfile_path, backend, DEFAULT_PORT if port is None else port, program, common)
 
