@@ -2,6 +2,7 @@
 
     python bench/launch_overhead.py                                    # this checkout: launch, then direct
     python bench/launch_overhead.py --checkout /work/main --modes launch   # another checkout's ./launch (before)
+    python bench/launch_overhead.py --modes mlx-launch-idle               # mlx.launch alone, ranks that sleep
 
 ``launch`` runs ``CHECKOUT/launch -n N CONFIG --train.steps S`` with that
 checkout's ``.venv`` python. ``direct`` starts N ``dtrain train`` processes
@@ -11,7 +12,9 @@ passes it). Every 0.5 s the process tree is read from /proc; the trainers
 (``-m dtrain train``) and everything else (``./launch``, ``mlx.launch``, the
 rank wrappers, shells) are summed apart: their CPU seconds over the run's wall
 time is the share of a core each side used. Prints a line per run and whether
-the adapters are bitwise equal; writes JSON to bench/results/.
+the adapters are bitwise equal; writes JSON to bench/results/. ``mlx-launch-idle``
+runs ``mlx.launch -n N`` over ranks that only sleep ``--idle-s`` seconds: what
+mlx.launch itself costs the machine it runs on (for hostfile runs, the head).
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def proc_table() -> dict:
 
 
 def watch(roots: list[int], procs: list[subprocess.Popen]) -> dict:
-    """Sample the trees under ``roots`` until every process in ``procs`` ended; CPU seconds per side."""
-    seen: dict = {}  # pid -> (side, last cpu seconds)
+    """Sample the trees under ``roots`` until every process in ``procs`` ended; CPU seconds per side,
+    and ``top``: the launcher side's processes, most CPU first."""
+    seen: dict = {}  # pid -> (last cpu seconds, command line)
     while any(p.poll() is None for p in procs):
         table = proc_table()
         tree, frontier = set(), list(roots)
@@ -60,14 +64,16 @@ def watch(roots: list[int], procs: list[subprocess.Popen]) -> dict:
             tree.add(pid)
             frontier += [c for c, (ppid, _, _) in table.items() if ppid == pid]
         for pid in tree & set(table):
-            cmd = table[pid][2]
-            side = "trainers" if " -m dtrain train " in cmd and "dtrain.launch.rank" not in cmd else "launcher"
-            seen[pid] = (side, table[pid][1])
+            if table[pid][2].strip():  # a process not yet exec'd or already ended reads empty
+                seen[pid] = (table[pid][1], table[pid][2])
         time.sleep(0.5)
-    sums = {"trainers": 0.0, "launcher": 0.0}
-    for side, cpu in seen.values():
-        sums[side] += cpu
-    return sums
+    sums, top = {"trainers": 0.0, "launcher": 0.0}, []
+    for cpu, cmd in seen.values():
+        trainer = " -m dtrain train " in cmd and "dtrain.launch.rank" not in cmd
+        sums["trainers" if trainer else "launcher"] += cpu
+        if not trainer:
+            top.append((round(cpu, 1), cmd[:100]))
+    return {**sums, "top": sorted(top, reverse=True)[:5]}
 
 
 def adapter_digest(out: Path) -> str:
@@ -107,6 +113,15 @@ def run_direct(args, out: Path) -> tuple[float, dict, int]:
     return time.monotonic() - start, cpu, max(p.returncode for p in procs)
 
 
+def run_mlx_launch_idle(args) -> tuple[float, dict, int]:
+    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "-n", str(args.ranks), "--", sys.executable, "-c",
+           f"import time; time.sleep({args.idle_s})"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    cpu = watch([proc.pid], [proc])
+    return time.monotonic() - start, cpu, proc.returncode
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkout", default=str(ROOT), help="the checkout whose ./launch runs (default: this one)")
@@ -114,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--idle-s", type=float, default=30.0, help="mlx-launch-idle: seconds the ranks sleep")
     p.add_argument("--label", default="", help="name for this checkout in the output (e.g. before, after)")
     args = p.parse_args(argv)
     load = os.getloadavg()
@@ -125,16 +141,20 @@ def main(argv=None) -> int:
         out = base / mode
         if mode == "launch":
             wall, cpu, code = run_launch(Path(args.checkout), args, out)
+        elif mode == "mlx-launch-idle":
+            wall, cpu, code = run_mlx_launch_idle(args)
         else:
             wall, cpu, code = run_direct(args, out)
         row = {"mode": mode, "label": args.label, "checkout": args.checkout, "wall_s": wall, "exit": code,
                "launcher_cpu_s": cpu["launcher"], "trainers_cpu_s": cpu["trainers"],
                "launcher_core_share": cpu["launcher"] / wall, "adapter": adapter_digest(out),
-               "load_at_end": os.getloadavg()[0]}
+               "load_at_end": os.getloadavg()[0], "launcher_processes": cpu["top"]}
         results.append(row)
         print(f"{args.label or mode:>8} {mode:>6}: {wall:6.1f} s wall, exit {code}; launcher side {cpu['launcher']:.1f} "
               f"CPU s ({100 * row['launcher_core_share']:.1f}% of a core), trainers {cpu['trainers']:.1f} CPU s; "
               f"adapter {row['adapter']}; load {row['load_at_end']:.2f}", flush=True)
+        for cpu_s, cmd in cpu["top"][:3]:
+            print(f"           launcher side: {cpu_s:5.1f} CPU s  {cmd}", flush=True)
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"launch_overhead_{int(time.time())}.json").write_text(json.dumps(results, indent=1))

@@ -17,7 +17,7 @@ lower (a library older than the CPU falls back to a generic core: Debian's
 AVX-512 Xeon it did not recognise; issue 15). The fastest correct one wins;
 with none, MLX's reference BLAS stays and the line gives the command that fixes it.
 
-:func:`choose` keeps its result in ``cache_dir()/blas.json`` and reuses it while
+:func:`choose` keeps its result in ``cache_dir()/blas-<hash>.json`` and reuses it while
 the candidate libraries (path, size, mtime), the CPU (model and flags), MLX's
 version, the Python and the user's ``OPENBLAS_CORETYPE`` are the same: the
 probes take seconds of both cores at every start otherwise.
@@ -188,7 +188,14 @@ def probe(path: str, core: Optional[str] = None, env: Optional[dict] = None, tim
     return json.loads(lines[-1])
 
 
-CACHE_FILE = "blas.json"
+def cache_file(key: dict) -> Path:
+    """``cache_dir()/blas-<hash of key>.json``: one file per environment, so several checkouts coexist."""
+    import hashlib
+
+    from .files import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / f"blas-{digest}.json"
 
 
 def probe_key(env: dict) -> dict:
@@ -237,16 +244,15 @@ def _save(key: dict, choice: Blas, path: Path) -> None:
 def choose(env: Optional[dict] = None, cache: bool = True) -> Blas:
     """The fastest correct BLAS on this machine, by probing each candidate (Linux; see module doc).
 
-    ``cache``: reuse (and keep) the result in ``cache_dir()/blas.json`` while :func:`probe_key` is unchanged.
+    ``cache``: reuse (and keep) the result in :func:`cache_file` while :func:`probe_key` is unchanged.
     """
     env = dict(os.environ if env is None else env)
     if platform.system() != "Linux":
         return Blas("accelerate" if platform.system() == "Darwin" else "mlx")
     if not cache:
         return _probe_all(env)
-    from .files import cache_dir
-
-    key, path = probe_key(env), cache_dir() / CACHE_FILE
+    key = probe_key(env)
+    path = cache_file(key)
     choice = _cached(key, path)
     if choice is None:
         choice = _probe_all(env)
