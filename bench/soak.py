@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
                                           "load_at_start": load, "cpus": os.cpu_count(), "results": runs}, indent=1))
     print(f"record: {args.out}" + (f"; clones and logs in {work}" if args.keep else ""))
     if not args.keep:
-        subprocess.run(["rm", "-rf", str(work)])
+        shutil.rmtree(work, ignore_errors=True)
     return 0 if not failures and all(r["code"] == 0 for r in runs) else 1
 
 
