@@ -17,6 +17,11 @@ lower (a library older than the CPU falls back to a generic core: Debian's
 AVX-512 Xeon it did not recognise; issue 15). The fastest correct one wins;
 with none, MLX's reference BLAS stays and the line gives the command that fixes it.
 
+:func:`choose` keeps its result in ``cache_dir()/blas-<hash>.json`` and reuses it while
+the candidate libraries (path, size, mtime), the CPU (model and flags), MLX's
+version, the Python and the user's ``OPENBLAS_CORETYPE`` are the same: the
+probes take seconds of both cores at every start otherwise.
+
 :func:`setup` is the one entry used where a process starts (the ``dtrain``
 command, the launcher through :func:`blas_env`, tests' conftest, bench
 scripts); ``import dtrain`` loads nothing. :func:`warn_if_slow` tells a
@@ -183,11 +188,80 @@ def probe(path: str, core: Optional[str] = None, env: Optional[dict] = None, tim
     return json.loads(lines[-1])
 
 
-def choose(env: Optional[dict] = None) -> Blas:
-    """The fastest correct BLAS on this machine, by probing each candidate (Linux; see module doc)."""
+def cache_file(key: dict) -> Path:
+    """``cache_dir()/blas-<hash of key>.json``: one file per environment, so several checkouts coexist."""
+    import hashlib
+
+    from .files import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / f"blas-{digest}.json"
+
+
+def probe_key(env: dict) -> dict:
+    """What a probe's result depends on: candidate libraries (path, size, mtime), CPU model and
+    flags, MLX's version, this Python, the user's ``OPENBLAS_CORETYPE``, the probe's size."""
+    from importlib import metadata
+
+    libraries = {}
+    for path in (find_mkl(), find_openblas(), find_reference()):
+        if path:
+            st = os.stat(path)
+            libraries[path] = [st.st_size, st.st_mtime_ns]
+    cpuinfo = _read("/proc/cpuinfo")
+    model = next((x.split(":", 1)[1].strip() for x in cpuinfo.splitlines() if x.startswith("model name")), "")
+    try:
+        mlx_version = metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        mlx_version = ""
+    return {"libraries": libraries, "cpu": [model, sorted(cpu_flags(cpuinfo))], "mlx": mlx_version,
+            "python": sys.executable, "user_core": env.get("OPENBLAS_CORETYPE") or "", "probe_n": PROBE_N}
+
+
+def _cached(key: dict, path: Path) -> Optional[Blas]:
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") != key:
+            return None
+        b = saved["blas"]
+        return Blas(b["kind"], b["path"], b["version"], b["core"], b["gflops"], dict(b["env"]),
+                    (*b["notes"], f"probe result reused from {path} (delete it to probe again)"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save(key: dict, choice: Blas, path: Path) -> None:
+    fields = {k: getattr(choice, k) for k in ("kind", "path", "version", "core", "gflops", "env")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "blas": {**fields, "notes": list(choice.notes)}}, indent=1))
+        os.replace(tmp, path)  # whole or not at all: launchers started together may write it at once
+    except OSError:
+        pass  # a read-only cache only costs the next start a probe
+
+
+def choose(env: Optional[dict] = None, cache: bool = True) -> Blas:
+    """The fastest correct BLAS on this machine, by probing each candidate (Linux; see module doc).
+
+    ``cache``: reuse (and keep) the result in :func:`cache_file` while :func:`probe_key` is unchanged.
+    """
     env = dict(os.environ if env is None else env)
     if platform.system() != "Linux":
         return Blas("accelerate" if platform.system() == "Darwin" else "mlx")
+    if not cache:
+        return _probe_all(env)
+    key = probe_key(env)
+    path = cache_file(key)
+    choice = _cached(key, path)
+    if choice is None:
+        choice = _probe_all(env)
+        if not any("did not finish" in n for n in choice.notes):  # a probe timed out: maybe only the load
+            _save(key, choice, path)
+    return choice
+
+
+def _probe_all(env: dict) -> Blas:
     found, notes = [], []
     mkl = find_mkl()
     if mkl:

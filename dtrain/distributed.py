@@ -26,7 +26,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
-from .launch.env import EXIT_LOST_PEER, EXIT_TIMEOUT, RANK_VARS, launcher_backend, rank_from_env  # the launcher contract
+from .launch.env import (EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
+                         launcher_backend, rank_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
 
@@ -34,6 +35,13 @@ BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
 class CollectiveError(UserError):
     """A collective failed because MLX lost a peer: the rank exits with ``EXIT_LOST_PEER``,
     which ``./launch --max-restarts`` treats as transient (unlike other user errors)."""
+
+    exit_status = EXIT_LOST_PEER
+
+
+class ForeignRankError(UserError):
+    """Ranks of two different jobs joined one group (they were given the same ports): exit status
+    ``EXIT_LOST_PEER`` too, since a restart (with other ports) can succeed."""
 
     exit_status = EXIT_LOST_PEER
 
@@ -105,7 +113,9 @@ class Group:
     """A process group: ``rank`` in ``[0, size)`` and the MLX group (None at size 1).
 
     ``timeout_s`` arms a :class:`Watchdog` around each collective (0 = off);
-    the trainer sets it from ``distributed.collective_timeout_s``.
+    the trainer sets it from ``distributed.collective_timeout_s``. ``job``: the
+    identity ``./launch`` gave this attempt's ranks (``DTRAIN_JOB``; empty when
+    started otherwise), compared first in :func:`handshake`.
     """
 
     rank: int = 0
@@ -113,6 +123,7 @@ class Group:
     backend: str = "none"
     mlx_group: Any = None
     timeout_s: float = 0.0
+    job: str = ""
 
     @property
     def is_main(self) -> bool:
@@ -234,12 +245,13 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
         timeout_s: watchdog for ``mx.distributed.init`` itself (0 = off).
         env: the environment to read (default ``os.environ``).
     Raises:
-        UserError: the backend could not start, the group is smaller than
-            the launcher announced, or the environment names a rank >= 1 but
-            no group of several ranks was formed.
+        UserError: the backend could not start, the group's size differs
+            from the world size the launcher announced, or the environment
+            names a rank >= 1 or a world size > 1 but no group of several ranks was formed.
     """
     env = os.environ if env is None else env
     found, expected = launcher_backend(env)
+    expected = _announced_size(env, expected)
     rank = rank_from_env(env)
     if backend == "none" or (backend == "any" and found is None):
         _refuse_lone_rank(rank, env, "no launcher variables name the other ranks" if backend == "any"
@@ -252,18 +264,45 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
     except ValueError as err:  # an unknown backend name; RuntimeError becomes UserError above
         raise UserError(f"distributed backend '{name}' could not start: {err}") from None
     if expected > 1 and g.size() != expected:
-        raise UserError(f"distributed backend '{name}' formed a group of {g.size()} rank(s); the launcher started {expected}")
+        raise UserError(f"distributed backend '{name}' formed a group of {g.size()} rank(s); the launcher announced "
+                        f"{expected} ({_size_source(env)})")
     if g.size() == 1:
         _refuse_lone_rank(rank, env, f"the '{name}' backend formed a group of one")
         return Group(timeout_s=timeout_s)
-    return Group(rank=g.rank(), size=g.size(), backend=name, mlx_group=g, timeout_s=timeout_s)
+    return Group(rank=g.rank(), size=g.size(), backend=name, mlx_group=g, timeout_s=timeout_s, job=env.get(JOB_VAR, ""))
+
+
+def _announced_size(env: Mapping[str, str], from_backend: int) -> int:
+    """The world size the launcher announced: the backend's own (e.g. the ring hostfile's length) or a
+    size variable (:data:`SIZE_VARS`); 0 when none says.
+
+    Raises:
+        UserError: two announcements disagree (e.g. ``MLX_WORLD_SIZE=3`` with a 2-rank ring hostfile).
+    """
+    sizes = {k: int(env[k]) for k in SIZE_VARS if env.get(k, "").isdigit()}
+    size = next(iter(sizes.values()), 0)
+    if from_backend > 1 and size and size != from_backend:
+        raise UserError(f"{_size_source(env)}, but the launcher's other variables name {from_backend} ranks "
+                        "(e.g. the ring's MLX_HOSTFILE); start every rank with ./launch or mlx.launch")
+    return from_backend if from_backend > 1 else size
+
+
+def _size_source(env: Mapping[str, str]) -> str:
+    var = next((k for k in SIZE_VARS if env.get(k, "").isdigit()), None)
+    return f"{var}={env[var]}" if var else "the number of ranks in its variables"
 
 
 def _refuse_lone_rank(rank: int, env: Mapping[str, str], why: str) -> None:
-    """A process told it is rank >= 1 must not train alone as rank 0 (it would write rank 0's files)."""
+    """A process told it is rank >= 1, or one of several, must not train alone as rank 0 (it would
+    write rank 0's files, or train on a fraction of the batch while its launcher waits for the others)."""
     if rank >= 1:
         var = next(k for k in RANK_VARS if env.get(k))
         raise UserError(f"{var}={env[var]} says this process is rank {rank}, but it joined no group ({why}); "
+                        f"start every rank with ./launch or mlx.launch, or unset {var} to train alone")
+    size = _announced_size(env, 1)
+    if size > 1:
+        var = next(k for k in SIZE_VARS if env.get(k, "").isdigit())
+        raise UserError(f"{var}={env[var]} says this job has {size} ranks, but this process joined no group ({why}); "
                         f"start every rank with ./launch or mlx.launch, or unset {var} to train alone")
 
 
@@ -277,18 +316,27 @@ def _odd_ranks(values: list) -> list[int]:
 
 
 def handshake(group: Group, facts: dict) -> None:
-    """Stop every rank when the ranks disagree on any of ``facts``.
+    """Stop every rank when the ranks belong to different jobs, or disagree on any of ``facts``.
 
     Args:
         facts: name -> JSON-able value (resolved config, data fingerprint,
             model identity, LoRA shapes).
     Raises:
+        ForeignRankError: ranks of different jobs (``Group.job``) met, on every rank.
         UserError: on every rank, naming each fact that differs and the ranks.
     """
     if group.size == 1:
         return
-    mine = {k: fingerprint(v) for k, v in facts.items()}
-    everyone = [json.loads(t) for t in group.all_gather_text(json.dumps(mine, sort_keys=True), None, "start-up handshake")]
+    mine = {"job": group.job, "facts": {k: fingerprint(v) for k, v in facts.items()}}
+    gathered = [json.loads(t) for t in group.all_gather_text(json.dumps(mine, sort_keys=True), None, "start-up handshake")]
+    jobs = [g["job"] for g in gathered]
+    odd = _odd_ranks(jobs)
+    if odd:
+        raise ForeignRankError(
+            f"rank(s) {', '.join(map(str, odd))} belong to another job (job {jobs[odd[0]] or '(none)'}; rank 0's is "
+            f"{jobs[0] or '(none)'}): two jobs on this machine were given the same ports; give each its own --port, "
+            "or leave --port out and ./launch takes free ones")
+    everyone = [g["facts"] for g in gathered]
     problems = []
     for key in sorted(set().union(*everyone)):
         odd = _odd_ranks([e.get(key) for e in everyone])

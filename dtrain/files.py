@@ -57,6 +57,11 @@ def storage(what: str, after: str = "") -> Iterator[None]:
         raise StorageError(f"could not {what}: {reason.rstrip('.')}{after}") from None
 
 
+def cache_dir() -> Path:
+    """dtrain's user cache (demo model, BLAS probe): ``$DTRAIN_CACHE`` if set, else ``~/.cache/dtrain``."""
+    return Path(os.environ.get("DTRAIN_CACHE") or Path.home() / ".cache" / "dtrain")
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()

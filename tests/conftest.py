@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 import pytest
 
 from dtrain.blas import setup
+from waiting import SESSION_VAR, TEST_VAR, leftovers
 
 BLAS = setup()  # before any test module imports MLX: the fastest correct BLAS (dtrain/blas.py)
+os.environ[SESSION_VAR] = uuid.uuid4().hex  # inherited by every child: marks processes of this run
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -20,6 +24,22 @@ CHATML = (
 
 def pytest_report_header(config):
     return BLAS.line()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(request, monkeypatch):
+    """Fail the test when a process started during it (or earlier in this run) is still alive after it.
+
+    Children are found by the variables they inherit (:data:`waiting.SESSION_VAR`,
+    :data:`waiting.TEST_VAR`), which survive new sessions and process groups;
+    any found are killed, so one leak fails one test, not the rest.
+    """
+    monkeypatch.setenv(TEST_VAR, request.node.nodeid)
+    yield
+    left = leftovers(os.environ[SESSION_VAR])
+    if left:
+        listed = "; ".join(f"pid {pid} (started in {test}): {cmd[:200]}" for pid, (test, cmd) in sorted(left.items()))
+        pytest.fail(f"left {len(left)} process(es) running (now killed): {listed}", pytrace=False)
 
 
 def make_tokenizer(chat_template: str | None = CHATML, add_bos: bool = True):

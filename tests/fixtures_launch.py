@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from conftest import make_tiny_model, make_tokenizer
+from waiting import JOB_S, finish
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
@@ -58,12 +59,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(*args, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``./launch ARGS`` with this interpreter; text output captured."""
-    return subprocess.run(
-        [sys.executable, str(LAUNCH), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-        cwd=ROOT, env={**os.environ, **(env or {})},
-    )
+def launch(*args, limit: float = JOB_S, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``./launch ARGS`` with this interpreter to its end (``waiting.finish``); text output captured."""
+    cmd = [sys.executable, str(LAUNCH), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, **(env or {})})
+    code, out, err = finish(proc, limit)
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def write_hostfile(path: Path, data) -> Path:

@@ -117,6 +117,63 @@ def test_a_user_core_type_is_kept(monkeypatch):
     assert calls == ["Haswell"] and only.env["OPENBLAS_CORETYPE"] == "Haswell"
 
 
+def _probed_machine(monkeypatch, tmp_path, cpuinfo: str):
+    """A machine with one OpenBLAS file (tmp), ``cpuinfo``, and a counting fake probe; returns the calls list."""
+    lib = tmp_path / "libopenblas.so.0"
+    lib.write_bytes(b"v1")
+    calls = []
+    reports = {None: {"ok": True, "core": "SkylakeX", "version": "0.3.21", "gflops": 150.0},
+               "Haswell": {"ok": True, "core": "Haswell", "version": "0.3.21", "gflops": 90.0}}
+    monkeypatch.setenv("DTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(blas.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(blas, "find_mkl", lambda: None)
+    monkeypatch.setattr(blas, "find_reference", lambda: None)
+    monkeypatch.setattr(blas, "find_openblas", lambda: str(lib))
+    monkeypatch.setattr(blas, "probe", _fake_probe(reports, calls))
+    monkeypatch.setattr(blas, "_read", lambda path: cpuinfo)
+    return calls
+
+
+def test_the_probe_result_is_reused_while_library_and_cpu_are_the_same(monkeypatch, tmp_path):
+    calls = _probed_machine(monkeypatch, tmp_path, f"model name\t: Xeon A\nflags\t: {ICE_LAKE}\n")
+    first = blas.choose({})
+    again = blas.choose({})
+    assert calls == [None]  # probed once
+    assert (again.kind, again.path, again.version, again.core, again.gflops, again.env) == (
+        first.kind, first.path, first.version, first.core, first.gflops, first.env)
+    (cache,) = (tmp_path / "cache").glob("blas-*.json")
+    assert again.line() == (f"BLAS: OpenBLAS 0.3.21 core SkylakeX: 150.0 GFLOP/s on a 512x512 float32 matmul; "
+                            f"probe result reused from {cache} (delete it to probe again)")
+    assert blas.choose({}, cache=False).line() == first.line() and calls == [None, None]
+
+
+@pytest.mark.parametrize("change", ["library rewritten", "cpu model", "cpu flags", "mlx version", "user core type"])
+def test_a_changed_library_cpu_or_mlx_probes_again(monkeypatch, tmp_path, change):
+    cpuinfo = f"model name\t: Xeon A\nflags\t: {ICE_LAKE}\n"
+    calls = _probed_machine(monkeypatch, tmp_path, cpuinfo)
+    env = {}
+    blas.choose(env)
+    assert calls == [None]
+    if change == "library rewritten":  # same path, new content: size and mtime differ
+        lib = tmp_path / "libopenblas.so.0"
+        lib.write_bytes(b"version 2")
+        os.utime(lib, ns=(1, 1))
+    elif change == "cpu model":
+        monkeypatch.setattr(blas, "_read", lambda path: cpuinfo.replace("Xeon A", "Xeon B"))
+    elif change == "cpu flags":
+        monkeypatch.setattr(blas, "_read", lambda path: cpuinfo.replace(" avx512vbmi", ""))
+    elif change == "mlx version":
+        from importlib import metadata
+
+        real = metadata.version
+        monkeypatch.setattr(metadata, "version", lambda name: "0.0.1" if name == "mlx" else real(name))
+    else:
+        env = {"OPENBLAS_CORETYPE": "Haswell"}
+    again = blas.choose(env)
+    assert len(calls) == 2 and "reused" not in again.line()
+    assert "reused" in blas.choose(env).line() and len(calls) == 2  # the new result is kept
+
+
 @needs_openblas
 def test_probe_checks_and_times_the_installed_openblas():
     report = blas.probe(blas.find_openblas(), "Prescott")

@@ -6,7 +6,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,32 +16,42 @@ import pytest
 from dtrain import checkpoint as ckpt
 from dtrain.errors import UserError
 from dtrain.tracking import read_scalars
+from waiting import finish as finish_proc, spawn, wait_for_path, wait_until
 
 WORKER = Path(__file__).resolve().parent / "train_worker.py"
 TIMING = {"tokens_per_second", "pairs_per_second", "peak_memory_gb"}
 
 
-def start(out, *overrides, delay=0.0, marks=False):
-    env = {**os.environ, "WORKER_STEP_DELAY": str(delay)} if delay else dict(os.environ)
-    if marks:
-        env["WORKER_MARK_STEPS"] = "1"
-    return subprocess.Popen([sys.executable, str(WORKER), str(out), *overrides], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(out, *overrides, delay=0.0, hold_at=None):
+    """The worker training into ``out``; ``delay``: seconds added to each step; ``hold_at``: step N waits
+    inside itself, after touching ``out/in-step-N``, until ``out/go-N`` exists (tests/train_worker.py)."""
+    env = dict(os.environ)
+    if delay:
+        env["WORKER_STEP_DELAY"] = str(delay)
+    if hold_at is not None:
+        env["WORKER_HOLD_AT"] = str(hold_at)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return spawn([sys.executable, WORKER, out, *overrides], Path(out).parent / f"{Path(out).name}-logs",
+                 f"worker-{time.monotonic_ns()}", env=env)
+
+
+def stopped_in(proc, out, step, sig):
+    """Wait until ``proc`` is inside ``step`` (held there), send ``sig``, let the step go on."""
+    wait_for_path(Path(out) / f"in-step-{step}", proc)
+    proc.send_signal(sig)
+    (Path(out) / f"go-{step}").touch()
 
 
 def finish(out, *overrides):
-    proc = start(out, *overrides)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    code, _, err = finish_proc(start(out, *overrides))
+    assert code == 0, err
     return json.loads((Path(out) / "result-rank0.json").read_text())
 
 
-def wait_for(path: Path, proc, timeout=60.0):
-    end = time.time() + timeout
-    while not path.exists():
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.time() < end, f"{path} never appeared"
-        time.sleep(0.01)
+def newest_step(out) -> int:
+    """The newest checkpoint's step (0 when none): pruned checkpoints come and go, this only grows."""
+    found = ckpt.list_checkpoints(Path(out) / "checkpoints") if (Path(out) / "checkpoints").is_dir() else []
+    return max((int(p.name.split("-")[1]) for p in found if (p / "manifest.json").exists()), default=0)
 
 
 def adapters_equal(a, b):
@@ -65,14 +74,13 @@ def uninterrupted(tmp_path_factory):
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     whole_dir, whole = uninterrupted
-    proc = start(tmp_path, *ARGS, delay=0.3)
-    wait_for(tmp_path / "checkpoints" / "step-0000003" / "manifest.json", proc)
-    proc.send_signal(signal.SIGKILL)
+    proc = start(tmp_path, *ARGS, hold_at=5)
+    stopped_in(proc, tmp_path, 5, signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "result-rank0.json").exists()
     newest = ckpt.find_latest(tmp_path / "checkpoints")
     resumed_from = int(newest.name.split("-")[1])
-    assert resumed_from in (3, 6)
+    assert resumed_from == 3
     # the event file was on disk before the checkpoint was complete: every step it covers survived the kill
     killed_run = next((tmp_path / "tb").iterdir())
     assert [s for s, _ in read_scalars(killed_run)["loss"]][:resumed_from] == list(range(1, resumed_from + 1))
@@ -92,10 +100,8 @@ def test_sigkill_right_after_the_first_checkpoint_keeps_what_it_covers(tmp_path,
     """The event file is flushed (and fsynced) before a checkpoint is complete:
     killed while step 2 runs, the file holds step 0's eval and step 1's scalars."""
     _, whole = uninterrupted
-    proc = start(tmp_path, *ARGS, "--train.save_every", "1", delay=1.0, marks=True)
-    wait_for(tmp_path / "checkpoints" / "step-0000001" / "manifest.json", proc)
-    assert not (tmp_path / "in-step-3").exists()
-    proc.send_signal(signal.SIGKILL)
+    proc = start(tmp_path, *ARGS, "--train.save_every", "1", hold_at=2)
+    stopped_in(proc, tmp_path, 2, signal.SIGKILL)
     proc.wait()
     scalars = read_scalars(next((tmp_path / "tb").iterdir()))
     assert scalars["loss"] == [(1, pytest.approx(whole["history"][0]["loss"], rel=1e-6))]
@@ -104,14 +110,12 @@ def test_sigkill_right_after_the_first_checkpoint_keeps_what_it_covers(tmp_path,
 
 def test_sigint_saves_at_step_boundary_and_resume_matches(tmp_path, uninterrupted):
     _, whole = uninterrupted
-    proc = start(tmp_path, *ARGS, delay=0.3)
-    wait_for(tmp_path / "tb", proc)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    proc = start(tmp_path, *ARGS, hold_at=2)
+    stopped_in(proc, tmp_path, 2, signal.SIGINT)
+    code, _, err = finish_proc(proc)
+    assert code == 0, err
     stopped = json.loads((tmp_path / "result-rank0.json").read_text())
-    assert stopped["stopped"] and stopped["steps"] < 8
+    assert stopped["stopped"] and stopped["steps"] == 2
     assert ckpt.find_latest(tmp_path / "checkpoints").name == f"step-{stopped['steps']:07d}"
     resumed = finish(tmp_path, *ARGS, "--train.resume", "auto")
     assert adapters_equal(resumed["adapter_dir"], whole["adapter_dir"])
@@ -125,8 +129,8 @@ def test_random_sigkills_always_leave_a_valid_checkpoint(tmp_path, uninterrupted
     for i in range(kills):
         out = tmp_path / f"run{i}"
         proc = start(out, *ARGS, "--train.save_every", "1", delay=0.05)
-        wait_for(out / "checkpoints" / "step-0000001" / "manifest.json", proc)
-        time.sleep(rng.uniform(0.0, 0.4))
+        wait_until(lambda: newest_step(out) >= 1, "a first checkpoint", proc)
+        time.sleep(rng.uniform(0.0, 0.4))  # the kill's moment, not a wait: any moment must be safe
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert ckpt.find_latest(out / "checkpoints") is not None
@@ -151,25 +155,22 @@ def test_incompatible_resume_is_refused_in_one_line(tmp_path):
     finish(tmp_path, "--train.steps", "2")
     for override, changed in ((("--lora.rank", "4"), "lora.rank: 2 in the checkpoint, 4 now"),
                               (("--train.global_batch_pairs", "4"), "train.global_batch_pairs: 8 in the checkpoint, 4 now")):
-        proc = start(tmp_path, "--train.steps", "4", "--train.resume", "auto", *override)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 2 and err.splitlines() == [
+        code, _, err = finish_proc(start(tmp_path, "--train.steps", "4", "--train.resume", "auto", *override))
+        assert code == 2 and err.splitlines() == [
             f"dtrain: error: resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: {changed}. "
             f"{ckpt.RESUME_HINT}"], err
 
 
 def test_sigint_during_a_step_saves_right_after_that_step(tmp_path):
     """The stop flag is read at the step's all-reduce: a signal while step 3 runs stops after step 3, not 4."""
-    proc = start(tmp_path, "--train.steps", "8", "--train.eval_every", "0", delay=1.0, marks=True)
-    wait_for(tmp_path / "in-step-3", proc)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    proc = start(tmp_path, "--train.steps", "8", "--train.eval_every", "0", hold_at=3)
+    stopped_in(proc, tmp_path, 3, signal.SIGINT)
+    code, _, err = finish_proc(proc)
+    assert code == 0, err
     stopped = json.loads((tmp_path / "result-rank0.json").read_text())
     assert stopped["stopped"] and stopped["steps"] == 3 and len(stopped["history"]) == 3
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000003"]
     assert "stopped by signal after step 3; checkpoint saved, resume with train.resume=auto" in err
-    assert not (tmp_path / "in-step-4").exists()
 
 
 def test_two_runs_started_together_into_one_folder(tmp_path, uninterrupted):
@@ -178,8 +179,8 @@ def test_two_runs_started_together_into_one_folder(tmp_path, uninterrupted):
 
     _, whole = uninterrupted
     procs = [start(tmp_path, *ARGS, delay=1.0) for _ in range(2)]
-    errs = [p.communicate(timeout=180)[1] for p in procs]
-    codes = [p.returncode for p in procs]
+    done = [finish_proc(p) for p in procs]
+    codes, errs = [c for c, _, _ in done], [e for _, _, e in done]
     assert sorted(codes) == [0, 2], errs
     winner, loser = codes.index(0), codes.index(2)
     assert errs[loser].splitlines() == [
@@ -251,10 +252,9 @@ def test_output_folder_checks(tmp_path):
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):
-    proc = start(tmp_path, "--train.steps", "10", "--train.learning_rate", "1e38", "--train.max_skipped_steps", "3",
-                 "--train.grad_clip", "0")
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2 and "non-finite" in err and "gen:" in err and "Traceback" not in err, err
+    code, _, err = finish_proc(start(tmp_path, "--train.steps", "10", "--train.learning_rate", "1e38",
+                                     "--train.max_skipped_steps", "3", "--train.grad_clip", "0"))
+    assert code == 2 and "non-finite" in err and "gen:" in err and "Traceback" not in err, err
     saved = ckpt.find_latest(tmp_path / "checkpoints")
     state = json.loads((saved / "state.json").read_text())
     assert state["skipped_steps"] == 3
@@ -271,15 +271,15 @@ def test_two_ranks_on_separate_disks_resume_from_rank_0s_checkpoint(tmp_path):
     from test_distributed import run_cmd, start_ring
 
     args = ("train.save_every=2", "distributed.collective_timeout_s=20")
-    whole = finish_ranks(start_ring(2, tmp_path / "whole", *args), timeout=120)
+    whole = finish_ranks(start_ring(2, tmp_path / "whole", *args))
     assert [rc for rc, _, _ in whole] == [0, 0], whole
     disks = [tmp_path / "mac0", tmp_path / "mac1"]
     apart = (*args, "train.output_dir=run")  # relative: each rank's own disk, one config
-    killed = finish_ranks(start_ring(2, tmp_path, *apart, "--kill-at", "4:1", disks=disks), timeout=80)
+    killed = finish_ranks(start_ring(2, tmp_path, *apart, "--kill-at", "4:1", disks=disks))
     assert killed[0][0] != 0 and killed[1][0] == -signal.SIGKILL
     root = disks[0] / "run" / "checkpoints"
     assert ckpt.find_latest(root).name == "step-0000002" and not (disks[1] / "run").exists()
-    resumed = finish_ranks(start_ring(2, tmp_path, *apart, "train.resume=auto", disks=disks), timeout=120)
+    resumed = finish_ranks(start_ring(2, tmp_path, *apart, "train.resume=auto", disks=disks))
     assert [rc for rc, _, _ in resumed] == [0, 0], resumed
     a = mx.load(str(tmp_path / "whole" / "rank0.safetensors"))
     for r in (0, 1):

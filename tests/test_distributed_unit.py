@@ -86,6 +86,75 @@ def test_a_rank_above_zero_without_a_group_stops():
     assert init_group("any", env={"MLX_RANK": "0"}).size == 1  # rank 0 alone is a run of one
 
 
+def test_a_world_size_announced_without_a_group_stops():
+    """Issue 22: MLX_RANK=0 MLX_WORLD_SIZE=2 and no hostfile trained alone as world size 1 and exited 0."""
+    with pytest.raises(UserError) as err:
+        init_group("any", env={"MLX_RANK": "0", "MLX_WORLD_SIZE": "2"})
+    assert str(err.value) == ("MLX_WORLD_SIZE=2 says this job has 2 ranks, but this process joined no group (no "
+                              "launcher variables name the other ranks); start every rank with ./launch or mlx.launch, "
+                              "or unset MLX_WORLD_SIZE to train alone")
+
+
+@pytest.mark.parametrize("size", [2, 3, 8, 64])
+@pytest.mark.parametrize("rank", [None, "0"])
+@pytest.mark.parametrize("backend", ["any", "none"])
+def test_every_announced_world_size_above_one_needs_a_group(size, rank, backend):
+    env = {"MLX_WORLD_SIZE": str(size), **({"MLX_RANK": rank} if rank is not None else {})}
+    why = "no launcher variables name the other ranks" if backend == "any" else "distributed.backend is none"
+    with pytest.raises(UserError) as err:
+        init_group(backend, env=env)
+    assert str(err.value).startswith(f"MLX_WORLD_SIZE={size} says this job has {size} ranks, but this process "
+                                     f"joined no group ({why})")
+    assert init_group(backend, env={**env, "MLX_WORLD_SIZE": "1"}).size == 1  # one announced rank: a run of one
+
+
+def test_a_world_size_that_contradicts_the_ring_hostfile_stops(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:40001"], ["127.0.0.1:40002"]]))
+    with pytest.raises(UserError) as err:
+        init_group("any", env={"MLX_RANK": "0", "MLX_HOSTFILE": str(hosts), "MLX_WORLD_SIZE": "3"})
+    assert str(err.value) == ("MLX_WORLD_SIZE=3, but the launcher's other variables name 2 ranks (e.g. the ring's "
+                              "MLX_HOSTFILE); start every rank with ./launch or mlx.launch")
+
+
+@pytest.mark.parametrize("announced,formed", [(2, 1), (2, 3), (4, 3), (3, 8)])
+def test_a_group_whose_size_differs_from_the_announced_one_stops(monkeypatch, announced, formed):
+    """MLX forms the group (faked here: its size is what matters); the NCCL launcher announced MLX_WORLD_SIZE."""
+    class Formed:
+        def size(self):
+            return formed
+
+        def rank(self):
+            return 0
+
+    monkeypatch.setattr(mx.distributed, "init", lambda strict, backend: Formed())
+    env = {"MLX_RANK": "0", "NCCL_HOST_IP": "127.0.0.1", "MLX_WORLD_SIZE": str(announced)}
+    with pytest.raises(UserError) as err:
+        init_group("any", env=env)
+    assert str(err.value) == (f"distributed backend 'nccl' formed a group of {formed} rank(s); the launcher announced "
+                              f"{announced} (MLX_WORLD_SIZE={announced})")
+    assert init_group("any", env={**env, "MLX_WORLD_SIZE": str(formed)}).size == formed  # agreeing sizes are accepted
+
+
+def test_ranks_of_another_job_are_named_before_any_other_difference():
+    """The handshake compares DTRAIN_JOB first: two jobs that took the same ports stop with that cause."""
+    from dtrain.distributed import ForeignRankError
+    from dtrain.launch.env import EXIT_LOST_PEER
+
+    class TwoRanks(Group):  # the gathered texts of a 2-rank group whose rank 1 is another job's
+        def all_gather_text(self, text, step, what="all_gather of text"):
+            other = json.loads(text)
+            other["job"], other["facts"]["config"] = "bbbb", "different"
+            return [text, json.dumps(other)]
+
+    with pytest.raises(ForeignRankError) as err:
+        handshake(TwoRanks(rank=0, size=2, job="aaaa"), {"config": {"lora": 8}, "data": "x"})
+    assert str(err.value) == ("rank(s) 1 belong to another job (job bbbb; rank 0's is aaaa): two jobs on this machine "
+                              "were given the same ports; give each its own --port, or leave --port out and ./launch "
+                              "takes free ones")
+    assert err.value.exit_status == EXIT_LOST_PEER  # transient: ./launch --max-restarts retries it
+
+
 def test_broadcast_at_world_size_one_returns_the_input():
     arrays = {"a": mx.array([1.5, -0.0]), "step": mx.array(3, dtype=mx.uint64)}
     got = Group().broadcast_arrays(arrays, None)

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
+from waiting import STOP_S, kill_tree, spawn, wait_exit, wait_until
 
 ADAPTER = "adapters/adapters.safetensors"
 
@@ -90,7 +90,8 @@ def test_dry_run_prints_ranks_env_and_shards(job):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "ranks: 3\nbackend: ring\nhosts: 127.0.0.1\n" in out
-    assert f"--starting-port {port}" in out and "dtrain.launch.rank" in out
+    # started by the launcher itself, not mlx.launch (which spins a core for the whole run)
+    assert "\ncommand (each rank): " in out and "dtrain.launch.rank" in out and "mlx.launch" not in out
     ring = json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"], [f"127.0.0.1:{port + 2}"]])
     for rank, shard in enumerate((2, 2, 1)):
         assert f"rank {rank} on 127.0.0.1: shard {shard} pairs/step" in out
@@ -121,37 +122,48 @@ def test_sigint_stops_every_rank(job, tmp_path, backend):
     if backend == "mpi" and shutil.which("mpirun") is None:
         pytest.skip("OpenMPI's mpirun is not installed")
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", "2", "--backend", backend, "--port", str(free_port()),
-                             str(job["config"]),
-                             "--train.steps", "5000", "--train.output_dir", str(out)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (out / "tb").is_dir() and any((out / "tb").iterdir()), 25)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=40)
-    assert proc.returncode == 130, err
+    proc = spawn([sys.executable, LAUNCH, "-n", 2, "--backend", backend, "--port", free_port(), job["config"],
+                  "--train.steps", 5000, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
+    try:
+        # a loss logged: every rank is past its first step (a stop before it would be a different test)
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss in TensorBoard", proc)
+        proc.send_signal(signal.SIGINT)
+        code = wait_exit(proc, STOP_S)
+    finally:
+        kill_tree(proc)
+    err = proc.err()
+    assert code == 130, err
     assert "launch: SIGINT: stopping 2 rank(s)" in err
     assert "checkpoint saved" in err and (out / "checkpoints").is_dir()
     if backend == "mpi":  # mpirun exits before its ranks finish saving (see the launcher's docstring)
-        wait_for(lambda: not rank_processes(str(out)), 30)
+        wait_until(lambda: not rank_processes(str(out)), "the MPI ranks to end", limit=STOP_S)
     assert not rank_processes(str(out))
+
+
+def read_scalars_of(tb: Path) -> dict:
+    """The scalars of the one TensorBoard run under ``tb`` ({} before it exists)."""
+    from dtrain.tracking import read_scalars
+
+    runs = list(tb.iterdir()) if tb.is_dir() else []
+    return read_scalars(runs[0]) if runs else {}
 
 
 def test_tensorboard_serves_the_runs_scalars(job, tmp_path):
     """--tensorboard serves <output_dir>/tb on loopback while the run lasts, then stops."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(LAUNCH), "--tensorboard", str(port), str(job["config"]),
-                             "--train.steps", "5000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = spawn([sys.executable, LAUNCH, "--tensorboard", port, job["config"], "--train.steps", 5000,
+                  "--train.output_dir", tmp_path / "run"], tmp_path, "launch", cwd=ROOT)
     try:
         url = f"http://127.0.0.1:{port}/data/plugin/scalars/tags"
-        earlier = sorted(p.name for p in (job["tmp"] / "run" / "tb").iterdir())[0]  # the one-rank run's logs
-        tags = wait_for(lambda: json.loads(http_get(url)).get(earlier), 25)
-        for tag in ("loss", "nll_loss", "log_odds_ratio", "rewards/accuracies", "grad_norm", "eval/loss"):
-            assert tag in tags, sorted(tags)
+        wanted = {"loss", "nll_loss", "log_odds_ratio", "rewards/accuracies", "grad_norm", "eval/loss"}
+        # {run: {tag: ...}}: the run's tags grow as it logs (step 0's eval, then each step)
+        served = wait_until(lambda: [run for run, tags in json.loads(http_get(url)).items() if wanted <= set(tags)],
+                            "TensorBoard serving the run's scalars", proc)
+        assert served == [p.name for p in (tmp_path / "run" / "tb").iterdir()]
     finally:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=40)
-    assert f"launch: TensorBoard at http://127.0.0.1:{port}/" in out
+        wait_exit(proc, STOP_S)
+    assert f"launch: TensorBoard at http://127.0.0.1:{port}/" in proc.out()
     with pytest.raises(OSError):
         http_get(url)
 
@@ -172,20 +184,6 @@ def test_tensorboard_port_in_use_is_one_line(job):
 def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=2) as resp:
         return resp.read().decode()
-
-
-def wait_for(probe, timeout: float):
-    """Poll ``probe()`` until it returns something truthy; fail after ``timeout`` seconds."""
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            got = probe()
-        except OSError:
-            got = None
-        if got:
-            return got
-        time.sleep(0.3)
-    pytest.fail(f"gave up after {timeout} s")
 
 
 def rank_processes(marker: str) -> list[int]:

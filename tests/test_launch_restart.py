@@ -10,9 +10,7 @@ import os
 import shutil
 import signal
 import struct
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +20,7 @@ import pytest
 from dtrain.tracking import read_scalars
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
+from waiting import STOP_S, Child, kill_tree, spawn, wait_exit, wait_for_line, wait_until
 
 ADAPTER = "adapters/adapters.safetensors"
 STEPS = 8
@@ -35,20 +34,21 @@ def job(tmp_path_factory):
     return make_job(tmp, steps=STEPS)
 
 
-def start(*args, log: Path) -> subprocess.Popen:
-    """``./launch ARGS`` in the background, stdout and stderr into ``log``."""
-    out = open(log, "w")
-    return subprocess.Popen([sys.executable, str(LAUNCH), *map(str, args)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+def start(*args, folder: Path) -> Child:
+    """``./launch ARGS`` in the background, its output in ``folder/launch.out`` and ``.err``."""
+    return spawn([sys.executable, LAUNCH, *args], folder, "launch", cwd=ROOT)
 
 
-def wait_for(probe, timeout: float, what: str):
-    end = time.time() + timeout
-    while time.time() < end:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.1)
-    pytest.fail(f"gave up after {timeout} s waiting for {what}")
+def newest_step(out: Path) -> int:
+    """The newest checkpoint's step under ``out`` (0 when none). Checkpoints are pruned
+    (``keep_last``), but once step N was saved this stays >= N: a wait that cannot miss."""
+    steps = [int(p.name[5:]) for p in (out / "checkpoints").glob("step-*") if p.name[5:].isdigit()]
+    return max(steps, default=0)
+
+
+def trainer_after_checkpoint(out: Path, rank: int, step: int):
+    """A probe: rank ``rank``'s trainer pid once a checkpoint of step >= ``step`` exists, else None."""
+    return lambda: find_trainers(str(out)).get(rank) if newest_step(out) >= step else None
 
 
 def weights(path: Path) -> dict:
@@ -77,19 +77,18 @@ def test_a_rank_killed_once_restarts_and_equals_the_uninterrupted_run(job, tmp_p
     if backend == "mpi" and shutil.which("mpirun") is None:
         pytest.skip("OpenMPI's mpirun is not installed")
     common = ("-n", 2, "--backend", backend, job, "--train.save_every", 1)
-    plain = launch("--port", free_port(), *common, "--train.output_dir", tmp_path / "plain", timeout=120)
+    plain = launch("--port", free_port(), *common, "--train.output_dir", tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr
     out = tmp_path / "restarted"
     proc = start("--port", free_port(), "--max-restarts", 1, "--restart-delay", 0.5, *common,
-                 "--train.output_dir", out, log=tmp_path / "log")
+                 "--train.output_dir", out, folder=tmp_path)
     try:
-        wait_for(lambda: (out / "checkpoints" / "step-0000002").is_dir(), 60, "checkpoint 2")
-        victim = wait_for(lambda: find_trainers(str(out)).get(1), 5, "rank 1's trainer")
+        victim = wait_until(trainer_after_checkpoint(out, 1, 2), "rank 1's trainer after checkpoint 2", proc)
         os.kill(victim, signal.SIGKILL)
-        assert proc.wait(120) == 0, (tmp_path / "log").read_text()
+        assert wait_exit(proc) == 0, proc.err()
     finally:
-        proc.kill()
-    log = (tmp_path / "log").read_text()
+        kill_tree(proc)
+    log = proc.err()
     assert log.count("launch: restart ") == 1, log
     line = next(x for x in log.splitlines() if x.startswith("launch: restart 1 of at most 1: "))
     assert line.startswith("launch: restart 1 of at most 1: rank 1 failed (killed by SIGKILL); resuming from step "), line
@@ -105,7 +104,7 @@ def test_a_rank_killed_once_restarts_and_equals_the_uninterrupted_run(job, tmp_p
 
 def test_restarts_are_counted_then_the_failure_is_final(job, tmp_path):
     r = launch("-n", 2, "--port", free_port(), "--max-restarts", 2, "--restart-delay", 0, job,
-               "--train.output_dir", tmp_path, *ALWAYS_HANGS, timeout=120)
+               "--train.output_dir", tmp_path, *ALWAYS_HANGS)
     assert r.returncode == 3, r.stderr
     restarts = [x for x in r.stderr.splitlines() if x.startswith("launch: restart ")]
     assert [x.split(":")[1] for x in restarts] == [" restart 1 of at most 2", " restart 2 of at most 2"]
@@ -116,45 +115,43 @@ def test_restarts_are_counted_then_the_failure_is_final(job, tmp_path):
 
 
 def test_a_user_error_is_not_restarted(job, tmp_path):
-    r = launch("-n", 2, "--port", free_port(), "--max-restarts", 3, job, "--model.path", tmp_path / "missing", timeout=60)
+    r = launch("-n", 2, "--port", free_port(), "--max-restarts", 3, job, "--model.path", tmp_path / "missing")
     assert r.returncode == 2, r.stderr
     assert "launch: restart" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == "launch: not restarting: a rank reported a user error, which a restart would repeat"
 
 
 def test_ctrl_c_during_the_restart_delay_stops_for_good(job, tmp_path):
-    log = tmp_path / "log"
-    proc = start("-n", 2, "--port", free_port(), "--max-restarts", 5, "--restart-delay", 60, job,
-                 "--train.output_dir", tmp_path / "run", *ALWAYS_HANGS, log=log)
+    proc = start("-n", 2, "--port", free_port(), "--max-restarts", 5, "--restart-delay", 600, job,
+                 "--train.output_dir", tmp_path / "run", *ALWAYS_HANGS, folder=tmp_path)
     try:
-        wait_for(lambda: "starting again in 60 s" in log.read_text(), 60, "the first restart's delay")
+        wait_for_line(proc, "starting again in 600 s")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == 130
+        assert wait_exit(proc, STOP_S) == 130
     finally:
-        proc.kill()
-    text = log.read_text()
+        kill_tree(proc)
+    text = proc.err()
     assert text.strip().splitlines()[-1] == "launch: SIGINT during the restart delay: not restarting"
     assert text.count("launch: restart ") == 1 and not find_trainers(str(tmp_path / "run"))
 
 
 def test_ctrl_c_kills_a_stuck_rank_and_says_what_was_lost(job, tmp_path):
     """Rank 1 stopped by SIGSTOP uses no CPU: after --stop-timeout it is killed; rank 0 could not save."""
-    out, log = tmp_path / "run", tmp_path / "log"
+    out = tmp_path / "run"
     proc = start("-n", 2, "--port", free_port(), "--stop-timeout", 2, job, "--train.output_dir", out,
-                 "--train.save_every", 1, "--train.steps", 5000, log=log)
+                 "--train.save_every", 1, "--train.steps", 5000, folder=tmp_path)
     try:
-        wait_for(lambda: (out / "checkpoints" / "step-0000002").is_dir(), 60, "checkpoint 2")
-        pids = wait_for(lambda: find_trainers(str(out)), 5, "the trainers")
-        os.kill(pids[1], signal.SIGSTOP)
-        time.sleep(0.5)
-        newest = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))[-1]
+        victim = wait_until(trainer_after_checkpoint(out, 1, 2), "rank 1's trainer after checkpoint 2", proc)
+        os.kill(victim, signal.SIGSTOP)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 130
+        assert wait_exit(proc, STOP_S) == 130
     finally:
-        proc.kill()
-    text = log.read_text()
+        kill_tree(proc)
+    text = proc.err()
+    newest = newest_step(out)  # rank 0 may have saved the step rank 1 had finished; nothing after it
+    assert newest >= 2
     assert "launch: rank 1 was killed before it saved: no CPU use for 2 s after SIGUSR2" in text, text
-    assert (f"launch: rank 0 did not save: the work after step {int(newest[5:])} ({out / 'checkpoints' / newest}) "
+    assert (f"launch: rank 0 did not save: the work after step {newest} ({out / 'checkpoints' / f'step-{newest:07d}'}) "
             "is lost; continue from there with --train.resume auto") in text
     assert not find_trainers(str(out))
 

@@ -55,6 +55,20 @@ def fail_save(spec: str) -> None:
     mx.save_safetensors = save
 
 
+
+def held_step(hold_at: int, folder: Path) -> trainer.Hooks:
+    """Test harness only: when step ``hold_at`` begins, touch ``folder/in-step-N`` and wait until
+    ``folder/go-N`` exists, so a test kills or signals the process inside that step, not near it."""
+
+    def hold(step, run):
+        if step == hold_at:
+            (folder / f"in-step-{step}").touch()
+            while not (folder / f"go-{step}").exists():
+                time.sleep(0.01)
+
+    return trainer.Hooks(before_step=hold)
+
+
 def main(argv):
     out = Path(argv[0])
     if os.environ.get("WORKER_FAIL_SAVE"):
@@ -62,6 +76,8 @@ def main(argv):
     hooks = trainer.Hooks()
     if os.environ.get("WORKER_STEP_DELAY"):
         hooks = slow_steps(float(os.environ["WORKER_STEP_DELAY"]), out if os.environ.get("WORKER_MARK_STEPS") else None)
+    if os.environ.get("WORKER_HOLD_AT"):
+        hooks = held_step(int(os.environ["WORKER_HOLD_AT"]), out)
     overrides = [f"train.output_dir={out}", "data.demo_pairs=1", "train.progress=false", "lora.rank=2",
                  "train.learning_rate=1e-2", *split_overrides(argv[1:])]
     try:

@@ -1,7 +1,7 @@
 """``./launch``: run a training job on one rank, N local ranks, several hosts or MPI.
 
     ./launch CONFIG [--section.key VALUE ...]          one rank, no distributed setup
-    ./launch -n N CONFIG                                N ranks on loopback (mlx.launch, ring)
+    ./launch -n N CONFIG                                N ranks on loopback (ring), started directly
     ./launch --hostfile HOSTS.json CONFIG               one rank per host (mlx.launch: ring, jaccl, nccl)
     ./launch -n N --backend mpi CONFIG                  mpirun directly
     ./launch --max-restarts 5 ... CONFIG                start the job again when a rank fails
@@ -14,9 +14,11 @@ explicitly (:mod:`.plan`) and runs under :mod:`.rank`, which reports how it
 ended; the launcher exits non-zero when any rank failed and shows that rank's
 last lines (:mod:`.supervise`).
 
-Ctrl-C/SIGTERM stops the job for good: every rank saves after its step; a
-rank that makes no progress for ``--stop-timeout`` seconds is killed, and the
-launcher says what that lost. A second Ctrl-C kills the ranks at once.
+Ctrl-C/SIGTERM/SIGHUP stops the job for good: every rank saves after its
+step; a rank that makes no progress for ``--stop-timeout`` seconds is killed,
+and the launcher says what that lost. A second Ctrl-C kills the ranks at once.
+When the launcher itself is gone (SIGKILL), every rank on its machine saves and
+stops the same way (:mod:`.rank` watches it).
 
 With ``--max-restarts N`` a failed job (a rank killed or crashed, a lost peer,
 the collective watchdog) is stopped, and after ``--restart-delay`` seconds
@@ -42,7 +44,7 @@ from ..config import load_config, take_overrides
 from ..errors import UserError
 from . import restart
 from .hosts import BACKENDS, LaunchError, load_hostfile
-from .plan import build_plan, describe
+from .plan import DEFAULT_PORT, build_plan, describe
 from .supervise import Attempt, Outcome
 
 TB_DEFAULT_PORT = 6006
@@ -55,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--ranks", type=int, default=1, help="ranks on this machine (ring on loopback unless --backend)")
     p.add_argument("--hostfile", help="mlx.launch JSON hostfile: one rank per host")
     p.add_argument("--backend", choices=BACKENDS, help="default: the hostfile's, then the config's, then ring")
-    p.add_argument("--port", type=int, default=32323, help="first ring/JACCL port, or the NCCL port (default 32323)")
+    p.add_argument("--port", type=int, help=f"first ring/JACCL port, or the NCCL port (default: {DEFAULT_PORT}, "
+                   "or free ports for ranks on this machine when it is taken)")
     p.add_argument("--tensorboard", type=int, nargs="?", const=TB_DEFAULT_PORT, metavar="PORT",
                    help=f"serve TensorBoard on 127.0.0.1:PORT (default {TB_DEFAULT_PORT}) while the run lasts")
     p.add_argument("--stop-timeout", type=float, default=60.0,
@@ -138,7 +141,7 @@ def check_data(cfg) -> None:
 
 
 class StopSignals:
-    """SIGINT/SIGTERM for the launcher's whole life.
+    """SIGINT/SIGTERM/SIGHUP (its terminal closed) for the launcher's whole life.
 
     The first stops the job for good: the running attempt's ranks save and
     stop, and no restart follows (also when it comes during the restart delay).
@@ -161,7 +164,7 @@ class StopSignals:
             self.attempt.abort(f"{signal.Signals(signum).name} again: ending the ranks now (killed within 3 s)")
 
     def install(self) -> dict:
-        return {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        return {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: float, output_dir: Optional[Path],
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``./launch``; returns the exit status."""
     signals = StopSignals()
     previous = signals.install()
-    tb = None
+    tb, port_locks = None, []
     try:
         options, overrides = split_argv(sys.argv[1:] if argv is None else argv)
         args = _parser().parse_args(options)
@@ -234,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:
             def plan_for(resume: bool):
                 extra = ["train.resume=auto"] if resume else []
+                release(port_locks)  # the previous attempt's ports: its ranks have ended
                 return build_plan(args.config, [*overrides, *extra], cfg, ranks=args.ranks, backend=args.backend,
-                                  port=args.port, hostfile=hostfile, hostfile_path=args.hostfile, tmpdir=tmp)
+                                  port=args.port, hostfile=hostfile, hostfile_path=args.hostfile, tmpdir=tmp,
+                                  port_locks=port_locks)
 
             plan = plan_for(False)
             if plan.local:
@@ -259,5 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: error: {err}", file=sys.stderr)
         return 2
     finally:
+        release(port_locks)
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def release(fds: list) -> None:
+    """Close the port locks in ``fds`` (see ``plan.free_ports``), emptying the list."""
+    while fds:
+        os.close(fds.pop())

@@ -1,17 +1,22 @@
 """What ``./launch`` will run: the command, each rank's environment and shard.
 
 A :class:`Plan` is built without starting anything, from explicit arguments,
-so ``--dry-run`` prints exactly what a real launch executes. Ring, JACCL and
-NCCL ranks are started by ``mlx.launch`` (ssh for remote hosts); the per-rank
-variables shown for them come from :mod:`dtrain.launch.env`. MPI runs
-``mpirun`` directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
+so ``--dry-run`` prints exactly what a real launch executes. Ranks on this
+machine (``-n N``, ring or NCCL) are started by the launcher itself, each with
+the variables of :mod:`dtrain.launch.env`: mlx.launch 0.32 would sit between,
+spinning a core for the whole run (docs/reliability.md). Hostfile runs (ring,
+JACCL, NCCL) are started by ``mlx.launch`` over ssh. MPI runs ``mpirun``
+directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +24,8 @@ from ..blas import CHILD_VARS, blas_env
 from ..sampler import rank_shard
 from .env import FILE_VARS, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
+
+DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port or taken
 
 
 @dataclass
@@ -29,6 +36,9 @@ class Plan:
     environment (what ``--dry-run`` prints). ``shards[r]``: pairs per step.
     ``files``: temporary files to write before starting (path -> content).
     ``local``: every rank runs on this machine (its files are the launcher's files).
+    ``direct``: the launcher starts ``command`` once per rank itself, rank ``r``
+    with ``direct[r]`` added (``rank_env[r]`` with files' paths for their
+    contents); empty: ``command`` starts every rank (mlx.launch, mpirun) or is the one rank.
     """
 
     backend: str
@@ -43,6 +53,7 @@ class Plan:
     local: bool = True
     files: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    direct: list = field(default_factory=list)
 
 
 def shard_sizes(global_batch_pairs: int, world_size: int) -> list[int]:
@@ -84,9 +95,72 @@ def _env_flags(flag: str, env: dict) -> list[str]:
     return [x for k, v in env.items() for x in (flag, f"{k}={v}")]
 
 
+def _port_lock(port: int) -> Optional[int]:
+    """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it."""
+    fd = os.open(os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+
+
+def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int, str]]:
+    """Lock ports ``base .. base+count-1`` for this launcher (fds appended to ``locks``) and check
+    that each can be listened on; ``(port, why)`` of the first that cannot (its locks released)."""
+    taken = []
+    for port in range(base, base + count):
+        fd = _port_lock(port)
+        if fd is None:
+            problem = (port, "another ./launch job on this machine holds it")
+        else:
+            taken.append(fd)
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring listens
+                try:
+                    s.bind((host, port))
+                    continue
+                except OSError:
+                    problem = (port, f"a process on {host} listens on it")
+        for held in taken:
+            os.close(held)
+        return problem
+    locks.extend(taken)
+    return None
+
+
+def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports on ``host`` for this job's ranks.
+
+    Each port is claimed with a lock file that the launcher holds while its job
+    runs (fds appended to ``locks``; closing them releases the ports), so two
+    launchers started together never take the same ports, and checked to be
+    free of listeners. ``first``: the user's ``--port``, taken as is; None:
+    :data:`DEFAULT_PORT`, else ports the system hands out.
+
+    Raises:
+        LaunchError: ``first`` (or one of the ports after it) is in use.
+    """
+    if first is not None:
+        problem = _claim(first, count, host, locks)
+        if problem is not None:
+            raise LaunchError(f"port {problem[0]} is in use ({problem[1]}); pass another --port, "
+                              "or leave --port out to take free ones")
+        return first
+    base = DEFAULT_PORT
+    for _ in range(50):
+        if _claim(base, count, host, locks) is None:
+            return base
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = min(s.getsockname()[1], 65535 - count)
+    raise LaunchError(f"found no {count} free consecutive ports on {host}; pass --port")
+
+
 def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backend: Optional[str] = None,
-               port: int = 32323, hostfile: Optional[Hostfile] = None, hostfile_path: Optional[str] = None,
-               tmpdir: Optional[str] = None) -> Plan:
+               port: Optional[int] = None, hostfile: Optional[Hostfile] = None, hostfile_path: Optional[str] = None,
+               tmpdir: Optional[str] = None, port_locks: Optional[list] = None) -> Plan:
     """The plan for ``config`` + ``overrides`` on ``ranks`` local ranks or one rank per ``hostfile`` host.
 
     Args:
@@ -95,11 +169,14 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         cfg: the resolved :class:`dtrain.config.Config` (batch sizes, backend).
         ranks: ranks on this machine (1 without a hostfile: no distributed setup).
         backend: ``--backend``; None takes the hostfile's, then the config's, then ring.
-        port: the first ring/JACCL port, or the NCCL port.
+        port: the first ring/JACCL port, or the NCCL port; None: free ones for
+            ranks on this machine (:func:`free_ports`), else :data:`DEFAULT_PORT`.
         hostfile: a validated hostfile (``hostfile_path`` names it), or None.
-        tmpdir: where MPI's host list is written (hostfile runs under MPI).
+        tmpdir: where MPI's host list and the ring's MLX_HOSTFILE are written.
+        port_locks: receives the locks on the ports of ranks on this machine
+            (:func:`free_ports`); the caller closes them when the job ends.
     Raises:
-        LaunchError: a combination that cannot run (e.g. ``-n`` with a hostfile).
+        LaunchError: a combination that cannot run (e.g. ``-n`` with a hostfile), a port in use.
     """
     explicit, notes = base_env(hostfile.envs if hostfile else None)
     backend = backend or (hostfile.backend if hostfile else None)
@@ -128,7 +205,29 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         return Plan(command=program, rank_env=[dict(explicit)], **common)
     if backend == "mpi":
         return _mpi_plan(hostfile, program, tmpdir, common)
-    return _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common)
+    if hostfile is None:
+        port = free_ports(n if backend == "ring" else 1, port, [] if port_locks is None else port_locks)
+        return _direct_plan(backend, port, program, tmpdir, common)
+    return _mlx_launch_plan(hostfile, hostfile_path, backend, DEFAULT_PORT if port is None else port, program, common)
+
+
+def _direct_plan(backend, port, program, tmpdir, common) -> Plan:
+    """Ranks on this machine, each started by the launcher with mlx.launch's variables for it."""
+    n, explicit = common["world_size"], dict(common["explicit"])
+    if backend == "nccl":
+        explicit["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off: it hangs on some multi-GPU hosts
+        common["explicit"] = explicit
+    rank_env = [{**explicit, **rank_variables(backend, r, [["127.0.0.1"]] * n, port)} for r in range(n)]
+    files, direct = {}, []
+    for env in rank_env:
+        started = dict(env)
+        for key in FILE_VARS:
+            if env.get(key):  # the same content for every rank: one file
+                path = os.path.join(tmpdir or ".", f"{key.lower()}.json")
+                files[path] = env[key]
+                started[key] = path
+        direct.append(started)
+    return Plan(command=program, rank_env=rank_env, files=files, direct=direct, **common)
 
 
 def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) -> Plan:
@@ -136,15 +235,13 @@ def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) ->
     if backend == "nccl":
         explicit["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off: it hangs on some multi-GPU hosts
         common["explicit"] = explicit
-    where = ["--hostfile", hostfile_path] if hostfile else ["-n", str(n)]
+    where = ["--hostfile", hostfile_path]
     port_flag = ["--nccl-port", str(port)] if backend == "nccl" else ["--starting-port", str(port)]
     hostfile_env = {k: v for k, v in (e.split("=", 1) for e in (hostfile.envs if hostfile else []))}
     passed = {k: v for k, v in explicit.items() if k not in hostfile_env}  # mlx.launch adds the hostfile's own
     command = [mlx_launch_path(), *where, "--backend", backend, *port_flag, *_env_flags("--env", passed), "--", *program]
-    ips = [h.ips for h in hostfile.hosts] if hostfile else [["127.0.0.1"]] * n
-    rdma = [h.rdma for h in hostfile.hosts] if hostfile else None
-    rank_env = [{**explicit, **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=hostfile is not None)}
-                for r in range(n)]
+    ips, rdma = [h.ips for h in hostfile.hosts], [h.rdma for h in hostfile.hosts]
+    rank_env = [{**explicit, **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=True)} for r in range(n)]
     return Plan(command=command, rank_env=rank_env, **common)
 
 
@@ -176,7 +273,7 @@ def describe(plan: Plan) -> str:
         f"ranks: {plan.world_size}",
         f"backend: {plan.backend}",
         f"hosts: {', '.join(hosts)}",
-        f"command: {' '.join(plan.command)}",
+        f"command{' (each rank)' if plan.direct else ''}: {' '.join(plan.command)}",
     ]
     for path, content in plan.files.items():
         lines.append(f"file {path}: {content.strip()!r}")

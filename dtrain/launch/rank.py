@@ -1,8 +1,9 @@
 """The process every rank runs in: ``python -m dtrain.launch.rank -- CMD ...``.
 
-It runs ``CMD`` (``dtrain train ...``) as a child in its own session, passes
-its stdout through, copies its stderr through while keeping the last lines,
-and writes two report lines to stderr that the launcher reads::
+It runs ``CMD`` (``dtrain train ...``) as a child in its own session, copies
+its stdout and stderr through (keeping stderr's last lines; a closed terminal
+or a launcher gone never reaches the child as a failed write), and writes two
+report lines to stderr that the launcher reads::
 
     \\x1edtrain-rank {"event": "start", "rank": 1, "pid": 4242, "host": "mac2"}
     \\x1edtrain-rank {"event": "exit", "rank": 1, "code": 2, "tail": [...], "stop": null, "killed": null}
@@ -15,6 +16,8 @@ Signals (the launcher's, or a hung-up ssh session's):
   (default 60). A rank computing a step or writing a checkpoint uses CPU, and so
   does one waiting in a ring or MPI collective for a slower peer (both poll);
   a process that uses none for that long is stuck (e.g. its host went to sleep).
+- The launcher gone (``DTRAIN_LAUNCHER`` names its host and pid; checked every
+  second on that host), whatever ended it, SIGKILL included: stop gently, as above.
 - SIGUSR1: abort (another rank failed, or a second Ctrl-C): the child gets SIGINT and is
   killed ``ABORT_GRACE_S`` seconds later unless it ended by then, which a rank whose peer
   died usually does at once, through its own error path (closing its files).
@@ -39,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .env import STOP_TIMEOUT_VAR, rank_from_env
+from .env import LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env
 
 MARK = "\x1edtrain-rank "
 TAIL_LINES = 15
@@ -57,7 +60,7 @@ class Report:
     rank: int
     code: Optional[int] = None  # the child's exit status; negative: killed by that signal
     tail: list = field(default_factory=list)
-    stop: Optional[str] = None  # the gentle stop signal it received, e.g. "SIGINT"
+    stop: Optional[str] = None  # why it stopped gently: the signal, e.g. "SIGINT", or "launcher gone"
     killed: Optional[str] = None  # why this wrapper killed the child, e.g. "abort"
     pid: Optional[int] = None
     host: Optional[str] = None
@@ -124,10 +127,32 @@ class Watch:
         return now - self._progress_at > self.stop_timeout
 
 
+def launcher_pid(env) -> Optional[int]:
+    """The launcher's pid from ``DTRAIN_LAUNCHER`` (``HOST:PID``) when it runs on this host, else None."""
+    host, _, pid = env.get(LAUNCHER_VAR, "").rpartition(":")
+    return int(pid) if pid.isdigit() and host == socket.gethostname() else None
+
+
+def alive(pid: int) -> bool:
+    """Process ``pid`` exists (possibly another user's); a zombie counts as gone where /proc tells."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
 def run(cmd: list) -> int:
     """Run ``cmd``, relay its output and signals, report; returns its exit code (128+N for signal N)."""
     rank = rank_from_env(os.environ)
     watch = Watch(float(os.environ.get(STOP_TIMEOUT_VAR, DEFAULT_STOP_TIMEOUT)))
+    launcher = launcher_pid(os.environ)
     started: list = []
 
     def on_signal(signum, _frame):
@@ -145,15 +170,21 @@ def run(cmd: list) -> int:
     # an ignored signal stays ignored across exec; a handled one resets to default.
     for sig in (*GENTLE, signal.SIGUSR1):
         signal.signal(sig, on_signal)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     started.append(proc)
     _write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
     if watch.stop is not None:  # a signal came while starting
         _send(proc, signal.SIGINT)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-    partial, fd, checked = b"", proc.stderr.fileno(), 0.0
-    while True:
+    partial, fd, out_fd, checked, looked = b"", proc.stderr.fileno(), proc.stdout.fileno(), 0.0, 0.0
+    open_fds = [fd, out_fd]
+    while fd in open_fds:
         now = time.monotonic()
+        if launcher is not None and watch.stop is None and now - looked >= 1.0:
+            looked = now
+            if not alive(launcher):
+                watch.stop = "launcher gone"
+                _send(proc, signal.SIGINT)
         if proc.poll() is None and watch.killed is None:
             if watch.abort_at is not None and now - watch.abort_at >= ABORT_GRACE_S:
                 watch.killed = "abort"
@@ -164,21 +195,27 @@ def run(cmd: list) -> int:
             if watch.killed is not None:
                 _send(proc, signal.SIGKILL)
         try:
-            ready = select.select([fd], [], [], 0.5)[0]
+            ready = select.select(open_fds, [], [], 0.5)[0]
         except InterruptedError:
             continue
-        if not ready:
-            continue
-        chunk = os.read(fd, 65536)
+        for ready_fd in ready:
+            chunk = os.read(ready_fd, 65536)
+            if not chunk:
+                open_fds.remove(ready_fd)
+            elif ready_fd == out_fd:
+                _write(chunk, sys.stdout)
+            else:
+                _write(chunk)
+                *lines, partial = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
+                tail.extend(x.decode(errors="replace")[:300] for x in lines if x.strip())
+    while out_fd in open_fds:  # stderr closed first: the rest of stdout
+        chunk = os.read(out_fd, 65536)
         if not chunk:
             break
-        _write(chunk)
-        *lines, partial = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
-        tail.extend(x.decode(errors="replace")[:300] for x in lines if x.strip())
+        _write(chunk, sys.stdout)
     if partial.strip():
         tail.append(partial.decode(errors="replace")[:300])
     code = proc.wait()
-    sys.stdout.flush()
     _write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed)).encode())
     return code if code >= 0 else 128 - code
 
@@ -190,12 +227,13 @@ def _send(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _write(data: bytes) -> None:
-    """Write to stderr; a closed terminal (ssh hung up) must not stop the relay."""
+def _write(data: bytes, stream=None) -> None:
+    """Write to stderr (or ``stream``); a closed terminal (ssh hung up) or a launcher gone must not stop the relay."""
+    stream = stream or sys.stderr
     try:
-        sys.stderr.buffer.write(data)
-        sys.stderr.buffer.flush()
-    except OSError:
+        stream.buffer.write(data)
+        stream.buffer.flush()
+    except (OSError, ValueError):
         pass
 
 
@@ -211,8 +249,11 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     # No interpreter shutdown: it restores default signal handlers, and a SIGUSR1 from the
     # launcher arriving then would end this process with that signal after its report.
     os._exit(status)

@@ -5,8 +5,12 @@ it started (its trainer's pid) and how it ended. The launcher talks to those
 wrappers with two signals: SIGUSR2 asks them to stop gently (the trainers save
 a checkpoint after their step), SIGUSR1 makes them end their trainers within
 ``rank.ABORT_GRACE_S`` seconds.
-Under mlx.launch they go to the whole process group (mlx.launch itself ignores
-them); mpirun forwards both to its ranks, so under MPI they go to mpirun only.
+Ranks on this machine are started by the launcher itself, each wrapper in its
+own session, and get the signals one by one; under mlx.launch they go to the
+whole process group (mlx.launch itself ignores them); mpirun forwards both to
+its ranks, so under MPI they go to mpirun only. Every wrapper also watches the
+launcher (:data:`~.env.LAUNCHER_VAR`): when the launcher is gone, whatever
+ended it, its ranks save and stop.
 
 The first rank that fails on its own makes the launcher abort the others
 (a survivor stuck in a collective with a dead peer would otherwise wait for
@@ -24,11 +28,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .env import EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, STOP_TIMEOUT_VAR, rank_from_env
+from .env import EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, JOB_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env
 from .plan import Plan
 from .rank import MARK, Report, parse_report
 
@@ -88,31 +93,41 @@ class Attempt:
 
     def __init__(self, plan: Plan, stop_timeout: float):
         self.plan, self.stop_timeout = plan, stop_timeout
+        self.job = uuid.uuid4().hex[:12]  # this attempt's identity: its ranks pair with no other job's
         self.reports: dict = {}  # rank -> exit Report
         self.order: list = []  # ranks in the order their exit reports came
         self.started: dict = {}  # rank -> start Report
         self.stopped_by: Optional[int] = None
         self.aborted_at: Optional[float] = None
-        self.proc: Optional[subprocess.Popen] = None
+        self.procs: list = []  # mlx.launch, mpirun or the one rank; or each rank's wrapper (plan.direct)
         self._lock = threading.Lock()
 
     def run(self) -> Outcome:
         """Start the ranks, wait for them (and any leftover trainer), summarize."""
         for path, content in self.plan.files.items():
             Path(path).write_text(content)
-        env = {**os.environ, **self.plan.explicit, STOP_TIMEOUT_VAR: str(self.stop_timeout)}
-        # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
-        # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
-        shield = self.plan.backend not in ("mpi", "none")
-        self.proc = subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True, preexec_fn=_ignore_signals if shield else None)
-        relay = threading.Thread(target=self._relay, daemon=True)
-        relay.start()
-        while self.proc.poll() is None:
+        env = {**os.environ, **self.plan.explicit, STOP_TIMEOUT_VAR: str(self.stop_timeout),
+               LAUNCHER_VAR: f"{socket.gethostname()}:{os.getpid()}", JOB_VAR: self.job}
+        if self.plan.direct:
+            self.procs = [subprocess.Popen(self.plan.command, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
+                                           stderr=subprocess.PIPE, start_new_session=True)
+                          for rank_env in self.plan.direct]
+        else:
+            # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
+            # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
+            shield = self.plan.backend not in ("mpi", "none")
+            self.procs = [subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           start_new_session=True, preexec_fn=_ignore_signals if shield else None)]
+        relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(),), daemon=True) for p in self.procs]
+        for relay in relays:
+            relay.start()
+        while any(p.poll() is None for p in self.procs):
             if self.aborted_at is not None and time.monotonic() - self.aborted_at > ABORT_GRACE_S:
-                _signal_group(self.proc.pid, signal.SIGKILL)
+                for p in self.procs:
+                    _signal_group(p.pid, signal.SIGKILL)
             time.sleep(0.1)
-        relay.join(timeout=5)
+        for relay in relays:
+            relay.join(timeout=5)
         self._kill_leftovers()
         return self._summarize()
 
@@ -134,16 +149,17 @@ class Attempt:
         self._send(signal.SIGUSR1)
 
     def _send(self, sig: int) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        if self.plan.backend == "mpi":
-            _signal(self.proc.pid, sig)
-        else:
-            _signal_group(self.proc.pid, sig)
+        for p in self.procs:
+            if p.poll() is not None:
+                continue
+            if self.plan.backend == "mpi" or self.plan.direct:
+                _signal(p.pid, sig)
+            else:
+                _signal_group(p.pid, sig)
 
-    def _relay(self) -> None:
+    def _relay(self, fd: int) -> None:
         """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure."""
-        mark, buf, out, fd = MARK.encode(), b"", sys.stderr.buffer, self.proc.stderr.fileno()
+        mark, buf, out = MARK.encode(), b"", sys.stderr.buffer
         for chunk in iter(lambda: os.read(fd, 65536), b""):
             *lines, buf = (buf + chunk).split(b"\n")
             for line in lines:
@@ -188,7 +204,8 @@ class Attempt:
                       file=sys.stderr, flush=True)
 
     def _summarize(self) -> Outcome:
-        return summarize(self.plan.world_size, self.reports, self.order, self.proc.returncode, self.stopped_by)
+        code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
+        return summarize(self.plan.world_size, self.reports, self.order, code, self.stopped_by)
 
 
 def summarize(world_size: int, reports: dict, order: list, launcher_code: int, stopped_by: Optional[int]) -> Outcome:

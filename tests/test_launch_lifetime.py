@@ -1,0 +1,136 @@
+"""Ranks live and die with their job (issue 22, section 4), run as users run ``./launch``:
+whatever ends the launcher (SIGKILL, SIGTERM, SIGINT, its terminal's SIGHUP), its ranks
+save and stop; jobs started together take different ports, and a port in use is one line."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtrain.checkpoint import LOCK, find_latest
+from dtrain.launch.plan import _port_lock, free_ports
+from dtrain.launch.supervise import find_trainers
+from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
+from waiting import STOP_S, kill_tree, spawn, wait_exit, wait_until
+from test_launch import read_scalars_of
+
+ADAPTER = "adapters/adapters.safetensors"
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return make_job(tmp_path_factory.mktemp("lifetime"))
+
+
+def lock_is_free(out: Path) -> bool:
+    """No run holds ``out``'s lock (dtrain.checkpoint.lock_output)."""
+    fd = os.open(out / LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=lambda s: signal.Signals(s).name)
+def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
+    """The signal goes to the launcher's process group, as a terminal (SIGINT, SIGHUP when
+    it closes) or ``kill -9 -PGID`` sends it; the ranks, in sessions of their own, are not in it."""
+    out = tmp_path / "run"
+    proc = spawn([sys.executable, LAUNCH, "-n", 2, "--port", free_port(), job, "--train.steps", 5000,
+                  "--train.save_every", 0, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT,
+                 start_new_session=True)
+    try:
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
+        trainers = find_trainers(str(out))
+        assert sorted(trainers) == [0, 1]
+        os.killpg(proc.pid, sig)
+        code = wait_exit(proc, STOP_S)
+        wait_until(lambda: not find_trainers(str(out)), "every rank to end", limit=STOP_S)
+    finally:
+        kill_tree(proc)
+    assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig), proc.err()
+    saved = find_latest(out / "checkpoints")  # save_every 0: only the stop saved one
+    assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
+    assert lock_is_free(out)
+
+
+def test_two_jobs_started_together_take_different_ports_and_both_finish(job, tmp_path):
+    """Issue 22: two `./launch -n 2` at once both listened on 32323 and paired across jobs."""
+    procs = [spawn([sys.executable, LAUNCH, "-n", 2, job, "--train.output_dir", tmp_path / f"run{i}"], tmp_path,
+                   f"launch{i}", cwd=ROOT) for i in range(2)]
+    try:
+        codes = [wait_exit(p) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p)
+    assert codes == [0, 0], [p.err()[-3000:] for p in procs]
+    assert all((tmp_path / f"run{i}" / ADAPTER).is_file() for i in range(2))
+
+
+@pytest.mark.parametrize("busy_offset", [0, 1])
+def test_a_port_in_use_is_one_line(job, busy_offset):
+    """-n 2 --port P needs P and P+1; a listener on either is named."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        r = launch("-n", 2, "--port", busy - busy_offset, "--dry-run", job)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: port {busy} is in use (a process on 127.0.0.1 listens on it); pass another --port, "
+        "or leave --port out to take free ones")
+
+
+def test_a_port_another_launcher_holds_is_one_line(job):
+    port = free_port()
+    held = _port_lock(port)
+    try:
+        r = launch("-n", 2, "--port", port, "--dry-run", job)
+    finally:
+        os.close(held)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: port {port} is in use (another ./launch job on this machine holds it); pass another --port, "
+        "or leave --port out to take free ones")
+
+
+def test_free_ports_skip_ports_another_launcher_holds():
+    first, second = [], []
+    try:
+        a = free_ports(3, None, first)
+        b = free_ports(3, None, second)
+        assert len(first) == len(second) == 3
+        assert not set(range(a, a + 3)) & set(range(b, b + 3))
+        assert not any(_port_free(p) for p in [*range(a, a + 3), *range(b, b + 3)])  # held while the job runs
+    finally:
+        for fd in first + second:
+            os.close(fd)
+    again = []
+    try:
+        assert free_ports(3, a, again) == a  # released: the same ports can be taken again
+    finally:
+        for fd in again:
+            os.close(fd)
+
+
+def _port_free(port: int) -> bool:
+    held = _port_lock(port)
+    if held is None:
+        return False
+    os.close(held)
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,88 @@
+"""The test suite's own machinery (tests/waiting.py, conftest's leftover-process check):
+a wait ends within a second of its process's early exit, with that process's last
+output; a process a test leaves behind fails that test and is killed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from waiting import SESSION_VAR, marked_processes, spawn, wait_exit, wait_for_line, wait_until
+
+PLANT = "DTRAIN_TEST_PLANT_ORPHAN"  # set only by test_leftover_check_fails_the_test_that_planted_an_orphan
+
+
+def test_a_wait_fails_within_a_second_of_its_process_exiting(tmp_path):
+    """The process prints, records when it exits, and exits 3 without the awaited event."""
+    stamp = tmp_path / "exited-at"
+    code = ("import sys, time; time.sleep(0.5); print('last words', file=sys.stderr, flush=True); "
+            f"open({str(stamp)!r}, 'w').write(repr(time.time())); sys.exit(3)")
+    proc = spawn([sys.executable, "-c", code], tmp_path)
+    with pytest.raises(pytest.fail.Exception) as failed:
+        wait_until(lambda: False, "an event that never comes", proc, limit=600)
+    noticed = time.time()
+    assert noticed - float(stamp.read_text()) < 1.0
+    message = str(failed.value)
+    assert message.startswith(f"process {proc.pid} exited with status 3 before an event that never comes; its last output:")
+    assert message.splitlines()[-1] == "last words"
+
+
+def test_a_wait_on_an_ended_process_fails_at_once_and_an_event_just_before_the_exit_counts(tmp_path):
+    proc = spawn([sys.executable, "-c", "print('ready', flush=True)"], tmp_path)
+    assert wait_exit(proc) == 0
+    assert wait_for_line(proc, "ready", stream="out") == "ready"  # written before the exit: found
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"exited with status 0 before a line with 'never'"):
+        wait_for_line(proc, "never", limit=600)
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_wait_past_its_limit_fails_naming_the_event(tmp_path):
+    proc = spawn([sys.executable, "-c", "import time; print('working', flush=True); time.sleep(600)"], tmp_path)
+    try:
+        wait_for_line(proc, "working", stream="out")
+        with pytest.raises(pytest.fail.Exception, match=r"gave up waiting for the end of the world after 0.2 s; its last output:\nworking"):
+            wait_until(lambda: False, "the end of the world", proc, limit=0.2)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_marked_processes_finds_children_in_their_own_session(tmp_path):
+    """The leftover check finds processes by the variable they inherit, whatever their session or parent."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        found = wait_until(lambda: marked_processes(os.environ[SESSION_VAR]).get(proc.pid), "the child in /proc")
+        assert found[0] == os.environ["DTRAIN_TEST_NODE"] and "time.sleep(600)" in found[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.pid not in marked_processes(os.environ[SESSION_VAR])
+
+
+@pytest.mark.skipif(PLANT not in os.environ, reason="run only by the test below, in a pytest of its own")
+def test_plant_an_orphan():
+    """Leaves a ``sleep`` whose parent shell has exited (an orphan), and writes its pid."""
+    out = subprocess.run(["sh", "-c", "sleep 600 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
+    Path(os.environ[PLANT]).write_text(out.stdout.strip())
+
+
+def test_leftover_check_fails_the_test_that_planted_an_orphan(tmp_path):
+    pid_file = tmp_path / "orphan.pid"
+    nodeid = "tests/test_waiting.py::test_plant_an_orphan"
+    # PYTEST_ADDOPTS (bench/soak.py passes test paths in it) would make that pytest run this test again
+    clean = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    proc = spawn([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid], tmp_path, "pytest",
+                 cwd=Path(__file__).resolve().parents[1], env={**clean, PLANT: str(pid_file)})
+    assert wait_exit(proc) == 1, proc.out()
+    pid = int(pid_file.read_text())
+    report = proc.out()
+    assert "1 passed, 1 error" in report, report
+    assert (f"left 1 process(es) running (now killed): pid {pid} (started in {nodeid}): sleep 600") in report, report
+    wait_until(lambda: not Path(f"/proc/{pid}/environ").exists() or not Path(f"/proc/{pid}/environ").read_bytes(),
+               "the orphan to be gone")
