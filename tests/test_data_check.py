@@ -212,17 +212,14 @@ def test_check_counts_raw_prompts_glued_to_their_response(tmp_path, tokenizer):
         {"prompt": "Say hi\n", "chosen": "hi", "rejected": "yo"},
         {"prompt": "Q:", "chosen": " a", "rejected": "\nb"},  # both responses start with whitespace
         {"prompt": "Add", "chosen": "ed", "rejected": "ing"},
-        {"prompt": [{"role": "user", "content": "x"}], "chosen": "y", "rejected": "z"},  # messages: plain format
     ]
     path = write_jsonl(tmp_path / "g.jsonl", rows)
     out, _ = check_file(path, DataConfig(prompt_template="raw"), tokenizer)
     warning = [line for line in out.splitlines() if line.startswith("warning:")]
-    assert warning == [f"warning: 2 of 6 rows glue a raw prompt to its response with no whitespace between them "
+    assert warning == [f"warning: 2 of 5 rows glue a raw prompt to its response with no whitespace between them "
                        f"(\"Say hi\" + \"hi\" trains \"Say hihi\"), first {path}:1; end the prompts with a space or "
                        "newline, or set data.prompt_template: chat"]
     chat, _ = check_file(path, DataConfig(), tokenizer)  # a user turn: the template separates them
     assert "warning:" not in chat
-    text_only = write_jsonl(tmp_path / "t.jsonl", rows[:5])
-    base, _ = check_file(text_only, DataConfig(), style_tokenizer("base"))  # no template: raw text too
-    assert f"warning: 2 of 5 rows glue a raw prompt to its response with no whitespace between them " \
-           f"(\"Say hi\" + \"hi\" trains \"Say hihi\"), first {text_only}:1;" in base
+    base, _ = check_file(path, DataConfig(), style_tokenizer("base"))  # no template: raw text too
+    assert warning[0] in base.splitlines()
