@@ -208,18 +208,23 @@ def library_token_texts() -> list:
                 s = raw.decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            if s[0] in "<[_▁" and s[-1] in ">][" and "%" not in s and "::" not in s:
-                texts.add(s)
+            # the linker keeps "<EOT>" only inside "_<EOT>": every tail that opens a bracket counts too
+            for j, c in enumerate(s):
+                tail = s[j:]
+                if (j == 0 or c in "<[") and tail[0] in "<[_▁" and tail[-1] in ">][" and len(tail) >= 3 \
+                        and "%" not in tail and "::" not in tail:
+                    texts.add(tail)
     return sorted(texts)
 
 
 @pytest.mark.slow
 def test_token_attributes_equal_llama_cpps_for_every_text_in_its_library(tmp_path, log):
     texts = library_token_texts()
-    assert set(va.EOG_TEXTS) - {"<｜end▁of▁sentence｜>"} <= set(texts) | {"_<EOT>", "▁<PRE>", "▁<SUF>", "▁<MID>"}
+    known = set(va.EOG_TEXTS) | {t for group in va.FOUND_BY_TEXT.values() for t in group}
+    assert known <= set(texts), known - set(texts)  # the scan finds what vocab_attrs knows
     tokens, scores, types = gemma_vocab()
     checked = 0
-    for i, text in enumerate([t for t in texts if t not in tokens] + list(va.EOG_TEXTS)):
+    for i, text in enumerate(sorted(set(texts) - set(tokens))):  # a text twice in a vocabulary aborts llama.cpp
         for kind in (1, 4):  # NORMAL, USER_DEFINED in the file
             path = spm_vocab_file(tmp_path / f"v{i}-{kind}.gguf", tokens + [text], scores + [0.0], types + [kind])
             llm = llama(path, log, vocab_only=True)
@@ -231,3 +236,31 @@ def test_token_attributes_equal_llama_cpps_for_every_text_in_its_library(tmp_pat
             assert got & mask == want & mask, (text, kind, got, want)
             checked += 1
     print(f"{checked} token texts from llama.cpp's library: attributes equal")
+
+
+COMBINATIONS = [  # (added texts, their file types, ids the file names): the rules that look at several tokens
+    (["<|return|>", "<|call|>", "<|end|>", "<|channel|>", "<|start|>"], [3, 3, 3, 3, 3], {}),
+    (["<|end|>", "<|call|>"], [1, 1], {}),
+    (["<|end|>", "<|calls|>", "<|flush|>"], [3, 3, 3], {}),
+    (["</s>", "<turn|>", "<|tool_response>"], [4, 1, 3], {}),
+    (["</s>", "<b>"], [4, 4], {}),
+    (["<|fim_prefix|>", "<|fim_pad|>", "<|file_sep|>"], [1, 1, 1], {}),
+    (["<|fim_prefix|>", "<|fim_pad|>", "<|im_end|>"], [1, 1, 1], {"fim_pre": 0, "fim_pad": 0, "eot": 5}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", range(len(COMBINATIONS)))
+def test_rules_over_several_tokens_equal_llama_cpps(tmp_path, log, n):
+    added, kinds, ids = COMBINATIONS[n]
+    tokens, scores, types = gemma_vocab()
+    path = spm_vocab_file(tmp_path / "v.gguf", tokens + added, scores + [0.0] * len(added), types + kinds, **ids)
+    llm = llama(path, log, vocab_only=True)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens + added, "tokenizer.ggml.token_type":
+          types + kinds, "tokenizer.ggml.eos_token_id": 1, **{f"tokenizer.ggml.{k}_token_id": v for k, v in ids.items()}}
+    attrs, eog = va.token_attrs(md)
+    mask = va.CONTROL | va.USER_DEFINED | va.NORMAL
+    for i in range(len(tokens) + len(added)):
+        assert attrs[i] & mask == llama_cpp.llama_vocab_get_attr(vocab, i) & mask, (i, md["tokenizer.ggml.tokens"][i])
+        assert (i in eog) == bool(llama_cpp.llama_vocab_is_eog(vocab, i)), (i, md["tokenizer.ggml.tokens"][i])
