@@ -16,7 +16,7 @@ from dtrain.cli import main
 from dtrain.data.templates import PLAIN
 from dtrain.lora import adapter_config
 from dtrain.models import load_model
-from dtrain.models.export import export_adapter, training_template
+from dtrain.models.export import QUANT_WARN_RATIO, export_adapter, training_template
 from dtrain.models.modelfile import chat_parts, go_template
 
 @pytest.fixture
@@ -186,7 +186,7 @@ def test_quantization_error_against_the_update_and_the_warning(tmp_path, tiny, g
         sum(u * u for _, u in result.quant_error.values()))
     assert ratio == pytest.approx(total)
     warned = "warning:" in printed.err
-    assert warned == (ratio > 1.0)
+    assert warned == (ratio > QUANT_WARN_RATIO)
     if warned:
         assert f"{gguf_type.upper()} rounding moves the adapted weights {ratio:.1f}x as far as the adapter's " \
                "update does" in printed.err

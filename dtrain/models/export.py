@@ -27,11 +27,12 @@ text). ``general.name`` is ``"<base name> + <adapter>"`` with the base in
 Block-quantized types (q8_0, q4_0) round every weight; per adapted matrix we
 measure ``‖Q(W + ΔW) − (W + ΔW)‖ / ‖ΔW‖``, the rounding error against the
 adapter's update ``ΔW``. When the error of all adapted matrices together is
-larger than the update (q4_0 on the demo adapter), the export warns with the
-ratio rather than refusing: the file is valid and runs, and a norm ratio is a
-bound, not a verdict (rounding noise spread over every direction does not cancel
-a low-rank update everywhere); the user decides, and q8_0 or f16 are the
-remedy named in the warning.
+more than :data:`QUANT_WARN_RATIO` times the update (q4_0 on the demo adapter),
+the export warns with the ratio rather than refusing: the file is valid and
+runs, and a norm ratio is a bound, not a verdict (rounding noise spread over
+every direction does not cancel a low-rank update everywhere; q8_0 at about 1x
+keeps llama.cpp's greedy output equal to the merged model's, docs/llama-cpp.md);
+the user decides, and a wider type is the remedy named in the warning.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from .modelfile import chat_parts, modelfile
 from .vocab_attrs import token_attrs
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-QUANT_WARN_RATIO = 1.0  # warn when the rounding error of the adapted matrices exceeds their update
+QUANT_WARN_RATIO = 4.0  # warn when the rounding error of the adapted matrices is over 4x their update (docs/llama-cpp.md)
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 
 
@@ -98,7 +99,7 @@ class ExportResult:
         return (f"{kind} rounding moves the adapted weights {ratio:.1f}x as far as the adapter's update does "
                 f"(‖Q(W+ΔW) − (W+ΔW)‖ / ‖ΔW‖ over {len(self.quant_error)} adapted matrices, {over} of them above 1x): "
                 "the quantized model may have lost much of the fine-tune; compare its output with the mlx-lm "
-                "folder's, or export q8_0 or f16")
+                "folder's, or export a wider type (q8_0, f16)")
 
 
 def merge_adapter(adapter_dir: str, base: str) -> tuple[LoadedModel, dict]:
