@@ -214,8 +214,8 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         if not base_gguf.is_file():
             raise ModelError(f"--gguf needs a GGUF base model (its layout and metadata are copied); {base} is not "
                              "a GGUF file. For an mlx-lm base, `mlx_lm.fuse --export-gguf` writes F16 llama GGUFs")
+    loaded, updates = merge_adapter(adapter_dir, base)  # checks the adapter folder first
     trained_with = training_template(adapter_dir)
-    loaded, updates = merge_adapter(adapter_dir, base)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
     hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
     template = trained_with or hf.chat_template
