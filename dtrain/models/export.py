@@ -31,7 +31,7 @@ more than :data:`QUANT_WARN_RATIO` times the update (q4_0 on the demo adapter),
 the export warns with the ratio rather than refusing: the file is valid and
 runs, and a norm ratio is a bound, not a verdict (rounding noise spread over
 every direction does not cancel a low-rank update everywhere; q8_0 at about 1x
-keeps llama.cpp's greedy output equal to the merged model's, docs/llama-cpp.md);
+keeps llama.cpp's top-1 tokens nearly all equal to the merged model's, docs/llama-cpp.md);
 the user decides, and a wider type is the remedy named in the warning.
 """
 
