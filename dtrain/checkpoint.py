@@ -153,7 +153,7 @@ def checkpoint_dir(root: Path, step: int) -> Path:
 
 
 def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, resolved: dict,
-                    base_model: Optional[dict] = None) -> Path:
+                    base_model: Optional[dict] = None, chat_template: Optional[str] = None) -> Path:
     """Write checkpoint ``state.step`` under ``root`` atomically and return its folder.
 
     A folder of the same step is replaced only when it is not a valid
@@ -167,6 +167,7 @@ def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, res
         lora_cfg: the LoRA config (for ``adapter_config.json``).
         resolved: the resolved config as plain data.
         base_model: the base model reference for ``adapter_config.json``.
+        chat_template: the training template for ``adapter_config.json``.
     Raises:
         UserError: the folder could not be written (disk full, permissions;
             the previous checkpoints are left untouched), or ``step-N`` is a
@@ -178,7 +179,7 @@ def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, res
         raise UserError(f"{final} is a checkpoint of another run (run id {owner}; this run is {state.run_id}); "
                         f"not replacing it")
     with storage(f"write checkpoint {final}", "; the previous checkpoints are intact"), atomic_folder(final) as tmp:
-        write_adapter(tmp, model, lora_cfg, base_model)
+        write_adapter(tmp, model, lora_cfg, base_model, chat_template)
         mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
         (tmp / STATE).write_text(state.to_json())
         (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))

@@ -133,6 +133,9 @@ def _export(args) -> int:
         print(f"wrote GGUF {result.gguf}: tensor types {types}")
         if result.f16_fallback:
             print(f"  F16 instead of {args.gguf.upper()} (rows not a multiple of 32): {', '.join(result.f16_fallback)}")
+        print(f"wrote Ollama {result.modelfile}: ollama create NAME -f {result.modelfile}")
+        if result.quant_warning():
+            print(f"warning: {result.quant_warning()}", file=sys.stderr)
     return 0
 
 

@@ -117,8 +117,11 @@ def keyed_dropout(model: nn.Module) -> DropoutKeys | None:
     return keys
 
 
-def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = None) -> dict:
-    """``adapter_config.json``: mlx-lm's keys, plus ``base_model`` (where the base weights are).
+def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = None,
+                   chat_template: str | None = None) -> dict:
+    """``adapter_config.json``: mlx-lm's keys, plus ``base_model`` (where the base weights are) and
+    ``chat_template`` (the Jinja text of ``data.chat_template`` when training replaced the base's template;
+    ``dtrain export`` writes it into the exports).
 
     ``base_model`` is what :class:`dtrain.models.LoadedModel` records: the path
     and sha256 of a GGUF file, a model folder, or a hub id. mlx-lm ignores the
@@ -129,20 +132,24 @@ def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = 
     out = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": lora_parameters(cfg)}
     if base_model:
         out["base_model"] = base_model
+    if chat_template is not None:
+        out["chat_template"] = chat_template
     return out
 
 
-def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: dict | None = None) -> None:
+def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: dict | None = None,
+                  chat_template: str | None = None) -> None:
     """Write ``adapters.safetensors`` and ``adapter_config.json`` into an existing ``folder``.
 
     Not atomic by itself: callers write into a folder made by
     :func:`dtrain.files.atomic_folder` (this function and checkpoints).
     """
     mx.save_safetensors(str(folder / ADAPTER_WEIGHTS), dict(tree_flatten(model.trainable_parameters())))
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, model, base_model), indent=2))
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, model, base_model, chat_template), indent=2))
 
 
-def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model: dict | None = None) -> Path:
+def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model: dict | None = None,
+                 chat_template: str | None = None) -> Path:
     """Write the adapter folder atomically (:func:`dtrain.files.atomic_folder`).
 
     Args:
@@ -150,6 +157,7 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_mo
         cfg: the LoRA config it was built with.
         out_dir: destination folder; replaced as a whole if it exists.
         base_model: the base model reference for ``adapter_config.json``.
+        chat_template: the training template for ``adapter_config.json`` (see :func:`adapter_config`).
     Returns:
         ``out_dir`` as a Path.
     Raises:
@@ -157,5 +165,5 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_mo
     """
     out = Path(out_dir)
     with atomic_folder(out) as tmp:
-        write_adapter(tmp, model, cfg, base_model)
+        write_adapter(tmp, model, cfg, base_model, chat_template)
     return out

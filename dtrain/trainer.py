@@ -30,6 +30,7 @@ from . import checkpoint as ckpt
 from . import sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
+from .data.templates import template_source
 from .distributed import Group, check_in_sync, handshake
 from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
@@ -159,6 +160,7 @@ class Run:
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
+    chat_template: Optional[str] = None  # data.chat_template's text, recorded in adapter_config.json
 
     @property
     def checkpoints(self) -> Path:
@@ -305,7 +307,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result,
-                   resumed.path if resumed else None, cleanup.pop_all(), hooks)
+                   resumed.path if resumed else None, cleanup.pop_all(), hooks,
+                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None)
 
 
 def first_step_text(run: Run) -> str:
@@ -335,7 +338,7 @@ def save(run: Run, step: int) -> None:
         state = replace(run.state, step=step, position=run.sampler.position(step))
         run.log.flush()
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
-                             run.base_model)
+                             run.base_model, run.chat_template)
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
 
 
@@ -346,7 +349,8 @@ def finish(run: Run, hparams: bool = True) -> None:
         out = Path(t.output_dir) / "adapters"
         with storage(f"write the adapter {out}", f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, t.steps)} "
                      f"holds the same weights"):
-            run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out, run.base_model)
+            run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out, run.base_model,
+                                                  run.chat_template)
         if hparams:
             final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
             run.log.hparams(run.resolved, final, t.steps)

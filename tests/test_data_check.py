@@ -203,3 +203,23 @@ def test_check_show_on_base_model_with_chat_template(tmp_path):
     assert out.splitlines()[-6:-2] == [
         f"  prompt      {len(prompt)} tokens  \"<s>System: Be terse.\\n\\nUser: Hi\\n\\nAssistant:\"",
         f"            ids {prompt}", f"  chosen       {len(yes) + 1} tokens  \" Yes</s>\"", f"            ids {yes + [1]}"]
+
+
+def test_check_counts_raw_prompts_glued_to_their_response(tmp_path, tokenizer):
+    rows = [
+        {"prompt": "Say hi", "chosen": "hi", "rejected": " hello"},  # chosen glued: "Say hihi"
+        {"prompt": "Say hi ", "chosen": "hi", "rejected": "hello"},  # space at the prompt's end
+        {"prompt": "Say hi\n", "chosen": "hi", "rejected": "yo"},
+        {"prompt": "Q:", "chosen": " a", "rejected": "\nb"},  # both responses start with whitespace
+        {"prompt": "Add", "chosen": "ed", "rejected": "ing"},
+    ]
+    path = write_jsonl(tmp_path / "g.jsonl", rows)
+    out, _ = check_file(path, DataConfig(prompt_template="raw"), tokenizer)
+    warning = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert warning == [f"warning: 2 of 5 rows glue a raw prompt to its response with no whitespace between them "
+                       f"(\"Say hi\" + \"hi\" trains \"Say hihi\"), first {path}:1; end the prompts with a space or "
+                       "newline, or set data.prompt_template: chat"]
+    chat, _ = check_file(path, DataConfig(), tokenizer)  # a user turn: the template separates them
+    assert "warning:" not in chat
+    base, _ = check_file(path, DataConfig(), style_tokenizer("base"))  # no template: raw text too
+    assert warning[0] in base.splitlines()

@@ -73,9 +73,10 @@ def test_gguf_keeps_the_base_metadata_and_tokenizer(tmp_path, llama):
     base, adapter, _ = llama
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0")
     old, new = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(result.gguf))
-    changed = {"general.file_type", "general.quantization_version"}
+    changed = {"general.file_type", "general.quantization_version", "general.name"}  # name: base + adapter
+    added = {"general.base_model.count", "general.base_model.0.name"}
     keys = [k for k in old.fields if not k.startswith("GGUF.") and k not in changed]
-    assert [k for k in new.fields if not k.startswith("GGUF.") and k not in changed] == keys
+    assert [k for k in new.fields if not k.startswith("GGUF.") and k not in changed | added] == keys
     for key in keys:
         assert new.fields[key].contents() == old.fields[key].contents(), key
         assert new.fields[key].types == old.fields[key].types, key

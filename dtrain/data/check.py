@@ -8,6 +8,7 @@ import math
 
 from .render import tokenize_rows
 from .sources import read_rows, resolve
+from .templates import RAW_TEXT, renderers
 
 
 def _stats(values: list) -> str:
@@ -39,13 +40,30 @@ def show_pair(pair, tokenizer, number: int) -> list:
     return lines
 
 
+def glued_rows(rows: list, tokenizer, cfg) -> list:
+    """Sources of rows whose raw-text prompt runs into a response with no whitespace between them.
+
+    Only plain-text prompts rendered as raw text (``prompt_template: raw``, or no
+    chat template) are joined this way: ``"Say hi"`` + ``"hi"`` trains ``"Say hihi"``.
+    """
+    if renderers(tokenizer, cfg)[1].template is not RAW_TEXT:
+        return []
+    glued = []
+    for row in rows:
+        if isinstance(row.prompt, str) and row.prompt and not row.prompt[-1].isspace() and any(
+                isinstance(r, str) and r and not r[0].isspace() for r in (row.chosen, row.rejected)):
+            glued.append(row.source)
+    return glued
+
+
 def check_file(path: str, cfg, tokenizer, show: int = 0) -> tuple[str, int]:
     """A text report on one data source (read as ``data.train`` reads it), and its bad-row count.
 
     Lists the bad rows and the dropped pairs (``file:line: reason``), the
     untruncated token lengths of prompt, chosen and rejected for the rows that
     render (count, min, median, p95, max), what ``max_prompt_length`` /
-    ``max_length`` truncate, and with ``show > 0`` the first ``show`` usable
+    ``max_length`` truncate, a warning counting raw prompts glued to their
+    response (:func:`glued_rows`), and with ``show > 0`` the first ``show`` usable
     pairs exactly as they are trained (see :func:`show_pair`). Rows go through
     the same :func:`tokenize_rows` as training.
 
@@ -70,6 +88,11 @@ def check_file(path: str, cfg, tokenizer, show: int = 0) -> tuple[str, int]:
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
                  f"{report.truncated} pairs truncated, {report.prompt_cut_fits} of them only because of "
                  f"max_prompt_length")
+    glued = glued_rows(rows, tokenizer, cfg)
+    if glued:
+        lines.append(f"warning: {len(glued)} of {len(rows)} rows glue a raw prompt to its response with no "
+                     f"whitespace between them (\"Say hi\" + \"hi\" trains \"Say hihi\"), first {glued[0]}; end "
+                     "the prompts with a space or newline, or set data.prompt_template: chat")
     for n, pair in enumerate(pairs[:show], start=1):
         lines += show_pair(pair, tokenizer, n)
     return "\n".join(lines), len(report.bad)

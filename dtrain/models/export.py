@@ -10,6 +10,29 @@ permuted back to llama.cpp's interleaved rotary order and gemma3 norm weights
 get llama.cpp's +1 again. Tensor types: 1-D tensors (norms, ``rope_freqs``) are
 F32 as llama.cpp writes them; matrices take the requested type, and a matrix
 whose rows are not a multiple of the 32-value quantization block is written F16.
+
+Exports carry what training used. The chat template is the one recorded in
+``adapter_config.json`` (``chat_template``: the training run's
+``data.chat_template`` text; older adapters: ``data.chat_template`` of the
+``config.yaml`` beside them), else the base's own: it is the GGUF's
+``tokenizer.chat_template`` and the folder's ``chat_template.jinja``. The end
+tokens are the base's EOS ids plus the template's end-of-turn token
+(``eos_token_id`` in ``config.json`` and ``generation_config.json``; in the GGUF,
+``tokenizer.ggml.eot_token_id`` when llama.cpp would not stop at it by its
+text). ``general.name`` is ``"<base name> + <adapter>"`` with the base in
+``general.base_model.0.name``. Beside the GGUF an Ollama ``Modelfile``
+(modelfile.py) holds ``FROM``, the template as ``TEMPLATE`` and one
+``PARAMETER stop`` per end token.
+
+Block-quantized types (q8_0, q4_0) round every weight; per adapted matrix we
+measure ``‖Q(W + ΔW) − (W + ΔW)‖ / ‖ΔW‖``, the rounding error against the
+adapter's update ``ΔW``. When the error of all adapted matrices together is
+more than :data:`QUANT_WARN_RATIO` times the update (q4_0 on the demo adapter),
+the export warns with the ratio rather than refusing: the file is valid and
+runs, and a norm ratio is a bound, not a verdict (rounding noise spread over
+every direction does not cancel a low-rank update everywhere; q8_0 at about 1x
+keeps llama.cpp's top-1 tokens nearly all equal to the merged model's, docs/llama-cpp.md);
+the user decides, and a wider type is the remedy named in the warning.
 """
 
 from __future__ import annotations
@@ -23,14 +46,17 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import ModelError
+from ..errors import DataError, ModelError
 from ..files import storage
 from .convert import check_new_folder, save_mlx_lm, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
 from .load import DTYPES, LoadedModel, load_model
+from .modelfile import chat_parts, modelfile
+from .vocab_attrs import token_attrs
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+QUANT_WARN_RATIO = 4.0  # warn when the rounding error of the adapted matrices is over 4x their update (docs/llama-cpp.md)
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 
 
@@ -41,20 +67,50 @@ class ExportResult:
     ``folder``: the mlx-lm model folder. ``gguf``: the GGUF file inside it, or
     None. ``tensor_types``: GGML type name → number of tensors of that type in
     the GGUF. ``f16_fallback``: tensors written F16 instead of the requested
-    block type because their rows are not a multiple of 32.
+    block type because their rows are not a multiple of 32. ``chat_template``:
+    the template the exports carry; ``eos_token_ids``: their end tokens.
+    ``modelfile``: the Ollama Modelfile beside the GGUF. ``quant_error``: GGUF
+    tensor name → ``(‖Q(W+ΔW) − (W+ΔW)‖, ‖ΔW‖)`` (Frobenius norms) for each
+    adapted matrix of a q8_0/q4_0 export.
     """
 
     folder: Path
     gguf: Path | None = None
     tensor_types: dict = field(default_factory=dict)
     f16_fallback: list = field(default_factory=list)
+    chat_template: str | None = None
+    eos_token_ids: list = field(default_factory=list)
+    modelfile: Path | None = None
+    quant_error: dict = field(default_factory=dict)
+
+    def quant_ratio(self) -> float | None:
+        """``sqrt(sum ‖Q(W+ΔW) − (W+ΔW)‖²) / sqrt(sum ‖ΔW‖²)`` over the adapted matrices (None: not quantized)."""
+        if not self.quant_error:
+            return None
+        err, upd = (float(np.sqrt(sum(v[i] ** 2 for v in self.quant_error.values()))) for i in (0, 1))
+        return err / upd if upd > 0 else float("inf")
+
+    def quant_warning(self) -> str | None:
+        """The warning when the rounding error exceeds the update (:data:`QUANT_WARN_RATIO`), else None."""
+        ratio = self.quant_ratio()
+        if ratio is None or ratio <= QUANT_WARN_RATIO:
+            return None
+        over = sum(e > u for e, u in self.quant_error.values())
+        kind = self.gguf.stem.rsplit("-", 1)[-1] if self.gguf else "quantized"
+        return (f"{kind} rounding moves the adapted weights {ratio:.1f}x as far as the adapter's update does "
+                f"(‖Q(W+ΔW) − (W+ΔW)‖ / ‖ΔW‖ over {len(self.quant_error)} adapted matrices, {over} of them above 1x): "
+                "the quantized model may have lost much of the fine-tune; compare its output with the mlx-lm "
+                "folder's, or export a wider type (q8_0, f16)")
 
 
-def merge_adapter(adapter_dir: str, base: str) -> LoadedModel:
+def merge_adapter(adapter_dir: str, base: str) -> tuple[LoadedModel, dict]:
     """Load ``base`` in float32 and fuse the mlx-lm adapter in ``adapter_dir`` into it.
 
     Returns:
-        The loaded base whose LoRA layers are replaced by fused ``nn.Linear``.
+        ``(loaded, updates)``: the loaded base whose LoRA layers are replaced by
+        fused ``nn.Linear``, and per fused weight name ``(scale, lora_a, lora_b)``
+        (numpy), whose update is ``ΔW = scale * lora_b.T @ lora_a.T`` as in
+        mlx-lm's ``LoRALinear.fuse``.
 
     Raises:
         ModelError: missing adapter files, or an adapter whose layers or shapes
@@ -73,10 +129,63 @@ def merge_adapter(adapter_dir: str, base: str) -> LoadedModel:
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
         detail = " ".join(str(err).split())[:400]
         raise ModelError(f"{adapter_dir}: this adapter does not fit the base model {base}: {detail}") from None
-    fused = [(name, module.fuse()) for name, module in loaded.model.named_modules() if hasattr(module, "fuse")]
-    loaded.model.update_modules(tree_unflatten(fused))
+    lora = [(name, module) for name, module in loaded.model.named_modules() if hasattr(module, "fuse")]
+    updates = {f"{name}.weight": (float(m.scale), np.array(m.lora_a), np.array(m.lora_b)) for name, m in lora}
+    loaded.model.update_modules(tree_unflatten([(name, module.fuse()) for name, module in lora]))
     mx.eval(loaded.model.parameters())
-    return loaded
+    return loaded, updates
+
+
+def training_template(adapter_dir: str) -> str | None:
+    """The chat template an adapter was trained with when it replaced the base's (None: the base's own).
+
+    ``adapter_config.json``'s ``chat_template`` (written by dtrain's trainer), else
+    ``data.chat_template`` of the ``config.yaml`` in the same folder (checkpoints).
+
+    Raises:
+        ModelError: a recorded ``data.chat_template`` that is no longer readable.
+    """
+    import yaml
+
+    from ..data.templates import template_source
+
+    folder = Path(adapter_dir)
+    recorded = json.loads((folder / "adapter_config.json").read_text()).get("chat_template")
+    if recorded is not None:
+        return recorded
+    config = folder / "config.yaml"
+    name = ((yaml.safe_load(config.read_text()) or {}).get("data") or {}).get("chat_template") if config.is_file() \
+        else None
+    if name is None:
+        return None
+    try:
+        return template_source(name)
+    except DataError as err:
+        raise ModelError(f"{config}: the run's {err}") from None
+
+
+def adapter_label(adapter_dir: str) -> str:
+    """How ``general.name`` names the adapter: its folder, with the run folder for ``adapters`` / ``step-N``."""
+    folder = Path(adapter_dir).resolve()
+    if folder.name == "adapters" or folder.name.startswith("step-"):
+        run = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
+        return f"{run.name}/{folder.name}"
+    return folder.name
+
+
+def end_tokens(loaded: LoadedModel, template: str | None) -> list:
+    """The base's EOS ids plus the end-of-turn id of ``template`` (None: the tokenizer's own), sorted."""
+    from ..data.templates import end_of_turn, has_chat_template, make_renderer
+
+    ids = set(loaded.tokenizer.eos_token_ids)
+    eos = loaded.config.get("eos_token_id")
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if template is not None or has_chat_template(loaded.tokenizer):
+        try:
+            ids |= set(end_of_turn(loaded.tokenizer, make_renderer(loaded.tokenizer, template, "export"))[1])
+        except DataError:  # no end-of-turn token and no EOS: nothing to add
+            pass
+    return sorted(int(i) for i in ids if i is not None)
 
 
 def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | None = None,
@@ -107,30 +216,70 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         if not base_gguf.is_file():
             raise ModelError(f"--gguf needs a GGUF base model (its layout and metadata are copied); {base} is not "
                              "a GGUF file. For an mlx-lm base, `mlx_lm.fuse --export-gguf` writes F16 llama GGUFs")
-    loaded = merge_adapter(adapter_dir, base)
+    loaded, updates = merge_adapter(adapter_dir, base)  # checks the adapter folder first
+    trained_with = training_template(adapter_dir)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
+    hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
+    template = trained_with or hf.chat_template
     config = dict(loaded.config)
-    config.setdefault("eos_token_id", sorted(loaded.tokenizer.eos_token_ids))
+    config["eos_token_id"] = end_tokens(loaded, trained_with)
+    if trained_with is not None:
+        hf.chat_template = trained_with
     loaded.model.set_dtype(DTYPES[dtype])
-    result = ExportResult(folder=Path(out_dir))
+    result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
 
     def fill(tmp: Path) -> None:
         save_mlx_lm(tmp, loaded.model, config, loaded.tokenizer)
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}, indent=2))
+        if template is not None:
+            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
         if base_gguf is not None:
             name = f"model-{gguf_type.upper()}.gguf"
-            result.tensor_types, result.f16_fallback = write_gguf(base_gguf, merged, gguf_type.lower(), tmp / name)
+            meta = {"chat_template": template, "eos_token_ids": config["eos_token_id"],
+                    "adapter": adapter_label(adapter_dir), "updates": updates}
+            result.tensor_types, result.f16_fallback, result.quant_error, model_name = write_gguf(
+                base_gguf, merged, gguf_type.lower(), tmp / name, meta)
             result.gguf = Path(out_dir) / name
+            result.modelfile = Path(out_dir) / "Modelfile"
+            (tmp / "Modelfile").write_text(ollama_modelfile(loaded.tokenizer, template, name, config["eos_token_id"],
+                                                            model_name), encoding="utf-8")
 
     write_folder(out_dir, fill)
     return result
 
 
-def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path) -> tuple[dict, list]:
+def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: list, model_name: str) -> str:
+    """The Modelfile for ``gguf_name``: ``TEMPLATE`` read off ``template`` (modelfile.py), stops = ``eos_ids``'s texts.
+
+    The opening BOS text is left out of ``TEMPLATE`` when the GGUF tokenizer adds BOS itself.
+    """
+    from ..data.templates import Renderer
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    parts = None
+    if template is not None:
+        renderer = Renderer(hf, template, name="export")
+        parts = chat_parts(lambda msgs, gen: renderer.render(msgs, add_generation_prompt=gen))
+    bos = hf.bos_token
+    adds_bos = bool(bos) and hf("x")["input_ids"][:1] == [hf.convert_tokens_to_ids(bos)]
+    drop_open = parts is not None and adds_bos and parts.open == bos
+    stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
+    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name)
+
+
+def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None) -> tuple:
     """Write ``merged`` (HF names, float32 numpy) in the layout and with the metadata of ``base_gguf``.
 
+    ``meta`` (all optional): ``chat_template`` (replaces ``tokenizer.chat_template``),
+    ``eos_token_ids`` (one not among llama.cpp's end-of-generation tokens becomes
+    ``tokenizer.ggml.eot_token_id`` when the file names none), ``adapter`` (its name in
+    ``general.name``), ``updates`` (as :func:`merge_adapter` returns, for the
+    quantization error).
+
     Returns:
-        ``(tensor_types, f16_fallback)`` as in :class:`ExportResult`.
+        ``(tensor_types, f16_fallback, quant_error, general_name)``, the first three as in :class:`ExportResult`.
     """
+    meta = meta or {}
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -141,19 +290,35 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path) ->
     reader = gguf.GGUFReader(str(base_gguf))
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(out_path), arch)
+    md = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+    base_name = md.get("general.name") or base_gguf.stem
+    model_name = f"{base_name} + {meta['adapter']}" if meta.get("adapter") else base_name
+    replaced = {"general.architecture", "general.file_type", "general.quantization_version", "general.name"}
+    if meta.get("chat_template") is not None:
+        replaced.add("tokenizer.chat_template")
+    replaced |= {k for k in md if k.startswith("general.base_model.")}
     for key, value in reader.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type",
-                                              "general.quantization_version"):
+        if key.startswith("GGUF.") or key in replaced:
             continue
         array = value.types[0] == gguf.GGUFValueType.ARRAY
         writer.add_key_value(key, value.contents(), value.types[0], value.types[-1] if array else None)
+    writer.add_name(model_name)
+    if meta.get("adapter"):
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, base_name)
+    if meta.get("chat_template") is not None:
+        writer.add_chat_template(meta["chat_template"])
+    _, eog = token_attrs(md)
+    missing = [i for i in meta.get("eos_token_ids", []) if i not in eog]
+    if missing and "tokenizer.ggml.eot_token_id" not in md:
+        writer.add_eot_token_id(missing[0])
     writer.add_file_type(int(file_type))
     if qtype in (Q.Q8_0, Q.Q4_0):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     heads = {"attn_q": reader.fields[f"{arch}.attention.head_count"].contents()}
     heads["attn_k"] = reader.fields.get(f"{arch}.attention.head_count_kv", reader.fields[
         f"{arch}.attention.head_count"]).contents()
-    counts, fallback = Counter(), []
+    counts, fallback, quant_error, updates = Counter(), [], {}, meta.get("updates", {})
     for tensor in reader.tensors:
         name = hf_name(arch, tensor.name)
         if name is None:  # rope_freqs: not a parameter of the model, copied as is
@@ -170,10 +335,14 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path) ->
                 kind = Q.F16
                 fallback.append(tensor.name)
             data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
+            if kind in (Q.Q8_0, Q.Q4_0) and name in updates:
+                scale, a, b = updates[name]
+                err = np.linalg.norm(gguf.quants.dequantize(data, kind).reshape(w.shape) - w)
+                quant_error[tensor.name] = (float(err), float(np.linalg.norm(scale * (b.T @ a.T))))
         writer.add_tensor(tensor.name, data, raw_dtype=kind if data.dtype == np.uint8 else None)
         counts[kind.name] += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return dict(counts), fallback
+    return dict(counts), fallback, quant_error, model_name

@@ -11,27 +11,23 @@ Two vocabulary kinds are supported, as llama.cpp names them:
   merged pieces sorted by score, which is what we build (with byte fallback to
   the ``<0xXX>`` tokens and ``▁`` for spaces).
 
-Tokens of type CONTROL (3) and UNKNOWN (2) become special added tokens,
-USER_DEFINED (4) plain added tokens; all are matched whole before BPE runs, as
-llama.cpp does when it parses special tokens. Other ``tokenizer.*`` keys that
-would change the ids (``add_sep_token``, unknown keys) are refused by name.
+Tokens llama.cpp marks CONTROL or UNKNOWN become special added tokens,
+USER_DEFINED ones plain added tokens; all are matched whole before BPE runs, as
+llama.cpp does when it parses special tokens. The marks are the file's token
+types as llama.cpp corrects them by text (end-of-generation texts such as
+``</s>`` or ``<end_of_turn>`` are CONTROL whatever the file says; see
+vocab_attrs.py). Other ``tokenizer.*`` keys that would change the ids
+(``add_sep_token``, unknown keys) are refused by name.
 """
 
 from __future__ import annotations
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from . import vocab_attrs as va
 from .pretokenizers import lookup, split_pre_tokenizer
 
-UNKNOWN, CONTROL, USER_DEFINED, NORMAL = 2, 3, 4, 1
-
-# llama.cpp marks these end-of-turn/end-of-generation texts CONTROL whatever type
-# the file gives them (llama_vocab::impl::load, "control-looking token"), so they
-# are always matched whole.
-_CONTROL_TEXTS = {
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-    "<|eom_id|>", "<end_of_utterance>",
-}
+NORMAL = 1  # GGUF token type of ordinary vocabulary
 
 # tokenizer.* keys this module reads or that do not change how text becomes ids
 # (ids of special tokens, chat templates, an embedded tokenizer.json we do not use).
@@ -141,11 +137,12 @@ def build_tokenizer(md: dict):
     else:
         raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
 
+    attrs, _ = va.token_attrs(md)
     tok.add_tokens(
         [
-            AddedToken(t, special=types[i] != USER_DEFINED, normalized=False)
+            AddedToken(t, special=bool(attrs[i] & (va.CONTROL | va.UNKNOWN)), normalized=False)
             for i, t in enumerate(tokens)
-            if types[i] in (UNKNOWN, CONTROL, USER_DEFINED) or t in _CONTROL_TEXTS
+            if attrs[i] & (va.CONTROL | va.UNKNOWN | va.USER_DEFINED)
         ]
     )
     bos, eos = token("bos"), token("eos")

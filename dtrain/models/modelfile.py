@@ -1,0 +1,145 @@
+"""An Ollama Modelfile for an exported GGUF: ``FROM``, ``TEMPLATE`` from the chat template, ``PARAMETER stop``.
+
+Ollama renders prompts with Go templates, not Jinja. We do not translate Jinja
+code; we read the template's structure off its output. The Jinja template is
+rendered on probe conversations whose contents are unique markers, which gives
+for each role the text before and after its content, the text that opens the
+conversation, the generation prompt, and a default system message the template
+inserts when there is none (Ollama's ``SYSTEM``). Those pieces are then checked
+to rebuild the Jinja output of further conversations exactly (system or not,
+one to three turns, with and without the generation prompt); a template they do
+not rebuild (one that branches on content, numbers turns, ...) gets no
+``TEMPLATE`` line and a comment saying so, never a wrong one.
+
+Ollama's template syntax: https://github.com/ollama/ollama/blob/main/docs/template.md
+(``.Messages`` with ``.Role`` and ``.Content``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+_MARK = "\u2063{}\u2063"  # invisible separators around probe contents
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatParts:
+    """A chat template as literal pieces: ``open`` + per message ``before[role] + content + after[role]``,
+    then ``generation`` when a reply is asked for; ``default_system``: content of the system message
+    the template writes when the conversation has none (None: it writes none)."""
+
+    open: str
+    before: dict
+    after: dict
+    generation: str
+    default_system: Optional[str]
+
+    def render(self, messages: list, add_generation_prompt: bool) -> str:
+        if self.default_system is not None and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.default_system}] + list(messages)
+        text = self.open + "".join(self.before[m["role"]] + m["content"] + self.after[m["role"]] for m in messages)
+        return text + (self.generation if add_generation_prompt else "")
+
+
+def _split(text: str, marks: list) -> list:
+    """``text`` cut at each marker in order: the pieces between them (len(marks) + 1)."""
+    pieces = []
+    for m in marks:
+        head, sep, text = text.partition(m)
+        if not sep:
+            raise ValueError(f"the template does not write the content {m!r}")
+        pieces.append(head)
+    return pieces + [text]
+
+
+def chat_parts(render: Callable[[list, bool], str]) -> Optional[ChatParts]:
+    """The pieces of the template ``render(messages, add_generation_prompt)``, or None when they do not
+    rebuild its output on the check conversations (or it refuses them)."""
+    msg = lambda role, n: {"role": role, "content": _MARK.format(f"{role}{n}")}  # noqa: E731
+    s, u1, a1, u2 = msg("system", 1), msg("user", 1), msg("assistant", 1), msg("user", 2)
+    try:
+        # [open+sysbefore] S [sysafter+userbefore] U1 [userafter+astbefore] A1 [astafter+userbefore] U2 [userafter] (+gen)
+        with_sys = _split(render([s, u1, a1, u2], False), [m["content"] for m in (s, u1, a1, u2)])
+        gen = render([s, u1, a1, u2], True)
+        no_sys = _split(render([u1], False), [u1["content"]])
+        pairs = _split(render([u1, a1], False), [u1["content"], a1["content"]])
+    except Exception:  # jinja errors, raise_exception(), a template that drops content
+        return None
+    if not gen.startswith(render([s, u1, a1, u2], False)):
+        return None
+    user_after = with_sys[4]
+    after = {"user": user_after, "assistant": pairs[2]}
+    if not (with_sys[2].startswith(user_after) and with_sys[3].startswith(after["assistant"])):
+        return None
+    before = {"assistant": with_sys[2][len(user_after):], "user": with_sys[3][len(after["assistant"]):]}
+    if not with_sys[1].endswith(before["user"]):
+        return None
+    after["system"] = with_sys[1][: len(with_sys[1]) - len(before["user"])]
+    head = no_sys[0]
+    if not head.endswith(before["user"]):
+        return None
+    head = head[: len(head) - len(before["user"])]
+    # the opening text: what precedes the system header when the conversation has one
+    candidates = [(with_sys[0][:i], with_sys[0][i:]) for i in range(len(with_sys[0]) + 1)]
+    for open_, sys_before in candidates:
+        default = None
+        if head != open_:
+            start, end = open_ + sys_before, after["system"]
+            if not (head.startswith(start) and head.endswith(end) and len(head) >= len(start) + len(end)):
+                continue
+            default = head[len(start): len(head) - len(end)]
+        parts = ChatParts(open_, {**before, "system": sys_before}, after,
+                          gen[len(render([s, u1, a1, u2], False)):], default)
+        if _rebuilds(parts, render, msg):
+            return parts
+    return None
+
+
+def _rebuilds(parts: ChatParts, render, msg) -> bool:
+    convs = [[msg("user", 1)], [msg("system", 1), msg("user", 1)],
+             [msg("user", 1), msg("assistant", 1), msg("user", 2), msg("assistant", 2), msg("user", 3)],
+             [msg("system", 1), msg("user", 1), msg("assistant", 1)]]
+    try:
+        return all(parts.render(c, g) == render(c, g) for c in convs for g in (False, True))
+    except Exception:
+        return False
+
+
+def _go(text: str) -> str:
+    """A Go template action writing ``text`` literally (JSON string escapes are Go's)."""
+    return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
+
+
+def go_template(parts: ChatParts, drop_open: bool) -> str:
+    """Ollama's TEMPLATE for ``parts`` over ``.Messages``; ``drop_open``: leave the opening text (BOS) to
+    the tokenizer, which adds it. A last assistant message stays open (prefill), as in Ollama's templates."""
+    lines = [] if drop_open or not parts.open else [_go(parts.open)]
+    lines.append("{{- range $i, $_ := .Messages }}")
+    lines.append("{{- $last := eq (len (slice $.Messages $i)) 1 }}")
+    for n, role in enumerate(ROLES):
+        keyword = "if" if n == 0 else "else if"
+        close = _go(parts.after[role])
+        if role == "assistant" and close:
+            close = "{{- if not $last }}" + close + "{{ end }}"
+        lines.append(f'{{{{- {keyword} eq .Role "{role}" }}}}{_go(parts.before[role])}{{{{ .Content }}}}{close}')
+    lines.append("{{- end }}")
+    lines.append("{{- if and $last (ne .Role \"assistant\") }}" + _go(parts.generation) + "{{ end }}")
+    lines.append("{{- end }}")
+    return "\n".join(lines)
+
+
+def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops: list, name: str) -> str:
+    """The Modelfile text: ``FROM ./gguf_name``, TEMPLATE and SYSTEM from ``parts`` (a comment when
+    None), one ``PARAMETER stop`` per end text."""
+    out = [f"# {name}: `ollama create NAME -f Modelfile` in this folder", f"FROM ./{gguf_name}"]
+    if parts is None:
+        out.append("# TEMPLATE: the chat template's structure could not be read off its output; write one by hand")
+    else:
+        out.append(f'TEMPLATE """{go_template(parts, drop_open)}"""')
+        if parts.default_system is not None:
+            out.append(f'SYSTEM """{parts.default_system}"""')
+    out += [f"PARAMETER stop {json.dumps(s, ensure_ascii=False)}" for s in stops]
+    return "\n".join(out) + "\n"

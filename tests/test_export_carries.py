@@ -1,0 +1,207 @@
+"""What ``dtrain export`` carries from training: chat template, end tokens, the fine-tune's name,
+an Ollama Modelfile, and the quantization error against the adapter's update (dtrain/models/export.py,
+dtrain/models/modelfile.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import CHATML
+from test_export import write_adapter
+from test_models_gguf import Q, gguf, write_tiny_llama
+
+from dtrain.cli import main
+from dtrain.data.templates import PLAIN
+from dtrain.lora import adapter_config
+from dtrain.models import load_model
+from dtrain.models.export import QUANT_WARN_RATIO, export_adapter, training_template
+from dtrain.models.modelfile import chat_parts, go_template
+
+@pytest.fixture
+def tiny(tmp_path):
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {})
+    (tmp_path / "run").mkdir()
+    write_adapter(str(base), tmp_path / "run" / "adapters")
+    return base, tmp_path / "run" / "adapters"
+
+
+def record_template(adapter, template):
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+
+
+def test_training_template_goes_into_gguf_folder_and_modelfile(tmp_path, tiny):
+    from mlx_lm import load
+
+    base, adapter = tiny
+    record_template(adapter, PLAIN)  # trained with data.chat_template: plain on a ChatML base
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    fields = gguf.GGUFReader(str(result.gguf)).fields
+    assert fields["tokenizer.chat_template"].contents() == PLAIN
+    assert (result.folder / "chat_template.jinja").read_text() == PLAIN
+    _, tok = load(str(result.folder))
+    assert tok.chat_template == PLAIN
+    assert load_model(str(result.gguf)).tokenizer.chat_template == PLAIN
+    assert result.eos_token_ids == [2]  # plain writes no end-of-turn token: EOS ends a response
+    modelfile = (result.folder / "Modelfile").read_text().splitlines()
+    assert modelfile[1] == "FROM ./model-F16.gguf" and modelfile[-1] == 'PARAMETER stop "</s>"'
+    assert modelfile[2] == 'TEMPLATE """{{- range $i, $_ := .Messages }}'
+    assert modelfile[5] == '{{- else if eq .Role "user" }}{{ "User: " }}{{ .Content }}{{ "\\n\\n" }}'
+
+
+def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(tmp_path, tiny):
+    base, adapter = tiny
+    before = load_model(str(base)).tokenizer
+    assert sorted(before.eos_token_ids) == [2]  # the base GGUF names only </s>
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0")
+    assert result.eos_token_ids == [2, 4]  # + <|im_end|>, the base template's end-of-turn
+    config = json.loads((result.folder / "config.json").read_text())
+    generation = json.loads((result.folder / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == [2, 4]
+    from mlx_lm import load
+
+    assert load(str(result.folder))[1].eos_token_ids == {2, 4}
+    fields = gguf.GGUFReader(str(result.gguf)).fields
+    assert fields["general.name"].contents() == "base + run/adapters"
+    assert fields["general.base_model.count"].contents() == 1
+    assert fields["general.base_model.0.name"].contents() == "base"
+    assert fields["tokenizer.chat_template"].contents() == CHATML  # the base's own, kept
+    assert "tokenizer.ggml.eot_token_id" not in fields  # llama.cpp ends at <|im_end|> by its text already
+
+
+def test_chatml_modelfile_is_the_expected_go_template(tmp_path, tiny):
+    base, adapter = tiny
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f32")
+    want = "\n".join([
+        "# base + run/adapters: `ollama create NAME -f Modelfile` in this folder",
+        "FROM ./model-F32.gguf",
+        'TEMPLATE """{{- range $i, $_ := .Messages }}',
+        "{{- $last := eq (len (slice $.Messages $i)) 1 }}",
+        '{{- if eq .Role "system" }}{{ "<|im_start|>system\\n" }}{{ .Content }}{{ "<|im_end|>\\n" }}',
+        '{{- else if eq .Role "user" }}{{ "<|im_start|>user\\n" }}{{ .Content }}{{ "<|im_end|>\\n" }}',
+        '{{- else if eq .Role "assistant" }}{{ "<|im_start|>assistant\\n" }}{{ .Content }}'
+        '{{- if not $last }}{{ "<|im_end|>\\n" }}{{ end }}',
+        "{{- end }}",
+        '{{- if and $last (ne .Role "assistant") }}{{ "<|im_start|>assistant\\n" }}{{ end }}',
+        '{{- end }}"""',
+        'PARAMETER stop "</s>"',
+        'PARAMETER stop "<|im_end|>"',
+    ]) + "\n"
+    assert result.modelfile.read_text() == want
+
+
+def _jinja(template):
+    from jinja2 import Environment
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True)
+    return lambda msgs, gen: env.from_string(template).render(messages=msgs, add_generation_prompt=gen,
+                                                              bos_token="<s>")
+
+
+SMOL = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + "
+          "m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+NUMBERED = "{% for m in messages %}{{ loop.index }}. {{ m['content'] }}\n{% endfor %}"
+
+
+def test_chat_parts_of_known_template_shapes():
+    smol = chat_parts(_jinja(SMOL))
+    assert smol.default_system == "You are helpful." and smol.open == ""
+    assert smol.render([{"role": "user", "content": "hi"}], True) == _jinja(SMOL)([{"role": "user", "content": "hi"}],
+                                                                                    True)
+    llama3 = chat_parts(_jinja(LLAMA3))
+    assert llama3.open == "<s>" and llama3.default_system is None
+    assert llama3.before["user"] == "<|start_header_id|>user<|end_header_id|>\n\n"
+    assert '{{ "<s>" }}' not in go_template(llama3, drop_open=True)
+    assert go_template(llama3, drop_open=False).startswith('{{ "<s>" }}')
+    assert chat_parts(_jinja(NUMBERED)) is None  # numbers its turns: no literal pieces rebuild it
+    assert chat_parts(lambda m, g: 1 / 0) is None
+
+
+def test_modelfile_without_a_convertible_template_says_so(tmp_path, tiny):
+    base, adapter = tiny
+    record_template(adapter, NUMBERED)
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    text = result.modelfile.read_text()
+    assert "TEMPLATE" not in text.replace("# TEMPLATE", "")
+    assert "# TEMPLATE: the chat template's structure could not be read off its output; write one by hand" in text
+
+
+def test_training_template_from_adapter_config_or_the_checkpoint_config(tmp_path, tiny):
+    _, adapter = tiny
+    assert training_template(str(adapter)) is None
+    (adapter / "config.yaml").write_text("data:\n  chat_template: chatml\n")
+    from dtrain.data.templates import CHATML as NAMED_CHATML
+
+    assert training_template(str(adapter)) == NAMED_CHATML
+    record_template(adapter, "T")
+    assert training_template(str(adapter)) == "T"
+    from conftest import make_tiny_model
+
+    from dtrain.config import LoraConfig
+
+    model = make_tiny_model("llama")
+    assert adapter_config(LoraConfig(), model, None, "T")["chat_template"] == "T"
+    assert "chat_template" not in adapter_config(LoraConfig(), model, None, None)
+
+
+def quant_error_by_hand(result, base, adapter_dir, gguf_type):
+    """‖Q(W+ΔW) − (W+ΔW)‖ and ‖ΔW‖ of one matrix, recomputed from the files."""
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+    from safetensors.numpy import load_file
+
+    fused = dict(tree_flatten(load(str(result.folder))[0].parameters()))
+    w = np.array(fused["model.layers.1.mlp.down_proj.weight"], dtype=np.float32)
+    qtype = Q[gguf_type.upper()]
+    err = np.linalg.norm(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype) - w)
+    lora = load_file(str(adapter_dir / "adapters.safetensors"))
+    scale = json.loads((adapter_dir / "adapter_config.json").read_text())["lora_parameters"]["scale"]
+    a, b = (lora[f"model.layers.1.mlp.down_proj.lora_{x}"] for x in "ab")
+    return err, np.linalg.norm(scale * (b.T @ a.T))
+
+
+@pytest.mark.parametrize("gguf_type", ["q8_0", "q4_0"])
+def test_quantization_error_against_the_update_and_the_warning(tmp_path, tiny, gguf_type, capsys):
+    base, adapter = tiny
+    out = tmp_path / "out"
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(out), "--gguf", gguf_type,
+                 "--dtype", "float32"]) == 0
+    printed = capsys.readouterr()
+    # the same export through the API gives the per-matrix numbers
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "api"), gguf_type=gguf_type, dtype="float32")
+    assert len(result.quant_error) == 4 * 7
+    err, upd = quant_error_by_hand(result, base, adapter, gguf_type)
+    got_err, got_upd = result.quant_error["blk.1.ffn_down.weight"]
+    assert got_err == pytest.approx(err, rel=1e-5) and got_upd == pytest.approx(upd, rel=1e-5)
+    ratio = result.quant_ratio()
+    total = np.sqrt(sum(e * e for e, _ in result.quant_error.values())) / np.sqrt(
+        sum(u * u for _, u in result.quant_error.values()))
+    assert ratio == pytest.approx(total)
+    warned = "warning:" in printed.err
+    assert warned == (ratio > QUANT_WARN_RATIO)
+    if warned:
+        assert f"{gguf_type.upper()} rounding moves the adapted weights {ratio:.1f}x as far as the adapter's " \
+               "update does" in printed.err
+
+
+def test_q4_0_rounding_that_swamps_a_small_update_warns(tmp_path, capsys):
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {})
+    adapter = tmp_path / "small"
+    write_adapter(str(base), adapter)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    cfg["lora_parameters"]["scale"] = 0.002  # a tiny update: rounding dwarfs it
+    (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "o4"), "--gguf", "q4_0"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: Q4_0 rounding moves the adapted weights" in err and "28 adapted matrices, 28 of them above 1x" in err
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "f16"), "--gguf", "f16"]) == 0
+    assert "warning" not in capsys.readouterr().err  # no block rounding measured for f16
