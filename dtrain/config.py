@@ -16,10 +16,10 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .contract import BACKENDS
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
-from .launch.hosts import BACKENDS
 from .models import DTYPE_NAMES
 
 

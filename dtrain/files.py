@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
+
+# A Hugging Face hub id, owner/name (models and datasets alike); a local path of that shape wins.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def sha256_file(path: Path) -> str:

@@ -73,7 +73,7 @@ def test_dtrain_config_resolves_a_file_and_overrides(capsys):
 
 def test_allowed_values_come_from_their_owners():
     from dtrain.data.formats import FORMATS
-    from dtrain.launch.hosts import BACKENDS
+    from dtrain.contract import BACKENDS
     from dtrain.models.load import DTYPES
 
     meta = {(s.name, k): m for s in dataclasses.fields(Config)

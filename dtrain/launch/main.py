@@ -41,7 +41,8 @@ from typing import Optional
 from ..config import load_config, take_overrides
 from ..errors import UserError
 from . import restart
-from .hosts import BACKENDS, LaunchError, load_hostfile
+from ..contract import BACKENDS
+from .hosts import LaunchError, load_hostfile
 from .plan import build_plan, describe
 from .supervise import Attempt, Outcome
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,14 +17,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelError
-from ..files import sha256_file
+from ..files import HUB_ID, sha256_file
 from . import DTYPE_NAMES
 from .demo import demo_model_path
 from .gguf import GROUP_SIZE, GGUFModel, gguf_to_mlx
 from .tokenizer import build_tokenizer, eos_token_ids
 
 DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}  # model.dtype's values (besides auto) -> MLX dtypes
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @dataclass
@@ -98,7 +96,7 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
         if not (p / "config.json").is_file():
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder")
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
-    if _HUB_ID.fullmatch(path) and not path.startswith("."):
+    if HUB_ID.fullmatch(path) and not path.startswith("."):
         return _load_mlx_lm(path, keep_quantized, float_dtype)
     raise ModelError(f"{path}: no such file or directory (expected demo, a .gguf file, a model folder or a hub id)")
 
