@@ -125,7 +125,7 @@ def run_ranks(backend: str, n: int, worker_args: list, check: bool = True, port:
 def run_direct(n: int, cmd: list, env: dict, port: int, check: bool, timeout: float | None) -> int | None:
     """``n`` ring ranks of ``cmd`` on loopback without a launcher; the first non-zero exit status, 0, or None
     when ``timeout`` passed first (every rank is then killed)."""
-    from dtrain.launch.env import ring_hostfile
+    from dtrain.contract import ring_hostfile
 
     hosts = Path(f"/tmp/allreduce-ring-{os.getpid()}-{port}.json")
     hosts.write_text(json.dumps(ring_hostfile([["127.0.0.1"]] * n, port)))
@@ -258,7 +258,7 @@ def demo_step_seconds(tokens: int) -> float:
     from dtrain.config import LoraConfig
     from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
     from dtrain.types import TokenizedPair
 
     args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
@@ -271,9 +271,9 @@ def demo_step_seconds(tokens: int) -> float:
     pair = TokenizedPair(list(range(1, half + 1)), list(range(100, 100 + half)), list(range(200, 200 + half)))
     engine = ReferenceEngine(model, ORPO(0.1))
     norm = ORPO(0.1, "full").totals([pair])
-    run_micro_batches(engine, [pair], norm, 1, with_grads=True)  # warm-up
+    run_micro_batches(engine, [[pair]], norm, with_grads=True)  # warm-up
     start = time.perf_counter()
-    run_micro_batches(engine, [pair], norm, 1, with_grads=True)
+    run_micro_batches(engine, [[pair]], norm, with_grads=True)
     return time.perf_counter() - start
 
 

@@ -42,7 +42,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from dtrain.config import Config  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
-from dtrain.objective import ORPO  # noqa: E402
+from dtrain.engine import ORPO  # noqa: E402
 from dtrain.optimizer import AdamWStep  # noqa: E402
 
 DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
@@ -78,7 +78,7 @@ def timed_step(engine, optimizer, model, pairs) -> dict:
     t1 = time.perf_counter()
     mx.eval(out.loss, out.sums, out.grads)
     t2, c2 = time.perf_counter(), time.process_time()
-    optimizer.apply(model, out.grads, 1e-5, loss_finite=True)  # as dtrain.trainer.train_step (evaluated)
+    optimizer.apply(model, out.grads, 1e-5, loss_finite=True)  # as dtrain.step.Step (evaluated)
     t3, c3 = time.perf_counter(), time.process_time()
     return {"build": t1 - t0, "eval": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
             "optimizer_cpu": c3 - c2,  # CPU seconds of this process (all its threads): host cost on a busy machine

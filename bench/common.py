@@ -59,7 +59,7 @@ def dtrain_engine(model, kind: str = "segmented", **keys):
     (``prefix_sharing`` is on by default)."""
     from dtrain.config import EngineConfig
     from dtrain.engine import make_engine
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
 
     return make_engine(EngineConfig(kind=kind, **{"length_bucket": 0, **keys}), model, ORPO(0.1))
 

@@ -1,14 +1,9 @@
 """The training loop: data -> engine -> all-reduce -> AdamW step -> logs, adapter.
 
 Read top to bottom: :func:`train` calls :func:`setup` (model, data, LoRA,
-engine, handshake, output folder, optimizer, resume, logger) and then
-:func:`loop`, which only loops. Each step takes the global batch from the
-sampler and this rank's shard of it, asks the engine
-(``engine.run_micro_batches``) for the loss contributions and LoRA gradients of
-its micro-batches, normalised by the objective's *global* totals, sums them
-over ranks, clips, checks they are finite
-on every rank, and applies one AdamW update with the learning rate of
-``schedule.learning_rate(step)``.
+engine, handshake, output folder, optimizer, resume, logger, the
+``step.Step``) and then :func:`loop`, which keeps cadence only: a step, its
+record, and when to stop, check, evaluate and save.
 """
 
 from __future__ import annotations
@@ -18,27 +13,25 @@ import math
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from . import checkpoint as ckpt
 from . import sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
-from .engine import make_engine, run_micro_batches
+from .engine import make_engine, make_objective
 from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
 from .lora import apply_lora, save_adapter
-from .objective import ORPO
-from .optimizer import AdamWStep, update_applied
-from .schedule import learning_rate
-from .tracking import RunLogger, new_run_dir, peak_memory_gb
+from .optimizer import AdamWStep
+from .step import Step
+from .tracking import RunLogger, new_run_dir
 from .types import TokenizedPair
 
 @dataclass
@@ -60,55 +53,6 @@ class TrainResult:
         first, last = min(self.evals), max(self.evals)
         return (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
-
-
-def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
-    """One optimizer step on the global ``batch`` (this rank trains its shard).
-
-    ``stop`` (a :class:`StopRequest` or None) is read when the step's metrics
-    are all-reduced, after the gradients: a signal that arrived during this
-    step is agreed in this step, not the next.
-
-    Returns ``(metrics, applied, stop)``: ``applied`` is False when the loss or
-    gradients were not finite and the update was skipped (the same decision on
-    every rank, since both are all-reduced); ``stop`` is True on every rank when
-    any rank asked to stop (signal), agreed through the same all-reduce.
-    """
-    t = cfg.train
-    start = time.perf_counter()
-    objective = engine.objective
-    norm = objective.totals(batch)
-    mine = sampler.rank_shard(batch, group.rank, group.size)
-    key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
-    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True, key=key)
-    if grads is None:  # this rank got no pairs this step: contribute zeros
-        grads = tree_map(mx.zeros_like, model.trainable_parameters())
-    reduce_start = time.perf_counter()
-    grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
-    reduce_seconds = time.perf_counter() - reduce_start
-    sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-    metrics = objective.finalize(sums)
-    lr = learning_rate(step, t)
-    loss_finite = math.isfinite(metrics["loss"])
-    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
-    finite = update_applied(loss_finite, grad_norm)
-    seconds = time.perf_counter() - start
-    metrics.update({
-        "grad_norm": grad_norm,
-        "learning_rate": lr,
-        "tokens_per_second": sums["input_tokens"] / seconds,
-        "pairs_per_second": sums["pairs"] / seconds,
-        "peak_memory_gb": peak_memory_gb(),
-        "perf/step_seconds": seconds,
-        "perf/allreduce_seconds": reduce_seconds,
-        "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
-    })
-    return metrics, finite, sums["stop"] > 0
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The dropout key seed of an optimizer step, so a resumed run draws the same masks."""
-    return (seed * 1_000_003 + step) % (2**63)
 
 
 def _nothing(*_) -> None:
@@ -149,6 +93,7 @@ class Run:
     resolved: dict
     base_model: dict
     result: TrainResult
+    step: Optional[Step] = None
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
@@ -182,41 +127,44 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 
 def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
-    t, log, result = run.cfg.train, run.log, run.result
+    t, result = run.cfg.train, run.result
     if run.valid and run.state.step == 0:
         evaluate_and_log(run, 0)
     if run.state.step < t.steps:
-        log.doing(first_step_text(run))
+        run.log.doing(first_step_text(run))
     skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
-        batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
         run.hooks.before_step(step, run)
-        metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
-                                                run.group, run.stop)
+        out = run.step(step, run.stop)
         run.hooks.after_step(step, run)
-        skipped_in_row = 0 if applied else skipped_in_row + 1
-        record(run, step, metrics, applied)
+        skipped_in_row = 0 if out.applied else skipped_in_row + 1
+        record(run, step, out.metrics, out.applied)
         if skipped_in_row >= t.max_skipped_steps:
             save(run, step)
-            sources = ", ".join(p.source or "?" for p in batch[:8])
+            sources = ", ".join(p.source or "?" for p in out.batch[:8])
             raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
-        if stopping:
+        if out.stop:
             save(run, step)
-            log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
+            run.log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
             result.steps, result.stopped = step, True
             return result
-        if run.cfg.distributed.check_sync_every and step % run.cfg.distributed.check_sync_every == 0:
+        if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
-        if run.valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+        if run.valid and _every(step, t.eval_every) and step != t.steps:
             evaluate_and_log(run, step)
-        if t.save_every and step % t.save_every == 0 and step != t.steps:
+        if _every(step, t.save_every) and step != t.steps:
             save(run, step)
     if run.valid:
         evaluate_and_log(run, t.steps)
     save(run, t.steps)
     finish(run)
     return result
+
+
+def _every(step: int, n: int) -> bool:
+    """Whether a cadence of every ``n`` steps (0 = never) falls on ``step``."""
+    return bool(n) and step % n == 0
 
 
 def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
@@ -244,7 +192,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = hooks.engine(make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None))
+    engine = hooks.engine(make_engine(cfg.engine, model, make_objective(cfg), report=_stderr if group.is_main else None))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -287,8 +235,9 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
+        step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
-                   resolved, {**loaded.reference, "source": loaded.source}, result,
+                   resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks)
 
 

@@ -97,12 +97,12 @@ def hooks_for(args, group, seen) -> trainer.Hooks:
         def __init__(self, engine):
             self.engine, self.name, self.objective = engine, engine.name, engine.objective
 
-        def step(self, chunk, totals, key=None):
+        def step(self, chunk, totals, key=None, hyper=None):
             seen.setdefault(current["step"], []).extend(p.source for p in chunk)
-            return self.engine.step(chunk, totals, key)
+            return self.engine.step(chunk, totals, key, hyper)
 
-        def evaluate(self, chunk, totals, key=None):
-            return self.engine.evaluate(chunk, totals, key)
+        def evaluate(self, chunk, totals, key=None, hyper=None):
+            return self.engine.evaluate(chunk, totals, key, hyper)
 
     return trainer.Hooks(engine=Recording, before_step=before_step, after_step=after_step)
 

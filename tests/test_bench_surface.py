@@ -71,7 +71,7 @@ def test_the_rule_rejects_what_it_should():
     assert public("dtrain.engine", "loss_from_token_logps") == "not in dtrain.engine.__all__"
     assert public("dtrain.blas", "_openblas_candidates") == "a private name"
     assert public("dtrain.data", "tokenize_cached") is None and public("dtrain.launch.netns", "namespaces") is None
-    assert public("dtrain.trainer", "train_step") is None
+    assert public("dtrain.step", "Step") is None
 
 
 def test_tests_import_nothing_from_bench():

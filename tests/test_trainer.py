@@ -114,7 +114,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     from dtrain.config import LoraConfig
     from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
 
     model = make_tiny_model()
     apply_lora(model, LoraConfig(rank=2))
@@ -122,8 +122,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     engine = ReferenceEngine(model, ORPO(0.1))
     pairs = make_pairs(4)
     norm = ORPO(0.1, "full").totals(pairs)
-    whole, g_whole = run_micro_batches(engine, pairs, norm, 4, with_grads=True)
-    parts, g_parts = run_micro_batches(engine, pairs, norm, 1, with_grads=True)
+    whole, g_whole = run_micro_batches(engine, [pairs], norm, with_grads=True)
+    parts, g_parts = run_micro_batches(engine, [[p] for p in pairs], norm, with_grads=True)
     assert parts["pairs"] == whole["pairs"] == 4 and parts["nll_sum"] == pytest.approx(whole["nll_sum"], rel=1e-6)
     for (name, a), (_, b) in zip(tree_flatten(g_whole), tree_flatten(g_parts)):
         a, b = np.array(a), np.array(b)
