@@ -410,17 +410,47 @@ def yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("...\n").strip()
 
 
-def describe(cfg: Optional[Config] = None) -> str:
+def describe(cfg: Optional[Config] = None, active: Optional[set] = None) -> str:
     """Every key with its value (the defaults when ``cfg`` is None), allowed values and help,
-    as a commented YAML config (what ``dtrain config`` prints)."""
+    as a commented YAML config (what ``dtrain config`` prints). ``active``: the
+    ``(section, key)`` pairs a config file sets; the others are commented out
+    (how configs/demo.yaml is written: :func:`commented`)."""
     cfg = cfg or Config()
     lines = []
     for section in dataclasses.fields(Config):
         sub = getattr(cfg, section.name)
+        lines += [""] if lines and active is not None else []
         lines.append(f"{section.name}:")
         for key, tp, _, meta in describe_fields(type(sub)):
-            text = f"  {key}: {yaml_value(getattr(sub, _ALIASES.get(key, key)))}"
+            off = "" if active is None or (section.name, key) in active else "# "
+            text = f"  {off}{key}: {yaml_value(getattr(sub, _ALIASES.get(key, key)))}"
             lines.append(f"{text:<34} # {meta.get('help', '')} [{allowed(tp, meta)}]")
+    return "\n".join(lines)
+
+
+def commented(path: str) -> str:
+    """The text ``path`` (a config file) should hold: its leading comment block, then every
+    key with its help from this module, the keys it sets active and the others commented
+    out at their defaults. ``tests/test_config.py`` checks configs/demo.yaml against it."""
+    text = Path(path).read_text(encoding="utf-8")
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#") and line.strip():
+            break
+        header.append(line)
+    raw = yaml.safe_load(text) or {}
+    active = {(section, key) for section, keys in raw.items() for key in (keys or {})}
+    return "\n".join(header).rstrip() + "\n\n" + describe(load_config(path), active) + "\n"
+
+
+def override_help() -> str:
+    """Every key as a ``--section.key`` override with its default, help and allowed values
+    (the epilog of ``dtrain train --help``)."""
+    lines, cfg = ["config keys (defaults from dtrain/config.py; override any with --section.key VALUE):"], Config()
+    for section in dataclasses.fields(Config):
+        for key, tp, default, meta in describe_fields(type(getattr(cfg, section.name))):
+            lines.append(f"  --{section.name}.{key} {yaml_value(default)}: {meta.get('help', '')} "
+                         f"[{allowed(tp, meta)}]")
     return "\n".join(lines)
 
 
