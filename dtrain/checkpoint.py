@@ -15,7 +15,7 @@ previous checkpoint or the new one, never a half-written folder that looks
 valid. A folder is valid only when its manifest exists and every checksum
 matches.
 
-One run owns its output folder for its whole life: :func:`lock_output` takes
+One run owns its output folder for its whole life: :func:`prepare_output` takes
 an exclusive ``flock`` on ``OUTPUT_DIR/.dtrain.lock``, so a second run into the
 same folder stops before it writes anything; a checkpoint of another run is
 never replaced.

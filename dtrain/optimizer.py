@@ -1,6 +1,6 @@
 """The optimizer step: global-norm clipping, the finiteness check and AdamW, as one function.
 
-The ~420 LoRA arrays of a SmolLM2-sized model make ``optimizer.update`` about
+The ~420 LoRA arrays of a SmolLM2-sized model make mlx's ``Optimizer.update`` about
 4,000 tiny eager operations, a third of a GPU step (docs/gpu.md). Here the
 clip, the AdamW update of :class:`mlx.optimizers.AdamW` and the skip of a
 non-finite step are one pure function of ``(params, state, grads, lr,

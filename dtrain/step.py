@@ -48,8 +48,9 @@ class StepOutcome:
 class Step:
     """The work of one optimizer step (this rank trains its shard of the global batch).
 
-    ``objective``: scores the step (``engine.objective`` unless given); its
-    ``hyper()`` enter the engine as inputs, so a new λ between steps retraces nothing.
+    ``objective``: scores the step (``engine.objective`` unless given); ``hyper``: its
+    hyper-parameters (``objective.hyper()`` unless given), float32 scalars that enter the
+    engine as inputs, so setting a new λ here between steps retraces nothing.
     """
 
     engine: Any
@@ -60,9 +61,11 @@ class Step:
     train: TrainConfig
     group: Group
     objective: Optional[Objective] = None
+    hyper: Optional[dict] = None
 
     def __post_init__(self):
         self.objective = self.objective or self.engine.objective
+        self.hyper = self.hyper or self.objective.hyper()
 
     def __call__(self, step: int, stop=None) -> StepOutcome:
         """Step ``step`` (1-based). ``stop`` (a ``trainer.StopRequest`` or None) is read when the
@@ -72,7 +75,7 @@ class Step:
         batch, chunks = self.sampler.take(step, self.pairs, group.rank, group.size, t.micro_batch_pairs)
         totals = objective.totals(batch)
         key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
-        sums, grads = run_micro_batches(self.engine, chunks, totals, True, key, objective.hyper())
+        sums, grads = run_micro_batches(self.engine, chunks, totals, True, key, self.hyper)
         if grads is None:  # this rank got no pairs this step: contribute zeros
             grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
         reduce_start = time.perf_counter()
