@@ -29,6 +29,7 @@ and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -45,7 +46,7 @@ from dtrain.engine import make_engine  # noqa: E402
 from dtrain.engine import ORPO  # noqa: E402
 from dtrain.optimizer import AdamWStep  # noqa: E402
 
-DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
+DATA = os.path.join(os.environ.get("DTRAIN_DATA_DIR", "data"), "orca_dpo_pairs_validation.jsonl")  # README: data
 MODES = {"exact": dict(kind="segmented", segment_layers=0, length_bucket=0, compile=False),
          "bucketed": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=False),
          "compiled": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=True),

@@ -119,7 +119,7 @@ class EngineConfig:
         "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
                 "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
     compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
-                                  "(no faster on an H200, 30-80 s first steps: docs/gpu.md)")
+                                  "(slower first steps, no faster on a GPU: docs/gpu.md)")
 
 
 @dataclass

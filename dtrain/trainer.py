@@ -24,10 +24,12 @@ from . import checkpoint as ckpt
 from . import sampler
 from .blas import warn_if_slow
 from .config import Config, to_dict
+from .device import resolve_auto
 from .distributed import Group, check_in_sync, handshake
 from .engine import make_engine, make_objective
 from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
+from .files import OutputDir
 from .lora import apply_lora, save_adapter
 from .optimizer import AdamWStep
 from .step import Step
@@ -100,7 +102,7 @@ class Run:
 
     @property
     def checkpoints(self) -> Path:
-        return Path(self.cfg.train.output_dir) / "checkpoints"
+        return OutputDir(Path(self.cfg.train.output_dir)).checkpoints
 
 
 def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> TrainResult:
@@ -175,6 +177,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
+    notice = _stderr if group.is_main else None  # the run's notices before its logger exists: rank 0 only
+    chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
@@ -186,13 +190,13 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     if dataset is None:
         from .data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
-                               cache_dir=Path(t.output_dir) / "data_cache")
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
+                               cache_dir=OutputDir(Path(t.output_dir)).data_cache)
         cache_entries = dataset.cache_entries
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = hooks.engine(make_engine(cfg.engine, model, make_objective(cfg), report=_stderr if group.is_main else None))
+    engine = hooks.engine(make_engine(chosen.engine, model, make_objective(cfg), report=notice))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -201,18 +205,18 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                           global_batch_pairs=t.global_batch_pairs, world_size=group.size,
                           data=ckpt.data_identity(resolved["data"], dataset.fingerprint, dataset.train),
                           model=loaded.identity, lora_shapes=lora_shapes)
-    out = Path(t.output_dir)
+    out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
-        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, ckpt.estimate_bytes(model), t.resume is not None))
+        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out.root, ckpt.estimate_bytes(model), t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
             from .data import write_entries
 
             write_entries(cache_entries)
-        optimizer = AdamWStep(t, model.trainable_parameters())
-        resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=_stderr if group.is_main else None)
+        optimizer = AdamWStep(chosen.train, model.trainable_parameters())
+        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
+                              model, optimizer, group, report=notice)
         if resumed is not None:
             if resumed.state.step > t.steps:
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
@@ -220,7 +224,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             state = replace(resumed.state, world_size=group.size)
         run_dir = Path(state.tensorboard_run) if state.tensorboard_run else None
         if group.is_main and (run_dir is None or not run_dir.is_dir()):
-            run_dir = new_run_dir(out / "tb")
+            run_dir = new_run_dir(out.tb)
         state.tensorboard_run = str(run_dir) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
@@ -231,9 +235,10 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()})
-        log.config(resolved)
+        log.config(resolved, auto)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
+                    + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
         step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
@@ -276,7 +281,7 @@ def finish(run: Run) -> None:
     """Rank 0 writes the adapter and the hparams record."""
     if run.group.is_main:
         t = run.cfg.train
-        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, Path(t.output_dir) / "adapters", run.base_model)
+        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, OutputDir(Path(t.output_dir)).adapters, run.base_model)
         final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
         run.log.hparams(run.resolved, final, t.steps)
         run.log.message(f"adapter written to {run.result.adapter_dir}")

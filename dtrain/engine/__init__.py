@@ -54,8 +54,7 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     report = report or (lambda _: None)
     if cfg.kind == "reference":
         return ReferenceEngine(model, objective)
-    import mlx.core as mx
-
+    from ..device import default_length_bucket
     from .arch import adapter_for, module_name
     from .plan import GIB
     from .segmented import SegmentedEngine, has_dropout, trainable_outside_layers
@@ -78,9 +77,9 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     if compile and has_dropout(model):
         report("engine.compile is off: LoRA dropout draws new masks each step, which compiled ranges would replay")
         compile = False
-    bucket = (128 if mx.default_device() == mx.gpu else 0) if cfg.length_bucket == "auto" else cfg.length_bucket
+    bucket = default_length_bucket() if cfg.length_bucket == "auto" else cfg.length_bucket
     return SegmentedEngine(model, arch, objective, size, cfg.prefix_sharing, cfg.head_chunk_tokens, bucket, compile,
-                           cfg.memory_budget_gb * GIB)
+                           cfg.memory_budget_gb * GIB, report)
 
 
 __all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "OBJECTIVES", "StepResult", "ReferenceEngine",

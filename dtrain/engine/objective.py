@@ -55,7 +55,8 @@ class PairLogps:
 
 
 class Objective(Protocol):
-    """What engines and the trainer ask of an objective (``loss.ORPO`` is one).
+    """What engines and the step ask of an objective (``loss.ORPO`` is one); the registry
+    (``dtrain.engine.OBJECTIVES``) builds it with the classmethod ``from_config(cfg)``.
 
     ``hyper()`` gives its hyper-parameters as float32 scalars: they enter a step
     as inputs (not constants), so changing one between steps retraces nothing.

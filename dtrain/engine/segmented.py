@@ -136,6 +136,7 @@ class SegmentedEngine:
         compile: ``mx.compile`` the single pass and the range functions (traced
             once per bucket).
         memory_budget: bytes for ``"auto"`` (weights included).
+        report: called with each plan choice of ``"auto"`` (None: silent).
 
     ``dtrain.engine.make_engine`` decides when this engine cannot be used (it
     falls back to the reference engine) and resolves the config's ``auto`` values.
@@ -149,7 +150,8 @@ class SegmentedEngine:
     name = "segmented"
 
     def __init__(self, model: nn.Module, arch: Arch, objective, segment_layers=0, prefix_sharing: bool = False,
-                 head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0):
+                 head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0,
+                 report=None):
         self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
         self.length_bucket = length_bucket
@@ -160,7 +162,7 @@ class SegmentedEngine:
             raise ValueError("compile with LoRA dropout: compiled ranges would replay the traced masks")
         self.compile = compile
         n = len(arch.layers)
-        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget)
+        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget, report)
         self.paths = _layer_paths(model, arch.layers)
         # per layer, the flattened names of its trainable parameters (fixed order)
         self.param_names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in arch.layers]

@@ -32,8 +32,9 @@ class ResumePoint:
 def resume_point(output_dir: Path) -> Optional[ResumePoint]:
     """The checkpoint ``train.resume: auto`` will continue from, or None when there is none."""
     from ..checkpoint import STATE, RunState, find_latest
+    from ..files import OutputDir
 
-    path = find_latest(Path(output_dir) / "checkpoints", report=lambda _: None)
+    path = find_latest(OutputDir(Path(output_dir)).checkpoints, report=lambda _: None)
     if path is None:
         return None
     state = RunState.from_json((path / STATE).read_text(), str(path / STATE))

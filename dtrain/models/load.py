@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..device import on_gpu
 from ..errors import ModelError
 from ..files import HUB_ID, sha256_file
 from . import DTYPE_NAMES
@@ -50,16 +51,11 @@ class LoadedModel:
     reference: dict = field(default_factory=dict)
 
 
-def on_gpu() -> bool:
-    """True when MLX's default device is a GPU (Metal or CUDA build)."""
-    return mx.default_device().type == mx.DeviceType.gpu
-
-
 def dtype_plan(dtype: str) -> tuple[bool, mx.Dtype]:
     """``(keep_quantized, float_dtype)`` for a ``model.dtype`` value.
 
     ``auto``: GPU → keep quantized weights, bfloat16 elsewhere; CPU → dequantize,
-    float32 (MLX's CPU quantized matmul is ~20x slower than float32 here).
+    float32 (MLX's CPU quantized matmul is far slower than float32; docs/benchmarks.md).
     ``float32`` always dequantizes. ``bfloat16``/``float16`` keep quantized
     weights on a GPU and dequantize on the CPU.
 
