@@ -252,7 +252,7 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
 
     from dtrain import sampler
     from dtrain.config import load_config
-    from dtrain.tracking import read_scalars
+    from dtrain.run.tracking import read_scalars
 
     out = work / variant.replace(" ", "_").replace("+", "_")
     if a.budget:

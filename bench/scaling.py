@@ -4,7 +4,7 @@
     python bench/scaling.py validate --ranks 2 3 4 --rates 1gbit 10gbit   # netns: predicted vs measured step
     python bench/scaling.py tables --demo bench/results/scaling-demo-STAMP.json
 
-``demo`` runs ``dtrain.step.Step`` of configs/demo.yaml (the real SmolLM2-135M demo
+``demo`` runs ``dtrain.run.step.Step`` of configs/demo.yaml (the real SmolLM2-135M demo
 model and pairs, one rank) and splits each step into engine compute (loss and
 LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 
@@ -46,9 +46,9 @@ from dtrain.config import load_config  # noqa: E402
 from dtrain.distributed import Group, init_group  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
 from dtrain.engine import ORPO  # noqa: E402
-from dtrain.optimizer import AdamWStep  # noqa: E402
+from dtrain.run.optimizer import AdamWStep  # noqa: E402
 from dtrain.sampler import Sampler  # noqa: E402
-from dtrain.step import Step  # noqa: E402
+from dtrain.run.step import Step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS_TABLE = (2, 3, 4, 6, 8, 12, 16)
@@ -91,7 +91,7 @@ class TimedEngine:
 
 
 def timed_step(step, engine, model, optimizer, pairs, cfg, group) -> dict:
-    """One ``dtrain.step.Step`` on ``pairs``: total, engine compute and all-reduce seconds."""
+    """One ``dtrain.run.step.Step`` on ``pairs``: total, engine compute and all-reduce seconds."""
     engine.seconds = 0.0
     sampler = Sampler(len(pairs), cfg.train.global_batch_pairs, cfg.train.seed)
     metrics = Step(engine, model, optimizer, sampler, pairs, cfg.train, group)(step).metrics
@@ -99,7 +99,7 @@ def timed_step(step, engine, model, optimizer, pairs, cfg, group) -> dict:
 
 
 def new_optimizer(cfg, model) -> AdamWStep:
-    return AdamWStep(cfg.train, model.trainable_parameters())  # as dtrain.trainer.setup
+    return AdamWStep(cfg.train, model.trainable_parameters())  # as dtrain.run.trainer.setup
 
 
 def measure_demo(steps: int, warmup: int) -> dict:

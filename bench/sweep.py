@@ -43,7 +43,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dtrain.tracking import read_scalars  # noqa: E402  (no MLX import)
+from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
 
 DATA_DIR = Path(os.environ.get("DTRAIN_DATA_DIR", "data"))  # the shared preference data (README: data)
 EVAL_KEYS = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/logps/rejected",

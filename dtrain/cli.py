@@ -67,7 +67,7 @@ def _train(args, overrides) -> int:
     cfg = load_config(args.config, overrides)
     _setup_blas()  # before the imports below load MLX
     from .distributed import init_group
-    from .trainer import train
+    from .run.trainer import train
 
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)

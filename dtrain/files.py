@@ -27,11 +27,11 @@ class OutputDir:
     root: Path
 
     @property
-    def checkpoints(self) -> Path:  # step-NNNNNNN folders (dtrain.checkpoint)
+    def checkpoints(self) -> Path:  # step-NNNNNNN folders (dtrain.run.checkpoint)
         return self.root / "checkpoints"
 
     @property
-    def tb(self) -> Path:  # one TensorBoard run folder per run (dtrain.tracking)
+    def tb(self) -> Path:  # one TensorBoard run folder per run (dtrain.run.tracking)
         return self.root / "tb"
 
     @property
@@ -43,7 +43,7 @@ class OutputDir:
         return self.root / "data_cache"
 
     @property
-    def lock(self) -> Path:  # held by the run that owns the folder (dtrain.checkpoint.OutputLock)
+    def lock(self) -> Path:  # held by the run that owns the folder (dtrain.run.checkpoint.OutputLock)
         return self.root / ".dtrain.lock"
 
 

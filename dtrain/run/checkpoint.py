@@ -46,9 +46,9 @@ import numpy as np
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import UserError
-from .files import OutputDir, atomic_folder, sha256_file
-from .lora import ADAPTER_WEIGHTS, write_adapter
+from ..errors import UserError
+from ..files import OutputDir, atomic_folder, sha256_file
+from ..lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"

@@ -3,9 +3,10 @@ shard, the metric sums added over ranks and finalised by the engine's objective.
 
 from __future__ import annotations
 
-from . import guards, sampler
-from .engine import run_micro_batches
-from .types import TokenizedPair
+from .. import sampler
+from . import guards
+from ..engine import run_micro_batches
+from ..types import TokenizedPair
 
 ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
 

@@ -27,8 +27,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from .config import TrainConfig
-from .device import on_gpu
+from ..config import TrainConfig
+from ..device import on_gpu
 from .schedule import learning_rate
 
 

@@ -17,11 +17,11 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from .config import TrainConfig
-from .distributed import Group
-from .engine import Objective, run_micro_batches
+from ..config import TrainConfig
+from ..distributed import Group
+from ..engine import Objective, run_micro_batches
 from .optimizer import update_applied
-from .sampler import Sampler
+from ..sampler import Sampler
 from .schedule import learning_rate
 from .tracking import peak_memory_gb
 

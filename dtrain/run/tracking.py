@@ -25,7 +25,7 @@ from typing import Optional
 
 import yaml
 
-from .files import fsync_path
+from ..files import fsync_path
 
 
 def new_run_dir(root: Path) -> Path:

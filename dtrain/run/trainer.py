@@ -21,20 +21,20 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import checkpoint as ckpt
-from . import sampler
-from .blas import warn_if_slow
-from .config import Config, to_dict
-from .device import resolve_auto
-from .distributed import Group, check_in_sync, handshake
-from .engine import make_engine, make_objective
+from .. import sampler
+from ..blas import warn_if_slow
+from ..config import Config, to_dict
+from ..device import resolve_auto
+from ..distributed import Group, check_in_sync, handshake
+from ..engine import make_engine, make_objective
 from .evaluation import ACCURACY, evaluate_and_log
-from .errors import UserError
-from .files import OutputDir
-from .lora import apply_lora, save_adapter
+from ..errors import UserError
+from ..files import OutputDir
+from ..lora import apply_lora, save_adapter
 from .optimizer import AdamWStep
 from .step import Step
 from .tracking import RunLogger, new_run_dir
-from .types import TokenizedPair
+from ..types import TokenizedPair
 
 @dataclass
 class TrainResult:
@@ -182,13 +182,13 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
-        from .models import load_model
+        from ..models import load_model
 
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
     cache_entries = []  # tokenized pairs for OUT/data_cache, written once this run owns OUT
     if dataset is None:
-        from .data import load_dataset
+        from ..data import load_dataset
 
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
                                cache_dir=OutputDir(Path(t.output_dir)).data_cache)
@@ -211,7 +211,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
-            from .data import write_entries
+            from ..data import write_entries
 
             write_entries(cache_entries)
         optimizer = AdamWStep(chosen.train, model.trainable_parameters())
