@@ -26,8 +26,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
-from .launch.env import (EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
-                         launcher_backend, rank_from_env)
+from .contract import (EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
+                       launcher_backend, rank_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
 

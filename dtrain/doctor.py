@@ -103,7 +103,7 @@ def demo_lines(steps: int = 2, max_length: int = 128, pairs: int = 4, model: str
     """Train ``steps`` steps of ``pairs`` generated pairs (``max_length`` tokens per side) on
     ``model``; one line per step with its seconds, and the peaks of MLX memory and RSS."""
     from .config import load_config
-    from .trainer import Hooks, train
+    from .run.trainer import Hooks, train
 
     times, peaks, engine = [], [], []
 

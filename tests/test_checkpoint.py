@@ -13,9 +13,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dtrain import checkpoint as ckpt
+from dtrain.run import checkpoint as ckpt
 from dtrain.errors import UserError
-from dtrain.tracking import read_scalars
+from dtrain.run.tracking import read_scalars
 from waiting import finish as finish_proc, spawn, wait_for_path, wait_until
 
 WORKER = Path(__file__).resolve().parent / "train_worker.py"

@@ -139,7 +139,7 @@ def test_a_group_whose_size_differs_from_the_announced_one_stops(monkeypatch, an
 def test_ranks_of_another_job_are_named_before_any_other_difference():
     """The handshake compares DTRAIN_JOB first: two jobs that took the same ports stop with that cause."""
     from dtrain.distributed import ForeignRankError
-    from dtrain.launch.env import EXIT_LOST_PEER
+    from dtrain.contract import EXIT_LOST_PEER
 
     class TwoRanks(Group):  # the gathered texts of a 2-rank group whose rank 1 is another job's
         def all_gather_text(self, text, step, what="all_gather of text"):

@@ -142,7 +142,7 @@ def test_sigint_stops_every_rank(job, tmp_path, backend):
 
 def read_scalars_of(tb: Path) -> dict:
     """The scalars of the one TensorBoard run under ``tb`` ({} before it exists)."""
-    from dtrain.tracking import read_scalars
+    from dtrain.run.tracking import read_scalars
 
     runs = list(tb.iterdir()) if tb.is_dir() else []
     return read_scalars(runs[0]) if runs else {}

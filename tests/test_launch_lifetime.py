@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.checkpoint import LOCK, find_latest
+from dtrain.files import OutputDir
+from dtrain.run.checkpoint import find_latest
 from dtrain.launch.plan import _port_lock, free_ports
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
@@ -29,8 +30,8 @@ def job(tmp_path_factory):
 
 
 def lock_is_free(out: Path) -> bool:
-    """No run holds ``out``'s lock (dtrain.checkpoint.lock_output)."""
-    fd = os.open(out / LOCK, os.O_RDWR)
+    """No run holds ``out``'s lock (dtrain.run.checkpoint.OutputLock)."""
+    fd = os.open(OutputDir(out).lock, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True

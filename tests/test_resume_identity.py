@@ -9,12 +9,12 @@ import typing
 
 import pytest
 
-from dtrain import checkpoint as ckpt
+from dtrain.run import checkpoint as ckpt
 from dtrain import identity
 from dtrain.config import Config, describe_fields, load_config, to_dict
 from dtrain.errors import UserError
-from dtrain.schedule import learning_rate
-from dtrain.tracking import read_events, read_scalars
+from dtrain.run.schedule import learning_rate
+from dtrain.run.tracking import read_events, read_scalars
 from test_trainer import run
 
 
@@ -166,7 +166,7 @@ def test_resume_of_a_finished_run_evaluates_saves_and_logs_nothing_again(tmp_pat
 
 def test_a_final_step_saved_by_a_stop_is_evaluated_once_on_resume(tmp_path):
     """A stop at the last step saves before the final eval; the resume does that eval, once."""
-    from dtrain.trainer import Hooks
+    from dtrain.run.trainer import Hooks
 
     def stop_at_last(step, run_):
         if step == 2:
@@ -190,7 +190,7 @@ def run_on_file(out, data, *overrides):
     from types import SimpleNamespace
 
     from conftest import make_tiny_model, make_tokenizer
-    from dtrain.trainer import train
+    from dtrain.run.trainer import train
 
     cfg = load_config(None, [f"train.output_dir={out}", f"data.train={data}", "train.steps=2",
                              "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "lora.rank=2",

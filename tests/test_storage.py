@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 from tensorboardX.record_writer import RecordWriter
 
-from dtrain import checkpoint as ckpt
+from dtrain.run import checkpoint as ckpt
 from dtrain.errors import UserError
 from dtrain.files import StorageError, storage, storage_reason
 from test_trainer import run

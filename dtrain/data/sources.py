@@ -44,14 +44,13 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..errors import DataError
-from ..files import sha256_file
+from ..files import HUB_ID, sha256_file
 from .formats import BadRow, BadRowReport, detect_format, parse_rows
 
 # A JSONL line longer than this is reported instead of parsed and tokenized:
 # ~500k tokens, far past any max_length, and slow to tokenize.
 MAX_LINE_CHARS = 2_000_000
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Compressions read as a stream: name -> (magic bytes, opener of a binary file object).
 _STREAMED = {
     "gzip": (b"\x1f\x8b", lambda f: gzip.GzipFile(fileobj=f)),
@@ -117,7 +116,7 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
 def is_hub_id(spec: str) -> bool:
     """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``."""
     p = Path(spec)
-    return (not p.exists() and bool(_HUB_ID.fullmatch(spec))
+    return (not p.exists() and bool(HUB_ID.fullmatch(spec))
             and p.suffix not in (".json", ".jsonl", ".parquet", *COMPRESSED_SUFFIXES))
 
 

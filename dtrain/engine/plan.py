@@ -10,17 +10,15 @@ when its estimate fits the memory budget, else the largest range size that does.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..memory import default_budget_bytes, weight_bytes
+from ..device import on_gpu
+from ..memory import GIB, default_budget_bytes, weight_bytes
 from .layout import Layout
 
-GIB = 1024**3
-LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
 AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
 # measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
 ESTIMATE_MARGIN = 1.25
@@ -30,7 +28,7 @@ def fused_attention(dtype) -> bool:
     """Whether MLX runs attention fused (no ``(Lq, Lk)`` scores kept): its CUDA
     backend does for float16/bfloat16 through cuDNN; elsewhere the scores exist."""
     cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
+    return on_gpu() and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
 
 
 def layer_bytes_per_token(args, itemsize: int) -> float:
@@ -99,12 +97,12 @@ class Plan:
             ``"auto"``, the chunk used when recomputing, 0 = ``AUTO_HEAD_CHUNK``).
         memory_budget: bytes for ``"auto"``, weights included (0: ``dtrain.memory.default_budget_bytes``).
 
-    ``"auto"`` chooses once per shape and logs the choice (``logging`` INFO on
-    ``dtrain.engine.plan``; not printed unless the caller shows it, so that
-    ranks other than 0 stay silent).
+    ``"auto"`` chooses once per shape and passes each change of choice to ``report``
+    (the run's notices, shown on rank 0 only; None: silent).
     """
 
-    def __init__(self, model, n_layers: int, segment_layers, head_chunk_tokens: int, memory_budget: float = 0.0):
+    def __init__(self, model, n_layers: int, segment_layers, head_chunk_tokens: int, memory_budget: float = 0.0,
+                 report=None):
         self.args, self.n_layers = model.args, n_layers
         self.auto = segment_layers == "auto"
         self.size = n_layers if self.auto or segment_layers <= 0 else min(segment_layers, n_layers)
@@ -114,7 +112,9 @@ class Plan:
         self.dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
         lora_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
         self.fixed_bytes = weights + 3 * lora_bytes  # + gradients and AdamW's two moments
-        self._chosen = {}
+        self._chosen = {}  # shape -> (range size, head chunk)
+        self._reported = None  # the last choice reported
+        self.report = report or (lambda _: None)
 
     def __call__(self, layout: Layout, attention_rows: tuple[int, int] | None) -> tuple[int, int]:
         """The plan of ``layout``; ``attention_rows``: ``(rows, length)`` of its prefix-sharing
@@ -134,8 +134,10 @@ class Plan:
         choice, est = choose(self.args, self.n_layers, self.dtype.size, fused_attention(self.dtype), shape,
                              self.fixed_bytes, self.memory_budget, chunk)
         what = "single pass" if choice == (self.n_layers, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
-        LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
-                 f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
+        if choice != self._reported:  # a notice when the plan changes, not per shape (exact shapes: every step)
+            self._reported = choice
+            self.report(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} (estimated peak "
+                        f"{est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
         return choice
 
 

@@ -3,7 +3,7 @@
 A :class:`Plan` is built without starting anything, from explicit arguments,
 so ``--dry-run`` prints exactly what a real launch executes. Ranks on this
 machine (``-n N``, ring or NCCL) are started by the launcher itself, each with
-the variables of :mod:`dtrain.launch.env`: mlx.launch 0.32 would sit between,
+the variables of :mod:`dtrain.contract`: mlx.launch 0.32 would sit between,
 spinning a core for the whole run (docs/reliability.md). Hostfile runs (ring,
 JACCL, NCCL) are started by ``mlx.launch`` over ssh. MPI runs ``mpirun``
 directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
@@ -22,7 +22,7 @@ from typing import Optional
 
 from ..blas import CHILD_VARS, blas_env
 from ..sampler import rank_shard
-from .env import FILE_VARS, rank_variables
+from ..contract import FILE_VARS, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
 
 DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port or taken

@@ -4,12 +4,12 @@ Every rank runs under :mod:`dtrain.launch.rank`, whose report lines say when
 it started (its trainer's pid) and how it ended. The launcher talks to those
 wrappers with two signals: SIGUSR2 asks them to stop gently (the trainers save
 a checkpoint after their step), SIGUSR1 makes them end their trainers within
-``rank.ABORT_GRACE_S`` seconds.
+``contract.ABORT_GRACE_S`` seconds.
 Ranks on this machine are started by the launcher itself, each wrapper in its
 own session, and get the signals one by one; under mlx.launch they go to the
 whole process group (mlx.launch itself ignores them); mpirun forwards both to
 its ranks, so under MPI they go to mpirun only. Every wrapper also watches the
-launcher (:data:`~.env.LAUNCHER_VAR`): when the launcher is gone, whatever
+launcher (:data:`dtrain.contract.LAUNCHER_VAR`): when the launcher is gone, whatever
 ended it, its ranks save and stop.
 
 The first rank that fails on its own makes the launcher abort the others
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .env import EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, JOB_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env
+from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
+                        LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from .plan import Plan
 from .rank import MARK, Report, parse_report
 
-ABORT_GRACE_S = 10.0  # after SIGUSR1: seconds before the launcher kills the whole group
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
 
 
@@ -122,7 +122,7 @@ class Attempt:
         for relay in relays:
             relay.start()
         while any(p.poll() is None for p in self.procs):
-            if self.aborted_at is not None and time.monotonic() - self.aborted_at > ABORT_GRACE_S:
+            if self.aborted_at is not None and time.monotonic() - self.aborted_at > ABORT_GRACE_S + GROUP_KILL_MARGIN_S:
                 for p in self.procs:
                     _signal_group(p.pid, signal.SIGKILL)
             time.sleep(0.1)

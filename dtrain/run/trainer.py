@@ -1,14 +1,9 @@
 """The training loop: data -> engine -> all-reduce -> AdamW step -> logs, adapter.
 
 Read top to bottom: :func:`train` calls :func:`setup` (model, data, LoRA,
-engine, handshake, output folder, optimizer, resume, logger) and then
-:func:`loop`, which only loops. Each step takes the global batch from the
-sampler and this rank's shard of it, asks the engine
-(``engine.run_micro_batches``) for the loss contributions and LoRA gradients of
-its micro-batches, normalised by the objective's *global* totals, sums them
-over ranks, clips, checks they are finite
-on every rank, and applies one AdamW update with the learning rate of
-``schedule.learning_rate(step)``.
+engine, handshake, output folder, optimizer, resume, logger, the
+``step.Step``) and then :func:`loop`, which keeps cadence only: a step, its
+record, and when to stop, check, evaluate and save.
 """
 
 from __future__ import annotations
@@ -18,32 +13,32 @@ import math
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from . import checkpoint as ckpt
-from . import sampler
-from .blas import warn_if_slow
-from .config import Config, to_dict
-from .data.templates import template_source
-from .distributed import Group, check_in_sync, handshake
-from .engine import make_engine, run_micro_batches
+from .. import sampler
+from ..blas import warn_if_slow
+from ..config import Config, to_dict
+from ..data.templates import template_source
+from ..device import resolve_auto
+from ..distributed import Group, check_in_sync, handshake
+from ..engine import make_engine, make_objective
 from .evaluation import ACCURACY, evaluate_and_log
-from .files import storage
-from .identity import settings
-from .errors import UserError
-from .lora import apply_lora, save_adapter
-from .memory import wired_limit
-from .objective import ORPO
-from .optimizer import AdamWStep, update_applied
+from ..errors import UserError
+from ..files import OutputDir, storage
+from ..identity import settings
+from ..lora import apply_lora, save_adapter
+from ..memory import wired_limit
+from .optimizer import AdamWStep
 from .schedule import learning_rate
-from .tracking import RunLogger, new_run_dir, peak_memory_gb
-from .types import TokenizedPair
+from .step import Step
+from .tracking import RunLogger, new_run_dir
+
 
 @dataclass
 class TrainResult:
@@ -64,59 +59,6 @@ class TrainResult:
         first, last = min(self.evals), max(self.evals)
         return (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
-
-
-def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None,
-               schedule_steps: Optional[int] = None):
-    """One optimizer step on the global ``batch`` (this rank trains its shard).
-
-    ``schedule_steps``: the steps the learning-rate schedule was planned for
-    (``RunState.schedule_steps``; default ``train.steps``).
-
-    ``stop`` (a :class:`StopRequest` or None) is read when the step's metrics
-    are all-reduced, after the gradients: a signal that arrived during this
-    step is agreed in this step, not the next.
-
-    Returns ``(metrics, applied, stop)``: ``applied`` is False when the loss or
-    gradients were not finite and the update was skipped (the same decision on
-    every rank, since both are all-reduced); ``stop`` is True on every rank when
-    any rank asked to stop (signal), agreed through the same all-reduce.
-    """
-    t = cfg.train
-    start = time.perf_counter()
-    objective = engine.objective
-    norm = objective.totals(batch)
-    mine = sampler.rank_shard(batch, group.rank, group.size)
-    key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
-    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True, key=key)
-    if grads is None:  # this rank got no pairs this step: contribute zeros
-        grads = tree_map(mx.zeros_like, model.trainable_parameters())
-    reduce_start = time.perf_counter()
-    grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
-    reduce_seconds = time.perf_counter() - reduce_start
-    sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-    metrics = objective.finalize(sums)
-    lr = learning_rate(step, t, schedule_steps)
-    loss_finite = math.isfinite(metrics["loss"])
-    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
-    finite = update_applied(loss_finite, grad_norm)
-    seconds = time.perf_counter() - start
-    metrics.update({
-        "grad_norm": grad_norm,
-        "learning_rate": lr,
-        "tokens_per_second": sums["input_tokens"] / seconds,
-        "pairs_per_second": sums["pairs"] / seconds,
-        "peak_memory_gb": peak_memory_gb(),
-        "perf/step_seconds": seconds,
-        "perf/allreduce_seconds": reduce_seconds,
-        "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
-    })
-    return metrics, finite, sums["stop"] > 0
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The dropout key seed of an optimizer step, so a resumed run draws the same masks."""
-    return (seed * 1_000_003 + step) % (2**63)
 
 
 def _nothing(*_) -> None:
@@ -157,6 +99,7 @@ class Run:
     resolved: dict
     base_model: dict
     result: TrainResult
+    step: Optional[Step] = None
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
@@ -164,7 +107,7 @@ class Run:
 
     @property
     def checkpoints(self) -> Path:
-        return Path(self.cfg.train.output_dir) / "checkpoints"
+        return OutputDir(Path(self.cfg.train.output_dir)).checkpoints
 
 
 def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> TrainResult:
@@ -191,35 +134,33 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 
 def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
-    t, log, result = run.cfg.train, run.log, run.result
+    t, result = run.cfg.train, run.result
     if run.valid and run.state.step == 0:
         evaluate_and_log(run, 0)
     if run.state.step < t.steps:
-        log.doing(first_step_text(run))
+        run.log.doing(first_step_text(run))
     skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
-        batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
         run.hooks.before_step(step, run)
-        metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
-                                                run.group, run.stop, run.state.schedule_steps)
+        out = run.step(step, run.stop)
         run.hooks.after_step(step, run)
-        skipped_in_row = 0 if applied else skipped_in_row + 1
-        record(run, step, metrics, applied)
+        skipped_in_row = 0 if out.applied else skipped_in_row + 1
+        record(run, step, out.metrics, out.applied)
         if skipped_in_row >= t.max_skipped_steps:
             save(run, step)
-            sources = ", ".join(p.source or "?" for p in batch[:8])
+            sources = ", ".join(p.source or "?" for p in out.batch[:8])
             raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
-        if stopping:
+        if out.stop:
             save(run, step)
-            log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
+            run.log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
             result.steps, result.stopped = step, True
             return result
-        if run.cfg.distributed.check_sync_every and step % run.cfg.distributed.check_sync_every == 0:
+        if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
-        if run.valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+        if run.valid and _every(step, t.eval_every) and step != t.steps:
             evaluate_and_log(run, step)
-        if t.save_every and step % t.save_every == 0 and step != t.steps:
+        if _every(step, t.save_every) and step != t.steps:
             save(run, step)
     # the end of a run is idempotent: a resume of its final checkpoint evaluates, saves and logs nothing again
     done = run.resumed_from is not None and run.state.step == t.steps and (
@@ -232,6 +173,11 @@ def loop(run: Run) -> TrainResult:
     return result
 
 
+def _every(step: int, n: int) -> bool:
+    """Whether a cadence of every ``n`` steps (0 = never) falls on ``step``."""
+    return bool(n) and step % n == 0
+
+
 def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
     """Model, data, LoRA, engine, handshake, output folder, optimizer, resume, logger: a ready :class:`Run`.
 
@@ -240,24 +186,26 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
+    notice = _stderr if group.is_main else None  # the run's notices before its logger exists: rank 0 only
+    chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
-        from .models import load_model
+        from ..models import load_model
 
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
     cache_entries = []  # tokenized pairs for OUT/data_cache, written once this run owns OUT
     if dataset is None:
-        from .data import load_dataset
+        from ..data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
-                               cache_dir=Path(t.output_dir) / "data_cache")
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
+                               cache_dir=OutputDir(Path(t.output_dir)).data_cache)
         cache_entries = dataset.cache_entries
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = hooks.engine(make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None))
+    engine = hooks.engine(make_engine(chosen.engine, model, make_objective(cfg), report=notice))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -267,20 +215,20 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                           schedule_steps=t.steps, world_size=group.size,
                           data=ckpt.data_identity(dataset.fingerprint, dataset.train, valid),
                           model=loaded.identity, lora_shapes=lora_shapes)
-    out = Path(t.output_dir)
+    out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
         saves = tuple(s for s in range(1, t.steps + 1) if s == t.steps or (t.save_every and s % t.save_every == 0))
         plan = ckpt.DiskPlan(ckpt.estimate_bytes(model), saves, max(t.keep_last, 1))
-        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, plan, t.resume is not None))
+        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out.root, plan, t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
-            from .data import write_entries
+            from ..data import write_entries
 
             write_entries(cache_entries)
-        optimizer = AdamWStep(t, model.trainable_parameters())
-        resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=_stderr if group.is_main else None)
+        optimizer = AdamWStep(chosen.train, model.trainable_parameters())
+        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
+                              model, optimizer, group, report=notice)
         if resumed is not None:
             if resumed.state.step > t.steps:
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
@@ -290,8 +238,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                 _stderr(f"train.steps {t.steps} is past the {state.schedule_steps} steps this run's schedule was "
                         f"planned for: steps {max(state.step, state.schedule_steps) + 1}-{t.steps} hold its final "
                         f"learning rate {learning_rate(state.schedule_steps, t, state.schedule_steps):.3g}")
-        run_dir = tensorboard_dir(out, state.tensorboard_run) if group.is_main else None
-        state.tensorboard_run = str(run_dir.relative_to(out)) if group.is_main else None
+        run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
+        state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
         cleanup.callback(log.close)
@@ -301,12 +249,15 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cleanup.enter_context(wired_limit(model, report=_stderr if group.is_main else None))  # Metal only
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()})
-        log.config(resolved)
+        log.config(resolved, auto)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
+                    + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
+        step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group,
+                    schedule_steps=state.schedule_steps)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
-                   resolved, {**loaded.reference, "source": loaded.source}, result,
+                   resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks,
                    template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None)
 
@@ -346,7 +297,7 @@ def finish(run: Run, hparams: bool = True) -> None:
     """Rank 0 writes the adapter (the same bytes when written again) and, with ``hparams``, the hparams record."""
     if run.group.is_main:
         t = run.cfg.train
-        out = Path(t.output_dir) / "adapters"
+        out = OutputDir(Path(t.output_dir)).adapters
         with storage(f"write the adapter {out}", f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, t.steps)} "
                      f"holds the same weights"):
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out, run.base_model,
@@ -369,7 +320,7 @@ def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:
         path = path.relative_to(out.resolve()) if path.is_relative_to(out.resolve()) else None
     if path is not None and (out / path).is_dir():
         return out / path
-    return new_run_dir(out / "tb")
+    return new_run_dir(OutputDir(out).tb)
 
 
 def _stderr(message: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 
 def learning_rate(step: int, cfg: TrainConfig, schedule_steps: Optional[int] = None) -> float:

@@ -15,7 +15,7 @@ previous checkpoint or the new one, never a half-written folder that looks
 valid. A folder is valid only when its manifest exists and every checksum
 matches.
 
-One run owns its output folder for its whole life: :func:`lock_output` takes
+One run owns its output folder for its whole life: :func:`prepare_output` takes
 an exclusive ``flock`` on ``OUTPUT_DIR/.dtrain.lock``, so a second run into the
 same folder stops before it writes anything; a checkpoint of another run is
 never replaced.
@@ -46,16 +46,15 @@ import numpy as np
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import UserError
-from .files import atomic_folder, sha256_file, storage, storage_reason
-from .lora import ADAPTER_WEIGHTS, write_adapter
+from ..errors import UserError
+from ..files import OutputDir, atomic_folder, sha256_file, storage, storage_reason
+from ..lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 PREFIX = "step-"
-LOCK = ".dtrain.lock"
 RESUME_HINT = ("These decide what is trained or what its eval/ metrics measure; set them back, or train into a new "
                "train.output_dir (README: Checkpoints and resume)")
 
@@ -404,7 +403,7 @@ class OutputLock:
     """
 
     def __init__(self, out: Path):
-        self.path = Path(out) / LOCK
+        self.path = OutputDir(Path(out)).lock
         self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -447,11 +446,11 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     except OSError as err:
         raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
     try:
-        earlier = find_latest(out / "checkpoints", report=lambda _: None)
+        earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
                             f"continue it with train.resume=auto, or choose another train.output_dir")
-        kept = [p for p in list_checkpoints(out / "checkpoints") if validate(p) is None] if earlier else []
+        kept = [p for p in list_checkpoints(OutputDir(out).checkpoints) if validate(p) is None] if earlier else []
         need, more = plan.need(len(kept), int(earlier.name.removeprefix(PREFIX)) if earlier else 0)
         check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
                                     f"oldest beyond train.keep_last={plan.keep_last} is pruned ({len(kept)} on disk "
