@@ -41,7 +41,8 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     which gives the reference engine: an architecture without an adapter in
     ``engine/arch.py``, or trainable parameters outside the decoder layers.
     ``compile`` is dropped with LoRA dropout (compiled ranges would replay one
-    mask); ``length_bucket: auto`` is 128 on a GPU, 0 on the CPU. Each decision
+    mask), ``pack`` with sliding-window layers (their explicit mask over a packed
+    row is quadratic in its length); ``length_bucket: auto`` is 128 on a GPU, 0 on the CPU. Each decision
     that changes what was asked, and the advice for one range with a chunked
     head, is passed to ``report`` once (the trainer reports on rank 0 only).
 
@@ -78,8 +79,13 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
         report("engine.compile is off: LoRA dropout draws new masks each step, which compiled ranges would replay")
         compile = False
     bucket = default_length_bucket() if cfg.length_bucket == "auto" else cfg.length_bucket
+    pack = cfg.pack
+    if pack and any(w is not None for w in arch.windows):  # a packed row's mask would span all its sequences
+        report("engine.pack is off: sliding-window layers attend under an explicit mask, which over one packed "
+               "row grows with the square of the micro-batch's tokens")
+        pack = False
     return SegmentedEngine(model, arch, objective, size, cfg.prefix_sharing, cfg.head_chunk_tokens, bucket, compile,
-                           cfg.memory_budget_gb * GIB, report)
+                           cfg.memory_budget_gb * GIB, report, pack)
 
 
 __all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "OBJECTIVES", "StepResult", "ReferenceEngine",
