@@ -88,8 +88,11 @@ def time_steps(cfg, model, chunks_per_step: list) -> dict:
                 r = engines[pack].step(chunk, totals)
                 mx.eval(r.loss, r.grads)
                 loss += r.loss.item()
+            seconds = time.perf_counter() - t
+            print(f"step {i} ({'warm-up' if i == 0 else 'timed'}), {'packed' if pack else 'padded'}: {seconds:.1f} s, "
+                  f"loss {loss:.5f}", file=sys.stderr, flush=True)
             if i > 0:  # step 0 is the warm-up
-                out[pack]["seconds"].append(time.perf_counter() - t)
+                out[pack]["seconds"].append(seconds)
                 out[pack]["loss"].append(loss)
     return {("packed" if pack else "padded"): v for pack, v in out.items()}
 
