@@ -326,9 +326,10 @@ class SharedAttention:
     Interpreted by ``arch.shared_attention``.
 
     Attributes:
-        gather: ``(n_rows, M)`` int32 flat token index (``Layout.starts`` of the
-            sequence ``+ t``) of each attention row's tokens; padding repeats a real token of the
-            sequence after the row's real tokens, so no real query sees it.
+        gather: ``(n_rows, M)`` int32 flat token index (the sequence's
+            ``Layout.starts`` ``+ t``) of each attention row's tokens; padding
+            repeats a real token of the sequence after the row's real tokens,
+            so no real query sees it.
         scatter: ``(S * L,)`` int32, for each token, the flat index
             ``row * M + i`` of the attention output it takes (padded tokens
             take any; nothing reads them).
@@ -342,8 +343,8 @@ class SharedAttention:
 
 
 def shared_attention_plan(layout: Layout) -> SharedAttention:
-    """The :class:`SharedAttention` of a prefix-shared layout; ``M`` is bucketed
-    with ``layout.bucket``."""
+    """The :class:`SharedAttention` of a prefix-shared or packed layout; ``M`` is
+    bucketed with ``layout.bucket``."""
     S, L = layout.shape
     rows, first = [], []  # rows: (sequence start, token indices); first: each sequence's first row
     for o, (P, C, R) in zip(layout.starts, layout.spans):
