@@ -19,7 +19,9 @@ step traces); and the padding of the prefix-sharing attention rows (their
 real tokens over rows x length: attention work only, not in padding_fraction).
 
 ``--time N`` also times the first N steps on the CPU: the demo model (float32)
-with LoRA as ``--config`` sets it, ``--config``'s engine with ``pack`` off and
+with LoRA as ``--config`` sets it (``--time-layers K``: a random-weight model of
+SmolLM2's shape cut to K decoder layers, LoRA rank 8 scale 20, for a machine
+without the memory or time for the whole model), ``--config``'s engine with ``pack`` off and
 on (prefix sharing, exact shapes), each step's ``engine.step`` + ``mx.eval``
 over its micro-batches, the two variants in alternating order (A B, then B A)
 after one untimed warm-up step each; the losses of the two are compared.
@@ -105,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="config overrides, e.g. train.micro_batch_pairs=2 data.max_length=256 (a CPU's memory)")
     ap.add_argument("--time", type=int, default=0, help="also time the first N steps (+ 1 warm-up), pack off vs on")
+    ap.add_argument("--time-layers", type=int, default=0,
+                    help="time a random-weight SmolLM2-shaped model of this many layers (0 = the demo model)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args(argv)
 
@@ -137,13 +141,18 @@ def main(argv=None) -> int:
     if a.time:
         import statistics
 
-        timing = time_steps(cfg, loaded.model, chunks[: a.time + 1])
+        model = loaded.model
+        if a.time_layers:
+            from common import build_model
+
+            model = build_model("smollm2", a.time_layers, lora_scale=20.0)
+        timing = time_steps(cfg, model, chunks[: a.time + 1])
         print(f"\n| layout | s/step median (min–max), {a.time} steps after 1 warm-up | loss per step |\n|---|---|---|")
         for name, v in timing.items():
             s = v["seconds"]
             print(f"| {name} | {statistics.median(s):.1f} ({min(s):.1f}–{max(s):.1f}) "
                   f"| {', '.join(f'{x:.5f}' for x in v['loss'])} |")
-    path = write_results("padding", {"data": a.data, "config": a.config, "set": a.set, "pairs": len(pairs), "steps": steps,
+    path = write_results("padding", {"data": a.data, "config": a.config, "set": a.set, "time_layers": a.time_layers, "pairs": len(pairs), "steps": steps,
                                      "rows": rows, "timing": timing}, a.out)
     print(f"\nwrote {path}")
     return 0
