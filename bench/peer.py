@@ -394,7 +394,10 @@ def run_trl(data_file: Path, pairs: int, a, work: Path) -> dict:
            "--dtype", a.dtype, "--lr", str(a.lr), "--beta", "0.1", "--skip-first", "0",
            "--out-dir", str(work / "trl")]
     wall, rss, text = timed(cmd, dict(os.environ), work / "trl.log")
-    result = next(json.loads(line)["trl"] for line in text.splitlines() if line.startswith('{"trl": '))
+    lines = [line for line in text.splitlines() if line.startswith('{"trl": ')]
+    if not lines:
+        raise RunFailed(f"trl_peer.py printed no result (log: {work / 'trl.log'})")
+    result = json.loads(lines[-1])["trl"]
     finite = all(math.isfinite(x) for x in result["losses"])
     return {"tool": TRL, "wall_s": wall, "max_rss_gb": rss, "steps": result["steps"], "pairs_per_step": a.pairs_per_step,
             "peak_gb": result["peak_gb"], "dropped_long_prompts": result["dropped_long_prompts"],
