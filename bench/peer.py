@@ -1,8 +1,18 @@
-"""Pairs per second and peak memory against mlx-lm-lora's ORPO, on real pairs.
+"""Pairs per second and peak memory against mlx-lm-lora's ORPO (and TRL's ORPOTrainer), on real pairs.
 
     python bench/peer.py --pairs-per-run 5 --rounds 2                      # CPU: SmolLM2, float32
     python bench/peer.py --model llama3.2-1b --dtype bfloat16 --synthetic-length 4096 --max-length 4096 \
         --no-peer-fuse --peer-python python3                              # GPU: random weights, synthetic pairs
+    python bench/peer.py --recommended --rounds 1 --no-peer-fuse --skip-first \
+        --peer-python python3 --trl-python python3 --trl-model SmolLM2-135M-Instruct.Q4_1.gguf   # GPU: side by side
+
+``--recommended``: configs/preference.yaml's batch and settings (8 pairs per step, learning
+rate 5e-4, at most 512 prompt tokens, 1,024 per side; 240 pairs = 30 steps per tool),
+``dtrain preference`` (that config's engine) against mlx-lm-lora with ``--batch-size 8`` in
+ORPO mode and, with ``--trl-python``, TRL's ORPOTrainer through ``bench/trl_peer.py`` (read its
+docstring: it drops pairs whose prompt exceeds the prompt limit, which TRL's ORPO cannot cut).
+With more than one pair per step every tool's figures are per step (pairs/s = pairs per step ÷
+step seconds), and the "pair by pair" ratio compares step k of each tool.
 
 By default both tools train the same float32 SmolLM2-135M-Instruct folder (``dtrain
 convert`` of the demo GGUF, dequantized), on the same orca pairs, with LoRA
@@ -80,8 +90,14 @@ VARIANTS = {
     # buckets without compile (what the buckets alone give)
     "dtrain single bucketed": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
                                "head_chunk_tokens": 0, "length_bucket": 128, "compile": False},
+    # configs/preference.yaml's engine (the recommended settings; packed micro-batches), and with each
+    # pair padded to the longest of its micro-batch as before issue 26
+    "dtrain preference": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True, "head_chunk_tokens": 0},
+    "dtrain preference padded": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
+                                 "head_chunk_tokens": 0, "pack": False},
 }
 PEER = "mlx-lm-lora"
+TRL = "trl ORPOTrainer"
 ITER_LINE = re.compile(r"Iter (\d+): loss ([-\d.naif]+),.*?it/s ([\d.]+), tok/s ([\d.]+), peak_mem ([\d.]+)GB")
 
 
@@ -262,7 +278,7 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
     cfg = {"model": {"path": str(a.model_dir), "dtype": a.dtype},
            "lora": {"rank": 8, "scale": 20.0, "dropout": 0.0, "num_layers": -1, "keys": None},
            "data": {"train": str(data_file), "valid_fraction": 0.0, "max_length": a.max_length,
-                    "max_prompt_length": a.max_length},
+                    "max_prompt_length": a.max_prompt_length or a.max_length},
            "orpo": {"lambda": 0.1}, "engine": engine,
            "train": {"steps": steps // a.pairs_per_step, "global_batch_pairs": a.pairs_per_step,
                      "micro_batch_pairs": a.micro or a.pairs_per_step, "learning_rate": a.lr,
@@ -317,12 +333,32 @@ def _tokenizer(model_dir):
     return _TOKENIZED["tok"]
 
 
+def peer_iterations(text: str, drawn: dict, batch: int = 1) -> list[dict]:
+    """mlx-lm-lora's ``--steps-per-report 1`` lines -> one record per iteration.
+
+    ``seconds``: the recorded response tokens ÷ its ``tok/s`` (printed with more
+    significant digits than ``it/s``). A step it printed at ``tok/s 0.000`` (a pair
+    whose response tokens it did not count, e.g. one carrying no signal) gives no
+    time: ``seconds`` is None and the line is kept (``zero_rate``); ``summarize``
+    leaves such steps out of the figures and counts them. With ``batch > 1``
+    a record is a step (``pair`` = -step), as dtrain's are.
+    """
+    out = []
+    for m in ITER_LINE.finditer(text):
+        it, it_s, tok_s = int(m.group(1)), float(m.group(3)), float(m.group(4))
+        tokens = drawn["tokens"][it - 1]
+        out.append({"step": it, "pair": drawn["drawn"][it - 1] if batch == 1 else -it, "seconds": tokens / tok_s if tok_s > 0 else None,
+                    "seconds_from_it_s": 1 / it_s if it_s > 0 else None, "tokens": tokens,
+                    "peak_gb": float(m.group(5)), "loss": float(m.group(2)), "zero_rate": tok_s == 0})
+    return out
+
+
 def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
     import yaml
 
     out = work / "peer"
     cfg = {"model": str(a.model_dir), "train": True, "train_mode": "orpo", "train_type": "lora",
-           "data": str(data_dir), "batch_size": 1, "iters": iters, "val_batches": 1, "steps_per_report": 1,
+           "data": str(data_dir), "batch_size": a.pairs_per_step, "iters": iters // a.pairs_per_step, "val_batches": 1, "steps_per_report": 1,
            "steps_per_eval": 10**6, "save_every": 10**6, "adapter_path": str(out), "max_seq_length": a.max_length,
            "learning_rate": a.lr, "beta": 0.1, "seed": 0, "num_layers": a.n_layers,
            "lora_parameters": {"rank": 8, "scale": 20.0, "dropout": 0.0}, "fuse": a.peer_fuse,
@@ -338,21 +374,34 @@ def run_peer(data_dir: Path, iters: int, a, work: Path) -> dict:
     wall, rss, text = timed([a.peer_python, str(Path(__file__).resolve()), "--child", str(cfg_path), str(record)],
                             env, work / "peer.log")
     drawn = json.loads(record.read_text())
-    iters_out = []
-    for m in ITER_LINE.finditer(text):
-        it = int(m.group(1))
-        tok_s, tokens = float(m.group(4)), drawn["tokens"][it - 1]
-        # tok/s is printed with more significant digits than it/s (3 decimals)
-        iters_out.append({"step": it, "pair": drawn["drawn"][it - 1], "seconds": tokens / tok_s,
-                          "seconds_from_it_s": 1 / float(m.group(3)), "tokens": tokens, "peak_gb": float(m.group(5)),
-                          "loss": float(m.group(2))})
+    iters_out = peer_iterations(text, drawn, a.pairs_per_step)
     fused = sorted(p.name for p in out.glob("*.safetensors") if p.name != "adapters.safetensors")
     adapter = lora_b_change(out / "adapters.safetensors")
     for name in fused:  # a full model copy per run: measured, not kept (disk)
         (out / name).unlink()
-    return {"tool": PEER, "wall_s": wall, "max_rss_gb": rss, "steps": iters_out,
+    return {"tool": PEER, "wall_s": wall, "max_rss_gb": rss, "steps": iters_out, "pairs_per_step": a.pairs_per_step,
             "peak_gb": max(s["peak_gb"] for s in iters_out), "fuse_s": drawn["fuse_s"], "fused_files": fused,
             "adapter": adapter}
+
+
+def run_trl(data_file: Path, pairs: int, a, work: Path) -> dict:
+    """TRL's ORPOTrainer through ``trl_peer.py`` in ``--trl-python`` on the same pairs, lengths,
+    LoRA (rank 8, alpha 160 = mlx-lm's scale 20 x rank 8, every linear), batch, learning rate and λ."""
+    steps = pairs // a.pairs_per_step
+    cmd = [a.trl_python, str(HERE / "trl_peer.py"), "--data", str(data_file), "--model", str(a.trl_model or a.model_dir),
+           "--max-length", str(a.max_length), "--max-prompt-length", str(a.max_prompt_length or a.max_length),
+           "--lora-rank", "8", "--lora-alpha", "160", "--batch", str(a.pairs_per_step), "--steps", str(steps),
+           "--dtype", a.dtype, "--lr", str(a.lr), "--beta", "0.1", "--skip-first", "0",
+           "--out-dir", str(work / "trl")]
+    wall, rss, text = timed(cmd, dict(os.environ), work / "trl.log")
+    lines = [line for line in text.splitlines() if line.startswith('{"trl": ')]
+    if not lines:
+        raise RunFailed(f"trl_peer.py printed no result (log: {work / 'trl.log'})")
+    result = json.loads(lines[-1])["trl"]
+    finite = all(math.isfinite(x) for x in result["losses"])
+    return {"tool": TRL, "wall_s": wall, "max_rss_gb": rss, "steps": result["steps"], "pairs_per_step": a.pairs_per_step,
+            "peak_gb": result["peak_gb"], "dropped_long_prompts": result["dropped_long_prompts"],
+            "losses": result["losses"], "adapter": {"changed": None, "losses_finite": finite}}
 
 
 def summarize(runs: list[dict], skip_first: bool = False) -> dict:
@@ -362,17 +411,23 @@ def summarize(runs: list[dict], skip_first: bool = False) -> dict:
 
     if skip_first:
         runs = [dict(r, steps=[s for s in r["steps"] if s["step"] != min(t["step"] for t in r["steps"])]) for r in runs]
+    unmeasured = {}  # tool -> steps without a time (peer_iterations: tok/s 0.000)
+    for r in runs:
+        unmeasured[r["tool"]] = unmeasured.get(r["tool"], 0) + sum(s["seconds"] is None for s in r["steps"])
+    runs = [dict(r, steps=[s for s in r["steps"] if s["seconds"] is not None]) for r in runs]
 
     tools = list(dict.fromkeys(r["tool"] for r in runs))
     per_tool = {}
     for tool in tools:
         mine = [r for r in runs if r["tool"] == tool]
-        secs = [s["seconds"] for r in mine for s in r["steps"]]
-        per_tool[tool] = {"s_per_pair": spread(secs), "pairs_per_s": spread([1 / s for s in secs]),
-                          "all_pairs_per_s": len(secs) / sum(secs),
+        # (pairs, seconds) per step: a record is a pair's step, or a step of pairs_per_step pairs
+        steps = [(r.get("pairs_per_step", 1), s["seconds"]) for r in mine for s in r["steps"]]
+        per_tool[tool] = {"s_per_pair": spread([sec / n for n, sec in steps]),
+                          "pairs_per_s": spread([n / sec for n, sec in steps]),
+                          "all_pairs_per_s": sum(n for n, _ in steps) / sum(sec for _, sec in steps),
                           "peak_gb": max(r["peak_gb"] for r in mine), "max_rss_gb": max(r["max_rss_gb"] for r in mine),
-                          "adapter_changed_runs": f"{sum(r['adapter']['changed'] for r in mine)}/{len(mine)}",
-                          "adapters": [r["adapter"] for r in mine]}
+                          "adapter_changed_runs": f"{sum(r['adapter']['changed'] is True for r in mine)}/{len(mine)}",
+                          "adapters": [r["adapter"] for r in mine], "unmeasured_steps": unmeasured[tool]}
         if tool == PEER:
             per_tool[tool]["fuse_s"] = [r["fuse_s"] for r in mine]
     # pair by pair: (round, pair) -> seconds per tool (median over repeated draws)
@@ -396,7 +451,8 @@ def table(summary: dict) -> str:
     for tool, t in summary["per_tool"].items():
         s, r = t["s_per_pair"], summary["speedup_vs_peer"].get(tool)
         ratio = f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}, {r['n']})" if r else "1"
-        lines.append(f"| {tool} | {s['n']} | {s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f}) "
+        steps = f"{s['n']}" + (f" (+{t['unmeasured_steps']} at tok/s 0)" if t.get("unmeasured_steps") else "")
+        lines.append(f"| {tool} | {steps} | {s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f}) "
                      f"| {t['pairs_per_s']['median']:.3f} | {t['all_pairs_per_s']:.3f} | {t['peak_gb']:.2f} | {t['max_rss_gb']:.2f} "
                      f"| {t['adapter_changed_runs']} | {ratio} |")
     return "\n".join(lines)
@@ -407,9 +463,12 @@ def main(argv=None) -> int:
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "RECORD"), help=argparse.SUPPRESS)
     ap.add_argument("--data", default=DATA, help="orca pairs in OpenAI preference format (read in place)")
     ap.add_argument("--start", type=int, default=0, help="first row of --data to use")
-    ap.add_argument("--pairs-per-run", type=int, default=6)
+    ap.add_argument("--pairs-per-run", type=int, default=0, help="pairs each tool trains on per round (0 = 6; "
+                                                                  "240 with --recommended: 30 steps)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of (every dtrain variant, mlx-lm-lora)")
     ap.add_argument("--max-length", type=int, default=1024)
+    ap.add_argument("--max-prompt-length", type=int, default=0,
+                    help="dtrain's data.max_prompt_length and TRL's prompt limit (0 = --max-length)")
     ap.add_argument("--pairs-per-step", type=int, default=1, help="dtrain's global batch (figures per step when > 1)")
     ap.add_argument("--budget", type=float, default=0.0, help="dtrain's engine.memory_budget_gb (0 = its default)")
     ap.add_argument("--micro", type=int, default=0, help="dtrain's micro-batch pairs (0 = --pairs-per-step)")
@@ -423,7 +482,14 @@ def main(argv=None) -> int:
                     help="SmolLM2 tokenizer files for a random-weight model (a machine without the demo model)")
     ap.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", "python3"),
                     help="python of the mlx-lm-lora venv (default: $PEER_PYTHON, else python3)")
-    ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all)")
+    ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all but TRL's)")
+    ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", ""),
+                    help=f"a python with torch, peft, datasets and TRL 1.16 (default: $TRL_PYTHON): runs '{TRL}' "
+                         "through bench/trl_peer.py (CUDA)")
+    ap.add_argument("--trl-model", default=None, help="TRL's model: an HF folder or a .gguf file (default: the MLX folder)")
+    ap.add_argument("--recommended", action="store_true",
+                    help="the side by side at configs/preference.yaml's settings: 8 pairs per step, learning rate "
+                         "5e-4, prompts of at most 512 tokens; dtrain preference vs mlx-lm-lora vs TRL (with --trl-python)")
     ap.add_argument("--synthetic-length", type=int, default=0,
                     help="random-word pairs of about this many tokens per sequence instead of --data")
     ap.add_argument("--no-peer-fuse", dest="peer_fuse", action="store_false",
@@ -433,9 +499,15 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, adapters, fused model)")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier results files (merged) and exit")
+    ap.add_argument("--peer-log", nargs=2, metavar=("LOG", "RECORD"),
+                    help="print the iterations read from a kept mlx-lm-lora log (peer.log, peer-record.json) and exit")
     a = ap.parse_args(argv)
     if a.child:
         child(*a.child)
+        return 0
+    if a.peer_log:
+        iters = peer_iterations(Path(a.peer_log[0]).read_text(), json.loads(Path(a.peer_log[1]).read_text()))
+        print(json.dumps(iters))
         return 0
 
     sys.path.insert(0, str(HERE))
@@ -445,13 +517,22 @@ def main(argv=None) -> int:
         print(table(summarize([r for f in a.table for r in json.loads(Path(f).read_text())["runs"]], a.skip_first)))
         return 0
 
+    if a.recommended:
+        a.pairs_per_step, a.lr, a.max_prompt_length = 8, 5e-4, a.max_prompt_length or 512
+        a.pairs_per_run = a.pairs_per_run or 240
+        a.only = a.only or ["dtrain preference", PEER] + ([TRL] if a.trl_python else [])
+    a.pairs_per_run = a.pairs_per_run or 6
+    if a.pairs_per_run % a.pairs_per_step:
+        ap.error(f"--pairs-per-run {a.pairs_per_run} is not a multiple of --pairs-per-step {a.pairs_per_step}")
+    if a.only and TRL in a.only and not a.trl_python:
+        ap.error(f"'{TRL}' needs --trl-python (or $TRL_PYTHON)")
     if a.model == "smollm2" and a.model_dir is None and a.tokenizer_dir is None and a.dtype != "float32":
         ap.error("--model smollm2 is the float32 folder both tools train; use --dtype float32 (or --model-dir)")
     if a.model_dir is None:
         real = a.model == "smollm2" and a.tokenizer_dir is None  # the demo model; else random weights of the shape
         a.model_dir = smollm2_dir() if real else random_model_dir(a.model, a.dtype, a.layers, a.tokenizer_dir)
     a.n_layers = json.loads((a.model_dir / "config.json").read_text())["num_hidden_layers"]  # LoRA on all of them
-    tools = [t for t in [*VARIANTS, PEER] if not a.only or t in a.only]
+    tools = [t for t in [*VARIANTS, PEER, TRL] if (t in a.only if a.only else t != TRL)]
     root = Path(tempfile.mkdtemp(prefix="dtrain-peer-"))
     runs, failed = [], []
     try:
@@ -471,6 +552,8 @@ def main(argv=None) -> int:
                 try:
                     if tool == PEER:
                         r = run_peer(work / "peer-data", len(rows), a, work)
+                    elif tool == TRL:
+                        r = run_trl(data_file, len(rows), a, work)
                     else:
                         r = run_dtrain(tool, VARIANTS[tool], data_file, len(rows), a, work)
                 except RunFailed as err:  # e.g. out of GPU memory: record it, go on
@@ -480,7 +563,7 @@ def main(argv=None) -> int:
                 r.update(round=rnd, first_row=a.start + rnd * a.pairs_per_run)
                 runs.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
-                print("  s/pair:", [round(s["seconds"], 2) for s in r["steps"]], "pairs:",
+                print("  s/pair:", [s["seconds"] and round(s["seconds"], 2) for s in r["steps"]], "pairs:",
                       [s["pair"] for s in r["steps"]], flush=True)
     finally:
         if a.keep:

@@ -119,6 +119,9 @@ class EngineConfig:
     length_bucket: Union[int, Literal["auto"]] = option(
         "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
                 "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
+    pack: bool = option(True, "auto/segmented: a micro-batch's sequences back to back in one row, padded only to "
+                              "the bucket of their total length, instead of each to the longest (same loss and "
+                              "gradients; off for models with sliding-window layers)")
     compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
                                   "(slower first steps, no faster on a GPU: docs/gpu.md)")
 

@@ -52,6 +52,8 @@ def test_tensorboard_scalars_read_back(tmp_path):
                 "learning_rate", "tokens_per_second", "pairs_per_second", "peak_memory_gb"):
         assert [s for s, _ in scalars[tag]] == [1, 2, 3, 4], tag
     assert [s for s, _ in scalars["eval/loss"]] == [0, 2, 4]
+    # packed micro-batches at exact shapes (the CPU's default): no token computed is padding
+    assert scalars["perf/padding_fraction"] == [(s, 0.0) for s in (1, 2, 3, 4)]
     logged = [v for _, v in scalars["loss"]]
     np.testing.assert_allclose(logged, [h["loss"] for h in result.history], rtol=1e-6)
 

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from ..config import EngineConfig
 from .common import Engine, StepResult, run_micro_batches
+from .layout import bucket_length
 from .loss import ORPO
 from .objective import Objective, PairLogps, Totals
 from .reference import ReferenceEngine
@@ -41,7 +42,9 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     which gives the reference engine: an architecture without an adapter in
     ``engine/arch.py``, or trainable parameters outside the decoder layers.
     ``compile`` is dropped with LoRA dropout (compiled ranges would replay one
-    mask); ``length_bucket: auto`` is 128 on a GPU, 0 on the CPU. Each decision
+    mask); ``pack`` is off, without a notice, for sliding-window layers (their
+    explicit mask over a packed row is quadratic in its length); ``length_bucket:
+    auto`` is 128 on a GPU, 0 on the CPU. Each other decision
     that changes what was asked, and the advice for one range with a chunked
     head, is passed to ``report`` once (the trainer reports on rank 0 only).
 
@@ -78,9 +81,11 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
         report("engine.compile is off: LoRA dropout draws new masks each step, which compiled ranges would replay")
         compile = False
     bucket = default_length_bucket() if cfg.length_bucket == "auto" else cfg.length_bucket
+    # silent (the key's help says so): a sliding-window layer's mask over a packed row would span all its sequences
+    pack = cfg.pack and all(w is None for w in arch.windows)
     return SegmentedEngine(model, arch, objective, size, cfg.prefix_sharing, cfg.head_chunk_tokens, bucket, compile,
-                           cfg.memory_budget_gb * GIB, report)
+                           cfg.memory_budget_gb * GIB, report, pack)
 
 
 __all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "OBJECTIVES", "StepResult", "ReferenceEngine",
-           "make_engine", "make_objective", "run_micro_batches"]
+           "make_engine", "make_objective", "run_micro_batches", "bucket_length"]

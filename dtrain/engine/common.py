@@ -84,7 +84,7 @@ def with_key(stream, key: mx.array | None) -> None:
 
 def layout_counts(layout: Layout) -> dict:
     """Host-side counts of a layout, as metric sums (``COUNT_KEYS``)."""
-    counts = (layout.n_pairs, layout.nll_tokens, layout.input_tokens, layout.fallback_pairs)
+    counts = (layout.n_pairs, layout.nll_tokens, layout.input_tokens, layout.fallback_pairs, layout.computed_tokens)
     return {k: float(v) for k, v in zip(COUNT_KEYS, counts)}
 
 

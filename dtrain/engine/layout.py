@@ -19,6 +19,13 @@ count ``N`` are padded up to :func:`bucket_length`, so a run sees a few shapes
 instead of one per pair. Padded tokens sit after every real token (causal
 attention never shows them to a real query) and padded targets have zero
 weights, so losses and gradients are those of the unpadded layout.
+
+Packing (``pack=True``): every sequence of the micro-batch goes, one after the
+other, into a single row (``S = 1``), padded only up to the bucket of the
+total length, instead of each sequence being padded to the longest. Each
+sequence keeps its own positions (from 0) and attends only within itself:
+attention runs on rows gathered per sequence (:class:`SharedAttention`) or
+under a mask that also separates sequences (:func:`attention_mask`).
 """
 
 from __future__ import annotations
@@ -60,8 +67,8 @@ class Layout:
         tokens: ``(S, L)`` int32 input ids, padded with 0.
         positions: ``(S, L)`` int32 RoPE positions (block-wise under prefix sharing).
         blocks: ``(S, L)`` int8 block ids (prompt/chosen/rejected/pad) for masks.
-        rows: ``(N,)`` int32 flat index ``s * L + t`` of the hidden state that
-            predicts each target token.
+        rows: ``(N,)`` int32 flat index into ``tokens.reshape(-1)`` of the hidden
+            state that predicts each target token.
         targets: ``(N,)`` int32 target token ids.
         pair_of: ``(N,)`` int32 pair index in ``[0, B)``.
         w_nll, w_chosen, w_rejected: ``(N,)`` float32 0/1 role weights.
@@ -71,8 +78,10 @@ class Layout:
             (its mask is not plain causal).
         spans: per sequence, host-side ``(P, C, R)`` token counts of its
             ``[prompt; chosen; rejected]`` blocks; ``R = 0`` for a two-sequence
-            row ``[prompt; response]`` (``C`` is then the response). Padding
-            follows ``P + C + R``.
+            row ``[prompt; response]`` (``C`` is then the response).
+        starts: per sequence, host-side flat index of its first token in
+            ``tokens.reshape(-1)`` (``s * L`` unpacked; running offsets when packed).
+        packed: the sequences share rows (``pack=True``): attention must keep them apart.
         bucket: the length quantum ``L`` and ``N`` were padded with (0 = none);
             attention plans pad their own lengths with it too.
         extra: the pairs' per-pair extra inputs (:func:`pair_extras`), name -> ``(B,)`` float32.
@@ -95,12 +104,20 @@ class Layout:
     fallback_pairs: int
     block_sparse: bool = False
     spans: tuple[tuple[int, int, int], ...] = ()
+    starts: tuple[int, ...] = ()
+    packed: bool = False
     bucket: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens every layer computes, padding included: ``S * L`` (``input_tokens`` of them are real)."""
+        S, L = self.shape
+        return S * L
 
 
 class _Builder:
@@ -151,21 +168,27 @@ class _Builder:
         # rejected[0] from the last prompt position, then from rejected positions
         self.add_targets(s, [P - 1] + list(range(P + C, P + C + R - 1)), rejected, pair, 0, 0, 1)
 
-    def finish(self, pairs, fallback: int, bucket: int = 0) -> Layout:
-        S, L = len(self.seqs), bucket_length(max(len(x) for x in self.seqs), bucket)
-        tokens = np.full((S, L), PAD, np.int32)
-        positions = np.zeros((S, L), np.int32)
-        blocks = np.full((S, L), BLOCK_PAD, np.int8)
-        for s, (x, p, b) in enumerate(zip(self.seqs, self.pos, self.blk)):
-            tokens[s, : len(x)], positions[s, : len(x)], blocks[s, : len(x)] = x, p, b
+    def finish(self, pairs, fallback: int, bucket: int = 0, pack: bool = False) -> Layout:
+        lengths = [len(x) for x in self.seqs]
+        if pack:  # one row, the sequences back to back
+            S, L = 1, bucket_length(sum(lengths), bucket)
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        else:
+            S, L = len(self.seqs), bucket_length(max(lengths), bucket)
+            starts = np.arange(S, dtype=np.int64) * L
+        tokens = np.full(S * L, PAD, np.int32)
+        positions = np.zeros(S * L, np.int32)
+        blocks = np.full(S * L, BLOCK_PAD, np.int8)
+        for o, n, x, p, b in zip(starts, lengths, self.seqs, self.pos, self.blk):
+            tokens[o : o + n], positions[o : o + n], blocks[o : o + n] = x, p, b
         t = np.array(self.targets, np.int64).reshape(-1, 7)
-        pad = bucket_length(len(t), bucket) - len(t)  # zero-weight targets read row 0, pair 0
+        pad = bucket_length(len(t), bucket) - len(t)  # zero-weight targets read token 0, pair 0
         t = np.concatenate([t, np.zeros((pad, 7), np.int64)])
         return Layout(
-            tokens=mx.array(tokens),
-            positions=mx.array(positions),
-            blocks=mx.array(blocks),
-            rows=mx.array((t[:, 0] * L + t[:, 1]).astype(np.int32)),
+            tokens=mx.array(tokens.reshape(S, L)),
+            positions=mx.array(positions.reshape(S, L)),
+            blocks=mx.array(blocks.reshape(S, L)),
+            rows=mx.array((starts[t[:, 0]] + t[:, 1]).astype(np.int32)),
             targets=mx.array(t[:, 2].astype(np.int32)),
             pair_of=mx.array(t[:, 3].astype(np.int32)),
             w_nll=mx.array(t[:, 4].astype(np.float32)),
@@ -175,10 +198,12 @@ class _Builder:
             rejected_len=mx.array(np.array([len(p.rejected) for p in pairs], np.float32)),
             n_pairs=len(pairs),
             nll_tokens=int(t[:, 4].sum()),
-            input_tokens=int(sum(len(x) for x in self.seqs)),
+            input_tokens=int(sum(lengths)),
             fallback_pairs=fallback,
             block_sparse=self.block_sparse,
             spans=tuple(self.spans),
+            starts=tuple(int(o) for o in starts),
+            packed=pack,
             bucket=bucket,
             extra=pair_extras(pairs),
         )
@@ -217,10 +242,12 @@ def _check(pairs: list[TokenizedPair]) -> None:
             raise ValueError(f"pair {p.source or '?'} has an empty prompt or response")
 
 
-def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bucket: int = 0) -> Layout:
+def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bucket: int = 0,
+                        pack: bool = False) -> Layout:
     """Lay out each pair as two right-padded sequences (chosen row, rejected row).
 
-    ``bucket``: pad ``L`` and the target count to :func:`bucket_length` (0 = exact).
+    ``bucket``: pad ``L`` and the target count to :func:`bucket_length` (0 = exact);
+    ``pack``: every sequence in one row (module doc), padded to the bucket of the total.
 
     Raises:
         ValueError: no pairs, or a pair with an empty prompt or response.
@@ -230,14 +257,15 @@ def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full", buc
     for i, p in enumerate(pairs):
         b.add_side(i, p.prompt, p.chosen, chosen=True)
         b.add_side(i, p.rejected_prompt if p.rejected_prompt is not None else p.prompt, p.rejected, chosen=False)
-    return b.finish(pairs, fallback=0, bucket=bucket)
+    return b.finish(pairs, fallback=0, bucket=bucket, pack=pack)
 
 
-def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bucket: int = 0) -> Layout:
+def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bucket: int = 0,
+                         pack: bool = False) -> Layout:
     """Lay out each pair as one ``[prompt; chosen; rejected]`` sequence.
 
-    Pairs with ``rejected_prompt`` set fall back to two sequences. ``bucket`` as
-    in :func:`two_sequence_layout`.
+    Pairs with ``rejected_prompt`` set fall back to two sequences. ``bucket`` and
+    ``pack`` as in :func:`two_sequence_layout`.
 
     Raises:
         ValueError: no pairs, or a pair with an empty prompt or response.
@@ -252,15 +280,16 @@ def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bu
             fallback += 1
             b.add_side(i, p.prompt, p.chosen, chosen=True)
             b.add_side(i, p.rejected_prompt, p.rejected, chosen=False)
-    return b.finish(pairs, fallback=fallback, bucket=bucket)
+    return b.finish(pairs, fallback=fallback, bucket=bucket, pack=pack)
 
 
 def attention_mask(layout: Layout, window: int | None = None) -> mx.array:
     """Boolean attention mask ``(S, 1, L, L)``; True where a query may attend.
 
     Causal in sequence order, except that rejected queries never see chosen
-    keys; with ``window``, a query sees keys whose *logical* positions are less
-    than ``window`` behind it (sliding-window layers, e.g. Gemma 3). Padded
+    keys, nor any query a key of another sequence packed in its row; with
+    ``window``, a query sees keys whose *logical* positions are less than
+    ``window`` behind it (sliding-window layers, e.g. Gemma 3). Padded
     queries attend to themselves only, so no row is empty.
     """
     S, L = layout.shape
@@ -269,6 +298,12 @@ def attention_mask(layout: Layout, window: int | None = None) -> mx.array:
     bq = layout.blocks[:, :, None]
     bk = layout.blocks[:, None, :]
     allowed = causal[None] & ~((bq == BLOCK_REJECTED) & (bk == BLOCK_CHOSEN)) & (bk != BLOCK_PAD)
+    if layout.packed:  # sequence index of each token: only keys of the query's own sequence
+        seq = np.full(S * L, -1, np.int32)
+        for i, (o, (P, C, R)) in enumerate(zip(layout.starts, layout.spans)):
+            seq[o : o + P + C + R] = i
+        seq = mx.array(seq.reshape(S, L))
+        allowed = allowed & (seq[:, :, None] == seq[:, None, :])
     if window is not None:
         pq = layout.positions[:, :, None]
         pk = layout.positions[:, None, :]
@@ -291,9 +326,10 @@ class SharedAttention:
     Interpreted by ``arch.shared_attention``.
 
     Attributes:
-        gather: ``(n_rows, M)`` int32 flat token index ``s * L + t`` of each
-            attention row's tokens; padding repeats a real token of the
-            sequence after the row's real tokens, so no real query sees it.
+        gather: ``(n_rows, M)`` int32 flat token index (the sequence's
+            ``Layout.starts`` ``+ t``) of each attention row's tokens; padding
+            repeats a real token of the sequence after the row's real tokens,
+            so no real query sees it.
         scatter: ``(S * L,)`` int32, for each token, the flat index
             ``row * M + i`` of the attention output it takes (padded tokens
             take any; nothing reads them).
@@ -307,26 +343,25 @@ class SharedAttention:
 
 
 def shared_attention_plan(layout: Layout) -> SharedAttention:
-    """The :class:`SharedAttention` of a prefix-shared layout; ``M`` is bucketed
-    with ``layout.bucket``."""
+    """The :class:`SharedAttention` of a prefix-shared or packed layout; ``M`` is
+    bucketed with ``layout.bucket``."""
     S, L = layout.shape
-    rows, first = [], []  # rows: (sequence, token indices); first: each sequence's first row
-    for s, (P, C, R) in enumerate(layout.spans):
+    rows, first = [], []  # rows: (sequence start, token indices); first: each sequence's first row
+    for o, (P, C, R) in zip(layout.starts, layout.spans):
         first.append(len(rows))
-        rows.append((s, np.arange(P + C)))
+        rows.append((o, np.arange(P + C)))
         if R:
-            rows.append((s, np.concatenate([np.arange(P), np.arange(P + C, P + C + R)])))
+            rows.append((o, np.concatenate([np.arange(P), np.arange(P + C, P + C + R)])))
     M = bucket_length(max(len(t) for _, t in rows), layout.bucket)
     gather = np.zeros((len(rows), M), np.int64)
-    for i, (s, t) in enumerate(rows):
-        gather[i] = s * L  # padding: the sequence's token 0, after every real query of the row
-        gather[i, : len(t)] = s * L + t
-    scatter = np.zeros((S, L), np.int64)
-    for s, (P, C, R) in enumerate(layout.spans):
-        row, n = first[s], P + C
-        scatter[s] = row * M  # padded tokens: any output
-        scatter[s, :n] = row * M + np.arange(n)
-        scatter[s, n : n + R] = (row + 1) * M + P + np.arange(R)  # rejected i sits at P + i in its row
+    for i, (o, t) in enumerate(rows):
+        gather[i] = o  # padding: the sequence's token 0, after every real query of the row
+        gather[i, : len(t)] = o + t
+    scatter = np.zeros(S * L, np.int64)  # padded tokens: any output
+    for o, row, (P, C, R) in zip(layout.starts, first, layout.spans):
+        n = P + C
+        scatter[o : o + n] = row * M + np.arange(n)
+        scatter[o + n : o + n + R] = (row + 1) * M + P + np.arange(R)  # rejected i sits at P + i in its row
     return SharedAttention(mx.array(gather.astype(np.int32)), mx.array(scatter.reshape(-1).astype(np.int32)),
                            len(rows), M)
 
@@ -334,14 +369,14 @@ def shared_attention_plan(layout: Layout) -> SharedAttention:
 def attention_plan(layout: Layout, window: int | None = None):
     """What ``arch.attention`` takes as its mask for this layout and window.
 
-    ``"causal"`` (MLX's fused causal mode) for plain causal layouts without a
-    window — right padding is never attended by real queries; a
-    :class:`SharedAttention` for prefix-shared layouts without a window; the
+    ``"causal"`` (MLX's fused causal mode) for plain causal unpacked layouts
+    without a window — right padding is never attended by real queries; a
+    :class:`SharedAttention` for prefix-shared or packed layouts without a window; the
     explicit ``(S, 1, L, L)`` boolean :func:`attention_mask` otherwise
     (sliding-window layers).
     """
     if window is not None:
         return attention_mask(layout, window)
-    if not layout.block_sparse:
+    if not layout.block_sparse and not layout.packed:
         return "causal"
     return shared_attention_plan(layout)

@@ -17,8 +17,9 @@ import mlx.core as mx
 
 from ..types import TokenizedPair
 
-# Host-side counts every engine adds to a micro-batch's sums (engine.common.layout_counts).
-COUNT_KEYS = ("pairs", "nll_tokens", "input_tokens", "fallback_pairs")
+# Host-side counts every engine adds to a micro-batch's sums (engine.common.layout_counts);
+# computed_tokens: tokens through every layer, padding included (input_tokens of them are real).
+COUNT_KEYS = ("pairs", "nll_tokens", "input_tokens", "fallback_pairs", "computed_tokens")
 
 
 @dataclass

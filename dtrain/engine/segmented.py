@@ -133,6 +133,8 @@ class SegmentedEngine:
             (with ``"auto"``: the chunk used when recomputing; 0 = 1024).
         length_bucket: pad lengths and target counts to ``layout.bucket_length``
             with this quantum (0 = exact shapes).
+        pack: a micro-batch's sequences in one row, padded only to the bucket of
+            their total length (``layout`` module doc); the same loss and gradients.
         compile: ``mx.compile`` the single pass and the range functions (traced
             once per bucket).
         memory_budget: bytes for ``"auto"`` (weights included).
@@ -151,10 +153,10 @@ class SegmentedEngine:
 
     def __init__(self, model: nn.Module, arch: Arch, objective, segment_layers=0, prefix_sharing: bool = False,
                  head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0,
-                 report=None):
+                 report=None, pack: bool = False):
         self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
-        self.length_bucket = length_bucket
+        self.length_bucket, self.pack = length_bucket, pack
         # LoRA dropout: each range's forward and its recompute draw from the key the
         # range started with (``dtrain.lora.DropoutKeys``); compiled ranges would replay one mask
         self.dropout_keys = keyed_dropout(model)
@@ -269,9 +271,9 @@ class SegmentedEngine:
     # -- layouts ------------------------------------------------------------
 
     def layout(self, pairs: list[TokenizedPair]) -> Layout:
-        """The rows this engine runs for ``pairs`` (prefix sharing and buckets as configured)."""
+        """The rows this engine runs for ``pairs`` (prefix sharing, buckets and packing as configured)."""
         build = shared_prefix_layout if self.prefix_sharing else two_sequence_layout
-        return build(pairs, self.objective.nll_scope, self.length_bucket)
+        return build(pairs, self.objective.nll_scope, self.length_bucket, self.pack)
 
     def _masks(self, layout: Layout) -> list:
         """Per window (``self.windows`` order): the encoded attention plan, built once per step

@@ -31,6 +31,13 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63)
 
 
+def padding_fraction(sums: dict) -> float:
+    """Share of the tokens computed that are padding: ``1 - input_tokens / computed_tokens``
+    over a step's summed layout counts (all micro-batches and ranks); 0 when nothing ran."""
+    computed = sums["computed_tokens"]
+    return 1.0 - sums["input_tokens"] / computed if computed > 0 else 0.0
+
+
 @dataclass
 class StepOutcome:
     """What one step did: ``metrics`` (TRL names plus the step's own), ``applied`` (False:
@@ -98,5 +105,6 @@ class Step:
             "perf/step_seconds": seconds,
             "perf/allreduce_seconds": reduce_seconds,
             "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
+            "perf/padding_fraction": padding_fraction(sums),
         })
         return StepOutcome(metrics, applied, sums["stop"] > 0, batch)

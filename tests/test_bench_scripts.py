@@ -1,0 +1,86 @@
+"""Command lines of bench/ scripts, run as separate processes: nothing from bench/ is imported
+(tests/test_bench_surface.py), and nothing here times anything.
+
+- ``peer.py`` reads mlx-lm-lora's report lines; a step printed at ``tok/s 0.000`` (it did so on a
+  pair that carried no signal) is recorded without a time instead of dividing by zero, and the
+  summary leaves it out of the figures and counts it.
+- ``trl_peer.py`` (TRL's ORPOTrainer, for a CUDA machine) parses its arguments without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(script: str, *args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT.joinpath("bench", script)), *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd or ROOT, timeout=300)
+
+
+def iter_line(it: int, it_s: str, tok_s: str, loss: str = "0.693") -> str:
+    return (f"Iter {it}: loss {loss}, chosen_r -1.200, rejected_r -1.300, accuracies 1.000, margins 0.100, "
+            f"learning_rate 2.000e-04, it/s {it_s}, tok/s {tok_s}, peak_mem 1.234GB")
+
+
+def test_peer_records_a_step_at_zero_tokens_per_second(tmp_path):
+    log = tmp_path / "peer.log"
+    log.write_text("Starting training..., iters: 3\n" + "\n".join([
+        iter_line(1, "0.512", "128.000"),
+        iter_line(2, "0.000", "0.000", loss="0.000"),  # the crash: 0 / tok/s
+        iter_line(3, "1.250", "50.000"),
+    ]) + "\n")
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"drawn": [4, 0, 2], "tokens": [64, 0, 25], "fuse_s": None}))
+    out = bench("peer.py", "--peer-log", log, record)
+    assert out.returncode == 0, out.stderr
+    steps = json.loads(out.stdout)
+    assert [(s["step"], s["pair"], s["seconds"], s["zero_rate"]) for s in steps] == [
+        (1, 4, 64 / 128, False), (2, 0, None, True), (3, 2, 25 / 50, False)]
+    assert steps[1]["seconds_from_it_s"] is None and steps[0]["seconds_from_it_s"] == 1 / 0.512
+
+    # the summary of such a run: the timed steps only, the other counted
+    def run(tool, steps):
+        return {"tool": tool, "steps": steps, "peak_gb": 1.0, "max_rss_gb": 2.0, "first_row": 0, "fuse_s": 1.0,
+                "adapter": {"changed": True}}
+
+    dtrain = [{"step": i + 1, "pair": p, "seconds": s} for i, (p, s) in enumerate([(4, 0.25), (0, 0.2), (2, 0.1)])]
+    results = tmp_path / "peer-1.json"
+    results.write_text(json.dumps({"runs": [run("dtrain one range+prefix", dtrain), run("mlx-lm-lora", steps)]}))
+    out = bench("peer.py", "--table", results)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| mlx-lm-lora "))
+    assert row.startswith("| mlx-lm-lora | 2 (+1 at tok/s 0) | 0.50 (0.50–0.50) |")
+    # pair by pair against the peer: pairs 4 (0.5 / 0.25) and 2 (0.5 / 0.1); pair 0 has no peer time
+    assert "| 3.50 (2.00–5.00, 2) |" in next(line for line in out.stdout.splitlines() if line.startswith("| dtrain "))
+
+
+def test_peer_reads_generated_report_lines(tmp_path):
+    """Any mix of timed and zero-rate lines: a time exactly when tok/s > 0, in order."""
+    rng = random.Random(0)
+    n = 40
+    tok_s = [rng.choice(["0.000", f"{rng.uniform(0.001, 900):.3f}"]) for _ in range(n)]
+    tokens = [rng.randint(0, 300) for _ in range(n)]
+    (tmp_path / "log").write_text("\n".join(iter_line(i + 1, "0.100", t) for i, t in enumerate(tok_s)))
+    (tmp_path / "rec").write_text(json.dumps({"drawn": list(range(n)), "tokens": tokens}))
+    out = bench("peer.py", "--peer-log", tmp_path / "log", tmp_path / "rec")
+    assert out.returncode == 0, out.stderr
+    want = [None if t == "0.000" else k / float(t) for t, k in zip(tok_s, tokens)]
+    assert [s["seconds"] for s in json.loads(out.stdout)] == want
+
+
+def test_trl_peer_parses_its_arguments_without_torch():
+    out = bench("trl_peer.py", "--help")
+    assert out.returncode == 0, out.stderr
+    for flag in ("--data", "--model", "--max-length", "--max-prompt-length", "--lora-rank", "--lora-alpha",
+                 "--target-modules", "--batch", "--steps", "--dtype"):
+        assert flag in out.stdout, flag
+    out = bench("trl_peer.py", "--data", "x.jsonl", "--model", "m", "--steps", "1", "--skip-first", "1")
+    assert out.returncode == 2 and "--steps 1 leaves no step after --skip-first 1" in out.stderr
+    out = bench("peer.py", "--only", "trl ORPOTrainer", "--trl-python", "")
+    assert out.returncode == 2 and "'trl ORPOTrainer' needs --trl-python (or $TRL_PYTHON)" in out.stderr
