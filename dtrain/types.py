@@ -17,6 +17,8 @@ class TokenizedPair:
     boundary. ``rejected_prompt`` is set only when the rejected side renders a
     different prompt (e.g. conversational rows whose histories differ); engines
     then run that pair as two separate sequences. ``source`` is ``file:line``.
+    ``ref_logps``: ``(chosen, rejected)`` summed response log-probabilities (nats)
+    under the reference model, set for DPO by ``dtrain.objectives.reference``.
     """
 
     prompt: list
@@ -24,6 +26,7 @@ class TokenizedPair:
     rejected: list
     source: str = ""
     rejected_prompt: Optional[list] = None
+    ref_logps: Optional[tuple] = None
 
     @property
     def shared_prompt(self) -> bool:

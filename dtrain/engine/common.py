@@ -36,6 +36,18 @@ class Norm:
 
 
 @dataclass
+class PairInputs:
+    """Per-pair arrays of a micro-batch for objectives that set ``pair_inputs = True``
+    (DPO's summed log-probabilities and its reference), all ``(B,)`` float32:
+    response lengths (tokens) and summed reference log-probabilities (nats)."""
+
+    chosen_len: mx.array
+    rejected_len: mx.array
+    ref_chosen: mx.array
+    ref_rejected: mx.array
+
+
+@dataclass
 class StepResult:
     """What an engine returns for one micro-batch.
 
@@ -83,15 +95,19 @@ def loss_from_token_logps(token_logps: mx.array, layout: Layout, objective, tota
     Returns:
         ``(loss, sums)`` as ``objective.loss`` returns them: the per-pair mean
         log-probabilities of the chosen and rejected responses ``(B,)`` and the
-        summed NLL of the ``w_nll`` targets go in.
+        summed NLL of the ``w_nll`` targets go in, plus :class:`PairInputs` when
+        the objective sets ``pair_inputs``.
     """
     B = layout.n_pairs
     dt = token_logps.dtype
     chosen = mx.zeros((B,), dt).at[layout.pair_of].add(token_logps * layout.w_chosen.astype(dt))
     rejected = mx.zeros((B,), dt).at[layout.pair_of].add(token_logps * layout.w_rejected.astype(dt))
     nll_sum = -(token_logps * layout.w_nll.astype(dt)).sum()
-    return objective.loss(chosen / layout.chosen_len.astype(dt), rejected / layout.rejected_len.astype(dt),
-                          nll_sum, totals)
+    args = (chosen / layout.chosen_len.astype(dt), rejected / layout.rejected_len.astype(dt), nll_sum, totals)
+    if getattr(objective, "pair_inputs", False):
+        return objective.loss(*args, PairInputs(layout.chosen_len, layout.rejected_len, layout.ref_chosen,
+                                                layout.ref_rejected))
+    return objective.loss(*args)
 
 
 def with_key(stream, key: mx.array | None) -> None:

@@ -66,6 +66,8 @@ class Layout:
         pair_of: ``(N,)`` int32 pair index in ``[0, B)``.
         w_nll, w_chosen, w_rejected: ``(N,)`` float32 0/1 role weights.
         chosen_len, rejected_len: ``(B,)`` float32 response token counts.
+        ref_chosen, ref_rejected: ``(B,)`` float32 summed reference log-probabilities
+            of the responses (``TokenizedPair.ref_logps``; 0 where unset).
         n_pairs, nll_tokens, input_tokens, fallback_pairs: host-side counts.
         block_sparse: True when some sequence holds ``[prompt; chosen; rejected]``
             (its mask is not plain causal).
@@ -88,6 +90,8 @@ class Layout:
     w_rejected: mx.array
     chosen_len: mx.array
     rejected_len: mx.array
+    ref_chosen: mx.array
+    ref_rejected: mx.array
     n_pairs: int
     nll_tokens: int
     input_tokens: int
@@ -171,6 +175,8 @@ class _Builder:
             w_rejected=mx.array(t[:, 6].astype(np.float32)),
             chosen_len=mx.array(np.array([len(p.chosen) for p in pairs], np.float32)),
             rejected_len=mx.array(np.array([len(p.rejected) for p in pairs], np.float32)),
+            ref_chosen=mx.array(np.array([p.ref_logps[0] if p.ref_logps else 0.0 for p in pairs], np.float32)),
+            ref_rejected=mx.array(np.array([p.ref_logps[1] if p.ref_logps else 0.0 for p in pairs], np.float32)),
             n_pairs=len(pairs),
             nll_tokens=int(t[:, 4].sum()),
             input_tokens=int(sum(len(x) for x in self.seqs)),

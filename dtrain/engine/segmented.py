@@ -86,7 +86,7 @@ def _attention_rows(masks: list):
 
 def _target_arrays(layout: Layout) -> dict:
     return {k: getattr(layout, k) for k in ("rows", "targets", "pair_of", "w_nll", "w_chosen", "w_rejected",
-                                            "chosen_len", "rejected_len")}
+                                            "chosen_len", "rejected_len", "ref_chosen", "ref_rejected")}
 
 
 class _Targets:
