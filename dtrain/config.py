@@ -99,6 +99,24 @@ class OrpoConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """Which loss a run optimises (docs/objectives.md); key names follow TRL's where TRL has them."""
+
+    kind: str = option("orpo", "orpo: NLL + odds ratio (section orpo); dpo: Rafailov 2023 against the step-0 model's "
+                               "log-probs; simpo: Meng 2024, reference-free, length-normalised; sft: NLL of the "
+                               "chosen responses only", ("orpo", "dpo", "simpo", "sft"))
+    beta: Optional[float] = option(None, "dpo/simpo: beta; null = 0.1 for dpo (TRL DPOConfig), 2.0 for simpo "
+                                         "(the paper's range 2-2.5)", above=0.0)
+    loss_type: str = option("sigmoid", "dpo: sigmoid (Rafailov 2023 eq. 7), ipo (Azar 2023 eq. 17, on mean "
+                                       "log-probs as TRL) or hinge (SLiC, Zhao 2023)", ("sigmoid", "ipo", "hinge"))
+    simpo_gamma: float = option(0.5, "simpo: target reward margin gamma (TRL CPOConfig simpo_gamma)", at_least=0.0)
+    nll_weight: float = option(0.0, "simpo: weight of the NLL of the chosen responses added to the loss (TRL "
+                                    "CPOConfig cpo_alpha); 0 = plain SimPO", at_least=0.0)
+    completion_only_loss: bool = option(True, "sft: NLL over the responses only (TRL SFTConfig, mlx-lm "
+                                              "mask_prompt); false: over prompt and response")
+
+
+@dataclass
 class EngineConfig:
     """How the loss and LoRA gradients are computed (see dtrain/engine)."""
 
@@ -174,6 +192,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     orpo: OrpoConfig = field(default_factory=OrpoConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -14,6 +14,7 @@ on every rank, and applies one AdamW update with the learning rate of
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import signal
 import sys
@@ -35,7 +36,7 @@ from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
 from .lora import apply_lora, save_adapter
-from .objective import ORPO
+from .objectives import objective_for
 from .optimizer import AdamWStep, update_applied
 from .schedule import learning_rate
 from .tracking import RunLogger, new_run_dir, peak_memory_gb
@@ -123,10 +124,12 @@ class Hooks:
     ``engine(engine) -> engine`` wraps the engine :func:`setup` builds;
     ``before_step(step, run)`` runs at the start of each optimizer step (inside
     it: a signal that arrives there is agreed in this step); ``after_step(step, run)``
-    right after the update, before the step is logged.
+    right after the update, before the step is logged; ``reference_engine(engine) ->
+    engine`` wraps the engine of DPO's reference pass.
     """
 
     engine: Callable = lambda engine: engine
+    reference_engine: Callable = lambda engine: engine
     before_step: Callable = _nothing
     after_step: Callable = _nothing
 
@@ -244,7 +247,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = hooks.engine(make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None))
+    objective = objective_for(cfg)
+    engine = hooks.engine(make_engine(cfg.engine, model, objective, report=_stderr if group.is_main else None))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -262,6 +266,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             from .data import write_entries
 
             write_entries(cache_entries)
+        if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
+            dataset = reference_pass(cfg, model, dataset, loaded.identity, group, hooks)
         optimizer = AdamWStep(t, model.trainable_parameters())
         resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
                               model, optimizer, group, report=_stderr if group.is_main else None)
@@ -290,6 +296,40 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks)
+
+
+def reference_pass(cfg: Config, model, dataset, model_identity: str, group: Group, hooks: Hooks):
+    """``dataset`` with DPO's reference log-probabilities on every train and valid pair
+    (``dtrain.objectives.reference``): the step-0 model in evaluation mode, through an
+    engine built like the training one; read from ``OUT/data_cache`` when cached."""
+    from .objectives import reference
+
+    train, valid = list(dataset.train), list(dataset.valid)
+    key = reference.cache_key(model_identity, init_adapter_identity(cfg), train + valid)
+    engine = hooks.reference_engine(make_engine(cfg.engine, model, reference.ReferenceLogps(), report=None))
+    model.eval()
+    try:
+        pairs, computed = reference.reference_pairs(engine, train + valid, cfg.train.micro_batch_pairs, group,
+                                                    Path(cfg.train.output_dir) / "data_cache", key)
+    finally:
+        model.train()
+    if group.is_main:
+        _stderr(f"reference log-probs of {len(pairs)} pairs: " +
+                (f"computed ({computed} pairs)" if computed else "read from the data cache"))
+    dataset = copy.copy(dataset)  # the caller's dataset stays as it was
+    dataset.train, dataset.valid = pairs[:len(train)], pairs[len(train):]
+    return dataset
+
+
+def init_adapter_identity(cfg: Config):
+    """sha256 of ``train.init_adapter``'s weights file, or None without one."""
+    folder = getattr(cfg.train, "init_adapter", None)
+    if not folder:
+        return None
+    from .files import sha256_file
+    from .lora import ADAPTER_WEIGHTS
+
+    return sha256_file(Path(folder) / ADAPTER_WEIGHTS)
 
 
 def first_step_text(run: Run) -> str:

@@ -1,0 +1,185 @@
+"""DPO, SimPO and SFT objectives: worked losses and TRL metrics in float64, loss
+gradients against finite differences, and their registry.
+
+Worked numbers (module constants, computed by hand from the papers' equations):
+- SimPO (Meng et al. 2024, eq. 6), chosen mean log-prob ln(1/2), rejected ln(1/4),
+  beta 2, gamma 0.5: x = 2 ln 2 - 0.5 = 0.886294, loss = ln(1 + e^-x) = 0.3451348.
+- DPO (Rafailov et al. 2023, eq. 7), summed log-probs policy (-6, -9) over (3, 4)
+  tokens, reference (-7, -8), beta 0.1: h = (-6 + 7) - (-9 + 8) = 2,
+  sigmoid: ln(1 + e^-0.2) = 0.5981389; hinge: max(0, 1 - 0.2) = 0.8;
+  ipo (Azar et al. 2023 eq. 17 on TRL's mean log-probs): h = (-2 + 7/3) - (-9/4 + 2)
+  = 7/12, loss = (7/12 - 5)^2 = 19.506944.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dtrain.config import load_config
+from dtrain.engine.common import Norm, PairInputs, layout_counts
+from dtrain.objective import ORPO
+from dtrain.objectives import DPO, OBJECTIVES, SFT, SimPO, objective_for
+
+LW, LR = math.log(0.5), math.log(0.25)
+# MLX's CPU log/exp kernels carry float32 rounding even in float64 (tests/test_engine_reference.py)
+TOL = 1e-7
+
+
+def f64(*xs):
+    return [mx.array(np.array(x, np.float64), mx.float64) for x in xs]
+
+
+def finalized(objective, loss_sums, extra):
+    _, sums = loss_sums
+    return objective.finalize({**{k: float(v) for k, v in sums.items()}, **extra})
+
+
+def test_simpo_worked_example_and_trl_metrics():
+    obj = SimPO(beta=2.0, gamma=0.5)
+    c, r, nll = f64([LW], [LR], 3.0)
+    loss, sums = obj.loss(c, r, nll, Norm(nll_tokens=2.0, pairs=1.0))
+    assert loss.item() == pytest.approx(0.3451348346534808, rel=TOL)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-(2 * math.log(2) - 0.5))), rel=TOL)
+    m = finalized(obj, (loss, sums), {"pairs": 1.0, "nll_tokens": 2.0})
+    assert m["rewards/chosen"] == pytest.approx(2 * LW, rel=TOL)  # TRL CPO: beta * mean logps
+    assert m["rewards/rejected"] == pytest.approx(2 * LR, rel=TOL)
+    assert m["rewards/margins"] == pytest.approx(2 * math.log(2), rel=TOL)
+    assert m["rewards/accuracies"] == 1.0
+    assert m["logps/chosen"] == pytest.approx(LW) and m["logps/rejected"] == pytest.approx(LR)
+    assert m["nll_loss"] == pytest.approx(1.5) and m["loss"] == pytest.approx(0.3451348346534808, rel=TOL)
+
+
+def test_simpo_nll_hybrid_adds_weighted_token_mean_nll():
+    obj = SimPO(beta=2.0, gamma=0.5, nll_weight=0.7)
+    c, r, nll = f64([LW, -1.0], [LR, -0.5], 9.0)
+    loss, sums = obj.loss(c, r, nll, Norm(nll_tokens=6.0, pairs=2.0))
+    second = math.log1p(math.exp(-(2 * (-1.0 + 0.5) - 0.5)))  # a pair the model gets wrong
+    want = 0.7 * 9.0 / 6.0 + (0.3451348346534808 + second) / 2
+    assert loss.item() == pytest.approx(want, rel=TOL)
+    m = finalized(obj, (loss, sums), {"pairs": 2.0, "nll_tokens": 6.0})
+    assert m["loss"] == pytest.approx(want, rel=TOL) and m["rewards/accuracies"] == 0.5
+
+
+DPO_INPUTS = dict(chosen=[-6.0 / 3], rejected=[-9.0 / 4], lens=([3.0], [4.0]), ref=([-7.0], [-8.0]))
+
+
+def dpo_pairs(lens=([3.0], [4.0]), ref=([-7.0], [-8.0])):
+    return PairInputs(*f64(lens[0], lens[1], ref[0], ref[1]))
+
+
+@pytest.mark.parametrize("loss_type, want", [("sigmoid", 0.5981388693815918), ("hinge", 0.8),
+                                             ("ipo", (7 / 12 - 5) ** 2)])
+def test_dpo_worked_example_per_loss_type(loss_type, want):
+    obj = DPO(beta=0.1, loss_type=loss_type)
+    c, r, nll = f64([-2.0], [-2.25], 0.0)
+    loss, sums = obj.loss(c, r, nll, Norm(nll_tokens=3.0, pairs=1.0), dpo_pairs())
+    assert loss.item() == pytest.approx(want, rel=TOL)
+    m = finalized(obj, (loss, sums), {"pairs": 1.0, "nll_tokens": 3.0})
+    if loss_type == "ipo":  # TRL: IPO rewards on mean log-probs
+        assert m["rewards/chosen"] == pytest.approx(0.1 * (-2.0 + 7 / 3), rel=TOL)
+        assert m["logps/chosen"] == pytest.approx(-2.0, rel=TOL)
+    else:  # TRL DPOTrainer: rewards = beta * (policy - reference) summed log-probs
+        assert m["rewards/chosen"] == pytest.approx(0.1 * (-6.0 + 7.0), rel=TOL)
+        assert m["rewards/rejected"] == pytest.approx(0.1 * (-9.0 + 8.0), rel=TOL)
+        assert m["rewards/margins"] == pytest.approx(0.2, rel=TOL)
+        assert m["logps/chosen"] == pytest.approx(-6.0, rel=TOL)
+        assert m["logps/rejected"] == pytest.approx(-9.0, rel=TOL)
+    assert m["rewards/accuracies"] == 1.0 and m["loss"] == pytest.approx(want, rel=TOL)
+
+
+def test_dpo_policy_equal_to_reference_gives_ln2_per_pair():
+    obj = DPO(beta=0.1)
+    lens = ([3.0, 5.0], [4.0, 2.0])
+    c, r = np.array([-2.0, -0.7]), np.array([-2.25, -3.1])
+    ref = (list(c * lens[0]), list(r * lens[1]))
+    loss, sums = obj.loss(*f64(c, r, 0.0), Norm(8.0, 2.0), dpo_pairs(lens, ref))
+    assert loss.item() == pytest.approx(math.log(2), rel=TOL)
+    assert sums["accuracy_sum"].item() == 0.0  # equal rewards are not a preference (TRL: chosen > rejected)
+
+
+def test_sft_is_token_mean_nll():
+    obj = SFT()
+    loss, sums = obj.loss(*f64([LW, -1.0], [0.0, 0.0], 9.0), Norm(nll_tokens=6.0, pairs=2.0))
+    assert loss.item() == pytest.approx(1.5, rel=TOL)
+    m = finalized(obj, (loss, sums), {"pairs": 2.0, "nll_tokens": 6.0})
+    assert m == {"loss": 1.5, "nll_loss": 1.5, "logps/chosen": pytest.approx((LW - 1.0) / 2)}
+
+
+def fd_check(fn, xs, h=2e-2):
+    """Gradient of the scalar ``fn(*xs)`` against Richardson-extrapolated central differences
+    (float64 inputs; a large ``h`` because of the kernels' float32 rounding, see ``TOL``)."""
+    grads = mx.grad(lambda *a: fn(*a), argnums=tuple(range(len(xs))))(*xs)
+    for i, (x, g) in enumerate(zip(xs, grads)):
+        base = np.array(x, np.float64)
+        for j in range(base.size):
+            up, down = base.copy(), base.copy()
+            up.flat[j] += h
+            down.flat[j] -= h
+            args_up = [mx.array(up, mx.float64) if k == i else xs[k] for k in range(len(xs))]
+            args_down = [mx.array(down, mx.float64) if k == i else xs[k] for k in range(len(xs))]
+            d1 = (fn(*args_up).item() - fn(*args_down).item()) / (2 * h)
+            up.flat[j] -= h / 2
+            down.flat[j] += h / 2
+            args_up = [mx.array(up, mx.float64) if k == i else xs[k] for k in range(len(xs))]
+            args_down = [mx.array(down, mx.float64) if k == i else xs[k] for k in range(len(xs))]
+            d2 = (fn(*args_up).item() - fn(*args_down).item()) / h
+            fd = (4 * d2 - d1) / 3
+            assert np.array(g).flat[j] == pytest.approx(fd, rel=1e-4, abs=1e-6), (i, j)
+
+
+@pytest.mark.parametrize("obj", [SimPO(2.0, 0.5, 0.3), DPO(0.1, "sigmoid"), DPO(0.5, "ipo"), DPO(0.1, "hinge"), SFT()],
+                         ids=["simpo", "dpo_sigmoid", "dpo_ipo", "dpo_hinge", "sft"])
+def test_loss_gradients_match_finite_differences(obj):
+    c, r, nll = f64([-2.0, -0.4, -1.3], [-2.25, -0.9, -0.2], 7.5)
+    norm = Norm(nll_tokens=11.0, pairs=3.0)
+    pairs = dpo_pairs(([3.0, 5.0, 2.0], [4.0, 2.0, 6.0]), ([-7.0, -1.0, -4.0], [-8.0, -2.5, -0.3]))
+    extra = (pairs,) if getattr(obj, "pair_inputs", False) else ()
+    fd_check(lambda c, r, n: obj.loss(c, r, n, norm, *extra)[0], [c, r, nll])
+
+
+def test_micro_batches_add_up_to_the_global_loss():
+    """Each loss is normalised by global totals: two halves sum to the whole."""
+    c, r, nll = f64([-2.0, -0.4], [-2.25, -0.9], 7.5)
+    norm = Norm(nll_tokens=11.0, pairs=2.0)
+    pairs = dpo_pairs(([3.0, 5.0], [4.0, 2.0]), ([-7.0, -1.0], [-8.0, -2.5]))
+    for obj in (SimPO(2.0, 0.5, 0.3), DPO(0.1), SFT()):
+        def part(i, n):
+            sl = slice(i, i + 1)
+            extra = (PairInputs(*(a[sl] for a in (pairs.chosen_len, pairs.rejected_len, pairs.ref_chosen,
+                                                  pairs.ref_rejected))),) if getattr(obj, "pair_inputs", False) else ()
+            return obj.loss(c[sl], r[sl], n, norm, *extra)[0].item()
+        whole = obj.loss(c, r, nll, norm, *((pairs,) if getattr(obj, "pair_inputs", False) else ()))[0].item()
+        assert part(0, mx.array(3.0, mx.float64)) + part(1, mx.array(4.5, mx.float64)) == pytest.approx(whole, rel=TOL)
+
+
+@pytest.mark.parametrize("kind, overrides, want", [
+    ("orpo", ["orpo.lambda=0.3"], ORPO(0.3)),
+    ("dpo", [], DPO(0.1, "sigmoid")),
+    ("dpo", ["objective.beta=0.2", "objective.loss_type=ipo"], DPO(0.2, "ipo")),
+    ("simpo", [], SimPO(2.0, 0.5, 0.0)),
+    ("simpo", ["objective.beta=2.5", "objective.simpo_gamma=1.0", "objective.nll_weight=1.0"], SimPO(2.5, 1.0, 1.0)),
+    ("sft", [], SFT("response")),
+    ("sft", ["objective.completion_only_loss=false"], SFT("full")),
+])
+def test_objective_kind_chooses_the_objective_with_its_keys(kind, overrides, want):
+    cfg = load_config(None, ["data.demo_pairs=4", f"objective.kind={kind}", *overrides])
+    assert objective_for(cfg) == want
+
+
+def test_registry_names_every_objective_and_their_keys_are_sums_plus_counts():
+    assert set(OBJECTIVES) == {"orpo", "dpo", "simpo", "sft"}
+    from dtrain.engine.layout import two_sequence_layout
+    from dtrain.types import TokenizedPair
+
+    counts = set(layout_counts(two_sequence_layout([TokenizedPair([1, 2], [3], [4])])))
+    for cls in OBJECTIVES.values():
+        assert counts <= set(cls.metric_keys)
+
+
+def test_unknown_objective_kind_is_a_config_error_naming_the_key():
+    from dtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"objective.kind.*orpo, dpo, simpo, sft"):
+        load_config(None, ["data.demo_pairs=4", "objective.kind=kto"])
