@@ -1,0 +1,127 @@
+"""Every objective through the engines: LoRA gradients against finite differences,
+segmented = reference, prefix sharing = two sequences, with DPO's reference
+log-probabilities carried per pair."""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from dtrain.engine import ReferenceEngine
+from dtrain.engine.arch import adapter_for
+from dtrain.engine.segmented import SegmentedEngine
+from dtrain.objective import ORPO
+from dtrain.objectives import DPO, SFT, SimPO
+from dtrain.types import TokenizedPair
+
+from test_engine_reference import PAIRS, central_difference, lora_model as fd_model
+from test_engine_segmented import lora_model, make_pairs, rel
+
+OBJECTIVES = {
+    "dpo_sigmoid": DPO(0.1, "sigmoid"), "dpo_ipo": DPO(0.5, "ipo"), "dpo_hinge": DPO(0.1, "hinge"),
+    "simpo": SimPO(2.0, 0.5), "simpo_nll": SimPO(2.0, 0.5, 0.5), "sft": SFT("response"), "sft_full": SFT("full"),
+}
+
+
+def with_ref(pairs, seed=0):
+    rng = np.random.default_rng(seed)
+    return [dataclasses.replace(p, ref_logps=(float(rng.uniform(-60, -5)), float(rng.uniform(-60, -5))))
+            for p in pairs]
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_lora_gradients_match_central_finite_differences(name):
+    obj = OBJECTIVES[name]
+    model = fd_model(mx.float64)
+    pairs = with_ref(PAIRS)
+    engine = ReferenceEngine(model, obj)
+    norm = obj.totals(pairs)
+    grads = engine.step(pairs, norm).grads
+    params = model.trainable_parameters()
+    mx.random.seed(7)
+    for _ in range(2):
+        direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
+
+        def along(eps):
+            model.update(tree_map(lambda p, d: p + eps * d, params, direction))
+            return engine.evaluate(pairs, norm).loss.item()
+
+        fd = central_difference(along, 4e-3)
+        model.update(params)
+        analytic = sum((g * d).sum().item() for (_, g), (_, d) in zip(tree_flatten(grads), tree_flatten(direction)))
+        assert abs(fd) > 1e-4  # a non-trivial derivative
+        assert analytic == pytest.approx(fd, rel=2e-4)
+
+
+
+def parity(model, engine, pairs, obj):
+    norm = obj.totals(pairs)
+    ref = ReferenceEngine(model, obj).step(pairs, norm)
+    out = engine.step(pairs, norm)
+    mx.eval(ref.loss, ref.grads, out.loss, out.grads)
+    assert rel(out.loss, ref.loss) < 1e-5, (float(out.loss), float(ref.loss))
+    for k, v in ref.sums.items():
+        if k not in ("input_tokens", "fallback_pairs"):
+            assert abs(float(out.sums[k]) - float(v)) <= 1e-5 * max(1.0, abs(float(v))), (k, out.sums[k], v)
+    g_ref, g_out = dict(tree_flatten(ref.grads)), dict(tree_flatten(out.grads))
+    assert g_ref.keys() == g_out.keys()
+    for k in g_ref:
+        assert rel(g_out[k], g_ref[k]) < 1e-4, (k, rel(g_out[k], g_ref[k]))
+    ev_ref, ev = ReferenceEngine(model, obj).evaluate(pairs, norm), engine.evaluate(pairs, norm)
+    assert rel(ev.loss, ev_ref.loss) < 1e-5
+    return out
+
+
+@pytest.mark.parametrize("variant", [dict(segment_layers=2), dict(segment_layers=2, prefix_sharing=True),
+                                     dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
+                                     dict(segment_layers=0, prefix_sharing=True)],
+                         ids=["segmented", "prefix", "prefix_chunked", "one_range"])
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_segmented_equals_reference(name, variant):
+    """Segmented (ranges, chunked head, single pass) = reference; with prefix sharing this is
+    also prefix sharing = two sequences (the reference engine runs two sequences per pair)."""
+    obj = OBJECTIVES[name]
+    model = lora_model("llama")
+    pairs = with_ref(make_pairs(fallback=True))
+    parity(model, SegmentedEngine(model, adapter_for(model), obj, **variant), pairs, obj)
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_prefix_sharing_equals_two_sequences_in_the_segmented_engine(name):
+    obj = OBJECTIVES[name]
+    model = lora_model("qwen3")
+    pairs = with_ref(make_pairs())
+    norm = obj.totals(pairs)
+    two = SegmentedEngine(model, adapter_for(model), obj, segment_layers=2).step(pairs, norm)
+    one = SegmentedEngine(model, adapter_for(model), obj, segment_layers=2, prefix_sharing=True).step(pairs, norm)
+    assert rel(one.loss, two.loss) < 1e-5
+    for (k, a), (_, b) in zip(tree_flatten(one.grads), tree_flatten(two.grads)):
+        assert rel(a, b) < 1e-4, k
+
+
+def test_orpo_is_unchanged_by_reference_log_probs():
+    """Reference values on the pairs are read by DPO only."""
+    model = lora_model("llama")
+    pairs = make_pairs()
+    a = ReferenceEngine(model, ORPO(0.1)).evaluate(pairs, ORPO(0.1).totals(pairs))
+    b = ReferenceEngine(model, ORPO(0.1)).evaluate(with_ref(pairs), ORPO(0.1).totals(pairs))
+    assert a.loss.item() == b.loss.item()
+
+
+def test_reference_pass_objective_returns_summed_log_probs_of_each_pair():
+    """ReferenceLogps through an engine = sums of log-probs computed from mlx-lm's logits directly."""
+    from dtrain.objectives.reference import ReferenceLogps
+
+    model = lora_model("llama")
+    pairs = make_pairs()
+    out = ReferenceEngine(model, ReferenceLogps()).evaluate(pairs, ReferenceLogps().totals(pairs))
+    for i, p in enumerate(pairs):
+        for side, key in ((p.chosen, "ref_chosen"), (p.rejected, "ref_rejected")):
+            seq = mx.array([p.prompt + side])
+            logits = model(seq)[0].astype(mx.float32)  # (L, V)
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            P = len(p.prompt)
+            want = sum(logp[P - 1 + j, t].item() for j, t in enumerate(side))
+            assert out.sums[key][i].item() == pytest.approx(want, rel=1e-5)
