@@ -125,3 +125,23 @@ def test_reference_pass_objective_returns_summed_log_probs_of_each_pair():
             P = len(p.prompt)
             want = sum(logp[P - 1 + j, t].item() for j, t in enumerate(side))
             assert out.sums[key][i].item() == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dpo_sigmoid", "dpo_ipo", "simpo"])
+def test_a_pair_without_preference_signal_gives_no_gradient(name):
+    """chosen == rejected: the log-ratio difference is 0 whatever the weights, so the pairwise
+    objectives get no gradient from it; the data layer drops such pairs before any objective
+    ("same ids", dtrain.data.render; tests/test_data_render.py)."""
+    obj = OBJECTIVES[name]
+    model = lora_model("llama")
+    p = make_pairs()[0]
+    same = dataclasses.replace(p, rejected=p.chosen, ref_logps=(-20.0, -20.0))
+    g_same = engine_grads(model, obj, [same])
+    g_real = engine_grads(model, obj, with_ref([p]))
+    norm = lambda g: float(np.sqrt(sum((np.array(v, np.float64) ** 2).sum() for _, v in tree_flatten(g))))  # noqa: E731
+    assert norm(g_real) > 1e-3
+    assert norm(g_same) <= 1e-6 * norm(g_real)
+
+
+def engine_grads(model, obj, pairs):
+    return ReferenceEngine(model, obj).step(pairs, obj.totals(pairs)).grads
