@@ -17,6 +17,7 @@ class TokenizedPair:
     boundary. ``rejected_prompt`` is set only when the rejected side renders a
     different prompt (e.g. conversational rows whose histories differ); engines
     then run that pair as two separate sequences. ``source`` is ``file:line``.
+    An empty ``rejected`` marks an SFT row (a prompt and one completion).
     ``ref_logps``: ``(chosen, rejected)`` summed response log-probabilities (nats)
     under the reference model, set for DPO by ``dtrain.objectives.reference``.
     """

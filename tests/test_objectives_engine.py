@@ -145,3 +145,58 @@ def test_a_pair_without_preference_signal_gives_no_gradient(name):
 
 def engine_grads(model, obj, pairs):
     return ReferenceEngine(model, obj).step(pairs, obj.totals(pairs)).grads
+
+
+def sft_rows(seed=0):
+    """Rows with one completion (empty rejected), beside preference pairs, as SFT runs them."""
+    pairs = make_pairs(seed=seed, fallback=True)
+    return [dataclasses.replace(p, rejected=[], rejected_prompt=None) for p in pairs[:2]] + pairs[2:]
+
+
+@pytest.mark.parametrize("variant", [dict(segment_layers=2), dict(segment_layers=2, prefix_sharing=True),
+                                     dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
+                                     dict(segment_layers=0, prefix_sharing=True)],
+                         ids=["segmented", "prefix", "prefix_chunked", "one_range"])
+@pytest.mark.parametrize("name", ["sft", "sft_full"])
+def test_sft_rows_segmented_equals_reference(name, variant):
+    obj = OBJECTIVES[name]
+    model = lora_model("llama")
+    parity(model, SegmentedEngine(model, adapter_for(model), obj, **variant), sft_rows(), obj)
+
+
+def test_sft_row_is_its_chosen_sequence_alone_and_equals_the_pair_it_came_from():
+    """An SFT row trains the same NLL as the preference pair's chosen side; its layout has no rejected row."""
+    from dtrain.engine.layout import shared_prefix_layout, two_sequence_layout
+
+    model = lora_model("llama")
+    pairs = make_pairs()
+    rows = [dataclasses.replace(p, rejected=[]) for p in pairs]
+    assert two_sequence_layout(rows).shape[0] == 3 and shared_prefix_layout(rows).shape[0] == 3
+    assert float(two_sequence_layout(rows).w_rejected.sum()) == 0.0
+    obj = SFT()
+    a = ReferenceEngine(model, obj).step(pairs, obj.totals(pairs))
+    b = ReferenceEngine(model, obj).step(rows, obj.totals(rows))
+    assert rel(b.loss, a.loss) < 1e-6
+    for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
+        assert rel(y, x) < 1e-5, k
+
+
+def test_sft_gradients_match_finite_differences_on_sft_rows():
+    obj = SFT()
+    model = fd_model(mx.float64)
+    rows = [dataclasses.replace(p, rejected=[]) for p in PAIRS]
+    engine = ReferenceEngine(model, obj)
+    norm = obj.totals(rows)
+    grads = engine.step(rows, norm).grads
+    params = model.trainable_parameters()
+    mx.random.seed(3)
+    direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
+
+    def along(eps):
+        model.update(tree_map(lambda p, d: p + eps * d, params, direction))
+        return engine.evaluate(rows, norm).loss.item()
+
+    fd = central_difference(along, 4e-3)
+    model.update(params)
+    analytic = sum((g * d).sum().item() for (_, g), (_, d) in zip(tree_flatten(grads), tree_flatten(direction)))
+    assert abs(fd) > 1e-4 and analytic == pytest.approx(fd, rel=2e-4)
