@@ -36,7 +36,7 @@ from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
 from .lora import apply_lora, save_adapter
-from .objectives import objective_for
+from .objectives import fit_dataset, objective_for
 from .optimizer import AdamWStep, update_applied
 from .schedule import learning_rate
 from .tracking import RunLogger, new_run_dir, peak_memory_gb
@@ -244,10 +244,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
                                cache_dir=Path(t.output_dir) / "data_cache")
         cache_entries = dataset.cache_entries
+    objective = objective_for(cfg)
+    dataset = fit_dataset(objective, dataset)
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    objective = objective_for(cfg)
     engine = hooks.engine(make_engine(cfg.engine, model, objective, report=_stderr if group.is_main else None))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
