@@ -59,6 +59,10 @@ class LoraConfig:
     num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all", at_least=-1)
     keys: Optional[list] = option(None, "module paths inside a decoder layer (e.g. [self_attn.q_proj]); "
                                         "null = every linear layer, as mlx-lm does")
+    rslora: bool = option(False, "rsLoRA (Kalajdzievski 2023): the layers' scale is scale / sqrt(rank), scale "
+                                 "read as alpha; the adapter records the scale used")
+    plus_ratio: float = option(1.0, "LoRA+ (Hayou et al. 2024): the lora_b matrices' learning rate is "
+                                    "train.learning_rate times this (the paper suggests 16); 1 = off", above=0.0)
 
 
 @dataclass
@@ -164,6 +168,9 @@ class TrainConfig:
     save_every: int = option(0, "checkpoint every N steps; 0 = only at the end (and on a stop signal)", at_least=0)
     keep_last: int = option(2, "newest checkpoints kept in output_dir/checkpoints", at_least=1)
     output_dir: str = option("runs/default", "adapters/, checkpoints/ and tb/ go here")
+    init_adapter: Optional[str] = option(None, "an mlx-lm adapter folder to start from: its adapter_config.json "
+                                               "sets lora rank, scale, keys and num_layers, its weights the step-0 "
+                                               "LoRA (weights only: a new run, unlike resume)")
     resume: Optional[str] = option(None, "null: a new run; auto: the newest valid checkpoint in output_dir; "
                                          "or a checkpoint folder")
     max_skipped_steps: int = option(5, "save and stop after this many steps in a row with a non-finite loss or "

@@ -35,7 +35,7 @@ from .distributed import Group, check_in_sync, handshake
 from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
-from .lora import apply_lora, save_adapter
+from .lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
 from .objectives import fit_dataset, objective_for
 from .optimizer import AdamWStep, update_applied
 from .schedule import learning_rate
@@ -229,6 +229,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     released by ``run.cleanup``, or here when a later part fails.
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
+    if cfg.train.init_adapter:  # the adapter's rank, scale and keys are the run's LoRA
+        cfg = replace(cfg, lora=lora_from_adapter(cfg.lora, cfg.train.init_adapter))
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     t = cfg.train
     mx.random.seed(t.seed)
@@ -248,6 +250,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     dataset = fit_dataset(objective, dataset)
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
+    if t.init_adapter:
+        load_adapter_weights(model, t.init_adapter)
     model.train()
     engine = hooks.engine(make_engine(cfg.engine, model, objective, report=_stderr if group.is_main else None))
     resolved = to_dict(cfg)
@@ -269,7 +273,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             write_entries(cache_entries)
         if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
             dataset = reference_pass(cfg, model, dataset, loaded.identity, group, hooks)
-        optimizer = AdamWStep(t, model.trainable_parameters())
+        optimizer = AdamWStep(t, model.trainable_parameters(), cfg.lora.plus_ratio)
         resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
                               model, optimizer, group, report=_stderr if group.is_main else None)
         if resumed is not None:
