@@ -183,3 +183,11 @@ def test_unknown_objective_kind_is_a_config_error_naming_the_key():
 
     with pytest.raises(ConfigError, match=r"objective.kind.*orpo, dpo, simpo, sft"):
         load_config(None, ["data.demo_pairs=4", "objective.kind=kto"])
+
+
+@pytest.mark.parametrize("name, want", [("dpo.yaml", DPO(0.1, "sigmoid")), ("sft.yaml", SFT("response"))])
+def test_shipped_objective_configs_load(name, want):
+    from pathlib import Path
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / name))
+    assert objective_for(cfg) == want
