@@ -137,3 +137,27 @@ def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
     mx.save_safetensors(str(tmp_path / "a" / ADAPTER_WEIGHTS), w)
     with pytest.raises(ConfigError, match=r"do not match the model's LoRA parameters \(missing: model.layers"):
         run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
+
+
+def test_rslora_adapter_exports_with_dtrain_export(tmp_path):
+    """The merged model of an rsLoRA adapter (dtrain export) gives the LoRA model's logits."""
+    from mlx_lm import load
+
+    from dtrain.models import load_model
+    from dtrain.models.export import export_adapter
+    from test_models_gguf import write_tiny_llama
+
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {})
+    model = load_model(str(base), dtype="float32").model
+    cfg = LoraConfig(rank=4, scale=8.0, rslora=True)
+    apply_lora(model, cfg)
+    mx.random.seed(4)
+    model.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape), model.trainable_parameters()))
+    save_adapter(model, cfg, tmp_path / "adapter")
+    model.eval()
+    tokens = mx.array([[1, 3, 40, 7, 300, 99]])
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"), gguf_type="f32",
+                            dtype="float32")
+    merged, _ = load(str(result.folder))
+    np.testing.assert_allclose(np.array(merged(tokens)), np.array(model(tokens)), rtol=1e-4, atol=1e-4)
