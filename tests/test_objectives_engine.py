@@ -31,17 +31,15 @@ def with_ref(pairs, seed=0):
             for p in pairs]
 
 
-@pytest.mark.parametrize("name", OBJECTIVES)
-def test_lora_gradients_match_central_finite_differences(name):
-    obj = OBJECTIVES[name]
-    model = fd_model(mx.float64)
-    pairs = with_ref(PAIRS)
+def assert_directional_derivatives(model, obj, pairs, seed=7, n=2):
+    """LoRA gradients of ``obj`` on ``pairs`` (reference engine) against central finite
+    differences along ``n`` random directions (float64 model)."""
     engine = ReferenceEngine(model, obj)
     norm = obj.totals(pairs)
     grads = engine.step(pairs, norm).grads
     params = model.trainable_parameters()
-    mx.random.seed(7)
-    for _ in range(2):
+    mx.random.seed(seed)
+    for _ in range(n):
         direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
 
         def along(eps):
@@ -54,6 +52,10 @@ def test_lora_gradients_match_central_finite_differences(name):
         assert abs(fd) > 1e-4  # a non-trivial derivative
         assert analytic == pytest.approx(fd, rel=2e-4)
 
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_lora_gradients_match_central_finite_differences(name):
+    assert_directional_derivatives(fd_model(mx.float64), OBJECTIVES[name], with_ref(PAIRS))
 
 
 def parity(model, engine, pairs, obj):
@@ -182,21 +184,5 @@ def test_sft_row_is_its_chosen_sequence_alone_and_equals_the_pair_it_came_from()
 
 
 def test_sft_gradients_match_finite_differences_on_sft_rows():
-    obj = SFT()
-    model = fd_model(mx.float64)
     rows = [dataclasses.replace(p, rejected=[]) for p in PAIRS]
-    engine = ReferenceEngine(model, obj)
-    norm = obj.totals(rows)
-    grads = engine.step(rows, norm).grads
-    params = model.trainable_parameters()
-    mx.random.seed(3)
-    direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
-
-    def along(eps):
-        model.update(tree_map(lambda p, d: p + eps * d, params, direction))
-        return engine.evaluate(rows, norm).loss.item()
-
-    fd = central_difference(along, 4e-3)
-    model.update(params)
-    analytic = sum((g * d).sum().item() for (_, g), (_, d) in zip(tree_flatten(grads), tree_flatten(direction)))
-    assert abs(fd) > 1e-4 and analytic == pytest.approx(fd, rel=2e-4)
+    assert_directional_derivatives(fd_model(mx.float64), SFT(), rows, seed=3, n=1)
