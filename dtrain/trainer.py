@@ -129,9 +129,9 @@ class Hooks:
     """
 
     engine: Callable = lambda engine: engine
-    reference_engine: Callable = lambda engine: engine
     before_step: Callable = _nothing
     after_step: Callable = _nothing
+    reference_engine: Callable = lambda engine: engine
 
 
 @dataclass
@@ -310,7 +310,8 @@ def reference_pass(cfg: Config, model, dataset, model_identity: str, group: Grou
     from .objectives import reference
 
     train, valid = list(dataset.train), list(dataset.valid)
-    key = reference.cache_key(model_identity, init_adapter_identity(cfg), train + valid)
+    dtype = str(tree_flatten(model.parameters())[0][1].dtype)  # the compute dtype decides the values too
+    key = reference.cache_key(f"{model_identity}|{dtype}", init_adapter_identity(cfg), train + valid)
     engine = hooks.reference_engine(make_engine(cfg.engine, model, reference.ReferenceLogps(), report=None))
     model.eval()
     try:
@@ -319,8 +320,8 @@ def reference_pass(cfg: Config, model, dataset, model_identity: str, group: Grou
     finally:
         model.train()
     if group.is_main:
-        _stderr(f"reference log-probs of {len(pairs)} pairs: " +
-                (f"computed ({computed} pairs)" if computed else "read from the data cache"))
+        _stderr(f"DPO reference log-probs of {len(pairs)} train + valid pairs (the model at step 0): " +
+                ("computed" if computed else "read from the data cache"))
     dataset = copy.copy(dataset)  # the caller's dataset stays as it was
     dataset.train, dataset.valid = pairs[:len(train)], pairs[len(train):]
     return dataset
