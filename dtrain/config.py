@@ -177,7 +177,8 @@ class TrainConfig:
                                        "gradient (their updates are skipped)", at_least=1)
     chosen_logps_drop_warn: float = option(0.1, "warn when the held-out eval/logps/chosen falls more than this many "
                                                 "nats/token below its step-0 value (the model is lowering the chosen "
-                                                "answers too); 0 = off", at_least=0.0)
+                                                "answers too); 0 = off; not checked for objective.kind dpo, whose "
+                                                "logps are sums per response", at_least=0.0)
     progress: bool = option(True, "show a progress bar on rank 0")
 
 

@@ -125,3 +125,11 @@ def test_resume_equals_uninterrupted(tmp_path, kind):
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert [h["loss"] for h in whole.history[2:]] == [h["loss"] for h in resumed.history]
     assert whole.history[-1]["loss"] < whole.history[0]["loss"]
+
+
+def test_the_nats_per_token_guard_is_not_applied_to_dpos_summed_log_probs(tmp_path, capsys):
+    """DPO's eval/logps/chosen is a sum per response (TRL); the chosen_logps_drop_warn margin is
+    nats/token, so a DPO run never gets that warning, even when the sum falls."""
+    result = run(tmp_path, "dpo", "train.learning_rate=5e-2", "train.chosen_logps_drop_warn=1e-9")
+    assert result.evals[2]["eval/logps/chosen"] < result.evals[0]["eval/logps/chosen"]  # it did fall
+    assert "eval/logps/chosen is" not in capsys.readouterr().err

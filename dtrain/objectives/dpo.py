@@ -58,6 +58,7 @@ class DPO:
     metric_keys = SUM_KEYS + COUNT_KEYS
     pair_inputs = True  # loss() gets lengths and reference log-probs (engine.common.PairInputs)
     needs_reference = True  # the trainer computes TokenizedPair.ref_logps before the first step
+    per_token_logps = False  # logps/* are sums per response (TRL): the nats/token guard does not apply
 
     @classmethod
     def from_config(cls, cfg) -> "DPO":
