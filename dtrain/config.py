@@ -310,8 +310,21 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     setattr(sub, name, value)
 
 
+# Which objective.kind reads each objective key (and the orpo section); a key set for another kind is an error.
+_OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_type"): ("dpo",),
+                   ("objective", "simpo_gamma"): ("simpo",), ("objective", "nll_weight"): ("simpo",),
+                   ("objective", "completion_only_loss"): ("sft",), ("orpo", "lam"): ("orpo",),
+                   ("orpo", "nll_scope"): ("orpo",)}
+
+
 def _check(cfg: Config, source: str) -> None:
     """Rules across keys, checked once after every override is applied."""
+    kind, defaults = cfg.objective.kind, Config()
+    for (section, name), kinds in _OBJECTIVE_KEYS.items():
+        value = getattr(getattr(cfg, section), name)
+        if kind not in kinds and value != getattr(getattr(defaults, section), name):
+            raise ConfigError(f"{source}: '{section}.{yaml_key(name)}' is {value!r} but objective.kind {kind} does "
+                              f"not read it (it applies to {', '.join(kinds)}); remove it or change objective.kind")
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                           "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")

@@ -191,3 +191,13 @@ def test_shipped_objective_configs_load(name, want):
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / name))
     assert objective_for(cfg) == want
+
+
+@pytest.mark.parametrize("kind, key, value", [("orpo", "objective.beta", "0.2"), ("dpo", "objective.simpo_gamma", "1"),
+                                              ("sft", "objective.loss_type", "ipo"), ("dpo", "orpo.lambda", "0.5"),
+                                              ("simpo", "objective.completion_only_loss", "false")])
+def test_an_objective_key_for_another_kind_is_an_error_naming_it(kind, key, value):
+    from dtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"'{key}' is .* but objective.kind {kind} does not read it"):
+        load_config(None, ["data.demo_pairs=4", f"objective.kind={kind}", f"{key}={value}"])
