@@ -133,3 +133,21 @@ def test_the_nats_per_token_guard_is_not_applied_to_dpos_summed_log_probs(tmp_pa
     result = run(tmp_path, "dpo", "train.learning_rate=5e-2", "train.chosen_logps_drop_warn=1e-9")
     assert result.evals[2]["eval/logps/chosen"] < result.evals[0]["eval/logps/chosen"]  # it did fall
     assert "eval/logps/chosen is" not in capsys.readouterr().err
+
+
+def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resumed_weights(tmp_path):
+    seen = []
+
+    def crash(step, run_):
+        if step == 3:
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        run(tmp_path, "dpo", "train.save_every=2", hooks=counting_hooks(seen, before_step=crash))
+    (cached,) = (tmp_path / "data_cache").glob("reference-*.npy")
+    before = np.load(cached)
+    cached.unlink()
+    seen.clear()
+    run(tmp_path, "dpo", "train.save_every=2", "train.resume=auto", hooks=counting_hooks(seen))
+    assert len(seen) == N_TRAIN + N_VALID
+    assert np.array_equal(np.load(cached), before)  # the same model: step 0's, before the checkpoint's weights
