@@ -35,7 +35,8 @@ from .distributed import Group, check_in_sync, handshake
 from .engine import make_engine, run_micro_batches
 from .evaluation import ACCURACY, evaluate_and_log
 from .errors import UserError
-from .lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
+from .files import sha256_file
+from .lora import ADAPTER_WEIGHTS, apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
 from .objectives import fit_dataset, objective_for
 from .optimizer import AdamWStep, update_applied
 from .schedule import learning_rate
@@ -329,13 +330,8 @@ def reference_pass(cfg: Config, model, dataset, model_identity: str, group: Grou
 
 def init_adapter_identity(cfg: Config):
     """sha256 of ``train.init_adapter``'s weights file, or None without one."""
-    folder = getattr(cfg.train, "init_adapter", None)
-    if not folder:
-        return None
-    from .files import sha256_file
-    from .lora import ADAPTER_WEIGHTS
-
-    return sha256_file(Path(folder) / ADAPTER_WEIGHTS)
+    folder = cfg.train.init_adapter
+    return sha256_file(Path(folder) / ADAPTER_WEIGHTS) if folder else None
 
 
 def first_step_text(run: Run) -> str:
