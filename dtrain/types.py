@@ -18,8 +18,8 @@ class TokenizedPair:
     different prompt (e.g. conversational rows whose histories differ); engines
     then run that pair as two separate sequences. ``source`` is ``file:line``.
     An empty ``rejected`` marks an SFT row (a prompt and one completion).
-    ``ref_logps``: ``(chosen, rejected)`` summed response log-probabilities (nats)
-    under the reference model, set for DPO by ``dtrain.objectives.reference``.
+    ``extra``: per-pair inputs an objective needs beyond the tokens (name -> float,
+    e.g. a reference model's summed log-probabilities); None for ORPO.
     """
 
     prompt: list
@@ -27,7 +27,7 @@ class TokenizedPair:
     rejected: list
     source: str = ""
     rejected_prompt: Optional[list] = None
-    ref_logps: Optional[tuple] = None
+    extra: Optional[dict] = None
 
     @property
     def shared_prompt(self) -> bool:

@@ -18,7 +18,7 @@ from dtrain.config import DataConfig
 from dtrain.data import load_dataset, tokenize_rows
 from dtrain.data.formats import Row, detect_format, parse_rows
 from dtrain.errors import DataError
-from dtrain.objectives import DPO, ORPO, SFT, fit_dataset
+from dtrain.engine import DPO, ORPO, SFT, fit_dataset
 
 Q = "What is 2 + 2?"
 CHAT_Q = "<s><|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"

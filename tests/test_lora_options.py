@@ -16,8 +16,8 @@ from conftest import add_random_lora, make_pairs, make_tiny_model
 from dtrain.config import LoraConfig, load_config
 from dtrain.errors import ConfigError
 from dtrain.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_lora, lora_from_adapter, save_adapter
-from dtrain.optimizer import AdamWStep
-from dtrain.trainer import Hooks, train
+from dtrain.run.optimizer import AdamWStep
+from dtrain.run.trainer import Hooks, train
 
 
 def lora_layers(model):

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from dtrain.config import load_config
-from dtrain.engine.common import Norm, PairInputs, layout_counts
-from dtrain.objective import ORPO
-from dtrain.objectives import DPO, OBJECTIVES, SFT, SimPO, objective_for
+from dtrain.engine import DPO, OBJECTIVES, ORPO, SFT, SimPO, make_objective
+from dtrain.engine.common import layout_counts
+from dtrain.engine.objective import PairLogps, Totals
 
 LW, LR = math.log(0.5), math.log(0.25)
 # MLX's CPU log/exp kernels carry float32 rounding even in float64 (tests/test_engine_reference.py)
@@ -31,6 +31,25 @@ def f64(*xs):
     return [mx.array(np.array(x, np.float64), mx.float64) for x in xs]
 
 
+def pair_logps(c, r, nll, lens=None, ref=None):
+    """``PairLogps`` (float64) of per-pair mean log-probabilities ``c``/``r`` over ``lens``
+    tokens (1 each by default), with reference sums ``ref`` as DPO's extra inputs."""
+    lens = lens or ([1.0] * len(c), [1.0] * len(r))
+    lc, lr = np.array(lens[0], np.float64), np.array(lens[1], np.float64)
+    chosen, rejected, n, tc, tr = f64(np.array(c) * lc, np.array(r) * lr, nll, lc, lr)
+    extra = dict(zip(("ref_chosen", "ref_rejected"), f64(*ref))) if ref is not None else {}
+    return PairLogps(chosen, rejected, tc, tr, n, extra)
+
+
+def hyper64(obj):
+    """``obj.hyper()``'s names at float64, so the worked numbers hold to ``TOL``."""
+    return {k: mx.array(float(getattr(obj, k)), mx.float64) for k in obj.hyper()}
+
+
+def scored(obj, logps, totals):
+    return obj.loss(logps, totals, hyper64(obj))
+
+
 def finalized(objective, loss_sums, extra):
     _, sums = loss_sums
     return objective.finalize({**{k: float(v) for k, v in sums.items()}, **extra})
@@ -38,8 +57,7 @@ def finalized(objective, loss_sums, extra):
 
 def test_simpo_worked_example_and_trl_metrics():
     obj = SimPO(beta=2.0, gamma=0.5)
-    c, r, nll = f64([LW], [LR], 3.0)
-    loss, sums = obj.loss(c, r, nll, Norm(nll_tokens=2.0, pairs=1.0))
+    loss, sums = scored(obj, pair_logps([LW], [LR], 3.0), Totals(nll_tokens=2.0, pairs=1.0))
     assert loss.item() == pytest.approx(0.3451348346534808, rel=TOL)
     assert loss.item() == pytest.approx(math.log1p(math.exp(-(2 * math.log(2) - 0.5))), rel=TOL)
     m = finalized(obj, (loss, sums), {"pairs": 1.0, "nll_tokens": 2.0})
@@ -53,8 +71,7 @@ def test_simpo_worked_example_and_trl_metrics():
 
 def test_simpo_nll_hybrid_adds_weighted_token_mean_nll():
     obj = SimPO(beta=2.0, gamma=0.5, nll_weight=0.7)
-    c, r, nll = f64([LW, -1.0], [LR, -0.5], 9.0)
-    loss, sums = obj.loss(c, r, nll, Norm(nll_tokens=6.0, pairs=2.0))
+    loss, sums = scored(obj, pair_logps([LW, -1.0], [LR, -0.5], 9.0), Totals(nll_tokens=6.0, pairs=2.0))
     second = math.log1p(math.exp(-(2 * (-1.0 + 0.5) - 0.5)))  # a pair the model gets wrong
     want = 0.7 * 9.0 / 6.0 + (0.3451348346534808 + second) / 2
     assert loss.item() == pytest.approx(want, rel=TOL)
@@ -62,19 +79,12 @@ def test_simpo_nll_hybrid_adds_weighted_token_mean_nll():
     assert m["loss"] == pytest.approx(want, rel=TOL) and m["rewards/accuracies"] == 0.5
 
 
-DPO_INPUTS = dict(chosen=[-6.0 / 3], rejected=[-9.0 / 4], lens=([3.0], [4.0]), ref=([-7.0], [-8.0]))
-
-
-def dpo_pairs(lens=([3.0], [4.0]), ref=([-7.0], [-8.0])):
-    return PairInputs(*f64(lens[0], lens[1], ref[0], ref[1]))
-
-
 @pytest.mark.parametrize("loss_type, want", [("sigmoid", 0.5981388693815918), ("hinge", 0.8),
                                              ("ipo", (7 / 12 - 5) ** 2)])
 def test_dpo_worked_example_per_loss_type(loss_type, want):
     obj = DPO(beta=0.1, loss_type=loss_type)
-    c, r, nll = f64([-2.0], [-2.25], 0.0)
-    loss, sums = obj.loss(c, r, nll, Norm(nll_tokens=3.0, pairs=1.0), dpo_pairs())
+    logps = pair_logps([-2.0], [-2.25], 0.0, ([3.0], [4.0]), ([-7.0], [-8.0]))
+    loss, sums = scored(obj, logps, Totals(nll_tokens=3.0, pairs=1.0))
     assert loss.item() == pytest.approx(want, rel=TOL)
     m = finalized(obj, (loss, sums), {"pairs": 1.0, "nll_tokens": 3.0})
     if loss_type == "ipo":  # TRL: IPO rewards on mean log-probs
@@ -94,14 +104,14 @@ def test_dpo_policy_equal_to_reference_gives_ln2_per_pair():
     lens = ([3.0, 5.0], [4.0, 2.0])
     c, r = np.array([-2.0, -0.7]), np.array([-2.25, -3.1])
     ref = (list(c * lens[0]), list(r * lens[1]))
-    loss, sums = obj.loss(*f64(c, r, 0.0), Norm(8.0, 2.0), dpo_pairs(lens, ref))
+    loss, sums = scored(obj, pair_logps(c, r, 0.0, lens, ref), Totals(8.0, 2.0))
     assert loss.item() == pytest.approx(math.log(2), rel=TOL)
     assert sums["accuracy_sum"].item() == 0.0  # equal rewards are not a preference (TRL: chosen > rejected)
 
 
 def test_sft_is_token_mean_nll():
     obj = SFT()
-    loss, sums = obj.loss(*f64([LW, -1.0], [0.0, 0.0], 9.0), Norm(nll_tokens=6.0, pairs=2.0))
+    loss, sums = scored(obj, pair_logps([LW, -1.0], [0.0, 0.0], 9.0), Totals(nll_tokens=6.0, pairs=2.0))
     assert loss.item() == pytest.approx(1.5, rel=TOL)
     m = finalized(obj, (loss, sums), {"pairs": 2.0, "nll_tokens": 6.0})
     assert m == {"loss": 1.5, "nll_loss": 1.5, "logps/chosen": pytest.approx((LW - 1.0) / 2)}
@@ -132,26 +142,43 @@ def fd_check(fn, xs, h=2e-2):
 @pytest.mark.parametrize("obj", [SimPO(2.0, 0.5, 0.3), DPO(0.1, "sigmoid"), DPO(0.5, "ipo"), DPO(0.1, "hinge"), SFT()],
                          ids=["simpo", "dpo_sigmoid", "dpo_ipo", "dpo_hinge", "sft"])
 def test_loss_gradients_match_finite_differences(obj):
-    c, r, nll = f64([-2.0, -0.4, -1.3], [-2.25, -0.9, -0.2], 7.5)
-    norm = Norm(nll_tokens=11.0, pairs=3.0)
-    pairs = dpo_pairs(([3.0, 5.0, 2.0], [4.0, 2.0, 6.0]), ([-7.0, -1.0, -4.0], [-8.0, -2.5, -0.3]))
-    extra = (pairs,) if getattr(obj, "pair_inputs", False) else ()
-    fd_check(lambda c, r, n: obj.loss(c, r, n, norm, *extra)[0], [c, r, nll])
+    """Over the summed log-probabilities, the NLL sum and (DPO) the reference sums."""
+    base = pair_logps([-2.0, -0.4, -1.3], [-2.25, -0.9, -0.2], 7.5, ([3.0, 5.0, 2.0], [4.0, 2.0, 6.0]),
+                      ([-7.0, -1.0, -4.0], [-8.0, -2.5, -0.3]))
+    totals = Totals(nll_tokens=11.0, pairs=3.0)
+
+    def loss(c, r, n, rc, rr):
+        logps = PairLogps(c, r, base.chosen_tokens, base.rejected_tokens, n, {"ref_chosen": rc, "ref_rejected": rr})
+        return scored(obj, logps, totals)[0]
+
+    fd_check(loss, [base.chosen, base.rejected, base.nll_sum, base.extra["ref_chosen"], base.extra["ref_rejected"]])
 
 
 def test_micro_batches_add_up_to_the_global_loss():
     """Each loss is normalised by global totals: two halves sum to the whole."""
-    c, r, nll = f64([-2.0, -0.4], [-2.25, -0.9], 7.5)
-    norm = Norm(nll_tokens=11.0, pairs=2.0)
-    pairs = dpo_pairs(([3.0, 5.0], [4.0, 2.0]), ([-7.0, -1.0], [-8.0, -2.5]))
+    totals = Totals(nll_tokens=11.0, pairs=2.0)
+    lens, ref = ([3.0, 5.0], [4.0, 2.0]), ([-7.0, -1.0], [-8.0, -2.5])
+    c, r = [-2.0, -0.4], [-2.25, -0.9]
     for obj in (SimPO(2.0, 0.5, 0.3), DPO(0.1), SFT()):
         def part(i, n):
-            sl = slice(i, i + 1)
-            extra = (PairInputs(*(a[sl] for a in (pairs.chosen_len, pairs.rejected_len, pairs.ref_chosen,
-                                                  pairs.ref_rejected))),) if getattr(obj, "pair_inputs", False) else ()
-            return obj.loss(c[sl], r[sl], n, norm, *extra)[0].item()
-        whole = obj.loss(c, r, nll, norm, *((pairs,) if getattr(obj, "pair_inputs", False) else ()))[0].item()
-        assert part(0, mx.array(3.0, mx.float64)) + part(1, mx.array(4.5, mx.float64)) == pytest.approx(whole, rel=TOL)
+            one = pair_logps(c[i:i + 1], r[i:i + 1], n, (lens[0][i:i + 1], lens[1][i:i + 1]),
+                             (ref[0][i:i + 1], ref[1][i:i + 1]))
+            return scored(obj, one, totals)[0].item()
+        whole = scored(obj, pair_logps(c, r, 7.5, lens, ref), totals)[0].item()
+        assert part(0, 3.0) + part(1, 4.5) == pytest.approx(whole, rel=TOL)
+
+
+def test_hyper_parameters_are_float32_step_inputs():
+    """Each objective's ``hyper()`` names its float hyper-parameters as float32 scalars (step
+    inputs); the loss reads them from there, not from the instance."""
+    assert set(DPO(0.1).hyper()) == {"beta"} and SFT().hyper() == {}
+    assert set(SimPO(2.0, 0.5, 0.3).hyper()) == {"beta", "gamma", "nll_weight"}
+    for obj in (DPO(0.1), SimPO(2.0, 0.5, 0.3)):
+        assert all(v.dtype == mx.float32 and v.shape == () for v in obj.hyper().values())
+    logps, totals = pair_logps([-2.0], [-2.25], 0.0, ([3.0], [4.0]), ([-7.0], [-8.0])), Totals(3.0, 1.0)
+    other = DPO(0.3)  # beta 0.3 through DPO(0.1)'s loss: h = 2, ln(1 + e^-0.6)
+    assert DPO(0.1).loss(logps, totals, hyper64(other))[0].item() == pytest.approx(math.log1p(math.exp(-0.6)),
+                                                                                 rel=TOL)
 
 
 @pytest.mark.parametrize("kind, overrides, want", [
@@ -165,7 +192,7 @@ def test_micro_batches_add_up_to_the_global_loss():
 ])
 def test_objective_kind_chooses_the_objective_with_its_keys(kind, overrides, want):
     cfg = load_config(None, ["data.demo_pairs=4", f"objective.kind={kind}", *overrides])
-    assert objective_for(cfg) == want
+    assert make_objective(cfg) == want
 
 
 def test_registry_names_every_objective_and_their_keys_are_sums_plus_counts():
@@ -190,7 +217,7 @@ def test_shipped_objective_configs_load(name, want):
     from pathlib import Path
 
     cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / name))
-    assert objective_for(cfg) == want
+    assert make_objective(cfg) == want
 
 
 @pytest.mark.parametrize("kind, key, value", [("orpo", "objective.beta", "0.2"), ("dpo", "objective.simpo_gamma", "1"),

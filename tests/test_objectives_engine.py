@@ -12,8 +12,7 @@ from mlx.utils import tree_flatten, tree_map
 from dtrain.engine import ReferenceEngine
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
-from dtrain.objective import ORPO
-from dtrain.objectives import DPO, SFT, SimPO
+from dtrain.engine import DPO, ORPO, SFT, SimPO
 from dtrain.types import TokenizedPair
 
 from test_engine_reference import PAIRS, central_difference, lora_model as fd_model
@@ -27,7 +26,8 @@ OBJECTIVES = {
 
 def with_ref(pairs, seed=0):
     rng = np.random.default_rng(seed)
-    return [dataclasses.replace(p, ref_logps=(float(rng.uniform(-60, -5)), float(rng.uniform(-60, -5))))
+    return [dataclasses.replace(p, extra={"ref_chosen": float(rng.uniform(-60, -5)),
+                                                "ref_rejected": float(rng.uniform(-60, -5))})
             for p in pairs]
 
 
@@ -114,7 +114,7 @@ def test_orpo_is_unchanged_by_reference_log_probs():
 
 def test_reference_pass_objective_returns_summed_log_probs_of_each_pair():
     """ReferenceLogps through an engine = sums of log-probs computed from mlx-lm's logits directly."""
-    from dtrain.objectives.reference import ReferenceLogps
+    from dtrain.run.reference import ReferenceLogps
 
     model = lora_model("llama")
     pairs = make_pairs()
@@ -137,7 +137,7 @@ def test_a_pair_without_preference_signal_gives_no_gradient(name):
     obj = OBJECTIVES[name]
     model = lora_model("llama")
     p = make_pairs()[0]
-    same = dataclasses.replace(p, rejected=p.chosen, ref_logps=(-20.0, -20.0))
+    same = dataclasses.replace(p, rejected=p.chosen, extra={"ref_chosen": -20.0, "ref_rejected": -20.0})
     g_same = engine_grads(model, obj, [same])
     g_real = engine_grads(model, obj, with_ref([p]))
     norm = lambda g: float(np.sqrt(sum((np.array(v, np.float64) ** 2).sum() for _, v in tree_flatten(g))))  # noqa: E731

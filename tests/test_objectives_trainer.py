@@ -13,8 +13,8 @@ import pytest
 from conftest import make_pairs, make_tiny_model
 from dtrain.config import load_config
 from dtrain.engine import ReferenceEngine
-from dtrain.objectives.reference import ReferenceLogps
-from dtrain.trainer import Hooks, train
+from dtrain.run.reference import ReferenceLogps
+from dtrain.run.trainer import Hooks, train
 
 N_TRAIN, N_VALID = 9, 3
 
@@ -25,12 +25,12 @@ class Counting:
     def __init__(self, engine, seen):
         self.engine, self.name, self.objective, self.seen = engine, engine.name, engine.objective, seen
 
-    def evaluate(self, chunk, totals, key=None):
+    def evaluate(self, chunk, totals, key=None, hyper=None):
         self.seen.extend(p.source for p in chunk)
-        return self.engine.evaluate(chunk, totals, key)
+        return self.engine.evaluate(chunk, totals, key, hyper)
 
-    def step(self, chunk, totals, key=None):
-        return self.engine.step(chunk, totals, key)
+    def step(self, chunk, totals, key=None, hyper=None):
+        return self.engine.step(chunk, totals, key, hyper)
 
 
 def config(out, kind, *overrides):
@@ -98,7 +98,7 @@ def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
 
 
 def test_reference_cache_key_covers_the_model_and_the_pairs():
-    from dtrain.objectives.reference import cache_key
+    from dtrain.run.reference import cache_key
 
     pairs = make_pairs(4, seed=0)
     base = cache_key("tiny", None, pairs)

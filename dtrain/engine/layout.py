@@ -24,7 +24,7 @@ weights, so losses and gradients are those of the unpadded layout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -66,8 +66,6 @@ class Layout:
         pair_of: ``(N,)`` int32 pair index in ``[0, B)``.
         w_nll, w_chosen, w_rejected: ``(N,)`` float32 0/1 role weights.
         chosen_len, rejected_len: ``(B,)`` float32 response token counts.
-        ref_chosen, ref_rejected: ``(B,)`` float32 summed reference log-probabilities
-            of the responses (``TokenizedPair.ref_logps``; 0 where unset).
         n_pairs, nll_tokens, input_tokens, fallback_pairs: host-side counts.
         block_sparse: True when some sequence holds ``[prompt; chosen; rejected]``
             (its mask is not plain causal).
@@ -77,6 +75,7 @@ class Layout:
             follows ``P + C + R``.
         bucket: the length quantum ``L`` and ``N`` were padded with (0 = none);
             attention plans pad their own lengths with it too.
+        extra: the pairs' per-pair extra inputs (:func:`pair_extras`), name -> ``(B,)`` float32.
     """
 
     tokens: mx.array
@@ -90,8 +89,6 @@ class Layout:
     w_rejected: mx.array
     chosen_len: mx.array
     rejected_len: mx.array
-    ref_chosen: mx.array
-    ref_rejected: mx.array
     n_pairs: int
     nll_tokens: int
     input_tokens: int
@@ -99,6 +96,7 @@ class Layout:
     block_sparse: bool = False
     spans: tuple[tuple[int, int, int], ...] = ()
     bucket: int = 0
+    extra: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -176,8 +174,6 @@ class _Builder:
             chosen_len=mx.array(np.array([len(p.chosen) for p in pairs], np.float32)),
             # at least 1: an SFT row's (empty) rejected mean is then 0, not 0/0
             rejected_len=mx.array(np.array([max(len(p.rejected), 1) for p in pairs], np.float32)),
-            ref_chosen=mx.array(np.array([p.ref_logps[0] if p.ref_logps else 0.0 for p in pairs], np.float32)),
-            ref_rejected=mx.array(np.array([p.ref_logps[1] if p.ref_logps else 0.0 for p in pairs], np.float32)),
             n_pairs=len(pairs),
             nll_tokens=int(t[:, 4].sum()),
             input_tokens=int(sum(len(x) for x in self.seqs)),
@@ -185,7 +181,20 @@ class _Builder:
             block_sparse=self.block_sparse,
             spans=tuple(self.spans),
             bucket=bucket,
+            extra=pair_extras(pairs),
         )
+
+
+def pair_extras(pairs: list[TokenizedPair]) -> dict:
+    """``TokenizedPair.extra`` of ``pairs`` as name -> ``(B,)`` float32 (empty when they carry none).
+
+    Raises:
+        ValueError: the pairs do not all carry the same names.
+    """
+    names = sorted(pairs[0].extra or {}) if pairs else []
+    if any(sorted(p.extra or {}) != names for p in pairs):
+        raise ValueError(f"pairs carry different extra inputs: {sorted({tuple(sorted(p.extra or {})) for p in pairs})}")
+    return {k: mx.array(np.array([p.extra[k] for p in pairs], np.float32)) for k in names}
 
 
 def nll_prompt_targets(prompt_len: int, nll_scope: str) -> int:

@@ -3,9 +3,10 @@ shard, the metric sums added over ranks and finalised by the engine's objective.
 
 from __future__ import annotations
 
-from . import guards, sampler
-from .engine import run_micro_batches
-from .types import TokenizedPair
+from .. import sampler
+from . import guards
+from ..engine import run_micro_batches
+from ..types import TokenizedPair
 
 ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
 
@@ -19,11 +20,11 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
     """
     model.eval()
     objective = engine.objective
-    norm = objective.totals(pairs)
+    totals = objective.totals(pairs)
     sums = dict.fromkeys(objective.metric_keys, 0.0)
-    for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
-        part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
-        sums = {k: sums[k] + part[k] for k in sums}  # the same float additions as one call over all chunks
+    for chunk in sampler.shard_batches(pairs, group.rank, group.size, micro):
+        part, _ = run_micro_batches(engine, [chunk], totals, with_grads=False)  # one read per chunk, for the bar
+        sums = {k: sums[k] + part[k] for k in sums}
         if bar is not None:
             bar.update(len(chunk))
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")

@@ -6,8 +6,9 @@
 
 with summed response log-probabilities (nats); for ``ipo`` they are the mean
 per token, as TRL's ``DPOTrainer`` does (``all_logps / size_completion``). The
-reference log-probabilities are inputs (``TokenizedPair.ref_logps``, the model at
-step 0, computed once by :mod:`dtrain.objectives.reference`). Metric names and
+reference log-probabilities are per-pair inputs (``TokenizedPair.extra``
+``ref_chosen``/``ref_rejected``, the model at step 0, computed once by
+:mod:`dtrain.run.reference`). Metric names and
 values follow TRL's ``DPOTrainer``: ``rewards/chosen = beta * (log pi - log ref)``
 of the chosen response, ``logps/chosen`` its summed policy log-probability.
 """
@@ -19,19 +20,19 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.common import Norm, PairInputs
-from ..engine.layout import nll_tokens
-from ..engine.loss import upcast
-from ..objective import COUNT_KEYS
 from ..types import TokenizedPair
+from .layout import nll_tokens
+from .loss import upcast
+from .objective import COUNT_KEYS, PairLogps, Totals
 
 SUM_KEYS = ("dpo_sum", "rewards_chosen_sum", "rewards_rejected_sum", "accuracy_sum", "logps_chosen_sum",
             "logps_rejected_sum")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 DEFAULT_BETA = 0.1  # TRL DPOConfig
+REF_KEYS = ("ref_chosen", "ref_rejected")  # TokenizedPair.extra: summed reference log-probs (nats)
 
 
-def dpo_losses(h: mx.array, beta: float, loss_type: str) -> mx.array:
+def dpo_losses(h: mx.array, beta, loss_type: str) -> mx.array:
     """Per-pair DPO loss of the log-ratio difference ``h`` ``(B,)`` (module doc)."""
     if loss_type == "sigmoid":
         return nn.softplus(-beta * h)  # -log sigmoid(beta h)
@@ -56,8 +57,7 @@ class DPO:
 
     nll_scope = "response"  # no NLL term; the layouts' NLL count is then the chosen tokens
     metric_keys = SUM_KEYS + COUNT_KEYS
-    pair_inputs = True  # loss() gets lengths and reference log-probs (engine.common.PairInputs)
-    needs_reference = True  # the trainer computes TokenizedPair.ref_logps before the first step
+    needs_reference = True  # the trainer puts REF_KEYS into TokenizedPair.extra before the first step
     per_token_logps = False  # logps/* are sums per response (TRL): the nats/token guard does not apply
 
     @classmethod
@@ -65,30 +65,31 @@ class DPO:
         o = cfg.objective
         return cls(DEFAULT_BETA if o.beta is None else o.beta, o.loss_type)
 
-    def totals(self, pairs: list[TokenizedPair]) -> Norm:
+    def totals(self, pairs: list[TokenizedPair]) -> Totals:
         """Global normalisers: the pairs (and the chosen tokens, for the layouts' count)."""
-        return Norm(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
+        return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
-    def loss(self, chosen_logps: mx.array, rejected_logps: mx.array, nll_sum: mx.array, totals: Norm,
-             pairs: PairInputs):
+    def hyper(self) -> dict:
+        """``{"beta": beta}`` as a float32 scalar, a step input."""
+        return {"beta": mx.array(self.beta, mx.float32)}
+
+    def loss(self, logps: PairLogps, totals: Totals, hyper: dict):
         """``(loss, sums)`` of one micro-batch: ``sum(losses) / totals.pairs``.
 
-        Args:
-            chosen_logps, rejected_logps: ``(B,)`` mean response log-probabilities (nats/token).
-            nll_sum: unused (DPO has no NLL term).
-            pairs: lengths and summed reference log-probabilities of the responses.
+        ``logps``: summed response log-probabilities and token counts ``(B,)``; its
+        ``extra`` holds the summed reference log-probabilities (:data:`REF_KEYS`).
         """
-        c, r = upcast(chosen_logps), upcast(rejected_logps)
-        lc, lr = upcast(pairs.chosen_len), upcast(pairs.rejected_len)
+        pc, pr = upcast(logps.chosen), upcast(logps.rejected)
+        rc, rr = upcast(logps.extra["ref_chosen"]), upcast(logps.extra["ref_rejected"])
         if self.loss_type == "ipo":  # mean log-probs, policy and reference (TRL)
-            pc, pr, rc, rr = c, r, upcast(pairs.ref_chosen) / lc, upcast(pairs.ref_rejected) / lr
-        else:
-            pc, pr, rc, rr = c * lc, r * lr, upcast(pairs.ref_chosen), upcast(pairs.ref_rejected)
+            lc, lr = upcast(logps.chosen_tokens), upcast(logps.rejected_tokens)
+            pc, pr, rc, rr = pc / lc, pr / lr, rc / lc, rr / lr
+        beta = hyper["beta"]
         chosen_ratio, rejected_ratio = pc - rc, pr - rr
-        losses = dpo_losses(chosen_ratio - rejected_ratio, self.beta, self.loss_type)
-        rc_, rr_ = self.beta * chosen_ratio, self.beta * rejected_ratio
+        losses = dpo_losses(chosen_ratio - rejected_ratio, beta, self.loss_type)
+        rc_, rr_ = beta * chosen_ratio, beta * rejected_ratio
         sums = {"dpo_sum": losses.sum(), "rewards_chosen_sum": rc_.sum(), "rewards_rejected_sum": rr_.sum(),
-                "accuracy_sum": (rc_ > rr_).astype(c.dtype).sum(), "logps_chosen_sum": pc.sum(),
+                "accuracy_sum": (rc_ > rr_).astype(pc.dtype).sum(), "logps_chosen_sum": pc.sum(),
                 "logps_rejected_sum": pr.sum()}
         return losses.sum() / totals.pairs, sums
 

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.common import Norm
-from ..engine.layout import nll_tokens
-from ..engine.loss import upcast
-from ..objective import COUNT_KEYS
 from ..types import TokenizedPair
+from .layout import nll_tokens
+from .loss import upcast
+from .objective import COUNT_KEYS, PairLogps, Totals
 
 SUM_KEYS = ("nll_sum", "simpo_sum", "logps_chosen_sum", "logps_rejected_sum", "accuracy_sum")
 DEFAULT_BETA = 2.0  # the paper's range is 2.0-2.5 (its Table 7)
@@ -49,21 +48,23 @@ class SimPO:
         o = cfg.objective
         return cls(DEFAULT_BETA if o.beta is None else o.beta, o.simpo_gamma, o.nll_weight)
 
-    def totals(self, pairs: list[TokenizedPair]) -> Norm:
+    def totals(self, pairs: list[TokenizedPair]) -> Totals:
         """Global normalisers: the chosen response tokens (NLL) and the pairs."""
-        return Norm(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
+        return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
-    def loss(self, chosen_logps: mx.array, rejected_logps: mx.array, nll_sum: mx.array, totals: Norm):
-        """``(loss, sums)`` of one micro-batch, normalised by the step's global ``totals``.
+    def hyper(self) -> dict:
+        """``beta``, ``gamma`` and ``nll_weight`` as float32 scalars, step inputs."""
+        return {k: mx.array(getattr(self, k), mx.float32) for k in ("beta", "gamma", "nll_weight")}
 
-        Args:
-            chosen_logps, rejected_logps: ``(B,)`` mean response log-probabilities (nats/token).
-            nll_sum: scalar, summed NLL (nats) of the micro-batch's chosen response tokens.
-        """
-        c, r = upcast(chosen_logps), upcast(rejected_logps)
-        per_pair = nn.softplus(-(self.beta * (c - r) - self.gamma))  # -log sigmoid(x) = softplus(-x)
-        loss = self.nll_weight * upcast(nll_sum) / totals.nll_tokens + per_pair.sum() / totals.pairs
-        sums = {"nll_sum": upcast(nll_sum), "simpo_sum": per_pair.sum(), "logps_chosen_sum": c.sum(),
+    def loss(self, logps: PairLogps, totals: Totals, hyper: dict):
+        """``(loss, sums)`` of one micro-batch, normalised by the step's global ``totals``;
+        SimPO scores the mean response log-probabilities (nats/token)."""
+        c = upcast(logps.chosen) / upcast(logps.chosen_tokens)
+        r = upcast(logps.rejected) / upcast(logps.rejected_tokens)
+        nll_sum = upcast(logps.nll_sum)
+        per_pair = nn.softplus(-(hyper["beta"] * (c - r) - hyper["gamma"]))  # -log sigmoid(x) = softplus(-x)
+        loss = hyper["nll_weight"] * nll_sum / totals.nll_tokens + per_pair.sum() / totals.pairs
+        sums = {"nll_sum": nll_sum, "simpo_sum": per_pair.sum(), "logps_chosen_sum": c.sum(),
                 "logps_rejected_sum": r.sum(), "accuracy_sum": (c > r).astype(c.dtype).sum()}
         return loss, sums
 

@@ -18,16 +18,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import copy
 import tempfile
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
-from ..engine.common import Norm, PairInputs
+from ..engine.dpo import REF_KEYS
 from ..engine.loss import upcast
+from ..engine.objective import PairLogps, Totals
 from ..sampler import micro_batches
+from ..files import sha256_file
+from ..lora import ADAPTER_WEIGHTS
 from ..types import TokenizedPair
 
 CACHE_VERSION = 1
@@ -41,16 +46,17 @@ class ReferenceLogps:
     """
 
     nll_scope = "response"
-    pair_inputs = True
-    metric_keys = ("ref_chosen", "ref_rejected")
+    metric_keys = REF_KEYS
 
-    def totals(self, pairs: list[TokenizedPair]) -> Norm:
-        return Norm(nll_tokens=1.0, pairs=float(len(pairs)))
+    def totals(self, pairs: list[TokenizedPair]) -> Totals:
+        return Totals(nll_tokens=1.0, pairs=float(len(pairs)))
 
-    def loss(self, chosen_logps, rejected_logps, nll_sum, totals: Norm, pairs: PairInputs):
-        c = upcast(chosen_logps) * upcast(pairs.chosen_len)
-        r = upcast(rejected_logps) * upcast(pairs.rejected_len)
-        return mx.zeros((), c.dtype), {"ref_chosen": c, "ref_rejected": r}
+    def hyper(self) -> dict:
+        return {}
+
+    def loss(self, logps: PairLogps, totals: Totals, hyper: dict):
+        c, r = upcast(logps.chosen), upcast(logps.rejected)
+        return mx.zeros((), c.dtype), dict(zip(REF_KEYS, (c, r)))
 
 
 def cache_key(model_identity: str, init_adapter: Optional[str], pairs: list[TokenizedPair]) -> str:
@@ -84,8 +90,9 @@ def compute(engine, pairs: list[TokenizedPair], micro: int, group) -> np.ndarray
 
 
 def with_reference(pairs: list[TokenizedPair], values: np.ndarray) -> list[TokenizedPair]:
-    """``pairs`` with ``ref_logps`` set from ``(N, 2)`` ``values``."""
-    return [dataclasses.replace(p, ref_logps=(float(c), float(r))) for p, (c, r) in zip(pairs, values.tolist())]
+    """``pairs`` with ``extra`` :data:`~dtrain.engine.dpo.REF_KEYS` set from ``(N, 2)`` ``values``."""
+    return [dataclasses.replace(p, extra={**(p.extra or {}), **dict(zip(REF_KEYS, map(float, v)))})
+            for p, v in zip(pairs, values.tolist())]
 
 
 def load(path: Path, n: int) -> Optional[np.ndarray]:
@@ -112,7 +119,7 @@ def save(path: Path, values: np.ndarray) -> None:
 
 def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache_dir: Optional[Path],
                     key: str) -> tuple[list[TokenizedPair], int]:
-    """``(pairs with ref_logps, number of pairs computed now)``: read from ``cache_dir`` when
+    """``(pairs with reference extras, number of pairs computed now)``: read from ``cache_dir`` when
     cached under ``key``, else computed (:func:`compute`, every rank joins) and written by rank 0.
 
     The caller runs it on the step-0 model in evaluation mode. Every rank decides
@@ -128,3 +135,30 @@ def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache
     if path is not None and group.is_main:
         save(path, values)
     return with_reference(pairs, values), len(pairs)
+
+
+def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cache_dir: Path, notice=None):
+    """``dataset`` with DPO's reference log-probabilities on every train and valid pair (its
+    ``extra``): the step-0 ``model`` in evaluation mode through ``engine`` (built like the
+    training one, with :class:`ReferenceLogps`); read from ``cache_dir`` when cached.
+    ``notice`` (rank 0's, or None) is told whether they were computed or read."""
+    train, valid = list(dataset.train), list(dataset.valid)
+    dtype = str(tree_flatten(model.parameters())[0][1].dtype)  # the compute dtype decides the values too
+    key = cache_key(f"{model_identity}|{dtype}", init_adapter_identity(cfg), train + valid)
+    model.eval()
+    try:
+        pairs, computed = reference_pairs(engine, train + valid, cfg.train.micro_batch_pairs, group, cache_dir, key)
+    finally:
+        model.train()
+    if notice is not None:
+        notice(f"DPO reference log-probs of {len(pairs)} train + valid pairs (the model at step 0): "
+               + ("computed" if computed else "read from the data cache"))
+    dataset = copy.copy(dataset)  # the caller's dataset stays as it was
+    dataset.train, dataset.valid = pairs[:len(train)], pairs[len(train):]
+    return dataset
+
+
+def init_adapter_identity(cfg):
+    """sha256 of ``train.init_adapter``'s weights file, or None without one."""
+    folder = cfg.train.init_adapter
+    return sha256_file(Path(folder) / ADAPTER_WEIGHTS) if folder else None

@@ -1,47 +1,41 @@
 """The training loop: data -> engine -> all-reduce -> AdamW step -> logs, adapter.
 
 Read top to bottom: :func:`train` calls :func:`setup` (model, data, LoRA,
-engine, handshake, output folder, optimizer, resume, logger) and then
-:func:`loop`, which only loops. Each step takes the global batch from the
-sampler and this rank's shard of it, asks the engine
-(``engine.run_micro_batches``) for the loss contributions and LoRA gradients of
-its micro-batches, normalised by the objective's *global* totals, sums them
-over ranks, clips, checks they are finite
-on every rank, and applies one AdamW update with the learning rate of
-``schedule.learning_rate(step)``.
+engine, handshake, output folder, optimizer, resume, logger, the
+``step.Step``) and then :func:`loop`, which keeps cadence only: a step, its
+record, and when to stop, check, evaluate and save.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from . import checkpoint as ckpt
-from . import sampler
-from .blas import warn_if_slow
-from .config import Config, to_dict
-from .distributed import Group, check_in_sync, handshake
-from .engine import make_engine, run_micro_batches
+from .. import sampler
+from ..blas import warn_if_slow
+from ..config import Config, to_dict
+from ..device import resolve_auto
+from ..distributed import Group, check_in_sync, handshake
+from ..engine import fit_dataset, make_engine, make_objective
 from .evaluation import ACCURACY, evaluate_and_log
-from .errors import UserError
-from .files import sha256_file
-from .lora import ADAPTER_WEIGHTS, apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
-from .objectives import fit_dataset, objective_for
-from .optimizer import AdamWStep, update_applied
-from .schedule import learning_rate
-from .tracking import RunLogger, new_run_dir, peak_memory_gb
-from .types import TokenizedPair
+from ..errors import UserError
+from ..files import OutputDir
+from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
+from .optimizer import AdamWStep
+from .reference import ReferenceLogps, reference_pass
+from .step import Step
+from .tracking import RunLogger, new_run_dir
+from ..types import TokenizedPair
 
 @dataclass
 class TrainResult:
@@ -62,55 +56,6 @@ class TrainResult:
         first, last = min(self.evals), max(self.evals)
         return (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
-
-
-def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
-    """One optimizer step on the global ``batch`` (this rank trains its shard).
-
-    ``stop`` (a :class:`StopRequest` or None) is read when the step's metrics
-    are all-reduced, after the gradients: a signal that arrived during this
-    step is agreed in this step, not the next.
-
-    Returns ``(metrics, applied, stop)``: ``applied`` is False when the loss or
-    gradients were not finite and the update was skipped (the same decision on
-    every rank, since both are all-reduced); ``stop`` is True on every rank when
-    any rank asked to stop (signal), agreed through the same all-reduce.
-    """
-    t = cfg.train
-    start = time.perf_counter()
-    objective = engine.objective
-    norm = objective.totals(batch)
-    mine = sampler.rank_shard(batch, group.rank, group.size)
-    key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
-    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True, key=key)
-    if grads is None:  # this rank got no pairs this step: contribute zeros
-        grads = tree_map(mx.zeros_like, model.trainable_parameters())
-    reduce_start = time.perf_counter()
-    grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
-    reduce_seconds = time.perf_counter() - reduce_start
-    sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-    metrics = objective.finalize(sums)
-    lr = learning_rate(step, t)
-    loss_finite = math.isfinite(metrics["loss"])
-    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
-    finite = update_applied(loss_finite, grad_norm)
-    seconds = time.perf_counter() - start
-    metrics.update({
-        "grad_norm": grad_norm,
-        "learning_rate": lr,
-        "tokens_per_second": sums["input_tokens"] / seconds,
-        "pairs_per_second": sums["pairs"] / seconds,
-        "peak_memory_gb": peak_memory_gb(),
-        "perf/step_seconds": seconds,
-        "perf/allreduce_seconds": reduce_seconds,
-        "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
-    })
-    return metrics, finite, sums["stop"] > 0
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The dropout key seed of an optimizer step, so a resumed run draws the same masks."""
-    return (seed * 1_000_003 + step) % (2**63)
 
 
 def _nothing(*_) -> None:
@@ -153,13 +98,14 @@ class Run:
     resolved: dict
     base_model: dict
     result: TrainResult
+    step: Optional[Step] = None
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
 
     @property
     def checkpoints(self) -> Path:
-        return Path(self.cfg.train.output_dir) / "checkpoints"
+        return OutputDir(Path(self.cfg.train.output_dir)).checkpoints
 
 
 def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> TrainResult:
@@ -186,41 +132,44 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 
 def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
-    t, log, result = run.cfg.train, run.log, run.result
+    t, result = run.cfg.train, run.result
     if run.valid and run.state.step == 0:
         evaluate_and_log(run, 0)
     if run.state.step < t.steps:
-        log.doing(first_step_text(run))
+        run.log.doing(first_step_text(run))
     skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
-        batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
         run.hooks.before_step(step, run)
-        metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
-                                                run.group, run.stop)
+        out = run.step(step, run.stop)
         run.hooks.after_step(step, run)
-        skipped_in_row = 0 if applied else skipped_in_row + 1
-        record(run, step, metrics, applied)
+        skipped_in_row = 0 if out.applied else skipped_in_row + 1
+        record(run, step, out.metrics, out.applied)
         if skipped_in_row >= t.max_skipped_steps:
             save(run, step)
-            sources = ", ".join(p.source or "?" for p in batch[:8])
+            sources = ", ".join(p.source or "?" for p in out.batch[:8])
             raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
-        if stopping:
+        if out.stop:
             save(run, step)
-            log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
+            run.log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
             result.steps, result.stopped = step, True
             return result
-        if run.cfg.distributed.check_sync_every and step % run.cfg.distributed.check_sync_every == 0:
+        if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
-        if run.valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+        if run.valid and _every(step, t.eval_every) and step != t.steps:
             evaluate_and_log(run, step)
-        if t.save_every and step % t.save_every == 0 and step != t.steps:
+        if _every(step, t.save_every) and step != t.steps:
             save(run, step)
     if run.valid:
         evaluate_and_log(run, t.steps)
     save(run, t.steps)
     finish(run)
     return result
+
+
+def _every(step: int, n: int) -> bool:
+    """Whether a cadence of every ``n`` steps (0 = never) falls on ``step``."""
+    return bool(n) and step % n == 0
 
 
 def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
@@ -233,28 +182,30 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     if cfg.train.init_adapter:  # the adapter's rank, scale and keys are the run's LoRA
         cfg = replace(cfg, lora=lora_from_adapter(cfg.lora, cfg.train.init_adapter))
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
+    notice = _stderr if group.is_main else None  # the run's notices before its logger exists: rank 0 only
+    chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
-        from .models import load_model
+        from ..models import load_model
 
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
     cache_entries = []  # tokenized pairs for OUT/data_cache, written once this run owns OUT
     if dataset is None:
-        from .data import load_dataset
+        from ..data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
-                               cache_dir=Path(t.output_dir) / "data_cache")
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
+                               cache_dir=OutputDir(Path(t.output_dir)).data_cache)
         cache_entries = dataset.cache_entries
-    objective = objective_for(cfg)
+    objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     if t.init_adapter:
         load_adapter_weights(model, t.init_adapter)
     model.train()
-    engine = hooks.engine(make_engine(cfg.engine, model, objective, report=_stderr if group.is_main else None))
+    engine = hooks.engine(make_engine(chosen.engine, model, objective, report=notice))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -263,20 +214,21 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                           global_batch_pairs=t.global_batch_pairs, world_size=group.size,
                           data=ckpt.data_identity(resolved["data"], dataset.fingerprint, dataset.train),
                           model=loaded.identity, lora_shapes=lora_shapes)
-    out = Path(t.output_dir)
+    out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
-        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, ckpt.estimate_bytes(model), t.resume is not None))
+        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out.root, ckpt.estimate_bytes(model), t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
-            from .data import write_entries
+            from ..data import write_entries
 
             write_entries(cache_entries)
         if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
-            dataset = reference_pass(cfg, model, dataset, loaded.identity, group, hooks)
-        optimizer = AdamWStep(t, model.trainable_parameters(), cfg.lora.plus_ratio)
-        resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=_stderr if group.is_main else None)
+            ref_engine = hooks.reference_engine(make_engine(chosen.engine, model, ReferenceLogps(), report=None))
+            dataset = reference_pass(cfg, model, dataset, loaded.identity, group, ref_engine, out.data_cache, notice)
+        optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
+        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
+                              model, optimizer, group, report=notice)
         if resumed is not None:
             if resumed.state.step > t.steps:
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
@@ -284,7 +236,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             state = replace(resumed.state, world_size=group.size)
         run_dir = Path(state.tensorboard_run) if state.tensorboard_run else None
         if group.is_main and (run_dir is None or not run_dir.is_dir()):
-            run_dir = new_run_dir(out / "tb")
+            run_dir = new_run_dir(out.tb)
         state.tensorboard_run = str(run_dir) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
@@ -295,43 +247,15 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()})
-        log.config(resolved)
+        log.config(resolved, auto)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
+                    + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
+        step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
-                   resolved, {**loaded.reference, "source": loaded.source}, result,
+                   resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks)
-
-
-def reference_pass(cfg: Config, model, dataset, model_identity: str, group: Group, hooks: Hooks):
-    """``dataset`` with DPO's reference log-probabilities on every train and valid pair
-    (``dtrain.objectives.reference``): the step-0 model in evaluation mode, through an
-    engine built like the training one; read from ``OUT/data_cache`` when cached."""
-    from .objectives import reference
-
-    train, valid = list(dataset.train), list(dataset.valid)
-    dtype = str(tree_flatten(model.parameters())[0][1].dtype)  # the compute dtype decides the values too
-    key = reference.cache_key(f"{model_identity}|{dtype}", init_adapter_identity(cfg), train + valid)
-    engine = hooks.reference_engine(make_engine(cfg.engine, model, reference.ReferenceLogps(), report=None))
-    model.eval()
-    try:
-        pairs, computed = reference.reference_pairs(engine, train + valid, cfg.train.micro_batch_pairs, group,
-                                                    Path(cfg.train.output_dir) / "data_cache", key)
-    finally:
-        model.train()
-    if group.is_main:
-        _stderr(f"DPO reference log-probs of {len(pairs)} train + valid pairs (the model at step 0): " +
-                ("computed" if computed else "read from the data cache"))
-    dataset = copy.copy(dataset)  # the caller's dataset stays as it was
-    dataset.train, dataset.valid = pairs[:len(train)], pairs[len(train):]
-    return dataset
-
-
-def init_adapter_identity(cfg: Config):
-    """sha256 of ``train.init_adapter``'s weights file, or None without one."""
-    folder = cfg.train.init_adapter
-    return sha256_file(Path(folder) / ADAPTER_WEIGHTS) if folder else None
 
 
 def first_step_text(run: Run) -> str:
@@ -369,7 +293,7 @@ def finish(run: Run) -> None:
     """Rank 0 writes the adapter and the hparams record."""
     if run.group.is_main:
         t = run.cfg.train
-        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, Path(t.output_dir) / "adapters", run.base_model)
+        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, OutputDir(Path(t.output_dir)).adapters, run.base_model)
         final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
         run.log.hparams(run.resolved, final, t.steps)
         run.log.message(f"adapter written to {run.result.adapter_dir}")
