@@ -109,6 +109,13 @@ def test_dpo_policy_equal_to_reference_gives_ln2_per_pair():
     assert sums["accuracy_sum"].item() == 0.0  # equal rewards are not a preference (TRL: chosen > rejected)
 
 
+def test_dpo_without_reference_log_probs_is_an_error_naming_them():
+    logps = pair_logps([-2.0], [-2.25], 0.0, ([3.0], [4.0]))  # no extra inputs
+    with pytest.raises(ValueError, match=r"DPO needs the pairs' reference log-probabilities .*'ref_chosen', "
+                                         r"'ref_rejected'.*these carry \[\]"):
+        scored(DPO(0.1), logps, Totals(3.0, 1.0))
+
+
 def test_sft_is_token_mean_nll():
     obj = SFT()
     loss, sums = scored(obj, pair_logps([LW, -1.0], [0.0, 0.0], 9.0), Totals(nll_tokens=6.0, pairs=2.0))

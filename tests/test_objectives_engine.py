@@ -27,7 +27,7 @@ OBJECTIVES = {
 def with_ref(pairs, seed=0):
     rng = np.random.default_rng(seed)
     return [dataclasses.replace(p, extra={"ref_chosen": float(rng.uniform(-60, -5)),
-                                                "ref_rejected": float(rng.uniform(-60, -5))})
+                                          "ref_rejected": float(rng.uniform(-60, -5))})
             for p in pairs]
 
 
@@ -56,6 +56,30 @@ def assert_directional_derivatives(model, obj, pairs, seed=7, n=2):
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_lora_gradients_match_central_finite_differences(name):
     assert_directional_derivatives(fd_model(mx.float64), OBJECTIVES[name], with_ref(PAIRS))
+
+
+@pytest.mark.parametrize("built, given", [(DPO(0.1), DPO(0.4)), (DPO(0.1, "ipo"), DPO(0.4, "ipo")),
+                                          (SimPO(2.0, 0.5, 0.0), SimPO(2.5, 1.0, 0.7))], ids=["dpo", "ipo", "simpo"])
+def test_hyper_parameters_are_step_inputs_of_the_compiled_engine(built, given):
+    """beta (and SimPO's gamma, nll_weight) given as step inputs = an objective built with them,
+    through the compiled single pass, without tracing it again."""
+    calls = []
+
+    class Counting(type(built)):
+        def loss(self, logps, totals, hyper):
+            calls.append(1)  # runs while tracing only
+            return super().loss(logps, totals, hyper)
+
+    model, pairs = lora_model("llama"), with_ref(make_pairs())
+    arch = adapter_for(model)
+    engine = SegmentedEngine(model, arch, Counting(*dataclasses.astuple(built)), segment_layers=0, compile=True)
+    norm = built.totals(pairs)
+    first = engine.step(pairs, norm).loss.item()
+    traced = len(calls)
+    second = engine.step(pairs, norm, hyper=given.hyper()).loss.item()
+    assert traced > 0 and len(calls) == traced and first != second
+    own = SegmentedEngine(model, arch, given, segment_layers=0, compile=True).step(pairs, norm).loss.item()
+    assert second == pytest.approx(own, rel=1e-6)
 
 
 def parity(model, engine, pairs, obj):

@@ -7,10 +7,10 @@
 with summed response log-probabilities (nats); for ``ipo`` they are the mean
 per token, as TRL's ``DPOTrainer`` does (``all_logps / size_completion``). The
 reference log-probabilities are per-pair inputs (``TokenizedPair.extra``
-``ref_chosen``/``ref_rejected``, the model at step 0, computed once by
-:mod:`dtrain.run.reference`). Metric names and
-values follow TRL's ``DPOTrainer``: ``rewards/chosen = beta * (log pi - log ref)``
-of the chosen response, ``logps/chosen`` its summed policy log-probability.
+``ref_chosen``/``ref_rejected``: the model at step 0, computed once by
+:mod:`dtrain.run.reference`). Metric names and values follow TRL's
+``DPOTrainer``: ``rewards/chosen = beta * (log pi - log ref)`` of the chosen
+response, ``logps/chosen`` its summed policy log-probability.
 """
 
 from __future__ import annotations
@@ -78,7 +78,13 @@ class DPO:
 
         ``logps``: summed response log-probabilities and token counts ``(B,)``; its
         ``extra`` holds the summed reference log-probabilities (:data:`REF_KEYS`).
+
+        Raises:
+            ValueError: the pairs carry no reference log-probabilities.
         """
+        if any(k not in logps.extra for k in REF_KEYS):
+            raise ValueError(f"DPO needs the pairs' reference log-probabilities (TokenizedPair.extra {REF_KEYS}, "
+                             f"set by dtrain.run.reference); these carry {sorted(logps.extra)}")
         pc, pr = upcast(logps.chosen), upcast(logps.rejected)
         rc, rr = upcast(logps.extra["ref_chosen"]), upcast(logps.extra["ref_rejected"])
         if self.loss_type == "ipo":  # mean log-probs, policy and reference (TRL)

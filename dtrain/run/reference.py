@@ -15,10 +15,10 @@ a restart reads them instead of recomputing.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import os
-import copy
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -30,9 +30,9 @@ from mlx.utils import tree_flatten
 from ..engine.dpo import REF_KEYS
 from ..engine.loss import upcast
 from ..engine.objective import PairLogps, Totals
-from ..sampler import micro_batches
 from ..files import sha256_file
 from ..lora import ADAPTER_WEIGHTS
+from ..sampler import micro_batches
 from ..types import TokenizedPair
 
 CACHE_VERSION = 1
