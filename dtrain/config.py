@@ -59,6 +59,10 @@ class LoraConfig:
     num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all", at_least=-1)
     keys: Optional[list] = option(None, "module paths inside a decoder layer (e.g. [self_attn.q_proj]); "
                                         "null = every linear layer, as mlx-lm does")
+    rslora: bool = option(False, "rsLoRA (Kalajdzievski 2023): the layers' scale is scale / sqrt(rank), scale "
+                                 "read as alpha; the adapter records the scale used")
+    plus_ratio: float = option(1.0, "LoRA+ (Hayou et al. 2024): the lora_b matrices' learning rate is "
+                                    "train.learning_rate times this (the paper suggests 16); 1 = off", above=0.0)
 
 
 @dataclass
@@ -73,7 +77,8 @@ class DataConfig:
     valid_split: Optional[str] = option(None, "split read for valid (from valid, or from train's container when "
                                               "valid is null)")
     valid_fraction: float = option(0.1, "held-out share of train when valid is not given", at_least=0.0, below=1.0)
-    format: str = option("auto", "row format; auto detects it from the first row", ("auto", *FORMATS))
+    format: str = option("auto", "row format; auto detects it from the first row; messages, prompt_completion "
+                                 "and text are SFT rows (objective.kind sft)", ("auto", *FORMATS))
     fields: Optional[dict] = option(None, "column names for the mapped format: {prompt: .., chosen: .., "
                                           "rejected: .., system: ..}; command line: --data.fields '{prompt: q}'")
     prompt_template: str = option("chat", "chat: a plain-text prompt becomes a user turn; raw: kept as text "
@@ -96,6 +101,24 @@ class OrpoConfig:
     lam: float = option(0.1, "weight of the odds-ratio term (YAML key: lambda; the paper uses 0.1)", at_least=0.0)
     nll_scope: str = option("full", "NLL over prompt + chosen response (full: the paper, TRL) or the response only",
                             ("full", "response"))
+
+
+@dataclass
+class ObjectiveConfig:
+    """Which loss a run optimises (docs/objectives.md); key names follow TRL's where TRL has them."""
+
+    kind: str = option("orpo", "orpo: NLL + odds ratio (section orpo); dpo: Rafailov 2023 against the step-0 model's "
+                               "log-probs; simpo: Meng 2024, reference-free, length-normalised; sft: NLL of the "
+                               "chosen responses only", ("orpo", "dpo", "simpo", "sft"))
+    beta: Optional[float] = option(None, "dpo/simpo: beta; null = 0.1 for dpo (TRL DPOConfig), 2.0 for simpo "
+                                         "(the paper's range 2-2.5)", above=0.0)
+    loss_type: str = option("sigmoid", "dpo: sigmoid (Rafailov 2023 eq. 7), ipo (Azar 2023 eq. 17, on mean "
+                                       "log-probs as TRL) or hinge (SLiC, Zhao 2023)", ("sigmoid", "ipo", "hinge"))
+    simpo_gamma: float = option(0.5, "simpo: target reward margin gamma (TRL CPOConfig simpo_gamma)", at_least=0.0)
+    nll_weight: float = option(0.0, "simpo: weight of the NLL of the chosen responses added to the loss (TRL "
+                                    "CPOConfig cpo_alpha); 0 = plain SimPO", at_least=0.0)
+    completion_only_loss: bool = option(True, "sft: NLL over the responses only (TRL SFTConfig, mlx-lm "
+                                              "mask_prompt); false: over prompt and response")
 
 
 @dataclass
@@ -150,13 +173,17 @@ class TrainConfig:
     save_every: int = option(0, "checkpoint every N steps; 0 = only at the end (and on a stop signal)", at_least=0)
     keep_last: int = option(2, "newest checkpoints kept in output_dir/checkpoints", at_least=1)
     output_dir: str = option("runs/default", "adapters/, checkpoints/ and tb/ go here")
+    init_adapter: Optional[str] = option(None, "an mlx-lm adapter folder to start from: its adapter_config.json "
+                                               "sets lora rank, scale, keys and num_layers, its weights the step-0 "
+                                               "LoRA (weights only: a new run, unlike resume)")
     resume: Optional[str] = option(None, "null: a new run; auto: the newest valid checkpoint in output_dir; "
                                          "or a checkpoint folder")
     max_skipped_steps: int = option(5, "save and stop after this many steps in a row with a non-finite loss or "
                                        "gradient (their updates are skipped)", at_least=1)
     chosen_logps_drop_warn: float = option(0.1, "warn when the held-out eval/logps/chosen falls more than this many "
                                                 "nats/token below its step-0 value (the model is lowering the chosen "
-                                                "answers too); 0 = off", at_least=0.0)
+                                                "answers too); 0 = off; not checked for objective.kind dpo, whose "
+                                                "logps are sums per response", at_least=0.0)
     progress: bool = option(True, "show a progress bar on rank 0")
 
 
@@ -178,6 +205,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     orpo: OrpoConfig = field(default_factory=OrpoConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -287,8 +315,21 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     setattr(sub, name, value)
 
 
+# Which objective.kind reads each objective key (and the orpo section); a key set for another kind is an error.
+_OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_type"): ("dpo",),
+                   ("objective", "simpo_gamma"): ("simpo",), ("objective", "nll_weight"): ("simpo",),
+                   ("objective", "completion_only_loss"): ("sft",), ("orpo", "lam"): ("orpo",),
+                   ("orpo", "nll_scope"): ("orpo",)}
+
+
 def _check(cfg: Config, source: str) -> None:
     """Rules across keys, checked once after every override is applied."""
+    kind, defaults = cfg.objective.kind, Config()
+    for (section, name), kinds in _OBJECTIVE_KEYS.items():
+        value = getattr(getattr(cfg, section), name)
+        if kind not in kinds and value != getattr(getattr(defaults, section), name):
+            raise ConfigError(f"{source}: '{section}.{yaml_key(name)}' is {value!r} but objective.kind {kind} does "
+                              f"not read it (it applies to {', '.join(kinds)}); remove it or change objective.kind")
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                           "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")

@@ -21,7 +21,11 @@ REFUSED = {
     "model.dtype": "the dtype the model computes in",
     "lora.rank": "the adapter's shape", "lora.scale": "the adapter's update scale * B A x",
     "lora.dropout": "the adapter's input dropout", "lora.num_layers": "which layers get adapters",
-    "lora.keys": "which modules get adapters",
+    "lora.keys": "which modules get adapters", "lora.rslora": "the adapter's update scale",
+    "lora.plus_ratio": "the lora_b matrices' learning rate",
+    "objective.kind": "the loss", "objective.beta": "the loss", "objective.loss_type": "the loss",
+    "objective.simpo_gamma": "the loss", "objective.nll_weight": "the loss",
+    "objective.completion_only_loss": "which tokens the loss counts",
     "data.split": "which rows are read", "data.valid_split": "which held-out rows are read",
     "data.valid_fraction": "the train/held-out split", "data.format": "how rows are read",
     "data.fields": "which columns are read", "data.prompt_template": "how prompts are rendered",
@@ -33,6 +37,8 @@ REFUSED = {
     "train.learning_rate": "the schedule", "train.schedule": "the schedule", "train.warmup_steps": "the schedule",
     "train.min_lr_ratio": "the schedule", "train.weight_decay": "the update", "train.grad_clip": "the update",
     "train.eval_pairs": "the held-out pairs eval/ metrics average over",
+    # by its text: its weights are the step-0 LoRA and, for dpo, the reference model a resume recomputes
+    "train.init_adapter": "the step-0 adapter (and dpo's reference)",
 }
 
 # Compared by content, not by the text of the key: a moved file continues the run.

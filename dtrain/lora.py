@@ -9,7 +9,9 @@ and ``mlx_lm.fuse`` take it as is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,9 +27,15 @@ ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+def lora_scale(cfg: LoraConfig) -> float:
+    """The scale the LoRA layers use: ``scale``, or ``scale / sqrt(rank)`` with ``rslora``
+    (Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA": gamma = alpha / sqrt(r))."""
+    return cfg.scale / math.sqrt(cfg.rank) if cfg.rslora else cfg.scale
+
+
 def lora_parameters(cfg: LoraConfig) -> dict:
-    """The ``lora_parameters`` mapping mlx-lm expects."""
-    params = {"rank": cfg.rank, "scale": cfg.scale, "dropout": cfg.dropout}
+    """The ``lora_parameters`` mapping mlx-lm expects (the scale the layers use, :func:`lora_scale`)."""
+    params = {"rank": cfg.rank, "scale": lora_scale(cfg), "dropout": cfg.dropout}
     if cfg.keys is not None:
         params["keys"] = list(cfg.keys)
     return params
@@ -167,3 +175,50 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_mo
     with atomic_folder(out) as tmp:
         write_adapter(tmp, model, cfg, base_model, chat_template)
     return out
+
+
+def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
+    """``cfg`` with the rank, scale, keys and num_layers of the mlx-lm adapter in ``folder``
+    (its ``adapter_config.json``; the scale as written, so ``rslora`` is off); dropout and
+    ``plus_ratio`` stay ``cfg``'s.
+
+    Raises:
+        ConfigError: no such folder, no or unreadable ``adapter_config.json``, no weights
+            file, or an adapter that is not LoRA.
+    """
+    folder = Path(folder)
+    where = f"train.init_adapter {folder}"
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"{where}: no {ADAPTER_WEIGHTS} (expected an mlx-lm adapter folder)")
+    try:
+        meta = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        params = meta["lora_parameters"]
+        rank, scale = int(params["rank"]), float(params["scale"])
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no {ADAPTER_CONFIG}") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{where}: {ADAPTER_CONFIG} has no readable lora_parameters rank and scale ({err!r})") from None
+    if meta.get("fine_tune_type", "lora") != "lora":
+        raise ConfigError(f"{where}: fine_tune_type {meta['fine_tune_type']!r}; only lora adapters can be trained on")
+    return dataclasses.replace(cfg, rank=rank, scale=scale, rslora=False, keys=params.get("keys"),
+                               num_layers=int(meta.get("num_layers", cfg.num_layers)))
+
+
+def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
+    """Set ``model``'s LoRA weights (built by :func:`apply_lora`) to those of ``folder/adapters.safetensors``.
+
+    Raises:
+        ConfigError: the file's names or shapes differ from the model's LoRA parameters (named).
+    """
+    path = Path(folder) / ADAPTER_WEIGHTS
+    weights = mx.load(str(path))
+    mine = dict(tree_flatten(model.trainable_parameters()))
+    missing, extra = sorted(set(mine) - set(weights)), sorted(set(weights) - set(mine))
+    if missing or extra:
+        raise ConfigError(f"train.init_adapter {path}: its tensors do not match the model's LoRA parameters "
+                          f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(extra[:3]) or 'none'})")
+    odd = next((k for k in mine if tuple(mine[k].shape) != tuple(weights[k].shape)), None)
+    if odd is not None:
+        raise ConfigError(f"train.init_adapter {path}: {odd} has shape {tuple(weights[odd].shape)}, the model's LoRA "
+                          f"has {tuple(mine[odd].shape)}")
+    model.load_weights([(k, weights[k].astype(mine[k].dtype)) for k in mine], strict=False)

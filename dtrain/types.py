@@ -17,8 +17,9 @@ class TokenizedPair:
     boundary. ``rejected_prompt`` is set only when the rejected side renders a
     different prompt (e.g. conversational rows whose histories differ); engines
     then run that pair as two separate sequences. ``source`` is ``file:line``.
-``extra``: per-pair inputs an objective needs beyond the tokens (name -> float,
-e.g. a reference model's summed log-probabilities); None for ORPO.
+    An empty ``rejected`` marks an SFT row (a prompt and one completion).
+    ``extra``: per-pair inputs an objective needs beyond the tokens (name -> float,
+    e.g. a reference model's summed log-probabilities); None for ORPO.
     """
 
     prompt: list

@@ -93,7 +93,8 @@ def test_dtrain_config_prints_every_key_with_default_and_help(capsys):
             line = next(l for l in lines if l.startswith(f"  {key}: ") and meta["help"] in l)
             assert line.endswith(f"# {meta['help']} [{allowed(tp, meta)}]"), line
     assert "  segment_layers: 0 " in out and "[int or 'auto', >= 0]" in out
-    assert "  format: auto " in out and "[auto | standard | conversational | transcript | openai | sharegpt | mapped]" in out
+    assert "  format: auto " in out and ("[auto | standard | conversational | transcript | openai | sharegpt | mapped | "
+                                        "messages | prompt_completion | text]") in out
 
 
 def test_dtrain_config_resolves_a_file_and_overrides(capsys):

@@ -48,9 +48,10 @@ def with_ref(pairs, refs):
 def test_orpo_is_registered_and_built_from_the_config():
     from dtrain.config import load_config
 
-    assert OBJECTIVES == {"orpo": ORPO}
+    assert OBJECTIVES["orpo"] is ORPO and set(OBJECTIVES) == {"orpo", "dpo", "simpo", "sft"}
     cfg = load_config(None, ["data.demo_pairs=4", "orpo.lambda=0.25", "orpo.nll_scope=response"])
-    assert make_objective(cfg) == ORPO(0.25, "response")
+    assert make_objective(cfg) == ORPO(0.25, "response")  # objective.kind's default
+    assert make_objective(cfg, "orpo") == ORPO(0.25, "response")
 
 
 def test_a_new_objective_gets_summed_logps_counts_and_per_pair_extras():

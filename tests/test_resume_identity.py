@@ -11,7 +11,7 @@ import pytest
 
 from dtrain.run import checkpoint as ckpt
 from dtrain import identity
-from dtrain.config import Config, describe_fields, load_config, to_dict
+from dtrain.config import _OBJECTIVE_KEYS, Config, describe_fields, load_config, to_dict
 from dtrain.errors import UserError
 from dtrain.run.schedule import learning_rate
 from dtrain.run.tracking import read_events, read_scalars
@@ -81,7 +81,10 @@ def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, valu
     now = json.loads(json.dumps(base))
     section, name = key.split(".", 1)
     now[section][name] = value
-    load_config(None, [f"{key}={json.dumps(value)}", "data.demo_pairs=1"] if key not in ("data.train", "data.demo_pairs")
+    kinds = _OBJECTIVE_KEYS.get((section, name.replace("lambda", "lam")))
+    reader = [f"objective.kind={kinds[0]}"] if kinds and "orpo" not in kinds else []  # a kind that reads the key
+    load_config(None, [f"{key}={json.dumps(value)}", *reader, "data.demo_pairs=1"]
+                if key not in ("data.train", "data.demo_pairs")
                 else [f"{key}={json.dumps(value)}"])  # the generated value is one the config accepts
     saved, current = state_for(base), state_for(now)
     if key in identity.REFUSED:

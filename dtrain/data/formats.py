@@ -21,6 +21,16 @@ first JSON object):
   standard, conversational or transcript by the types of its values.
 
 Every format may carry an optional ``system`` string.
+
+Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None):
+
+- ``messages``: mlx-lm's ``chat`` and TRL's conversational language-modeling
+  rows, ``{"messages": [...]}``; the completion is the last message (an assistant
+  turn), the prompt the messages before it (mlx-lm's ``mask_prompt`` split).
+- ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
+  rows, ``prompt``/``completion`` strings or message lists.
+- ``text``: mlx-lm's ``text`` rows and TRL's language-modeling rows, ``{"text": ...}``:
+  every token is a completion token (no template).
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ from typing import Optional, Union
 
 from ..errors import DataError
 
-FORMATS = ("standard", "conversational", "transcript", "openai", "sharegpt", "mapped")
+FORMATS = ("standard", "conversational", "transcript", "openai", "sharegpt", "mapped", "messages",
+           "prompt_completion", "text")
+SFT_FORMATS = ("messages", "prompt_completion", "text")  # rows with one completion (Row.rejected None)
 FIELD_KEYS = ("prompt", "chosen", "rejected", "system")
 # Anthropic HH turn markers; a transcript prompt ends right after ASSISTANT_MARKER.
 HUMAN_MARKER = "\n\nHuman:"
@@ -55,12 +67,14 @@ class Row:
     completions, the messages that follow the prompt. ``rejected_prompt`` is set
     (messages) only when the rejected side has a different history.
     ``transcript`` marks a prompt written with Human:/Assistant: markers.
+    ``rejected`` None: an SFT row (one completion); ``prompt`` None: a ``text``
+    row, whose ``chosen`` is the whole text.
     ``source`` is ``file:line`` (JSON arrays: ``file:line[index]``).
     """
 
-    prompt: Union[str, list]
+    prompt: Union[str, list, None]
     chosen: Union[str, list]
-    rejected: Union[str, list]
+    rejected: Union[str, list, None]
     system: Optional[str] = None
     source: str = ""
     rejected_prompt: Optional[list] = None
@@ -139,6 +153,12 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
         if isinstance(obj["chosen"], list) or isinstance(obj.get("prompt"), list):
             return "conversational"
         return "standard" if "prompt" in obj else "transcript"
+    if "messages" in obj:
+        return "messages"
+    if "prompt" in obj and "completion" in obj:
+        return "prompt_completion"
+    if "text" in obj:
+        return "text"
     return None
 
 
@@ -353,5 +373,29 @@ def _mapped(obj: dict, fields: Optional[dict]) -> Row:
     return _PARSERS[detect_format(renamed, None) or "standard"](renamed, None)
 
 
+def _messages_row(obj: dict, fields=None) -> Row:
+    msgs = _messages(_get(obj, "messages", list), "messages")
+    if not msgs or msgs[-1]["role"] != "assistant":
+        raise BadRow("'messages' must end with an assistant message (the completion)")
+    if len(msgs) < 2:
+        raise BadRow("'messages' has no prompt before its assistant message")
+    return Row(msgs[:-1], _response(msgs[-1:], "messages"), None, _system(obj))
+
+
+def _prompt_completion(obj: dict, fields=None) -> Row:
+    prompt, completion = obj.get("prompt"), obj.get("completion")
+    if isinstance(prompt, list) or isinstance(completion, list):
+        p = _messages(_get(obj, "prompt", list), "prompt")
+        c = _messages(_get(obj, "completion", list), "completion")
+        return Row(p, _response(c, "completion"), None, _system(obj))
+    return Row(_get(obj, "prompt", str), _text_response(_get(obj, "completion", str), "completion"), None,
+               _system(obj))
+
+
+def _text(obj: dict, fields=None) -> Row:
+    return Row(None, _text_response(_get(obj, "text", str), "text"), None)
+
+
 _PARSERS = {"standard": _standard, "conversational": _conversational, "transcript": _transcript,
-            "openai": _openai, "sharegpt": _sharegpt, "mapped": _mapped}
+            "openai": _openai, "sharegpt": _sharegpt, "mapped": _mapped, "messages": _messages_row,
+            "prompt_completion": _prompt_completion, "text": _text}

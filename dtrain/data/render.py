@@ -43,6 +43,7 @@ an empty prompt or response, no room for a response, a prompt too long to cut.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -322,6 +323,11 @@ class RowTokenizer:
             BadRow: the template cannot render or split the row.
             DataError: message rows with no template; no EOS while ``append_eos`` needs one.
         """
+        if row.prompt is None:
+            return self._text_row(row)
+        sft = row.rejected is None  # one completion: rendered as a pair with itself, kept as the chosen side
+        if sft:
+            row = dataclasses.replace(row, rejected=row.chosen)
         r, prompts, responses = row_messages(row, self.chat, self.text)
         out, shared = RowResult(row.source), prompts[1] is None
         for label, resp in zip(("chosen", "rejected"), responses):
@@ -352,20 +358,46 @@ class RowTokenizer:
         cut_prompt = untruncated_prompt > self.cfg.max_prompt_length
         out.truncated = cut_prompt or (len(c), len(rj)) != (len(full_c), len(full_r))
         out.prompt_cut_fits = cut_prompt and untruncated_prompt + max(len(full_c), len(full_r)) <= limit
-        out.drop = self._no_signal(prompt, rprompt, c, rj, (full_c, full_r))
+        out.drop = self._no_signal(prompt, rprompt, c, rj, (full_c, full_r), sft)
         if out.drop is None:
-            out.pair = TokenizedPair(prompt, c, rj, row.source, None if rprompt == prompt else rprompt)
+            out.pair = (TokenizedPair(prompt, c, [], row.source) if sft else
+                        TokenizedPair(prompt, c, rj, row.source, None if rprompt == prompt else rprompt))
+        if sft:
+            out.lengths = out.lengths[:2] + (0,)
         return out
 
-    def _no_signal(self, prompt, rprompt, chosen, rejected, untruncated) -> Optional[str]:
-        """Why a truncated pair carries no preference signal, or None."""
+    def _text_row(self, row: Row) -> RowResult:
+        """A ``text`` row: the tokenizer's ids of the whole text (BOS as the tokenizer adds it,
+        control-token text as plain text) and one EOS; the first token is the prompt, the
+        rest the completion, cut to ``max_length``."""
+        out = RowResult(row.source)
+        text = self._strip_marks(row.chosen)
+        found = self.control_re.search(text) if self.control_re else None
+        out.control_text = found.group(0) if found else None
+        ids = hf_tokenizer(self.tokenizer)(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        if self.cfg.append_eos:
+            if self.tokenizer.eos_token_id is None:
+                raise DataError("text rows need an EOS token to end them and the tokenizer has none; set "
+                                "data.append_eos: false")
+            ids = list(ids) + [self.tokenizer.eos_token_id]
+        out.lengths = (1, max(len(ids) - 1, 0), 0)
+        if len(ids) < 2:
+            out.drop = "empty response: the text is one token"
+            return out
+        limit = self.cfg.max_length
+        out.truncated = len(ids) > limit
+        out.pair = TokenizedPair(list(ids[:1]), list(ids[1:limit]), [], row.source)
+        return out
+
+    def _no_signal(self, prompt, rprompt, chosen, rejected, untruncated, sft: bool = False) -> Optional[str]:
+        """Why a truncated pair carries no preference signal (``sft``: no completion), or None."""
         if not prompt or not rprompt:
             return "empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)"
         for label, ids, p in (("chosen", chosen, prompt), ("rejected", rejected, rprompt)):
             if not ids:
                 return (f"no room: no {label} tokens fit in data.max_length={self.cfg.max_length} "
                         f"after a {len(p)}-token prompt")
-        if prompt == rprompt and chosen == rejected:
+        if not sft and prompt == rprompt and chosen == rejected:
             when = "after rendering" if untruncated[0] == untruncated[1] else \
                 f"after truncation to data.max_length={self.cfg.max_length}"
             return f"same ids: chosen and rejected are the same {len(chosen)} tokens {when}"

@@ -16,18 +16,23 @@ from typing import Callable, Optional
 
 from ..config import EngineConfig
 from .common import Engine, StepResult, run_micro_batches
+from .dpo import DPO
 from .layout import bucket_length
 from .loss import ORPO
 from .objective import Objective, PairLogps, Totals
 from .reference import ReferenceEngine
+from .sft import SFT, fit_dataset
+from .simpo import SimPO
 
-# Objectives by name: a new one is a file beside loss.py and one line here.
-OBJECTIVES = {"orpo": ORPO}
+# Objectives by name (config objective.kind; docs/objectives.md): a new one is a file beside
+# loss.py and one line here.
+OBJECTIVES = {"orpo": ORPO, "dpo": DPO, "simpo": SimPO, "sft": SFT}
 
 
-def make_objective(cfg, name: str = "orpo") -> Objective:
-    """The objective ``name`` of a run's ``Config`` (``OBJECTIVES[name].from_config(cfg)``)."""
-    return OBJECTIVES[name].from_config(cfg)
+def make_objective(cfg, name: Optional[str] = None) -> Objective:
+    """The objective ``name`` (None: the config's ``objective.kind``) of a run's ``Config``
+    (``OBJECTIVES[name].from_config(cfg)``)."""
+    return OBJECTIVES[name or cfg.objective.kind].from_config(cfg)
 
 
 def _stderr(message: str) -> None:
@@ -87,5 +92,6 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
                            cfg.memory_budget_gb * GIB, report, pack)
 
 
-__all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "OBJECTIVES", "StepResult", "ReferenceEngine",
-           "make_engine", "make_objective", "run_micro_batches", "bucket_length"]
+__all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "DPO", "SimPO", "SFT", "OBJECTIVES", "StepResult",
+           "ReferenceEngine", "fit_dataset", "make_engine", "make_objective", "run_micro_batches",
+           "bucket_length"]

@@ -195,7 +195,8 @@ class _Builder:
             w_chosen=mx.array(t[:, 5].astype(np.float32)),
             w_rejected=mx.array(t[:, 6].astype(np.float32)),
             chosen_len=mx.array(np.array([len(p.chosen) for p in pairs], np.float32)),
-            rejected_len=mx.array(np.array([len(p.rejected) for p in pairs], np.float32)),
+            # at least 1: an SFT row's (empty) rejected mean is then 0, not 0/0
+            rejected_len=mx.array(np.array([max(len(p.rejected), 1) for p in pairs], np.float32)),
             n_pairs=len(pairs),
             nll_tokens=int(t[:, 4].sum()),
             input_tokens=int(sum(lengths)),
@@ -237,8 +238,8 @@ def nll_tokens(pair: TokenizedPair, nll_scope: str) -> int:
 def _check(pairs: list[TokenizedPair]) -> None:
     if not pairs:
         raise ValueError("a micro-batch needs at least one pair")
-    for p in pairs:
-        if not p.prompt or not p.chosen or not p.rejected:
+    for p in pairs:  # an empty rejected side is an SFT row: its chosen sequence only
+        if not p.prompt or not p.chosen:
             raise ValueError(f"pair {p.source or '?'} has an empty prompt or response")
 
 
@@ -249,14 +250,17 @@ def two_sequence_layout(pairs: list[TokenizedPair], nll_scope: str = "full", buc
     ``bucket``: pad ``L`` and the target count to :func:`bucket_length` (0 = exact);
     ``pack``: every sequence in one row (module doc), padded to the bucket of the total.
 
+    A pair with an empty ``rejected`` (an SFT row) is its chosen sequence alone.
+
     Raises:
-        ValueError: no pairs, or a pair with an empty prompt or response.
+        ValueError: no pairs, or a pair with an empty prompt or chosen response.
     """
     _check(pairs)
     b = _Builder(nll_scope)
     for i, p in enumerate(pairs):
         b.add_side(i, p.prompt, p.chosen, chosen=True)
-        b.add_side(i, p.rejected_prompt if p.rejected_prompt is not None else p.prompt, p.rejected, chosen=False)
+        if p.rejected:
+            b.add_side(i, p.rejected_prompt if p.rejected_prompt is not None else p.prompt, p.rejected, chosen=False)
     return b.finish(pairs, fallback=0, bucket=bucket, pack=pack)
 
 
@@ -264,17 +268,20 @@ def shared_prefix_layout(pairs: list[TokenizedPair], nll_scope: str = "full", bu
                          pack: bool = False) -> Layout:
     """Lay out each pair as one ``[prompt; chosen; rejected]`` sequence.
 
-    Pairs with ``rejected_prompt`` set fall back to two sequences. ``bucket`` and
-    ``pack`` as in :func:`two_sequence_layout`.
+    Pairs with ``rejected_prompt`` set fall back to two sequences; a pair with an
+    empty ``rejected`` (an SFT row) is ``[prompt; chosen]``. ``bucket`` and ``pack``
+    as in :func:`two_sequence_layout`.
 
     Raises:
-        ValueError: no pairs, or a pair with an empty prompt or response.
+        ValueError: no pairs, or a pair with an empty prompt or chosen response.
     """
     _check(pairs)
     b = _Builder(nll_scope)
     fallback = 0
     for i, p in enumerate(pairs):
-        if p.shared_prompt:
+        if not p.rejected:  # an SFT row: [prompt; chosen]
+            b.add_side(i, p.prompt, p.chosen, chosen=True)
+        elif p.shared_prompt:
             b.add_shared(i, p.prompt, p.chosen, p.rejected)
         else:
             fallback += 1

@@ -61,6 +61,10 @@ class Objective(Protocol):
 
     ``hyper()`` gives its hyper-parameters as float32 scalars: they enter a step
     as inputs (not constants), so changing one between steps retraces nothing.
+    Two optional class attributes (default False / True): ``needs_reference``, the
+    run puts the step-0 model's summed log-probabilities into each pair's ``extra``
+    first (``dtrain.run.reference``, for DPO); ``per_token_logps`` False, its
+    ``logps/*`` are sums per response, so the nats/token eval guard is skipped.
     """
 
     nll_scope: str  # which prompt tokens the layouts mark as NLL targets (engine.layout.nll_tokens)

@@ -43,9 +43,13 @@ class AdamWStep:
         cfg: ``train`` config: ``weight_decay``, ``grad_clip``,
             ``compile_optimizer`` and the schedule (the initial learning rate).
         params: the trainable parameter tree, for the state's shapes.
+        plus_ratio: LoRA+ (Hayou et al. 2024): parameters named ``...lora_b`` move
+            with ``plus_ratio`` times the learning rate. AdamW's step, weight decay
+            included, is linear in the learning rate, so their update is scaled by it.
     """
 
-    def __init__(self, cfg: TrainConfig, params: dict):
+    def __init__(self, cfg: TrainConfig, params: dict, plus_ratio: float = 1.0):
+        self.plus_ratio = plus_ratio
         # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
         self.adamw = optim.AdamW(learning_rate=learning_rate(1, cfg), weight_decay=cfg.weight_decay,
                                  bias_correction=True)
@@ -83,7 +87,8 @@ class AdamWStep:
             norm, params = float(norm), []
             if update_applied(loss_finite, norm):
                 self.adamw.learning_rate = lr
-                params = self.adamw.apply_gradients(grads, model)  # = adamw.update(model, grads)
+                old = model.trainable_parameters()
+                params = self._plus(old, self.adamw.apply_gradients(grads, model))  # = adamw.update(model, grads)
                 model.update(params)
         else:
             params, state, norm = self.compiled(model.trainable_parameters(), self.adamw.state, grads,
@@ -106,8 +111,17 @@ class AdamWStep:
         adamw = copy.copy(self.adamw)  # the same hyperparameters; its own state (apply_gradients writes into it)
         adamw.state = tree_map(lambda a: a, state)  # new containers, the same arrays
         adamw.state["learning_rate"] = lr  # as the ``learning_rate`` setter stores it: a float32 scalar
-        new_params = adamw.apply_gradients(grads, params)
+        new_params = self._plus(params, adamw.apply_gradients(grads, params))
         return _select(ok, params, new_params), _select(ok, state, adamw.state), norm
+
+    def _plus(self, old: dict, new: dict) -> dict:
+        """``new`` with each ``lora_b`` update scaled by ``plus_ratio`` (LoRA+); ``new`` itself at 1."""
+        if self.plus_ratio == 1.0:
+            return new
+        old = dict(tree_flatten(old))
+        ratio = self.plus_ratio
+        return tree_map_with_path(lambda path, p: old[path] + ratio * (p - old[path])
+                                  if path.endswith("lora_b") and path in old else p, new)
 
 
 def _select(ok: mx.array, old, new):

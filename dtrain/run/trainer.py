@@ -27,14 +27,15 @@ from ..config import Config, to_dict
 from ..data.templates import template_source
 from ..device import resolve_auto
 from ..distributed import Group, check_in_sync, handshake
-from ..engine import make_engine, make_objective
+from ..engine import fit_dataset, make_engine, make_objective
 from .evaluation import ACCURACY, evaluate_and_log
 from ..errors import UserError
 from ..files import OutputDir, storage
 from ..identity import settings
-from ..lora import apply_lora, save_adapter
+from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
 from ..memory import wired_limit
 from .optimizer import AdamWStep
+from .reference import ReferenceLogps, reference_pass
 from .schedule import learning_rate
 from .step import Step
 from .tracking import RunLogger, new_run_dir
@@ -73,12 +74,14 @@ class Hooks:
     ``engine(engine) -> engine`` wraps the engine :func:`setup` builds;
     ``before_step(step, run)`` runs at the start of each optimizer step (inside
     it: a signal that arrives there is agreed in this step); ``after_step(step, run)``
-    right after the update, before the step is logged.
+    right after the update, before the step is logged; ``reference_engine(engine) ->
+    engine`` wraps the engine of DPO's reference pass.
     """
 
     engine: Callable = lambda engine: engine
     before_step: Callable = _nothing
     after_step: Callable = _nothing
+    reference_engine: Callable = lambda engine: engine
 
 
 @dataclass
@@ -185,6 +188,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     released by ``run.cleanup``, or here when a later part fails.
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
+    if cfg.train.init_adapter:  # the adapter's rank, scale and keys are the run's LoRA
+        cfg = replace(cfg, lora=lora_from_adapter(cfg.lora, cfg.train.init_adapter))
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     notice = _stderr if group.is_main else None  # the run's notices before its logger exists: rank 0 only
     chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
@@ -202,10 +207,14 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
                                cache_dir=OutputDir(Path(t.output_dir)).data_cache)
         cache_entries = dataset.cache_entries
+    objective = make_objective(cfg)
+    dataset = fit_dataset(objective, dataset)
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
+    if t.init_adapter:
+        load_adapter_weights(model, t.init_adapter)
     model.train()
-    engine = hooks.engine(make_engine(chosen.engine, model, make_objective(cfg), report=notice))
+    engine = hooks.engine(make_engine(chosen.engine, model, objective, report=notice))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -226,7 +235,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             from ..data import write_entries
 
             write_entries(cache_entries)
-        optimizer = AdamWStep(chosen.train, model.trainable_parameters())
+        if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
+            ref_engine = hooks.reference_engine(make_engine(chosen.engine, model, ReferenceLogps(), report=None))
+            dataset = reference_pass(cfg, model, dataset, loaded.identity, group, ref_engine, out.data_cache, notice)
+            valid = dataset.valid[: len(valid)]  # the same held-out pairs, now carrying their reference log-probs
+        optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
                               model, optimizer, group, report=notice)
         if resumed is not None:

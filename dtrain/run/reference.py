@@ -1,0 +1,164 @@
+"""DPO's reference log-probabilities: the model at step 0, computed once per pair per run.
+
+Before the first step (and before a resume loads its weights) the trainer runs
+the model as it is at step 0 — the base, plus the initial adapter when one is
+given; a new LoRA's ``lora_b`` is zero, so it adds nothing — in evaluation mode
+through an engine built like the training one (the same plan and memory bounds)
+with :class:`ReferenceLogps` as its objective. Micro-batches are cut from the
+whole pair list and dealt to ranks in turn, so every pair is computed in the
+same micro-batch whatever the world size; an all-sum in which each pair has one
+non-zero contribution gathers them bit for bit. The values go into
+``OUT/data_cache/reference-<key>.npy`` next to the tokenized pairs; ``key``
+covers the model, the initial adapter and every pair's token ids, so a resume or
+a restart reads them instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..engine.dpo import REF_KEYS
+from ..engine.loss import upcast
+from ..engine.objective import PairLogps, Totals
+from ..files import sha256_file
+from ..lora import ADAPTER_WEIGHTS
+from ..sampler import micro_batches
+from ..types import TokenizedPair
+
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceLogps:
+    """The engine objective of the reference pass: per-pair summed response log-probabilities.
+
+    ``loss`` returns a zero loss and ``ref_chosen``/``ref_rejected`` ``(B,)`` sums (nats).
+    """
+
+    nll_scope = "response"
+    metric_keys = REF_KEYS
+
+    def totals(self, pairs: list[TokenizedPair]) -> Totals:
+        return Totals(nll_tokens=1.0, pairs=float(len(pairs)))
+
+    def hyper(self) -> dict:
+        return {}
+
+    def loss(self, logps: PairLogps, totals: Totals, hyper: dict):
+        c, r = upcast(logps.chosen), upcast(logps.rejected)
+        return mx.zeros((), c.dtype), dict(zip(REF_KEYS, (c, r)))
+
+
+def cache_key(model_identity: str, init_adapter: Optional[str], pairs: list[TokenizedPair]) -> str:
+    """sha256 hex of what the reference values depend on: the model, the initial adapter
+    (``sha256`` of its weights file, or None) and every pair's token ids, in order."""
+    digest = hashlib.sha256(f"v{CACHE_VERSION}|{model_identity}|{init_adapter}|".encode())
+    for p in pairs:
+        for ids in (p.prompt, p.chosen, p.rejected, p.rejected_prompt or []):
+            digest.update(np.asarray(ids, np.int64).tobytes() + b"|")
+    return digest.hexdigest()
+
+
+def compute(engine, pairs: list[TokenizedPair], micro: int, group) -> np.ndarray:
+    """``(N, 2)`` float32 summed log-probabilities (chosen, rejected) of ``pairs`` under ``engine``'s model.
+
+    Micro-batches of ``micro`` pairs over the whole list; rank ``r`` runs batches
+    ``r, r + size, ...``; ``group.all_sum_tree`` gathers the values (every rank joins).
+    """
+    out = np.zeros((len(pairs), 2), np.float32)
+    start = 0
+    for i, chunk in enumerate(micro_batches(pairs, micro)):
+        if i % group.size == group.rank:
+            result = engine.evaluate(chunk, engine.objective.totals(chunk))
+            mx.eval(result.sums["ref_chosen"], result.sums["ref_rejected"])
+            out[start:start + len(chunk), 0] = np.array(result.sums["ref_chosen"], np.float32)
+            out[start:start + len(chunk), 1] = np.array(result.sums["ref_rejected"], np.float32)
+        start += len(chunk)
+    if group.size > 1:
+        out = np.array(group.all_sum_tree({"ref": mx.array(out)}, None, "all_sum of reference log-probs")["ref"])
+    return out
+
+
+def with_reference(pairs: list[TokenizedPair], values: np.ndarray) -> list[TokenizedPair]:
+    """``pairs`` with ``extra`` :data:`~dtrain.engine.dpo.REF_KEYS` set from ``(N, 2)`` ``values``."""
+    return [dataclasses.replace(p, extra={**(p.extra or {}), **dict(zip(REF_KEYS, map(float, v)))})
+            for p, v in zip(pairs, values.tolist())]
+
+
+def load(path: Path, n: int) -> Optional[np.ndarray]:
+    """The cached ``(n, 2)`` values, or None when absent, damaged or of another size."""
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    return values if values.shape == (n, 2) and values.dtype == np.float32 else None
+
+
+def save(path: Path, values: np.ndarray) -> None:
+    """Write ``values`` to ``path`` atomically (a temporary file, then ``os.replace``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npy")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, values)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache_dir: Optional[Path],
+                    key: str) -> tuple[list[TokenizedPair], int]:
+    """``(pairs with reference extras, number of pairs computed now)``: read from ``cache_dir`` when
+    cached under ``key``, else computed (:func:`compute`, every rank joins) and written by rank 0.
+
+    The caller runs it on the step-0 model in evaluation mode. Every rank decides
+    from its own cache folder; a rank that finds no file computes, so all ranks
+    must see the same folder state (the trainer agrees it through ``group``).
+    """
+    path = None if cache_dir is None else Path(cache_dir) / f"reference-{key}.npy"
+    cached = None if path is None else load(path, len(pairs))
+    found = group.all_sum_scalars({"found": float(cached is not None)}, None, "reference cache check")["found"]
+    if cached is not None and found == group.size:
+        return with_reference(pairs, cached), 0
+    values = compute(engine, pairs, micro, group)
+    if path is not None and group.is_main:
+        save(path, values)
+    return with_reference(pairs, values), len(pairs)
+
+
+def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cache_dir: Path, notice=None):
+    """``dataset`` with DPO's reference log-probabilities on every train and valid pair (its
+    ``extra``): the step-0 ``model`` in evaluation mode through ``engine`` (built like the
+    training one, with :class:`ReferenceLogps`); read from ``cache_dir`` when cached.
+    ``notice`` (rank 0's, or None) is told whether they were computed or read."""
+    train, valid = list(dataset.train), list(dataset.valid)
+    dtype = str(tree_flatten(model.parameters())[0][1].dtype)  # the compute dtype decides the values too
+    key = cache_key(f"{model_identity}|{dtype}", init_adapter_identity(cfg), train + valid)
+    model.eval()
+    try:
+        pairs, computed = reference_pairs(engine, train + valid, cfg.train.micro_batch_pairs, group, cache_dir, key)
+    finally:
+        model.train()
+    if notice is not None:
+        notice(f"DPO reference log-probs of {len(pairs)} train + valid pairs (the model at step 0): "
+               + ("computed" if computed else "read from the data cache"))
+    dataset = copy.copy(dataset)  # the caller's dataset stays as it was
+    dataset.train, dataset.valid = pairs[:len(train)], pairs[len(train):]
+    return dataset
+
+
+def init_adapter_identity(cfg):
+    """sha256 of ``train.init_adapter``'s weights file, or None without one."""
+    folder = cfg.train.init_adapter
+    return sha256_file(Path(folder) / ADAPTER_WEIGHTS) if folder else None

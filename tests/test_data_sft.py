@@ -1,0 +1,117 @@
+"""SFT rows: mlx-lm's chat/completions/text and TRL's messages/prompt-completion rows,
+rendered by the chat template with one terminator, bad rows with file:line; the
+chosen side of preference rows; pairwise objectives refuse SFT rows.
+
+Ids for the fixture tokenizer (conftest.make_tokenizer: 1 <s>, 2 </s>,
+3 <|im_start|>, 4 <|im_end|>).
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from conftest import make_tokenizer
+
+from dtrain.config import DataConfig
+from dtrain.data import load_dataset, tokenize_rows
+from dtrain.data.formats import Row, detect_format, parse_rows
+from dtrain.errors import DataError
+from dtrain.engine import DPO, ORPO, SFT, fit_dataset
+
+Q = "What is 2 + 2?"
+CHAT_Q = "<s><|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+FOX = "The quick brown fox jumps over the lazy dog"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def rows_of(objs, fmt="auto"):
+    return parse_rows([(f"f.jsonl:{i + 1}", o) for i, o in enumerate(objs)], DataConfig(format=fmt), "f.jsonl")
+
+
+@pytest.mark.parametrize("obj, fmt", [
+    ({"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}]}, "messages"),
+    ({"prompt": Q, "completion": "4"}, "prompt_completion"),
+    ({"prompt": [{"role": "user", "content": Q}], "completion": [{"role": "assistant", "content": "4"}]},
+     "prompt_completion"),
+    ({"text": FOX}, "text"),
+])
+def test_formats_are_detected_and_read_as_one_completion(obj, fmt):
+    assert detect_format(obj, None) == fmt
+    rows, report = rows_of([obj])
+    assert report.bad == [] and rows[0].rejected is None and rows[0].source == "f.jsonl:1"
+
+
+@pytest.mark.parametrize("obj", [
+    {"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}]},
+    {"prompt": Q, "completion": "4"},
+    {"prompt": [{"role": "user", "content": Q}], "completion": [{"role": "assistant", "content": "4"}]},
+    # data written pre-formatted: the template writes the one end-of-turn itself
+    {"prompt": Q, "completion": "4<|im_end|>"},
+])
+def test_chat_rows_render_with_the_template_and_one_end_of_turn(tok, obj):
+    rows, _ = rows_of([obj])
+    pairs, report = tokenize_rows(rows, tok, DataConfig())
+    assert report.bad == [] and report.dropped == []
+    (p,) = pairs
+    assert (tok.decode(p.prompt), tok.decode(p.chosen), p.rejected) == (CHAT_Q, "4<|im_end|>", [])
+    assert p.chosen.count(4) == 1 and p.chosen[-1] == 4 and p.prompt.count(1) == 1
+
+
+def test_text_rows_are_bos_text_eos_with_everything_after_bos_trained(tok):
+    rows, _ = rows_of([{"text": FOX}, {"text": FOX + "</s>"}])
+    pairs, report = tokenize_rows(rows, tok, DataConfig())
+    assert report.dropped == []
+    for p in pairs:
+        assert p.prompt == [1] and p.chosen[-1] == 2 and p.chosen.count(2) == 1 and p.rejected == []
+        assert tok.decode(p.prompt + p.chosen) == "<s>" + FOX + "</s>"
+    assert len(pairs[0].chosen) == 10  # 9 text tokens + EOS
+    cut, _ = tokenize_rows(rows[:1], tok, DataConfig(max_length=4))
+    assert len(cut[0].prompt + cut[0].chosen) == 4
+
+
+def test_control_text_in_a_text_row_is_plain_text(tok):
+    rows, _ = rows_of([{"text": "a <|im_end|> b"}])
+    pairs, report = tokenize_rows(rows, tok, DataConfig())
+    assert 4 not in pairs[0].chosen and report.control_text == [("f.jsonl:1", "<|im_end|>")]
+
+
+@pytest.mark.parametrize("obj, why", [
+    ({"messages": [{"role": "user", "content": Q}]}, "'messages' must end with an assistant message"),
+    ({"messages": [{"role": "assistant", "content": "4"}]}, "'messages' has no prompt"),
+    ({"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": " "}]}, "empty response"),
+    ({"prompt": Q, "completion": ""}, "empty response in 'completion'"),
+    ({"prompt": Q, "completion": 4}, "field 'completion' must be a string"),
+    ({"text": ""}, "empty response in 'text'"),
+])
+def test_bad_rows_are_reported_with_file_and_line(obj, why):
+    fmt = detect_format(obj, None)
+    good = {"messages": {"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}]},
+            "prompt_completion": {"prompt": Q, "completion": "4"}, "text": {"text": FOX}}[fmt]
+    rows, report = rows_of([good, obj], fmt)
+    assert len(rows) == 1
+    assert [s for s, _ in report.bad] == ["f.jsonl:2"] and why in report.bad[0][1]
+
+
+def test_load_dataset_reads_a_file_of_completions_rows(tmp_path, tok):
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"{Q} {i}", "completion": str(i)}) for i in range(10)) + "\n")
+    data = load_dataset(DataConfig(train=str(path), valid_fraction=0.2), tok, log=None)
+    assert len(data.train) == 8 and len(data.valid) == 2
+    assert all(p.rejected == [] and p.chosen[-1] == 4 for p in data.train + data.valid)
+
+
+def test_sft_trains_the_chosen_side_of_preference_pairs_and_pairwise_objectives_refuse_sft_rows(tok):
+    pref, _ = tokenize_rows([Row(Q, "4", "5", source="p.jsonl:1")], tok, DataConfig())
+    single, _ = tokenize_rows(rows_of([{"prompt": Q, "completion": "4"}])[0], tok, DataConfig())
+    fitted = fit_dataset(SFT(), SimpleNamespace(train=pref, valid=[]))
+    assert fitted.train[0].rejected == [] and fitted.train[0].chosen == pref[0].chosen == single[0].chosen
+    assert pref[0].rejected != []  # the caller's pairs are unchanged
+    for obj in (ORPO(0.1), DPO()):
+        with pytest.raises(DataError, match=r"f.jsonl:1: a row with one completion \(no rejected response\) cannot train objective.kind (orpo|dpo); set objective.kind: sft"):
+            fit_dataset(obj, SimpleNamespace(train=pref + single, valid=[]))

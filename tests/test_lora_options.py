@@ -1,0 +1,163 @@
+"""rsLoRA, LoRA+ and train.init_adapter: the exact scale of every LoRA layer, the
+learning rate of every parameter, and an initial adapter's weights as the step-0 weights."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx_lm.tuner.lora import LoRALinear
+
+from conftest import add_random_lora, make_pairs, make_tiny_model
+from dtrain.config import LoraConfig, load_config
+from dtrain.errors import ConfigError
+from dtrain.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_lora, lora_from_adapter, save_adapter
+from dtrain.run.optimizer import AdamWStep
+from dtrain.run.trainer import Hooks, train
+
+
+def lora_layers(model):
+    return [m for _, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@pytest.mark.parametrize("rank, scale", [(4, 16.0), (8, 20.0), (2, 1.0)])
+def test_rslora_scale_is_alpha_over_sqrt_rank_in_every_layer_and_in_the_adapter(tmp_path, rank, scale):
+    model = make_tiny_model(seed=0)
+    cfg = LoraConfig(rank=rank, scale=scale, rslora=True)
+    apply_lora(model, cfg)
+    layers = lora_layers(model)
+    assert layers and all(m.scale == scale / math.sqrt(rank) for m in layers)
+    save_adapter(model, cfg, tmp_path / "a")
+    written = json.loads((tmp_path / "a" / ADAPTER_CONFIG).read_text())["lora_parameters"]
+    assert written["scale"] == scale / math.sqrt(rank) and written["rank"] == rank
+    plain = make_tiny_model(seed=0)
+    apply_lora(plain, LoraConfig(rank=rank, scale=scale))
+    assert all(m.scale == scale for m in lora_layers(plain))
+
+
+def test_rslora_adapter_loads_in_mlx_lm_with_the_same_outputs(tmp_path):
+    from mlx_lm.tuner.utils import load_adapters
+
+    model = make_tiny_model(seed=0)
+    cfg = LoraConfig(rank=4, scale=8.0, rslora=True)
+    apply_lora(model, cfg)
+    mx.random.seed(3)
+    model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
+    save_adapter(model, cfg, tmp_path / "a")
+    fresh = make_tiny_model(seed=0)
+    load_adapters(fresh, str(tmp_path / "a"))
+    x = mx.array([[1, 7, 8, 9, 10]])
+    model.eval()
+    np.testing.assert_allclose(np.array(fresh(x)), np.array(model(x)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_lora_plus_gives_lora_b_ratio_times_the_learning_rate(compiled):
+    """One AdamW step (weight decay on): lora_b moves as AdamW with lr * ratio, lora_a as with lr."""
+    ratio, lr = 16.0, 1e-3
+    cfg = load_config(None, ["data.demo_pairs=1", f"train.learning_rate={lr}", "train.weight_decay=0.1",
+                             "train.grad_clip=0", f"train.compile_optimizer={str(compiled).lower()}"]).train
+    model = add_random_lora(make_tiny_model(seed=1), seed=2)
+    params = model.trainable_parameters()
+    leaves = tree_flatten(params)
+    grads = tree_unflatten([(k, mx.random.normal(v.shape, key=mx.random.key(i))) for i, (k, v) in enumerate(leaves)])
+    step = AdamWStep(cfg, params, plus_ratio=ratio)
+    step.apply(model, grads, lr, True)
+    got = dict(tree_flatten(model.trainable_parameters()))
+    for name, p in leaves:  # each parameter against its own AdamW at its own learning rate
+        want_lr = lr * ratio if name.endswith("lora_b") else lr
+        adamw = optim.AdamW(learning_rate=want_lr, weight_decay=0.1, bias_correction=True)
+        g = dict(tree_flatten(grads))[name]
+        want = adamw.apply_gradients({"p": g}, {"p": p})["p"]
+        np.testing.assert_allclose(np.array(got[name]), np.array(want), rtol=1e-5, atol=1e-7)
+        assert not np.allclose(np.array(got[name]), np.array(p))
+    assert any(n.endswith("lora_b") for n, _ in leaves) and any(n.endswith("lora_a") for n, _ in leaves)
+
+
+def write_adapter(folder, rank=4, scale=3.0, keys=None, num_layers=-1, seed=5):
+    model = make_tiny_model(seed=0)
+    cfg = LoraConfig(rank=rank, scale=scale, keys=keys, num_layers=num_layers)
+    apply_lora(model, cfg)
+    mx.random.seed(seed)
+    model.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape), model.trainable_parameters()))
+    save_adapter(model, cfg, folder)
+    return {k: np.array(v) for k, v in tree_flatten(model.trainable_parameters())}
+
+
+def run(out, *overrides, hooks=Hooks()):
+    cfg = load_config(None, [
+        f"train.output_dir={out}", "data.demo_pairs=1", "train.steps=2", "train.global_batch_pairs=4",
+        "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=2", "train.progress=false", *overrides])
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
+    pairs = make_pairs(12, seed=0)
+    return train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs[:9], valid=pairs[9:], fingerprint="fp"),
+                 hooks=hooks), loaded.model
+
+
+@pytest.mark.parametrize("kind", ["orpo", "dpo"])
+def test_init_adapter_weights_are_the_step_0_weights_with_its_rank_scale_and_keys(tmp_path, kind):
+    keys = ["self_attn.q_proj", "self_attn.v_proj"]
+    weights = write_adapter(tmp_path / "init", rank=4, scale=3.0, keys=keys, num_layers=1)
+    seen = {}
+
+    def before_step(step, run_):
+        if step == 1:
+            seen.update({k: np.array(v) for k, v in tree_flatten(run_.model.trainable_parameters())})
+
+    result, model = run(tmp_path / "out", f"train.init_adapter={tmp_path / 'init'}", f"objective.kind={kind}",
+                        hooks=Hooks(before_step=before_step))
+    assert seen.keys() == weights.keys()
+    assert all(np.array_equal(seen[k], weights[k]) for k in weights)  # bit for bit
+    assert all(m.scale == 3.0 for m in lora_layers(model)) and len(lora_layers(model)) == 2  # q, v of one layer
+    written = json.loads((result.adapter_dir / ADAPTER_CONFIG).read_text())
+    assert written["lora_parameters"]["rank"] == 4 and written["lora_parameters"]["keys"] == keys
+    assert written["num_layers"] == 1
+    if kind == "dpo":  # the reference is the model with the initial adapter: step 1's loss is ln 2
+        assert result.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_init_adapter_config_errors_name_the_folder(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.init_adapter .*nowhere: no adapters.safetensors"):
+        lora_from_adapter(LoraConfig(), tmp_path / "nowhere")
+    write_adapter(tmp_path / "a")
+    (tmp_path / "a" / ADAPTER_CONFIG).write_text("{}")
+    with pytest.raises(ConfigError, match=r"adapter_config.json has no readable lora_parameters"):
+        lora_from_adapter(LoraConfig(), tmp_path / "a")
+
+
+def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
+    write_adapter(tmp_path / "a")
+    w = mx.load(str(tmp_path / "a" / ADAPTER_WEIGHTS))
+    w.pop(sorted(w)[0])
+    mx.save_safetensors(str(tmp_path / "a" / ADAPTER_WEIGHTS), w)
+    with pytest.raises(ConfigError, match=r"do not match the model's LoRA parameters \(missing: model.layers"):
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
+
+
+def test_rslora_adapter_exports_with_dtrain_export(tmp_path):
+    """The merged model of an rsLoRA adapter (dtrain export) gives the LoRA model's logits."""
+    from mlx_lm import load
+
+    from dtrain.models import load_model
+    from dtrain.models.export import export_adapter
+    from test_models_gguf import write_tiny_llama
+
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {})
+    model = load_model(str(base), dtype="float32").model
+    cfg = LoraConfig(rank=4, scale=8.0, rslora=True)
+    apply_lora(model, cfg)
+    mx.random.seed(4)
+    model.update(tree_map(lambda p: 0.05 * mx.random.normal(p.shape), model.trainable_parameters()))
+    save_adapter(model, cfg, tmp_path / "adapter")
+    model.eval()
+    tokens = mx.array([[1, 3, 40, 7, 300, 99]])
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"), gguf_type="f32",
+                            dtype="float32")
+    merged, _ = load(str(result.folder))
+    np.testing.assert_allclose(np.array(merged(tokens)), np.array(model(tokens)), rtol=1e-4, atol=1e-4)

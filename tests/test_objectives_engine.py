@@ -1,0 +1,219 @@
+"""Every objective through the engines: LoRA gradients against finite differences,
+segmented = reference, prefix sharing = two sequences, with DPO's reference
+log-probabilities carried per pair."""
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from dtrain.engine import ReferenceEngine
+from dtrain.engine.arch import adapter_for
+from dtrain.engine.segmented import SegmentedEngine
+from dtrain.engine import DPO, ORPO, SFT, SimPO
+from dtrain.types import TokenizedPair
+
+from test_engine_reference import PAIRS, central_difference, lora_model as fd_model
+from test_engine_segmented import lora_model, make_pairs, rel
+
+OBJECTIVES = {
+    "dpo_sigmoid": DPO(0.1, "sigmoid"), "dpo_ipo": DPO(0.5, "ipo"), "dpo_hinge": DPO(0.1, "hinge"),
+    "simpo": SimPO(2.0, 0.5), "simpo_nll": SimPO(2.0, 0.5, 0.5), "sft": SFT("response"), "sft_full": SFT("full"),
+}
+
+
+def with_ref(pairs, seed=0):
+    rng = np.random.default_rng(seed)
+    return [dataclasses.replace(p, extra={"ref_chosen": float(rng.uniform(-60, -5)),
+                                          "ref_rejected": float(rng.uniform(-60, -5))})
+            for p in pairs]
+
+
+def assert_directional_derivatives(model, obj, pairs, seed=7, n=2):
+    """LoRA gradients of ``obj`` on ``pairs`` (reference engine) against central finite
+    differences along ``n`` random directions (float64 model)."""
+    engine = ReferenceEngine(model, obj)
+    norm = obj.totals(pairs)
+    grads = engine.step(pairs, norm).grads
+    params = model.trainable_parameters()
+    mx.random.seed(seed)
+    for _ in range(n):
+        direction = tree_map(lambda p: mx.random.normal(p.shape).astype(mx.float64), params)
+
+        def along(eps):
+            model.update(tree_map(lambda p, d: p + eps * d, params, direction))
+            return engine.evaluate(pairs, norm).loss.item()
+
+        fd = central_difference(along, 4e-3)
+        model.update(params)
+        analytic = sum((g * d).sum().item() for (_, g), (_, d) in zip(tree_flatten(grads), tree_flatten(direction)))
+        assert abs(fd) > 1e-4  # a non-trivial derivative
+        assert analytic == pytest.approx(fd, rel=2e-4)
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_lora_gradients_match_central_finite_differences(name):
+    assert_directional_derivatives(fd_model(mx.float64), OBJECTIVES[name], with_ref(PAIRS))
+
+
+@pytest.mark.parametrize("built, given", [(DPO(0.1), DPO(0.4)), (DPO(0.1, "ipo"), DPO(0.4, "ipo")),
+                                          (SimPO(2.0, 0.5, 0.0), SimPO(2.5, 1.0, 0.7))], ids=["dpo", "ipo", "simpo"])
+def test_hyper_parameters_are_step_inputs_of_the_compiled_engine(built, given):
+    """beta (and SimPO's gamma, nll_weight) given as step inputs = an objective built with them,
+    through the compiled single pass, without tracing it again."""
+    calls = []
+
+    class Counting(type(built)):
+        def loss(self, logps, totals, hyper):
+            calls.append(1)  # runs while tracing only
+            return super().loss(logps, totals, hyper)
+
+    model, pairs = lora_model("llama"), with_ref(make_pairs())
+    arch = adapter_for(model)
+    engine = SegmentedEngine(model, arch, Counting(*dataclasses.astuple(built)), segment_layers=0, compile=True)
+    norm = built.totals(pairs)
+    first = engine.step(pairs, norm).loss.item()
+    traced = len(calls)
+    second = engine.step(pairs, norm, hyper=given.hyper()).loss.item()
+    assert traced > 0 and len(calls) == traced and first != second
+    own = SegmentedEngine(model, arch, given, segment_layers=0, compile=True).step(pairs, norm).loss.item()
+    assert second == pytest.approx(own, rel=1e-6)
+
+
+def parity(model, engine, pairs, obj):
+    norm = obj.totals(pairs)
+    ref = ReferenceEngine(model, obj).step(pairs, norm)
+    out = engine.step(pairs, norm)
+    mx.eval(ref.loss, ref.grads, out.loss, out.grads)
+    assert rel(out.loss, ref.loss) < 1e-5, (float(out.loss), float(ref.loss))
+    for k, v in ref.sums.items():
+        if k not in ("input_tokens", "fallback_pairs", "computed_tokens"):  # layout counts differ by design
+            assert abs(float(out.sums[k]) - float(v)) <= 1e-5 * max(1.0, abs(float(v))), (k, out.sums[k], v)
+    g_ref, g_out = dict(tree_flatten(ref.grads)), dict(tree_flatten(out.grads))
+    assert g_ref.keys() == g_out.keys()
+    for k in g_ref:
+        assert rel(g_out[k], g_ref[k]) < 1e-4, (k, rel(g_out[k], g_ref[k]))
+    ev_ref, ev = ReferenceEngine(model, obj).evaluate(pairs, norm), engine.evaluate(pairs, norm)
+    assert rel(ev.loss, ev_ref.loss) < 1e-5
+    return out
+
+
+@pytest.mark.parametrize("variant", [dict(segment_layers=2), dict(segment_layers=2, prefix_sharing=True),
+                                     dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
+                                     dict(segment_layers=0, prefix_sharing=True),
+                                     dict(segment_layers=2, pack=True), dict(segment_layers=0, prefix_sharing=True,
+                                                                             pack=True, length_bucket=16)],
+                         ids=["segmented", "prefix", "prefix_chunked", "one_range", "packed", "prefix_packed_bucket"])
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_segmented_equals_reference(name, variant):
+    """Segmented (ranges, chunked head, single pass) = reference; with prefix sharing this is
+    also prefix sharing = two sequences (the reference engine runs two sequences per pair)."""
+    obj = OBJECTIVES[name]
+    model = lora_model("llama")
+    pairs = with_ref(make_pairs(fallback=True))
+    parity(model, SegmentedEngine(model, adapter_for(model), obj, **variant), pairs, obj)
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_prefix_sharing_equals_two_sequences_in_the_segmented_engine(name):
+    obj = OBJECTIVES[name]
+    model = lora_model("qwen3")
+    pairs = with_ref(make_pairs())
+    norm = obj.totals(pairs)
+    two = SegmentedEngine(model, adapter_for(model), obj, segment_layers=2).step(pairs, norm)
+    one = SegmentedEngine(model, adapter_for(model), obj, segment_layers=2, prefix_sharing=True).step(pairs, norm)
+    assert rel(one.loss, two.loss) < 1e-5
+    for (k, a), (_, b) in zip(tree_flatten(one.grads), tree_flatten(two.grads)):
+        assert rel(a, b) < 1e-4, k
+
+
+def test_orpo_is_unchanged_by_reference_log_probs():
+    """Reference values on the pairs are read by DPO only."""
+    model = lora_model("llama")
+    pairs = make_pairs()
+    a = ReferenceEngine(model, ORPO(0.1)).evaluate(pairs, ORPO(0.1).totals(pairs))
+    b = ReferenceEngine(model, ORPO(0.1)).evaluate(with_ref(pairs), ORPO(0.1).totals(pairs))
+    assert a.loss.item() == b.loss.item()
+
+
+def test_reference_pass_objective_returns_summed_log_probs_of_each_pair():
+    """ReferenceLogps through an engine = sums of log-probs computed from mlx-lm's logits directly."""
+    from dtrain.run.reference import ReferenceLogps
+
+    model = lora_model("llama")
+    pairs = make_pairs()
+    out = ReferenceEngine(model, ReferenceLogps()).evaluate(pairs, ReferenceLogps().totals(pairs))
+    for i, p in enumerate(pairs):
+        for side, key in ((p.chosen, "ref_chosen"), (p.rejected, "ref_rejected")):
+            seq = mx.array([p.prompt + side])
+            logits = model(seq)[0].astype(mx.float32)  # (L, V)
+            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            P = len(p.prompt)
+            want = sum(logp[P - 1 + j, t].item() for j, t in enumerate(side))
+            assert out.sums[key][i].item() == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dpo_sigmoid", "dpo_ipo", "simpo"])
+def test_a_pair_without_preference_signal_gives_no_gradient(name):
+    """chosen == rejected: the log-ratio difference is 0 whatever the weights, so the pairwise
+    objectives get no gradient from it; the data layer drops such pairs before any objective
+    ("same ids", dtrain.data.render; tests/test_data_render.py)."""
+    obj = OBJECTIVES[name]
+    model = lora_model("llama")
+    p = make_pairs()[0]
+    same = dataclasses.replace(p, rejected=p.chosen, extra={"ref_chosen": -20.0, "ref_rejected": -20.0})
+    g_same = engine_grads(model, obj, [same])
+    g_real = engine_grads(model, obj, with_ref([p]))
+    norm = lambda g: float(np.sqrt(sum((np.array(v, np.float64) ** 2).sum() for _, v in tree_flatten(g))))  # noqa: E731
+    assert norm(g_real) > 1e-3
+    assert norm(g_same) <= 1e-6 * norm(g_real)
+
+
+def engine_grads(model, obj, pairs):
+    return ReferenceEngine(model, obj).step(pairs, obj.totals(pairs)).grads
+
+
+def sft_rows(seed=0):
+    """Rows with one completion (empty rejected), beside preference pairs, as SFT runs them."""
+    pairs = make_pairs(seed=seed, fallback=True)
+    return [dataclasses.replace(p, rejected=[], rejected_prompt=None) for p in pairs[:2]] + pairs[2:]
+
+
+@pytest.mark.parametrize("variant", [dict(segment_layers=2), dict(segment_layers=2, prefix_sharing=True),
+                                     dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
+                                     dict(segment_layers=0, prefix_sharing=True),
+                                     dict(segment_layers=2, pack=True), dict(segment_layers=0, prefix_sharing=True,
+                                                                             pack=True, length_bucket=16)],
+                         ids=["segmented", "prefix", "prefix_chunked", "one_range", "packed", "prefix_packed_bucket"])
+@pytest.mark.parametrize("name", ["sft", "sft_full"])
+def test_sft_rows_segmented_equals_reference(name, variant):
+    obj = OBJECTIVES[name]
+    model = lora_model("llama")
+    parity(model, SegmentedEngine(model, adapter_for(model), obj, **variant), sft_rows(), obj)
+
+
+def test_sft_row_is_its_chosen_sequence_alone_and_equals_the_pair_it_came_from():
+    """An SFT row trains the same NLL as the preference pair's chosen side; its layout has no rejected row."""
+    from dtrain.engine.layout import shared_prefix_layout, two_sequence_layout
+
+    model = lora_model("llama")
+    pairs = make_pairs()
+    rows = [dataclasses.replace(p, rejected=[]) for p in pairs]
+    assert two_sequence_layout(rows).shape[0] == 3 and shared_prefix_layout(rows).shape[0] == 3
+    assert float(two_sequence_layout(rows).w_rejected.sum()) == 0.0
+    packed = two_sequence_layout(rows, pack=True)  # one row: the three chosen sequences back to back
+    assert packed.shape == (1, sum(len(p.prompt) + len(p.chosen) for p in rows)) and len(packed.spans) == 3
+    assert float(packed.w_rejected.sum()) == 0.0 and shared_prefix_layout(rows, pack=True).shape == packed.shape
+    obj = SFT()
+    a = ReferenceEngine(model, obj).step(pairs, obj.totals(pairs))
+    b = ReferenceEngine(model, obj).step(rows, obj.totals(rows))
+    assert rel(b.loss, a.loss) < 1e-6
+    for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
+        assert rel(y, x) < 1e-5, k
+
+
+def test_sft_gradients_match_finite_differences_on_sft_rows():
+    rows = [dataclasses.replace(p, rejected=[]) for p in PAIRS]
+    assert_directional_derivatives(fd_model(mx.float64), SFT(), rows, seed=3, n=1)

@@ -1,0 +1,153 @@
+"""Objectives in the training loop: DPO's reference pass (once per pair per run,
+cached, none after a resume, equal to a fresh computation), DPO's first loss
+ln 2, and exact resume for every objective."""
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import make_pairs, make_tiny_model
+from dtrain.config import load_config
+from dtrain.engine import ReferenceEngine
+from dtrain.run.reference import ReferenceLogps
+from dtrain.run.trainer import Hooks, train
+
+N_TRAIN, N_VALID = 9, 3
+
+
+class Counting:
+    """Wraps an engine; records the sources of the pairs each evaluate() runs."""
+
+    def __init__(self, engine, seen):
+        self.engine, self.name, self.objective, self.seen = engine, engine.name, engine.objective, seen
+
+    def evaluate(self, chunk, totals, key=None, hyper=None):
+        self.seen.extend(p.source for p in chunk)
+        return self.engine.evaluate(chunk, totals, key, hyper)
+
+    def step(self, chunk, totals, key=None, hyper=None):
+        return self.engine.step(chunk, totals, key, hyper)
+
+
+def config(out, kind, *overrides):
+    return load_config(None, [
+        f"train.output_dir={out}", "data.demo_pairs=1", "train.steps=4", "train.global_batch_pairs=4",
+        "train.micro_batch_pairs=2", "train.learning_rate=1e-2", "train.schedule=constant", "train.warmup_steps=0",
+        "lora.rank=2", "train.progress=false", "train.eval_every=2", f"objective.kind={kind}", *overrides])
+
+
+def run(out, kind, *overrides, hooks=Hooks()):
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
+    pairs = make_pairs(N_TRAIN + N_VALID, seed=0)
+    dataset = SimpleNamespace(train=pairs[:N_TRAIN], valid=pairs[N_TRAIN:], fingerprint="fp")
+    return train(config(out, kind, *overrides), loaded=loaded, dataset=dataset, hooks=hooks)
+
+
+def counting_hooks(seen, **kw):
+    return Hooks(reference_engine=lambda engine: Counting(engine, seen), **kw)
+
+
+def adapter(result) -> dict:
+    return {k: np.array(v) for k, v in mx.load(str(Path(result.adapter_dir) / "adapters.safetensors")).items()}
+
+
+def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
+    seen = []
+    first = run(tmp_path / "a", "dpo", hooks=counting_hooks(seen))
+    sources = [p.source for p in make_pairs(N_TRAIN + N_VALID, seed=0)]
+    assert sorted(seen) == sorted(sources)  # every train and valid pair once
+    # the cached values equal a fresh computation, pair by pair, on the step-0 model
+    cached = np.load(next((tmp_path / "a" / "data_cache").glob("reference-*.npy")))
+    model = make_tiny_model(seed=0)
+    from dtrain.config import LoraConfig
+    from dtrain.lora import apply_lora
+
+    apply_lora(model, LoraConfig(rank=2))
+    model.eval()
+    engine = ReferenceEngine(model, ReferenceLogps())
+    for i, p in enumerate(make_pairs(N_TRAIN + N_VALID, seed=0)):
+        sums = engine.evaluate([p], ReferenceLogps().totals([p])).sums
+        np.testing.assert_allclose(cached[i], [sums["ref_chosen"].item(), sums["ref_rejected"].item()], rtol=1e-5)
+    # step 1: policy = reference, so the DPO loss is ln 2 per pair; rewards start at 0
+    assert first.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert first.evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert abs(first.evals[0]["eval/rewards/margins"]) < 1e-5
+    assert first.history[-1]["loss"] < math.log(2)  # it trains
+    # resumed after step 2 (interrupted at step 3): no reference forward, the same adapter as uninterrupted
+    seen.clear()
+
+    def crash(step, run_):
+        if step == 3:
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        run(tmp_path / "b", "dpo", "train.save_every=2", hooks=counting_hooks(seen, before_step=crash))
+    assert len(seen) == N_TRAIN + N_VALID
+    seen.clear()
+    resumed = run(tmp_path / "b", "dpo", "train.save_every=2", "train.resume=auto", hooks=counting_hooks(seen))
+    assert seen == []
+    whole, again = adapter(first), adapter(resumed)
+    assert all(np.array_equal(whole[k], again[k]) for k in whole)
+    for a, b in zip(first.history[2:], resumed.history):
+        assert a["loss"] == b["loss"]
+
+
+def test_reference_cache_key_covers_the_model_and_the_pairs():
+    from dtrain.run.reference import cache_key
+
+    pairs = make_pairs(4, seed=0)
+    base = cache_key("tiny", None, pairs)
+    assert cache_key("tiny", None, list(pairs)) == base
+    assert cache_key("other", None, pairs) != base
+    assert cache_key("tiny", "abc", pairs) != base
+    assert cache_key("tiny", None, pairs[:3]) != base
+    changed = [pairs[0].__class__(pairs[0].prompt, pairs[0].chosen + [7], pairs[0].rejected)] + pairs[1:]
+    assert cache_key("tiny", None, changed) != base
+
+
+@pytest.mark.parametrize("kind", ["simpo", "sft"])
+def test_resume_equals_uninterrupted(tmp_path, kind):
+    whole = run(tmp_path / "a", kind)
+
+    def crash(step, run_):
+        if step == 3:
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        run(tmp_path / "b", kind, "train.save_every=2", hooks=Hooks(before_step=crash))
+    resumed = run(tmp_path / "b", kind, "train.save_every=2", "train.resume=auto")
+    a, b = adapter(whole), adapter(resumed)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert [h["loss"] for h in whole.history[2:]] == [h["loss"] for h in resumed.history]
+    assert whole.history[-1]["loss"] < whole.history[0]["loss"]
+
+
+def test_the_nats_per_token_guard_is_not_applied_to_dpos_summed_log_probs(tmp_path, capsys):
+    """DPO's eval/logps/chosen is a sum per response (TRL); the chosen_logps_drop_warn margin is
+    nats/token, so a DPO run never gets that warning, even when the sum falls."""
+    result = run(tmp_path, "dpo", "train.learning_rate=5e-2", "train.chosen_logps_drop_warn=1e-9")
+    assert result.evals[2]["eval/logps/chosen"] < result.evals[0]["eval/logps/chosen"]  # it did fall
+    assert "eval/logps/chosen is" not in capsys.readouterr().err
+
+
+def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resumed_weights(tmp_path):
+    seen = []
+
+    def crash(step, run_):
+        if step == 3:
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        run(tmp_path, "dpo", "train.save_every=2", hooks=counting_hooks(seen, before_step=crash))
+    (cached,) = (tmp_path / "data_cache").glob("reference-*.npy")
+    before = np.load(cached)
+    cached.unlink()
+    seen.clear()
+    run(tmp_path, "dpo", "train.save_every=2", "train.resume=auto", hooks=counting_hooks(seen))
+    assert len(seen) == N_TRAIN + N_VALID
+    assert np.array_equal(np.load(cached), before)  # the same model: step 0's, before the checkpoint's weights
