@@ -16,9 +16,11 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .best import DIRECTIONS, OFF
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
+from .lambda_control import LAWS
 from .launch.hosts import BACKENDS
 from .models import DTYPE_NAMES
 
@@ -96,6 +98,26 @@ class OrpoConfig:
     lam: float = option(0.1, "weight of the odds-ratio term (YAML key: lambda; the paper uses 0.1)", at_least=0.0)
     nll_scope: str = option("full", "NLL over prompt + chosen response (full: the paper, TRL) or the response only",
                             ("full", "response"))
+    # the dynamic-λ controller (dtrain/lambda_control.py; docs/defaults.md "The dynamic-λ controller")
+    lambda_schedule: str = option("static", "static: lambda for every step; adaptive: the controller steers lambda "
+                                            "in [lambda_min, lambda_max] from the held-out eval/logps/chosen after "
+                                            "each evaluation (needs train.eval_every > 0)", ("static", "adaptive"))
+    lambda_min: float = option(0.05, "adaptive: the lowest lambda, the first one and the one a hard stop freezes",
+                               at_least=0.0)
+    lambda_max: float = option(0.5, "adaptive: the highest lambda", at_least=0.0)
+    lambda_step: float = option(0.05, "adaptive: lambda added per evaluation while ramping (the PD law's gain)",
+                                above=0.0)
+    lambda_backoff: float = option(0.5, "adaptive, aimd: lambda is multiplied by this when backing off",
+                                   at_least=0.0, below=1.0)
+    lambda_window: int = option(3, "adaptive: K, evaluations in the slope fit of eval/logps/chosen and calm "
+                                   "evaluations before a back-off ramps again", above=1)
+    lambda_epsilon: float = option(0.005, "adaptive: the slope noise band (nats/token per evaluation): ramp while "
+                                          "the slope >= -epsilon, back off below", above=0.0)
+    lambda_stop_drop: float = option(0.1, "adaptive: freeze lambda at lambda_min for good when eval/logps/chosen "
+                                          "falls this far (nats/token) below its first value", above=0.0)
+    lambda_law: str = option("aimd", "adaptive: aimd (add lambda_step, multiply by lambda_backoff) or pd (a PD "
+                                     "law on the slope error)", LAWS)
+    lambda_kd: float = option(0.5, "adaptive, pd: the derivative gain", at_least=0.0)
 
 
 @dataclass
@@ -153,6 +175,14 @@ class TrainConfig:
     chosen_logps_drop_warn: float = option(0.1, "warn when the held-out eval/logps/chosen falls more than this many "
                                                 "nats/token below its step-0 value (the model is lowering the chosen "
                                                 "answers too); 0 = off", at_least=0.0)
+    keep_best: str = option(OFF, "off: adapters/ holds the last step; or a held-out metric: adapters/ holds the "
+                                 "best evaluated step by it (the last step goes to adapters-last/); needs "
+                                 "eval_every > 0", (OFF, *DIRECTIONS))
+    keep_best_guard: Optional[float] = option(None, "keep_best: a step counts only when its eval/logps/chosen is at "
+                                                    "most this many nats/token below step 0's; null = no guard",
+                                              at_least=0.0)
+    early_stop_evals: int = option(0, "keep_best: stop after this many evaluations in a row without a new best; "
+                                      "0 = never", at_least=0)
     progress: bool = option(True, "show a progress bar on rank 0")
 
 
@@ -288,6 +318,17 @@ def _check(cfg: Config, source: str) -> None:
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                           "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
+    o, t = cfg.orpo, cfg.train
+    if o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
+        raise ConfigError(f"{source}: 'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")
+    for key, on in (("orpo.lambda_schedule: adaptive", o.lambda_schedule == "adaptive"),
+                    (f"train.keep_best: {t.keep_best}", t.keep_best != OFF)):
+        if on and t.eval_every == 0:
+            raise ConfigError(f"{source}: '{key}' needs held-out evaluations during the run: set 'train.eval_every' "
+                              f"> 0 (it is 0)")
+    if t.early_stop_evals and t.keep_best == OFF:
+        raise ConfigError(f"{source}: 'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
+                          f"(it is off): the stop keeps the best step")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
         raise ConfigError(f"{source}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
 

@@ -10,16 +10,18 @@ from .types import TokenizedPair
 ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
 
 
-def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None) -> dict:
+def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None,
+             lam: float | None = None) -> dict:
     """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
 
     ``micro``: pairs per micro-batch; ``group``: the ``distributed.Group`` whose
     ranks sum the metric sums (every rank joins); ``bar``: a progress bar
-    advanced by the pairs of each micro-batch (rank 0's).
+    advanced by the pairs of each micro-batch (rank 0's); ``lam``: the λ of
+    ``eval/loss`` and the rewards (None: the objective's own).
     """
     model.eval()
     objective = engine.objective
-    norm = objective.totals(pairs)
+    norm = objective.totals(pairs, lam)
     sums = dict.fromkeys(objective.metric_keys, 0.0)
     for chunk in sampler.micro_batches(sampler.rank_shard(pairs, group.rank, group.size), micro):
         part, _ = run_micro_batches(engine, chunk, norm, micro, with_grads=False)
@@ -28,7 +30,7 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
             bar.update(len(chunk))
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
     model.train()
-    return objective.finalize(sums, prefix="eval/")
+    return objective.finalize(sums, prefix="eval/", lam=lam)
 
 
 def evaluate_and_log(run, step: int) -> None:
@@ -37,7 +39,8 @@ def evaluate_and_log(run, step: int) -> None:
     bar = run.log.eval_bar(step, len(sampler.rank_shard(run.valid, run.group.rank, run.group.size)))
     run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
     try:
-        metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar)
+        metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar,
+                           run.lam)
     finally:
         if bar is not None:
             bar.close()

@@ -132,17 +132,21 @@ def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = 
     return out
 
 
-def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: dict | None = None) -> None:
+def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: dict | None = None,
+                  weights: dict | None = None) -> None:
     """Write ``adapters.safetensors`` and ``adapter_config.json`` into an existing ``folder``.
 
-    Not atomic by itself: callers write into a folder made by
-    :func:`dtrain.files.atomic_folder` (this function and checkpoints).
+    ``weights``: flat name -> array to write instead of the model's trainable
+    parameters (a kept best step). Not atomic by itself: callers write into a
+    folder made by :func:`dtrain.files.atomic_folder` (this function and checkpoints).
     """
-    mx.save_safetensors(str(folder / ADAPTER_WEIGHTS), dict(tree_flatten(model.trainable_parameters())))
+    weights = dict(tree_flatten(model.trainable_parameters())) if weights is None else weights
+    mx.save_safetensors(str(folder / ADAPTER_WEIGHTS), weights)
     (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, model, base_model), indent=2))
 
 
-def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model: dict | None = None) -> Path:
+def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model: dict | None = None,
+                 weights: dict | None = None) -> Path:
     """Write the adapter folder atomically (:func:`dtrain.files.atomic_folder`).
 
     Args:
@@ -150,6 +154,7 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_mo
         cfg: the LoRA config it was built with.
         out_dir: destination folder; replaced as a whole if it exists.
         base_model: the base model reference for ``adapter_config.json``.
+        weights: flat weights to write instead of the model's (:func:`write_adapter`).
     Returns:
         ``out_dir`` as a Path.
     Raises:
@@ -157,5 +162,5 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_mo
     """
     out = Path(out_dir)
     with atomic_folder(out) as tmp:
-        write_adapter(tmp, model, cfg, base_model)
+        write_adapter(tmp, model, cfg, base_model, weights)
     return out

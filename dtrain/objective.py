@@ -43,13 +43,17 @@ class ORPO:
         """The objective of a run's ``Config`` (its ``orpo`` section)."""
         return cls(cfg.orpo.lam, cfg.orpo.nll_scope)
 
-    def totals(self, pairs: list[TokenizedPair]) -> Norm:
+    def totals(self, pairs: list[TokenizedPair], lam: float | None = None) -> Norm:
         """Global normalisers of a step; every rank computes them from the global batch.
 
         The NLL token count is the sum of the layouts' ``w_nll`` weights
         (``engine.layout.nll_tokens``, the one rule), without building layouts.
+        ``lam``: the step's λ, passed to the engine as a float32 scalar array (an
+        input, not a traced constant: changing it retraces nothing); None:
+        ``self.lam`` as a constant.
         """
-        return Norm(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
+        return Norm(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)),
+                    lam=None if lam is None else mx.array(lam, mx.float32))
 
     def loss(self, chosen_logps: mx.array, rejected_logps: mx.array, nll_sum: mx.array, totals: Norm):
         """``(loss, sums)`` of one micro-batch (``engine.loss.orpo_loss``).
@@ -59,8 +63,10 @@ class ORPO:
             nll_sum: scalar, summed NLL (nats) of the micro-batch's NLL targets.
             totals: the step's global counts (``totals()``).
         """
-        return orpo_loss(chosen_logps, rejected_logps, nll_sum, self.lam, totals.nll_tokens, totals.pairs)
+        lam = self.lam if totals.lam is None else totals.lam
+        return orpo_loss(chosen_logps, rejected_logps, nll_sum, lam, totals.nll_tokens, totals.pairs)
 
-    def finalize(self, sums: dict, prefix: str = "") -> dict:
-        """Summed values (over micro-batches and ranks) -> TRL-named metrics (``finalize_metrics``)."""
-        return finalize_metrics(sums, self.lam, prefix)
+    def finalize(self, sums: dict, prefix: str = "", lam: float | None = None) -> dict:
+        """Summed values (over micro-batches and ranks) -> TRL-named metrics (``finalize_metrics``);
+        ``lam``: the step's λ (None: ``self.lam``)."""
+        return finalize_metrics(sums, self.lam if lam is None else lam, prefix)

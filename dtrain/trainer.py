@@ -27,7 +27,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
-from . import sampler
+from . import lambda_control, sampler
+from .best import OFF, BestAdapter, Pick, describe, pick_best
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
@@ -52,18 +53,30 @@ class TrainResult:
     run_dir: Optional[Path] = None
     skipped_steps: int = 0
     stopped: bool = False  # stopped early by a signal (checkpoint saved)
+    best: Optional[Pick] = None  # train.keep_best: the kept step
+    best_metric: str = OFF
+    early_stopped: bool = False  # train.early_stop_evals ended the run
+
 
     def summary(self) -> Optional[str]:
         """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation, or None."""
         if len(self.evals) < 2:
             return None
         first, last = min(self.evals), max(self.evals)
-        return (f"eval reward accuracy (chosen preferred over rejected): step {first} "
+        line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
+        if self.best is not None:
+            line += ("; early stop" if self.early_stopped else "") + f"; {describe(self.best, self.best_metric)}"
+        return line
 
 
-def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None):
+def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None,
+               lam: Optional[float] = None):
     """One optimizer step on the global ``batch`` (this rank trains its shard).
+
+    ``lam``: the step's λ (None: ``orpo.lambda``), an input of the engine's
+    functions (a scalar array: a new value traces nothing again), logged as
+    ``train/lambda``.
 
     ``stop`` (a :class:`StopRequest` or None) is read when the step's metrics
     are all-reduced, after the gradients: a signal that arrived during this
@@ -77,7 +90,8 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     t = cfg.train
     start = time.perf_counter()
     objective = engine.objective
-    norm = objective.totals(batch)
+    lam = cfg.orpo.lam if lam is None else lam
+    norm = objective.totals(batch, lam)
     mine = sampler.rank_shard(batch, group.rank, group.size)
     key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
     sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True, key=key)
@@ -87,7 +101,7 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
     grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
     reduce_seconds = time.perf_counter() - reduce_start
     sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-    metrics = objective.finalize(sums)
+    metrics = objective.finalize(sums, lam=lam)
     lr = learning_rate(step, t)
     loss_finite = math.isfinite(metrics["loss"])
     grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
@@ -102,6 +116,7 @@ def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: 
         "perf/step_seconds": seconds,
         "perf/allreduce_seconds": reduce_seconds,
         "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
+        "train/lambda": lam,
     })
     return metrics, finite, sums["stop"] > 0
 
@@ -152,10 +167,18 @@ class Run:
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
+    best: BestAdapter = field(default_factory=BestAdapter)  # train.keep_best: rank 0's copy of the best step
 
     @property
     def checkpoints(self) -> Path:
         return Path(self.cfg.train.output_dir) / "checkpoints"
+
+    @property
+    def lam(self) -> float:
+        """λ of the next steps: ``orpo.lambda``, or the controller's (``orpo.lambda_schedule: adaptive``)."""
+        if self.state.lambda_control:
+            return lambda_control.LambdaState.from_dict(self.state.lambda_control).lam
+        return self.cfg.orpo.lam
 
 
 def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> TrainResult:
@@ -184,7 +207,9 @@ def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
     t, log, result = run.cfg.train, run.log, run.result
     if run.valid and run.state.step == 0:
-        evaluate_and_log(run, 0)
+        evaluate_and_steer(run, 0)
+    elif run.state.step < t.steps and early_stop_due(run):  # a resumed run that had stopped early
+        return end_early(run, run.state.step)
     if run.state.step < t.steps:
         log.doing(first_step_text(run))
     skipped_in_row = 0
@@ -192,7 +217,7 @@ def loop(run: Run) -> TrainResult:
         batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
         run.hooks.before_step(step, run)
         metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
-                                                run.group, run.stop)
+                                                run.group, run.stop, run.lam)
         run.hooks.after_step(step, run)
         skipped_in_row = 0 if applied else skipped_in_row + 1
         record(run, step, metrics, applied)
@@ -209,14 +234,57 @@ def loop(run: Run) -> TrainResult:
         if run.cfg.distributed.check_sync_every and step % run.cfg.distributed.check_sync_every == 0:
             check_in_sync(run.group, run.model.trainable_parameters(), step)
         if run.valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
-            evaluate_and_log(run, step)
+            if evaluate_and_steer(run, step):
+                return end_early(run, step)
         if t.save_every and step % t.save_every == 0 and step != t.steps:
             save(run, step)
     if run.valid:
-        evaluate_and_log(run, t.steps)
+        evaluate_and_steer(run, t.steps)
     save(run, t.steps)
     finish(run)
     return result
+
+
+def evaluate_and_steer(run: Run, step: int) -> bool:
+    """Evaluate after ``step``, then feed the numbers to the λ controller and the best-step
+    bookkeeping; True when ``train.early_stop_evals`` says stop (the same on every rank:
+    eval metrics are all-reduced)."""
+    evaluate_and_log(run, step)
+    cfg, metrics = run.cfg, run.state.evals[str(step)]
+    if cfg.orpo.lambda_schedule == "adaptive":
+        was = lambda_control.LambdaState.from_dict(run.state.lambda_control)
+        now = lambda_control.observe(was, metrics["eval/logps/chosen"], lambda_control.LambdaKnobs.from_config(cfg.orpo))
+        run.state.lambda_control = now.to_dict()
+        if now.phase != was.phase:
+            run.log.message(f"step {step}: lambda controller {was.phase} -> {now.phase}, lambda {now.lam:.4g}")
+    if cfg.train.keep_best == OFF:
+        return False
+    pick = run.result.best = pick_best(run.state.evals, cfg.train.keep_best, cfg.train.keep_best_guard)
+    if pick.step == step:
+        if run.group.is_main:
+            run.best.keep(step, run.model)
+        run.state.best_step = step
+    if pick.step is not None:
+        run.log.scalars(step, {"best/step": float(pick.step), f"best/{cfg.train.keep_best}": pick.value})
+    return early_stop_due(run)
+
+
+def early_stop_due(run: Run) -> bool:
+    """``train.early_stop_evals`` evaluations in a row without a new best (from the run's evaluations)."""
+    t = run.cfg.train
+    if t.keep_best == OFF or not t.early_stop_evals:
+        return False
+    return pick_best(run.state.evals, t.keep_best, t.keep_best_guard).since >= t.early_stop_evals
+
+
+def end_early(run: Run, step: int) -> TrainResult:
+    """Checkpoint and adapters of a run that ``train.early_stop_evals`` stopped after ``step``."""
+    run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
+                    f"{run.cfg.train.keep_best}; stopping early")
+    save(run, step)
+    finish(run)
+    run.result.steps, run.result.early_stopped = step, True
+    return run.result
 
 
 def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
@@ -241,6 +309,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
                                cache_dir=Path(t.output_dir) / "data_cache")
         cache_entries = dataset.cache_entries
+    steering = [k for k, on in (("train.keep_best", t.keep_best != OFF),
+                                ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
+    if steering and not dataset.valid:
+        raise UserError(f"{' and '.join(steering)} need held-out pairs, and this run has none: set data.valid "
+                        f"or data.valid_fraction > 0")
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
@@ -270,6 +343,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
                                 f"raise train.steps to continue it")
             state = replace(resumed.state, world_size=group.size)
+        if cfg.orpo.lambda_schedule == "adaptive" and not state.lambda_control:
+            state.lambda_control = lambda_control.initial(lambda_control.LambdaKnobs.from_config(cfg.orpo)).to_dict()
         run_dir = Path(state.tensorboard_run) if state.tensorboard_run else None
         if group.is_main and (run_dir is None or not run_dir.is_dir()):
             run_dir = new_run_dir(out / "tb")
@@ -282,14 +357,17 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cleanup.callback(stop.uninstall)
         valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
-                             evals={int(k): v for k, v in state.evals.items()})
+                             evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best)
+        if t.keep_best != OFF and state.evals:
+            result.best = pick_best(state.evals, t.keep_best, t.keep_best_guard)
         log.config(resolved)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
+        best = BestAdapter(state.best_step, resumed.best if resumed and group.is_main else None)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result,
-                   resumed.path if resumed else None, cleanup.pop_all(), hooks)
+                   resumed.path if resumed else None, cleanup.pop_all(), hooks, best)
 
 
 def first_step_text(run: Run) -> str:
@@ -319,18 +397,29 @@ def save(run: Run, step: int) -> None:
         state = replace(run.state, step=step, position=run.sampler.position(step))
         run.log.flush()
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
-                             run.base_model)
+                             run.base_model, run.best.weights)
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
 
 
 def finish(run: Run) -> None:
-    """Rank 0 writes the adapter and the hparams record."""
+    """Rank 0 writes the adapter (with ``train.keep_best``: the best step's, and the last
+    step's to ``adapters-last/``) and the hparams record."""
     if run.group.is_main:
-        t = run.cfg.train
-        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, Path(t.output_dir) / "adapters", run.base_model)
-        final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
-        run.log.hparams(run.resolved, final, t.steps)
-        run.log.message(f"adapter written to {run.result.adapter_dir}")
+        t, step, out = run.cfg.train, run.state.step, Path(run.cfg.train.output_dir)
+        weights = None
+        if t.keep_best != OFF:
+            last = save_adapter(run.model, run.cfg.lora, out / "adapters-last", run.base_model)
+            run.log.message(f"last step's adapter written to {last}")
+            pick = run.result.best
+            if pick is not None and pick.step is not None:
+                assert run.best.step == pick.step, (run.best.step, pick.step)  # kept when it was evaluated
+                weights = run.best.weights
+                run.log.text("best", f"adapters/ holds step {pick.step} ({t.keep_best} {pick.value:.4f})", step)
+        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out / "adapters", run.base_model, weights)
+        final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(step, {})}
+        run.log.hparams(run.resolved, final, step)
+        run.log.message(f"adapter written to {run.result.adapter_dir}"
+                        + (f" ({describe(run.result.best, t.keep_best)})" if run.result.best else ""))
 
 
 def _stderr(message: str) -> None:

@@ -29,10 +29,18 @@ class Norm:
 
     The loss of a micro-batch is divided by these, so summing micro-batch
     gradients over accumulation steps and ranks gives the global-batch gradient.
+    ``lam``: the step's λ as an input (a float32 scalar array, so a compiled
+    function is not traced again when it changes); None: the objective's own.
     """
 
     nll_tokens: float
     pairs: float
+    lam: mx.array | None = None
+
+    def arrays(self) -> tuple:
+        """The totals as float32 scalar arrays, for a compiled function (``Norm(*arrays)`` rebuilds them)."""
+        counts = (mx.array(self.nll_tokens, mx.float32), mx.array(self.pairs, mx.float32))
+        return counts if self.lam is None else (*counts, self.lam)
 
 
 @dataclass

@@ -71,7 +71,7 @@ def orpo_loss(
     chosen_logps: mx.array,
     rejected_logps: mx.array,
     nll_sum: mx.array,
-    lam: float,
+    lam: float | mx.array,
     n_tokens: float,
     n_pairs: float,
     pair_mask: mx.array | None = None,
@@ -82,7 +82,8 @@ def orpo_loss(
         chosen_logps, rejected_logps: ``(B,)`` mean response log-probabilities.
         nll_sum: scalar, summed negative log-likelihood (nats) of the NLL tokens
             of this micro-batch's chosen sequences.
-        lam: lambda, the weight of the odds-ratio term.
+        lam: lambda, the weight of the odds-ratio term (a float, or a float32 scalar array
+            when it is an input of a compiled step).
         n_tokens: NLL token count of the *global* batch (all micro-batches, all ranks).
         n_pairs: pair count of the global batch.
         pair_mask: optional ``(B,)`` 1/0 weights; 0 marks padding pairs.

@@ -323,7 +323,7 @@ class SegmentedEngine:
         masks = self._masks(layout)
         size, self._chunk = self.plan(layout, _attention_rows(masks))
         rs = self._set = self._range_set(size)
-        norm_arr = (mx.array(totals.nll_tokens, mx.float32), mx.array(totals.pairs, mx.float32))
+        norm_arr = totals.arrays()
         if len(rs.ranges) == 1 and self._chunk <= 0:
             return self._step_whole(layout, masks, key, norm_arr)
         self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
