@@ -19,7 +19,6 @@ from .guards import CHOSEN_LOGPS
 # metric -> +1 when higher is better, -1 when lower is better
 DIRECTIONS = {"eval/rewards/accuracies": 1, "eval/log_odds_ratio": 1, "eval/rewards/margins": 1,
               "eval/loss": -1, "eval/nll_loss": -1}
-OFF = "off"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from .best import DIRECTIONS, OFF
+from .best import DIRECTIONS
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
@@ -175,9 +175,9 @@ class TrainConfig:
     chosen_logps_drop_warn: float = option(0.1, "warn when the held-out eval/logps/chosen falls more than this many "
                                                 "nats/token below its step-0 value (the model is lowering the chosen "
                                                 "answers too); 0 = off", at_least=0.0)
-    keep_best: str = option(OFF, "off: adapters/ holds the last step; or a held-out metric: adapters/ holds the "
-                                 "best evaluated step by it (the last step goes to adapters-last/); needs "
-                                 "eval_every > 0", (OFF, *DIRECTIONS))
+    keep_best: Optional[str] = option(None, "null: adapters/ holds the last step; or a held-out metric: adapters/ "
+                                           "holds the best evaluated step by it (the last step goes to "
+                                           "adapters-last/); needs eval_every > 0", tuple(DIRECTIONS))
     keep_best_guard: Optional[float] = option(None, "keep_best: a step counts only when its eval/logps/chosen is at "
                                                     "most this many nats/token below step 0's; null = no guard",
                                               at_least=0.0)
@@ -278,7 +278,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def _check_allowed(value: Any, meta: dict, where: str) -> None:
     """The field's own allowed values (``option(choices=, at_least=, below=)``)."""
     choices = meta.get("choices")
-    if choices and value not in choices:
+    if choices and value is not None and value not in choices:
         raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
@@ -322,11 +322,11 @@ def _check(cfg: Config, source: str) -> None:
     if o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
         raise ConfigError(f"{source}: 'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")
     for key, on in (("orpo.lambda_schedule: adaptive", o.lambda_schedule == "adaptive"),
-                    (f"train.keep_best: {t.keep_best}", t.keep_best != OFF)):
+                    (f"train.keep_best: {t.keep_best}", t.keep_best is not None)):
         if on and t.eval_every == 0:
             raise ConfigError(f"{source}: '{key}' needs held-out evaluations during the run: set 'train.eval_every' "
                               f"> 0 (it is 0)")
-    if t.early_stop_evals and t.keep_best == OFF:
+    if t.early_stop_evals and t.keep_best is None:
         raise ConfigError(f"{source}: 'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
                           f"(it is off): the stop keeps the best step")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
@@ -437,7 +437,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
 def allowed(tp: Any, meta: dict) -> str:
     """A field's allowed values as comments and ``dtrain config`` show them: ``a | b``, ``>= 0``, ``int or 'auto'``."""
     if meta.get("choices"):
-        return " | ".join(meta["choices"])
+        return " | ".join((*(("null",) if type(None) in typing.get_args(tp) else ()), *meta["choices"]))
     lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
     bounds = ([f"in [{lo:g}, {hi:g})"] if lo is not None and hi is not None else
               [x for x in (lo is not None and f">= {lo:g}", above is not None and f"> {above:g}",

@@ -45,7 +45,7 @@ LAWS = ("aimd", "pd")
 
 @dataclass(frozen=True)
 class LambdaKnobs:
-    """The controller's settings (the ``orpo.lambda_*`` keys).
+    """The controller's settings (the ``orpo.lambda_*`` keys; their defaults live in ``dtrain.config``).
 
     ``lam_min``/``lam_max``: the band; ``step``: additive increase per evaluation;
     ``backoff``: multiplicative decrease (aimd); ``window``: K, evaluations in
@@ -55,15 +55,15 @@ class LambdaKnobs:
     the PD law's derivative gain.
     """
 
-    lam_min: float = 0.05
-    lam_max: float = 0.5
-    step: float = 0.05
-    backoff: float = 0.5
-    window: int = 3
-    epsilon: float = 0.005
-    stop_drop: float = 0.1
-    law: str = "aimd"
-    kd: float = 0.5
+    lam_min: float
+    lam_max: float
+    step: float
+    backoff: float
+    window: int
+    epsilon: float
+    stop_drop: float
+    law: str
+    kd: float
 
     @classmethod
     def from_config(cls, orpo) -> "LambdaKnobs":

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from . import checkpoint as ckpt
 from . import lambda_control, sampler
-from .best import OFF, BestAdapter, Pick, describe, pick_best
+from .best import BestAdapter, Pick, describe, pick_best
 from .blas import warn_if_slow
 from .config import Config, to_dict
 from .distributed import Group, check_in_sync, handshake
@@ -54,7 +54,7 @@ class TrainResult:
     skipped_steps: int = 0
     stopped: bool = False  # stopped early by a signal (checkpoint saved)
     best: Optional[Pick] = None  # train.keep_best: the kept step
-    best_metric: str = OFF
+    best_metric: Optional[str] = None
     early_stopped: bool = False  # train.early_stop_evals ended the run
 
 
@@ -257,7 +257,7 @@ def evaluate_and_steer(run: Run, step: int) -> bool:
         run.state.lambda_control = now.to_dict()
         if now.phase != was.phase:
             run.log.message(f"step {step}: lambda controller {was.phase} -> {now.phase}, lambda {now.lam:.4g}")
-    if cfg.train.keep_best == OFF:
+    if cfg.train.keep_best is None:
         return False
     pick = run.result.best = pick_best(run.state.evals, cfg.train.keep_best, cfg.train.keep_best_guard)
     if pick.step == step:
@@ -272,7 +272,7 @@ def evaluate_and_steer(run: Run, step: int) -> bool:
 def early_stop_due(run: Run) -> bool:
     """``train.early_stop_evals`` evaluations in a row without a new best (from the run's evaluations)."""
     t = run.cfg.train
-    if t.keep_best == OFF or not t.early_stop_evals:
+    if t.keep_best is None or not t.early_stop_evals:
         return False
     return pick_best(run.state.evals, t.keep_best, t.keep_best_guard).since >= t.early_stop_evals
 
@@ -309,7 +309,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
                                cache_dir=Path(t.output_dir) / "data_cache")
         cache_entries = dataset.cache_entries
-    steering = [k for k, on in (("train.keep_best", t.keep_best != OFF),
+    steering = [k for k, on in (("train.keep_best", t.keep_best is not None),
                                 ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
     if steering and not dataset.valid:
         raise UserError(f"{' and '.join(steering)} need held-out pairs, and this run has none: set data.valid "
@@ -358,7 +358,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best)
-        if t.keep_best != OFF and state.evals:
+        if t.keep_best is not None and state.evals:
             result.best = pick_best(state.evals, t.keep_best, t.keep_best_guard)
         log.config(resolved)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
@@ -407,7 +407,7 @@ def finish(run: Run) -> None:
     if run.group.is_main:
         t, step, out = run.cfg.train, run.state.step, Path(run.cfg.train.output_dir)
         weights = None
-        if t.keep_best != OFF:
+        if t.keep_best is not None:
             last = save_adapter(run.model, run.cfg.lora, out / "adapters-last", run.base_model)
             run.log.message(f"last step's adapter written to {last}")
             pick = run.result.best
