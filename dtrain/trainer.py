@@ -418,8 +418,9 @@ def finish(run: Run) -> None:
         run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out / "adapters", run.base_model, weights)
         final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(step, {})}
         run.log.hparams(run.resolved, final, step)
+        kept = run.result.best.step if weights is not None else None
         run.log.message(f"adapter written to {run.result.adapter_dir}"
-                        + (f" ({describe(run.result.best, t.keep_best)})" if run.result.best else ""))
+                        + (f": step {kept}, the best by {t.keep_best}" if kept is not None else ""))
 
 
 def _stderr(message: str) -> None:
