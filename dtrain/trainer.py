@@ -57,7 +57,6 @@ class TrainResult:
     best_metric: Optional[str] = None
     early_stopped: bool = False  # train.early_stop_evals ended the run
 
-
     def summary(self) -> Optional[str]:
         """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation, or None."""
         if len(self.evals) < 2:
@@ -176,7 +175,7 @@ class Run:
     @property
     def lam(self) -> float:
         """λ of the next steps: ``orpo.lambda``, or the controller's (``orpo.lambda_schedule: adaptive``)."""
-        if self.state.lambda_control:
+        if self.cfg.orpo.lambda_schedule == "adaptive":
             return lambda_control.LambdaState.from_dict(self.state.lambda_control).lam
         return self.cfg.orpo.lam
 
