@@ -51,7 +51,6 @@ import sweep  # noqa: E402  (bench/sweep.py: datasets, the per-run train command
 from dtrain.tracking import read_scalars  # noqa: E402  (no MLX import)
 
 ACC, MARGIN, CHOSEN, NLL = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/nll_loss")
-EVAL_KEYS = (ACC, MARGIN, CHOSEN, "eval/logps/rejected", NLL, "eval/log_odds_ratio")
 BEST = {"keep_best": ACC}
 ARMS = {  # name -> {section: {key: value}} over configs/preference.yaml
     "lam0.05": {"orpo": {"lambda": 0.05}},
@@ -84,17 +83,15 @@ def run_config(base: dict, arm: str, data: dict, seed: int, args, out_dir: Path)
 
 
 def collect(run_dir: Path, cfg: dict, seconds: float, rc: int) -> dict:
-    """One run: held-out scalars and λ per evaluated step, the kept step, timing."""
-    rec = {"config": cfg, "seconds": round(seconds, 1), "returncode": rc}
+    """One run: ``bench/sweep.py``'s record (held-out scalars per evaluated step, timing) plus λ per
+    step and the kept step."""
+    rec = sweep.collect(run_dir, cfg, seconds, rc)
     tb = sorted((run_dir / "train" / "tb").glob("*"))
     if tb:
         scalars = read_scalars(tb[-1])
-        rec["eval"] = {k: {str(s): v for s, v in scalars.get(k, [])} for k in EVAL_KEYS}
         rec["lambda"] = {str(s): v for s, v in scalars.get("train/lambda", [])}
         best = scalars.get("best/step", [])
         rec["best_step"] = int(best[-1][1]) if best else None
-    log = (run_dir / "log.txt").read_text(errors="replace") if (run_dir / "log.txt").is_file() else ""
-    rec["log_tail"] = log.strip().splitlines()[-3:]
     return rec
 
 
@@ -173,12 +170,12 @@ def row(key: str, rec: dict) -> dict | None:
     return out
 
 
-def mean_sd(values: list) -> str:
+def mean_sd(values: list, signed: bool = False) -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "–"
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):+.3f} ± {sd:.3f}" if min(values) < 0 else f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    return f"{statistics.mean(values):{'+' if signed else ''}.3f} ± {sd:.3f}"
 
 
 def report(args) -> None:
@@ -204,8 +201,8 @@ def report(args) -> None:
             rs = [r for r in table if r["dataset"] == ds and r["arm"] == arm]
             if not rs:
                 continue
-            cols = [mean_sd([r[k] for r in rs]) for k in ("acc@end", "acc@written", "margin@written", "dchosen@end",
-                                                          "dchosen@written", "nll@written")]
+            cols = [mean_sd([r[k] for r in rs], k.startswith("dchosen")) for k in (
+                "acc@end", "acc@written", "margin@written", "dchosen@end", "dchosen@written", "nll@written")]
             steps = ", ".join(str(r["written_step"]) for r in sorted(rs, key=lambda r: r["seed"]))
             print(f"| {ds} | {arm} | {len(rs)} | " + " | ".join(cols) + f" | {steps} |")
     print("\nbase (step 0): " + "; ".join(
@@ -253,8 +250,7 @@ def plot(results: dict, sets: list, png: Path) -> None:
     for i, (_, label, _) in enumerate(panels):
         axes[i][0].set_ylabel(label)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("Fixed λ vs the dynamic-λ controller and keep_best (mean over seeds; dashed: keep_best arms, "
-                 "whose curves equal their base arm's)")
+    fig.suptitle("Fixed λ vs the λ controller vs keep_best\n(mean over seeds; dashed: keep_best arms)", fontsize=10)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)

@@ -3,20 +3,18 @@ when it changes, ``train/lambda`` logged, and an adaptive run resumed mid-ramp e
 to an uninterrupted one bit for bit."""
 
 import json
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
 from conftest import add_random_lora, make_pairs, make_tiny_model
-from dtrain.config import load_config
+from test_best import run, same, weights
 from dtrain.engine import ReferenceEngine
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.objective import ORPO
 from dtrain.tracking import read_scalars
-from dtrain.trainer import train
 
 
 class Counting:
@@ -89,27 +87,6 @@ def test_a_new_lambda_traces_nothing_again():
 
 # -- in a run -----------------------------------------------------------------------
 
-def run(out, *overrides):
-    cfg = load_config(None, [
-        f"train.output_dir={out}", "data.demo_pairs=1", "train.steps=6", "train.global_batch_pairs=4",
-        "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=2", "train.progress=false",
-        "train.eval_every=1", "train.save_every=1", "train.keep_last=10", "train.schedule=constant",
-        "train.warmup_steps=0", *overrides,
-    ])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
-                             reference={"path": "tiny-llama"})
-    pairs = make_pairs(12)
-    return train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs[:9], valid=pairs[9:], fingerprint="fp"))
-
-
-def weights(folder):
-    return mx.load(str(folder / "adapters.safetensors"))
-
-
-def same(a, b):
-    return a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
-
-
 def test_adaptive_pinned_to_one_lambda_equals_static(tmp_path):
     """λ_min = λ_max = 0.1: the controller moves nothing, so the run is the static one, bit for bit."""
     static = run(tmp_path / "static", "orpo.lambda=0.1")
@@ -139,3 +116,9 @@ def test_adaptive_resume_mid_ramp_is_bitwise(tmp_path):
     assert [h["loss"] for h in resumed.history] == [h["loss"] for h in whole.history[3:]]
     assert resumed.evals == whole.evals
     assert same(weights(tmp_path / "whole" / "adapters"), weights(tmp_path / "cut" / "adapters"))
+
+
+def test_a_static_resume_of_an_adaptive_run_trains_with_orpo_lambda(tmp_path):
+    run(tmp_path, *RAMP, "train.steps=3")
+    resumed = run(tmp_path, "orpo.lambda=0.1", "train.resume=auto")
+    assert [h["train/lambda"] for h in resumed.history] == [0.1] * 3
