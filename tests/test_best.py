@@ -183,21 +183,26 @@ def test_keep_best_needs_evaluations(tmp_path):
 
 
 def test_two_ranks_pick_the_same_step_and_rank_0_writes_it(tmp_path):
-    """Real evaluations all-reduced over 2 ranks: both stop at the same step, rank 0's
-    adapters/ is the checkpoint of the step the evaluation series picks."""
+    """Real evaluations all-reduced over 2 ranks, with the λ controller on: both ranks train
+    the same λ sequence to the same weights and stop at the same step; rank 0's adapters/
+    is the checkpoint of the step the evaluation series picks."""
     from test_distributed import finish as finish_ranks
     from test_distributed import start_ring
 
     args = ("train.steps=6", "train.eval_every=1", "train.save_every=1", "train.keep_last=10",
             "train.keep_best=eval/loss", "train.early_stop_evals=2", "train.learning_rate=0.05",
-            "distributed.collective_timeout_s=30")
+            "orpo.lambda_schedule=adaptive", "orpo.lambda_epsilon=10", "distributed.collective_timeout_s=30")
     ranks = finish_ranks(start_ring(2, tmp_path, *args), timeout=150)
     assert [rc for rc, _, _ in ranks] == [0, 0], ranks
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert reports[0]["evals"] == reports[1]["evals"] and reports[0]["steps"] == reports[1]["steps"]
+    lams = [[h["train/lambda"] for h in r["history"]] for r in reports]
+    assert lams[0] == lams[1] and lams[0][:3] == pytest.approx([0.05, 0.10, 0.15])  # ε 10: a ramp from step 2
+    assert same(mx.load(str(tmp_path / "rank0.safetensors")), mx.load(str(tmp_path / "rank1.safetensors")))
     evals = {int(k): v for k, v in reports[0]["evals"].items()}
     want = min((s for s in evals if s > 0), key=lambda s: (evals[s]["eval/loss"], s))
     assert reports[0]["best_step"] == reports[1]["best_step"] == want
+    assert reports[0]["steps"] == min(want + 2, 6)  # early stop after 2 evaluations without a new best
     out = tmp_path / "run"
     assert same(weights(out / "adapters"), weights(out / "checkpoints" / f"step-{want:07d}"))
     last = reports[0]["steps"]
