@@ -185,12 +185,13 @@ def test_keep_best_needs_evaluations(tmp_path):
 def test_two_ranks_pick_the_same_step_and_rank_0_writes_it(tmp_path):
     """Real evaluations all-reduced over 2 ranks, with the λ controller on: both ranks train
     the same λ sequence to the same weights and stop at the same step; rank 0's adapters/
-    is the checkpoint of the step the evaluation series picks."""
+    is the checkpoint of the step the evaluation series picks (step 3 of 4 when this was
+    written: eval/nll_loss 6.75, 6.52, 6.35, then 6.97 stopped the run)."""
     from test_distributed import finish as finish_ranks
     from test_distributed import start_ring
 
     args = ("train.steps=6", "train.eval_every=1", "train.save_every=1", "train.keep_last=10",
-            "train.keep_best=eval/loss", "train.early_stop_evals=2", "train.learning_rate=0.05",
+            "train.keep_best=eval/nll_loss", "train.early_stop_evals=1", "train.learning_rate=0.05",
             "orpo.lambda_schedule=adaptive", "orpo.lambda_epsilon=10", "distributed.collective_timeout_s=30")
     ranks = finish_ranks(start_ring(2, tmp_path, *args), timeout=150)
     assert [rc for rc, _, _ in ranks] == [0, 0], ranks
@@ -200,9 +201,9 @@ def test_two_ranks_pick_the_same_step_and_rank_0_writes_it(tmp_path):
     assert lams[0] == lams[1] and lams[0][:3] == pytest.approx([0.05, 0.10, 0.15])  # ε 10: a ramp from step 2
     assert same(mx.load(str(tmp_path / "rank0.safetensors")), mx.load(str(tmp_path / "rank1.safetensors")))
     evals = {int(k): v for k, v in reports[0]["evals"].items()}
-    want = min((s for s in evals if s > 0), key=lambda s: (evals[s]["eval/loss"], s))
+    want = min((s for s in evals if s > 0), key=lambda s: (evals[s]["eval/nll_loss"], s))
     assert reports[0]["best_step"] == reports[1]["best_step"] == want
-    assert reports[0]["steps"] == min(want + 2, 6)  # early stop after 2 evaluations without a new best
+    assert reports[0]["steps"] == min(want + 1, 6)  # early stop at the first evaluation without a new best
     out = tmp_path / "run"
     assert same(weights(out / "adapters"), weights(out / "checkpoints" / f"step-{want:07d}"))
     last = reports[0]["steps"]
