@@ -208,10 +208,36 @@ def report(args) -> None:
     print("\nbase (step 0): " + "; ".join(
         f"{ds} acc {statistics.mean(r['base_acc'] for r in table if r['dataset'] == ds):.3f}, logps/chosen "
         f"{statistics.mean(r['base_chosen'] for r in table if r['dataset'] == ds):.3f}" for ds in sets))
+    print("\nnoise of held-out logps/chosen between evaluations (fixed-λ arms; for orpo.lambda_epsilon):")
+    for ds in sets:
+        sigma = chosen_noise(results, ds)
+        if sigma is not None:
+            print(f"- {ds}: σ {sigma:.4f} nats/token; the 3-point slope's noise σ/√2 {sigma / 2**0.5:.4f}; "
+                  f"ε at 2 sd of it: {2 * sigma / 2**0.5:.4f} per evaluation")
     if failed:
         print(f"\nfailed or unfinished ({len(failed)}): {', '.join(failed)}")
     if args.png:
         plot(results, sets, Path(args.png))
+
+
+def chosen_noise(results: dict, ds: str) -> float | None:
+    """σ of held-out ℓw around a smooth trend, pooled over the fixed-λ runs of ``ds``.
+
+    Each inner point's residual from the line through its two neighbours,
+    ``r = y[i] - (y[i-1] + y[i+1]) / 2``, has variance 1.5 σ² for white noise on
+    a locally linear trend, so σ = rms(r) / √1.5 (evaluation steps 1.. only:
+    step 0 is the base). None with fewer than 3 evaluated steps.
+    """
+    res = []
+    for k, rec in results.items():
+        if not k.startswith(f"{ds}/lam") or rec["returncode"] != 0:
+            continue
+        series = rec.get("eval", {}).get(CHOSEN, {})
+        ys = [series[s] for s in sorted(series, key=int) if int(s) > 0]
+        res += [ys[i] - (ys[i - 1] + ys[i + 1]) / 2 for i in range(1, len(ys) - 1)]
+    if not res:
+        return None
+    return (sum(r * r for r in res) / len(res) / 1.5) ** 0.5
 
 
 def curves(results: dict, ds: str, arm: str, key: str, base_relative: bool = False) -> tuple:
