@@ -311,8 +311,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     steering = [k for k, on in (("train.keep_best", t.keep_best is not None),
                                 ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
     if steering and not dataset.valid:
-        raise UserError(f"{' and '.join(steering)} need held-out pairs, and this run has none: set data.valid "
-                        f"or data.valid_fraction > 0")
+        raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
+                        f"run has none: set data.valid or data.valid_fraction > 0")
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()

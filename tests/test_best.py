@@ -177,9 +177,15 @@ def test_keep_best_needs_evaluations(tmp_path):
                              "train.eval_every=1", "lora.rank=2", "train.progress=false"])
     loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
-    with pytest.raises(UserError, match=r"^train.keep_best need held-out pairs, and this run has none"):
+    with pytest.raises(UserError) as err:
         train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
+    assert str(err.value) == ("train.keep_best needs held-out pairs, and this run has none: set data.valid or "
+                              "data.valid_fraction > 0")
     assert not any(tmp_path.iterdir())  # nothing written
+    cfg.orpo.lambda_schedule = "adaptive"
+    with pytest.raises(UserError) as err:
+        train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
+    assert str(err.value).startswith("train.keep_best and orpo.lambda_schedule: adaptive need held-out pairs")
 
 
 def test_two_ranks_pick_the_same_step_and_rank_0_writes_it(tmp_path):

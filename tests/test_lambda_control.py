@@ -132,3 +132,19 @@ def test_knobs_from_config():
     assert (knobs.lam_min, knobs.lam_max, knobs.law, knobs.window) == (0.1, 0.5, "pd", 4)
     assert DEFAULT == LambdaKnobs(lam_min=0.05, lam_max=0.5, step=0.05, backoff=0.5, window=3, epsilon=0.005,
                                   stop_drop=0.1, law="aimd", kd=0.5)
+
+
+def test_adaptive_config_errors_name_the_keys():
+    from dtrain.config import load_config
+    from dtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=1", "orpo.lambda_schedule=adaptive"])
+    assert str(err.value) == ("command line: 'orpo.lambda_schedule: adaptive' needs held-out evaluations during the "
+                              "run: set 'train.eval_every' > 0 (it is 0)")
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=1", "orpo.lambda_schedule=adaptive", "train.eval_every=5",
+                           "orpo.lambda_min=0.6"])
+    assert str(err.value) == "command line: 'orpo.lambda_min' (0.6) is above 'orpo.lambda_max' (0.5)"
+    with pytest.raises(ConfigError, match=r"key 'orpo.lambda_window' must be > 1; got 1"):
+        load_config(None, ["data.demo_pairs=1", "orpo.lambda_window=1"])
