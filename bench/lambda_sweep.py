@@ -69,6 +69,8 @@ def run_config(base: dict, arm: str, data: dict, seed: int, args, out_dir: Path)
     cfg = json.loads(json.dumps(base))
     cfg["data"] = dict(data)
     cfg["model"]["path"] = args.model
+    if args.dtype:
+        cfg["model"]["dtype"] = args.dtype
     cfg["engine"].update({"kind": args.engine, "segment_layers": args.segment_layers})
     steps = args.steps or cfg["train"]["steps"]
     cfg["train"].update({"steps": steps, "seed": seed, "eval_every": max(steps // args.evals, 1),
@@ -289,6 +291,7 @@ def main() -> None:
     r = sub.add_parser("run", help="run what is missing, then report")
     r.add_argument("out")
     r.add_argument("--model", default="demo")
+    r.add_argument("--dtype", default=None, help="model.dtype; default: configs/preference.yaml's (auto)")
     r.add_argument("--engine", default="segmented")
     r.add_argument("--segment-layers", type=int, default=0)
     r.add_argument("--data-dir", default=str(sweep.DATA_DIR))
