@@ -44,11 +44,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dtrain.blas import CHILD_VARS, blas_env, setup  # noqa: E402
+from dtrain.models import DEMO_SHAPE  # noqa: E402
 
 setup()  # before MLX; blas_env() then gives the workers the same library and core type
 
 # (layers, hidden, intermediate, q width, kv width, LoRA rank)
-SHAPES = {"SmolLM2-135M r8": (30, 576, 1536, 576, 192, 8), "Llama-2-7B r16": (32, 4096, 11008, 4096, 4096, 16)}
+_S = DEMO_SHAPE
+SHAPES = {"SmolLM2-135M r8": (_S["num_hidden_layers"], _S["hidden_size"], _S["intermediate_size"], _S["hidden_size"],
+                              _S["hidden_size"] * _S["num_key_value_heads"] // _S["num_attention_heads"], 8),
+          "Llama-2-7B r16": (32, 4096, 11008, 4096, 4096, 16)}
 
 
 def lora_shapes(layers, hidden, inter, q, kv, r, keys=("q", "k", "v", "o", "gate", "up", "down")) -> list[tuple[int, int]]:
@@ -125,7 +129,7 @@ def run_ranks(backend: str, n: int, worker_args: list, check: bool = True, port:
 def run_direct(n: int, cmd: list, env: dict, port: int, check: bool, timeout: float | None) -> int | None:
     """``n`` ring ranks of ``cmd`` on loopback without a launcher; the first non-zero exit status, 0, or None
     when ``timeout`` passed first (every rank is then killed)."""
-    from dtrain.launch.env import ring_hostfile
+    from dtrain.contract import ring_hostfile
 
     hosts = Path(f"/tmp/allreduce-ring-{os.getpid()}-{port}.json")
     hosts.write_text(json.dumps(ring_hostfile([["127.0.0.1"]] * n, port)))
@@ -258,12 +262,10 @@ def demo_step_seconds(tokens: int) -> float:
     from dtrain.config import LoraConfig
     from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
     from dtrain.types import TokenizedPair
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
-                           rope_theta=100000.0, tie_word_embeddings=True)
+    args = llama.ModelArgs.from_dict(DEMO_SHAPE)
     model = llama.Model(args)
     model.set_dtype(mx.float32)
     apply_lora(model, LoraConfig(rank=8))
@@ -271,9 +273,9 @@ def demo_step_seconds(tokens: int) -> float:
     pair = TokenizedPair(list(range(1, half + 1)), list(range(100, 100 + half)), list(range(200, 200 + half)))
     engine = ReferenceEngine(model, ORPO(0.1))
     norm = ORPO(0.1, "full").totals([pair])
-    run_micro_batches(engine, [pair], norm, 1, with_grads=True)  # warm-up
+    run_micro_batches(engine, [[pair]], norm, with_grads=True)  # warm-up
     start = time.perf_counter()
-    run_micro_batches(engine, [pair], norm, 1, with_grads=True)
+    run_micro_batches(engine, [[pair]], norm, with_grads=True)
     return time.perf_counter() - start
 
 

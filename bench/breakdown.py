@@ -17,7 +17,7 @@ padded to 128-token buckets, eager; ``compiled``: buckets + ``mx.compile``;
 - ``eval``: ``mx.eval`` of loss and gradients (device work plus per-op
   dispatch, cuDNN/JIT setup of new shapes, allocation);
 - ``optimizer``: clipping + AdamW on the LoRA parameters and their ``mx.eval``, as the
-  trainer does it (``dtrain.optimizer.AdamWStep``; ``--optimizers``: ``eager``, the norm
+  trainer does it (``dtrain.run.optimizer.AdamWStep``; ``--optimizers``: ``eager``, the norm
   read before the update, as the trainer did before, or ``compiled``: one ``mx.compile``d
   function, one evaluation; ``train.compile_optimizer``);
 
@@ -29,6 +29,7 @@ and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,10 +43,10 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from dtrain.config import Config  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
-from dtrain.objective import ORPO  # noqa: E402
-from dtrain.optimizer import AdamWStep  # noqa: E402
+from dtrain.engine import ORPO  # noqa: E402
+from dtrain.run.optimizer import AdamWStep  # noqa: E402
 
-DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
+DATA = os.path.join(os.environ.get("DTRAIN_DATA_DIR", "data"), "orca_dpo_pairs_validation.jsonl")  # README: data
 MODES = {"exact": dict(kind="segmented", segment_layers=0, length_bucket=0, compile=False),
          "bucketed": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=False),
          "compiled": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=True),
@@ -78,7 +79,7 @@ def timed_step(engine, optimizer, model, pairs) -> dict:
     t1 = time.perf_counter()
     mx.eval(out.loss, out.sums, out.grads)
     t2, c2 = time.perf_counter(), time.process_time()
-    optimizer.apply(model, out.grads, 1e-5, loss_finite=True)  # as dtrain.trainer.train_step (evaluated)
+    optimizer.apply(model, out.grads, 1e-5, loss_finite=True)  # as dtrain.run.step.Step (evaluated)
     t3, c3 = time.perf_counter(), time.process_time()
     return {"build": t1 - t0, "eval": t2 - t1, "optimizer": t3 - t2, "total": t3 - t0,
             "optimizer_cpu": c3 - c2,  # CPU seconds of this process (all its threads): host cost on a busy machine

@@ -26,6 +26,7 @@ from dtrain.blas import setup  # noqa: E402
 BLAS = setup()  # before MLX: the fastest correct BLAS, as `dtrain train` chooses it
 import mlx.core as mx  # noqa: E402
 
+from dtrain.models import DEMO_SHAPE  # noqa: E402
 from dtrain.types import TokenizedPair  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -34,9 +35,7 @@ _LLAMA3 = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=128256, rope_th
                num_attention_heads=32, num_key_value_heads=8)
 MODELS = {
     # SmolLM2-135M shape (llama, tied embeddings)
-    "smollm2": ("llama", dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
-                              num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
-                              rope_theta=100000.0, tie_word_embeddings=True)),
+    "smollm2": ("llama", DEMO_SHAPE),
     # Gemma 3 270M widths and its 262,144-token vocabulary, few layers
     "gemma3-vocab": ("gemma3_text", dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=6,
                                          intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1,
@@ -59,7 +58,7 @@ def dtrain_engine(model, kind: str = "segmented", **keys):
     (``prefix_sharing`` is on by default)."""
     from dtrain.config import EngineConfig
     from dtrain.engine import make_engine
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
 
     return make_engine(EngineConfig(kind=kind, **{"length_bucket": 0, **keys}), model, ORPO(0.1))
 

@@ -92,7 +92,7 @@ def run(args, extra: list[str]) -> None:
     import numpy as np
     import mlx.core as mx
 
-    from dtrain.tracking import read_scalars
+    from dtrain.run.tracking import read_scalars
 
     d = Path(args.dir)
     meta = json.loads((d / "setup.json").read_text())

@@ -47,10 +47,10 @@ from common import write_results  # noqa: E402  (sets up BLAS before MLX)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dtrain.checkpoint import validate  # noqa: E402
+from dtrain.run.checkpoint import validate  # noqa: E402
 from dtrain.launch.supervise import find_trainers  # noqa: E402
 from dtrain.launch.restart import TAG as RESTART_TAG  # noqa: E402
-from dtrain.tracking import read_events, read_scalars  # noqa: E402
+from dtrain.run.tracking import read_events, read_scalars  # noqa: E402
 
 LAUNCH = ROOT / "launch"
 TINY = dict(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,

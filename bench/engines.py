@@ -29,7 +29,7 @@ from common import DTYPES, MODELS, SHAPES, build_model, dtrain_engine, make_pair
 
 import mlx.core as mx  # noqa: E402
 
-from dtrain.engine import Norm  # noqa: E402
+from dtrain.engine import Totals  # noqa: E402
 
 
 def engines(model, segment: int, chunk: int) -> dict:
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
             for length in a.lengths:
                 pairs = make_pairs(a.pairs, length, SHAPES[shape], vocab)
                 P, R = len(pairs[0].prompt), len(pairs[0].chosen)
-                norm = Norm(nll_tokens=float(a.pairs * (P + R)), pairs=float(a.pairs))
+                norm = Totals(nll_tokens=float(a.pairs * (P + R)), pairs=float(a.pairs))
                 logical = a.pairs * (2 * P + 2 * R)
                 makers = engines(model, segment, a.chunk)
                 if a.flat:

@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 from dtrain.config import LoraConfig
 from dtrain.lora import apply_lora
-from dtrain.engine import Norm, ReferenceEngine
+from dtrain.engine import ReferenceEngine, Totals
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.types import TokenizedPair
 print("device", mx.default_device())
@@ -33,7 +33,7 @@ m = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_l
 m.set_dtype(mx.float32); apply_lora(m, LoraConfig(rank=4, scale=2.0))
 m.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), m.trainable_parameters()))
 pairs = [TokenizedPair([1, 5, 6, 7, 8], [9, 10, 2], [11, 12, 13, 2]), TokenizedPair([1, 20], [21, 22, 23, 2], [24, 2])]
-norm = Norm(14, 2)
+norm = Totals(14, 2)
 ref = ReferenceEngine(m, 0.1).step(pairs, norm)
 from dtrain.engine.arch import adapter_for
 seg = SegmentedEngine(m, adapter_for(m), 0.1, "full", segment_layers=2, prefix_sharing=True, head_chunk_tokens=4).step(pairs, norm)

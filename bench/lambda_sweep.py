@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import sweep  # noqa: E402  (bench/sweep.py: datasets, the per-run train command)
-from dtrain.tracking import read_scalars  # noqa: E402  (no MLX import)
+from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
 
 ACC, MARGIN, CHOSEN, NLL = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/nll_loss")
 BEST = {"keep_best": ACC}

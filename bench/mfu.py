@@ -43,7 +43,7 @@ from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, measu
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from dtrain.engine import Norm  # noqa: E402
+from dtrain.engine import Totals  # noqa: E402
 
 
 def matmul_gflops(n: int, dtype, reps: int) -> list[float]:
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         for length in a.lengths:
             pairs = make_pairs(a.pairs, length, 0.5, model.args.vocab_size)
             P, R = len(pairs[0].prompt), len(pairs[0].chosen)
-            norm = Norm(nll_tokens=float(a.pairs * (P + R)), pairs=float(a.pairs))
+            norm = Totals(nll_tokens=float(a.pairs * (P + R)), pairs=float(a.pairs))
             for kind in a.engines:
                 try:
                     r = measure(make_engine(kind, model, segment, a.chunk), pairs, norm, a.steps, a.warmup)

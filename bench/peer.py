@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DATA = "/work/shared/data/orca_dpo_pairs_validation.jsonl"
+DATA = os.path.join(os.environ.get("DTRAIN_DATA_DIR", "data"), "orca_dpo_pairs_validation.jsonl")  # README: data
 MODEL_DIR = Path.home() / ".cache" / "dtrain" / "smollm2-135m-instruct-f32"
 VARIANTS = {
     "dtrain reference": {"kind": "reference"},
@@ -252,7 +252,7 @@ def run_dtrain(variant: str, engine: dict, data_file: Path, steps: int, a, work:
 
     from dtrain import sampler
     from dtrain.config import load_config
-    from dtrain.tracking import read_scalars
+    from dtrain.run.tracking import read_scalars
 
     out = work / variant.replace(" ", "_").replace("+", "_")
     if a.budget:
@@ -421,7 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", type=Path, default=None, help="use this mlx-lm folder instead of --model")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="SmolLM2 tokenizer files for a random-weight model (a machine without the demo model)")
-    ap.add_argument("--peer-python", default="/work/peer-venv/bin/python", help="python of the mlx-lm-lora venv")
+    ap.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", "python3"),
+                    help="python of the mlx-lm-lora venv (default: $PEER_PYTHON, else python3)")
     ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all)")
     ap.add_argument("--synthetic-length", type=int, default=0,
                     help="random-word pairs of about this many tokens per sequence instead of --data")

@@ -26,7 +26,7 @@ from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, write
 
 import mlx.core as mx  # noqa: E402
 
-from dtrain.engine import Norm  # noqa: E402
+from dtrain.engine import Totals  # noqa: E402
 
 MODES = ("same", "new-lengths", "new-tokens")
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
                 pairs = pair_for(mode, i, a.length, vocab)
                 P, R = len(pairs[0].prompt), len(pairs[0].chosen)
                 t = time.perf_counter()
-                out = engine.step(pairs, Norm(nll_tokens=float(P + R), pairs=1.0))
+                out = engine.step(pairs, Totals(nll_tokens=float(P + R), pairs=1.0))
                 mx.eval(out.loss, out.grads)
                 times.append(time.perf_counter() - t)
                 del out

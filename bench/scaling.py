@@ -4,7 +4,7 @@
     python bench/scaling.py validate --ranks 2 3 4 --rates 1gbit 10gbit   # netns: predicted vs measured step
     python bench/scaling.py tables --demo bench/results/scaling-demo-STAMP.json
 
-``demo`` runs ``train_step`` of configs/demo.yaml (the real SmolLM2-135M demo
+``demo`` runs ``dtrain.run.step.Step`` of configs/demo.yaml (the real SmolLM2-135M demo
 model and pairs, one rank) and splits each step into engine compute (loss and
 LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 
@@ -12,7 +12,7 @@ LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 (dtrain/launch/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
 rate and rank count it first fits the link (hop latency and bus bandwidth)
 from plain ``all_sum`` calls at 2 ranks, then runs dtrain's
-``train_step`` on a small random model with a large LoRA gradient in two
+``Step`` on a small random model with a large LoRA gradient in two
 interleaved phases: A, each rank alone (a group of one, its own shard as the
 whole batch: the same compute and host work, no collective) and B, the real
 step over the ring. Predicted B = the slowest rank's median A step + the copy
@@ -45,9 +45,10 @@ from dtrain import perfmodel as pm  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.distributed import Group, init_group  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
-from dtrain.objective import ORPO  # noqa: E402
-from dtrain.optimizer import AdamWStep  # noqa: E402
-from dtrain.trainer import train_step  # noqa: E402
+from dtrain.engine import ORPO  # noqa: E402
+from dtrain.run.optimizer import AdamWStep  # noqa: E402
+from dtrain.sampler import Sampler  # noqa: E402
+from dtrain.run.step import Step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS_TABLE = (2, 3, 4, 6, 8, 12, 16)
@@ -78,32 +79,31 @@ class TimedEngine:
     def __init__(self, inner):
         self.inner, self.seconds, self.name, self.objective = inner, 0.0, inner.name, inner.objective
 
-    def step(self, pairs, norm):
+    def step(self, pairs, totals, key=None, hyper=None):
         start = time.perf_counter()
-        out = self.inner.step(pairs, norm)
+        out = self.inner.step(pairs, totals, key, hyper)
         mx.eval(out.loss, out.sums, out.grads)
         self.seconds += time.perf_counter() - start
         return out
 
-    def evaluate(self, pairs, norm):
-        return self.inner.evaluate(pairs, norm)
+    def evaluate(self, pairs, totals, key=None, hyper=None):
+        return self.inner.evaluate(pairs, totals, key, hyper)
 
 
 def timed_step(step, engine, model, optimizer, pairs, cfg, group) -> dict:
-    """One ``train_step`` on the next ``global_batch_pairs`` of ``pairs``: total, engine compute and all-reduce seconds."""
-    g = cfg.train.global_batch_pairs
-    batch = [pairs[(step * g + i) % len(pairs)] for i in range(g)]
+    """One ``dtrain.run.step.Step`` on ``pairs``: total, engine compute and all-reduce seconds."""
     engine.seconds = 0.0
-    metrics, _, _ = train_step(step, engine, model, optimizer, batch, cfg, group)
+    sampler = Sampler(len(pairs), cfg.train.global_batch_pairs, cfg.train.seed)
+    metrics = Step(engine, model, optimizer, sampler, pairs, cfg.train, group)(step).metrics
     return {"step": metrics["perf/step_seconds"], "compute": engine.seconds, "reduce": metrics["perf/allreduce_seconds"]}
 
 
 def new_optimizer(cfg, model) -> AdamWStep:
-    return AdamWStep(cfg.train, model.trainable_parameters())  # as dtrain.trainer.setup
+    return AdamWStep(cfg.train, model.trainable_parameters())  # as dtrain.run.trainer.setup
 
 
 def measure_demo(steps: int, warmup: int) -> dict:
-    """Per-pair compute and host seconds of configs/demo.yaml's ``train_step`` at one rank."""
+    """Per-pair compute and host seconds of configs/demo.yaml's ``Step`` at one rank."""
     from dtrain.data import load_dataset
     from dtrain.lora import apply_lora
     from dtrain.models import load_model

@@ -12,9 +12,9 @@ sweep keeps what finished) and ``OUT/runs/<dataset>/<setting>/`` (config,
 log, TensorBoard). ``report`` prints the markdown table, writes
 ``OUT/results.csv`` and the plot. Datasets, each with its own held-out split:
 
-- ``orca``: ``../shared/data/orca_dpo_pairs_validation.jsonl`` (284 pairs, OpenAI
+- ``orca``: ``$DTRAIN_DATA_DIR/orca_dpo_pairs_validation.jsonl`` (284 pairs, OpenAI
   preference format), 15% held out at random (43 pairs).
-- ``stack``: ``../shared/data/stack_exchange_paired_tiny.json`` (25 pairs, 8
+- ``stack``: ``$DTRAIN_DATA_DIR/stack_exchange_paired_tiny.json`` (25 pairs, 8
   questions, mapped with ``data.fields``); whole questions are held out (5
   pairs), so no held-out question was seen in training. Tiny: one held-out pair
   moves the accuracy by 0.2.
@@ -43,9 +43,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dtrain.tracking import read_scalars  # noqa: E402  (no MLX import)
+from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
 
-DATA_DIR = ROOT.parent / "shared" / "data"
+DATA_DIR = Path(os.environ.get("DTRAIN_DATA_DIR", "data"))  # the shared preference data (README: data)
 EVAL_KEYS = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/logps/rejected",
              "eval/nll_loss", "eval/log_odds_ratio")
 

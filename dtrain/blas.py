@@ -1,8 +1,7 @@
 """The fastest correct CPU BLAS for MLX, chosen where a process starts (Linux).
 
 The ``mlx[cpu]`` wheel links a reference BLAS (``mlx_cpu.libs/libblas-*.so``,
-netlib): a 512x512 float32 matmul runs at ~3.5 GFLOP/s on the 2-core Xeon of
-docs/benchmarks.md. MLX calls ``cblas_sgemm`` through the dynamic linker, so a
+netlib), far slower than an optimised one (docs/benchmarks.md). MLX calls ``cblas_sgemm`` through the dynamic linker, so a
 library in the global symbol scope before ``libmlx.so`` loads serves those
 calls instead: ``LD_PRELOAD`` for child processes, ``ctypes.CDLL(path,
 RTLD_GLOBAL)`` in this one.
@@ -12,9 +11,8 @@ matmul timed, and results on a few shapes checked against numpy): Intel MKL
 from pip (``libmkl_rt.so.*`` in this environment's ``lib``), the system's
 OpenBLAS with its own core detection, and the same OpenBLAS with
 ``OPENBLAS_CORETYPE`` set from the CPU's flags when the library's choice ranks
-lower (a library older than the CPU falls back to a generic core: Debian's
-0.3.21 picked "Prescott", 30 GFLOP/s against 140 with "SkylakeX", on an
-AVX-512 Xeon it did not recognise; issue 15). The fastest correct one wins;
+lower (a library older than the CPU falls back to a generic, slower core,
+e.g. Debian's 0.3.21 on an AVX-512 Xeon it did not recognise; issue 15). The fastest correct one wins;
 with none, MLX's reference BLAS stays and the line gives the command that fixes it.
 
 :func:`setup` is the one entry used where a process starts (the ``dtrain``
@@ -356,7 +354,7 @@ def warn_if_slow(stacklevel: int = 2) -> Optional[str]:
 
     Returns the message, or None. Cheap when a BLAS is in the global symbol
     scope (setup() ran first or LD_PRELOAD); otherwise measures MLX's rate and
-    probes the candidates (~0.5 s).
+    probes the candidates (a fraction of a second).
     """
     if platform.system() != "Linux" or "mlx.core" not in sys.modules or global_cblas():
         return None

@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import split_overrides
+from .config import override_help, split_overrides
 from .errors import UserError
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtrain", description="ORPO + LoRA preference training on MLX")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train an adapter (overrides: --section.key VALUE)")
+    t = sub.add_parser("train", help="train an adapter (overrides: --section.key VALUE)", epilog=override_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -66,7 +67,7 @@ def _train(args, overrides) -> int:
     cfg = load_config(args.config, overrides)
     _setup_blas()  # before the imports below load MLX
     from .distributed import init_group
-    from .trainer import train
+    from .run.trainer import train
 
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)

@@ -16,13 +16,13 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from .best import DIRECTIONS
+from .contract import BACKENDS
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
-from .lambda_control import LAWS
-from .launch.hosts import BACKENDS
 from .models import DTYPE_NAMES
+from .run.best import DIRECTIONS
+from .run.lambda_control import LAWS
 
 
 def option(default: Any, help: str, choices: tuple = (), at_least: Optional[float] = None,
@@ -141,7 +141,7 @@ class EngineConfig:
         "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
                 "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
     compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
-                                  "(no faster on an H200, 30-80 s first steps: docs/gpu.md)")
+                                  "(slower first steps, no faster on a GPU: docs/gpu.md)")
 
 
 @dataclass
@@ -451,17 +451,47 @@ def yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("...\n").strip()
 
 
-def describe(cfg: Optional[Config] = None) -> str:
+def describe(cfg: Optional[Config] = None, active: Optional[set] = None) -> str:
     """Every key with its value (the defaults when ``cfg`` is None), allowed values and help,
-    as a commented YAML config (what ``dtrain config`` prints)."""
+    as a commented YAML config (what ``dtrain config`` prints). ``active``: the
+    ``(section, key)`` pairs a config file sets; the others are commented out
+    (how configs/demo.yaml is written: :func:`commented`)."""
     cfg = cfg or Config()
     lines = []
     for section in dataclasses.fields(Config):
         sub = getattr(cfg, section.name)
+        lines += [""] if lines and active is not None else []
         lines.append(f"{section.name}:")
         for key, tp, _, meta in describe_fields(type(sub)):
-            text = f"  {key}: {yaml_value(getattr(sub, _ALIASES.get(key, key)))}"
+            off = "" if active is None or (section.name, key) in active else "# "
+            text = f"  {off}{key}: {yaml_value(getattr(sub, _ALIASES.get(key, key)))}"
             lines.append(f"{text:<34} # {meta.get('help', '')} [{allowed(tp, meta)}]")
+    return "\n".join(lines)
+
+
+def commented(path: str) -> str:
+    """The text ``path`` (a config file) should hold: its leading comment block, then every
+    key with its help from this module, the keys it sets active and the others commented
+    out at their defaults. ``tests/test_config.py`` checks configs/demo.yaml against it."""
+    text = Path(path).read_text(encoding="utf-8")
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#") and line.strip():
+            break
+        header.append(line)
+    raw = yaml.safe_load(text) or {}
+    active = {(section, key) for section, keys in raw.items() for key in (keys or {})}
+    return "\n".join(header).rstrip() + "\n\n" + describe(load_config(path), active) + "\n"
+
+
+def override_help() -> str:
+    """Every key as a ``--section.key`` override with its default, help and allowed values
+    (the epilog of ``dtrain train --help``)."""
+    lines, cfg = ["config keys (defaults from dtrain/config.py; override any with --section.key VALUE):"], Config()
+    for section in dataclasses.fields(Config):
+        for key, tp, default, meta in describe_fields(type(getattr(cfg, section.name))):
+            lines.append(f"  --{section.name}.{key} {yaml_value(default)}: {meta.get('help', '')} "
+                         f"[{allowed(tp, meta)}]")
     return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
-from .launch.env import EXIT_LOST_PEER, EXIT_TIMEOUT, RANK_VARS, launcher_backend, rank_from_env  # the launcher contract
+from .contract import EXIT_LOST_PEER, EXIT_TIMEOUT, RANK_VARS, launcher_backend, rank_from_env  # the launcher contract
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
 

@@ -9,10 +9,46 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from dataclasses import dataclass
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
+
+# A Hugging Face hub id, owner/name (models and datasets alike); a local path of that shape wins.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class OutputDir:
+    """The parts of a run's ``train.output_dir``, named in this one place."""
+
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:  # step-NNNNNNN folders (dtrain.run.checkpoint)
+        return self.root / "checkpoints"
+
+    @property
+    def tb(self) -> Path:  # one TensorBoard run folder per run (dtrain.run.tracking)
+        return self.root / "tb"
+
+    @property
+    def adapters(self) -> Path:  # the final adapter, as mlx-lm reads it (dtrain.lora)
+        return self.root / "adapters"
+
+    @property
+    def adapters_last(self) -> Path:  # train.keep_best: the last step's adapter (dtrain.run.best)
+        return self.root / "adapters-last"
+
+    @property
+    def data_cache(self) -> Path:  # tokenized pairs by content (dtrain.data.cache)
+        return self.root / "data_cache"
+
+    @property
+    def lock(self) -> Path:  # held by the run that owns the folder (dtrain.run.checkpoint.OutputLock)
+        return self.root / ".dtrain.lock"
 
 
 def sha256_file(path: Path) -> str:

@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .models.demo import DEMO_SHAPE
+
 BUCKET_BYTES = 32 * 1024 * 1024  # dtrain.distributed.BUCKET_BYTES (kept equal by a test; no MLX import here)
 FLOAT32_BYTES = 4  # all_sum_tree casts every gradient leaf to float32
 
@@ -48,6 +50,13 @@ class ModelShape:
     q_width: int
     kv_width: int
 
+    @classmethod
+    def from_config(cls, name: str, c: dict) -> "ModelShape":
+        """The shape of an mlx-lm/HF ``config.json`` dict (head dim: ``hidden_size / num_attention_heads``)."""
+        head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return cls(name, c["num_hidden_layers"], c["hidden_size"], c["intermediate_size"],
+                   c["num_attention_heads"] * head, c["num_key_value_heads"] * head)
+
     def linears(self) -> dict[str, tuple[int, int]]:
         """``(in, out)`` of every linear layer of one decoder layer, by mlx-lm key."""
         h, q, kv, m = self.hidden, self.q_width, self.kv_width, self.intermediate
@@ -57,7 +66,7 @@ class ModelShape:
 
 # Shapes from each model's config.json on the Hugging Face hub.
 SHAPES = {
-    "smollm2-135m": ModelShape("SmolLM2-135M", 30, 576, 1536, 9 * 64, 3 * 64),
+    "smollm2-135m": ModelShape.from_config("SmolLM2-135M", DEMO_SHAPE),
     "llama3.2-1b": ModelShape("Llama-3.2-1B", 16, 2048, 8192, 32 * 64, 8 * 64),
     "llama3.1-8b": ModelShape("Llama-3.1-8B", 32, 4096, 14336, 32 * 128, 8 * 128),
     "llama3.1-70b": ModelShape("Llama-3.1-70B", 80, 8192, 28672, 64 * 128, 8 * 128),

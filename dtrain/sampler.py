@@ -103,6 +103,12 @@ class Sampler:
             out.append((epoch, int(self.epoch_order(epoch)[i])))
         return out
 
+    def take(self, step: int, items: list, rank: int, world_size: int, micro: int) -> tuple[list, list[list]]:
+        """Step ``step``'s global batch of ``items`` and rank ``rank``'s share of it in
+        micro-batches of ``micro`` (:func:`shard_batches`): all a step asks of the sampler."""
+        batch = [items[i] for _, i in self.global_batch(step)]
+        return batch, shard_batches(batch, rank, world_size, micro)
+
     def position(self, step: int) -> dict:
         """Where the pair stream stands after ``step``: epoch, cursor, seed, next step's pairs.
 
@@ -131,6 +137,11 @@ def rank_shard(items: list, rank: int, world_size: int) -> list:
 def micro_batches(items: list, size: int) -> list[list]:
     """Consecutive chunks of at most ``size`` items."""
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def shard_batches(items: list, rank: int, world_size: int, micro: int) -> list[list]:
+    """Rank ``rank``'s share of ``items`` (:func:`rank_shard`) in micro-batches of ``micro``."""
+    return micro_batches(rank_shard(items, rank, world_size), micro)
 
 
 def for_run(cfg, train_pairs: list) -> Sampler:

@@ -17,6 +17,8 @@ class TokenizedPair:
     boundary. ``rejected_prompt`` is set only when the rejected side renders a
     different prompt (e.g. conversational rows whose histories differ); engines
     then run that pair as two separate sequences. ``source`` is ``file:line``.
+``extra``: per-pair inputs an objective needs beyond the tokens (name -> float,
+e.g. a reference model's summed log-probabilities); None for ORPO.
     """
 
     prompt: list
@@ -24,6 +26,7 @@ class TokenizedPair:
     rejected: list
     source: str = ""
     rejected_prompt: Optional[list] = None
+    extra: Optional[dict] = None
 
     @property
     def shared_prompt(self) -> bool:

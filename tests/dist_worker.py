@@ -5,7 +5,7 @@
     python tests/dist_worker.py OUT_DIR --broadcast-check       # rank 0's arrays on every rank, bit for bit
 
 It joins whatever group its launcher set up (``mlx.launch``/ring variables,
-``mpirun``, or none: one rank), runs :func:`dtrain.trainer.train` and writes
+``mpirun``, or none: one rank), runs :func:`dtrain.run.trainer.train` and writes
 ``OUT_DIR/rank{R}.json`` (per-step metrics, eval metrics, the pair sources this
 rank trained on at each step) and ``OUT_DIR/rank{R}.safetensors`` (its LoRA
 weights). A :class:`UserError` prints ``dtrain: error: ...`` and exits 2, as
@@ -35,7 +35,8 @@ setup()  # before MLX: the BLAS the test passed in DTRAIN_BLAS/LD_PRELOAD, else 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten, tree_map  # noqa: E402
 
-from dtrain import distributed, trainer  # noqa: E402
+from dtrain import distributed  # noqa: E402
+from dtrain.run import trainer  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.errors import UserError  # noqa: E402
 
@@ -97,12 +98,12 @@ def hooks_for(args, group, seen) -> trainer.Hooks:
         def __init__(self, engine):
             self.engine, self.name, self.objective = engine, engine.name, engine.objective
 
-        def step(self, chunk, totals, key=None):
+        def step(self, chunk, totals, key=None, hyper=None):
             seen.setdefault(current["step"], []).extend(p.source for p in chunk)
-            return self.engine.step(chunk, totals, key)
+            return self.engine.step(chunk, totals, key, hyper)
 
-        def evaluate(self, chunk, totals, key=None):
-            return self.engine.evaluate(chunk, totals, key)
+        def evaluate(self, chunk, totals, key=None, hyper=None):
+            return self.engine.evaluate(chunk, totals, key, hyper)
 
     return trainer.Hooks(engine=Recording, before_step=before_step, after_step=after_step)
 

@@ -1,7 +1,7 @@
 """bench/ uses dtrain's public surface only, and tests use nothing from bench/.
 
 The surface (docs/architecture.md, "Public surface"): public names of the
-top-level modules (``dtrain.config``, ``dtrain.trainer``, ...), the ``__all__``
+top-level modules (``dtrain.config``, ...) and of the modules of ``dtrain.run``, the ``__all__``
 of the subpackages ``dtrain.engine``, ``dtrain.data`` and ``dtrain.models``,
 and the modules of ``dtrain.launch`` (its ``__init__`` lists them and imports
 nothing). Private names (``_x``) and modules inside the other subpackages
@@ -48,7 +48,7 @@ def public(module: str, name: str | None) -> str | None:
         return "a private name"
     if module in SUBPACKAGES:
         return None if name is None or name in importlib.import_module(module).__all__ else f"not in {module}.__all__"
-    if len(parts) == 3 and parts[1] == "launch":
+    if len(parts) == 3 and parts[1] in ("launch", "run"):  # their modules are the surface
         return None
     if len(parts) == 2 and importlib.util.find_spec(module).submodule_search_locations is None:
         return None  # a top-level module: its public names
@@ -71,7 +71,7 @@ def test_the_rule_rejects_what_it_should():
     assert public("dtrain.engine", "loss_from_token_logps") == "not in dtrain.engine.__all__"
     assert public("dtrain.blas", "_openblas_candidates") == "a private name"
     assert public("dtrain.data", "tokenize_cached") is None and public("dtrain.launch.netns", "namespaces") is None
-    assert public("dtrain.trainer", "train_step") is None
+    assert public("dtrain.run.step", "Step") is None
 
 
 def test_tests_import_nothing_from_bench():

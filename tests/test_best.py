@@ -12,12 +12,12 @@ import mlx.core as mx
 import pytest
 
 from conftest import make_pairs, make_tiny_model
-from dtrain import evaluation
-from dtrain.best import DIRECTIONS, pick_best
+from dtrain.run import evaluation
+from dtrain.run.best import DIRECTIONS, pick_best
 from dtrain.config import load_config
 from dtrain.errors import ConfigError, UserError
-from dtrain.tracking import read_events, read_scalars
-from dtrain.trainer import train
+from dtrain.run.tracking import read_events, read_scalars
+from dtrain.run.trainer import train
 
 ACC, CHOSEN = "eval/rewards/accuracies", "eval/logps/chosen"
 
@@ -82,7 +82,7 @@ def scripted(monkeypatch):
     """Replace the held-out evaluation by the script (the training steps stay real)."""
     calls = []
 
-    def fake(engine, model, pairs, micro, group, step, bar=None, lam=None):
+    def fake(engine, model, pairs, micro, group, step, bar=None, hyper=None):
         calls.append(step)
         return {"eval/loss": 1.0 - SCRIPT_ACC[step], ACC: SCRIPT_ACC[step], CHOSEN: SCRIPT_CHOSEN[step]}
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dtrain import checkpoint as ckpt
+from dtrain.run import checkpoint as ckpt
 from dtrain.errors import UserError
-from dtrain.tracking import read_scalars
+from dtrain.run.tracking import read_scalars
 
 WORKER = Path(__file__).resolve().parent / "train_worker.py"
 TIMING = {"tokens_per_second", "pairs_per_second", "peak_memory_gb"}

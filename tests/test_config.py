@@ -19,7 +19,8 @@ KEY_LINE = re.compile(r"^  (?P<off># )?(?P<key>\w+): (?P<value>.*?)\s+# (?P<comm
 
 def demo_yaml_keys() -> dict:
     """``{(section, key): (active, value, comment)}`` of configs/demo.yaml, and every
-    indented line that names a key without a comment (as ``comment=None``)."""
+    indented line that names a key without a comment (as ``comment=None``).
+    A key listed twice is an error."""
     out, section = {}, None
     for line in (ROOT / "configs" / "demo.yaml").read_text().splitlines():
         if re.match(r"^\w+:", line):
@@ -27,6 +28,7 @@ def demo_yaml_keys() -> dict:
         elif section and re.match(r"^  (# )?\w+:", line):
             m = KEY_LINE.match(line)
             key = re.match(r"^  (# )?(\w+):", line).group(2)
+            assert (section, key) not in out, f"configs/demo.yaml lists {section}.{key} twice"
             out[(section, key)] = (not line.startswith("  #"), m and m["value"], m and m["comment"])
     return out
 
@@ -44,6 +46,35 @@ def test_demo_config_lists_every_key_with_a_comment_and_true_defaults():
             assert f"[{allowed(tp, meta)}]" in comment, (section, key, comment)
         if not active:  # a commented-out key shows the default from dtrain/config.py
             assert yaml.safe_load(value) == default, (section, key, value, default)
+
+
+def test_demo_config_comments_are_the_help_of_config_py():
+    """configs/demo.yaml is what ``config.commented`` writes: each key's comment is its help
+    and allowed values from dtrain/config.py, so the two cannot drift."""
+    path = ROOT / "configs" / "demo.yaml"
+    assert path.read_text() == config.commented(str(path)), \
+        "configs/demo.yaml differs from dtrain/config.py's help; rewrite it as its header says"
+
+
+def test_commented_rewrites_a_stale_comment_and_keeps_the_values(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("# my job\n\ntrain:\n  steps: 7   # a comment that drifted\ndata:\n  demo_pairs: 20\n")
+    text = config.commented(str(path))
+    assert text.startswith("# my job\n\nmodel:\n  # path: demo ")
+    assert re.search(r"^  steps: 7 +# optimizer steps \[> 0\]$", text, re.M) and "drifted" not in text
+    path.write_text(text)
+    assert load_config(str(path)) == load_config(None, ["train.steps=7", "data.demo_pairs=20"])
+    assert config.commented(str(path)) == text
+
+
+def test_train_help_lists_every_key_from_config_py(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    for section in dataclasses.fields(Config):
+        for key, tp, default, meta in describe_fields(type(getattr(Config(), section.name))):
+            line = f"  --{section.name}.{key} {config.yaml_value(default)}: {meta['help']} [{allowed(tp, meta)}]"
+            assert line in out.splitlines(), line
 
 
 def test_every_key_has_a_help_line():
@@ -73,7 +104,7 @@ def test_dtrain_config_resolves_a_file_and_overrides(capsys):
 
 def test_allowed_values_come_from_their_owners():
     from dtrain.data.formats import FORMATS
-    from dtrain.launch.hosts import BACKENDS
+    from dtrain.contract import BACKENDS
     from dtrain.models.load import DTYPES
 
     meta = {(s.name, k): m for s in dataclasses.fields(Config)

@@ -422,7 +422,7 @@ def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):
 
     from conftest import make_tiny_model, make_tokenizer
     from dtrain.config import load_config
-    from dtrain.trainer import train
+    from dtrain.run.trainer import train
 
     objs = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(12)]
     data = write_parquet(tmp_path / "d.parquet", objs)

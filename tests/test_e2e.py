@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from dtrain.cli import main
-from dtrain.tracking import read_scalars
+from dtrain.run.tracking import read_scalars
 
 
 @pytest.mark.parametrize("engine", ["reference", "segmented"])
@@ -46,7 +46,7 @@ def test_demo_adapter_changes_generations_through_mlx_lm(tmp_path, demo_path):
 
     from dtrain.config import load_config
     from dtrain.models import load_model
-    from dtrain.trainer import train
+    from dtrain.run.trainer import train
 
     cfg = load_config("configs/demo.yaml", [f"model.path={demo_path}", f"train.output_dir={tmp_path}",
                                             "train.steps=10", "train.eval_every=0", "train.progress=false",

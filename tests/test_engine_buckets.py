@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 from dtrain.config import Config, load_config
-from dtrain.engine import Norm, make_engine
+from dtrain.engine import Totals, make_engine
 from dtrain.engine.layout import bucket_length
 from dtrain.engine.plan import estimate_step_bytes, layer_bytes_per_token
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.errors import ConfigError
-from dtrain.objective import ORPO
+from dtrain.engine import ORPO
 
 from test_engine_segmented import NORM, assert_parity, engine_for, lora_model, make_pairs, rel
 
@@ -87,7 +87,7 @@ def train_adapter(model, engine, steps: int = 3):
     opt.init(model.trainable_parameters())
     for seed in range(steps):
         pairs = random_pairs(seed + 10)
-        norm = Norm(nll_tokens=float(sum(len(p.prompt) + len(p.chosen) - 1 for p in pairs)), pairs=3.0)
+        norm = Totals(nll_tokens=float(sum(len(p.prompt) + len(p.chosen) - 1 for p in pairs)), pairs=3.0)
         out = engine.step(pairs, norm)
         opt.update(model, out.grads)
         mx.eval(model.trainable_parameters(), opt.state)
@@ -121,25 +121,26 @@ def test_layer_and_step_estimates_worked_numbers():
         2 * 30 * 4608 + 8 * 512 * 16 + 6 * 30 * 32 * 4 + 20 * 32 * 4
 
 
-def test_auto_plan_single_pass_when_it_fits_else_recompute(caplog):
-    import logging
-
-    caplog.set_level(logging.INFO, logger="dtrain.engine.plan")
+def test_auto_plan_single_pass_when_it_fits_else_recompute():
+    notices = []
     model = lora_model("llama")
-    roomy = make_engine(load_config(overrides=["engine.memory_budget_gb=1", "data.demo_pairs=1"]).engine, model, ORPO(0.1))
+    roomy = make_engine(load_config(overrides=["engine.memory_budget_gb=1", "data.demo_pairs=1"]).engine, model, ORPO(0.1),
+                        report=notices.append)
     pairs = make_pairs()
     out = roomy.step(pairs, NORM)
-    assert roomy.ranges == [(0, 5)] and roomy._chunk == 0
+    rs, chunk = roomy.plan_of(roomy.layout(pairs))
+    assert rs.ranges == [(0, 5)] and chunk == 0
     roomy.step(make_pairs(1), NORM)  # other tokens, the same shape: no new choice, no new notice
-    assert caplog.messages == ["engine plan for 3 x 15 tokens (38 targets): single pass "
+    assert notices == ["engine plan for 3 x 15 tokens (38 targets): single pass "
                                "(estimated peak 0.0 GiB, x 1.25 within a 1.0 GiB budget)"]
-    roomy.step(random_pairs(3), NORM)  # another shape: one more notice
-    assert len(caplog.messages) == 2
+    roomy.step(random_pairs(3), NORM)  # another shape, the same choice: no new notice
+    assert len(notices) == 1 and len(roomy.plan._chosen) == 2
     tight = make_engine(load_config(overrides=["engine.memory_budget_gb=0.000001", "data.demo_pairs=1"]).engine,
-                        model, ORPO(0.1))
+                        model, ORPO(0.1), report=notices.append)
     assert_parity(model, tight, pairs)
-    assert tight._chunk == 1024 and len(tight.ranges) > 1
-    assert "ranges of" in caplog.messages[-1]
+    rs, chunk = tight.plan_of(tight.layout(pairs))
+    assert chunk == 1024 and len(rs.ranges) > 1
+    assert "ranges of" in notices[-1]
     mx.eval(out.loss)
 
 

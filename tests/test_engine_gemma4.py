@@ -73,7 +73,7 @@ def test_parity_lambda_zero_and_fallback_pair():
 def test_from_config_picks_segmented(capsys):
     from dtrain.config import Config
     from dtrain.engine import make_engine
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
 
     cfg = Config()
     cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.prefix_sharing = "segmented", "auto", True

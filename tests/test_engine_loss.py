@@ -80,7 +80,7 @@ def test_orpo_objective_keys_are_the_loss_sums_and_layout_counts():
     from dtrain.engine.common import layout_counts
     from dtrain.engine.layout import two_sequence_layout
     from dtrain.engine.loss import ORPO_SUM_KEYS
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
     from dtrain.types import TokenizedPair
 
     _, sums = orpo_loss(mx.array([-0.5]), mx.array([-1.0]), mx.array(2.0), 0.1, 4.0, 1.0)
@@ -90,7 +90,7 @@ def test_orpo_objective_keys_are_the_loss_sums_and_layout_counts():
 
 
 def test_orpo_totals_worked_numbers():
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
     from dtrain.types import TokenizedPair
 
     pairs = [TokenizedPair([1, 2, 3], [4, 5], [6]), TokenizedPair([1], [7, 8, 9], [6, 6])]
@@ -107,7 +107,7 @@ def test_orpo_totals_agree_with_layout_nll_weights(scope):
     import random
 
     from dtrain.engine.layout import shared_prefix_layout, two_sequence_layout
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
     from dtrain.types import TokenizedPair
 
     rng = random.Random(14)
@@ -123,7 +123,7 @@ def test_orpo_totals_agree_with_layout_nll_weights(scope):
 
 
 def test_orpo_finalize_is_finalize_metrics():
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
 
     sums = {"nll_sum": 6.0, "or_sum": 1.5, "log_odds_ratio_sum": -1.5, "log_odds_chosen_sum": 2.0,
             "logps_chosen_sum": -1.0, "logps_rejected_sum": -3.0, "accuracy_sum": 1.0,

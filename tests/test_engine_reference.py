@@ -10,10 +10,10 @@ from mlx.utils import tree_flatten, tree_map
 
 from conftest import make_tiny_model
 from dtrain.config import LoraConfig
-from dtrain.engine import Norm, ReferenceEngine
+from dtrain.engine import ReferenceEngine, Totals
 from dtrain.engine.layout import attention_mask, shared_prefix_layout, two_sequence_layout
 from dtrain.lora import apply_lora
-from dtrain.objective import ORPO
+from dtrain.engine import ORPO
 from dtrain.types import TokenizedPair
 
 PAIRS = [
@@ -59,7 +59,7 @@ def test_shared_prefix_mask_hides_chosen_from_rejected():
 
 def test_loss_equals_direct_computation_from_mlx_lm_logits():
     model = lora_model()
-    norm = Norm(nll_tokens=11, pairs=2)
+    norm = Totals(nll_tokens=11, pairs=2)
     result = ReferenceEngine(model, ORPO(0.1)).step(PAIRS, norm)
     # direct: per side, log-softmax of mlx-lm's logits
     def side_logps(prompt, resp):
@@ -93,7 +93,7 @@ def test_lora_gradients_match_central_finite_differences(lam, scope):
     """Directional derivatives along random directions, and single elements."""
     model = lora_model(mx.float64)
     engine = ReferenceEngine(model, ORPO(lam, scope))
-    norm = Norm(nll_tokens=11 if scope == "full" else 7, pairs=2)
+    norm = Totals(nll_tokens=11 if scope == "full" else 7, pairs=2)
     grads = engine.step(PAIRS, norm).grads
     params = model.trainable_parameters()
     mx.random.seed(7)

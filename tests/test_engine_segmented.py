@@ -15,10 +15,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dtrain.config import Config
-from dtrain.engine import Norm, ReferenceEngine, make_engine
+from dtrain.engine import ReferenceEngine, Totals, make_engine
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
-from dtrain.objective import ORPO
+from dtrain.engine import ORPO
 from dtrain.types import TokenizedPair
 
 from conftest import add_random_lora, make_tiny_model
@@ -47,7 +47,7 @@ VARIANTS = {
     "prefix_chunked": dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
     "one_range": dict(segment_layers=0, prefix_sharing=True),  # no recompute (_step_whole)
 }
-NORM = Norm(nll_tokens=40.0, pairs=3.0)
+NORM = Totals(nll_tokens=40.0, pairs=3.0)
 
 
 def lora_model(name: str, seed: int = 0, **over):

@@ -1,12 +1,12 @@
-"""The held-out chosen log-probability guard (dtrain/guards.py) and its hook in the trainer."""
+"""The held-out chosen log-probability guard (dtrain/run/guards.py) and its hook in the trainer."""
 
 import random
 from types import SimpleNamespace
 
 from conftest import make_pairs, make_tiny_model
 from dtrain.config import load_config
-from dtrain.guards import chosen_logps_drop
-from dtrain.trainer import train
+from dtrain.run.guards import chosen_logps_drop
+from dtrain.run.trainer import train
 from dtrain.types import TokenizedPair
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from dtrain.config import OrpoConfig
-from dtrain.lambda_control import LambdaKnobs, LambdaState, initial, observe, slope
+from dtrain.run.lambda_control import LambdaKnobs, LambdaState, initial, observe, slope
 
 DEFAULT = LambdaKnobs.from_config(OrpoConfig())  # λ_min 0.05, λ_max 0.5, step 0.05, backoff 0.5, K 3
 KNOBS = replace(DEFAULT, epsilon=0.01, stop_drop=0.1)

@@ -13,8 +13,8 @@ from test_best import run, same, weights
 from dtrain.engine import ReferenceEngine
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
-from dtrain.objective import ORPO
-from dtrain.tracking import read_scalars
+from dtrain.engine import ORPO
+from dtrain.run.tracking import read_scalars
 
 
 class Counting:
@@ -28,8 +28,11 @@ class Counting:
         self.calls += 1
         return self.inner.loss(*args)
 
-    def totals(self, pairs, lam=None):
-        return self.inner.totals(pairs, lam)
+    def totals(self, pairs):
+        return self.inner.totals(pairs)
+
+    def hyper(self):
+        return self.inner.hyper()
 
 
 def lora_model():
@@ -49,13 +52,16 @@ def flat(grads):
 
 
 @pytest.mark.parametrize("lam", [0.1, 0.37])
-def test_lambda_input_gives_the_loss_and_gradients_of_a_constant(lam):
+def test_lambda_input_gives_the_loss_and_gradients_of_the_objectives_own(lam):
+    """λ given as the step's hyper input (``Step.hyper``, what the controller sets) equals the
+    objective's own λ bit for bit: loss, every metric sum and every gradient."""
     pairs = make_pairs(3)
     objective = ORPO(lam)
-    for name, engine in engines(objective):
-        const = engine.step(pairs, objective.totals(pairs))  # λ traced as a Python float
-        given = engine.step(pairs, objective.totals(pairs, lam))  # λ an mx.array input
-        assert isinstance(objective.totals(pairs, lam).lam, mx.array)
+    totals = objective.totals(pairs)
+    # the same models twice (seeded); the input-fed engines' own λ is another one: only the input counts
+    for (name, engine), (_, own) in zip(engines(ORPO(0.9)), engines(objective)):
+        given = engine.step(pairs, totals, hyper={"lambda": mx.array(lam, mx.float32)})
+        const = own.step(pairs, totals)
         assert mx.array_equal(const.loss, given.loss).item(), name
         for k in const.sums:
             assert float(const.sums[k]) == float(given.sums[k]), (name, k)
@@ -74,12 +80,13 @@ def test_a_new_lambda_traces_nothing_again():
     eager = SegmentedEngine(eager_model, adapter_for(eager_model), ORPO(0.1), prefix_sharing=True)
     losses = {}
     for lam in (0.1, 0.3, 0.05, 0.3):
-        out = engine.step(pairs, objective.totals(pairs, lam))
+        hyper = ORPO(lam).hyper()
+        out = engine.step(pairs, objective.totals(pairs), hyper=hyper)
         mx.eval(out.loss, out.grads)
         if lam == 0.1:
             traced = objective.calls
         losses[lam] = float(out.loss)
-        want = eager.step(pairs, ORPO(lam).totals(pairs, lam)).loss
+        want = eager.step(pairs, ORPO(lam).totals(pairs), hyper=hyper).loss
         assert float(out.loss) == pytest.approx(float(want), rel=1e-5), lam
     assert traced == 2 and objective.calls == 2
     assert losses[0.1] < losses[0.3] and losses[0.05] < losses[0.1]  # λ weights a positive odds-ratio term
@@ -92,7 +99,7 @@ def test_adaptive_pinned_to_one_lambda_equals_static(tmp_path):
     static = run(tmp_path / "static", "orpo.lambda=0.1")
     pinned = run(tmp_path / "pinned", "orpo.lambda_schedule=adaptive", "orpo.lambda_min=0.1", "orpo.lambda_max=0.1")
     assert [h["loss"] for h in static.history] == [h["loss"] for h in pinned.history]
-    assert [h["train/lambda"] for h in pinned.history] == [0.1] * 6
+    assert [h["train/lambda"] for h in pinned.history] == [mx.array(0.1, mx.float32).item()] * 6  # the step's input
     assert same(weights(tmp_path / "static" / "adapters"), weights(tmp_path / "pinned" / "adapters"))
     assert [v for _, v in read_scalars(static.run_dir)["train/lambda"]] == pytest.approx([0.1] * 6)
 
@@ -121,4 +128,4 @@ def test_adaptive_resume_mid_ramp_is_bitwise(tmp_path):
 def test_a_static_resume_of_an_adaptive_run_trains_with_orpo_lambda(tmp_path):
     run(tmp_path, *RAMP, "train.steps=3")
     resumed = run(tmp_path, "orpo.lambda=0.1", "train.resume=auto")
-    assert [h["train/lambda"] for h in resumed.history] == [0.1] * 3
+    assert [h["train/lambda"] for h in resumed.history] == [mx.array(0.1, mx.float32).item()] * 3

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dtrain.tracking import read_scalars
+from dtrain.run.tracking import read_scalars
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
 

@@ -38,6 +38,8 @@ def test_demo_is_float32_llama_with_expected_shape(smollm):
     cfg = smollm.config
     assert (cfg["model_type"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == ("llama", 576, 30, 49152)
     assert cfg["tie_word_embeddings"] is True
+    shape = dict(demo.DEMO_SHAPE, rms_norm_eps=pytest.approx(demo.DEMO_SHAPE["rms_norm_eps"]))  # float32 in GGUF
+    assert {k: cfg[k] for k in demo.DEMO_SHAPE} == shape  # the one SmolLM2 shape bench/ builds from
     assert {v.dtype for _, v in tree_flatten(smollm.model.parameters())} == {mx.float32}
     assert smollm.identity == f"gguf-sha256:{demo.SHA256}"
 

@@ -1,4 +1,4 @@
-"""The optimizer step (dtrain/optimizer.py): compiled = eager mlx.optimizers AdamW
+"""The optimizer step (dtrain/run/optimizer.py): compiled = eager mlx.optimizers AdamW
 with clipping and a schedule; a non-finite step leaves parameters and state
 untouched; a resumed compiled run equals an uninterrupted one bitwise."""
 
@@ -12,8 +12,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from conftest import add_random_lora, make_tiny_model
 from dtrain.config import load_config
-from dtrain.optimizer import AdamWStep, update_applied
-from dtrain.schedule import learning_rate
+from dtrain.run.optimizer import AdamWStep, update_applied
+from dtrain.run.schedule import learning_rate
 
 STEPS = 6
 
@@ -151,7 +151,7 @@ def test_compiled_step_traces_once():
     opt.compiled = mx.compile(counting)
     for s in range(1, 4):
         opt.apply(model, random_grads(model, s), learning_rate(s, cfg), s != 2)
-    opt.state = tree_unflatten(list(flat(opt.state).items()))  # as dtrain.checkpoint.restore sets it
+    opt.state = tree_unflatten(list(flat(opt.state).items()))  # as dtrain.run.checkpoint.restore sets it
     opt.state = tree_map(mx.array, opt.state)
     opt.apply(model, random_grads(model, 4), learning_rate(4, cfg), True)
     assert opt.state["step"].item() == 3

@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten, tree_map
 from conftest import make_pairs, make_tiny_model
 from dtrain.config import load_config
 from dtrain.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from dtrain.tracking import read_scalars
-from dtrain.trainer import train
+from dtrain.run.tracking import read_scalars
+from dtrain.run.trainer import train
 
 
 def run(tmp_path, *overrides, seed=0, n_train=9, data_seed=0):
@@ -57,7 +57,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 def test_a_steps_scalars_are_one_tensorboard_event(tmp_path):
     """One record (and checksum) per step, not one per scalar: each is a pure-Python CRC in tensorboardX."""
-    from dtrain.tracking import RunLogger, read_events
+    from dtrain.run.tracking import RunLogger, read_events
 
     log = RunLogger(tmp_path, total_steps=2, progress=False)
     log.scalars(1, {"loss": 0.5, "grad_norm": 2.25})
@@ -69,7 +69,7 @@ def test_a_steps_scalars_are_one_tensorboard_event(tmp_path):
 
 
 def test_two_runs_never_share_a_tensorboard_directory(tmp_path):
-    from dtrain.tracking import new_run_dir
+    from dtrain.run.tracking import new_run_dir
 
     dirs = [new_run_dir(tmp_path / "tb") for _ in range(3)]  # same second
     assert len(set(dirs)) == 3 and all(d.is_dir() and d.parent == tmp_path / "tb" for d in dirs)
@@ -114,7 +114,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     from dtrain.config import LoraConfig
     from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
-    from dtrain.objective import ORPO
+    from dtrain.engine import ORPO
 
     model = make_tiny_model()
     apply_lora(model, LoraConfig(rank=2))
@@ -122,8 +122,8 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     engine = ReferenceEngine(model, ORPO(0.1))
     pairs = make_pairs(4)
     norm = ORPO(0.1, "full").totals(pairs)
-    whole, g_whole = run_micro_batches(engine, pairs, norm, 4, with_grads=True)
-    parts, g_parts = run_micro_batches(engine, pairs, norm, 1, with_grads=True)
+    whole, g_whole = run_micro_batches(engine, [pairs], norm, with_grads=True)
+    parts, g_parts = run_micro_batches(engine, [[p] for p in pairs], norm, with_grads=True)
     assert parts["pairs"] == whole["pairs"] == 4 and parts["nll_sum"] == pytest.approx(whole["nll_sum"], rel=1e-6)
     for (name, a), (_, b) in zip(tree_flatten(g_whole), tree_flatten(g_parts)):
         a, b = np.array(a), np.array(b)
@@ -161,7 +161,7 @@ def test_output_folder_in_use_is_refused_and_left_alone(tmp_path):
     import os
     import socket
 
-    from dtrain.checkpoint import OutputLock
+    from dtrain.run.checkpoint import OutputLock
     from dtrain.errors import UserError
 
     tmp_path.mkdir(exist_ok=True)
@@ -196,7 +196,7 @@ def test_gguf_base_model_reference_is_path_and_sha256(demo_path):
 
 
 def test_hparams_are_recorded_in_the_run_itself(tmp_path):
-    from dtrain.tracking import read_events
+    from dtrain.run.tracking import read_events
 
     result, _ = run(tmp_path)
     assert [p.name for p in (tmp_path / "tb").iterdir()] == [result.run_dir.name]
@@ -233,7 +233,7 @@ def test_resume_refuses_a_change_of_what_each_step_trains(tmp_path, override, ch
 
 
 def test_resume_refuses_other_training_pairs(tmp_path):
-    from dtrain.checkpoint import data_identity
+    from dtrain.run.checkpoint import data_identity
     from dtrain.errors import UserError
 
     run(tmp_path, "train.steps=2")
@@ -266,7 +266,7 @@ def test_progress_shows_evaluation_apart_and_the_first_step(tmp_path, capsys):
 
 
 def test_step_rate_counts_optimizer_steps_only(tmp_path):
-    from dtrain.tracking import RunLogger
+    from dtrain.run.tracking import RunLogger
 
     log = RunLogger(tmp_path, total_steps=3, progress=True)
     log.progress(1, {"perf/step_seconds": 2.0, "loss": 1.0})

@@ -21,8 +21,8 @@ from dtrain.cli import split_overrides  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.distributed import init_group  # noqa: E402
 from dtrain.errors import UserError  # noqa: E402
-from dtrain import trainer  # noqa: E402
-from dtrain.trainer import train  # noqa: E402
+from dtrain.run import trainer  # noqa: E402
+from dtrain.run.trainer import train  # noqa: E402
 
 
 def slow_steps(seconds: float, marks: Optional[Path]) -> trainer.Hooks:

@@ -82,7 +82,7 @@ def tokenize_cached(rows: list, tokenizer, cfg, cache_dir: Optional[Path], progr
     :func:`write_entries` (a run writes once it owns its output folder).
 
     Raises:
-        DataError: as :func:`render.encode_rows`.
+        DataError: as ``render.RowTokenizer`` raises it.
     """
     key = cache_key(rows, tokenizer, cfg) if cache_dir is not None and rows else None
     path = Path(cache_dir) / f"{key}.npz" if key else None

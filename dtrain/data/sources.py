@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..errors import DataError
-from ..files import sha256_file
+from ..files import HUB_ID, sha256_file
 from .formats import BadRow, BadRowReport, detect_format, parse_rows
 
 # A JSONL line longer than this is reported instead of parsed and tokenized:
 # ~500k tokens, far past any max_length, and slow to tokenize.
 MAX_LINE_CHARS = 2_000_000
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
 
 
@@ -89,7 +88,7 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
 def is_hub_id(spec: str) -> bool:
     """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``."""
     p = Path(spec)
-    return not p.exists() and bool(_HUB_ID.fullmatch(spec)) and p.suffix not in (".json", ".jsonl", ".parquet")
+    return not p.exists() and bool(HUB_ID.fullmatch(spec)) and p.suffix not in (".json", ".jsonl", ".parquet")
 
 
 def resolve_pair(cfg) -> tuple:

@@ -1,10 +1,12 @@
-"""Engines: given a micro-batch of tokenized pairs, return the loss
-contribution, metric sums and LoRA gradients (``StepResult``).
+"""Engines and objectives: given a micro-batch of tokenized pairs, return the
+loss contribution, metric sums and LoRA gradients (``StepResult``).
 
 ``reference`` backpropagates through the whole mlx-lm model; ``segmented``
 recomputes layer ranges inside ``mx.vjp`` (see segmented.py). Both implement
 :class:`Engine` for one model and one objective and return the same outputs;
 :func:`make_engine` is the one place that decides which one a run gets.
+An objective (objective.py: the seam; loss.py: ORPO) is picked by name from
+:data:`OBJECTIVES`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,18 @@ import sys
 from typing import Callable, Optional
 
 from ..config import EngineConfig
-from .common import Engine, Norm, StepResult, run_micro_batches
+from .common import Engine, StepResult, run_micro_batches
+from .loss import ORPO
+from .objective import Objective, PairLogps, Totals
 from .reference import ReferenceEngine
 
+# Objectives by name: a new one is a file beside loss.py and one line here.
+OBJECTIVES = {"orpo": ORPO}
+
+
+def make_objective(cfg, name: str = "orpo") -> Objective:
+    """The objective ``name`` of a run's ``Config`` (``OBJECTIVES[name].from_config(cfg)``)."""
+    return OBJECTIVES[name].from_config(cfg)
 
 
 def _stderr(message: str) -> None:
@@ -37,14 +48,13 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     Args:
         cfg: the run's ``engine`` section.
         model: an mlx-lm model with LoRA applied.
-        objective: the training objective (``dtrain.objective.ORPO``).
+        objective: the training objective (:func:`make_objective`).
         report: called with each one-line notice (None: silent).
     """
     report = report or (lambda _: None)
     if cfg.kind == "reference":
         return ReferenceEngine(model, objective)
-    import mlx.core as mx
-
+    from ..device import default_length_bucket
     from .arch import adapter_for, module_name
     from .plan import GIB
     from .segmented import SegmentedEngine, has_dropout, trainable_outside_layers
@@ -67,9 +77,10 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     if compile and has_dropout(model):
         report("engine.compile is off: LoRA dropout draws new masks each step, which compiled ranges would replay")
         compile = False
-    bucket = (128 if mx.default_device() == mx.gpu else 0) if cfg.length_bucket == "auto" else cfg.length_bucket
+    bucket = default_length_bucket() if cfg.length_bucket == "auto" else cfg.length_bucket
     return SegmentedEngine(model, arch, objective, size, cfg.prefix_sharing, cfg.head_chunk_tokens, bucket, compile,
-                           cfg.memory_budget_gb * GIB)
+                           cfg.memory_budget_gb * GIB, report)
 
 
-__all__ = ["Engine", "Norm", "StepResult", "ReferenceEngine", "make_engine", "run_micro_batches"]
+__all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "OBJECTIVES", "StepResult", "ReferenceEngine",
+           "make_engine", "make_objective", "run_micro_batches"]

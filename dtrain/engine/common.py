@@ -1,12 +1,9 @@
-"""The engine contract and what every engine shares: the global totals, the
-result type, the loss from per-token log-probabilities, and the sum over
-micro-batches.
+"""The engine contract and what every engine shares: the result type, the loss
+from per-token log-probabilities, and the sum over micro-batches.
 
 An engine (``ReferenceEngine``, ``SegmentedEngine``) is built for one model and
-one objective (``dtrain.objective.ORPO``) and answers two questions about a
-micro-batch of pairs (see :class:`Engine`). The objective is duck-typed here
-(``nll_scope``, ``loss``, ``metric_keys``) so that the engine package imports
-no module above it that imports the engine.
+one objective (``engine.objective.Objective``, e.g. ``loss.ORPO``) and answers
+two questions about a micro-batch of pairs (see :class:`Engine`).
 """
 
 from __future__ import annotations
@@ -17,30 +14,9 @@ from typing import Protocol
 import mlx.core as mx
 from mlx.utils import tree_map
 
-from ..sampler import micro_batches
 from ..types import TokenizedPair
 from .layout import Layout
-
-
-@dataclass
-class Norm:
-    """Global totals of one optimizer step (all micro-batches, all ranks), from
-    ``objective.totals(global_batch)``.
-
-    The loss of a micro-batch is divided by these, so summing micro-batch
-    gradients over accumulation steps and ranks gives the global-batch gradient.
-    ``lam``: the step's λ as an input (a float32 scalar array, so a compiled
-    function is not traced again when it changes); None: the objective's own.
-    """
-
-    nll_tokens: float
-    pairs: float
-    lam: mx.array | None = None
-
-    def arrays(self) -> tuple:
-        """The totals as float32 scalar arrays, for a compiled function (``Norm(*arrays)`` rebuilds them)."""
-        counts = (mx.array(self.nll_tokens, mx.float32), mx.array(self.pairs, mx.float32))
-        return counts if self.lam is None else (*counts, self.lam)
+from .objective import COUNT_KEYS, PairLogps, Totals
 
 
 @dataclass
@@ -48,9 +24,9 @@ class StepResult:
     """What an engine returns for one micro-batch.
 
     ``loss``: scalar contribution to the global loss (see ``orpo_loss``);
-    ``sums``: metric sums (float32 scalars), including ``pairs``, ``nll_tokens``,
-    ``input_tokens`` and ``fallback_pairs``; ``grads``: LoRA gradient tree shaped
-    like ``model.trainable_parameters()`` (None for evaluation).
+    ``sums``: the objective's ``metric_keys`` (float32 scalars, the
+    ``COUNT_KEYS`` as Python floats); ``grads``: LoRA gradient tree shaped like
+    ``model.trainable_parameters()`` (None for evaluation).
     """
 
     loss: mx.array
@@ -61,9 +37,11 @@ class StepResult:
 class Engine(Protocol):
     """What the trainer asks of an engine (built by ``dtrain.engine.make_engine``).
 
-    ``totals`` are the global counts of the step (:class:`Norm`); ``key`` is an
-    ``mx.random.key`` for LoRA dropout (``dtrain.lora.DropoutKeys``; None
-    without dropout): the same key gives the same masks, in either engine.
+    ``totals`` are the global counts of the step (``objective.Totals``); ``key`` is
+    an ``mx.random.key`` for LoRA dropout (``dtrain.lora.DropoutKeys``; None
+    without dropout): the same key gives the same masks, in either engine;
+    ``hyper``: the objective's hyper-parameters as float32 scalars (None: its own,
+    ``objective.hyper()``).
     """
 
     name: str
@@ -72,34 +50,29 @@ class Engine(Protocol):
     def layout(self, pairs: list[TokenizedPair]) -> Layout:
         """The token rows, targets and role weights this engine runs for ``pairs``."""
 
-    def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
+    def step(self, pairs: list[TokenizedPair], totals: Totals, key: mx.array | None = None,
+             hyper: dict | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch."""
 
-    def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Totals, key: mx.array | None = None,
+                 hyper: dict | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients."""
 
 
-def loss_from_token_logps(token_logps: mx.array, layout: Layout, objective, totals: Norm):
-    """The objective's loss of a layout from the log-probabilities of its target tokens.
+def loss_from_token_logps(token_logps: mx.array, layout: Layout, objective, totals: Totals, hyper: dict):
+    """The objective's ``(loss, sums)`` of a layout from the log-probabilities of its target tokens.
 
-    Args:
-        token_logps: ``(N,)`` float32, ``log p(targets[i] | context of rows[i])``.
-        layout: the layout the rows and role weights come from.
-        objective: ``objective.loss(chosen, rejected, nll_sum, totals)``, e.g. ``ORPO``.
-        totals: global counts.
-
-    Returns:
-        ``(loss, sums)`` as ``objective.loss`` returns them: the per-pair mean
-        log-probabilities of the chosen and rejected responses ``(B,)`` and the
-        summed NLL of the ``w_nll`` targets go in.
+    ``token_logps``: ``(N,)`` float32, ``log p(targets[i] | context of rows[i])``;
+    they are summed per pair and role into ``objective.PairLogps``.
     """
     B = layout.n_pairs
     dt = token_logps.dtype
     chosen = mx.zeros((B,), dt).at[layout.pair_of].add(token_logps * layout.w_chosen.astype(dt))
     rejected = mx.zeros((B,), dt).at[layout.pair_of].add(token_logps * layout.w_rejected.astype(dt))
     nll_sum = -(token_logps * layout.w_nll.astype(dt)).sum()
-    return objective.loss(chosen / layout.chosen_len.astype(dt), rejected / layout.rejected_len.astype(dt),
-                          nll_sum, totals)
+    logps = PairLogps(chosen, rejected, layout.chosen_len.astype(dt), layout.rejected_len.astype(dt), nll_sum,
+                      layout.extra)
+    return objective.loss(logps, totals, hyper)
 
 
 def with_key(stream, key: mx.array | None) -> None:
@@ -110,30 +83,25 @@ def with_key(stream, key: mx.array | None) -> None:
 
 
 def layout_counts(layout: Layout) -> dict:
-    """Host-side counts of a layout, as metric sums."""
-    return {
-        "pairs": float(layout.n_pairs),
-        "nll_tokens": float(layout.nll_tokens),
-        "input_tokens": float(layout.input_tokens),
-        "fallback_pairs": float(layout.fallback_pairs),
-    }
+    """Host-side counts of a layout, as metric sums (``COUNT_KEYS``)."""
+    counts = (layout.n_pairs, layout.nll_tokens, layout.input_tokens, layout.fallback_pairs)
+    return {k: float(v) for k, v in zip(COUNT_KEYS, counts)}
 
 
-def run_micro_batches(engine: Engine, pairs: list[TokenizedPair], totals: Norm, micro: int, with_grads: bool,
-                      key: mx.array | None = None):
-    """Sum ``engine.step`` (or ``evaluate``) results over micro-batches of ``micro`` pairs.
+def run_micro_batches(engine: Engine, chunks: list[list[TokenizedPair]], totals: Totals, with_grads: bool,
+                      key: mx.array | None = None, hyper: dict | None = None):
+    """Sum ``engine.step`` (or ``evaluate``) results over the micro-batches ``chunks``.
 
     ``key``: split into one dropout key per micro-batch (None: no dropout).
     Returns:
         ``(sums, grads)``: every ``engine.objective.metric_keys`` sum as a Python
-        float (zeros when ``pairs`` is empty) and the summed gradient tree
-        (None without grads or pairs).
+        float (zeros without chunks) and the summed gradient tree (None without
+        grads or chunks).
     """
-    chunks = micro_batches(pairs, micro)
     keys = list(mx.random.split(key, len(chunks))) if key is not None and chunks else [None] * len(chunks)
     sums, grads, device = dict.fromkeys(engine.objective.metric_keys, 0.0), None, {}
     for chunk, k in zip(chunks, keys):
-        result = engine.step(chunk, totals, k) if with_grads else engine.evaluate(chunk, totals, k)
+        result = (engine.step if with_grads else engine.evaluate)(chunk, totals, k, hyper)
         if with_grads:
             grads = result.grads if grads is None else tree_map(lambda a, b: a + b, grads, result.grads)
         for name, v in result.sums.items():  # device sums stay on the device; host counts add here

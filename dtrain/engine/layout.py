@@ -24,7 +24,7 @@ weights, so losses and gradients are those of the unpadded layout.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -75,6 +75,7 @@ class Layout:
             follows ``P + C + R``.
         bucket: the length quantum ``L`` and ``N`` were padded with (0 = none);
             attention plans pad their own lengths with it too.
+        extra: the pairs' per-pair extra inputs (:func:`pair_extras`), name -> ``(B,)`` float32.
     """
 
     tokens: mx.array
@@ -95,6 +96,7 @@ class Layout:
     block_sparse: bool = False
     spans: tuple[tuple[int, int, int], ...] = ()
     bucket: int = 0
+    extra: dict = field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -178,7 +180,20 @@ class _Builder:
             block_sparse=self.block_sparse,
             spans=tuple(self.spans),
             bucket=bucket,
+            extra=pair_extras(pairs),
         )
+
+
+def pair_extras(pairs: list[TokenizedPair]) -> dict:
+    """``TokenizedPair.extra`` of ``pairs`` as name -> ``(B,)`` float32 (empty when they carry none).
+
+    Raises:
+        ValueError: the pairs do not all carry the same names.
+    """
+    names = sorted(pairs[0].extra or {}) if pairs else []
+    if any(sorted(p.extra or {}) != names for p in pairs):
+        raise ValueError(f"pairs carry different extra inputs: {sorted({tuple(sorted(p.extra or {})) for p in pairs})}")
+    return {k: mx.array(np.array([p.extra[k] for p in pairs], np.float32)) for k in names}
 
 
 def nll_prompt_targets(prompt_len: int, nll_scope: str) -> int:

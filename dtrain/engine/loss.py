@@ -16,9 +16,18 @@ and ranks gives the loss of the whole global batch (see :func:`orpo_loss`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..types import TokenizedPair
+from .layout import nll_tokens
+from .objective import COUNT_KEYS, PairLogps, Totals
+
+# The additive sums orpo_loss returns, in this order (ORPO.metric_keys).
+ORPO_SUM_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum", "logps_chosen_sum",
+                 "logps_rejected_sum", "accuracy_sum")
 
 # Mean log-probabilities are clamped to at most this value before log1mexp:
 # at exactly 0 the odds are infinite and the gradient would be inf/NaN.
@@ -71,7 +80,7 @@ def orpo_loss(
     chosen_logps: mx.array,
     rejected_logps: mx.array,
     nll_sum: mx.array,
-    lam: float | mx.array,
+    lam: float,
     n_tokens: float,
     n_pairs: float,
     pair_mask: mx.array | None = None,
@@ -82,8 +91,7 @@ def orpo_loss(
         chosen_logps, rejected_logps: ``(B,)`` mean response log-probabilities.
         nll_sum: scalar, summed negative log-likelihood (nats) of the NLL tokens
             of this micro-batch's chosen sequences.
-        lam: lambda, the weight of the odds-ratio term (a float, or a float32 scalar array
-            when it is an input of a compiled step).
+        lam: λ, the weight of the odds-ratio term (a float or a float32 scalar).
         n_tokens: NLL token count of the *global* batch (all micro-batches, all ranks).
         n_pairs: pair count of the global batch.
         pair_mask: optional ``(B,)`` 1/0 weights; 0 marks padding pairs.
@@ -98,21 +106,10 @@ def orpo_loss(
     lo = log_odds(lw, lr)
     or_term = nn.softplus(-lo)  # = -log sigmoid(log_odds)
     loss = upcast(nll_sum) / n_tokens + lam * (or_term * mask).sum() / n_pairs
-    sums = {
-        "nll_sum": upcast(nll_sum),
-        "or_sum": (or_term * mask).sum(),
-        "log_odds_ratio_sum": (-or_term * mask).sum(),
-        "log_odds_chosen_sum": (lo * mask).sum(),
-        "logps_chosen_sum": (lw * mask).sum(),
-        "logps_rejected_sum": (lr * mask).sum(),
-        "accuracy_sum": ((lw > lr).astype(lw.dtype) * mask).sum(),
-    }
+    sums = dict(zip(ORPO_SUM_KEYS, (upcast(nll_sum), (or_term * mask).sum(), (-or_term * mask).sum(),
+                                    (lo * mask).sum(), (lw * mask).sum(), (lr * mask).sum(),
+                                    ((lw > lr).astype(lw.dtype) * mask).sum())))
     return loss, sums
-
-
-# The additive sums orpo_loss returns, in a fixed order (dtrain.objective.ORPO.metric_keys).
-ORPO_SUM_KEYS = ("nll_sum", "or_sum", "log_odds_ratio_sum", "log_odds_chosen_sum", "logps_chosen_sum",
-                 "logps_rejected_sum", "accuracy_sum")
 
 
 def finalize_metrics(sums: dict, lam: float, prefix: str = "") -> dict:
@@ -146,3 +143,42 @@ def finalize_metrics(sums: dict, lam: float, prefix: str = "") -> dict:
         "logps/rejected": rejected,
     }
     return {prefix + k: v for k, v in out.items()}
+
+
+@dataclass(frozen=True)
+class ORPO:
+    """ORPO (Hong et al. 2024, eq. 6) as an ``engine.objective.Objective``.
+
+    Args:
+        lam: λ, the weight of the odds-ratio term (``orpo.lambda``).
+        nll_scope: ``full`` (NLL over prompt and chosen response) or ``response``.
+    """
+
+    lam: float
+    nll_scope: str = "full"
+
+    metric_keys = ORPO_SUM_KEYS + COUNT_KEYS
+
+    @classmethod
+    def from_config(cls, cfg) -> "ORPO":
+        """The objective of a run's ``Config`` (its ``orpo`` section)."""
+        return cls(cfg.orpo.lam, cfg.orpo.nll_scope)
+
+    def totals(self, pairs: list[TokenizedPair]) -> Totals:
+        """A step's global counts, from its global batch; the NLL count is the layouts'
+        ``w_nll`` rule (``engine.layout.nll_tokens``) without building layouts."""
+        return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
+
+    def hyper(self) -> dict:
+        """``{"lambda": λ}`` as a float32 scalar, a step input (named as the config key ``orpo.lambda``)."""
+        return {"lambda": mx.array(self.lam, mx.float32)}
+
+    def loss(self, logps: PairLogps, totals: Totals, hyper: dict):
+        """``(loss, sums)`` of one micro-batch (:func:`orpo_loss` on the mean response log-probabilities)."""
+        return orpo_loss(logps.chosen / logps.chosen_tokens, logps.rejected / logps.rejected_tokens, logps.nll_sum,
+                         hyper["lambda"], totals.nll_tokens, totals.pairs)
+
+    def finalize(self, sums: dict, prefix: str = "", hyper: dict | None = None) -> dict:
+        """Summed values (over micro-batches and ranks) -> TRL-named metrics (:func:`finalize_metrics`),
+        the rewards weighted by the λ of ``hyper`` (the step's; None: ``self.lam``)."""
+        return finalize_metrics(sums, self.lam if hyper is None else float(hyper["lambda"]), prefix)

@@ -10,17 +10,14 @@ when its estimate fits the memory budget, else the largest range size that does.
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..device import GIB, default_budget_bytes, on_gpu
 from .layout import Layout
 
-GIB = 1024**3
-LOG = logging.getLogger(__name__)  # plan choices: INFO, for the caller to show on rank 0 only
 AUTO_HEAD_CHUNK = 1024  # target rows per head chunk when the plan recomputes and none is configured
 # measured peak / estimate on an H200 (docs/gpu.md): 0.97-1.45; plans keep this headroom
 ESTIMATE_MARGIN = 1.25
@@ -30,7 +27,7 @@ def fused_attention(dtype) -> bool:
     """Whether MLX runs attention fused (no ``(Lq, Lk)`` scores kept): its CUDA
     backend does for float16/bfloat16 through cuDNN; elsewhere the scores exist."""
     cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
+    return on_gpu() and dtype in (mx.float16, mx.bfloat16) and bool(cuda and cuda.is_available())
 
 
 def layer_bytes_per_token(args, itemsize: int) -> float:
@@ -72,18 +69,6 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     return layers + head + boundaries + N * D * itemsize
 
 
-def default_budget_bytes() -> float:
-    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or half of physical RAM on the CPU."""
-    if mx.default_device() == mx.gpu:
-        info = mx.device_info()
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return 0.85 * float(total)
-    # half, not a quarter: at 1,024 tokens on a 24 GiB box a quarter made auto recompute pairs the
-    # single pass fits in 5 GB, 1.4x slower (docs/benchmarks.md, 2026-12-01)
-    return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def kv_imports(donors: list, lo: int, hi: int) -> list[int]:
     """Donors below ``lo`` whose K/V layers in [lo, hi) reuse."""
     return sorted({d for d in donors[lo:hi] if d is not None and d < lo})
@@ -111,12 +96,12 @@ class Plan:
             ``"auto"``, the chunk used when recomputing, 0 = ``AUTO_HEAD_CHUNK``).
         memory_budget: bytes for ``"auto"``, weights included (0: :func:`default_budget_bytes`).
 
-    ``"auto"`` chooses once per shape and logs the choice (``logging`` INFO on
-    ``dtrain.engine.plan``; not printed unless the caller shows it, so that
-    ranks other than 0 stay silent).
+    ``"auto"`` chooses once per shape and passes each change of choice to ``report``
+    (the run's notices, shown on rank 0 only; None: silent).
     """
 
-    def __init__(self, model, n_layers: int, segment_layers, head_chunk_tokens: int, memory_budget: float = 0.0):
+    def __init__(self, model, n_layers: int, segment_layers, head_chunk_tokens: int, memory_budget: float = 0.0,
+                 report=None):
         self.args, self.n_layers = model.args, n_layers
         self.auto = segment_layers == "auto"
         self.size = n_layers if self.auto or segment_layers <= 0 else min(segment_layers, n_layers)
@@ -126,7 +111,9 @@ class Plan:
         weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         lora_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
         self.fixed_bytes = weight_bytes + 3 * lora_bytes  # + gradients and AdamW's two moments
-        self._chosen = {}
+        self._chosen = {}  # shape -> (range size, head chunk)
+        self._reported = None  # the last choice reported
+        self.report = report or (lambda _: None)
 
     def __call__(self, layout: Layout, attention_rows: tuple[int, int] | None) -> tuple[int, int]:
         """The plan of ``layout``; ``attention_rows``: ``(rows, length)`` of its prefix-sharing
@@ -158,6 +145,8 @@ class Plan:
             m = max(fitting) if fitting else min(sizes, key=sizes.get)
             choice, est = (m, chunk), sizes[m]
         what = "single pass" if choice == (n, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
-        LOG.info(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} "
-                 f"(estimated peak {est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
+        if choice != self._reported:  # a notice when the plan changes, not per shape (exact shapes: every step)
+            self._reported = choice
+            self.report(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} (estimated peak "
+                        f"{est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
         return choice

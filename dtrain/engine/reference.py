@@ -12,9 +12,10 @@ import mlx.nn as nn
 
 from ..lora import keyed_dropout
 from ..types import TokenizedPair
-from .common import Norm, StepResult, layout_counts, loss_from_token_logps, with_key
+from .common import StepResult, layout_counts, loss_from_token_logps, with_key
 from .layout import Layout, two_sequence_layout
 from .loss import upcast
+from .objective import Totals
 
 
 def gather_token_logps(logits: mx.array, layout: Layout) -> mx.array:
@@ -38,7 +39,7 @@ class ReferenceEngine:
 
     Args:
         model: an mlx-lm model whose LoRA parameters are the trainable ones.
-        objective: the training objective (``dtrain.objective.ORPO``): its
+        objective: the training objective (``objective.Objective``): its
             ``nll_scope`` lays out the targets, its ``loss`` scores them.
 
     LoRA dropout draws from ``key`` (``dtrain.lora.keyed_dropout``), module by
@@ -53,9 +54,9 @@ class ReferenceEngine:
         self.objective = objective
         self.dropout_keys = keyed_dropout(model)  # None without dropout
 
-        def loss_fn(layout: Layout, totals: Norm):
+        def loss_fn(layout: Layout, totals: Totals, hyper: dict):
             logps = gather_token_logps(self.model(layout.tokens), layout)
-            return loss_from_token_logps(logps, layout, self.objective, totals)
+            return loss_from_token_logps(logps, layout, self.objective, totals, hyper)
 
         self._loss_fn = loss_fn
         self._value_and_grad = nn.value_and_grad(model, loss_fn)
@@ -64,18 +65,20 @@ class ReferenceEngine:
         """The rows this engine runs for ``pairs``: two sequences per pair."""
         return two_sequence_layout(pairs, self.objective.nll_scope)
 
-    def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
+    def step(self, pairs: list[TokenizedPair], totals: Totals, key: mx.array | None = None,
+             hyper: dict | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch (``key``: dropout)."""
         layout = self.layout(pairs)
         with_key(self.dropout_keys, key)
-        (loss, sums), grads = self._value_and_grad(layout, totals)
+        (loss, sums), grads = self._value_and_grad(layout, totals, hyper or self.objective.hyper())
         with_key(self.dropout_keys, None)
         return StepResult(loss, {**sums, **layout_counts(layout)}, grads)
 
-    def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Totals, key: mx.array | None = None,
+                 hyper: dict | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients."""
         layout = self.layout(pairs)
         with_key(self.dropout_keys, key)
-        loss, sums = self._loss_fn(layout, totals)
+        loss, sums = self._loss_fn(layout, totals, hyper or self.objective.hyper())
         with_key(self.dropout_keys, None)
         return StepResult(loss, {**sums, **layout_counts(layout)})

@@ -32,9 +32,10 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from ..lora import keyed_dropout
 from ..types import TokenizedPair
 from .arch import Arch
-from .common import Norm, StepResult, layout_counts, loss_from_token_logps, with_key
+from .common import StepResult, layout_counts, loss_from_token_logps, with_key
 from .head import hidden_grad, target_logps, token_logps
 from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
+from .objective import Totals
 from .plan import Plan, kv_exports, kv_imports, range_bounds
 
 
@@ -86,7 +87,7 @@ def _attention_rows(masks: list):
 
 def _target_arrays(layout: Layout) -> dict:
     return {k: getattr(layout, k) for k in ("rows", "targets", "pair_of", "w_nll", "w_chosen", "w_rejected",
-                                            "chosen_len", "rejected_len")}
+                                            "chosen_len", "rejected_len", "extra")}
 
 
 class _Targets:
@@ -121,7 +122,7 @@ class SegmentedEngine:
     Args:
         model: an mlx-lm model whose only trainable parameters are in decoder layers.
         arch: the model's adapter (``arch.adapter_for``).
-        objective: the training objective (``dtrain.objective.ORPO``).
+        objective: the training objective (``objective.Objective``).
         segment_layers: layers per range; 0 = one range of all layers (with
             ``head_chunk_tokens = 0``: a single pass, nothing recomputed);
             ``"auto"``: per length bucket, the single pass when its estimated
@@ -135,6 +136,7 @@ class SegmentedEngine:
         compile: ``mx.compile`` the single pass and the range functions (traced
             once per bucket).
         memory_budget: bytes for ``"auto"`` (weights included).
+        report: called with each plan choice of ``"auto"`` (None: silent).
 
     ``dtrain.engine.make_engine`` decides when this engine cannot be used (it
     falls back to the reference engine) and resolves the config's ``auto`` values.
@@ -148,7 +150,8 @@ class SegmentedEngine:
     name = "segmented"
 
     def __init__(self, model: nn.Module, arch: Arch, objective, segment_layers=0, prefix_sharing: bool = False,
-                 head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0):
+                 head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0,
+                 report=None):
         self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
         self.length_bucket = length_bucket
@@ -159,7 +162,7 @@ class SegmentedEngine:
             raise ValueError("compile with LoRA dropout: compiled ranges would replay the traced masks")
         self.compile = compile
         n = len(arch.layers)
-        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget)
+        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget, report)
         self.paths = _layer_paths(model, arch.layers)
         # per layer, the flattened names of its trainable parameters (fixed order)
         self.param_names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in arch.layers]
@@ -171,19 +174,25 @@ class SegmentedEngine:
             )
         self.donors = arch.donors or [None] * n
         self.windows = sorted(set(arch.windows), key=lambda w: -1 if w is None else w)
-        self._sets = {}
-        self._set = self._range_set(self.plan.size)  # built once per size
+        self._sets = {}  # range size -> its functions, built once per size
+        self._range_set(self.plan.size)
         self._whole = self._maybe_compile(self._whole_fn())
         self._head_vjp = self._maybe_compile(self._head_vjp_fn())
 
     @property
     def ranges(self) -> list:
-        """``[(lo, hi)]`` of the range size of the last step (the configured one before any)."""
-        return self._set.ranges
+        """``[(lo, hi)]`` of the configured range size (``auto``: the single range)."""
+        return self._range_set(self.plan.size).ranges
 
     @property
     def range_fns(self) -> list:
-        return self._set.run
+        return self._range_set(self.plan.size).run
+
+    def plan_of(self, layout: Layout, masks: list | None = None) -> tuple[_RangeSet, int]:
+        """The ranges and LM-head chunk (0 = unchunked) this engine runs ``layout`` with."""
+        masks = self._masks(layout) if masks is None else masks
+        size, chunk = self.plan(layout, _attention_rows(masks))
+        return self._range_set(size), chunk
 
     # -- ranges -------------------------------------------------------------
 
@@ -278,10 +287,11 @@ class SegmentedEngine:
         layer_inputs = self.arch.layer_inputs(tokens, h) if self.arch.layer_inputs else None  # (S, L, n, P)
         return h, layer_inputs
 
-    def _forward(self, layout: Layout, masks: list, rs: _RangeSet, key, eager: bool = False):
+    def _forward(self, layout: Layout, masks: list, rs: _RangeSet, saved: list, key, eager: bool = False):
         """Boundary states ``[(S, L, D)] * (ranges + 1)``, evaluated (asynchronously), the
         per-layer inputs, each exported donor's K/V, and the dropout key each range started
-        from (the stream runs on through the ranges, as through the reference's whole model)."""
+        from (the stream runs on through the ranges, as through the reference's whole model).
+        ``saved``: per range, its LoRA parameters, put back after it ran."""
         h, layer_inputs = self._embed(layout.tokens)
         mx.async_eval(h, layer_inputs, masks)
         bounds, kv, starts = [h], {}, []  # kv: donor -> [k, v] (S, Hkv, L, Dh)
@@ -292,16 +302,16 @@ class SegmentedEngine:
             fn = rs.run[r] if eager else rs.fwd[r]
             h, kv_out = fn(h, self._params(lo, hi), kv_in, masks, layout.positions, layer_inputs)
             mx.async_eval(h, kv_out)  # graph-free boundary; the host goes on building the next range
-            _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], self._params_saved[r])
+            _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], saved[r])
             kv.update({d: kv_out[2 * j : 2 * j + 2] for j, d in enumerate(rs.kv_exports[r])})
             bounds.append(h)
         with_key(self.dropout_keys, None)
         return bounds, layer_inputs, kv, starts
 
-    def _head(self, layout: Layout, h: mx.array, with_jacobian: bool):
+    def _head(self, layout: Layout, h: mx.array, chunk: int, with_jacobian: bool):
         S, L, D = h.shape
         rows = h.reshape(S * L, D)[layout.rows]  # (N, D)
-        return token_logps(self.arch.head, rows, layout.targets, self._chunk, with_jacobian,
+        return token_logps(self.arch.head, rows, layout.targets, chunk, with_jacobian,
                            self._head_vjp if with_jacobian else None)
 
     def _head_vjp_fn(self):
@@ -311,7 +321,8 @@ class SegmentedEngine:
 
         return head_vjp
 
-    def step(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
+    def step(self, pairs: list[TokenizedPair], totals: Totals, key: mx.array | None = None,
+             hyper: dict | None = None) -> StepResult:
         """Loss contribution, metric sums and LoRA gradients of one micro-batch.
 
         Returns the same ``StepResult`` as ``ReferenceEngine.step``; ``grads``
@@ -321,17 +332,17 @@ class SegmentedEngine:
         """
         layout = self.layout(pairs)
         masks = self._masks(layout)
-        size, self._chunk = self.plan(layout, _attention_rows(masks))
-        rs = self._set = self._range_set(size)
-        norm_arr = totals.arrays()
-        if len(rs.ranges) == 1 and self._chunk <= 0:
-            return self._step_whole(layout, masks, key, norm_arr)
-        self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
-        bounds, layer_inputs, kv, starts = self._forward(layout, masks, rs, key)
+        rs, chunk = self.plan_of(layout, masks)
+        hyper = hyper or self.objective.hyper()
+        totals = Totals(mx.array(totals.nll_tokens, mx.float32), mx.array(totals.pairs, mx.float32))
+        if len(rs.ranges) == 1 and chunk <= 0:
+            return self._step_whole(layout, masks, key, totals, hyper)
+        saved = [self._params(lo, hi) for lo, hi in rs.ranges]
+        bounds, layer_inputs, kv, starts = self._forward(layout, masks, rs, saved, key)
         S, L, D = bounds[-1].shape
-        logps, jac = self._head(layout, bounds[-1], with_jacobian=True)  # (N,), (N, D)
+        logps, jac = self._head(layout, bounds[-1], chunk, with_jacobian=True)  # (N,), (N, D)
         targets = _Targets(_target_arrays(layout))
-        loss_fn = lambda lp: loss_from_token_logps(lp, targets, self.objective, Norm(*norm_arr))  # noqa: E731
+        loss_fn = lambda lp: loss_from_token_logps(lp, targets, self.objective, totals, hyper)  # noqa: E731
         (loss, sums), dl_dlogp = mx.value_and_grad(loss_fn)(logps)
         dh = hidden_grad(dl_dlogp, jac, layout.rows, S * L).reshape(S, L, D)  # (S, L, D)
         mx.async_eval(loss, sums, dh)
@@ -339,7 +350,7 @@ class SegmentedEngine:
         grads, dkv = {}, {}  # dkv: donor -> [dk, dv], summed over the ranges that reuse its K/V
         for r in reversed(range(len(rs.ranges))):
             lo, hi = rs.ranges[r]
-            params, h_in = self._params_saved[r], bounds[r]
+            params, h_in = saved[r], bounds[r]
             imports = rs.kv_imports[r]
             kv_in = [x for d in imports for x in kv[d]]
             bounds[r + 1] = None  # the range output is no longer needed
@@ -352,16 +363,16 @@ class SegmentedEngine:
             mx.async_eval(dh, pgrads, list(dkv.values()))
             _set_params(self.arch.layers[lo:hi], self.param_names[lo:hi], params)  # drop the traced copies
             grads.update(self._named_grads(lo, hi, pgrads))
-        self._params_saved = None
         with_key(self.dropout_keys, None)
         return self._result(loss, sums, layout, grads)
 
     def _whole_fn(self):
-        """``(params, tokens, positions, masks, targets, norm) -> (loss, sums, LoRA grads)``:
-        one ``mx.value_and_grad`` over embedding, layers, head and loss."""
+        """``(params, tokens, positions, masks, targets, totals, hyper) -> (loss, sums, LoRA grads)``:
+        one ``mx.value_and_grad`` over embedding, layers, head and loss (``totals``: a
+        ``(nll_tokens, pairs)`` tuple of float32 scalars)."""
         n = len(self.arch.layers)
 
-        def whole(params, tokens, positions, masks, targets, norm):
+        def whole(params, tokens, positions, masks, targets, totals, hyper):
             run = self._range_set(n).run[0]
             h, layer_inputs = self._embed(tokens)
             t = _Targets(targets)
@@ -370,17 +381,18 @@ class SegmentedEngine:
                 out, _ = run(h, params, [], masks, positions, layer_inputs)  # (S, L, D)
                 S, L, D = out.shape
                 logps = target_logps(self.arch.head, t.targets)(out.reshape(S * L, D)[t.rows])  # (N,)
-                return loss_from_token_logps(logps, t, self.objective, Norm(*norm))[0], logps
+                return loss_from_token_logps(logps, t, self.objective, Totals(*totals), hyper)[0], logps
 
             # the metric sums from the returned log-probabilities, outside the vjp: MLX 0.32's
             # compile fails (IndexError _Map_base::at) on value_and_grad aux outputs that share
             # nodes with the loss
             (loss, logps), pgrads = mx.value_and_grad(loss_of)(params)
-            return loss, loss_from_token_logps(mx.stop_gradient(logps), t, self.objective, Norm(*norm))[1], pgrads
+            sums = loss_from_token_logps(mx.stop_gradient(logps), t, self.objective, Totals(*totals), hyper)[1]
+            return loss, sums, pgrads
 
         return whole
 
-    def _step_whole(self, layout: Layout, masks: list, key, norm_arr) -> StepResult:
+    def _step_whole(self, layout: Layout, masks: list, key, totals: Totals, hyper: dict) -> StepResult:
         """One range and an unchunked head: nothing to recompute, so one lazy
         ``mx.value_and_grad`` over layers, head and loss (as the reference
         engine, on this engine's layout: prefix sharing, explicit positions),
@@ -390,7 +402,7 @@ class SegmentedEngine:
         params = self._params(0, n)
         with_key(self.dropout_keys, key)
         loss, sums, pgrads = self._whole(params, layout.tokens, layout.positions, masks, _target_arrays(layout),
-                                         norm_arr)
+                                         (totals.nll_tokens, totals.pairs), hyper)
         with_key(self.dropout_keys, None)
         _set_params(self.arch.layers, self.param_names, params)  # drop the traced copies
         return self._result(loss, sums, layout, self._named_grads(0, n, pgrads))
@@ -406,15 +418,14 @@ class SegmentedEngine:
         tree = tree_map_with_path(lambda path, _: grads[path], self.model.trainable_parameters())
         return StepResult(loss, {**sums, **layout_counts(layout)}, tree)
 
-    def evaluate(self, pairs: list[TokenizedPair], totals: Norm, key: mx.array | None = None) -> StepResult:
+    def evaluate(self, pairs: list[TokenizedPair], totals: Totals, key: mx.array | None = None,
+                 hyper: dict | None = None) -> StepResult:
         """Loss contribution and metric sums, without gradients (eager ranges)."""
         layout = self.layout(pairs)
         masks = self._masks(layout)
-        size, self._chunk = self.plan(layout, _attention_rows(masks))
-        rs = self._range_set(size)
-        self._params_saved = [self._params(lo, hi) for lo, hi in rs.ranges]
-        bounds = self._forward(layout, masks, rs, key, eager=True)[0]
-        self._params_saved = None
-        logps, _ = self._head(layout, bounds[-1], with_jacobian=False)
-        loss, sums = loss_from_token_logps(logps, layout, self.objective, totals)
+        rs, chunk = self.plan_of(layout, masks)
+        saved = [self._params(lo, hi) for lo, hi in rs.ranges]
+        bounds = self._forward(layout, masks, rs, saved, key, eager=True)[0]
+        logps, _ = self._head(layout, bounds[-1], chunk, with_jacobian=False)
+        loss, sums = loss_from_token_logps(logps, layout, self.objective, totals, hyper or self.objective.hyper())
         return StepResult(loss, {**sums, **layout_counts(layout)})

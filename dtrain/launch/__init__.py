@@ -3,11 +3,11 @@
     main.py       command line, preflight checks, the restart loop
     plan.py       what will run: command, each rank's environment and shard (``--dry-run``)
     hosts.py      hostfiles in mlx.launch's JSON format, validated before anything starts
-    env.py        the environment contract between launchers and ranks (read by dtrain.distributed)
     rank.py       the wrapper every rank runs in: relays output and signals, reports its exit
     supervise.py  one attempt of a job: start, relay, stop on signals or a failed rank, summarize
     restart.py    what a restart resumes from and its record in TensorBoard
     netns.py      several hosts simulated with network namespaces (tests and bench/ only)
 
-Nothing is imported here, so ``dtrain.distributed`` can read ``env`` without the launcher.
+Nothing is imported here. The contract with the ranks (backends, environment, exit
+statuses) is ``dtrain.contract``, below both the launcher and ``dtrain.distributed``.
 """

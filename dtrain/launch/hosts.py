@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..contract import BACKENDS
 from ..errors import UserError
 
-BACKENDS = ("ring", "jaccl", "mpi", "nccl")
 TOP_KEYS = ("backend", "envs", "hosts")
 HOST_KEYS = ("ssh", "ips", "rdma")
 _ENV = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)

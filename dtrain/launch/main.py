@@ -40,8 +40,10 @@ from typing import Optional
 
 from ..config import load_config, take_overrides
 from ..errors import UserError
+from ..files import OutputDir
 from . import restart
-from .hosts import BACKENDS, LaunchError, load_hostfile
+from ..contract import BACKENDS
+from .hosts import LaunchError, load_hostfile
 from .plan import build_plan, describe
 from .supervise import Attempt, Outcome
 
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(describe(plan), flush=True)
                 return 0
             if args.tensorboard is not None:
-                logdir = Path(cfg.train.output_dir) / "tb"
+                logdir = OutputDir(Path(cfg.train.output_dir)).tb
                 tb = start_tensorboard(logdir, args.tensorboard, Path(tmp) / "tensorboard.log")
                 print(f"launch: TensorBoard at http://127.0.0.1:{args.tensorboard}/ (logdir {logdir})", flush=True)
             try:

@@ -20,7 +20,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from .env import ring_hostfile
+from ..contract import ring_hostfile
 from .plan import base_env
 
 ROOT = Path(__file__).resolve().parents[2]  # the ranks run from the repository root, as ./launch starts them

@@ -3,7 +3,7 @@
 A :class:`Plan` is built without starting anything, from explicit arguments,
 so ``--dry-run`` prints exactly what a real launch executes. Ring, JACCL and
 NCCL ranks are started by ``mlx.launch`` (ssh for remote hosts); the per-rank
-variables shown for them come from :mod:`dtrain.launch.env`. MPI runs
+variables shown for them come from :mod:`dtrain.contract`. MPI runs
 ``mpirun`` directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
 """
 
@@ -17,7 +17,7 @@ from typing import Optional
 
 from ..blas import CHILD_VARS, blas_env
 from ..sampler import rank_shard
-from .env import FILE_VARS, rank_variables
+from ..contract import FILE_VARS, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
 
 

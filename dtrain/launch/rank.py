@@ -39,12 +39,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .env import STOP_TIMEOUT_VAR, rank_from_env
+from ..contract import ABORT_GRACE_S, STOP_TIMEOUT_VAR, rank_from_env
 
 MARK = "\x1edtrain-rank "
 TAIL_LINES = 15
 DEFAULT_STOP_TIMEOUT = 60.0
-ABORT_GRACE_S = 3.0
 CPU_STEP = 0.02  # CPU seconds per sample that count as progress (an idle Python process uses ~0)
 GENTLE = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
 

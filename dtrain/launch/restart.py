@@ -1,7 +1,7 @@
 """What a restart resumes from, and its record in the run's TensorBoard folder.
 
 The launcher reads the newest valid checkpoint under ``OUTPUT_DIR/checkpoints``
-(``dtrain.checkpoint.find_latest``: manifest and checksums verified) when the
+(``dtrain.run.checkpoint.find_latest``: manifest and checksums verified) when the
 output folder is on this machine, which it is for ``-n`` and MPI runs on one
 host. A restart is recorded as a TensorBoard text entry (tag ``launch/restarts``)
 in the run folder named by that checkpoint, at the checkpoint's step: the
@@ -31,9 +31,10 @@ class ResumePoint:
 
 def resume_point(output_dir: Path) -> Optional[ResumePoint]:
     """The checkpoint ``train.resume: auto`` will continue from, or None when there is none."""
-    from ..checkpoint import STATE, RunState, find_latest
+    from ..run.checkpoint import STATE, RunState, find_latest
+    from ..files import OutputDir
 
-    path = find_latest(Path(output_dir) / "checkpoints", report=lambda _: None)
+    path = find_latest(OutputDir(Path(output_dir)).checkpoints, report=lambda _: None)
     if path is None:
         return None
     state = RunState.from_json((path / STATE).read_text(), str(path / STATE))

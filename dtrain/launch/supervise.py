@@ -4,7 +4,7 @@ Every rank runs under :mod:`dtrain.launch.rank`, whose report lines say when
 it started (its trainer's pid) and how it ended. The launcher talks to those
 wrappers with two signals: SIGUSR2 asks them to stop gently (the trainers save
 a checkpoint after their step), SIGUSR1 makes them end their trainers within
-``rank.ABORT_GRACE_S`` seconds.
+``contract.ABORT_GRACE_S`` seconds.
 Under mlx.launch they go to the whole process group (mlx.launch itself ignores
 them); mpirun forwards both to its ranks, so under MPI they go to mpirun only.
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .env import EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, STOP_TIMEOUT_VAR, rank_from_env
+from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S,
+                        STOP_TIMEOUT_VAR, rank_from_env)
 from .plan import Plan
 from .rank import MARK, Report, parse_report
 
-ABORT_GRACE_S = 10.0  # after SIGUSR1: seconds before the launcher kills the whole group
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
 
 
@@ -109,7 +109,7 @@ class Attempt:
         relay = threading.Thread(target=self._relay, daemon=True)
         relay.start()
         while self.proc.poll() is None:
-            if self.aborted_at is not None and time.monotonic() - self.aborted_at > ABORT_GRACE_S:
+            if self.aborted_at is not None and time.monotonic() - self.aborted_at > ABORT_GRACE_S + GROUP_KILL_MARGIN_S:
                 _signal_group(self.proc.pid, signal.SIGKILL)
             time.sleep(0.1)
         relay.join(timeout=5)

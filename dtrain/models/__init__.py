@@ -9,8 +9,9 @@ import importlib
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # compute dtypes besides "auto"; load.DTYPES maps them to MLX's
 
-_LAZY = {"LoadedModel": "load", "load_model": "load", "convert_gguf": "convert", "demo_model_path": "demo"}
-__all__ = ["DTYPE_NAMES", "LoadedModel", "convert_gguf", "demo_model_path", "load_model"]
+_LAZY = {"LoadedModel": "load", "load_model": "load", "convert_gguf": "convert", "demo_model_path": "demo",
+         "DEMO_SHAPE": "demo"}
+__all__ = ["DEMO_SHAPE", "DTYPE_NAMES", "LoadedModel", "convert_gguf", "demo_model_path", "load_model"]
 
 
 def __getattr__(name: str):

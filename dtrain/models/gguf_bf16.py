@@ -2,7 +2,7 @@
 
 ``mx.load`` returns GGUF BF16 tensors as float16 (MLX 0.32: values below 6e-5
 lose precision, values above 65504 become inf), and ``gguf.GGUFReader`` parses
-every metadata array in Python (~10 s for a 49k-token vocabulary). This module
+every metadata array in Python (slow for a large vocabulary). This module
 walks the header with ``struct`` (skipping metadata values without decoding
 them) to find the BF16 tensors and reads just those, as float32 (a BF16 value is
 the upper half of a float32, so the widening is exact).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,15 +16,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..device import on_gpu
 from ..errors import ModelError
-from ..files import sha256_file
+from ..files import HUB_ID, sha256_file
 from . import DTYPE_NAMES
 from .demo import demo_model_path
 from .gguf import GROUP_SIZE, GGUFModel, gguf_to_mlx
 from .tokenizer import build_tokenizer, eos_token_ids
 
 DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}  # model.dtype's values (besides auto) -> MLX dtypes
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @dataclass
@@ -52,16 +51,11 @@ class LoadedModel:
     reference: dict = field(default_factory=dict)
 
 
-def on_gpu() -> bool:
-    """True when MLX's default device is a GPU (Metal or CUDA build)."""
-    return mx.default_device().type == mx.DeviceType.gpu
-
-
 def dtype_plan(dtype: str) -> tuple[bool, mx.Dtype]:
     """``(keep_quantized, float_dtype)`` for a ``model.dtype`` value.
 
     ``auto``: GPU → keep quantized weights, bfloat16 elsewhere; CPU → dequantize,
-    float32 (MLX's CPU quantized matmul is ~20x slower than float32 here).
+    float32 (MLX's CPU quantized matmul is far slower than float32; docs/benchmarks.md).
     ``float32`` always dequantizes. ``bfloat16``/``float16`` keep quantized
     weights on a GPU and dequantize on the CPU.
 
@@ -98,7 +92,7 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
         if not (p / "config.json").is_file():
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder")
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
-    if _HUB_ID.fullmatch(path) and not path.startswith("."):
+    if HUB_ID.fullmatch(path) and not path.startswith("."):
         return _load_mlx_lm(path, keep_quantized, float_dtype)
     raise ModelError(f"{path}: no such file or directory (expected demo, a .gguf file, a model folder or a hub id)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .config import TrainConfig
+from ..config import TrainConfig
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:

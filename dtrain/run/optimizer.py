@@ -1,7 +1,7 @@
 """The optimizer step: global-norm clipping, the finiteness check and AdamW, as one function.
 
-The ~420 LoRA arrays of a SmolLM2-sized model make ``optimizer.update`` about
-4,000 tiny eager operations, a third of a GPU step (docs/gpu.md). Here the
+The hundreds of LoRA arrays of a model make mlx's ``Optimizer.update`` thousands of
+tiny eager operations, a large share of a GPU step (docs/benchmarks.md). Here the
 clip, the AdamW update of :class:`mlx.optimizers.AdamW` and the skip of a
 non-finite step are one pure function of ``(params, state, grads, lr,
 loss_finite)``, compiled once per run with ``mx.compile`` (the LoRA shapes never
@@ -14,9 +14,8 @@ same norm and takes the same decision.
 
 Uncompiled (``train.compile_optimizer: false``, and ``auto`` on the CPU) it is
 the eager path: the host reads the norm, then updates or skips. On the CPU the
-compiled step saves ~0.1 s of host time per SmolLM2 step but its first step
-on a machine compiles ~13 fused C++ kernels (~14 s of g++), more than a short
-run gains; the eager path with ``mx.where`` would add ~1,300 ops (docs/gpu.md).
+compiled step's first run on a machine builds C++ kernels, which costs more than a
+short run gains (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ import mlx.core as mx
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
-from .config import TrainConfig
+from ..config import TrainConfig
+from ..device import on_gpu
 from .schedule import learning_rate
 
 
@@ -53,7 +53,7 @@ class AdamWStep:
         self.grad_clip = cfg.grad_clip
         compiled = cfg.compile_optimizer
         if compiled == "auto":
-            compiled = mx.default_device() == mx.gpu
+            compiled = on_gpu()
         self.compiled = mx.compile(self._pure) if compiled else None
 
     @property

@@ -94,3 +94,46 @@ class BestAdapter:
         self.weights = {k: mx.array(v) for k, v in tree_flatten(model.trainable_parameters())}
         mx.eval(list(self.weights.values()))
         self.step = step
+
+
+def track(run, step: int) -> bool:
+    """After the evaluation of ``step`` (``run``: the trainer's ``Run``): the pick of the run's
+    evaluations so far, the best step's weights kept on rank 0, ``best/`` logged; True when
+    ``train.early_stop_evals`` says stop. Nothing (False) without ``train.keep_best``."""
+    t = run.cfg.train
+    if t.keep_best is None:
+        return False
+    pick = run.result.best = pick_best(run.state.evals, t.keep_best, t.keep_best_guard)
+    if pick.step == step:
+        if run.group.is_main:
+            run.best.keep(step, run.model)
+        run.state.best_step = step
+    if pick.step is not None:
+        run.log.scalars(step, {"best/step": float(pick.step), f"best/{t.keep_best}": pick.value})
+    return early_stop_due(run)
+
+
+def early_stop_due(run) -> bool:
+    """``train.early_stop_evals`` evaluations in a row without a new best (from the run's evaluations)."""
+    t = run.cfg.train
+    if t.keep_best is None or not t.early_stop_evals:
+        return False
+    return pick_best(run.state.evals, t.keep_best, t.keep_best_guard).since >= t.early_stop_evals
+
+
+def last_and_best(run, last_dir) -> Optional[dict]:
+    """Rank 0 at the end of a run with ``train.keep_best``: the last step's adapter to
+    ``last_dir`` (``adapters-last/``) and the best step's weights for ``adapters/`` (None:
+    none qualified, or no ``train.keep_best``: ``adapters/`` gets the last step)."""
+    from ..lora import save_adapter  # here: the config imports this module before MLX is set up
+
+    t = run.cfg.train
+    if t.keep_best is None:
+        return None
+    run.log.message(f"last step's adapter written to {save_adapter(run.model, run.cfg.lora, last_dir, run.base_model)}")
+    pick = run.result.best
+    if pick is None or pick.step is None:
+        return None
+    assert run.best.step == pick.step, (run.best.step, pick.step)  # kept when it was evaluated
+    run.log.text("best", f"adapters/ holds step {pick.step} ({t.keep_best} {pick.value:.4f})", run.state.step)
+    return run.best.weights

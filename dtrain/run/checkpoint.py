@@ -15,7 +15,7 @@ previous checkpoint or the new one, never a half-written folder that looks
 valid. A folder is valid only when its manifest exists and every checksum
 matches.
 
-One run owns its output folder for its whole life: :func:`lock_output` takes
+One run owns its output folder for its whole life: :func:`prepare_output` takes
 an exclusive ``flock`` on ``OUTPUT_DIR/.dtrain.lock``, so a second run into the
 same folder stops before it writes anything; a checkpoint of another run is
 never replaced.
@@ -46,9 +46,9 @@ import numpy as np
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import UserError
-from .files import atomic_folder, sha256_file
-from .lora import ADAPTER_WEIGHTS, write_adapter
+from ..errors import UserError
+from ..files import OutputDir, atomic_folder, sha256_file
+from ..lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -56,7 +56,6 @@ BEST = "best.safetensors"  # train.keep_best: the LoRA weights of the best evalu
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 PREFIX = "step-"
-LOCK = ".dtrain.lock"
 
 
 @dataclass
@@ -375,7 +374,7 @@ class OutputLock:
     """
 
     def __init__(self, out: Path):
-        self.path = Path(out) / LOCK
+        self.path = OutputDir(Path(out)).lock
         self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -417,7 +416,7 @@ def prepare_output(out: Path, need_bytes: int, resuming: bool) -> OutputLock:
         raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
     try:
         check_output_dir(out, need_bytes)
-        earlier = find_latest(out / "checkpoints", report=lambda _: None)
+        earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
                             f"continue it with train.resume=auto, or choose another train.output_dir")

@@ -30,7 +30,9 @@ difference is not.
 The controller is a pure state machine: :func:`observe` takes a
 :class:`LambdaState` and one ℓw and returns the next state; the state is plain
 JSON (``to_dict``/``from_dict``) so a checkpoint carries it and a resumed run
-continues the same λ sequence bit for bit.
+continues the same λ sequence bit for bit. In a run, :func:`steer` feeds it each
+evaluation and sets the λ the next steps get as their ``lambda`` hyper-parameter
+(``step.Step.hyper``: a float32 input of the step, so a new λ retraces nothing).
 """
 
 from __future__ import annotations
@@ -166,3 +168,37 @@ def observe(state: LambdaState, chosen_logps: float, knobs: LambdaKnobs) -> Lamb
     if s.calm >= knobs.window:
         s.phase, s.calm = "ramp", 0
     return s
+
+
+def start(orpo, state: dict) -> dict:
+    """A run's controller state (``RunState.lambda_control``): ``state`` as resumed, or the
+    initial one of an adaptive run that has none; ``{}`` for a static run without one."""
+    if orpo.lambda_schedule == "adaptive" and not state:
+        return initial(LambdaKnobs.from_config(orpo)).to_dict()
+    return state
+
+
+def hyper(orpo, state: dict, base: dict) -> dict:
+    """The step's hyper-parameters: ``base`` (``objective.hyper()``, λ = ``orpo.lambda``) with
+    ``lambda`` the controller's when ``orpo.lambda_schedule`` is adaptive (a static resume of
+    an adaptive run trains with ``orpo.lambda``)."""
+    if orpo.lambda_schedule != "adaptive":
+        return base
+    import mlx.core as mx  # here: the config imports this module before MLX is set up
+
+    return {**base, "lambda": mx.array(LambdaState.from_dict(state).lam, mx.float32)}
+
+
+def steer(run, step: int) -> None:
+    """After the evaluation of ``step`` (``run``: the trainer's ``Run``): observe its
+    ``eval/logps/chosen``, keep the state in ``run.state`` and give the next steps its λ
+    (``run.step.hyper``); a phase change is logged. Nothing for a static run."""
+    orpo = run.cfg.orpo
+    if orpo.lambda_schedule != "adaptive":
+        return
+    was = LambdaState.from_dict(run.state.lambda_control)
+    now = observe(was, run.state.evals[str(step)]["eval/logps/chosen"], LambdaKnobs.from_config(orpo))
+    run.state.lambda_control = now.to_dict()
+    run.step.hyper = hyper(orpo, run.state.lambda_control, run.step.hyper)
+    if now.phase != was.phase:
+        run.log.message(f"step {step}: lambda controller {was.phase} -> {now.phase}, lambda {now.lam:.4g}")

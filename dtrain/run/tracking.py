@@ -25,7 +25,7 @@ from typing import Optional
 
 import yaml
 
-from .files import fsync_path
+from ..files import fsync_path
 
 
 def new_run_dir(root: Path) -> Path:
@@ -117,8 +117,10 @@ class RunLogger:
                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
             self.bar.set_description("train")
 
-    def config(self, resolved: dict) -> None:
-        self.text("config", "```\n" + yaml.safe_dump(resolved, sort_keys=False) + "\n```", 0)
+    def config(self, resolved: dict, auto: dict | None = None) -> None:
+        """The run's config as TensorBoard text; ``auto``: what its device-dependent ``auto`` values became."""
+        chosen = f"\n\nauto on this device:\n```\n{yaml.safe_dump(auto, sort_keys=False)}```" if auto else ""
+        self.text("config", "```\n" + yaml.safe_dump(resolved, sort_keys=False) + "\n```" + chosen, 0)
 
     def text(self, tag: str, text: str, step: int) -> None:
         """A TensorBoard text entry (markdown) under ``tag`` at ``step``."""

@@ -1,14 +1,9 @@
 """The training loop: data -> engine -> all-reduce -> AdamW step -> logs, adapter.
 
 Read top to bottom: :func:`train` calls :func:`setup` (model, data, LoRA,
-engine, handshake, output folder, optimizer, resume, logger) and then
-:func:`loop`, which only loops. Each step takes the global batch from the
-sampler and this rank's shard of it, asks the engine
-(``engine.run_micro_batches``) for the loss contributions and LoRA gradients of
-its micro-batches, normalised by the objective's *global* totals, sums them
-over ranks, clips, checks they are finite
-on every rank, and applies one AdamW update with the learning rate of
-``schedule.learning_rate(step)``.
+engine, handshake, output folder, optimizer, resume, logger, the
+``step.Step``) and then :func:`loop`, which keeps cadence only: a step, its
+record, and when to stop, check, evaluate and save.
 """
 
 from __future__ import annotations
@@ -18,29 +13,29 @@ import math
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from . import checkpoint as ckpt
-from . import lambda_control, sampler
-from .best import BestAdapter, Pick, describe, pick_best
-from .blas import warn_if_slow
-from .config import Config, to_dict
-from .distributed import Group, check_in_sync, handshake
-from .engine import make_engine, run_micro_batches
+from .. import sampler
+from ..blas import warn_if_slow
+from ..config import Config, to_dict
+from ..device import resolve_auto
+from ..distributed import Group, check_in_sync, handshake
+from ..engine import make_engine, make_objective
+from . import best as keep_best, lambda_control
 from .evaluation import ACCURACY, evaluate_and_log
-from .errors import UserError
-from .lora import apply_lora, save_adapter
-from .objective import ORPO
-from .optimizer import AdamWStep, update_applied
-from .schedule import learning_rate
-from .tracking import RunLogger, new_run_dir, peak_memory_gb
-from .types import TokenizedPair
+from ..errors import UserError
+from ..files import OutputDir
+from ..lora import apply_lora, save_adapter
+from .optimizer import AdamWStep
+from .step import Step
+from .tracking import RunLogger, new_run_dir
+from ..types import TokenizedPair
 
 @dataclass
 class TrainResult:
@@ -53,7 +48,7 @@ class TrainResult:
     run_dir: Optional[Path] = None
     skipped_steps: int = 0
     stopped: bool = False  # stopped early by a signal (checkpoint saved)
-    best: Optional[Pick] = None  # train.keep_best: the kept step
+    best: Optional[keep_best.Pick] = None  # train.keep_best: the kept step
     best_metric: Optional[str] = None
     early_stopped: bool = False  # train.early_stop_evals ended the run
 
@@ -65,64 +60,8 @@ class TrainResult:
         line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
         if self.best is not None:
-            line += ("; early stop" if self.early_stopped else "") + f"; {describe(self.best, self.best_metric)}"
+            line += ("; early stop" if self.early_stopped else "") + f"; {keep_best.describe(self.best, self.best_metric)}"
         return line
-
-
-def train_step(step, engine, model, optimizer, batch: list[TokenizedPair], cfg: Config, group: Group, stop=None,
-               lam: Optional[float] = None):
-    """One optimizer step on the global ``batch`` (this rank trains its shard).
-
-    ``lam``: the step's λ (None: ``orpo.lambda``), an input of the engine's
-    functions (a scalar array: a new value traces nothing again), logged as
-    ``train/lambda``.
-
-    ``stop`` (a :class:`StopRequest` or None) is read when the step's metrics
-    are all-reduced, after the gradients: a signal that arrived during this
-    step is agreed in this step, not the next.
-
-    Returns ``(metrics, applied, stop)``: ``applied`` is False when the loss or
-    gradients were not finite and the update was skipped (the same decision on
-    every rank, since both are all-reduced); ``stop`` is True on every rank when
-    any rank asked to stop (signal), agreed through the same all-reduce.
-    """
-    t = cfg.train
-    start = time.perf_counter()
-    objective = engine.objective
-    lam = cfg.orpo.lam if lam is None else lam
-    norm = objective.totals(batch, lam)
-    mine = sampler.rank_shard(batch, group.rank, group.size)
-    key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
-    sums, grads = run_micro_batches(engine, mine, norm, t.micro_batch_pairs, with_grads=True, key=key)
-    if grads is None:  # this rank got no pairs this step: contribute zeros
-        grads = tree_map(mx.zeros_like, model.trainable_parameters())
-    reduce_start = time.perf_counter()
-    grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
-    reduce_seconds = time.perf_counter() - reduce_start
-    sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-    metrics = objective.finalize(sums, lam=lam)
-    lr = learning_rate(step, t)
-    loss_finite = math.isfinite(metrics["loss"])
-    grad_norm = optimizer.apply(model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite; evaluated
-    finite = update_applied(loss_finite, grad_norm)
-    seconds = time.perf_counter() - start
-    metrics.update({
-        "grad_norm": grad_norm,
-        "learning_rate": lr,
-        "tokens_per_second": sums["input_tokens"] / seconds,
-        "pairs_per_second": sums["pairs"] / seconds,
-        "peak_memory_gb": peak_memory_gb(),
-        "perf/step_seconds": seconds,
-        "perf/allreduce_seconds": reduce_seconds,
-        "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
-        "train/lambda": lam,
-    })
-    return metrics, finite, sums["stop"] > 0
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The dropout key seed of an optimizer step, so a resumed run draws the same masks."""
-    return (seed * 1_000_003 + step) % (2**63)
 
 
 def _nothing(*_) -> None:
@@ -163,21 +102,15 @@ class Run:
     resolved: dict
     base_model: dict
     result: TrainResult
+    step: Optional[Step] = None
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
-    best: BestAdapter = field(default_factory=BestAdapter)  # train.keep_best: rank 0's copy of the best step
+    best: keep_best.BestAdapter = field(default_factory=keep_best.BestAdapter)  # train.keep_best: rank 0's copy of the best step
 
     @property
     def checkpoints(self) -> Path:
-        return Path(self.cfg.train.output_dir) / "checkpoints"
-
-    @property
-    def lam(self) -> float:
-        """λ of the next steps: ``orpo.lambda``, or the controller's (``orpo.lambda_schedule: adaptive``)."""
-        if self.cfg.orpo.lambda_schedule == "adaptive":
-            return lambda_control.LambdaState.from_dict(self.state.lambda_control).lam
-        return self.cfg.orpo.lam
+        return OutputDir(Path(self.cfg.train.output_dir)).checkpoints
 
 
 def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> TrainResult:
@@ -204,38 +137,36 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 
 def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
-    t, log, result = run.cfg.train, run.log, run.result
+    t, result = run.cfg.train, run.result
     if run.valid and run.state.step == 0:
         evaluate_and_steer(run, 0)
-    elif run.state.step < t.steps and early_stop_due(run):  # a resumed run that had stopped early
+    elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
         return end_early(run, run.state.step)
     if run.state.step < t.steps:
-        log.doing(first_step_text(run))
+        run.log.doing(first_step_text(run))
     skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
-        batch = [run.train_pairs[i] for _, i in run.sampler.global_batch(step)]
         run.hooks.before_step(step, run)
-        metrics, applied, stopping = train_step(step, run.engine, run.model, run.optimizer, batch, run.cfg,
-                                                run.group, run.stop, run.lam)
+        out = run.step(step, run.stop)
         run.hooks.after_step(step, run)
-        skipped_in_row = 0 if applied else skipped_in_row + 1
-        record(run, step, metrics, applied)
+        skipped_in_row = 0 if out.applied else skipped_in_row + 1
+        record(run, step, out.metrics, out.applied)
         if skipped_in_row >= t.max_skipped_steps:
             save(run, step)
-            sources = ", ".join(p.source or "?" for p in batch[:8])
+            sources = ", ".join(p.source or "?" for p in out.batch[:8])
             raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
-        if stopping:
+        if out.stop:
             save(run, step)
-            log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
+            run.log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
             result.steps, result.stopped = step, True
             return result
-        if run.cfg.distributed.check_sync_every and step % run.cfg.distributed.check_sync_every == 0:
+        if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
-        if run.valid and t.eval_every and step % t.eval_every == 0 and step != t.steps:
+        if run.valid and _every(step, t.eval_every) and step != t.steps:
             if evaluate_and_steer(run, step):
                 return end_early(run, step)
-        if t.save_every and step % t.save_every == 0 and step != t.steps:
+        if _every(step, t.save_every) and step != t.steps:
             save(run, step)
     if run.valid:
         evaluate_and_steer(run, t.steps)
@@ -244,36 +175,18 @@ def loop(run: Run) -> TrainResult:
     return result
 
 
+def _every(step: int, n: int) -> bool:
+    """Whether a cadence of every ``n`` steps (0 = never) falls on ``step``."""
+    return bool(n) and step % n == 0
+
+
 def evaluate_and_steer(run: Run, step: int) -> bool:
-    """Evaluate after ``step``, then feed the numbers to the λ controller and the best-step
-    bookkeeping; True when ``train.early_stop_evals`` says stop (the same on every rank:
-    eval metrics are all-reduced)."""
+    """Evaluate after ``step``, then let the λ controller and ``train.keep_best`` read the
+    numbers; True when ``train.early_stop_evals`` says stop (the same on every rank: eval
+    metrics are all-reduced)."""
     evaluate_and_log(run, step)
-    cfg, metrics = run.cfg, run.state.evals[str(step)]
-    if cfg.orpo.lambda_schedule == "adaptive":
-        was = lambda_control.LambdaState.from_dict(run.state.lambda_control)
-        now = lambda_control.observe(was, metrics["eval/logps/chosen"], lambda_control.LambdaKnobs.from_config(cfg.orpo))
-        run.state.lambda_control = now.to_dict()
-        if now.phase != was.phase:
-            run.log.message(f"step {step}: lambda controller {was.phase} -> {now.phase}, lambda {now.lam:.4g}")
-    if cfg.train.keep_best is None:
-        return False
-    pick = run.result.best = pick_best(run.state.evals, cfg.train.keep_best, cfg.train.keep_best_guard)
-    if pick.step == step:
-        if run.group.is_main:
-            run.best.keep(step, run.model)
-        run.state.best_step = step
-    if pick.step is not None:
-        run.log.scalars(step, {"best/step": float(pick.step), f"best/{cfg.train.keep_best}": pick.value})
-    return early_stop_due(run)
-
-
-def early_stop_due(run: Run) -> bool:
-    """``train.early_stop_evals`` evaluations in a row without a new best (from the run's evaluations)."""
-    t = run.cfg.train
-    if t.keep_best is None or not t.early_stop_evals:
-        return False
-    return pick_best(run.state.evals, t.keep_best, t.keep_best_guard).since >= t.early_stop_evals
+    lambda_control.steer(run, step)
+    return keep_best.track(run, step)
 
 
 def end_early(run: Run, step: int) -> TrainResult:
@@ -294,19 +207,21 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
+    notice = _stderr if group.is_main else None  # the run's notices before its logger exists: rank 0 only
+    chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
-        from .models import load_model
+        from ..models import load_model
 
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
     cache_entries = []  # tokenized pairs for OUT/data_cache, written once this run owns OUT
     if dataset is None:
-        from .data import load_dataset
+        from ..data import load_dataset
 
-        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=_stderr if group.is_main else None,
-                               cache_dir=Path(t.output_dir) / "data_cache")
+        dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
+                               cache_dir=OutputDir(Path(t.output_dir)).data_cache)
         cache_entries = dataset.cache_entries
     steering = [k for k, on in (("train.keep_best", t.keep_best is not None),
                                 ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
@@ -316,7 +231,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     model.train()
-    engine = hooks.engine(make_engine(cfg.engine, model, ORPO.from_config(cfg), report=_stderr if group.is_main else None))
+    engine = hooks.engine(make_engine(chosen.engine, model, make_objective(cfg), report=notice))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
@@ -325,28 +240,27 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                           global_batch_pairs=t.global_batch_pairs, world_size=group.size,
                           data=ckpt.data_identity(resolved["data"], dataset.fingerprint, dataset.train),
                           model=loaded.identity, lora_shapes=lora_shapes)
-    out = Path(t.output_dir)
+    out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
-        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out, ckpt.estimate_bytes(model), t.resume is not None))
+        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out.root, ckpt.estimate_bytes(model), t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
-            from .data import write_entries
+            from ..data import write_entries
 
             write_entries(cache_entries)
-        optimizer = AdamWStep(t, model.trainable_parameters())
-        resumed = ckpt.resume(t.resume, out / "checkpoints", state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=_stderr if group.is_main else None)
+        optimizer = AdamWStep(chosen.train, model.trainable_parameters())
+        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
+                              model, optimizer, group, report=notice)
         if resumed is not None:
             if resumed.state.step > t.steps:
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
                                 f"raise train.steps to continue it")
             state = replace(resumed.state, world_size=group.size)
-        if cfg.orpo.lambda_schedule == "adaptive" and not state.lambda_control:
-            state.lambda_control = lambda_control.initial(lambda_control.LambdaKnobs.from_config(cfg.orpo)).to_dict()
+        state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         run_dir = Path(state.tensorboard_run) if state.tensorboard_run else None
         if group.is_main and (run_dir is None or not run_dir.is_dir()):
-            run_dir = new_run_dir(out / "tb")
+            run_dir = new_run_dir(out.tb)
         state.tensorboard_run = str(run_dir) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
@@ -358,15 +272,18 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best)
         if t.keep_best is not None and state.evals:
-            result.best = pick_best(state.evals, t.keep_best, t.keep_best_guard)
-        log.config(resolved)
+            result.best = keep_best.pick_best(state.evals, t.keep_best, t.keep_best_guard)
+        log.config(resolved, auto)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
+                    + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
-        best = BestAdapter(state.best_step, resumed.best if resumed and group.is_main else None)
+        step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group,
+                    hyper=lambda_control.hyper(cfg.orpo, state.lambda_control, engine.objective.hyper()))
+        kept = keep_best.BestAdapter(state.best_step, resumed.best if resumed and group.is_main else None)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
-                   resolved, {**loaded.reference, "source": loaded.source}, result,
-                   resumed.path if resumed else None, cleanup.pop_all(), hooks, best)
+                   resolved, {**loaded.reference, "source": loaded.source}, result, step,
+                   resumed.path if resumed else None, cleanup.pop_all(), hooks, kept)
 
 
 def first_step_text(run: Run) -> str:
@@ -404,22 +321,13 @@ def finish(run: Run) -> None:
     """Rank 0 writes the adapter (with ``train.keep_best``: the best step's, and the last
     step's to ``adapters-last/``) and the hparams record."""
     if run.group.is_main:
-        t, step, out = run.cfg.train, run.state.step, Path(run.cfg.train.output_dir)
-        weights = None
-        if t.keep_best is not None:
-            last = save_adapter(run.model, run.cfg.lora, out / "adapters-last", run.base_model)
-            run.log.message(f"last step's adapter written to {last}")
-            pick = run.result.best
-            if pick is not None and pick.step is not None:
-                assert run.best.step == pick.step, (run.best.step, pick.step)  # kept when it was evaluated
-                weights = run.best.weights
-                run.log.text("best", f"adapters/ holds step {pick.step} ({t.keep_best} {pick.value:.4f})", step)
-        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out / "adapters", run.base_model, weights)
+        t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
+        weights = keep_best.last_and_best(run, out.adapters_last)
+        run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model, weights)
         final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(step, {})}
         run.log.hparams(run.resolved, final, step)
-        kept = run.result.best.step if weights is not None else None
         run.log.message(f"adapter written to {run.result.adapter_dir}"
-                        + (f": step {kept}, the best by {t.keep_best}" if kept is not None else ""))
+                        + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
 
 
 def _stderr(message: str) -> None:

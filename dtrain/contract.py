@@ -1,11 +1,12 @@
-"""The contract between a launcher and its ranks: environment variables and exit statuses.
+"""The contract between a launcher and its ranks: backends, environment variables, exit statuses.
 
 A launcher tells each rank who it is through environment variables, and each
 backend has its own set: mlx.launch 0.32 (``mlx/_distributed_utils/launch.py``)
 for ring, JACCL and NCCL, OpenMPI's ``mpirun`` for MPI (MPICH/Hydra: ``PMI_*``).
-This module is their one owner: ``dtrain.launch.plan`` writes them (and prints
-them for ``--dry-run``), ``dtrain.distributed`` reads them through
-:func:`launcher_backend` and :func:`rank_from_env`. In the other direction a
+This module is their one owner, below both sides: ``dtrain.launch.plan`` writes
+them (and prints them for ``--dry-run``), ``dtrain.distributed`` reads them
+through :func:`launcher_backend` and :func:`rank_from_env`, ``dtrain.config``
+takes the backend names. In the other direction a
 rank tells the launcher why it ended through its exit status (``EXIT_*``),
 which decides whether ``--max-restarts`` may start the job again.
 
@@ -16,6 +17,13 @@ from __future__ import annotations
 
 import json
 from typing import Mapping, Optional
+
+BACKENDS = ("ring", "jaccl", "mpi", "nccl")  # mx.distributed backends a launcher can start
+
+# After an abort (SIGUSR1) a rank's wrapper kills its trainer this many seconds later; the
+# launcher kills the whole group ABORT_GRACE_S + GROUP_KILL_MARGIN_S after it sent the abort.
+ABORT_GRACE_S = 3.0
+GROUP_KILL_MARGIN_S = 7.0
 
 # Exit statuses of `dtrain train`. A user error repeats on a restart; the other two are
 # transient (a peer died or stalled) and a restart from the newest checkpoint can succeed.

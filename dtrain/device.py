@@ -1,0 +1,59 @@
+"""The device-dependent ``auto`` values of a config, decided in one place.
+
+``setup`` resolves them once (:func:`resolve_auto`), shows them once on rank 0
+and writes them into the run's config text in TensorBoard; the engine and the
+optimizer get the resolved values. :func:`on_gpu` is the one way to ask.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import mlx.core as mx
+
+GIB = 1024**3
+
+
+def on_gpu() -> bool:
+    """True when MLX's default device is a GPU (Metal or CUDA build)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def default_length_bucket() -> int:
+    """``engine.length_bucket: auto``: 128 on a GPU (a few compiled shapes), 0 (exact shapes) on the CPU."""
+    return 128 if on_gpu() else 0
+
+
+def default_budget_bytes() -> float:
+    """``engine.memory_budget_gb: 0``: 85% of the GPU's memory, or half of physical RAM on the CPU."""
+    if on_gpu():
+        info = mx.device_info()
+        total = info.get("total_memory") or info.get("memory_size")
+        if total:
+            return 0.85 * float(total)
+    # half, not a quarter: a quarter made auto recompute pairs the single pass fits (docs/benchmarks.md)
+    return 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_auto(cfg):
+    """``(cfg', choices)``: ``cfg`` with its device-dependent ``auto`` values of the engine and
+    train sections resolved, and ``{"section.key": value}`` of every ``auto`` that was,
+    ``model.dtype`` included (the model loader resolves that one with ``models.load.dtype_plan``)."""
+    from .models.load import dtype_plan
+
+    e, t, choices = cfg.engine, cfg.train, {}
+    if cfg.model.dtype == "auto":
+        quantized, dtype = dtype_plan("auto")
+        choices["model.dtype"] = str(dtype).removeprefix("mlx.core.") + (" (quantized base)" if quantized else "")
+    if e.length_bucket == "auto":
+        e = replace(e, length_bucket=default_length_bucket())
+        choices["engine.length_bucket"] = e.length_bucket
+    if e.kind == "auto" or e.segment_layers == "auto":
+        if e.memory_budget_gb == 0:
+            e = replace(e, memory_budget_gb=default_budget_bytes() / GIB)  # exact: GIB is a power of two
+            choices["engine.memory_budget_gb"] = round(e.memory_budget_gb, 1)
+    if t.compile_optimizer == "auto":
+        t = replace(t, compile_optimizer=on_gpu())
+        choices["train.compile_optimizer"] = t.compile_optimizer
+    return replace(cfg, engine=e, train=t), choices

@@ -1,0 +1,103 @@
+"""One optimizer step: global batch -> engine -> all-reduce -> clip + AdamW -> metrics.
+
+:class:`Step` is built once by ``trainer.setup``; the loop calls it once per
+step. It asks the sampler once (the global batch and this rank's micro-batches),
+the objective once (totals, hyper-parameters; metric names at the end), the
+engine once per micro-batch (``run_micro_batches``), and every rank joins the
+two all-reduces.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from ..config import TrainConfig
+from ..distributed import Group
+from ..engine import Objective, run_micro_batches
+from .optimizer import update_applied
+from ..sampler import Sampler
+from .schedule import learning_rate
+from .tracking import peak_memory_gb
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The dropout key seed of an optimizer step, so a resumed run draws the same masks."""
+    return (seed * 1_000_003 + step) % (2**63)
+
+
+@dataclass
+class StepOutcome:
+    """What one step did: ``metrics`` (TRL names plus the step's own), ``applied`` (False:
+    the loss or gradients were not finite and the update was skipped, the same decision on
+    every rank), ``stop`` (some rank asked to stop, agreed on every rank), ``batch`` (the
+    global batch's pairs)."""
+
+    metrics: dict
+    applied: bool
+    stop: bool
+    batch: list
+
+
+@dataclass
+class Step:
+    """The work of one optimizer step (this rank trains its shard of the global batch).
+
+    ``objective``: scores the step (``engine.objective`` unless given); ``hyper``: its
+    hyper-parameters (``objective.hyper()`` unless given), float32 scalars that enter the
+    engine as inputs, so setting a new λ here between steps retraces nothing (the
+    dynamic-λ controller does: ``run.lambda_control.steer``); logged as ``train/<name>``.
+    """
+
+    engine: Any
+    model: Any
+    optimizer: Any
+    sampler: Sampler
+    pairs: list
+    train: TrainConfig
+    group: Group
+    objective: Optional[Objective] = None
+    hyper: Optional[dict] = None
+
+    def __post_init__(self):
+        self.objective = self.objective or self.engine.objective
+        self.hyper = self.hyper or self.objective.hyper()
+
+    def __call__(self, step: int, stop=None) -> StepOutcome:
+        """Step ``step`` (1-based). ``stop`` (a ``trainer.StopRequest`` or None) is read when the
+        metrics are all-reduced, after the gradients: a signal during this step is agreed in it."""
+        t, group, objective = self.train, self.group, self.objective
+        start = time.perf_counter()
+        batch, chunks = self.sampler.take(step, self.pairs, group.rank, group.size, t.micro_batch_pairs)
+        totals = objective.totals(batch)
+        key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
+        sums, grads = run_micro_batches(self.engine, chunks, totals, True, key, self.hyper)
+        if grads is None:  # this rank got no pairs this step: contribute zeros
+            grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
+        reduce_start = time.perf_counter()
+        grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
+        reduce_seconds = time.perf_counter() - reduce_start
+        sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
+        metrics = objective.finalize(sums, "", self.hyper)
+        lr = learning_rate(step, t)
+        loss_finite = math.isfinite(metrics["loss"])
+        grad_norm = self.optimizer.apply(self.model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite
+        applied = update_applied(loss_finite, grad_norm)
+        seconds = time.perf_counter() - start
+        metrics.update({
+            "grad_norm": grad_norm,
+            "learning_rate": lr,
+            "tokens_per_second": sums["input_tokens"] / seconds,
+            "pairs_per_second": sums["pairs"] / seconds,
+            "peak_memory_gb": peak_memory_gb(),
+            "perf/step_seconds": seconds,
+            "perf/allreduce_seconds": reduce_seconds,
+            "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
+            **{f"train/{name}": float(v) for name, v in self.hyper.items()},  # ORPO: train/lambda
+        })
+        return StepOutcome(metrics, applied, sums["stop"] > 0, batch)

@@ -1,0 +1,39 @@
+"""The device-dependent ``auto`` values, decided once (dtrain/device.py), and the output folder's parts."""
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from dtrain.config import Config, load_config
+from dtrain.device import GIB, resolve_auto
+from dtrain.files import OutputDir
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's choices")
+def test_cpu_auto_choices_are_resolved_once_and_named():
+    cfg, choices = resolve_auto(Config())
+    ram = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert choices == {"model.dtype": "float32", "engine.length_bucket": 0,
+                       "engine.memory_budget_gb": round(ram / GIB, 1), "train.compile_optimizer": False}
+    assert (cfg.engine.length_bucket, cfg.train.compile_optimizer) == (0, False)
+    assert cfg.engine.memory_budget_gb * GIB == ram  # exact: the plan gets the bytes it computed before
+    assert cfg.model.dtype == "auto"  # the loader resolves it, with the same rule (models.load.dtype_plan)
+
+
+def test_explicit_values_are_kept_and_not_reported():
+    given = load_config(None, ["data.demo_pairs=1", "model.dtype=float32", "engine.length_bucket=64",
+                               "engine.memory_budget_gb=3", "train.compile_optimizer=true"])
+    cfg, choices = resolve_auto(given)
+    assert choices == {} and cfg == given
+    reference, choices = resolve_auto(load_config(None, ["data.demo_pairs=1", "engine.kind=reference",
+                                                         "engine.length_bucket=0", "model.dtype=float32",
+                                                         "train.compile_optimizer=false"]))
+    assert choices == {}  # the memory budget only matters to the auto plan
+
+
+def test_output_dir_names_its_parts():
+    out = OutputDir(Path("runs/x"))
+    assert [out.checkpoints, out.tb, out.adapters, out.data_cache, out.lock] == \
+        [Path("runs/x") / n for n in ("checkpoints", "tb", "adapters", "data_cache", ".dtrain.lock")]
