@@ -60,7 +60,8 @@ class TrainResult:
         line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
         if self.best is not None:
-            line += ("; early stop" if self.early_stopped else "") + f"; {keep_best.describe(self.best, self.best_metric)}"
+            line += "; early stop" if self.early_stopped else ""
+            line += f"; {keep_best.describe(self.best, self.best_metric)}"
         return line
 
 
@@ -106,7 +107,7 @@ class Run:
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
-    best: keep_best.BestAdapter = field(default_factory=keep_best.BestAdapter)  # train.keep_best: rank 0's copy of the best step
+    best: keep_best.BestAdapter = field(default_factory=keep_best.BestAdapter)  # train.keep_best: rank 0's copy
 
     @property
     def checkpoints(self) -> Path:
