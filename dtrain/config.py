@@ -21,6 +21,8 @@ from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
 from .models import DTYPE_NAMES
+from .run.best import DIRECTIONS, REPORTED
+from .run.lambda_control import LAWS
 
 
 def option(default: Any, help: str, choices: tuple = (), at_least: Optional[float] = None,
@@ -101,6 +103,26 @@ class OrpoConfig:
     lam: float = option(0.1, "weight of the odds-ratio term (YAML key: lambda; the paper uses 0.1)", at_least=0.0)
     nll_scope: str = option("full", "NLL over prompt + chosen response (full: the paper, TRL) or the response only",
                             ("full", "response"))
+    # the dynamic-λ controller (dtrain/lambda_control.py; docs/defaults.md "The dynamic-λ controller")
+    lambda_schedule: str = option("static", "static: lambda for every step; adaptive: the controller steers lambda "
+                                            "in [lambda_min, lambda_max] from the held-out eval/logps/chosen after "
+                                            "each evaluation (needs train.eval_every > 0)", ("static", "adaptive"))
+    lambda_min: float = option(0.05, "adaptive: the lowest lambda, the first one and the one a hard stop freezes",
+                               at_least=0.0)
+    lambda_max: float = option(0.5, "adaptive: the highest lambda", at_least=0.0)
+    lambda_step: float = option(0.05, "adaptive: lambda added per evaluation while ramping (the PD law's gain)",
+                                above=0.0)
+    lambda_backoff: float = option(0.5, "adaptive, aimd: lambda is multiplied by this when backing off",
+                                   at_least=0.0, below=1.0)
+    lambda_window: int = option(3, "adaptive: K, evaluations in the slope fit of eval/logps/chosen and calm "
+                                   "evaluations before a back-off ramps again", above=1)
+    lambda_epsilon: float = option(0.005, "adaptive: the slope noise band (nats/token per evaluation): ramp while "
+                                          "the slope >= -epsilon, back off below", above=0.0)
+    lambda_stop_drop: float = option(0.1, "adaptive: freeze lambda at lambda_min for good when eval/logps/chosen "
+                                          "falls this far (nats/token) below its first value", above=0.0)
+    lambda_law: str = option("aimd", "adaptive: aimd (add lambda_step, multiply by lambda_backoff) or pd (a PD "
+                                     "law on the slope error)", LAWS)
+    lambda_kd: float = option(0.5, "adaptive, pd: the derivative gain", at_least=0.0)
 
 
 @dataclass
@@ -184,6 +206,14 @@ class TrainConfig:
                                                 "nats/token below its step-0 value (the model is lowering the chosen "
                                                 "answers too); 0 = off; not checked for objective.kind dpo, whose "
                                                 "logps are sums per response", at_least=0.0)
+    keep_best: Optional[str] = option(None, "null: adapters/ holds the last step; or a held-out metric: adapters/ "
+                                           "holds the best evaluated step by it (the last step goes to "
+                                           "adapters-last/); needs eval_every > 0", tuple(DIRECTIONS))
+    keep_best_guard: Optional[float] = option(None, "keep_best: a step counts only when its eval/logps/chosen is at "
+                                                    "most this many nats/token below step 0's; null = no guard",
+                                              at_least=0.0)
+    early_stop_evals: int = option(0, "keep_best: stop after this many evaluations in a row without a new best; "
+                                      "0 = never", at_least=0)
     progress: bool = option(True, "show a progress bar on rank 0")
 
 
@@ -280,7 +310,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def _check_allowed(value: Any, meta: dict, where: str) -> None:
     """The field's own allowed values (``option(choices=, at_least=, below=)``)."""
     choices = meta.get("choices")
-    if choices and value not in choices:
+    if choices and value is not None and value not in choices:
         raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
@@ -319,7 +349,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
 _OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_type"): ("dpo",),
                    ("objective", "simpo_gamma"): ("simpo",), ("objective", "nll_weight"): ("simpo",),
                    ("objective", "completion_only_loss"): ("sft",), ("orpo", "lam"): ("orpo",),
-                   ("orpo", "nll_scope"): ("orpo",)}
+                   ("orpo", "nll_scope"): ("orpo",),
+                   **{("orpo", f"lambda_{k}"): ("orpo",) for k in ("schedule", "min", "max", "step", "backoff",
+                                                                   "window", "epsilon", "stop_drop", "law", "kd")}}
 
 
 def _check(cfg: Config, source: str) -> None:
@@ -333,6 +365,20 @@ def _check(cfg: Config, source: str) -> None:
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                           "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
+    o, t = cfg.orpo, cfg.train
+    if o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
+        raise ConfigError(f"{source}: 'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")
+    for key, on in (("orpo.lambda_schedule: adaptive", o.lambda_schedule == "adaptive"),
+                    (f"train.keep_best: {t.keep_best}", t.keep_best is not None)):
+        if on and t.eval_every == 0:
+            raise ConfigError(f"{source}: '{key}' needs held-out evaluations during the run: set 'train.eval_every' "
+                              f"> 0 (it is 0)")
+    if t.keep_best is not None and t.keep_best not in REPORTED[kind]:
+        raise ConfigError(f"{source}: 'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
+                          f"it; choose one of {', '.join(REPORTED[kind])}")
+    if t.early_stop_evals and t.keep_best is None:
+        raise ConfigError(f"{source}: 'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
+                          f"(it is off): the stop keeps the best step")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
         raise ConfigError(f"{source}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
 
@@ -441,7 +487,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
 def allowed(tp: Any, meta: dict) -> str:
     """A field's allowed values as comments and ``dtrain config`` show them: ``a | b``, ``>= 0``, ``int or 'auto'``."""
     if meta.get("choices"):
-        return " | ".join(meta["choices"])
+        return " | ".join((*(("null",) if type(None) in typing.get_args(tp) else ()), *meta["choices"]))
     lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
     bounds = ([f"in [{lo:g}, {hi:g})"] if lo is not None and hi is not None else
               [x for x in (lo is not None and f">= {lo:g}", above is not None and f"> {above:g}",

@@ -85,6 +85,10 @@ class OutputDir:
         return self.root / "adapters"
 
     @property
+    def adapters_last(self) -> Path:  # train.keep_best: the last step's adapter (dtrain.run.best)
+        return self.root / "adapters-last"
+
+    @property
     def data_cache(self) -> Path:  # tokenized pairs by content (dtrain.data.cache)
         return self.root / "data_cache"
 

@@ -33,12 +33,17 @@ REFUSED = {
     "data.max_length": "where pairs are cut", "data.max_prompt_length": "where prompts are cut",
     "data.demo_pairs": "the generated pairs", "data.demo_seed": "the generated pairs",
     "orpo.lambda": "the loss", "orpo.nll_scope": "the loss",
+    **{f"orpo.lambda_{k}": "the loss (the dynamic-λ controller)" for k in (
+        "schedule", "min", "max", "step", "backoff", "window", "epsilon", "stop_drop", "law", "kd")},
     "train.global_batch_pairs": "the pairs of each step", "train.seed": "pair order and dropout masks",
     "train.learning_rate": "the schedule", "train.schedule": "the schedule", "train.warmup_steps": "the schedule",
     "train.min_lr_ratio": "the schedule", "train.weight_decay": "the update", "train.grad_clip": "the update",
     "train.eval_pairs": "the held-out pairs eval/ metrics average over",
     # by its text: its weights are the step-0 LoRA and, for dpo, the reference model a resume recomputes
     "train.init_adapter": "the step-0 adapter (and dpo's reference)",
+    # the best step so far (RunState.best_step) was picked by these: changed, it would compare unlike things
+    "train.keep_best": "which step adapters/ holds", "train.keep_best_guard": "which steps may be the best",
+    "train.early_stop_evals": "where the run stops (its count continues over the resume)",
 }
 
 # Compared by content, not by the text of the key: a moved file continues the run.

@@ -146,18 +146,20 @@ def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = 
 
 
 def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: dict | None = None,
-                  chat_template: str | None = None) -> None:
+                  chat_template: str | None = None, weights: dict | None = None) -> None:
     """Write ``adapters.safetensors`` and ``adapter_config.json`` into an existing ``folder``.
 
-    Not atomic by itself: callers write into a folder made by
-    :func:`dtrain.files.atomic_folder` (this function and checkpoints).
+    ``weights``: flat name -> array to write instead of the model's trainable
+    parameters (a kept best step). Not atomic by itself: callers write into a
+    folder made by :func:`dtrain.files.atomic_folder` (this function and checkpoints).
     """
-    mx.save_safetensors(str(folder / ADAPTER_WEIGHTS), dict(tree_flatten(model.trainable_parameters())))
+    weights = dict(tree_flatten(model.trainable_parameters())) if weights is None else weights
+    mx.save_safetensors(str(folder / ADAPTER_WEIGHTS), weights)
     (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, model, base_model, chat_template), indent=2))
 
 
 def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_model: dict | None = None,
-                 chat_template: str | None = None) -> Path:
+                 chat_template: str | None = None, weights: dict | None = None) -> Path:
     """Write the adapter folder atomically (:func:`dtrain.files.atomic_folder`).
 
     Args:
@@ -166,6 +168,7 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_mo
         out_dir: destination folder; replaced as a whole if it exists.
         base_model: the base model reference for ``adapter_config.json``.
         chat_template: the training template for ``adapter_config.json`` (see :func:`adapter_config`).
+        weights: flat weights to write instead of the model's (:func:`write_adapter`).
     Returns:
         ``out_dir`` as a Path.
     Raises:
@@ -173,7 +176,7 @@ def save_adapter(model: nn.Module, cfg: LoraConfig, out_dir: str | Path, base_mo
     """
     out = Path(out_dir)
     with atomic_folder(out) as tmp:
-        write_adapter(tmp, model, cfg, base_model, chat_template)
+        write_adapter(tmp, model, cfg, base_model, chat_template, weights)
     return out
 
 

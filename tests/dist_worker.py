@@ -128,6 +128,7 @@ def run_training(args, overrides, group):
         "history": result.history, "evals": {str(k): v for k, v in result.evals.items()},
         "pairs": {str(k): v for k, v in seen.items()},
         "adapter": str(result.adapter_dir) if result.adapter_dir else None,
+        "steps": result.steps, "best_step": result.best.step if result.best else None,
     }
     (out / f"rank{group.rank}.json").write_text(json.dumps(report))
 

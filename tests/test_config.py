@@ -147,7 +147,7 @@ def test_overrides_beat_yaml_and_parse_as_yaml_scalars(tmp_path):
 
 
 def test_unknown_key_names_the_key_and_lists_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown key 'orpo.beta' \(known in 'orpo': lambda, nll_scope\)"):
+    with pytest.raises(ConfigError, match=r"unknown key 'orpo.beta' \(known in 'orpo': lambda, lambda_backoff, lambda_epsilon, lambda_kd, lambda_law, lambda_max, lambda_min, lambda_schedule, lambda_step, lambda_stop_drop, lambda_window, nll_scope\)"):
         load_config(None, ["data.demo_pairs=1", "orpo.beta=0.1"])
 
 

@@ -37,7 +37,7 @@ class ToyMargin:
         margin = logps.chosen - logps.rejected - logps.extra["ref"]
         return (nn.softplus(-hyper["beta"] * margin)).sum() / totals.pairs, {"margin_sum": margin.sum()}
 
-    def finalize(self, sums, prefix=""):
+    def finalize(self, sums, prefix="", hyper=None):
         return {prefix + "margin": sums["margin_sum"] / sums["pairs"]}
 
 

@@ -235,3 +235,15 @@ def test_an_objective_key_for_another_kind_is_an_error_naming_it(kind, key, valu
 
     with pytest.raises(ConfigError, match=rf"'{key}' is .* but objective.kind {kind} does not read it"):
         load_config(None, ["data.demo_pairs=4", f"objective.kind={kind}", f"{key}={value}"])
+
+
+def test_simpo_finalize_reads_the_steps_hyper_parameters():
+    """beta and nll_weight given as the step's inputs (a λ-style controller, issue 25's ``finalize(sums, prefix,
+    hyper)``) set the metrics, not the built ones: nll 2/4 = 0.5, loss 0.75 * 0.5 + 1/2 = 0.875, rewards 2.5 x
+    the mean log-probs -0.5 and -1.5."""
+    sums = {"pairs": 2.0, "nll_tokens": 4.0, "nll_sum": 2.0, "simpo_sum": 1.0, "logps_chosen_sum": -1.0,
+            "logps_rejected_sum": -3.0, "accuracy_sum": 2.0}
+    given = SimPO(2.5, 0.5, 0.75)
+    m = SimPO(2.0, 0.5, 0.0).finalize(sums, "", given.hyper())
+    assert m == given.finalize(sums)
+    assert (m["loss"], m["rewards/chosen"], m["rewards/rejected"], m["rewards/margins"]) == (0.875, -1.25, -3.75, 2.5)

@@ -99,8 +99,9 @@ class DPO:
                 "logps_rejected_sum": pr.sum()}
         return losses.sum() / totals.pairs, sums
 
-    def finalize(self, sums: dict, prefix: str = "") -> dict:
-        """Summed values -> TRL's ``loss``, ``rewards/*`` and ``logps/*`` (means over pairs)."""
+    def finalize(self, sums: dict, prefix: str = "", hyper: dict | None = None) -> dict:
+        """Summed values -> TRL's ``loss``, ``rewards/*`` and ``logps/*`` (means over pairs);
+        ``hyper`` is not read: the rewards were scaled by the step's beta in :meth:`loss`."""
         s = {k: float(v) for k, v in sums.items()}
         pairs = max(s["pairs"], 1.0)
         chosen, rejected = s["rewards_chosen_sum"] / pairs, s["rewards_rejected_sum"] / pairs

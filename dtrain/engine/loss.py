@@ -170,14 +170,15 @@ class ORPO:
         return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
     def hyper(self) -> dict:
-        """``{"lam": λ}`` as a float32 scalar, a step input."""
-        return {"lam": mx.array(self.lam, mx.float32)}
+        """``{"lambda": λ}`` as a float32 scalar, a step input (named as the config key ``orpo.lambda``)."""
+        return {"lambda": mx.array(self.lam, mx.float32)}
 
     def loss(self, logps: PairLogps, totals: Totals, hyper: dict):
         """``(loss, sums)`` of one micro-batch (:func:`orpo_loss` on the mean response log-probabilities)."""
         return orpo_loss(logps.chosen / logps.chosen_tokens, logps.rejected / logps.rejected_tokens, logps.nll_sum,
-                         hyper["lam"], totals.nll_tokens, totals.pairs)
+                         hyper["lambda"], totals.nll_tokens, totals.pairs)
 
-    def finalize(self, sums: dict, prefix: str = "") -> dict:
-        """Summed values (over micro-batches and ranks) -> TRL-named metrics (:func:`finalize_metrics`)."""
-        return finalize_metrics(sums, self.lam, prefix)
+    def finalize(self, sums: dict, prefix: str = "", hyper: dict | None = None) -> dict:
+        """Summed values (over micro-batches and ranks) -> TRL-named metrics (:func:`finalize_metrics`),
+        the rewards weighted by the λ of ``hyper`` (the step's; None: ``self.lam``)."""
+        return finalize_metrics(sums, self.lam if hyper is None else float(hyper["lambda"]), prefix)

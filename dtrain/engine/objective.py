@@ -60,7 +60,8 @@ class Objective(Protocol):
     (``dtrain.engine.OBJECTIVES``) builds it with the classmethod ``from_config(cfg)``.
 
     ``hyper()`` gives its hyper-parameters as float32 scalars: they enter a step
-    as inputs (not constants), so changing one between steps retraces nothing.
+    as inputs (not constants), so changing one between steps retraces nothing;
+    ``finalize`` gets the same ones (None: its own), for metrics that depend on them.
     Two optional class attributes (default False / True): ``needs_reference``, the
     run puts the step-0 model's summed log-probabilities into each pair's ``extra``
     first (``dtrain.run.reference``, for DPO); ``per_token_logps`` False, its
@@ -76,4 +77,4 @@ class Objective(Protocol):
 
     def loss(self, logps: PairLogps, totals: Totals, hyper: dict) -> tuple[mx.array, dict]: ...
 
-    def finalize(self, sums: dict, prefix: str = "") -> dict: ...
+    def finalize(self, sums: dict, prefix: str = "", hyper: dict | None = None) -> dict: ...

@@ -54,8 +54,9 @@ class SFT:
         c = upcast(logps.chosen) / upcast(logps.chosen_tokens)
         return nll_sum / totals.nll_tokens, {"nll_sum": nll_sum, "logps_chosen_sum": c.sum()}
 
-    def finalize(self, sums: dict, prefix: str = "") -> dict:
-        """Summed values -> ``loss`` (= ``nll_loss``) and ``logps/chosen`` (mean over pairs, nats/token)."""
+    def finalize(self, sums: dict, prefix: str = "", hyper: dict | None = None) -> dict:
+        """Summed values -> ``loss`` (= ``nll_loss``) and ``logps/chosen`` (mean over pairs, nats/token);
+        SFT has no hyper-parameters (``hyper`` is accepted for the protocol)."""
         s = {k: float(v) for k, v in sums.items()}
         nll = s["nll_sum"] / max(s["nll_tokens"], 1.0)
         out = {"loss": nll, "nll_loss": nll, "logps/chosen": s["logps_chosen_sum"] / max(s["pairs"], 1.0)}

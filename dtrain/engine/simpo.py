@@ -68,20 +68,23 @@ class SimPO:
                 "logps_rejected_sum": r.sum(), "accuracy_sum": (c > r).astype(c.dtype).sum()}
         return loss, sums
 
-    def finalize(self, sums: dict, prefix: str = "") -> dict:
-        """Summed values -> ``loss``, ``nll_loss``, ``simpo_loss``, TRL's ``rewards/*`` and ``logps/*``."""
+    def finalize(self, sums: dict, prefix: str = "", hyper: dict | None = None) -> dict:
+        """Summed values -> ``loss``, ``nll_loss``, ``simpo_loss``, TRL's ``rewards/*`` and ``logps/*``,
+        with the step's ``hyper`` (None: this objective's own beta and nll_weight)."""
         s = {k: float(v) for k, v in sums.items()}
+        beta, nll_weight = (self.beta, self.nll_weight) if hyper is None else (float(hyper["beta"]),
+                                                                               float(hyper["nll_weight"]))
         pairs = max(s["pairs"], 1.0)
         nll = s["nll_sum"] / max(s["nll_tokens"], 1.0)
         chosen, rejected = s["logps_chosen_sum"] / pairs, s["logps_rejected_sum"] / pairs
         out = {
-            "loss": self.nll_weight * nll + s["simpo_sum"] / pairs,
+            "loss": nll_weight * nll + s["simpo_sum"] / pairs,
             "nll_loss": nll,
             "simpo_loss": s["simpo_sum"] / pairs,
-            "rewards/chosen": self.beta * chosen,
-            "rewards/rejected": self.beta * rejected,
+            "rewards/chosen": beta * chosen,
+            "rewards/rejected": beta * rejected,
             "rewards/accuracies": s["accuracy_sum"] / pairs,
-            "rewards/margins": self.beta * (chosen - rejected),
+            "rewards/margins": beta * (chosen - rejected),
             "logps/chosen": chosen,
             "logps/rejected": rejected,
         }

@@ -8,6 +8,8 @@
     schedule.py    the learning rate of a step
     tracking.py    TensorBoard events and the progress bar
     guards.py      warnings about the run's own metrics
+    best.py        train.keep_best: the best evaluated step, its adapter copy, the early stop
+    lambda_control.py  orpo.lambda_schedule: adaptive: the dynamic-λ controller and the λ it feeds the step
 
 Nothing is imported here.
 """

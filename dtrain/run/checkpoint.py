@@ -52,6 +52,7 @@ from ..lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
+BEST = "best.safetensors"  # train.keep_best: the LoRA weights of the best evaluated step so far
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
 PREFIX = "step-"
@@ -85,6 +86,8 @@ class RunState:
     position: dict = field(default_factory=dict)  # sampler.Sampler.position(step)
     tensorboard_run: Optional[str] = None  # relative to the output folder
     evals: dict = field(default_factory=dict)  # "step" -> eval metrics of the whole run
+    lambda_control: dict = field(default_factory=dict)  # lambda_control.LambdaState (adaptive λ), {} when static
+    best_step: Optional[int] = None  # train.keep_best: the step of best.safetensors
 
     def must_match(self) -> dict:
         """``{name shown to the user: value}`` of every field a resume may not change, settings first."""
@@ -145,6 +148,7 @@ class Checkpoint:
     state: RunState
     adapter: dict  # name -> array
     optimizer: dict  # flattened optimizer state
+    best: Optional[dict] = None  # name -> array of best.safetensors (rank 0 only), when the run keeps one
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -152,7 +156,8 @@ def checkpoint_dir(root: Path, step: int) -> Path:
 
 
 def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, resolved: dict,
-                    base_model: Optional[dict] = None, chat_template: Optional[str] = None) -> Path:
+                    base_model: Optional[dict] = None, chat_template: Optional[str] = None,
+                    best: Optional[dict] = None) -> Path:
     """Write checkpoint ``state.step`` under ``root`` atomically and return its folder.
 
     A folder of the same step is replaced only when it is not a valid
@@ -167,6 +172,7 @@ def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, res
         resolved: the resolved config as plain data.
         base_model: the base model reference for ``adapter_config.json``.
         chat_template: the training template for ``adapter_config.json``.
+        best: LoRA weights of the best step (``train.keep_best``), written as ``best.safetensors``.
     Raises:
         UserError: the folder could not be written (disk full, permissions;
             the previous checkpoints are left untouched), or ``step-N`` is a
@@ -180,6 +186,8 @@ def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, res
     with storage(f"write checkpoint {final}", "; the previous checkpoints are intact"), atomic_folder(final) as tmp:
         write_adapter(tmp, model, lora_cfg, base_model, chat_template)
         mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
+        if best is not None:
+            mx.save_safetensors(str(tmp / BEST), best)
         (tmp / STATE).write_text(state.to_json())
         (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}
@@ -247,7 +255,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise UserError(f"resume: {path} is not a valid checkpoint: {problem}")
     with storage(f"read checkpoint {path}"):
         state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
-        return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)))
+        best = mx.load(str(path / BEST)) if (path / BEST).is_file() else None
+        return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)), best)
 
 
 def _differs(name: str, saved, now) -> str:
@@ -314,7 +323,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
         group: the process group.
         report: where rank 0 reports skipped checkpoints.
     Returns:
-        The checkpoint continued (``adapter``/``optimizer`` as restored), or
+        The checkpoint continued (``adapter``/``optimizer`` as restored; ``best`` on rank 0 only), or
         None to start at step 1 (no ``spec``, or ``auto`` found none).
     Raises:
         UserError: on every rank, with rank 0's reason.
@@ -347,7 +356,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
     opt = group.broadcast_arrays(found.optimizer if found else _zeros(decision["optimizer"]), None,
                                  "broadcast of the checkpoint's optimizer state")
     restore(model, optimizer, adapter, opt)
-    return Checkpoint(Path(decision["path"]), RunState(**decision["state"]), adapter, opt)
+    return Checkpoint(Path(decision["path"]), RunState(**decision["state"]), adapter, opt, found.best if found else None)
 
 
 def prune(root: Path, keep_last: int, run_id: str) -> None:
@@ -360,9 +369,9 @@ def prune(root: Path, keep_last: int, run_id: str) -> None:
 
 
 def estimate_bytes(model) -> int:
-    """Bytes one checkpoint needs: adapter + two AdamW moments, plus 1 MiB of metadata."""
+    """Bytes one checkpoint needs: adapter + two AdamW moments + the best adapter, plus 1 MiB of metadata."""
     n = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
-    return 3 * n + (1 << 20)
+    return 4 * n + (1 << 20)  # with the best step's adapter (train.keep_best)
 
 
 @dataclass(frozen=True)

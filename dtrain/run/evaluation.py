@@ -11,25 +11,27 @@ from ..types import TokenizedPair
 ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
 
 
-def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None) -> dict:
+def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None,
+             hyper: dict | None = None) -> dict:
     """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
 
     ``micro``: pairs per micro-batch; ``group``: the ``distributed.Group`` whose
     ranks sum the metric sums (every rank joins); ``bar``: a progress bar
-    advanced by the pairs of each micro-batch (rank 0's).
+    advanced by the pairs of each micro-batch (rank 0's); ``hyper``: the
+    objective's hyper-parameters (the step's, ``step.Step.hyper``; None: ``objective.hyper()``).
     """
     model.eval()
     objective = engine.objective
     totals = objective.totals(pairs)
     sums = dict.fromkeys(objective.metric_keys, 0.0)
     for chunk in sampler.shard_batches(pairs, group.rank, group.size, micro):
-        part, _ = run_micro_batches(engine, [chunk], totals, with_grads=False)  # one read per chunk, for the bar
+        part, _ = run_micro_batches(engine, [chunk], totals, False, None, hyper)  # one read per chunk, for the bar
         sums = {k: sums[k] + part[k] for k in sums}
         if bar is not None:
             bar.update(len(chunk))
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
     model.train()
-    return objective.finalize(sums, prefix="eval/")
+    return objective.finalize(sums, "eval/", hyper)
 
 
 def evaluate_and_log(run, step: int) -> None:
@@ -38,7 +40,8 @@ def evaluate_and_log(run, step: int) -> None:
     bar = run.log.eval_bar(step, len(sampler.rank_shard(run.valid, run.group.rank, run.group.size)))
     run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
     try:
-        metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar)
+        metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar,
+                           run.step.hyper)
     finally:
         if bar is not None:
             bar.close()

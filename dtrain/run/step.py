@@ -57,7 +57,8 @@ class Step:
 
     ``objective``: scores the step (``engine.objective`` unless given); ``hyper``: its
     hyper-parameters (``objective.hyper()`` unless given), float32 scalars that enter the
-    engine as inputs, so setting a new λ here between steps retraces nothing.
+    engine as inputs, so setting a new λ here between steps retraces nothing (the
+    dynamic-λ controller does: ``run.lambda_control.steer``); logged as ``train/<name>``.
     """
 
     engine: Any
@@ -90,7 +91,7 @@ class Step:
         grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
         reduce_seconds = time.perf_counter() - reduce_start
         sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
-        metrics = objective.finalize(sums)
+        metrics = objective.finalize(sums, "", self.hyper)
         lr = learning_rate(step, t, self.schedule_steps)
         loss_finite = math.isfinite(metrics["loss"])
         grad_norm = self.optimizer.apply(self.model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite
@@ -106,5 +107,6 @@ class Step:
             "perf/allreduce_seconds": reduce_seconds,
             "prefix_sharing/fallback_pairs": sums["fallback_pairs"],
             "perf/padding_fraction": padding_fraction(sums),
+            **{f"train/{name}": float(v) for name, v in self.hyper.items()},  # ORPO: train/lambda
         })
         return StepOutcome(metrics, applied, sums["stop"] > 0, batch)

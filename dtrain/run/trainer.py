@@ -28,6 +28,7 @@ from ..data.templates import template_source
 from ..device import resolve_auto
 from ..distributed import Group, check_in_sync, handshake
 from ..engine import fit_dataset, make_engine, make_objective
+from . import best as keep_best, lambda_control
 from .evaluation import ACCURACY, evaluate_and_log
 from ..errors import UserError
 from ..files import OutputDir, storage
@@ -52,14 +53,21 @@ class TrainResult:
     run_dir: Optional[Path] = None
     skipped_steps: int = 0
     stopped: bool = False  # stopped early by a signal (checkpoint saved)
+    best: Optional[keep_best.Pick] = None  # train.keep_best: the kept step
+    best_metric: Optional[str] = None
+    early_stopped: bool = False  # train.early_stop_evals ended the run
 
     def summary(self) -> Optional[str]:
         """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation, or None."""
         if len(self.evals) < 2:
             return None
         first, last = min(self.evals), max(self.evals)
-        return (f"eval reward accuracy (chosen preferred over rejected): step {first} "
+        line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
+        if self.best is not None:
+            line += "; early stop" if self.early_stopped else ""
+            line += f"; {keep_best.describe(self.best, self.best_metric)}"
+        return line
 
 
 def _nothing(*_) -> None:
@@ -107,6 +115,7 @@ class Run:
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
     chat_template: Optional[str] = None  # data.chat_template's text, recorded in adapter_config.json
+    best: keep_best.BestAdapter = field(default_factory=keep_best.BestAdapter)  # train.keep_best: rank 0's copy
 
     @property
     def checkpoints(self) -> Path:
@@ -139,7 +148,9 @@ def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
     t, result = run.cfg.train, run.result
     if run.valid and run.state.step == 0:
-        evaluate_and_log(run, 0)
+        evaluate_and_steer(run, 0)
+    elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
+        return end_early(run, run.state.step)
     if run.state.step < t.steps:
         run.log.doing(first_step_text(run))
     skipped_in_row = 0
@@ -162,14 +173,15 @@ def loop(run: Run) -> TrainResult:
         if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
         if run.valid and _every(step, t.eval_every) and step != t.steps:
-            evaluate_and_log(run, step)
+            if evaluate_and_steer(run, step):
+                return end_early(run, step)
         if _every(step, t.save_every) and step != t.steps:
             save(run, step)
     # the end of a run is idempotent: a resume of its final checkpoint evaluates, saves and logs nothing again
     done = run.resumed_from is not None and run.state.step == t.steps and (
         not run.valid or str(t.steps) in run.state.evals)
     if run.valid and str(t.steps) not in run.state.evals:
-        evaluate_and_log(run, t.steps)
+        evaluate_and_steer(run, t.steps)
     if not done:
         save(run, t.steps)
     finish(run, hparams=not done)
@@ -179,6 +191,25 @@ def loop(run: Run) -> TrainResult:
 def _every(step: int, n: int) -> bool:
     """Whether a cadence of every ``n`` steps (0 = never) falls on ``step``."""
     return bool(n) and step % n == 0
+
+
+def evaluate_and_steer(run: Run, step: int) -> bool:
+    """Evaluate after ``step``, then let the λ controller and ``train.keep_best`` read the
+    numbers; True when ``train.early_stop_evals`` says stop (the same on every rank: eval
+    metrics are all-reduced)."""
+    evaluate_and_log(run, step)
+    lambda_control.steer(run, step)
+    return keep_best.track(run, step)
+
+
+def end_early(run: Run, step: int) -> TrainResult:
+    """Checkpoint and adapters of a run that ``train.early_stop_evals`` stopped after ``step``."""
+    run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
+                    f"{run.cfg.train.keep_best}; stopping early")
+    save(run, step)
+    finish(run)
+    run.result.steps, run.result.early_stopped = step, True
+    return run.result
 
 
 def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
@@ -209,6 +240,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cache_entries = dataset.cache_entries
     objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
+    steering = [k for k, on in (("train.keep_best", t.keep_best is not None),
+                                ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
+    if steering and not dataset.valid:
+        raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
+                        f"run has none: set data.valid or data.valid_fraction > 0")
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     if t.init_adapter:
@@ -251,6 +287,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                 _stderr(f"train.steps {t.steps} is past the {state.schedule_steps} steps this run's schedule was "
                         f"planned for: steps {max(state.step, state.schedule_steps) + 1}-{t.steps} hold its final "
                         f"learning rate {learning_rate(state.schedule_steps, t, state.schedule_steps):.3g}")
+        state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
@@ -261,18 +298,22 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cleanup.callback(stop.uninstall)
         cleanup.enter_context(wired_limit(model, report=_stderr if group.is_main else None))  # Metal only
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
-                             evals={int(k): v for k, v in state.evals.items()})
+                             evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best)
+        if t.keep_best is not None and state.evals:
+            result.best = keep_best.pick_best(state.evals, t.keep_best, t.keep_best_guard)
         log.config(resolved, auto)
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
                     + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
         step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group,
-                    schedule_steps=state.schedule_steps)
+                    schedule_steps=state.schedule_steps,
+                    hyper=lambda_control.hyper(cfg.orpo, state.lambda_control, engine.objective.hyper()))
+        kept = keep_best.BestAdapter(state.best_step, resumed.best if resumed and group.is_main else None)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks,
-                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None)
+                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None, kept)
 
 
 def first_step_text(run: Run) -> str:
@@ -302,23 +343,25 @@ def save(run: Run, step: int) -> None:
         state = replace(run.state, step=step, position=run.sampler.position(step))
         run.log.flush()
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
-                             run.base_model, run.chat_template)
+                             run.base_model, run.chat_template, run.best.weights)
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
 
 
 def finish(run: Run, hparams: bool = True) -> None:
-    """Rank 0 writes the adapter (the same bytes when written again) and, with ``hparams``, the hparams record."""
+    """Rank 0 writes the adapter (the same bytes when written again; with ``train.keep_best``: the best
+    step's, and the last step's to ``adapters-last/``) and, with ``hparams``, the hparams record."""
     if run.group.is_main:
-        t = run.cfg.train
-        out = OutputDir(Path(t.output_dir)).adapters
-        with storage(f"write the adapter {out}", f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, t.steps)} "
+        t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
+        weights = keep_best.last_and_best(run, out.adapters_last)
+        with storage(f"write the adapter {out.adapters}", f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, step)} "
                      f"holds the same weights"):
-            run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out, run.base_model,
-                                                  run.chat_template)
+            run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
+                                                  run.chat_template, weights)
         if hparams:
-            final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(t.steps, {})}
-            run.log.hparams(run.resolved, final, t.steps)
-        run.log.message(f"adapter written to {run.result.adapter_dir}")
+            final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(step, {})}
+            run.log.hparams(run.resolved, final, step)
+        run.log.message(f"adapter written to {run.result.adapter_dir}"
+                        + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
 
 
 def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:

@@ -1,0 +1,234 @@
+"""train.keep_best: the pick on scripted evaluation series (ties, the guard, NaN), the
+adapter of the picked step in adapters/ (bitwise, from the checkpoints), across a
+resume, with an early stop, and on two ranks."""
+
+import json
+import math
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from conftest import make_pairs, make_tiny_model
+from dtrain.run import evaluation
+from dtrain.run.best import DIRECTIONS, REPORTED, pick_best
+from dtrain.config import load_config
+from dtrain.errors import ConfigError, UserError
+from dtrain.run.tracking import read_events, read_scalars
+from dtrain.run.trainer import train
+
+ACC, CHOSEN = "eval/rewards/accuracies", "eval/logps/chosen"
+
+
+def series(acc: dict, chosen: dict | None = None) -> dict:
+    chosen = chosen or {}
+    return {s: {ACC: a, CHOSEN: chosen.get(s, -1.0), "eval/loss": 1.0 - a} for s, a in acc.items()}
+
+
+def test_pick_takes_the_best_and_keeps_the_earlier_of_a_tie():
+    evals = series({0: 0.9, 1: 0.5, 2: 0.7, 3: 0.7, 4: 0.6})  # step 0 (the base) never counts
+    assert pick_best(evals, ACC) == pick_best({str(k): v for k, v in evals.items()}, ACC)  # checkpoint keys
+    p = pick_best(evals, ACC)
+    assert (p.step, p.value, p.since, p.guarded) == (2, 0.7, 2, ())
+    p = pick_best(evals, "eval/loss")  # lower is better: the same steps
+    assert (p.step, p.value, p.since) == (2, pytest.approx(0.3), 2)
+
+
+def test_guard_excludes_steps_whose_chosen_logps_fell_too_far():
+    evals = series({0: 0.2, 1: 0.5, 2: 0.8, 3: 0.9, 4: 0.6}, {0: -1.70, 1: -1.65, 2: -1.79, 3: -1.81, 4: -1.70})
+    assert pick_best(evals, ACC).step == 3  # no guard
+    p = pick_best(evals, ACC, guard=0.1)  # -1.80 is the floor: step 2 (-1.79) is in, step 3 (-1.81) out
+    assert (p.step, p.since, p.guarded) == (2, 2, (3,))
+    p = pick_best(evals, ACC, guard=0.0)  # nothing below the base: steps 1 (0.5) and 4 (0.6)
+    assert (p.step, p.since, p.guarded) == (4, 0, (2, 3))
+    none = pick_best(series({0: 0.2, 1: 0.9}, {0: -1.0, 1: -2.0}), ACC, guard=0.5)
+    assert (none.step, none.value, none.since) == (None, None, 1)
+
+
+def test_non_finite_values_never_count():
+    p = pick_best(series({0: 0.1, 1: math.nan, 2: 0.3, 3: math.inf * 0}), ACC)
+    assert (p.step, p.since) == (2, 1)
+
+
+@pytest.mark.parametrize("metric", sorted(DIRECTIONS))
+def test_pick_equals_a_brute_force_over_random_series(metric):
+    rng = random.Random(hash(metric) % 1000)
+    for _ in range(300):
+        steps = sorted(rng.sample(range(0, 60), rng.randint(1, 12)))
+        evals = {s: {metric: rng.choice([0.1, 0.2, 0.3, rng.random()]), CHOSEN: -1.0 - rng.random() * 0.3}
+                 for s in steps}
+        guard = rng.choice([None, 0.05, 0.2])
+        base = evals.get(0, {}).get(CHOSEN)
+        ok = [s for s in steps if s > 0 and (guard is None or base is None or evals[s][CHOSEN] >= base - guard)]
+        sign = DIRECTIONS[metric]
+        want = min(ok, key=lambda s: (-sign * evals[s][metric], s)) if ok else None
+        p = pick_best(evals, metric, guard)
+        assert p.step == want
+        assert p.since == len([s for s in steps if s > (want or 0)])
+
+
+# -- in a run: scripted evaluations, real training --------------------------------
+
+# steps 1..6 evaluated; accuracy ties at 2/3, step 4 the highest but its chosen log-prob
+# fell 0.2 below step 0's: with guard 0.1 the pick is step 2
+SCRIPT_ACC = {0: 0.2, 1: 0.5, 2: 0.7, 3: 0.7, 4: 0.9, 5: 0.6, 6: 0.65}
+SCRIPT_CHOSEN = {0: -1.0, 1: -0.95, 2: -0.98, 3: -1.0, 4: -1.2, 5: -1.05, 6: -1.05}
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """Replace the held-out evaluation by the script (the training steps stay real)."""
+    calls = []
+
+    def fake(engine, model, pairs, micro, group, step, bar=None, hyper=None):
+        calls.append(step)
+        return {"eval/loss": 1.0 - SCRIPT_ACC[step], ACC: SCRIPT_ACC[step], CHOSEN: SCRIPT_CHOSEN[step]}
+
+    monkeypatch.setattr(evaluation, "evaluate", fake)
+    return calls
+
+
+def run(out, *overrides):
+    cfg = load_config(None, [
+        f"train.output_dir={out}", "data.demo_pairs=1", "train.steps=6", "train.global_batch_pairs=4",
+        "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=2", "train.progress=false",
+        "train.eval_every=1", "train.save_every=1", "train.keep_last=10", "train.schedule=constant",
+        "train.warmup_steps=0", *overrides,
+    ])
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
+    pairs = make_pairs(12)
+    return train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs[:9], valid=pairs[9:], fingerprint="fp"))
+
+
+def weights(folder: Path) -> dict:
+    return mx.load(str(folder / "adapters.safetensors"))
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+
+def test_adapters_hold_the_picked_step_and_adapters_last_the_last(tmp_path, scripted):
+    result = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1")
+    assert scripted == [0, 1, 2, 3, 4, 5, 6] and result.best.step == 2 and result.best.guarded == (4,)
+    ck = tmp_path / "checkpoints"
+    assert same(weights(tmp_path / "adapters"), weights(ck / "step-0000002"))
+    assert same(weights(tmp_path / "adapters-last"), weights(ck / "step-0000006"))
+    assert not same(weights(ck / "step-0000002"), weights(ck / "step-0000006"))
+    assert result.summary() == ("eval reward accuracy (chosen preferred over rejected): step 0 0.200 -> step 6 0.650; "
+                                f"adapters/ holds step 2 ({ACC} 0.7000)")
+    scalars = read_scalars(result.run_dir)
+    assert scalars["best/step"] == [(1, 1.0), (2, 2.0), (3, 2.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+    texts = [v.tensor.string_val[0].decode() for e in read_events(result.run_dir) for v in e.summary.value
+             if v.tag.startswith("best") and v.HasField("tensor")]
+    assert texts == [f"adapters/ holds step 2 ({ACC} 0.7000)"]
+    unguarded = run(tmp_path / "unguarded", f"train.keep_best={ACC}")
+    assert unguarded.best.step == 4
+    assert same(weights(tmp_path / "unguarded" / "adapters"), weights(tmp_path / "unguarded/checkpoints/step-0000004"))
+
+
+def test_off_writes_the_last_step_to_adapters_only(tmp_path, scripted):
+    result = run(tmp_path)
+    assert result.best is None and not (tmp_path / "adapters-last").exists()
+    assert same(weights(tmp_path / "adapters"), weights(tmp_path / "checkpoints" / "step-0000006"))
+    assert "best/step" not in read_scalars(result.run_dir)
+
+
+def test_resume_after_the_best_step_still_writes_it(tmp_path, scripted):
+    """Cut after step 3 (best so far: step 2, kept in the checkpoint), resume to step 6:
+    adapters/ and adapters-last/ are bitwise those of the uninterrupted run."""
+    args = (f"train.keep_best={ACC}", "train.keep_best_guard=0.1")
+    run(tmp_path / "whole", *args)
+    cut = run(tmp_path / "cut", *args, "train.steps=3")
+    assert cut.best.step == 2 and (tmp_path / "cut" / "checkpoints" / "step-0000003" / "best.safetensors").is_file()
+    resumed = run(tmp_path / "cut", *args, "train.resume=auto")
+    assert resumed.best.step == 2 and len(resumed.history) == 3
+    for folder in ("adapters", "adapters-last"):
+        assert same(weights(tmp_path / "whole" / folder), weights(tmp_path / "cut" / folder)), folder
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-0000006" / "state.json").read_text())
+    assert state["best_step"] == 2
+
+
+def test_early_stop_after_n_evaluations_without_a_new_best(tmp_path, scripted):
+    """Best at step 2; step 3 ties and step 4 is guarded: 2 evaluations without a new best."""
+    result = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1", "train.early_stop_evals=2")
+    assert result.early_stopped and result.steps == 4 and len(result.history) == 4
+    assert scripted == [0, 1, 2, 3, 4]
+    assert same(weights(tmp_path / "adapters"), weights(tmp_path / "checkpoints" / "step-0000002"))
+    assert same(weights(tmp_path / "adapters-last"), weights(tmp_path / "checkpoints" / "step-0000004"))
+    assert "early stop; adapters/ holds step 2" in result.summary()
+    again = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1", "train.early_stop_evals=2",
+                "train.resume=auto")  # a resumed run that had stopped early trains nothing more
+    assert again.early_stopped and again.steps == 4 and again.history == []
+
+
+def test_keep_best_needs_evaluations(tmp_path):
+    with pytest.raises(ConfigError, match=r"command line: 'train.keep_best: eval/loss' needs held-out evaluations "
+                                          r"during the run: set 'train.eval_every' > 0 \(it is 0\)"):
+        load_config(None, ["data.demo_pairs=1", "train.keep_best=eval/loss"])
+    with pytest.raises(ConfigError, match=r"'train.early_stop_evals' \(3\) needs 'train.keep_best' \(it is off\)"):
+        load_config(None, ["data.demo_pairs=1", "train.early_stop_evals=3", "train.eval_every=2"])
+    with pytest.raises(ConfigError, match=r"key 'train.keep_best' must be one of eval/rewards/accuracies"):
+        load_config(None, ["data.demo_pairs=1", "train.keep_best=accuracy", "train.eval_every=2"])
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.demo_pairs=1", "train.keep_best=eval/loss",
+                             "train.eval_every=1", "lora.rank=2", "train.progress=false"])
+    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
+    with pytest.raises(UserError) as err:
+        train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
+    assert str(err.value) == ("train.keep_best needs held-out pairs, and this run has none: set data.valid or "
+                              "data.valid_fraction > 0")
+    assert not any(tmp_path.iterdir())  # nothing written
+    cfg.orpo.lambda_schedule = "adaptive"
+    with pytest.raises(UserError) as err:
+        train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
+    assert str(err.value).startswith("train.keep_best and orpo.lambda_schedule: adaptive need held-out pairs")
+
+
+def test_two_ranks_pick_the_same_step_and_rank_0_writes_it(tmp_path):
+    """Real evaluations all-reduced over 2 ranks, with the λ controller on: both ranks train
+    the same λ sequence to the same weights and stop at the same step; rank 0's adapters/
+    is the checkpoint of the step the evaluation series picks (step 3 of 4 when this was
+    written: eval/nll_loss 6.75, 6.52, 6.35, then 6.97 stopped the run)."""
+    from test_distributed import finish as finish_ranks
+    from test_distributed import start_ring
+
+    args = ("train.steps=6", "train.eval_every=1", "train.save_every=1", "train.keep_last=10",
+            "train.keep_best=eval/nll_loss", "train.early_stop_evals=1", "train.learning_rate=0.05",
+            "orpo.lambda_schedule=adaptive", "orpo.lambda_epsilon=10", "distributed.collective_timeout_s=30")
+    ranks = finish_ranks(start_ring(2, tmp_path, *args), timeout=150)
+    assert [rc for rc, _, _ in ranks] == [0, 0], ranks
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert reports[0]["evals"] == reports[1]["evals"] and reports[0]["steps"] == reports[1]["steps"]
+    lams = [[h["train/lambda"] for h in r["history"]] for r in reports]
+    assert lams[0] == lams[1] and lams[0][:3] == pytest.approx([0.05, 0.10, 0.15])  # ε 10: a ramp from step 2
+    assert same(mx.load(str(tmp_path / "rank0.safetensors")), mx.load(str(tmp_path / "rank1.safetensors")))
+    evals = {int(k): v for k, v in reports[0]["evals"].items()}
+    want = min((s for s in evals if s > 0), key=lambda s: (evals[s]["eval/nll_loss"], s))
+    assert reports[0]["best_step"] == reports[1]["best_step"] == want
+    assert reports[0]["steps"] == min(want + 1, 6)  # early stop at the first evaluation without a new best
+    out = tmp_path / "run"
+    assert same(weights(out / "adapters"), weights(out / "checkpoints" / f"step-{want:07d}"))
+    last = reports[0]["steps"]
+    assert same(weights(out / "adapters-last"), weights(out / "checkpoints" / f"step-{last:07d}"))
+
+
+@pytest.mark.parametrize("kind", ["orpo", "dpo", "simpo", "sft"])
+def test_each_objective_reports_the_keep_best_metrics_the_config_allows_it(kind):
+    from dtrain.config import Config
+    from dtrain.engine import make_objective
+
+    obj = make_objective(Config(), kind)
+    reported = obj.finalize(dict.fromkeys(obj.metric_keys, 1.0), "eval/")
+    assert sorted(REPORTED[kind]) == sorted(m for m in DIRECTIONS if m in reported)
+
+
+def test_keep_best_of_a_metric_the_objective_does_not_report_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=4", "objective.kind=sft", "train.eval_every=1",
+                           "train.keep_best=eval/rewards/accuracies"])
+    assert str(err.value) == ("command line: 'train.keep_best' is eval/rewards/accuracies but objective.kind sft does "
+                              "not report it; choose one of eval/loss, eval/nll_loss")
