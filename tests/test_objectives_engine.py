@@ -82,6 +82,13 @@ def test_hyper_parameters_are_step_inputs_of_the_compiled_engine(built, given):
     assert second == pytest.approx(own, rel=1e-6)
 
 
+# segmented-engine settings every objective is checked under (pack: the sequences of a micro-batch in one row)
+VARIANTS = [dict(segment_layers=2), dict(segment_layers=2, prefix_sharing=True),
+            dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7), dict(segment_layers=0, prefix_sharing=True),
+            dict(segment_layers=2, pack=True), dict(segment_layers=0, prefix_sharing=True, pack=True, length_bucket=16)]
+VARIANT_IDS = ["segmented", "prefix", "prefix_chunked", "one_range", "packed", "prefix_packed_bucket"]
+
+
 def parity(model, engine, pairs, obj):
     norm = obj.totals(pairs)
     ref = ReferenceEngine(model, obj).step(pairs, norm)
@@ -100,12 +107,7 @@ def parity(model, engine, pairs, obj):
     return out
 
 
-@pytest.mark.parametrize("variant", [dict(segment_layers=2), dict(segment_layers=2, prefix_sharing=True),
-                                     dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
-                                     dict(segment_layers=0, prefix_sharing=True),
-                                     dict(segment_layers=2, pack=True), dict(segment_layers=0, prefix_sharing=True,
-                                                                             pack=True, length_bucket=16)],
-                         ids=["segmented", "prefix", "prefix_chunked", "one_range", "packed", "prefix_packed_bucket"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("name", OBJECTIVES)
 def test_segmented_equals_reference(name, variant):
     """Segmented (ranges, chunked head, single pass) = reference; with prefix sharing this is
@@ -181,12 +183,7 @@ def sft_rows(seed=0):
     return [dataclasses.replace(p, rejected=[], rejected_prompt=None) for p in pairs[:2]] + pairs[2:]
 
 
-@pytest.mark.parametrize("variant", [dict(segment_layers=2), dict(segment_layers=2, prefix_sharing=True),
-                                     dict(segment_layers=3, prefix_sharing=True, head_chunk_tokens=7),
-                                     dict(segment_layers=0, prefix_sharing=True),
-                                     dict(segment_layers=2, pack=True), dict(segment_layers=0, prefix_sharing=True,
-                                                                             pack=True, length_bucket=16)],
-                         ids=["segmented", "prefix", "prefix_chunked", "one_range", "packed", "prefix_packed_bucket"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("name", ["sft", "sft_full"])
 def test_sft_rows_segmented_equals_reference(name, variant):
     obj = OBJECTIVES[name]
