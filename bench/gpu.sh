@@ -89,11 +89,13 @@ recommended)
   MLX_ENABLE_TF32=0 run --dtype float32 | tee "$out/recommended-float32.txt"
   [ -d "$bf" ] || python3 -m mlx_lm convert --hf-path "$f32" --mlx-path "$bf" --dtype bfloat16 >/dev/null
   run --dtype bfloat16 --model-dir "$bf" | tee "$out/recommended-bfloat16.txt"
+  tar czf "$out/recommended-logs.tgz" /tmp/dtrain-peer-*/round*/*.log 2>/dev/null
   ;;
 objectives)
   gguf=$3; shift 3
   MLX_ENABLE_TF32=0 python3 bench/objectives.py run /tmp/objectives --trl-python python3 --trl-model "$gguf" \
       ${KINDS:+--kinds $KINDS} ${TRL_KINDS:+--trl-kinds $TRL_KINDS} "$@" 2>&1 | tee -a "$out/objectives.txt"
   cp /tmp/objectives/results.json "$out/objectives.json"
+  tar czf "$out/objectives-logs.tgz" /tmp/objectives/*/*/log.txt /tmp/objectives/trl/*.log 2>/dev/null
   ;;
 esac
