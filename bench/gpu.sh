@@ -7,6 +7,11 @@
 #   bash bench/gpu.sh dpf32 OUT     # the same in float32 with TF32 off: 2-rank adapter vs 1-rank adapter
 #   bash bench/gpu.sh peer OUT MODEL LENGTH...   # bench/peer.py, bfloat16, random weights, synthetic pairs
 #       (mlx-lm-lora's wheel rides in .gpu-b with the others; bench/tok holds SmolLM2's tokenizer files)
+#   bash bench/gpu.sh recommended OUT GGUF   # bench/peer.py --recommended: dtrain vs mlx-lm-lora vs TRL's
+#       ORPOTrainer, SmolLM2 (the demo GGUF) in float32 (TF32 off everywhere) and bfloat16 (issue 26)
+#   bash bench/gpu.sh objectives OUT GGUF [KIND...]   # bench/objectives.py run: each objective + TRL's
+#       DPOTrainer on one held-out split of the orca pairs, float32 with TF32 off (issue 24)
+#   (trl==1.16.0, datasets, dill and multiprocess ride as wheels too; DTRAIN_CACHE holds the demo GGUF)
 # MLX runs float32 matmuls as TF32 on NVIDIA GPUs unless MLX_ENABLE_TF32=0 (about 1e-3
 # relative error per product): the float32 equivalence checks turn it off.
 set -uo pipefail
@@ -76,5 +81,21 @@ peer)
         --only "dtrain segmented+prefix+chunked" "dtrain one range+prefix" mlx-lm-lora --out "$out" 2>&1 \
         | tail -25 | tee "$out/peer-$model-$len.md"
   done
+  ;;
+recommended)
+  gguf=$3; f32=$HOME/.cache/dtrain/smollm2-135m-instruct-f32; bf=$HOME/.cache/dtrain/smollm2-135m-instruct-bf16
+  run() { timeout ${PEER_TIMEOUT:-280} python3 bench/peer.py --recommended --rounds 1 --no-peer-fuse --skip-first \
+            --peer-python python3 --trl-python python3 --trl-model "$gguf" --keep --out "$out" "$@" 2>&1; }
+  MLX_ENABLE_TF32=0 run --dtype float32 | tee "$out/recommended-float32.txt"
+  [ -d "$bf" ] || python3 -m mlx_lm convert --hf-path "$f32" --mlx-path "$bf" --dtype bfloat16 >/dev/null
+  run --dtype bfloat16 --model-dir "$bf" | tee "$out/recommended-bfloat16.txt"
+  tar czf "$out/recommended-logs.tgz" /tmp/dtrain-peer-*/round*/*.log 2>/dev/null
+  ;;
+objectives)
+  gguf=$3; shift 3
+  MLX_ENABLE_TF32=0 python3 bench/objectives.py run /tmp/objectives --trl-python python3 --trl-model "$gguf" \
+      ${KINDS:+--kinds $KINDS} ${TRL_KINDS:+--trl-kinds $TRL_KINDS} "$@" 2>&1 | tee -a "$out/objectives.txt"
+  cp /tmp/objectives/results.json "$out/objectives.json"
+  tar czf "$out/objectives-logs.tgz" /tmp/objectives/*/*/log.txt /tmp/objectives/trl/*.log 2>/dev/null
   ;;
 esac

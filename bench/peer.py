@@ -547,7 +547,7 @@ def main(argv=None) -> int:
             data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
             peer_rows = "".join(json.dumps(as_peer_row(r)) + "\n" for r in rows)
             (work / "peer-data" / "train.jsonl").write_text(peer_rows)
-            (work / "peer-data" / "valid.jsonl").write_text(peer_rows.splitlines(True)[0])
+            (work / "peer-data" / "valid.jsonl").write_text("".join(peer_rows.splitlines(True)[: a.pairs_per_step]))  # mlx-lm-lora wants >= batch_size rows
             for tool in (tools if rnd % 2 == 0 else tools[::-1]):
                 try:
                     if tool == PEER:

@@ -151,3 +151,12 @@ def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resu
     run(tmp_path, "dpo", "train.save_every=2", "train.resume=auto", hooks=counting_hooks(seen))
     assert len(seen) == N_TRAIN + N_VALID
     assert np.array_equal(np.load(cached), before)  # the same model: step 0's, before the checkpoint's weights
+
+
+def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
+    """SFT logs no reward accuracy: `dtrain train` printed the summary with a KeyError after the
+    adapter was written (seen on the GPU, bench/objectives.py); it reports the held-out NLL."""
+    result = run(tmp_path, "sft")
+    first, last = result.evals[0]["eval/nll_loss"], result.evals[4]["eval/nll_loss"]
+    assert "eval/rewards/accuracies" not in result.evals[4]
+    assert result.summary() == f"eval NLL of the completions: step 0 {first:.3f} -> step 4 {last:.3f}"

@@ -58,10 +58,14 @@ class TrainResult:
     early_stopped: bool = False  # train.early_stop_evals ended the run
 
     def summary(self) -> Optional[str]:
-        """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation, or None."""
+        """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation (sft: the
+        held-out NLL), or None."""
         if len(self.evals) < 2:
             return None
         first, last = min(self.evals), max(self.evals)
+        if ACCURACY not in self.evals[first]:  # sft: no rejected responses, no accuracy
+            return (f"eval NLL of the completions: step {first} {self.evals[first]['eval/nll_loss']:.3f} -> "
+                    f"step {last} {self.evals[last]['eval/nll_loss']:.3f}")
         line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
                 f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
         if self.best is not None:
