@@ -144,6 +144,13 @@ def shard_batches(items: list, rank: int, world_size: int, micro: int) -> list[l
     return micro_batches(rank_shard(items, rank, world_size), micro)
 
 
+def dealt_batches(items: list, rank: int, world_size: int, micro: int) -> list[list]:
+    """Micro-batches of ``micro`` cut from the whole of ``items`` and dealt to ranks in turn: rank
+    ``rank``'s are batches ``rank, rank + world_size, ...``. A pair lands in the same micro-batch at
+    every world size (evaluation and DPO's reference pass: their values then agree bit for bit)."""
+    return micro_batches(items, micro)[rank::world_size]
+
+
 def for_run(cfg, train_pairs: list) -> Sampler:
     """The run's :class:`Sampler` (``cfg``: the run's ``Config``).
 

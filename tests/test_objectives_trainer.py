@@ -62,7 +62,8 @@ def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
     sources = [p.source for p in make_pairs(N_TRAIN + N_VALID, seed=0)]
     assert sorted(seen) == sorted(sources)  # every train and valid pair once
     # the cached values equal a fresh computation, pair by pair, on the step-0 model
-    cached = np.load(next((tmp_path / "a" / "data_cache").glob("reference-*.npy")))
+    cache = tmp_path / "a" / "data_cache"
+    cached = np.concatenate([np.load(next(cache.glob(f"reference-*-{part}.npy"))) for part in ("train", "valid")])
     model = make_tiny_model(seed=0)
     from dtrain.config import LoraConfig
     from dtrain.lora import apply_lora
@@ -76,7 +77,10 @@ def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
     # step 1: policy = reference, so the DPO loss is ln 2 per pair; rewards start at 0
     assert first.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert first.evals[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert abs(first.evals[0]["eval/rewards/margins"]) < 1e-5
+    # the held-out pairs are cut into the reference pass's micro-batches: the policy's log-probs at step 0
+    # are the reference's bit for bit, so no pair is counted as preferred (TRL: 0 at step 0)
+    assert first.evals[0]["eval/rewards/margins"] == 0.0
+    assert first.evals[0]["eval/rewards/accuracies"] == 0.0
     assert first.history[-1]["loss"] < math.log(2)  # it trains
     # resumed after step 2 (interrupted at step 3): no reference forward, the same adapter as uninterrupted
     seen.clear()
@@ -95,6 +99,32 @@ def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
     assert all(np.array_equal(whole[k], again[k]) for k in whole)
     for a, b in zip(first.history[2:], resumed.history):
         assert a["loss"] == b["loss"]
+
+
+class Chunks:
+    """Wraps an engine; records the sources of each micro-batch evaluate() runs."""
+
+    def __init__(self, engine, chunks):
+        self.engine, self.name, self.objective, self.chunks = engine, engine.name, engine.objective, chunks
+
+    def evaluate(self, chunk, totals, key=None, hyper=None):
+        self.chunks.append(tuple(p.source for p in chunk))
+        return self.engine.evaluate(chunk, totals, key, hyper)
+
+    def step(self, chunk, totals, key=None, hyper=None):
+        return self.engine.step(chunk, totals, key, hyper)
+
+
+def test_evaluation_cuts_the_held_out_pairs_as_the_reference_pass_does(tmp_path):
+    # the same micro-batches give the same rounding: at step 0 the policy's log-probs are the reference's
+    # bit for bit and no held-out pair counts as preferred (N_TRAIN = 9 and micro 2 put a train and a valid
+    # pair in one micro-batch if the valid pairs were cut after the train pairs)
+    ref, ev = [], []
+    run(tmp_path, "dpo", hooks=Hooks(reference_engine=lambda e: Chunks(e, ref), engine=lambda e: Chunks(e, ev)))
+    valid = {p.source for p in make_pairs(N_TRAIN + N_VALID, seed=0)[N_TRAIN:]}
+    held_out = [c for c in ev if set(c) <= valid]
+    assert held_out and len(held_out) == len(ev)  # the training engine evaluates only held-out pairs here
+    assert set(held_out) <= set(ref)
 
 
 def test_reference_cache_key_covers_the_model_and_the_pairs():
@@ -144,13 +174,16 @@ def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resu
 
     with pytest.raises(RuntimeError):
         run(tmp_path, "dpo", "train.save_every=2", hooks=counting_hooks(seen, before_step=crash))
-    (cached,) = (tmp_path / "data_cache").glob("reference-*.npy")
-    before = np.load(cached)
-    cached.unlink()
+    files = sorted((tmp_path / "data_cache").glob("reference-*.npy"))
+    assert len(files) == 2  # train and valid
+    before = [np.load(f) for f in files]
+    for f in files:
+        f.unlink()
     seen.clear()
     run(tmp_path, "dpo", "train.save_every=2", "train.resume=auto", hooks=counting_hooks(seen))
     assert len(seen) == N_TRAIN + N_VALID
-    assert np.array_equal(np.load(cached), before)  # the same model: step 0's, before the checkpoint's weights
+    for f, values in zip(files, before):  # the same model: step 0's, before the checkpoint's weights
+        assert np.array_equal(np.load(f), values)
 
 
 def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):

@@ -76,3 +76,13 @@ def test_every_step_and_epoch_over_generated_settings(n, data, world, seed):
 def test_uses_per_pair_over_whole_epochs_are_equal():
     uses = collections.Counter(i for step in range(1, 36) for i in pairs_of(step, 7, 5, seed=3))
     assert uses == {i: 25 for i in range(7)}  # 35 steps x 5 pairs = 25 epochs of 7
+
+
+@pytest.mark.parametrize("n,world,micro", [(0, 1, 2), (1, 3, 2), (7, 1, 2), (7, 2, 2), (12, 3, 4), (13, 4, 3)])
+def test_dealt_batches_cut_the_whole_list_then_deal_the_batches_to_ranks(n, world, micro):
+    items = list(range(n))
+    got = [sampler.dealt_batches(items, r, world, micro) for r in range(world)]
+    whole = sampler.micro_batches(items, micro)
+    assert [b for r in range(world) for b in got[r]] == [b for r in range(world) for b in whole[r::world]]
+    assert sorted(x for batches in got for b in batches for x in b) == items  # each item once
+    assert all(b in whole for batches in got for b in batches)  # the same batches at every world size

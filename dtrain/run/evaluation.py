@@ -1,5 +1,5 @@
 """Held-out evaluation: ``eval/`` metrics over the valid pairs, each rank taking its
-shard, the metric sums added over ranks and finalised by the engine's objective."""
+micro-batches, the metric sums added over ranks and finalised by the engine's objective."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen res
 
 def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None,
              hyper: dict | None = None) -> dict:
-    """``eval/`` metrics over held-out ``pairs``, each rank taking its shard.
+    """``eval/`` metrics over held-out ``pairs``, each rank taking its micro-batches.
 
-    ``micro``: pairs per micro-batch; ``group``: the ``distributed.Group`` whose
+    ``micro``: pairs per micro-batch, cut as DPO's reference pass cuts them
+    (:func:`~dtrain.sampler.dealt_batches`: at step 0 the policy's log-probs then
+    equal the reference's bit for bit, and the rewards are exactly 0); ``group``: the ``distributed.Group`` whose
     ranks sum the metric sums (every rank joins); ``bar``: a progress bar
     advanced by the pairs of each micro-batch (rank 0's); ``hyper``: the
     objective's hyper-parameters (the step's, ``step.Step.hyper``; None: ``objective.hyper()``).
@@ -24,7 +26,7 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
     objective = engine.objective
     totals = objective.totals(pairs)
     sums = dict.fromkeys(objective.metric_keys, 0.0)
-    for chunk in sampler.shard_batches(pairs, group.rank, group.size, micro):
+    for chunk in sampler.dealt_batches(pairs, group.rank, group.size, micro):
         part, _ = run_micro_batches(engine, [chunk], totals, False, None, hyper)  # one read per chunk, for the bar
         sums = {k: sums[k] + part[k] for k in sums}
         if bar is not None:
@@ -37,7 +39,8 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
 def evaluate_and_log(run, step: int) -> None:
     """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics
     (``run``: the trainer's ``Run``)."""
-    bar = run.log.eval_bar(step, len(sampler.rank_shard(run.valid, run.group.rank, run.group.size)))
+    mine = sum(map(len, sampler.dealt_batches(run.valid, run.group.rank, run.group.size, run.cfg.train.micro_batch_pairs)))
+    bar = run.log.eval_bar(step, mine)
     run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
     try:
         metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar,

@@ -77,7 +77,7 @@ def compute(engine, pairs: list[TokenizedPair], micro: int, group) -> np.ndarray
     """
     out = np.zeros((len(pairs), 2), np.float32)
     start = 0
-    for i, chunk in enumerate(micro_batches(pairs, micro)):
+    for i, chunk in enumerate(micro_batches(pairs, micro)):  # as sampler.dealt_batches deals them
         if i % group.size == group.rank:
             result = engine.evaluate(chunk, engine.objective.totals(chunk))
             mx.eval(result.sums["ref_chosen"], result.sums["ref_rejected"])
@@ -146,15 +146,16 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
     dtype = str(tree_flatten(model.parameters())[0][1].dtype)  # the compute dtype decides the values too
     key = cache_key(f"{model_identity}|{dtype}", init_adapter_identity(cfg), train + valid)
     model.eval()
-    try:
-        pairs, computed = reference_pairs(engine, train + valid, cfg.train.micro_batch_pairs, group, cache_dir, key)
+    try:  # valid cut from its own start, as evaluation cuts it: step 0's held-out rewards are exactly 0
+        train, computed = reference_pairs(engine, train, cfg.train.micro_batch_pairs, group, cache_dir, key + "-train")
+        valid, more = reference_pairs(engine, valid, cfg.train.micro_batch_pairs, group, cache_dir, key + "-valid")
     finally:
         model.train()
     if notice is not None:
-        notice(f"DPO reference log-probs of {len(pairs)} train + valid pairs (the model at step 0): "
-               + ("computed" if computed else "read from the data cache"))
+        notice(f"DPO reference log-probs of {len(train)} train + {len(valid)} valid pairs (the model at step 0): "
+               + ("computed" if computed + more else "read from the data cache"))
     dataset = copy.copy(dataset)  # the caller's dataset stays as it was
-    dataset.train, dataset.valid = pairs[:len(train)], pairs[len(train):]
+    dataset.train, dataset.valid = train, valid
     return dataset
 
 
