@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import prelude  # noqa: F401  (the repository on sys.path)
 from dtrain.launch.netns import SMOLLM2_LORA_PARAMS, all_sum_seconds, can_create_namespaces  # noqa: E402
 
 

@@ -35,8 +35,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_model, machine, make_pairs, write_results  # noqa: E402  (before MLX: OpenBLAS)
+from common import build_model, machine, make_pairs, write_results  # before MLX: OpenBLAS
+from prelude import RESULTS, ROOT, add_flags
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -50,7 +50,6 @@ from dtrain.run.optimizer import AdamWStep  # noqa: E402
 from dtrain.sampler import Sampler  # noqa: E402
 from dtrain.run.step import Step  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RANKS_TABLE = (2, 3, 4, 6, 8, 12, 16)
 
 # Links as the ring sees them: bus bandwidth per rank (bytes/s) and hop latency (s).
@@ -379,17 +378,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo")
-    d.add_argument("--steps", type=int, default=5)
-    d.add_argument("--warmup", type=int, default=1)
+    add_flags(d, steps=5, warmup=1, out=str(RESULTS))
     v = sub.add_parser("validate")
     v.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     v.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
-    v.add_argument("--layers", type=int, default=4, help="SmolLM2-width decoder layers")
+    add_flags(v, layers=4, help={"layers": "SmolLM2-width decoder layers"})
     v.add_argument("--lora-rank", type=int, default=128)
     v.add_argument("--length", type=int, default=128, help="P + R tokens per side")
     v.add_argument("--pairs-per-rank", type=int, default=1)
-    v.add_argument("--steps", type=int, default=6)
-    v.add_argument("--warmup", type=int, default=1)
+    add_flags(v, steps=6, warmup=1, out=str(RESULTS))
     v.add_argument("--iters", type=int, default=10, help="all_sum calls per size when fitting the link")
     v.add_argument("--table", nargs="+", default=None, help="print the table of earlier runs' JSON instead")
     v.add_argument("--quiet-load", type=float, default=2.0, help="wait for a 1-minute load average below this")
@@ -408,14 +405,14 @@ def main() -> int:
     if a.cmd == "demo":
         result = measure_demo(a.steps, a.warmup)
         print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
-        print(f"wrote {write_results('scaling-demo', result)}")
+        print(f"wrote {write_results('scaling-demo', result, a.out)}")
     elif a.cmd == "validate" and a.table:
         for path in a.table:
             print_validation(json.loads(Path(path).read_text()))
     elif a.cmd == "validate":
         result = validate(a)
         print_validation(result)
-        print(f"wrote {write_results('scaling-validate', result)}")
+        print(f"wrote {write_results('scaling-validate', result, a.out)}")
     else:
         demo = json.loads(Path(a.demo).read_text()) if a.demo else None
         tables(demo, a.global_batch)

@@ -12,6 +12,7 @@ nothing). Private names (``_x``) and modules inside the other subpackages
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 from pathlib import Path
 
@@ -88,3 +89,21 @@ def test_tests_import_nothing_from_bench():
         assert not names & scripts, (path.name, names & scripts)
         assert '/ "bench"' not in path.read_text() and ('"bench"' not in path.read_text()
                                                           or path.name == "test_bench_scripts.py"), path.name
+
+
+def test_bench_readme_indexes_every_script():
+    """bench/README.md's table has one row per script in bench/, and no row for a script that is gone."""
+    rows = {line.split("`")[1] for line in (ROOT / "bench" / "README.md").read_text().splitlines()
+            if line.startswith("| `")}
+    scripts = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")}
+    assert rows == scripts
+
+
+def test_only_the_prelude_puts_the_repository_on_the_path():
+    """bench/prelude.py is the one place bench/ edits ``sys.path``; every other script that
+    imports dtrain gets there through it (directly or through common.py)."""
+    for path in BENCH:
+        text = path.read_text()
+        assert ("sys.path.insert" in text) == (path.name == "prelude.py"), path.name
+        if any(True for _ in dtrain_uses(path)) and path.name != "prelude.py":
+            assert re.search(r"^(import prelude|from (prelude|common) import)", text, re.M), path.name
