@@ -10,7 +10,7 @@ to last ``--minutes`` (timed on a short run first). While it runs, every
 
 - ``kill``: its ``dtrain train`` process gets SIGKILL (3 ranks on loopback);
 - ``link``: its network namespace's link goes down for ``--link-down`` seconds
-  (``ip link set eth0 down/up``); ranks run one per namespace (dtrain/launch/netns.py)
+  (``ip link set eth0 down/up``); ranks run one per namespace (bench/netns.py)
   through ``./launch --hostfile`` with an ``ssh`` shim that enters the namespace.
 
 The same config also runs uninterrupted (``--reference after``, the default, or
@@ -225,7 +225,7 @@ def main() -> int:
         common = ["--max-restarts", args.max_restarts, "--restart-delay", args.restart_delay]
         names, env = [], None
         if args.fault == "link":
-            from dtrain.launch import netns
+            import netns  # bench/netns.py
 
             names, ips = stack.enter_context(netns.namespaces(args.ranks))
             shim = work / "shim"

@@ -1,4 +1,4 @@
-"""Inputs, validation and tables of the scaling model (dtrain/perfmodel.py, docs/scaling.md).
+"""Inputs, validation and tables of the scaling model (bench/perfmodel.py, docs/scaling.md).
 
     python bench/scaling.py demo                                  # the demo job's per-pair and host time here
     python bench/scaling.py validate --ranks 2 3 4 --rates 1gbit 10gbit   # netns: predicted vs measured step
@@ -9,7 +9,7 @@ model and pairs, one rank) and splits each step into engine compute (loss and
 LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 
 ``validate`` simulates hosts with one network namespace per rank
-(dtrain/launch/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
+(bench/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
 rate and rank count it first fits the link (hop latency and bus bandwidth)
 from plain ``all_sum`` calls at 2 ranks, then runs dtrain's
 ``Step`` on a small random model with a large LoRA gradient in two
@@ -38,10 +38,12 @@ from pathlib import Path
 from common import build_model, machine, make_pairs, write_results  # before MLX: OpenBLAS
 from prelude import RESULTS, ROOT, add_flags
 
+import netns  # bench/netns.py: simulated hosts
+import perfmodel as pm  # bench/perfmodel.py: the step-time model
+
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from dtrain import perfmodel as pm  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.distributed import Group, init_group  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
@@ -161,8 +163,6 @@ def worker(spec: dict) -> None:
 
 def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
     """Start ``n`` worker ranks in namespaces; every rank's records."""
-    from dtrain.launch import netns
-
     env_program = ["env", "OPENBLAS_NUM_THREADS=1", f"PYTHONPATH={ROOT}", sys.executable, __file__, "worker", json.dumps(spec)]
     with netns.namespaces(n, rate, burst) as (names, ips):
         results = netns.run_ranks(names, ips, env_program, 29600, timeout=900)
@@ -174,8 +174,6 @@ def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
 
 def fit_link(rate: str | None, burst: str, elements: int, iters: int) -> pm.Link:
     """Hop latency and bus bandwidth from ``all_sum`` of 16 and ``elements`` float32 at 2 ranks."""
-    from dtrain.launch import netns
-
     t = netns.all_sum_seconds(2, rate, [16, elements], iters, burst=burst)
     latency = t[16] / 2  # 2 (N - 1) hops at N = 2
     bandwidth = pm.bus_bandwidth(elements * 4, 2, t[elements] - 2 * latency)
