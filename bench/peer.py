@@ -71,6 +71,8 @@ import time
 from pathlib import Path
 
 from prelude import ORCA, RESULTS, SMOLLM2_F32 as MODEL_DIR, add_flags
+
+TRL_PEER = Path(__file__).with_name("trl_peer.py")  # run in TRL's own Python
 VARIANTS = {
     "dtrain reference": {"kind": "reference"},
     # ranges of round(sqrt(layers)) layers (5 for SmolLM2); `auto` would pick one 30-layer range there
@@ -386,7 +388,7 @@ def run_trl(data_file: Path, pairs: int, a, work: Path) -> dict:
     """TRL's ORPOTrainer through ``trl_peer.py`` in ``--trl-python`` on the same pairs, lengths,
     LoRA (rank 8, alpha 160 = mlx-lm's scale 20 x rank 8, every linear), batch, learning rate and λ."""
     steps = pairs // a.pairs_per_step
-    cmd = [a.trl_python, str(Path(__file__).with_name("trl_peer.py")), "--data", str(data_file), "--model", str(a.trl_model or a.model_dir),
+    cmd = [a.trl_python, str(TRL_PEER), "--data", str(data_file), "--model", str(a.trl_model or a.model_dir),
            "--max-length", str(a.max_length), "--max-prompt-length", str(a.max_prompt_length or a.max_length),
            "--lora-rank", "8", "--lora-alpha", "160", "--batch", str(a.pairs_per_step), "--steps", str(steps),
            "--dtype", a.dtype, "--lr", str(a.lr), "--beta", "0.1", "--skip-first", "0",
