@@ -11,7 +11,7 @@ random float32 trees shaped like the LoRA gradients, and the median of
 ``--repeats`` timed calls is reported. The share of step time uses one
 reference-engine step of a random SmolLM2-shaped model (one pair, ``--step-tokens``
 tokens per side) on this machine; no 7B step fits on it, so that share is left out.
-Prints a markdown table and writes ``bench/results/allreduce.json``.
+Prints a markdown table and writes ``allreduce.json`` to ``--out`` (default bench/results/).
 
     python bench/allreduce.py --endurance 10000 [--timeout 30] [--runs ring:3,mpi:2] [--minutes M]
 
@@ -25,7 +25,7 @@ firing = a hang, or a failure) is started again from the next call, as
 per-call latency percentiles, and every 250 calls each thread's CPU seconds
 (``rank-R.cpu``: MLX's ring socket threads poll while they wait); with
 ``--minutes`` a run is stopped after that long and reports the calls it made.
-Writes ``bench/results/allreduce-endurance-<runs>.json``.
+Writes ``allreduce-endurance-<runs>.json`` there.
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import write_results  # sets up BLAS before MLX; blas_env() gives the workers the same choice
+from prelude import RESULTS, ROOT, add_flags
 
-from dtrain.blas import CHILD_VARS, blas_env, setup  # noqa: E402
+from dtrain.blas import CHILD_VARS, blas_env  # noqa: E402
 from dtrain.models import DEMO_SHAPE  # noqa: E402
-
-setup()  # before MLX; blas_env() then gives the workers the same library and core type
 
 # (layers, hidden, intermediate, q width, kv width, LoRA rank)
 _S = DEMO_SHAPE
@@ -294,13 +292,14 @@ def main() -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--endurance-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    add_flags(p, out=str(RESULTS))
     args = p.parse_args()
     if args.worker:
         worker(Path(args.worker), args.repeats)
         return 0
     if args.endurance_worker:
         return endurance_worker(Path(args.endurance_worker), args.start, args.endurance, args.timeout, args.lora)
-    results = ROOT / "bench" / "results"
+    results = Path(args.out)
     if args.endurance:
         scratch = results / f"allreduce-endurance-scratch-{args.lora}"
         runs = [(b, int(n)) for b, n in (x.split(":") for x in args.runs.split(","))]
@@ -310,8 +309,8 @@ def main() -> int:
             rows.append(endurance(backend, n, args.endurance, args.timeout, scratch, deadline=deadline,
                                   launcher=args.launcher, lora=args.lora))
             print(json.dumps(rows[-1]), flush=True)
-        name = "allreduce-endurance-" + "-".join(f"{b}{n}" for b, n in runs) + f"-{args.lora}.json"
-        (results / name).write_text(json.dumps({"rows": rows}, indent=1))
+        name = "allreduce-endurance-" + "-".join(f"{b}{n}" for b, n in runs) + f"-{args.lora}"
+        write_results(name, {"rows": rows}, results, stamp=False)
         return 0
     scratch = results / "allreduce-scratch"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -336,9 +335,8 @@ def main() -> int:
         share = f"{100 * r['share_of_step']:.1f}%" if r["share_of_step"] is not None else "n/a"
         print(f"| {r['backend']} | {r['ranks']} | {r['lora']} | {r['params']:,} | {r['mib']:.1f} | {r['buckets']} | "
               f"{r['seconds']:.4f} | {share} |")
-    machine = {"cpus": os.cpu_count(), "platform": sys.platform}
-    (results / "allreduce.json").write_text(json.dumps({"machine": machine, "demo_step_seconds": step,
-                                                        "step_tokens": args.step_tokens, "rows": rows}, indent=1))
+    write_results("allreduce", {"demo_step_seconds": step, "step_tokens": args.step_tokens, "rows": rows}, results,
+                  stamp=False)
     return 0
 
 

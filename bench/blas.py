@@ -18,15 +18,13 @@ Prints a markdown table and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from prelude import RESULTS, add_flags, machine, write_results
 
 from dtrain import blas  # noqa: E402  (dtrain.blas loads nothing on import)
 
@@ -77,6 +75,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mkl", help="libmkl_rt.so.* to measure (default: the pip mkl package in this environment)")
+    add_flags(p, out=str(RESULTS))
     a = p.parse_args()
     load_before = os.getloadavg()
     table = rows(a.mkl)
@@ -92,9 +91,7 @@ def main() -> None:
     load_after = os.getloadavg()
     import mlx.core as mx
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "")
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; MLX {mx.__version__}; load average {load_before[0]:.1f} before, "
+    print(f"CPU: {machine()['cpu']}, {os.cpu_count()} cores; MLX {mx.__version__}; load average {load_before[0]:.1f} before, "
           f"{load_after[0]:.1f} after; GFLOP/s, median (min-max) of {a.repeats}\n")
     print("| BLAS | cblas_sgemm 512 | mx.matmul 512 | mx.matmul 1024 | max error / bound |")
     print("|---|---|---|---|---|")
@@ -104,11 +101,8 @@ def main() -> None:
 
     for label, r in runs.items():
         print(f"| {label} | {cell(r['cblas512'])} | {cell(r['mlx512'])} | {cell(r['mlx1024'])} | {max(r['max_error']):.4f} |")
-    out_dir = Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    path = out_dir / f"blas-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"cpu": cpu, "cores": os.cpu_count(), "mlx": mx.__version__, "load_before": load_before,
-                                "load_after": load_after, "runs": runs}, indent=1))
+    path = write_results("blas", {"mlx": mx.__version__, "load_before": load_before, "load_after": load_after,
+                                  "runs": runs}, a.out)
     print(f"\nwrote {path}")
 
 

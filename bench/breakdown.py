@@ -29,14 +29,12 @@ and writes JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BLAS, DTYPES, MODELS, build_model, write_results  # noqa: E402  (before MLX)
+from common import BLAS, DTYPES, MODELS, build_model, write_results  # before MLX
+from prelude import ORCA, RESULTS, SMOLLM2_F32, add_flags
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -46,7 +44,6 @@ from dtrain.engine import make_engine  # noqa: E402
 from dtrain.engine import ORPO  # noqa: E402
 from dtrain.run.optimizer import AdamWStep  # noqa: E402
 
-DATA = os.path.join(os.environ.get("DTRAIN_DATA_DIR", "data"), "orca_dpo_pairs_validation.jsonl")  # README: data
 MODES = {"exact": dict(kind="segmented", segment_layers=0, length_bucket=0, compile=False),
          "bucketed": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=False),
          "compiled": dict(kind="segmented", segment_layers=0, length_bucket=128, compile=True),
@@ -116,16 +113,14 @@ def med(rows, key):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", choices=list(MODELS))
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--steps", type=int, default=24)
+    add_flags(ap, layers=None, dtype="float32", steps=24, help={"steps": "new pairs timed (one step each)"})
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--max-length", type=int, default=1024)
-    ap.add_argument("--data", default=DATA)
-    ap.add_argument("--tokenizer-dir", type=Path, default=Path.home() / ".cache/dtrain/smollm2-135m-instruct-f32")
+    add_flags(ap, data=ORCA)
+    ap.add_argument("--tokenizer-dir", type=Path, default=SMOLLM2_F32)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--optimizers", nargs="+", default=["compiled"], choices=["eager", "compiled"])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_flags(ap, out=str(RESULTS))
     ap.add_argument("--optimizer-only", action="store_true",
                     help="time only the optimizer step, on random gradients (no data, no engine)")
     a = ap.parse_args(argv)

@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmarks in bench/: model shapes, synthetic pairs,
-the machine line and the JSON results file.
+"""Helpers shared by the benchmarks that run MLX in their own process: model shapes,
+synthetic pairs, the timing loop, and the machine line with MLX and the BLAS in it
+(the rest, the repository's path and the results writer, is bench/prelude.py).
 
 Import this module before MLX: it calls ``dtrain.blas.setup()`` first, which
 loads the fastest correct BLAS on Linux, as ``dtrain train`` does (no
@@ -10,16 +11,13 @@ loads the fastest correct BLAS on Linux, as ``dtrain train`` does (no
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import prelude  # bench/prelude.py: the repository on sys.path
+from prelude import RESULTS
 
 from dtrain.blas import setup  # noqa: E402
 
@@ -28,8 +26,6 @@ import mlx.core as mx  # noqa: E402
 
 from dtrain.models import DEMO_SHAPE  # noqa: E402
 from dtrain.types import TokenizedPair  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 
 _LLAMA3 = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0,
                num_attention_heads=32, num_key_value_heads=8)
@@ -48,7 +44,7 @@ MODELS = {
                                   tie_word_embeddings=False)),
 }
 SHAPES = {"even": 0.5, "long-prompt": 0.8}  # prompt share of P + R; 0.8 gives P = 4 R
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = {name: getattr(mx, name) for name in prelude.FLAGS["dtype"]["choices"]}
 
 
 def dtrain_engine(model, kind: str = "segmented", **keys):
@@ -130,17 +126,9 @@ def loaded_blas() -> str:
 
 
 def machine() -> dict:
-    """CPU model, cores, MLX version and device, loaded BLAS: the machine line."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "mlx": mx.__version__, "device": str(mx.default_device()),
-            "blas": BLAS.line(), "blas_loaded": loaded_blas(), "python": platform.python_version()}
+    """The machine line (prelude's) with MLX's version and device and the BLAS loaded."""
+    info = {**prelude.machine(), "mlx": mx.__version__, "device": str(mx.default_device()),
+            "blas": BLAS.line(), "blas_loaded": loaded_blas()}
     if mx.default_device() == mx.gpu:
         try:
             info["gpu"] = mx.device_info().get("device_name", "")
@@ -149,10 +137,6 @@ def machine() -> dict:
     return info
 
 
-def write_results(prefix: str, payload: dict, out: str | Path = RESULTS) -> Path:
-    """Write ``payload`` (plus the machine line and argv) to ``out/prefix-STAMP.json``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"argv": sys.argv[1:], "machine": machine(), **payload}, indent=1))
-    return path
+def write_results(prefix: str, payload: dict, out: str | Path = RESULTS, stamp: bool = True) -> Path:
+    """``prelude.write_results`` with this process's machine line (MLX, the BLAS)."""
+    return prelude.write_results(prefix, payload, out, machine(), stamp)

@@ -27,8 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prelude import ROOT, add_flags, write_results
 
 SHAPES = {
     "llama-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
@@ -137,7 +136,7 @@ def run(args, extra: list[str]) -> None:
         print(f"| {r['ranks']} | {r['pairs_per_second']:.2f} | {up:.2f} | {r['step_seconds']:.3f} | "
               f"{r['allreduce_seconds']:.4f} | {100 * r['allreduce_share']:.1f}% | {r['peak_memory_gb_rank0']:.1f} | "
               f"{r.get('adapter_rel_l2_vs_1rank', float('nan')):.2e} |")
-    (d / "dp.json").write_text(json.dumps({"setup": meta, "args": vars(args), "rows": rows}, indent=2))
+    write_results("dp", {"setup": meta, "args": vars(args), "rows": rows}, d, stamp=False)
 
 
 def main() -> int:
@@ -153,7 +152,7 @@ def main() -> int:
     r.add_argument("dir")
     r.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
     r.add_argument("--backend", default="nccl", help="nccl on GPUs; ring to try it on a CPU")
-    r.add_argument("--steps", type=int, default=6)
+    add_flags(r, steps=6)
     r.add_argument("--global-batch", type=int, default=8)
     r.add_argument("--micro", type=int, default=4)
     r.add_argument("--engine", default="segmented", choices=["segmented", "reference"])

@@ -10,7 +10,7 @@ to last ``--minutes`` (timed on a short run first). While it runs, every
 
 - ``kill``: its ``dtrain train`` process gets SIGKILL (3 ranks on loopback);
 - ``link``: its network namespace's link goes down for ``--link-down`` seconds
-  (``ip link set eth0 down/up``); ranks run one per namespace (dtrain/launch/netns.py)
+  (``ip link set eth0 down/up``); ranks run one per namespace (bench/netns.py)
   through ``./launch --hostfile`` with an ``ssh`` shim that enters the namespace.
 
 The same config also runs uninterrupted (``--reference after``, the default, or
@@ -33,16 +33,14 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from common import write_results  # noqa: E402  (sets up BLAS before MLX)
+from common import write_results  # sets up BLAS before MLX
+from prelude import RESULTS, ROOT, add_flags
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -201,8 +199,8 @@ def main() -> int:
     p.add_argument("--restart-delay", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=38100)
-    p.add_argument("--work", default="/tmp/dtrain-endurance")
-    p.add_argument("--steps", type=int, default=0, help="steps (0: enough for --minutes, timed first)")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dtrain-endurance"))
+    add_flags(p, steps=0, out=str(RESULTS), help={"steps": "steps (0: enough for --minutes, timed first)"})
     p.add_argument("--reference", choices=("after", "alongside"), default="after",
                    help="run the uninterrupted reference after the hurt run or at the same time")
     args = p.parse_args()
@@ -227,7 +225,7 @@ def main() -> int:
         common = ["--max-restarts", args.max_restarts, "--restart-delay", args.restart_delay]
         names, env = [], None
         if args.fault == "link":
-            from dtrain.launch import netns
+            import netns  # bench/netns.py
 
             names, ips = stack.enter_context(netns.namespaces(args.ranks))
             shim = work / "shim"
@@ -270,7 +268,7 @@ def main() -> int:
         "adapter": adapter_diff(out / "adapters" / "adapters.safetensors", ref / "adapters" / "adapters.safetensors")
         if code == 0 and ref_code == 0 else None,
     }
-    path = write_results(f"endurance-{args.fault}", result)
+    path = write_results(f"endurance-{args.fault}", result, args.out)
     path.with_suffix(".log").write_text(log.read_text())
     print(json.dumps({k: result[k] for k in ("faults_that_hit", "restarts", "hurt", "adapter")}, indent=1))
     return 0 if code == 0 and result["adapter"] and result["adapter"]["bitwise_equal"] else 1

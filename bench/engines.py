@@ -20,12 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import DTYPES, MODELS, SHAPES, build_model, dtrain_engine, make_pairs, measure, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, SHAPES, build_model, dtrain_engine, make_pairs, measure, write_results  # before MLX
+from prelude import RESULTS, add_flags
 
 import mlx.core as mx  # noqa: E402
 
@@ -63,15 +60,13 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096], help="P + R per side")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--pairs", type=int, default=1, help="pairs per micro-batch")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES), help="bfloat16 on a GPU")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=None, help="depth of the smollm2 model (default 30)")
+    add_flags(ap, steps=3, dtype="float32", warmup=1, layers=None,
+              help={"dtype": "bfloat16 on a GPU", "layers": "depth of the smollm2 model (default 30)"})
     ap.add_argument("--segment", type=int, default=0, help="layers per range; 0 = round(sqrt(layers))")
     ap.add_argument("--chunk", type=int, default=512, help="head_chunk_tokens of the chunked variant")
     ap.add_argument("--only", nargs="+", default=None, help="engine names to run (default: all)")
     ap.add_argument("--flat", type=int, default=0, help="run N steps of the full stack; check active memory")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_flags(ap, out=str(RESULTS))
     a = ap.parse_args(argv)
 
     rows, flat, failed = [], [], []

@@ -43,11 +43,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import sweep  # bench/sweep.py: datasets, the per-run train command
+from prelude import DATA_DIR, ROOT, add_flags, runs_of, write_results
 
-import sweep  # noqa: E402  (bench/sweep.py: datasets, the per-run train command)
 from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
 
 ACC, MARGIN, CHOSEN, NLL = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/nll_loss")
@@ -108,7 +106,7 @@ def run(args) -> None:
         data[name] = {"train": path, "valid_fraction": 0.1, "max_length": args.max_length,
                       "max_prompt_length": args.max_length // 2}
     results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    results = runs_of(json.loads(results_path.read_text())) if results_path.is_file() else {}
     jobs = [(d, a, s) for s in args.seeds for d in args.datasets + [e.split("=")[0] for e in args.extra]
             for a in args.arms if f"{d}/{a}/{s}" not in results]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -142,7 +140,7 @@ def run(args) -> None:
             if proc.returncode == 0:
                 durations.append(seconds)
             results[key] = collect(run_dir, cfg, seconds, proc.returncode)
-            results_path.write_text(json.dumps(results, indent=1))
+            write_results("results", results, out, stamp=False)
             print(f"[{time.monotonic() - t0:6.0f} s] {key}: rc {proc.returncode}, {seconds:.0f} s", flush=True)
     if jobs:
         print(f"not run (budget; run again to continue): {', '.join('/'.join(map(str, j)) for j in jobs)}", flush=True)
@@ -182,7 +180,7 @@ def mean_sd(values: list, signed: bool = False) -> str:
 
 def report(args) -> None:
     out = Path(args.out)
-    results = json.loads((out / "results.json").read_text())
+    results = runs_of(json.loads((out / "results.json").read_text()))
     table = [r for k, rec in results.items() if (r := row(k, rec)) is not None]
     failed = sorted(k for k, rec in results.items() if rec["returncode"] != 0 or row(k, rec) is None)
     if not table:
@@ -294,12 +292,12 @@ def main() -> None:
     r.add_argument("--dtype", default=None, help="model.dtype; default: configs/preference.yaml's (auto)")
     r.add_argument("--engine", default="segmented")
     r.add_argument("--segment-layers", type=int, default=0)
-    r.add_argument("--data-dir", default=str(sweep.DATA_DIR))
+    r.add_argument("--data-dir", default=str(DATA_DIR))
     r.add_argument("--datasets", nargs="+", default=["orca", "stack", "demo"])
     r.add_argument("--extra", action="append", default=[], help="NAME=FILE: another preference file, 10%% held out")
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     r.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    r.add_argument("--steps", type=int, default=0, help="0: configs/preference.yaml's (warmup scaled with it)")
+    add_flags(r, steps=0, help={"steps": "training steps per run; 0: configs/preference.yaml's (warmup scaled with it)"})
     r.add_argument("--batch", type=int, default=0, help="global batch pairs; 0: configs/preference.yaml's")
     r.add_argument("--evals", type=int, default=10, help="evaluations per run after step 0 (eval_every = steps / this)")
     r.add_argument("--eval-pairs", type=int, default=0, help="held-out pairs per evaluation; 0 = all")

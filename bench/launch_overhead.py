@@ -30,8 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prelude import RESULTS, ROOT, add_flags, write_results
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="launch,direct", help="comma-separated: launch, direct (default both)")
     p.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
+    add_flags(p, steps=4, out=str(RESULTS), help={"steps": "training steps per run"})
     p.add_argument("--idle-s", type=float, default=30.0, help="mlx-launch-idle: seconds the ranks sleep")
     p.add_argument("--label", default="", help="name for this checkout in the output (e.g. before, after)")
     args = p.parse_args(argv)
@@ -155,9 +155,7 @@ def main(argv=None) -> int:
               f"adapter {row['adapter']}; load {row['load_at_end']:.2f}", flush=True)
         for cpu_s, cmd in cpu["top"][:3]:
             print(f"           launcher side: {cpu_s:5.1f} CPU s  {cmd}", flush=True)
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"launch_overhead_{int(time.time())}.json").write_text(json.dumps(results, indent=1))
+    write_results("launch_overhead", {"rows": results}, args.out)
     return 0 if all(r["exit"] == 0 for r in results) else 1
 
 

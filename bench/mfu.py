@@ -32,13 +32,11 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, measure, spread, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, measure, spread, write_results  # before MLX
+from prelude import RESULTS, add_flags
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -77,17 +75,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["smollm2"], choices=list(MODELS))
     ap.add_argument("--lengths", nargs="+", type=int, default=[512, 1024], help="P + R per side")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    add_flags(ap, dtype="float32")
     ap.add_argument("--engines", nargs="+", default=["reference", "segmented"], choices=["reference", "segmented", "one-range"])
     ap.add_argument("--pairs", type=int, default=1, help="pairs per step (one micro-batch)")
-    ap.add_argument("--steps", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=None, help="override the depth (default: the model's)")
+    add_flags(ap, steps=1, warmup=0, layers=None)
     ap.add_argument("--segment", type=int, default=0, help="layers per range; 0 = round(sqrt(layers))")
     ap.add_argument("--chunk", type=int, default=512, help="head_chunk_tokens of the segmented engine")
     ap.add_argument("--matmul-size", type=int, default=0, help="n of the n³ matmul; 0 = 2048 on a CPU, 8192 on a GPU")
     ap.add_argument("--matmul-reps", type=int, default=5)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_flags(ap, out=str(RESULTS))
     ap.add_argument("--table", metavar="JSON", help="print the table of an earlier results file and exit")
     a = ap.parse_args(argv)
     if a.table:

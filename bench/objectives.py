@@ -51,10 +51,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prelude import ORCA, ROOT, runs_of, write_results
 
-DATA = Path(os.environ.get("DTRAIN_DATA_DIR", "data")) / "orca_dpo_pairs_validation.jsonl"
+DATA = Path(ORCA)
 MAX_LENGTH, MAX_PROMPT = 1024, 512
 KEYS = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/logps/rejected",
         "eval/nll_loss", "eval/loss")
@@ -69,7 +68,7 @@ def split(out: Path, data: Path, model: str, valid_fraction: float = 0.2, seed: 
 
     from dtrain.config import Config
     from dtrain.data import load_dataset
-    from dtrain.models.load import load_model
+    from dtrain.models import load_model
 
     tok = load_model(model, "float32").tokenizer
     big = 1 << 20
@@ -207,7 +206,7 @@ def run(args) -> None:
     out = Path(args.out).resolve()
     print(json.dumps({k: v for k, v in split(out, Path(args.data), args.model).items() if k != "valid_lines"}), flush=True)
     path = out / "results.json"
-    results = json.loads(path.read_text()) if path.is_file() else {}
+    results = runs_of(json.loads(path.read_text())) if path.is_file() else {}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     jobs = [(k, "train") for k in args.kinds] + [(k, "yard") for k in args.kinds if k.split("-")[0] != "orpo"]
@@ -224,7 +223,7 @@ def run(args) -> None:
             results[key] = run_one(key, yard_config(kind, out, args), out / "yard" / f"{kind}-meta", env)
         else:
             results[key] = run_trl(kind, out, args)
-        path.write_text(json.dumps(results, indent=1))
+        write_results("results", results, out, stamp=False)
     report(args)
 
 
@@ -238,7 +237,7 @@ def fmt(x, spec=".3f", signed=False) -> str:
 
 def report(args) -> None:
     out = Path(args.out)
-    results = json.loads((out / "results.json").read_text())
+    results = runs_of(json.loads((out / "results.json").read_text()))
     split_rec = json.loads((out / "data" / "split.json").read_text())
     base = results.get("train/orpo")
     print(f"{split_rec['train']} training pairs, {split_rec['valid']} held out ({split_rec['kept']} of "

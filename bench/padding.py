@@ -32,19 +32,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402  (before MLX)
+from common import write_results  # before MLX
+from prelude import ORCA, RESULTS, ROOT, add_flags
 
 from dtrain.config import load_config  # noqa: E402
 from dtrain.engine import bucket_length, make_engine, make_objective  # noqa: E402
 from dtrain.sampler import Sampler  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-DATA = os.path.join(os.environ.get("DTRAIN_DATA_DIR", "data"), "orca_dpo_pairs_validation.jsonl")
 
 
 def measure(cfg, model, chunks_per_step: list, prefix: bool, bucket: int, pack: bool) -> dict:
@@ -101,7 +96,7 @@ def time_steps(cfg, model, chunks_per_step: list) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default=DATA, help="preference pairs (read in place)")
+    add_flags(ap, data=ORCA)
     ap.add_argument("--config", default=str(ROOT / "configs" / "preference.yaml"))
     ap.add_argument("--passes", type=int, default=1, help="passes over the pairs (steps = passes * pairs / batch)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
@@ -109,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time", type=int, default=0, help="also time the first N steps (+ 1 warm-up), pack off vs on")
     ap.add_argument("--time-layers", type=int, default=0,
                     help="time a random-weight SmolLM2-shaped model of this many layers (0 = the demo model)")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    add_flags(ap, out=str(RESULTS))
     a = ap.parse_args(argv)
 
     from dtrain.data import load_dataset

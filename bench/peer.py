@@ -43,7 +43,7 @@ fused-model save it does at the end (``fuse: true`` is its default). Nothing
 else is changed.
 
 ``--model llama3.2-1b`` / ``llama3.1-8b`` (for a GPU) write a random-weight
-mlx-lm folder of that shape in ``--dtype`` once (under ~/.cache/dtrain), with
+mlx-lm folder of that shape in ``--dtype`` once (in dtrain's cache folder), with
 SmolLM2's tokenizer (its ids fit the 128,256-row vocabulary), and both tools
 train that folder. ``--synthetic-length L`` replaces the orca pairs (< 2k tokens) with pairs of
 random common words of about L tokens per sequence, so long lengths are exercised. A tool
@@ -70,9 +70,9 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-DATA = os.path.join(os.environ.get("DTRAIN_DATA_DIR", "data"), "orca_dpo_pairs_validation.jsonl")  # README: data
-MODEL_DIR = Path.home() / ".cache" / "dtrain" / "smollm2-135m-instruct-f32"
+from prelude import ORCA, RESULTS, SMOLLM2_F32 as MODEL_DIR, add_flags
+
+TRL_PEER = Path(__file__).with_name("trl_peer.py")  # run in TRL's own Python
 VARIANTS = {
     "dtrain reference": {"kind": "reference"},
     # ranges of round(sqrt(layers)) layers (5 for SmolLM2); `auto` would pick one 30-layer range there
@@ -164,7 +164,7 @@ def smollm2_dir() -> Path:
 def random_model_dir(name: str, dtype: str, layers: int | None, tokenizer_dir: Path | None = None) -> Path:
     """An mlx-lm folder with random weights of ``MODELS[name]``'s shape in ``dtype``
     and SmolLM2's tokenizer files (from ``tokenizer_dir``, else the converted
-    demo model), written once under ~/.cache/dtrain."""
+    demo model), written once in dtrain's cache folder."""
     out = MODEL_DIR.parent / f"bench-{name}{f'-{layers}L' if layers else ''}-{dtype}-random"
     if out.exists():
         return out
@@ -388,7 +388,7 @@ def run_trl(data_file: Path, pairs: int, a, work: Path) -> dict:
     """TRL's ORPOTrainer through ``trl_peer.py`` in ``--trl-python`` on the same pairs, lengths,
     LoRA (rank 8, alpha 160 = mlx-lm's scale 20 x rank 8, every linear), batch, learning rate and λ."""
     steps = pairs // a.pairs_per_step
-    cmd = [a.trl_python, str(HERE / "trl_peer.py"), "--data", str(data_file), "--model", str(a.trl_model or a.model_dir),
+    cmd = [a.trl_python, str(TRL_PEER), "--data", str(data_file), "--model", str(a.trl_model or a.model_dir),
            "--max-length", str(a.max_length), "--max-prompt-length", str(a.max_prompt_length or a.max_length),
            "--lora-rank", "8", "--lora-alpha", "160", "--batch", str(a.pairs_per_step), "--steps", str(steps),
            "--dtype", a.dtype, "--lr", str(a.lr), "--beta", "0.1", "--skip-first", "0",
@@ -461,7 +461,7 @@ def table(summary: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--child", nargs=2, metavar=("CONFIG", "RECORD"), help=argparse.SUPPRESS)
-    ap.add_argument("--data", default=DATA, help="orca pairs in OpenAI preference format (read in place)")
+    add_flags(ap, data=ORCA, help={"data": "orca pairs in OpenAI preference format (read in place)"})
     ap.add_argument("--start", type=int, default=0, help="first row of --data to use")
     ap.add_argument("--pairs-per-run", type=int, default=0, help="pairs each tool trains on per round (0 = 6; "
                                                                   "240 with --recommended: 30 steps)")
@@ -475,8 +475,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "llama3.2-1b", "llama3.1-8b"],
                     help="smollm2: the demo GGUF converted to float32; others: random weights of that shape")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--layers", type=int, default=None, help="depth override of a random-weight model (smoke runs)")
+    add_flags(ap, dtype="float32", layers=None, help={"layers": "depth override of a random-weight model (smoke runs)"})
     ap.add_argument("--model-dir", type=Path, default=None, help="use this mlx-lm folder instead of --model")
     ap.add_argument("--tokenizer-dir", type=Path, default=None,
                     help="SmolLM2 tokenizer files for a random-weight model (a machine without the demo model)")
@@ -497,7 +496,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-first", action="store_true", help="leave each run's first step out of the figures (warm-up)")
     ap.add_argument("--peer-grad-checkpoint", action="store_true", help="mlx-lm-lora grad_checkpoint: true")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, adapters, fused model)")
-    ap.add_argument("--out", default=str(HERE / "results"))
+    add_flags(ap, out=str(RESULTS))
     ap.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier results files (merged) and exit")
     ap.add_argument("--peer-log", nargs=2, metavar=("LOG", "RECORD"),
                     help="print the iterations read from a kept mlx-lm-lora log (peer.log, peer-record.json) and exit")
@@ -510,8 +509,7 @@ def main(argv=None) -> int:
         print(json.dumps(iters))
         return 0
 
-    sys.path.insert(0, str(HERE))
-    from common import write_results
+    from common import write_results  # BLAS and MLX: the parent only
 
     if a.table:
         print(table(summarize([r for f in a.table for r in json.loads(Path(f).read_text())["runs"]], a.skip_first)))

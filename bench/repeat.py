@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, write_results  # noqa: E402  (before MLX)
+from common import DTYPES, MODELS, build_model, dtrain_engine, make_pairs, write_results  # before MLX
+from prelude import RESULTS, add_flags
 
 import mlx.core as mx  # noqa: E402
 
@@ -42,11 +40,9 @@ def pair_for(mode: str, i: int, length: int, vocab: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama3.2-1b", choices=list(MODELS))
-    ap.add_argument("--layers", type=int, default=None)
+    add_flags(ap, layers=None)
     ap.add_argument("--length", type=int, default=4096, help="P + R per side")
-    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per mode (after one warm-up step)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    add_flags(ap, dtype="float32", steps=6, out=str(RESULTS), help={"steps": "timed steps per mode (after one warm-up step)"})
     a = ap.parse_args(argv)
     model = build_model(a.model, a.layers, DTYPES[a.dtype], lora_scale=20.0)
     vocab = model.args.vocab_size

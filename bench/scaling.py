@@ -1,4 +1,4 @@
-"""Inputs, validation and tables of the scaling model (dtrain/perfmodel.py, docs/scaling.md).
+"""Inputs, validation and tables of the scaling model (bench/perfmodel.py, docs/scaling.md).
 
     python bench/scaling.py demo                                  # the demo job's per-pair and host time here
     python bench/scaling.py validate --ranks 2 3 4 --rates 1gbit 10gbit   # netns: predicted vs measured step
@@ -9,7 +9,7 @@ model and pairs, one rank) and splits each step into engine compute (loss and
 LoRA gradients evaluated) and the rest (host work: AdamW, clipping, metrics).
 
 ``validate`` simulates hosts with one network namespace per rank
-(dtrain/launch/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
+(bench/netns.py; root, iproute2) and ``tc tbf`` on each rank's egress. For each
 rate and rank count it first fits the link (hop latency and bus bandwidth)
 from plain ``all_sum`` calls at 2 ranks, then runs dtrain's
 ``Step`` on a small random model with a large LoRA gradient in two
@@ -35,13 +35,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_model, machine, make_pairs, write_results  # noqa: E402  (before MLX: OpenBLAS)
+from common import build_model, machine, make_pairs, write_results  # before MLX: OpenBLAS
+from prelude import RESULTS, ROOT, add_flags
+
+import netns  # bench/netns.py: simulated hosts
+import perfmodel as pm  # bench/perfmodel.py: the step-time model
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from dtrain import perfmodel as pm  # noqa: E402
 from dtrain.config import load_config  # noqa: E402
 from dtrain.distributed import Group, init_group  # noqa: E402
 from dtrain.engine import make_engine  # noqa: E402
@@ -50,7 +52,6 @@ from dtrain.run.optimizer import AdamWStep  # noqa: E402
 from dtrain.sampler import Sampler  # noqa: E402
 from dtrain.run.step import Step  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RANKS_TABLE = (2, 3, 4, 6, 8, 12, 16)
 
 # Links as the ring sees them: bus bandwidth per rank (bytes/s) and hop latency (s).
@@ -162,8 +163,6 @@ def worker(spec: dict) -> None:
 
 def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
     """Start ``n`` worker ranks in namespaces; every rank's records."""
-    from dtrain.launch import netns
-
     env_program = ["env", "OPENBLAS_NUM_THREADS=1", f"PYTHONPATH={ROOT}", sys.executable, __file__, "worker", json.dumps(spec)]
     with netns.namespaces(n, rate, burst) as (names, ips):
         results = netns.run_ranks(names, ips, env_program, 29600, timeout=900)
@@ -175,8 +174,6 @@ def run_training(n: int, rate: str | None, burst: str, spec: dict) -> list:
 
 def fit_link(rate: str | None, burst: str, elements: int, iters: int) -> pm.Link:
     """Hop latency and bus bandwidth from ``all_sum`` of 16 and ``elements`` float32 at 2 ranks."""
-    from dtrain.launch import netns
-
     t = netns.all_sum_seconds(2, rate, [16, elements], iters, burst=burst)
     latency = t[16] / 2  # 2 (N - 1) hops at N = 2
     bandwidth = pm.bus_bandwidth(elements * 4, 2, t[elements] - 2 * latency)
@@ -379,17 +376,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo")
-    d.add_argument("--steps", type=int, default=5)
-    d.add_argument("--warmup", type=int, default=1)
+    add_flags(d, steps=5, warmup=1, out=str(RESULTS))
     v = sub.add_parser("validate")
     v.add_argument("--ranks", type=int, nargs="+", default=[2, 3, 4])
     v.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
-    v.add_argument("--layers", type=int, default=4, help="SmolLM2-width decoder layers")
+    add_flags(v, layers=4, help={"layers": "SmolLM2-width decoder layers"})
     v.add_argument("--lora-rank", type=int, default=128)
     v.add_argument("--length", type=int, default=128, help="P + R tokens per side")
     v.add_argument("--pairs-per-rank", type=int, default=1)
-    v.add_argument("--steps", type=int, default=6)
-    v.add_argument("--warmup", type=int, default=1)
+    add_flags(v, steps=6, warmup=1, out=str(RESULTS))
     v.add_argument("--iters", type=int, default=10, help="all_sum calls per size when fitting the link")
     v.add_argument("--table", nargs="+", default=None, help="print the table of earlier runs' JSON instead")
     v.add_argument("--quiet-load", type=float, default=2.0, help="wait for a 1-minute load average below this")
@@ -408,14 +403,14 @@ def main() -> int:
     if a.cmd == "demo":
         result = measure_demo(a.steps, a.warmup)
         print(json.dumps({k: v for k, v in result.items() if k != "steps"}, indent=1))
-        print(f"wrote {write_results('scaling-demo', result)}")
+        print(f"wrote {write_results('scaling-demo', result, a.out)}")
     elif a.cmd == "validate" and a.table:
         for path in a.table:
             print_validation(json.loads(Path(path).read_text()))
     elif a.cmd == "validate":
         result = validate(a)
         print_validation(result)
-        print(f"wrote {write_results('scaling-validate', result)}")
+        print(f"wrote {write_results('scaling-validate', result, a.out)}")
     else:
         demo = json.loads(Path(a.demo).read_text()) if a.demo else None
         tables(demo, a.global_batch)

@@ -16,7 +16,6 @@ whole record as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -26,7 +25,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from prelude import RESULTS, ROOT, write_results
+
 HOG = "while True: pass"
 
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--hogs", type=int, default=2, help="processes spinning a core each beside every run (default 2)")
     p.add_argument("--ref", default="HEAD", help="commit to test (default HEAD)")
     p.add_argument("--durations", type=int, default=25, help="slowest tests pytest lists per run (default 25)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak.json"), help="JSON record")
+    p.add_argument("--out", default=str(RESULTS / "soak.json"), help="JSON record")
     p.add_argument("--keep", action="store_true", help="keep the clones and logs (printed folder)")
     p.add_argument("--no-apt", action="store_true", help="skip .ci/run's apt-get (packages already installed)")
     p.add_argument("paths", nargs="*", help="after --: test paths for a subset (default: the whole suite)")
@@ -102,9 +102,9 @@ def main(argv=None) -> int:
         print(f"  {t:7.1f} s  {name}")
     walls = [r["seconds"] for r in runs]
     print(f"\nwall time per run: {', '.join(f'{w:.0f}' for w in walls)} s")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"ref": ref, "runs": args.runs, "hogs": args.hogs, "paths": args.paths,
-                                          "load_at_start": load, "cpus": os.cpu_count(), "results": runs}, indent=1))
+    record = Path(args.out)
+    write_results(record.stem, {"ref": ref, "runs": args.runs, "hogs": args.hogs, "paths": args.paths,
+                                "load_at_start": load, "results": runs}, record.parent, stamp=False)
     print(f"record: {args.out}" + (f"; clones and logs in {work}" if args.keep else ""))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

@@ -8,7 +8,7 @@ held-out ``eval/`` scalars are read back from the run's TensorBoard files.
     python bench/sweep.py report OUT [--png docs/defaults_sweep.png]
 
 ``run`` writes ``OUT/results.json`` (updated after every run, so a cut-short
-sweep keeps what finished) and ``OUT/runs/<dataset>/<setting>/`` (config,
+sweep keeps what finished; a re-run continues) and ``OUT/runs/<dataset>/<setting>/`` (config,
 log, TensorBoard). ``report`` prints the markdown table, writes
 ``OUT/results.csv`` and the plot. Datasets, each with its own held-out split:
 
@@ -40,12 +40,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prelude import DATA_DIR, ROOT, add_flags, runs_of, write_results
 
 from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
-
-DATA_DIR = Path(os.environ.get("DTRAIN_DATA_DIR", "data"))  # the shared preference data (README: data)
 EVAL_KEYS = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/logps/rejected",
              "eval/nll_loss", "eval/log_odds_ratio")
 
@@ -166,7 +163,7 @@ def run(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = datasets(out, Path(args.data_dir), args.max_length)
     results_path = out / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    results = runs_of(json.loads(results_path.read_text())) if results_path.is_file() else {}
     jobs = [(s, d) for s in GRIDS[args.grid] for d in args.datasets if f"{d}/{s}" not in results]  # a re-run continues
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
@@ -195,12 +192,12 @@ def run(args) -> None:
             if proc.returncode == 0:
                 durations[ds].append(seconds)
             results[f"{ds}/{name}"] = rec
-            results_path.write_text(json.dumps(results, indent=1))
+            write_results("results", results, out, stamp=False)
             print(f"[{time.monotonic() - t0:6.0f} s] {ds}/{name}: rc {proc.returncode}, {seconds:.0f} s, "
                   f"{summary_line(rec)}", flush=True)
     if jobs:
         results["_not_run"] = [f"{d}/{s}" for s, d in jobs]
-        results_path.write_text(json.dumps(results, indent=1))
+        write_results("results", results, out, stamp=False)
         print(f"not run (budget): {', '.join(results['_not_run'])}", flush=True)
 
 
@@ -242,9 +239,7 @@ def summary_line(rec: dict) -> str:
 def rows(results: dict) -> list:
     """Flat table rows: one per dataset and setting that has a final evaluation."""
     out = []
-    for key, rec in results.items():
-        if key.startswith("_"):
-            continue
+    for key, rec in runs_of(results).items():
         ds, name = key.split("/", 1)
         t, lora = rec["config"]["train"], rec["config"]["lora"]
         row = {"dataset": ds, "setting": name, "learning_rate": t["learning_rate"], "schedule": t["schedule"],
@@ -263,7 +258,7 @@ def rows(results: dict) -> list:
 def report(args) -> None:
     out = Path(args.out)
     results = json.loads((out / "results.json").read_text())
-    table = rows(results)
+    runs, table = runs_of(results), rows(results)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(table[0]))
         w.writeheader()
@@ -291,11 +286,11 @@ def report(args) -> None:
               f"{r0['rank']} / {r0['scale']:g} | {r0['lambda']:g} | " + " | ".join(cells) + " |")
     print("\nbase model (step-0 eval, the same for every setting of a dataset):")
     for ds in ("orca", "stack", "demo"):
-        rec = next((r for k, r in results.items() if k.startswith(f"{ds}/") and r.get("eval", {}).get(EVAL_KEYS[0])), None)
+        rec = next((r for k, r in runs.items() if k.startswith(f"{ds}/") and r.get("eval", {}).get(EVAL_KEYS[0])), None)
         if rec is not None:
             base = {k.removeprefix("eval/"): first_last(rec, k)[0] for k in EVAL_KEYS}
             print(f"- {ds}: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items() if v is not None))
-    failed = sorted(k for k, r in results.items() if not k.startswith("_") and r["returncode"] != 0)
+    failed = sorted(k for k, r in runs.items() if r["returncode"] != 0)
     if failed:
         print(f"\nfailed or stopped ({len(failed)}): {', '.join(failed)}")
     if results.get("_not_run"):
@@ -403,7 +398,7 @@ def main() -> None:
     r.add_argument("--data-dir", default=str(DATA_DIR))
     r.add_argument("--datasets", nargs="+", default=["orca", "stack", "demo"])
     r.add_argument("--grid", choices=sorted(GRIDS), default="full")
-    r.add_argument("--steps", type=int, default=24)
+    add_flags(r, steps=24, help={"steps": "training steps per run"})
     r.add_argument("--batch", type=int, default=8)
     r.add_argument("--micro", type=int, default=4)
     r.add_argument("--max-length", type=int, default=1024)

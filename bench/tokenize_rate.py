@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import random
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_results  # noqa: E402  (before MLX: preloads OpenBLAS)
+from common import machine, write_results  # before MLX: preloads OpenBLAS
 
 from dtrain.config import DataConfig  # noqa: E402
 from dtrain.data import cache_key, read_rows, resolve, tokenize_cached  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from dtrain.blas import setup
 from waiting import SESSION_VAR, TEST_VAR, leftovers
 
 BLAS = setup()  # before any test module imports MLX: the fastest correct BLAS (dtrain/blas.py)
+# bench/'s two libraries, perfmodel.py and netns.py, for their tests (test_perfmodel.py, test_launch_netns.py);
+# after tests/ on the path, and the only bench/ modules a test imports (test_bench_surface.py)
+sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 os.environ[SESSION_VAR] = uuid.uuid4().hex  # inherited by every child: marks processes of this run
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -1,5 +1,5 @@
 """The words that describe the code, checked by the code: docs/architecture.md's module
-table, the import direction (launch/ at the edge), and names quoted in docstrings."""
+table, the import direction (launch/ at the edge), one channel for notices, and names quoted in docstrings."""
 
 import ast
 import re
@@ -65,6 +65,18 @@ def test_only_the_edges_import_the_launcher():
     bad = [f"{name} imports {m}" for name, path in modules().items()
            if not name.startswith("dtrain.launch") and name not in edges
            for m in imports_of(path, name) if m.startswith("dtrain.launch")]
+    assert bad == []
+
+
+def test_notices_have_one_channel():
+    """Below the edges nothing prints: what the user is told goes through a ``report`` callable,
+    which a run fills with ``dtrain.notices.notice`` on rank 0 (the command line, ``dtrain doctor``,
+    the launcher and the BLAS probe's child print their own output)."""
+    edges = ("dtrain.cli", "dtrain.doctor", "dtrain.notices", "dtrain.blas_probe")
+    bad = [f"{name}:{node.lineno}" for name, path in modules().items()
+           if not name.startswith("dtrain.launch") and name not in edges
+           for node in ast.walk(ast.parse(path.read_text()))
+           if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
     assert bad == []
 
 

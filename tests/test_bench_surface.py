@@ -1,5 +1,6 @@
-"""bench/ uses dtrain's public surface only, and tests use nothing from bench/ (except
-tests/test_bench_scripts.py, which runs some scripts' command lines as separate processes).
+"""bench/ uses dtrain's public surface only, and tests use nothing from bench/ but its two
+libraries (perfmodel.py and netns.py, each imported by its own test; conftest.py puts bench/ on
+the path) and tests/test_bench_scripts.py, which runs some scripts' command lines as separate processes.
 
 The surface (docs/architecture.md, "Public surface"): public names of the
 top-level modules (``dtrain.config``, ...) and of the modules of ``dtrain.run``, the ``__all__``
@@ -12,6 +13,7 @@ nothing). Private names (``_x``) and modules inside the other subpackages
 from __future__ import annotations
 
 import ast
+import re
 import importlib
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("dtrain.engine", "dtrain.data", "dtrain.models")
 BENCH = sorted((ROOT / "bench").glob("*.py"))
+LIBRARIES = {"perfmodel": "test_perfmodel.py", "netns": "test_launch_netns.py"}  # bench/ module -> its test
 
 
 def dtrain_uses(path: Path):
@@ -71,13 +74,14 @@ def test_the_rule_rejects_what_it_should():
     assert public("dtrain.engine.segmented", "SegmentedEngine") == "a module inside a subpackage"
     assert public("dtrain.engine", "loss_from_token_logps") == "not in dtrain.engine.__all__"
     assert public("dtrain.blas", "_openblas_candidates") == "a private name"
-    assert public("dtrain.data", "tokenize_cached") is None and public("dtrain.launch.netns", "namespaces") is None
+    assert public("dtrain.data", "tokenize_cached") is None and public("dtrain.launch.plan", "base_env") is None
     assert public("dtrain.run.step", "Step") is None
 
 
 def test_tests_import_nothing_from_bench():
-    """No test puts bench/ on its path or imports a bench script (e.g. the old ``import netns``);
-    test_bench_scripts.py runs scripts as processes, and is the one test that names bench/."""
+    """No test imports a bench script, and each of bench/'s libraries only its own test;
+    test_bench_scripts.py runs scripts as processes, and conftest.py (which puts bench/ on
+    the path) and it are the only test files that name bench/."""
     scripts = {p.stem for p in BENCH} - {p.stem for p in (ROOT / "tests").glob("*.py")}
     for path in sorted((ROOT / "tests").glob("*.py")):
         if path.name == Path(__file__).name:
@@ -85,6 +89,24 @@ def test_tests_import_nothing_from_bench():
         tree = ast.parse(path.read_text(), str(path))
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert not names & scripts, (path.name, names & scripts)
-        assert '/ "bench"' not in path.read_text() and ('"bench"' not in path.read_text()
-                                                          or path.name == "test_bench_scripts.py"), path.name
+        allowed = {name for name, test in LIBRARIES.items() if test == path.name}
+        assert not names & scripts - allowed, (path.name, names & scripts - allowed)
+        assert '"bench"' not in path.read_text() or path.name in ("test_bench_scripts.py", "conftest.py"), path.name
+
+
+def test_bench_readme_indexes_every_script():
+    """bench/README.md's table has one row per script in bench/, and no row for a script that is gone."""
+    rows = {line.split("`")[1] for line in (ROOT / "bench" / "README.md").read_text().splitlines()
+            if line.startswith("| `")}
+    scripts = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")}
+    assert rows == scripts
+
+
+def test_only_the_prelude_puts_the_repository_on_the_path():
+    """bench/prelude.py is the one place bench/ edits ``sys.path``; every other script that
+    imports dtrain gets there through it (directly or through common.py)."""
+    for path in BENCH:
+        text = path.read_text()
+        assert ("sys.path.insert" in text) == (path.name == "prelude.py"), path.name
+        if any(True for _ in dtrain_uses(path)) and path.name != "prelude.py":
+            assert re.search(r"^(import prelude|from (prelude|common) import)", text, re.M), path.name

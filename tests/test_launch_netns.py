@@ -1,4 +1,4 @@
-"""Two hosts simulated with network namespaces (dtrain/launch/netns.py): one rank per
+"""Two hosts simulated with network namespaces (bench/netns.py): one rank per
 namespace with its own IP, ring backend over those IPs, rank and hostfile
 given through the environment as mlx.launch gives them to remote hosts."""
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from dtrain.launch import netns
 from fixtures_launch import free_port, launch, make_job
+import netns  # bench/netns.py (conftest puts bench/ on the path)
 from test_launch import ADAPTER, assert_same_adapter
 
 REASON = netns.can_create_namespaces() if sys.platform == "linux" else "network namespaces are Linux only"

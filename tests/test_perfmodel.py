@@ -1,4 +1,4 @@
-"""dtrain.perfmodel on worked numbers, and its LoRA count against the LoRA layers themselves.
+"""bench/perfmodel.py on worked numbers, and its LoRA count against the LoRA layers themselves.
 
 Worked numbers (by hand):
 
@@ -27,10 +27,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from dtrain import perfmodel as pm
 from dtrain.config import LoraConfig
 from dtrain.distributed import BUCKET_BYTES
 from dtrain.lora import apply_lora
+import perfmodel as pm  # bench/perfmodel.py (conftest puts bench/ on the path)
 
 
 @pytest.mark.parametrize("key,rank,expected", [("smollm2-135m", 8, 2_442_240), ("llama3.2-1b", 16, 11_272_192),

@@ -11,10 +11,10 @@ An objective (objective.py: the seam; loss.py: ORPO) is picked by name from
 
 from __future__ import annotations
 
-import sys
 from typing import Callable, Optional
 
 from ..config import EngineConfig
+from ..notices import notice
 from .common import Engine, StepResult, run_micro_batches
 from .dpo import DPO
 from .layout import bucket_length
@@ -35,11 +35,7 @@ def make_objective(cfg, name: Optional[str] = None) -> Objective:
     return OBJECTIVES[name or cfg.objective.kind].from_config(cfg)
 
 
-def _stderr(message: str) -> None:
-    print(f"dtrain: {message}", file=sys.stderr, flush=True)
-
-
-def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[str], None]] = _stderr) -> Engine:
+def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[str], None]] = notice) -> Engine:
     """The engine named by ``cfg.kind`` for ``model`` and ``objective``, with every fallback decided here.
 
     ``auto``/``segmented`` get :class:`SegmentedEngine` (``auto``: its plan chosen
@@ -57,7 +53,7 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
         cfg: the run's ``engine`` section.
         model: an mlx-lm model with LoRA applied.
         objective: the training objective (:func:`make_objective`).
-        report: called with each one-line notice (None: silent).
+        report: called with each one-line notice (None: silent; default :func:`dtrain.notices.notice`).
     """
     report = report or (lambda _: None)
     if cfg.kind == "reference":

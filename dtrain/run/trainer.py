@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import sys
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from ..files import OutputDir, storage
 from ..identity import settings
 from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
 from ..memory import wired_limit
+from ..notices import for_rank
 from .optimizer import AdamWStep
 from .reference import ReferenceLogps, reference_pass
 from .schedule import learning_rate
@@ -226,7 +226,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     if cfg.train.init_adapter:  # the adapter's rank, scale and keys are the run's LoRA
         cfg = replace(cfg, lora=lora_from_adapter(cfg.lora, cfg.train.init_adapter))
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
-    notice = _stderr if group.is_main else None  # the run's notices before its logger exists: rank 0 only
+    notice = for_rank(group.is_main)  # the run's notices, rank 0's only (run.log.message once the logger exists)
     chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
     t = cfg.train
     mx.random.seed(t.seed)
@@ -287,10 +287,10 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
                                 f"raise train.steps to continue it")
             state = replace(resumed.state, world_size=group.size)
-            if t.steps > state.schedule_steps and group.is_main:
-                _stderr(f"train.steps {t.steps} is past the {state.schedule_steps} steps this run's schedule was "
-                        f"planned for: steps {max(state.step, state.schedule_steps) + 1}-{t.steps} hold its final "
-                        f"learning rate {learning_rate(state.schedule_steps, t, state.schedule_steps):.3g}")
+            if t.steps > state.schedule_steps and notice is not None:
+                notice(f"train.steps {t.steps} is past the {state.schedule_steps} steps this run's schedule was "
+                       f"planned for: steps {max(state.step, state.schedule_steps) + 1}-{t.steps} hold its final "
+                       f"learning rate {learning_rate(state.schedule_steps, t, state.schedule_steps):.3g}")
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
@@ -300,7 +300,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         stop = StopRequest()
         stop.install()
         cleanup.callback(stop.uninstall)
-        cleanup.enter_context(wired_limit(model, report=_stderr if group.is_main else None))  # Metal only
+        cleanup.enter_context(wired_limit(model, report=notice))  # Metal only
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best)
         if t.keep_best is not None and state.evals:
@@ -381,10 +381,6 @@ def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:
     if path is not None and (out / path).is_dir():
         return out / path
     return new_run_dir(OutputDir(out).tb)
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _main_rank_check(group: Group, check):

@@ -20,7 +20,7 @@ that NCCL's tests and MLX's ring backend PR (ml-explore/mlx#1784) report.
 
 Units everywhere: seconds, bytes, bytes per second. Everything here is pure
 arithmetic; ``bench/scaling.py`` measures the inputs and docs/scaling.md gives
-the tables.
+the tables. Not part of dtrain: bench/ and tests/test_perfmodel.py use it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .models.demo import DEMO_SHAPE
+import prelude  # noqa: F401  (the repository on sys.path)
+from dtrain.models import DEMO_SHAPE
 
 BUCKET_BYTES = 32 * 1024 * 1024  # dtrain.distributed.BUCKET_BYTES (kept equal by a test; no MLX import here)
 FLOAT32_BYTES = 4  # all_sum_tree casts every gradient leaf to float32
