@@ -7,8 +7,8 @@ which embeds llama.cpp 0c1e570, the commit dtrain/models/vocab_attrs.py follows)
   logits are the merged model's: f32 top-1 equal at every position of 5 chat prompts (f16: every position but
   flips of near-ties, reference top-2 within 0.1), and both the
   same greedy output; bf16/q8_0 top-1 equal at >= 99% of positions; q4_0 is measured and printed.
-  The adapter is a random LoRA on the demo model, or the folder named by ``DTRAIN_TEST_ADAPTER``
-  (e.g. the adapter ``./launch configs/demo.yaml`` trains).
+  The adapter is the demo adapter (configs/demo.yaml's 12 steps, trained in the fixture), or the folder
+  named by ``DTRAIN_TEST_ADAPTER``.
 - Tokenization: dtrain's tokenizer of every GGUF these tests build or ship gives llama.cpp's ids over
   generated strings, with special tokens parsed and not.
 - Token attributes: for every token-like string compiled into llama.cpp's library, a vocabulary
@@ -19,7 +19,6 @@ which embeds llama.cpp 0c1e570, the commit dtrain/models/vocab_attrs.py follows)
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import random
 import re
@@ -31,8 +30,6 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from conftest import add_random_lora  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 from test_models_gguf import gemma_vocab, gguf, write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 from dtrain.models import load_model  # noqa: E402
@@ -68,17 +65,17 @@ def llama(path, log, **kw):
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, demo_path):
-    """``(adapter folder, {type: export folder}, lora model, tokenizer)`` for every GGUF type."""
+    """``(adapter folder, {type: export result}, tokenizer)`` for every GGUF type."""
     tmp = tmp_path_factory.mktemp("llama_cpp")
     base = load_model("demo", dtype="float32")
     adapter = os.environ.get("DTRAIN_TEST_ADAPTER")
-    if adapter is None:
-        lora_model = add_random_lora(base.model, seed=3, scale=0.5)
-        adapter = tmp / "adapter"
-        adapter.mkdir()
-        mx.save_safetensors(str(adapter / "adapters.safetensors"), dict(tree_flatten(lora_model.trainable_parameters())))
-        (adapter / "adapter_config.json").write_text(json.dumps(
-            {"fine_tune_type": "lora", "num_layers": 30, "lora_parameters": {"rank": 4, "scale": 0.5, "dropout": 0.0}}))
+    if adapter is None:  # the demo adapter: configs/demo.yaml's run, as a user trains it
+        from dtrain.config import load_config
+        from dtrain.run.trainer import train
+
+        cfg = load_config("configs/demo.yaml", [f"model.path={demo_path}", f"train.output_dir={tmp / 'run'}",
+                                                "train.progress=false", "train.eval_every=0"])
+        adapter = train(cfg).adapter_dir
     out = {t: export_adapter(str(adapter), "demo", str(tmp / t), gguf_type=t, dtype="float32") for t in GGUF_TYPES}
     return adapter, out, base.tokenizer
 
