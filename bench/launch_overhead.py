@@ -142,12 +142,13 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--idle-s", type=float, default=30.0, help="mlx-launch-idle: seconds the ranks sleep")
-    p.add_argument("--label", default="", help="name for this checkout in the output (e.g. after)")
+    p.add_argument("--label", default="", help="name for this checkout in the output (default with --before: after)")
     args = p.parse_args(argv)
     load = os.getloadavg()
     print(f"launch overhead: {args.ranks} ranks, {args.steps} steps of {args.config}; {os.cpu_count()} CPU(s); "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
-    plan = [(args.label, mode, args.checkout) for mode in args.modes.split(",")]
+    this = args.label or ("after" if args.before else "")
+    plan = [(this, mode, args.checkout) for mode in args.modes.split(",")]
     if args.before:
         plan.insert(0, ("before", "launch", args.before))
     results = []
