@@ -106,18 +106,19 @@ def run_direct(args, out: Path) -> tuple[float, dict, int]:
 
     overrides = [f"train.steps={args.steps}", f"train.output_dir={out}"]
     locks: list = []
-    plan = build_plan(args.config, overrides, load_config(args.config, overrides), ranks=args.ranks,
-                      tmpdir=tempfile.mkdtemp(prefix="dtrain-direct-"), port_locks=locks)
-    for path, content in plan.files.items():
-        Path(path).write_text(content)
-    trainer = plan.command[plan.command.index("--") + 1:]  # python -m dtrain train ..., without the wrapper
-    env = {**os.environ, **plan.explicit, JOB_VAR: uuid.uuid4().hex[:12]}
-    start = time.monotonic()
-    log = open(out.with_suffix(".log"), "wb")
-    procs = [subprocess.Popen(trainer, cwd=ROOT, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
-             for rank_env in plan.direct]
-    cpu = watch([p.pid for p in procs], procs)
+    with tempfile.TemporaryDirectory(prefix="dtrain-direct-") as tmp:
+        plan = build_plan(args.config, overrides, load_config(args.config, overrides), ranks=args.ranks,
+                          tmpdir=tmp, port_locks=locks)
+        for path, content in plan.files.items():
+            Path(path).write_text(content)
+        trainer = plan.command[plan.command.index("--") + 1:]  # python -m dtrain train ..., without the wrapper
+        env = {**os.environ, **plan.explicit, JOB_VAR: uuid.uuid4().hex[:12]}
+        start = time.monotonic()
+        with open(out.with_suffix(".log"), "wb") as log:
+            procs = [subprocess.Popen(trainer, cwd=ROOT, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+                     for rank_env in plan.direct]
+        cpu = watch([p.pid for p in procs], procs)
     for fd in locks:
         os.close(fd)
     return time.monotonic() - start, cpu, max(p.returncode for p in procs)
