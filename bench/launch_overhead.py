@@ -148,6 +148,9 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print(f"launch overhead: {args.ranks} ranks, {args.steps} steps of {args.config}; {os.cpu_count()} CPU(s); "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    unknown = set(args.modes.split(",")) - {"launch", "direct", "mlx-launch-idle"}
+    if unknown:
+        p.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from launch, direct, mlx-launch-idle")
     this = args.label or ("after" if args.before else "")
     plan = [(this, mode, args.checkout) for mode in args.modes.split(",")]
     if args.before:
@@ -160,10 +163,8 @@ def main(argv=None) -> int:
             wall, cpu, code = run_launch(Path(checkout), args, out)
         elif mode == "mlx-launch-idle":
             wall, cpu, code = run_mlx_launch_idle(args)
-        elif mode == "direct":
-            wall, cpu, code = run_direct(args, out)
         else:
-            p.error(f"unknown mode {mode!r} (launch, direct, mlx-launch-idle)")
+            wall, cpu, code = run_direct(args, out)
         row = {"mode": mode, "label": label, "checkout": checkout, "wall_s": wall, "exit": code,
                "launcher_cpu_s": cpu["launcher"], "trainers_cpu_s": cpu["trainers"],
                "launcher_core_share": cpu["launcher"] / wall, "adapter": adapter_digest(out),
