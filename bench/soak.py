@@ -74,7 +74,9 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dtrain-soak-"))
     runs = []
     for i in range(args.runs):
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
+        # a session each, as another program's: under Linux's autogroup scheduling a hog in this session
+        # would take its CPU from this session's share only, never from ranks in sessions of their own
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True) for _ in range(args.hogs)]
         try:
             result = run_once(ref, i, work, args.paths, args.durations, not args.no_apt)
         finally:

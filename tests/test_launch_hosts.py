@@ -4,6 +4,7 @@ starts; valid hostfiles give the plan mlx.launch / mpirun will run."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
 from dtrain.launch.supervise import summarize
 from fixtures_launch import launch, make_job, write_hostfile
+from waiting import finish, spawn
 
 TWO = [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
 
@@ -253,3 +255,15 @@ def test_stop_timeout_kills_only_a_rank_without_cpu_progress():
         busy.wait()
         idle.wait()
     assert cpu_seconds(busy.pid) is None
+
+
+def test_the_rank_wrapper_runs_its_trainer_in_a_session_of_its_own(tmp_path):
+    """Under every launcher each trainer leads a session: with Linux's autogroup scheduling a
+    session shares the CPU as one, and two ranks started in one session got one session's share
+    (bench/launch_overhead.py's direct mode before it started each in its own; docs/reliability.md)."""
+    probe = "import os; print(os.getsid(0), os.getpid())"
+    wrapper = spawn([sys.executable, "-m", "dtrain.launch.rank", "--", sys.executable, "-c", probe], tmp_path, "rank")
+    code, out, err = finish(wrapper)
+    assert code == 0, err
+    session, pid = map(int, out.split())
+    assert session == pid and session != os.getsid(0)  # the wrapper stayed in this test's session

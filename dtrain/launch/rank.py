@@ -1,6 +1,8 @@
 """The process every rank runs in: ``python -m dtrain.launch.rank -- CMD ...``.
 
-It runs ``CMD`` (``dtrain train ...``) as a child in its own session, copies
+It runs ``CMD`` (``dtrain train ...``) as a child in its own session (where
+Linux groups the scheduler by session, ``sched_autogroup``, each rank then gets
+a session's share of the CPU, not a share of its launcher's), copies
 its stdout and stderr through (keeping stderr's last lines; a closed terminal
 or a launcher gone never reaches the child as a failed write), and writes two
 report lines to stderr that the launcher reads::
