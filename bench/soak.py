@@ -5,7 +5,8 @@
 
 Each run clones this repository at ``--ref`` (default HEAD: commit first) into a
 fresh folder and runs ``.ci/run`` there (apt packages, ``./setup dev,mpi``, then
-the README's test command ``.venv/bin/python -m pytest -q``), with
+the README's test command ``.venv/bin/python -m pytest -q``; ``../shared`` beside
+the clone when this checkout has one, as in CI), with
 ``PYTEST_ADDOPTS`` adding ``--durations`` and a JUnit report (and the test paths
 after ``--``, for a subset). ``--hogs`` processes spin a core each for the
 whole run. Prints each run's status and wall time, every failed test with the
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     print(f"soak: {args.runs} run(s) of .ci/run at {ref[:12]}, {args.hogs} hog(s), {os.cpu_count()} CPU(s), "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start", flush=True)
     work = Path(tempfile.mkdtemp(prefix="dtrain-soak-"))
+    if (ROOT.parent / "shared").is_dir():  # CI has ../shared beside its clone: the tests on real pairs run
+        (work / "shared").symlink_to(ROOT.parent / "shared")
     runs = []
     for i in range(args.runs):
         # a session each, as another program's: under Linux's autogroup scheduling a hog in this session
