@@ -23,6 +23,14 @@ def test_warning_text_names_step_values_key_and_remedy():
         "try a lower train.learning_rate or orpo.lambda")
 
 
+def test_the_remedy_follows_the_objective():
+    tail = "the model is making the chosen answers less likely too; try a lower train.learning_rate"
+    assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "simpo").endswith(
+        tail + ", or a higher objective.nll_weight (the SFT term that holds the chosen answers up)")
+    assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "sft").endswith(tail)  # no pairwise knob to name
+    assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "orpo").endswith(tail + " or orpo.lambda")
+
+
 def test_only_the_latest_eval_is_judged():
     assert chosen_logps_drop(history(-1.66, -1.91, -1.60), 0.1) is None  # dipped, then recovered
     assert chosen_logps_drop(history(-1.66, -1.56), 0.1) is None  # rose: the healthy case

@@ -12,7 +12,13 @@ from typing import Optional
 CHOSEN_LOGPS = "eval/logps/chosen"
 
 
-def chosen_logps_drop(evals: dict, margin: float) -> Optional[str]:
+REMEDIES = {  # objective.kind -> what the warning suggests besides a lower learning rate
+    "orpo": " or orpo.lambda",
+    "simpo": ", or a higher objective.nll_weight (the SFT term that holds the chosen answers up)",
+}
+
+
+def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo") -> Optional[str]:
     """A warning when the held-out chosen log-probability fell below its step-0 value.
 
     ORPO can raise ``rewards/accuracies`` by lowering the likelihood of both
@@ -29,6 +35,8 @@ def chosen_logps_drop(evals: dict, margin: float) -> Optional[str]:
         margin: nats/token the latest value may fall below the step-0 value
             before a warning (``train.chosen_logps_drop_warn``); 0 turns the
             check off.
+        kind: ``objective.kind``, which decides the remedy the text suggests
+            (:data:`REMEDIES`; a lower learning rate for every kind).
 
     Returns:
         The warning text for the latest evaluated step, or None.
@@ -42,4 +50,4 @@ def chosen_logps_drop(evals: dict, margin: float) -> Optional[str]:
         return None
     return (f"warning: step {step}: held-out {CHOSEN_LOGPS} is {now:.4f}, {base - now:.4f} nats/token below "
             f"its step-0 value {base:.4f} (train.chosen_logps_drop_warn: {margin:g}); the model is making the "
-            f"chosen answers less likely too; try a lower train.learning_rate or orpo.lambda")
+            f"chosen answers less likely too; try a lower train.learning_rate{REMEDIES.get(kind, '')}")
