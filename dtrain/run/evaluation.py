@@ -17,8 +17,8 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
 
     ``micro``: pairs per micro-batch, cut as DPO's reference pass cuts them
     (:func:`~dtrain.sampler.dealt_batches`: at step 0 the policy's log-probs then
-    equal the reference's bit for bit, and the rewards are exactly 0); ``group``: the ``distributed.Group`` whose
-    ranks sum the metric sums (every rank joins); ``bar``: a progress bar
+    equal the reference's bit for bit, and the rewards are exactly 0);
+    ``group``: the ``distributed.Group`` whose ranks sum the metric sums (every rank joins); ``bar``: a progress bar
     advanced by the pairs of each micro-batch (rank 0's); ``hyper``: the
     objective's hyper-parameters (the step's, ``step.Step.hyper``; None: ``objective.hyper()``).
     """
@@ -39,8 +39,8 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
 def evaluate_and_log(run, step: int) -> None:
     """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics
     (``run``: the trainer's ``Run``)."""
-    mine = sum(map(len, sampler.dealt_batches(run.valid, run.group.rank, run.group.size, run.cfg.train.micro_batch_pairs)))
-    bar = run.log.eval_bar(step, mine)
+    mine = sampler.dealt_batches(run.valid, run.group.rank, run.group.size, run.cfg.train.micro_batch_pairs)
+    bar = run.log.eval_bar(step, sum(map(len, mine)))
     run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
     try:
         metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar,
