@@ -60,6 +60,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="fresh clones, one after another (default 5)")
     p.add_argument("--hogs", type=int, default=2, help="processes spinning a core each beside every run (default 2)")
+    p.add_argument("--hog-session", choices=("own", "soak"), default="own",
+                   help="own: each hog in a session of its own, as another program's (default, the harsher); "
+                        "soak: the hogs in this script's session, taking CPU from the tests' share only")
     p.add_argument("--ref", default="HEAD", help="commit to test (default HEAD)")
     p.add_argument("--durations", type=int, default=25, help="slowest tests pytest lists per run (default 25)")
     p.add_argument("--out", default=str(RESULTS / "soak.json"), help="JSON record")
@@ -70,16 +73,17 @@ def main(argv=None) -> int:
     ref = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.ref], capture_output=True, text=True,
                          check=True).stdout.strip()
     load = os.getloadavg()
-    print(f"soak: {args.runs} run(s) of .ci/run at {ref[:12]}, {args.hogs} hog(s), {os.cpu_count()} CPU(s), "
+    print(f"soak: {args.runs} run(s) of .ci/run at {ref[:12]}, {args.hogs} hog(s) (session: {args.hog_session}), {os.cpu_count()} CPU(s), "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start", flush=True)
     work = Path(tempfile.mkdtemp(prefix="dtrain-soak-"))
     if (ROOT.parent / "shared").is_dir():  # CI has ../shared beside its clone: the tests on real pairs run
         (work / "shared").symlink_to(ROOT.parent / "shared")
     runs = []
     for i in range(args.runs):
-        # a session each, as another program's: under Linux's autogroup scheduling a hog in this session
-        # would take its CPU from this session's share only, never from ranks in sessions of their own
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=True) for _ in range(args.hogs)]
+        # own (default): a session each, as another program's. Under Linux's autogroup scheduling a hog in
+        # this session takes its CPU from this session's share only, never from ranks in sessions of their own
+        own = args.hog_session == "own"
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG], start_new_session=own) for _ in range(args.hogs)]
         try:
             result = run_once(ref, i, work, args.paths, args.durations, not args.no_apt)
         finally:
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
     walls = [r["seconds"] for r in runs]
     print(f"\nwall time per run: {', '.join(f'{w:.0f}' for w in walls)} s")
     record = Path(args.out)
-    write_results(record.stem, {"ref": ref, "runs": args.runs, "hogs": args.hogs, "paths": args.paths,
+    write_results(record.stem, {"ref": ref, "runs": args.runs, "hogs": args.hogs, "hog_session": args.hog_session, "paths": args.paths,
                                 "load_at_start": load, "results": runs}, record.parent, stamp=False)
     print(f"record: {args.out}" + (f"; clones and logs in {work}" if args.keep else ""))
     if not args.keep:
