@@ -92,10 +92,10 @@ recommended)
   tar czf "$out/recommended-logs.tgz" /tmp/dtrain-peer-*/round*/*.log 2>/dev/null
   ;;
 objectives)
-  gguf=$3; shift 3
-  MLX_ENABLE_TF32=0 python3 bench/objectives.py run /tmp/objectives --trl-python python3 --trl-model "$gguf" \
+  gguf=$3; shift 3; o=${OBJ_OUT:-/tmp/objectives}   # OBJ_OUT: another folder (holding data/) for a second set
+  MLX_ENABLE_TF32=0 python3 bench/objectives.py run $o --trl-python python3 --trl-model "$gguf" \
       ${KINDS:+--kinds $KINDS} ${TRL_KINDS:+--trl-kinds $TRL_KINDS} "$@" 2>&1 | tee -a "$out/objectives.txt"
-  cp /tmp/objectives/results.json "$out/objectives.json"
-  tar czf "$out/objectives-logs.tgz" /tmp/objectives/*/*/log.txt /tmp/objectives/trl/*.log 2>/dev/null
+  cp $o/results.json "$out/objectives.json"
+  tar czf "$out/objectives-logs.tgz" $o/*/*/log.txt $o/trl/*.log 2>/dev/null
   ;;
 esac

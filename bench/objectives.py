@@ -99,6 +99,8 @@ def kind_config(kind: str, out: Path, args) -> dict:
         cfg.pop("orpo", None)
         cfg["objective"] = {"kind": "simpo"}
     cfg["model"] = dict(cfg.get("model", {}), path=args.model, dtype=args.dtype)
+    if getattr(args, "budget", 0):
+        cfg["engine"] = dict(cfg.get("engine") or {}, memory_budget_gb=args.budget)
     cfg["data"] = dict(cfg["data"], train=str(out / "data" / "train.jsonl"), valid=str(out / "data" / "valid.jsonl"),
                        valid_fraction=0.0, max_length=MAX_LENGTH, max_prompt_length=MAX_PROMPT)
     cfg["train"].update(seed=0, eval_pairs=0, progress=False, output_dir=str(out / "runs" / kind))
@@ -288,6 +290,8 @@ def main() -> None:
         x.add_argument("--data", default=str(DATA))
         x.add_argument("--model", default="demo", help="model.path of every run (demo = SmolLM2-135M-Instruct)")
         x.add_argument("--dtype", default="float32")
+        x.add_argument("--budget", type=float, default=0.0,
+                       help="dtrain's engine.memory_budget_gb in every run (0 = the config's, its device default)")
     r.add_argument("--kinds", nargs="+", default=["orpo", "dpo", "simpo", "sft"],
                    help="orpo, dpo, simpo, sft; KIND-lrX: that kind at learning rate X")
     r.add_argument("--steps", type=int, default=0, help="steps of every run (0 = the config's; smoke runs)")
