@@ -61,8 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=5, help="fresh clones, one after another (default 5)")
     p.add_argument("--hogs", type=int, default=2, help="processes spinning a core each beside every run (default 2)")
     p.add_argument("--hog-session", choices=("own", "soak"), default="own",
-                   help="own: each hog in a session of its own, as another program's (default, the harsher); "
-                        "soak: the hogs in this script's session, taking CPU from the tests' share only")
+                   help="own (default): each hog in a session of its own, as another program's; soak: the hogs in "
+                        "this script's session, where autogroup scheduling pits them against the tests' "
+                        "threads one by one (docs/reliability.md: which slows the suite more)")
     p.add_argument("--ref", default="HEAD", help="commit to test (default HEAD)")
     p.add_argument("--durations", type=int, default=25, help="slowest tests pytest lists per run (default 25)")
     p.add_argument("--out", default=str(RESULTS / "soak.json"), help="JSON record")
