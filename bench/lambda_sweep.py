@@ -268,8 +268,8 @@ def plot(results: dict, sets: list, png: Path) -> None:
             for i, (key, _, rel) in enumerate(panels):
                 xs, ys = curves(results, ds, arm, key, rel)
                 if xs:
-                    axes[i][j].plot(xs, ys, marker="." if key != "lambda" else None, label=arm,
-                                    ls="--" if "best" in arm else "-")
+                    axes[i][j].plot(xs, ys, marker="." if key != "lambda" else None, label=arm,  # one colour per arm
+                                    ls="--" if "best" in arm else "-", color=f"C{list(ARMS).index(arm) % 10}")
         axes[0][j].set_title(ds)
         axes[1][j].axhline(0, color="black", lw=0.8)
         axes[-1][j].set_xlabel("optimizer step")
