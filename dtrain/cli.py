@@ -1,4 +1,4 @@
-"""``dtrain``: train, check data, convert GGUF.
+"""``dtrain``: train, check data, print the config, convert GGUF, export, doctor.
 
     dtrain train -c CONFIG [--section.key VALUE ...]
     dtrain data check FILE [-c CONFIG] [--section.key VALUE ...]

@@ -103,7 +103,7 @@ class OrpoConfig:
     lam: float = option(0.1, "weight of the odds-ratio term (YAML key: lambda; the paper uses 0.1)", at_least=0.0)
     nll_scope: str = option("full", "NLL over prompt + chosen response (full: the paper, TRL) or the response only",
                             ("full", "response"))
-    # the dynamic-λ controller (dtrain/lambda_control.py; docs/defaults.md "The dynamic-λ controller")
+    # the dynamic-λ controller (dtrain/run/lambda_control.py; docs/defaults.md "The dynamic-λ controller")
     lambda_schedule: str = option("static", "static: lambda for every step; adaptive: the controller steers lambda "
                                             "in [lambda_min, lambda_max] from the held-out eval/logps/chosen after "
                                             "each evaluation (needs train.eval_every > 0)", ("static", "adaptive"))
@@ -210,7 +210,8 @@ class TrainConfig:
                                            "holds the best evaluated step by it (the last step goes to "
                                            "adapters-last/); needs eval_every > 0", tuple(DIRECTIONS))
     keep_best_guard: Optional[float] = option(None, "keep_best: a step counts only when its eval/logps/chosen is at "
-                                                    "most this many nats/token below step 0's; null = no guard",
+                                                    "most this many nats/token below step 0's; null = no guard; "
+                                                    "not for objective.kind dpo (its logps are sums per response)",
                                               at_least=0.0)
     early_stop_evals: int = option(0, "keep_best: stop after this many evaluations in a row without a new best; "
                                       "0 = never", at_least=0)
@@ -376,6 +377,9 @@ def _check(cfg: Config, source: str) -> None:
     if t.keep_best is not None and t.keep_best not in REPORTED[kind]:
         raise ConfigError(f"{source}: 'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
                           f"it; choose one of {', '.join(REPORTED[kind])}")
+    if t.keep_best_guard is not None and kind == "dpo":  # DPO's logps/chosen: a sum per response (TRL), not per token
+        raise ConfigError(f"{source}: 'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but objective.kind "
+                          f"dpo logs eval/logps/chosen as a sum per response; remove it")
     if t.early_stop_evals and t.keep_best is None:
         raise ConfigError(f"{source}: 'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
                           f"(it is off): the stop keeps the best step")

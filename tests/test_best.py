@@ -226,6 +226,16 @@ def test_each_objective_reports_the_keep_best_metrics_the_config_allows_it(kind)
     assert sorted(REPORTED[kind]) == sorted(m for m in DIRECTIONS if m in reported)
 
 
+def test_keep_best_guard_is_refused_for_dpo_whose_logps_are_sums_per_response():
+    args = ["data.demo_pairs=4", "train.eval_every=1", "train.keep_best=eval/loss", "train.keep_best_guard=0.0"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, args + ["objective.kind=dpo"])
+    assert str(err.value) == ("command line: 'train.keep_best_guard' (0.0) is in nats/token, but objective.kind dpo "
+                              "logs eval/logps/chosen as a sum per response; remove it")
+    for kind in ("orpo", "simpo", "sft"):  # mean log-probs per token: the guard's unit
+        assert load_config(None, args + [f"objective.kind={kind}"]).train.keep_best_guard == 0.0
+
+
 def test_keep_best_of_a_metric_the_objective_does_not_report_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.demo_pairs=4", "objective.kind=sft", "train.eval_every=1",
