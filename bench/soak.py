@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     ref = subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.ref], capture_output=True, text=True,
                          check=True).stdout.strip()
     load = os.getloadavg()
-    print(f"soak: {args.runs} run(s) of .ci/run at {ref[:12]}, {args.hogs} hog(s) (session: {args.hog_session}), {os.cpu_count()} CPU(s), "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start", flush=True)
+    print(f"soak: {args.runs} run(s) of .ci/run at {ref[:12]}, {args.hogs} hog(s) (session: {args.hog_session}), "
+          f"{os.cpu_count()} CPU(s), load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start", flush=True)
     work = Path(tempfile.mkdtemp(prefix="dtrain-soak-"))
     if (ROOT.parent / "shared").is_dir():  # CI has ../shared beside its clone: the tests on real pairs run
         (work / "shared").symlink_to(ROOT.parent / "shared")
@@ -113,8 +113,9 @@ def main(argv=None) -> int:
     walls = [r["seconds"] for r in runs]
     print(f"\nwall time per run: {', '.join(f'{w:.0f}' for w in walls)} s")
     record = Path(args.out)
-    write_results(record.stem, {"ref": ref, "runs": args.runs, "hogs": args.hogs, "hog_session": args.hog_session, "paths": args.paths,
-                                "load_at_start": load, "results": runs}, record.parent, stamp=False)
+    write_results(record.stem, {"ref": ref, "runs": args.runs, "hogs": args.hogs, "hog_session": args.hog_session,
+                                "paths": args.paths, "load_at_start": load, "results": runs},
+                  record.parent, stamp=False)
     print(f"record: {args.out}" + (f"; clones and logs in {work}" if args.keep else ""))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

@@ -378,8 +378,8 @@ def _check(cfg: Config, source: str) -> None:
         raise ConfigError(f"{source}: 'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
                           f"it; choose one of {', '.join(REPORTED[kind])}")
     if t.keep_best_guard is not None and kind == "dpo":  # DPO's logps/chosen: a sum per response (TRL), not per token
-        raise ConfigError(f"{source}: 'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but objective.kind "
-                          f"dpo logs eval/logps/chosen as a sum per response; remove it")
+        raise ConfigError(f"{source}: 'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but "
+                          f"objective.kind dpo logs eval/logps/chosen as a sum per response; remove it")
     if t.early_stop_evals and t.keep_best is None:
         raise ConfigError(f"{source}: 'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
                           f"(it is off): the stop keeps the best step")
