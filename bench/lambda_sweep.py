@@ -16,13 +16,19 @@ finished is not run again), then prints the markdown table, writes
 extra): per dataset, held-out accuracy, chosen log-prob change from the base
 and λ per evaluated step, one line per arm (mean over seeds).
 
-Arms (``ARMS``): fixed λ 0.05/0.1/0.2/0.5 (0.1 is the shipped default),
-``adaptive`` (``orpo.lambda_schedule: adaptive``), ``best`` (λ 0.1 +
-``train.keep_best: eval/rewards/accuracies``), ``best-guard`` (the same with
-``train.keep_best_guard: 0.0``: a step counts only while the held-out chosen
-log-prob is at or above the base's) and ``adaptive+best``. Datasets: those of
+Arms (``ARMS``): fixed λ 0.05/0.1/0.2/0.5 (0.1: the default before the controller
+shipped), ``adaptive`` (the controller with ε 0.005, as first shipped),
+``adaptive-eps`` (ε 0.06, from the measured noise), ``best`` / ``best-guard``
+(λ 0.1 + ``train.keep_best: eval/rewards/accuracies``, without / with
+``train.keep_best_guard: 0.0``), ``adaptive+best``, ``lor-guard`` (λ 0.1 +
+keep_best ``eval/log_odds_ratio`` with guard 0.0) and ``shipped``
+(``configs/preference.yaml`` untouched); every arm but ``shipped`` starts from
+fixed λ without keep_best (``FIXED``). Datasets: those of
 ``bench/sweep.py`` (orca, stack, demo, each with its own held-out split) and any
-``--extra NAME=FILE`` (a preference file dtrain reads, 10% held out).
+``--extra NAME=FILE`` (a preference file dtrain reads, 10% held out). Since
+keep_best does not change training, ``report`` also applies each rule of
+``PICKS`` to every trained arm's evaluations with the trainer's own
+``dtrain.run.best.pick_best``.
 
 Reported per run, at the end and at the *written* adapter (the kept step with
 keep_best, else the last): held-out reward accuracy, margin, chosen log-prob
@@ -46,20 +52,32 @@ import yaml
 import sweep  # bench/sweep.py: datasets, the per-run train command
 from prelude import DATA_DIR, ROOT, add_flags, runs_of, write_results
 
+from dtrain.run.best import pick_best  # noqa: E402  (no MLX import)
 from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
 
 ACC, MARGIN, CHOSEN, NLL = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/nll_loss")
+LOR = "eval/log_odds_ratio"
 BEST = {"keep_best": ACC}
-ARMS = {  # name -> {section: {key: value}} over configs/preference.yaml
+EPS_NOISE = 0.06  # ε at 2 sd of the 3-point slope of held-out ℓw, measured on orca/demo (docs/defaults.md)
+# Every arm but "shipped" starts from fixed λ without keep_best (the earlier default), then sets its own keys.
+FIXED = {"orpo": {"lambda_schedule": "static"}, "train": {"keep_best": None, "keep_best_guard": None}}
+ADAPTIVE = {"lambda_schedule": "adaptive"}
+ARMS = {  # name -> {section: {key: value}} over configs/preference.yaml and FIXED
     "lam0.05": {"orpo": {"lambda": 0.05}},
-    "lam0.1": {"orpo": {"lambda": 0.1}},
+    "lam0.1": {"orpo": {"lambda": 0.1}},  # the default before configs/preference.yaml shipped the controller
     "lam0.2": {"orpo": {"lambda": 0.2}},
     "lam0.5": {"orpo": {"lambda": 0.5}},
-    "adaptive": {"orpo": {"lambda_schedule": "adaptive"}},
+    "adaptive": {"orpo": {**ADAPTIVE, "lambda_epsilon": 0.005}},  # ε as first shipped: a placeholder
     "best": {"train": BEST},
     "best-guard": {"train": {**BEST, "keep_best_guard": 0.0}},
-    "adaptive+best": {"orpo": {"lambda_schedule": "adaptive"}, "train": BEST},
+    "adaptive+best": {"orpo": {**ADAPTIVE, "lambda_epsilon": 0.005}, "train": BEST},
+    "adaptive-eps": {"orpo": {**ADAPTIVE, "lambda_epsilon": EPS_NOISE}},
+    "lor-guard": {"train": {"keep_best": LOR, "keep_best_guard": 0.0}},  # λ 0.1, the best log-odds step at or above the base
+    "shipped": {},  # configs/preference.yaml as it is (adaptive-eps + lor-guard)
 }
+# keep_best rules applied to each trained run's evaluations after the fact, with the trainer's own
+# rule (dtrain.run.best.pick_best): keep_best does not change training, only which step is written.
+PICKS = {"end": None, "acc": (ACC, None), "acc+guard0": (ACC, 0.0), "lor": (LOR, None), "lor+guard0": (LOR, 0.0)}
 
 
 def run_config(base: dict, arm: str, data: dict, seed: int, args, out_dir: Path) -> dict:
@@ -70,6 +88,8 @@ def run_config(base: dict, arm: str, data: dict, seed: int, args, out_dir: Path)
     if args.dtype:
         cfg["model"]["dtype"] = args.dtype
     cfg["engine"].update({"kind": args.engine, "segment_layers": args.segment_layers})
+    if args.budget_gb:  # several runs share one GPU: each plans for its share, not the whole card
+        cfg["engine"]["memory_budget_gb"] = args.budget_gb
     steps = args.steps or cfg["train"]["steps"]
     cfg["train"].update({"steps": steps, "seed": seed, "eval_every": max(steps // args.evals, 1),
                          "eval_pairs": args.eval_pairs, "output_dir": str(out_dir), "progress": False})
@@ -77,6 +97,8 @@ def run_config(base: dict, arm: str, data: dict, seed: int, args, out_dir: Path)
         cfg["train"].update({"global_batch_pairs": args.batch, "micro_batch_pairs": min(args.batch, 8)})
     if args.steps:
         cfg["train"]["warmup_steps"] = round(base["train"]["warmup_steps"] * steps / base["train"]["steps"])
+    for section, keys in (FIXED if arm != "shipped" else {}).items():
+        cfg[section].update(keys)
     for section, keys in ARMS[arm].items():
         cfg[section].update(keys)
     return cfg
@@ -214,10 +236,50 @@ def report(args) -> None:
         if sigma is not None:
             print(f"- {ds}: σ {sigma:.4f} nats/token; the 3-point slope's noise σ/√2 {sigma / 2**0.5:.4f}; "
                   f"ε at 2 sd of it: {2 * sigma / 2**0.5:.4f} per evaluation")
+    picks_table(results, sets)
     if failed:
         print(f"\nfailed or unfinished ({len(failed)}): {', '.join(failed)}")
     if args.png:
         plot(results, sets, Path(args.png))
+
+
+def picked(rec: dict, rule) -> int | None:
+    """The step a keep_best ``rule`` ((metric, guard) or None: the last step) writes for one run."""
+    ev = rec.get("eval", {})
+    steps = sorted(int(s) for s in ev.get(ACC, {}))
+    if not steps:
+        return None
+    if rule is None:
+        return steps[-1]
+    evals = {s: {k: series[str(s)] for k, series in ev.items() if str(s) in series} for s in steps}
+    return pick_best(evals, *rule).step or steps[-1]  # none eligible: the trainer writes the last step
+
+
+def picks_table(results: dict, sets: list) -> None:
+    """Each keep_best rule of :data:`PICKS` applied to every trained arm's evaluations (mean ± sd over seeds),
+    and, for the arms that ran keep_best in the trainer, whether the trainer wrote the step the rule picks."""
+    arms = [a for a in ARMS if a != "shipped" and "keep_best" not in ARMS[a].get("train", {})]
+    print("\nkeep_best rules applied to each run's evaluations (acc / Δ chosen / nll at the written step; "
+          "'end' = no keep_best):\n")
+    print("| dataset | arm | seeds | " + " | ".join(PICKS) + " |")
+    print("|---|---|---|" + "---|" * len(PICKS))
+    for ds in sets:
+        for arm in arms:
+            recs = [rec for k, rec in results.items() if k.startswith(f"{ds}/{arm}/") and row(k, rec)]
+            if not recs:
+                continue
+            cells = []
+            for rule in PICKS.values():
+                got = [(rec["eval"], str(picked(rec, rule))) for rec in recs]
+                cells.append(" / ".join(mean_sd(v, signed) .split(" ±")[0] for v, signed in (
+                    ([e[ACC][s] for e, s in got], False), ([e[CHOSEN][s] - e[CHOSEN]["0"] for e, s in got], True),
+                    ([e[NLL][s] for e, s in got], False))))
+            print(f"| {ds} | {arm} | {len(recs)} | " + " | ".join(cells) + " |")
+    for k, rec in sorted(results.items()):
+        keep = rec.get("config", {}).get("train", {}).get("keep_best")
+        if keep and row(k, rec):
+            rule = (keep, rec["config"]["train"].get("keep_best_guard"))
+            print(f"- {k}: the trainer wrote step {rec.get('best_step')}, the rule picks step {picked(rec, rule)}")
 
 
 def chosen_noise(results: dict, ds: str) -> float | None:
@@ -303,6 +365,7 @@ def main() -> None:
     r.add_argument("--eval-pairs", type=int, default=0, help="held-out pairs per evaluation; 0 = all")
     r.add_argument("--max-length", type=int, default=512, help="orca, stack, --extra (demo: 128, as bench/sweep.py)")
     r.add_argument("--workers", type=int, default=12)
+    r.add_argument("--budget-gb", type=float, default=0.0, help="engine.memory_budget_gb per run (0: the config's)")
     r.add_argument("--cache-limit-gb", type=float, default=4.0, help="MLX buffer cache per run (0 = MLX's default)")
     r.add_argument("--budget-s", type=float, default=540.0, help="start no run that would end after this")
     r.add_argument("--grace-s", type=float, default=30.0, help="then stop runs still going this much later")

@@ -95,9 +95,10 @@ def kind_config(kind: str, out: Path, args) -> dict:
     base, _, lr = kind.partition("-lr")
     src = {"orpo": "preference", "simpo": "preference", "dpo": "dpo", "sft": "sft"}[base]
     cfg = yaml.safe_load((ROOT / "configs" / f"{src}.yaml").read_text())
-    if base == "simpo":
+    if base == "simpo":  # preference.yaml's ORPO-only keys go: the λ controller and a log-odds keep_best
         cfg.pop("orpo", None)
         cfg["objective"] = {"kind": "simpo"}
+        cfg["train"].update(keep_best=None, keep_best_guard=None)
     cfg["model"] = dict(cfg.get("model", {}), path=args.model, dtype=args.dtype)
     if getattr(args, "budget", 0):
         cfg["engine"] = dict(cfg.get("engine") or {}, memory_budget_gb=args.budget)
@@ -114,8 +115,9 @@ def kind_config(kind: str, out: Path, args) -> dict:
 def yard_config(kind: str, out: Path, args) -> dict:
     """configs/preference.yaml (ORPO) from ``kind``'s adapter: its step-0 evaluation is the yardstick."""
     cfg = kind_config("orpo", out, args)
+    cfg["orpo"]["lambda_schedule"] = "static"  # the yardstick is the step-0 evaluation: fixed λ, the last step
     cfg["train"].update(init_adapter=str(out / "runs" / kind / "adapters"), steps=1, warmup_steps=0, eval_every=1,
-                        output_dir=str(out / "yard" / kind))
+                        keep_best=None, keep_best_guard=None, output_dir=str(out / "yard" / kind))
     return cfg
 
 

@@ -116,8 +116,9 @@ class OrpoConfig:
                                    at_least=0.0, below=1.0)
     lambda_window: int = option(3, "adaptive: K, evaluations in the slope fit of eval/logps/chosen and calm "
                                    "evaluations before a back-off ramps again", above=1)
-    lambda_epsilon: float = option(0.005, "adaptive: the slope noise band (nats/token per evaluation): ramp while "
-                                          "the slope >= -epsilon, back off below", above=0.0)
+    lambda_epsilon: float = option(0.06, "adaptive: the slope noise band (nats/token per evaluation): ramp while "
+                                         "the slope >= -epsilon, back off below; 2 sd of the measured noise of a "
+                                         "3-point slope of held-out eval/logps/chosen (docs/defaults.md)", above=0.0)
     lambda_stop_drop: float = option(0.1, "adaptive: freeze lambda at lambda_min for good when eval/logps/chosen "
                                           "falls this far (nats/token) below its first value", above=0.0)
     lambda_law: str = option("aimd", "adaptive: aimd (add lambda_step, multiply by lambda_backoff) or pd (a PD "

@@ -130,7 +130,7 @@ def test_knobs_from_config():
     cfg = load_config(None, ["data.demo_pairs=1", "orpo.lambda_min=0.1", "orpo.lambda_law=pd", "orpo.lambda_window=4"])
     knobs = LambdaKnobs.from_config(cfg.orpo)
     assert (knobs.lam_min, knobs.lam_max, knobs.law, knobs.window) == (0.1, 0.5, "pd", 4)
-    assert DEFAULT == LambdaKnobs(lam_min=0.05, lam_max=0.5, step=0.05, backoff=0.5, window=3, epsilon=0.005,
+    assert DEFAULT == LambdaKnobs(lam_min=0.05, lam_max=0.5, step=0.05, backoff=0.5, window=3, epsilon=0.06,
                                   stop_drop=0.1, law="aimd", kd=0.5)
 
 
