@@ -47,6 +47,26 @@ def test_guard_excludes_steps_whose_chosen_logps_fell_too_far():
     assert (none.step, none.value, none.since) == (None, None, 1)
 
 
+def test_the_shipped_rule_log_odds_with_guard_0():
+    """configs/preference.yaml's rule (keep_best eval/log_odds_ratio, guard 0.0) on the two patterns of
+    docs/defaults.md: accuracy saturates at 1.0 from the first evaluation (demo) — accuracy picks that
+    first step on the tie, the log-odds the last — and a late run that pushes both answers down (stack)
+    — the guard keeps the one step at or above the base's chosen log-prob."""
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "preference.yaml"))
+    rule = (cfg.train.keep_best, cfg.train.keep_best_guard)
+    assert rule == ("eval/log_odds_ratio", 0.0) and cfg.orpo.lambda_schedule == "adaptive"
+    lor = "eval/log_odds_ratio"
+    demo = {s: {ACC: a, lor: o, CHOSEN: c} for s, a, o, c in (
+        (0, 0.125, -0.9, -3.40), (10, 1.0, -0.01, -0.48), (20, 1.0, -0.002, -0.33), (30, 1.0, -0.0004, -0.15))}
+    assert pick_best(demo, ACC, 0.0).step == 10
+    assert pick_best(demo, *rule).step == 30
+    stack = {s: {ACC: a, lor: o, CHOSEN: c} for s, a, o, c in (
+        (0, 0.6, -0.70, -3.725), (10, 0.6, -0.67, -3.70), (20, 0.6, -0.66, -4.55), (30, 0.4, -0.65, -6.4))}
+    assert pick_best(stack, lor).step == 30  # without the guard: the displaced last step
+    p = pick_best(stack, *rule)
+    assert (p.step, p.value, p.guarded) == (10, -0.67, (20, 30))
+
+
 def test_non_finite_values_never_count():
     p = pick_best(series({0: 0.1, 1: math.nan, 2: 0.3, 3: math.inf * 0}), ACC)
     assert (p.step, p.since) == (2, 1)
