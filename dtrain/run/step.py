@@ -2,8 +2,9 @@
 
 :class:`Step` is built once by ``trainer.setup``; the loop calls it once per
 step. It asks the sampler once (the global batch and this rank's micro-batches),
-the objective once (totals, hyper-parameters; metric names at the end), the
-engine once per micro-batch (``run_micro_batches``), and every rank joins one
+counts the batch's ``Totals`` (``engine.batch_totals``), asks the engine once per
+micro-batch (``run_micro_batches``) and the objective once, at the end, for the
+metrics (its hyper-parameters are asked when built), and every rank joins one
 all-reduce (``Group.all_sum``): the gradients, the metric sums and the stop flag
 together; ``perf/allreduce_seconds`` times it (flattening and splitting included).
 """
@@ -20,7 +21,7 @@ from mlx.utils import tree_map
 
 from ..config import TrainConfig
 from ..distributed import Group
-from ..engine import Objective, run_micro_batches
+from ..engine import Objective, batch_totals, run_micro_batches
 from .optimizer import update_applied
 from ..sampler import Sampler
 from .schedule import learning_rate
@@ -83,7 +84,7 @@ class Step:
         t, group, objective = self.train, self.group, self.objective
         start = time.perf_counter()
         batch, chunks = self.sampler.take(step, self.pairs, group.rank, group.size, t.micro_batch_pairs)
-        totals = objective.totals(batch)
+        totals = batch_totals(batch, objective.nll_scope)
         key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
         sums, grads = run_micro_batches(self.engine, chunks, totals, True, key, self.hyper)
         if grads is None:  # this rank got no pairs this step: contribute zeros
