@@ -258,7 +258,7 @@ def demo_step_seconds(tokens: int) -> float:
     from mlx_lm.models import llama
 
     from dtrain.config import LoraConfig
-    from dtrain.engine import ReferenceEngine, run_micro_batches
+    from dtrain.engine import ReferenceEngine, batch_totals, run_micro_batches
     from dtrain.lora import apply_lora
     from dtrain.engine import ORPO
     from dtrain.types import TokenizedPair
@@ -270,7 +270,7 @@ def demo_step_seconds(tokens: int) -> float:
     half = tokens // 2
     pair = TokenizedPair(list(range(1, half + 1)), list(range(100, 100 + half)), list(range(200, 200 + half)))
     engine = ReferenceEngine(model, ORPO(0.1))
-    norm = ORPO(0.1, "full").totals([pair])
+    norm = batch_totals([pair], "full")
     run_micro_batches(engine, [[pair]], norm, with_grads=True)  # warm-up
     start = time.perf_counter()
     run_micro_batches(engine, [[pair]], norm, with_grads=True)

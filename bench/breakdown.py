@@ -40,7 +40,7 @@ import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 from dtrain.config import Config  # noqa: E402
-from dtrain.engine import make_engine  # noqa: E402
+from dtrain.engine import batch_totals, make_engine  # noqa: E402
 from dtrain.engine import ORPO  # noqa: E402
 from dtrain.run.optimizer import AdamWStep  # noqa: E402
 
@@ -70,7 +70,7 @@ def make_optimizer(kind: str, model) -> AdamWStep:
 
 
 def timed_step(engine, optimizer, model, pairs) -> dict:
-    norm = ORPO(0.1, "full").totals(pairs)
+    norm = batch_totals(pairs, "full")
     t0 = time.perf_counter()
     out = engine.step(pairs, norm)
     t1 = time.perf_counter()

@@ -38,7 +38,7 @@ from common import write_results  # before MLX
 from prelude import ORCA, RESULTS, ROOT, add_flags
 
 from dtrain.config import load_config  # noqa: E402
-from dtrain.engine import bucket_length, make_engine, make_objective  # noqa: E402
+from dtrain.engine import batch_totals, bucket_length, make_engine, make_objective  # noqa: E402
 from dtrain.sampler import Sampler  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def time_steps(cfg, model, chunks_per_step: list) -> dict:
                for pack in (False, True)}
     out = {pack: {"seconds": [], "loss": []} for pack in engines}
     for i, chunks in enumerate(chunks_per_step):
-        totals = objective.totals([p for c in chunks for p in c])
+        totals = batch_totals([p for c in chunks for p in c], objective.nll_scope)
         for pack in ((False, True) if i % 2 == 0 else (True, False)):
             t = time.perf_counter()
             loss = 0.0

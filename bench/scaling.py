@@ -204,17 +204,17 @@ def validate(args) -> dict:
             assert everyone[0]["lora_parameters"] == elements, (everyone[0]["lora_parameters"], elements)
             med = lambda e, phase, key: statistics.median(r[phase][key] for r in e["records"])  # noqa: E731
             b = [r["B"] for r in everyone[0]["records"]]
-            scalars = pm.ring_allreduce_seconds(4 * 12, n, fitted)  # the step's metrics (12 floats)
+            nbytes = (elements + len(ORPO.metric_keys) + 1) * 4  # one collective: gradients, metric sums, stop flag
             row = {"rate": rate, "ranks": n, "load_start": load, "load_end": os.getloadavg()[0], "grad_bytes": elements * 4,
                    "A_step": max(med(e, "A", "step") for e in everyone),  # the slowest rank sets the pace
                    "A_compute": max(med(e, "A", "compute") for e in everyone),
                    "A_copy": max(statistics.median(r["A"].get("copy", 0.0) for r in e["records"]) for e in everyone),
                    "B_step": statistics.median(r["step"] for r in b), "B_steps": [r["step"] for r in b],
                    "B_compute": max(med(e, "B", "compute") for e in everyone),
-                   # the rank that arrives last waits least: its all_sum_tree time is the collective's
+                   # the rank that arrives last waits least: its all_sum time is the collective's
                    "B_reduce": statistics.median(min(e["records"][i]["B"]["reduce"] for e in everyone) for i in range(len(b))),
-                   "allreduce_fitted": pm.ring_allreduce_seconds(elements * 4, n, fitted) + scalars,
-                   "allreduce_nominal": pm.ring_allreduce_seconds(elements * 4, n, nominal) + scalars,
+                   "allreduce_fitted": pm.ring_allreduce_seconds(nbytes, n, fitted),
+                   "allreduce_nominal": pm.ring_allreduce_seconds(nbytes, n, nominal),
                    "link": {"fitted_bandwidth": fitted.bandwidth, "hop_latency": fitted.hop_latency,
                             "fit": fitted.source, "nominal_bandwidth": nominal.bandwidth, "burst": burst}}
             for kind in ("fitted", "nominal"):

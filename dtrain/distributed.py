@@ -132,24 +132,29 @@ class Group:
     def watch(self, what: str, step: Optional[int]) -> Watchdog:
         return Watchdog(self.rank, what, step, self.timeout_s)
 
-    def all_sum_tree(self, tree: dict, step: Optional[int], what: str = "all_sum of LoRA gradients",
-                     bucket_bytes: int = BUCKET_BYTES) -> dict:
-        """Sum a tree of arrays over all ranks, in flat float32 buckets.
+    def all_sum(self, tree: dict, scalars: Mapping[str, float], step: Optional[int],
+                what: str = "all_sum of LoRA gradients", bucket_bytes: int = BUCKET_BYTES) -> tuple[dict, dict]:
+        """Sum a tree of arrays and a dict of scalars over all ranks, in one collective.
 
-        All leaves are flattened into one float32 vector, which is summed in
-        consecutive slices of at most ``bucket_bytes`` (one
-        ``mx.distributed.all_sum`` per slice; a large leaf spans several) and
-        split back. The result is evaluated and keeps each leaf's shape and dtype.
+        The leaves, then the scalars (by sorted name), are flattened into one
+        float32 vector, summed in consecutive slices of at most ``bucket_bytes``
+        (one ``mx.distributed.all_sum`` per slice; a large leaf spans several)
+        and split back: a step's gradients, metric sums and stop flag cost one
+        round trip. Returns ``(tree, scalars)``: the tree evaluated, each leaf in
+        its shape and dtype (at world size 1 the tree given); the scalars as
+        Python floats, rounded to float32 at every world size.
 
         Raises:
             CollectiveError: MLX reported a lost peer during the collective.
         """
+        keys = sorted(scalars)
+        vec = mx.array([float(scalars[k]) for k in keys], dtype=mx.float32)  # (len(scalars),)
         if self.size == 1:
-            return tree
+            return tree, dict(zip(keys, vec.tolist()))
         leaves = tree_flatten(tree)
-        flat = mx.concatenate([v.astype(mx.float32).reshape(-1) for _, v in leaves])  # (sum of sizes,)
+        flat = mx.concatenate([v.astype(mx.float32).reshape(-1) for _, v in leaves] + [vec])  # (sum of sizes,)
         bounds = bucket_bounds(flat.size, 4, bucket_bytes)
-        with self.watch(f"{what} ({len(bounds)} bucket(s))", step):
+        with self.watch(f"{what} ({len(bounds)} bucket(s))" if leaves else what, step):
             parts = [mx.distributed.all_sum(flat[a:b], group=self.mlx_group) for a, b in bounds]
             mx.eval(parts)
         summed = mx.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -157,19 +162,18 @@ class Group:
         for name, value in leaves:
             out.append((name, summed[start : start + value.size].reshape(value.shape).astype(value.dtype)))
             start += value.size
-        out = tree_unflatten(out)
+        out = tree_unflatten(out) if leaves else tree
         mx.eval(out)
-        return out
+        return out, dict(zip(keys, summed[start:].tolist()))
+
+    def all_sum_tree(self, tree: dict, step: Optional[int], what: str = "all_sum of LoRA gradients",
+                     bucket_bytes: int = BUCKET_BYTES) -> dict:
+        """:meth:`all_sum` of a tree alone."""
+        return self.all_sum(tree, {}, step, what, bucket_bytes)[0]
 
     def all_sum_scalars(self, values: Mapping[str, float], step: Optional[int], what: str = "all_sum of metrics") -> dict:
-        """Sum a dict of scalars over all ranks in one float32 collective; returns floats."""
-        keys = sorted(values)
-        vec = mx.array([float(values[k]) for k in keys], dtype=mx.float32)
-        if self.size > 1:
-            with self.watch(what, step):
-                vec = mx.distributed.all_sum(vec, group=self.mlx_group)
-                mx.eval(vec)
-        return dict(zip(keys, np.array(vec).tolist()))
+        """:meth:`all_sum` of scalars alone; returns floats."""
+        return self.all_sum({}, values, step, what)[1]
 
     def all_gather_text(self, text: str, step: Optional[int], what: str = "all_gather of text") -> list[str]:
         """Every rank's ``text`` (UTF-8, any length), in rank order."""

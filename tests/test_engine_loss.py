@@ -89,25 +89,25 @@ def test_orpo_objective_keys_are_the_loss_sums_and_layout_counts():
     assert ORPO.metric_keys == ORPO_SUM_KEYS + tuple(counts)
 
 
-def test_orpo_totals_worked_numbers():
-    from dtrain.engine import ORPO
+def test_batch_totals_worked_numbers():
+    from dtrain.engine import batch_totals
     from dtrain.types import TokenizedPair
 
     pairs = [TokenizedPair([1, 2, 3], [4, 5], [6]), TokenizedPair([1], [7, 8, 9], [6, 6])]
     # full: (3 - 1) + 2 = 4 and (1 - 1) + 3 = 3; response: 2 + 3
-    full = ORPO(0.1, "full").totals(pairs)
+    full = batch_totals(pairs, "full")
     assert (full.nll_tokens, full.pairs) == (7.0, 2.0)
-    assert ORPO(0.1, "response").totals(pairs).nll_tokens == 5.0
-    assert ORPO(0.1).totals([]).nll_tokens == 0.0
+    assert batch_totals(pairs, "response").nll_tokens == 5.0
+    assert batch_totals([], "full").nll_tokens == 0.0
 
 
 @pytest.mark.parametrize("scope", ["full", "response"])
-def test_orpo_totals_agree_with_layout_nll_weights(scope):
-    """The step total (objective) and the layouts' NLL weights count the same tokens."""
+def test_batch_totals_agree_with_layout_nll_weights(scope):
+    """The step total (``batch_totals``) and the layouts' NLL weights count the same tokens."""
     import random
 
     from dtrain.engine.layout import shared_prefix_layout, two_sequence_layout
-    from dtrain.engine import ORPO
+    from dtrain.engine import batch_totals
     from dtrain.types import TokenizedPair
 
     rng = random.Random(14)
@@ -115,7 +115,7 @@ def test_orpo_totals_agree_with_layout_nll_weights(scope):
         def ids(lo):
             return [rng.randrange(1, 50) for _ in range(rng.randint(lo, 6))]
         pairs = [TokenizedPair(ids(1), ids(1), ids(1)) for _ in range(rng.randint(1, 4))]
-        want = ORPO(0.1, scope).totals(pairs).nll_tokens
+        want = batch_totals(pairs, scope).nll_tokens
         for build in (two_sequence_layout, shared_prefix_layout):
             layout = build(pairs, scope)
             assert float(layout.nll_tokens) == want

@@ -15,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dtrain.config import Config
-from dtrain.engine import ReferenceEngine, Totals, make_engine
+from dtrain.engine import ReferenceEngine, Totals, batch_totals, make_engine
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.engine import ORPO
@@ -284,7 +284,7 @@ def test_lora_dropout_gradient_matches_finite_differences_of_the_same_masks():
     model = dropout_model(mx.float64)
     engine = SegmentedEngine(model, adapter_for(model), ORPO(0.1, "full"), segment_layers=2, prefix_sharing=True)
     pairs = make_pairs()
-    norm = ORPO(0.1, "full").totals(pairs)
+    norm = batch_totals(pairs, "full")
     key = mx.random.key(123)
     grads = engine.step(pairs, norm, key).grads
     params = model.trainable_parameters()

@@ -10,7 +10,7 @@ from mlx.utils import tree_flatten
 
 from conftest import add_random_lora, make_pairs, make_tiny_model
 from test_best import run, same, weights
-from dtrain.engine import ReferenceEngine
+from dtrain.engine import ReferenceEngine, batch_totals
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.engine import ORPO
@@ -27,9 +27,6 @@ class Counting:
     def loss(self, *args):
         self.calls += 1
         return self.inner.loss(*args)
-
-    def totals(self, pairs):
-        return self.inner.totals(pairs)
 
     def hyper(self):
         return self.inner.hyper()
@@ -57,7 +54,7 @@ def test_lambda_input_gives_the_loss_and_gradients_of_the_objectives_own(lam):
     objective's own λ bit for bit: loss, every metric sum and every gradient."""
     pairs = make_pairs(3)
     objective = ORPO(lam)
-    totals = objective.totals(pairs)
+    totals = batch_totals(pairs, objective.nll_scope)
     # the same models twice (seeded); the input-fed engines' own λ is another one: only the input counts
     for (name, engine), (_, own) in zip(engines(ORPO(0.9)), engines(objective)):
         given = engine.step(pairs, totals, hyper={"lambda": mx.array(lam, mx.float32)})
@@ -81,12 +78,12 @@ def test_a_new_lambda_traces_nothing_again():
     losses = {}
     for lam in (0.1, 0.3, 0.05, 0.3):
         hyper = ORPO(lam).hyper()
-        out = engine.step(pairs, objective.totals(pairs), hyper=hyper)
+        out = engine.step(pairs, batch_totals(pairs, objective.nll_scope), hyper=hyper)
         mx.eval(out.loss, out.grads)
         if lam == 0.1:
             traced = objective.calls
         losses[lam] = float(out.loss)
-        want = eager.step(pairs, ORPO(lam).totals(pairs), hyper=hyper).loss
+        want = eager.step(pairs, batch_totals(pairs, "full"), hyper=hyper).loss
         assert float(out.loss) == pytest.approx(float(want), rel=1e-5), lam
     assert traced == 2 and objective.calls == 2
     assert losses[0.1] < losses[0.3] and losses[0.05] < losses[0.1]  # λ weights a positive odds-ratio term

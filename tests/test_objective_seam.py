@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dtrain.engine import OBJECTIVES, ORPO, PairLogps, ReferenceEngine, Totals, make_objective, run_micro_batches
+from dtrain.engine import OBJECTIVES, ORPO, PairLogps, ReferenceEngine, batch_totals, make_objective, run_micro_batches
 from dtrain.engine.objective import COUNT_KEYS
 from dtrain.sampler import Sampler, shard_batches
 
@@ -26,9 +26,6 @@ class ToyMargin:
     beta: float
     nll_scope: str = "full"
     metric_keys = ("margin_sum",) + COUNT_KEYS
-
-    def totals(self, pairs):
-        return Totals(nll_tokens=1.0, pairs=float(len(pairs)))
 
     def hyper(self):
         return {"beta": mx.array(self.beta, mx.float32)}
@@ -60,7 +57,7 @@ def test_a_new_objective_gets_summed_logps_counts_and_per_pair_extras():
     model = lora_model("llama")
     pairs = with_ref(make_pairs(), [0.5, -1.0, 2.0])
     toy = ToyMargin(0.3)
-    out = ReferenceEngine(model, toy).evaluate(pairs, toy.totals(pairs))
+    out = ReferenceEngine(model, toy).evaluate(pairs, batch_totals(pairs, toy.nll_scope))
 
     def side_logps(prompt, response):
         tokens = mx.array([prompt + response])
@@ -79,9 +76,9 @@ def test_segmented_equals_reference_for_a_new_objective(variant):
     model = lora_model("llama")
     pairs = with_ref(make_pairs(), [0.5, -1.0, 2.0])
     toy = ToyMargin(0.3)
-    ref = ReferenceEngine(model, toy).step(pairs, toy.totals(pairs))
+    ref = ReferenceEngine(model, toy).step(pairs, batch_totals(pairs, toy.nll_scope))
     out = engine_for(model, **variant)
-    out = type(out)(model, out.arch, toy, **variant).step(pairs, toy.totals(pairs))
+    out = type(out)(model, out.arch, toy, **variant).step(pairs, batch_totals(pairs, toy.nll_scope))
     assert rel(out.loss, ref.loss) < 1e-5
     for (k, a), b in zip(sorted(ref.grads["model"]["layers"][0]["self_attn"]["q_proj"].items()),
                          [v for _, v in sorted(out.grads["model"]["layers"][0]["self_attn"]["q_proj"].items())]):

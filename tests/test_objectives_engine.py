@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from dtrain.engine import ReferenceEngine
+from dtrain.engine import ReferenceEngine, batch_totals
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.engine import DPO, ORPO, SFT, SimPO
@@ -35,7 +35,7 @@ def assert_directional_derivatives(model, obj, pairs, seed=7, n=2):
     """LoRA gradients of ``obj`` on ``pairs`` (reference engine) against central finite
     differences along ``n`` random directions (float64 model)."""
     engine = ReferenceEngine(model, obj)
-    norm = obj.totals(pairs)
+    norm = batch_totals(pairs, obj.nll_scope)
     grads = engine.step(pairs, norm).grads
     params = model.trainable_parameters()
     mx.random.seed(seed)
@@ -73,7 +73,7 @@ def test_hyper_parameters_are_step_inputs_of_the_compiled_engine(built, given):
     model, pairs = lora_model("llama"), with_ref(make_pairs())
     arch = adapter_for(model)
     engine = SegmentedEngine(model, arch, Counting(*dataclasses.astuple(built)), segment_layers=0, compile=True)
-    norm = built.totals(pairs)
+    norm = batch_totals(pairs, built.nll_scope)
     first = engine.step(pairs, norm).loss.item()
     traced = len(calls)
     second = engine.step(pairs, norm, hyper=given.hyper()).loss.item()
@@ -90,7 +90,7 @@ VARIANT_IDS = ["segmented", "prefix", "prefix_chunked", "one_range", "packed", "
 
 
 def parity(model, engine, pairs, obj):
-    norm = obj.totals(pairs)
+    norm = batch_totals(pairs, obj.nll_scope)
     ref = ReferenceEngine(model, obj).step(pairs, norm)
     out = engine.step(pairs, norm)
     mx.eval(ref.loss, ref.grads, out.loss, out.grads)
@@ -123,7 +123,7 @@ def test_prefix_sharing_equals_two_sequences_in_the_segmented_engine(name):
     obj = OBJECTIVES[name]
     model = lora_model("qwen3")
     pairs = with_ref(make_pairs())
-    norm = obj.totals(pairs)
+    norm = batch_totals(pairs, obj.nll_scope)
     two = SegmentedEngine(model, adapter_for(model), obj, segment_layers=2).step(pairs, norm)
     one = SegmentedEngine(model, adapter_for(model), obj, segment_layers=2, prefix_sharing=True).step(pairs, norm)
     assert rel(one.loss, two.loss) < 1e-5
@@ -135,8 +135,8 @@ def test_orpo_is_unchanged_by_reference_log_probs():
     """Reference values on the pairs are read by DPO only."""
     model = lora_model("llama")
     pairs = make_pairs()
-    a = ReferenceEngine(model, ORPO(0.1)).evaluate(pairs, ORPO(0.1).totals(pairs))
-    b = ReferenceEngine(model, ORPO(0.1)).evaluate(with_ref(pairs), ORPO(0.1).totals(pairs))
+    a = ReferenceEngine(model, ORPO(0.1)).evaluate(pairs, batch_totals(pairs, "full"))
+    b = ReferenceEngine(model, ORPO(0.1)).evaluate(with_ref(pairs), batch_totals(pairs, "full"))
     assert a.loss.item() == b.loss.item()
 
 
@@ -146,7 +146,7 @@ def test_reference_pass_objective_returns_summed_log_probs_of_each_pair():
 
     model = lora_model("llama")
     pairs = make_pairs()
-    out = ReferenceEngine(model, ReferenceLogps()).evaluate(pairs, ReferenceLogps().totals(pairs))
+    out = ReferenceEngine(model, ReferenceLogps()).evaluate(pairs, batch_totals(pairs, "response"))
     for i, p in enumerate(pairs):
         for side, key in ((p.chosen, "ref_chosen"), (p.rejected, "ref_rejected")):
             seq = mx.array([p.prompt + side])
@@ -174,7 +174,7 @@ def test_a_pair_without_preference_signal_gives_no_gradient(name):
 
 
 def engine_grads(model, obj, pairs):
-    return ReferenceEngine(model, obj).step(pairs, obj.totals(pairs)).grads
+    return ReferenceEngine(model, obj).step(pairs, batch_totals(pairs, obj.nll_scope)).grads
 
 
 def sft_rows(seed=0):
@@ -204,8 +204,8 @@ def test_sft_row_is_its_chosen_sequence_alone_and_equals_the_pair_it_came_from()
     assert packed.shape == (1, sum(len(p.prompt) + len(p.chosen) for p in rows)) and len(packed.spans) == 3
     assert float(packed.w_rejected.sum()) == 0.0 and shared_prefix_layout(rows, pack=True).shape == packed.shape
     obj = SFT()
-    a = ReferenceEngine(model, obj).step(pairs, obj.totals(pairs))
-    b = ReferenceEngine(model, obj).step(rows, obj.totals(rows))
+    a = ReferenceEngine(model, obj).step(pairs, batch_totals(pairs, obj.nll_scope))
+    b = ReferenceEngine(model, obj).step(rows, batch_totals(rows, obj.nll_scope))
     assert rel(b.loss, a.loss) < 1e-6
     for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
         assert rel(y, x) < 1e-5, k

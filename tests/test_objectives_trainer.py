@@ -12,7 +12,7 @@ import pytest
 
 from conftest import make_pairs, make_tiny_model
 from dtrain.config import load_config
-from dtrain.engine import ReferenceEngine
+from dtrain.engine import ReferenceEngine, batch_totals
 from dtrain.run.reference import ReferenceLogps
 from dtrain.run.trainer import Hooks, train
 
@@ -72,7 +72,7 @@ def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
     model.eval()
     engine = ReferenceEngine(model, ReferenceLogps())
     for i, p in enumerate(make_pairs(N_TRAIN + N_VALID, seed=0)):
-        sums = engine.evaluate([p], ReferenceLogps().totals([p])).sums
+        sums = engine.evaluate([p], batch_totals([p], "response")).sums
         np.testing.assert_allclose(cached[i], [sums["ref_chosen"].item(), sums["ref_rejected"].item()], rtol=1e-5)
     # step 1: policy = reference, so the DPO loss is ln 2 per pair; rewards start at 0
     assert first.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)

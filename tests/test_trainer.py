@@ -117,14 +117,14 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     from dtrain.config import LoraConfig
     from dtrain.engine import ReferenceEngine, run_micro_batches
     from dtrain.lora import apply_lora
-    from dtrain.engine import ORPO
+    from dtrain.engine import ORPO, batch_totals
 
     model = make_tiny_model()
     apply_lora(model, LoraConfig(rank=2))
     model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
     engine = ReferenceEngine(model, ORPO(0.1))
     pairs = make_pairs(4)
-    norm = ORPO(0.1, "full").totals(pairs)
+    norm = batch_totals(pairs, "full")
     whole, g_whole = run_micro_batches(engine, [pairs], norm, with_grads=True)
     parts, g_parts = run_micro_batches(engine, [[p] for p in pairs], norm, with_grads=True)
     assert parts["pairs"] == whole["pairs"] == 4 and parts["nll_sum"] == pytest.approx(whole["nll_sum"], rel=1e-6)

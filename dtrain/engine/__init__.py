@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..notices import notice
 from .common import Engine, StepResult, run_micro_batches
 from .dpo import DPO
-from .layout import bucket_length
+from .layout import batch_totals, bucket_length
 from .loss import ORPO
 from .objective import Objective, PairLogps, Totals
 from .reference import ReferenceEngine
@@ -90,4 +90,4 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
 
 __all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "DPO", "SimPO", "SFT", "OBJECTIVES", "StepResult",
            "ReferenceEngine", "fit_dataset", "make_engine", "make_objective", "run_micro_batches",
-           "bucket_length"]
+           "batch_totals", "bucket_length"]

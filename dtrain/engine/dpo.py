@@ -20,8 +20,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..types import TokenizedPair
-from .layout import nll_tokens
 from .loss import upcast
 from .objective import COUNT_KEYS, PairLogps, Totals
 
@@ -64,10 +62,6 @@ class DPO:
     def from_config(cls, cfg) -> "DPO":
         o = cfg.objective
         return cls(DEFAULT_BETA if o.beta is None else o.beta, o.loss_type)
-
-    def totals(self, pairs: list[TokenizedPair]) -> Totals:
-        """Global normalisers: the pairs (and the chosen tokens, for the layouts' count)."""
-        return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
     def hyper(self) -> dict:
         """``{"beta": beta}`` as a float32 scalar, a step input."""

@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..types import TokenizedPair
+from .objective import Totals
 
 PAD = 0
 # Block ids per token, used to build attention masks.
@@ -226,13 +227,19 @@ def nll_prompt_targets(prompt_len: int, nll_scope: str) -> int:
     """Prompt tokens predicted in the NLL term: every prompt token after the first
     (``full``), or none (``response``). With the chosen response tokens, which are
     always NLL targets, this is the one rule for the NLL token count (the layouts'
-    ``w_nll`` and :func:`nll_tokens`, hence ``ORPO.totals``)."""
+    ``w_nll`` and :func:`nll_tokens`, hence :func:`batch_totals`)."""
     return prompt_len - 1 if nll_scope == "full" else 0
 
 
 def nll_tokens(pair: TokenizedPair, nll_scope: str) -> int:
     """NLL targets of one pair over ``[prompt; chosen]``: ``sum(w_nll)`` of its layout rows."""
     return nll_prompt_targets(len(pair.prompt), nll_scope) + len(pair.chosen)
+
+
+def batch_totals(pairs: list[TokenizedPair], nll_scope: str) -> Totals:
+    """The ``Totals`` of a global batch: its NLL targets (:func:`nll_tokens`, without building
+    layouts) and its pairs; ``nll_scope`` is the objective's."""
+    return Totals(nll_tokens=float(sum(nll_tokens(p, nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
 
 def _check(pairs: list[TokenizedPair]) -> None:

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..types import TokenizedPair
-from .layout import nll_tokens
 from .objective import COUNT_KEYS, PairLogps, Totals
 
 # The additive sums orpo_loss returns, in this order (ORPO.metric_keys).
@@ -163,11 +161,6 @@ class ORPO:
     def from_config(cls, cfg) -> "ORPO":
         """The objective of a run's ``Config`` (its ``orpo`` section)."""
         return cls(cfg.orpo.lam, cfg.orpo.nll_scope)
-
-    def totals(self, pairs: list[TokenizedPair]) -> Totals:
-        """A step's global counts, from its global batch; the NLL count is the layouts'
-        ``w_nll`` rule (``engine.layout.nll_tokens``) without building layouts."""
-        return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
     def hyper(self) -> dict:
         """``{"lambda": λ}`` as a float32 scalar, a step input (named as the config key ``orpo.lambda``)."""

@@ -15,8 +15,6 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..types import TokenizedPair
-
 # Host-side counts every engine adds to a micro-batch's sums (engine.common.layout_counts);
 # computed_tokens: tokens through every layer, padding included (input_tokens of them are real).
 COUNT_KEYS = ("pairs", "nll_tokens", "input_tokens", "fallback_pairs", "computed_tokens")
@@ -25,8 +23,8 @@ COUNT_KEYS = ("pairs", "nll_tokens", "input_tokens", "fallback_pairs", "computed
 @dataclass
 class Totals:
     """Global counts of one optimizer step (all micro-batches, all ranks), from
-    ``objective.totals(global_batch)``: Python floats, or float32 scalars inside a
-    compiled step.
+    ``layout.batch_totals(global_batch, objective.nll_scope)``: Python floats, or
+    float32 scalars inside a compiled step.
 
     A micro-batch's loss is divided by these, so summing micro-batch gradients
     over accumulation steps and ranks gives the global-batch gradient.
@@ -68,10 +66,8 @@ class Objective(Protocol):
     ``logps/*`` are sums per response, so the nats/token eval guard is skipped.
     """
 
-    nll_scope: str  # which prompt tokens the layouts mark as NLL targets (engine.layout.nll_tokens)
+    nll_scope: str  # which prompt tokens the layouts mark as NLL targets, and Totals counts (engine.layout.nll_tokens)
     metric_keys: tuple  # the additive sums a micro-batch returns, COUNT_KEYS included
-
-    def totals(self, pairs: list[TokenizedPair]) -> Totals: ...
 
     def hyper(self) -> dict: ...
 

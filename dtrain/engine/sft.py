@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 
 from ..errors import DataError
-from ..types import TokenizedPair
-from .layout import nll_tokens
 from .loss import upcast
 from .objective import COUNT_KEYS, PairLogps, Totals
 
@@ -39,10 +37,6 @@ class SFT:
     @classmethod
     def from_config(cls, cfg) -> "SFT":
         return cls("response" if cfg.objective.completion_only_loss else "full")
-
-    def totals(self, pairs: list[TokenizedPair]) -> Totals:
-        """Global normalisers: the NLL target tokens (``engine.layout.nll_tokens``) and the pairs."""
-        return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
     def hyper(self) -> dict:
         """No hyper-parameters."""

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..types import TokenizedPair
-from .layout import nll_tokens
 from .loss import upcast
 from .objective import COUNT_KEYS, PairLogps, Totals
 
@@ -47,10 +45,6 @@ class SimPO:
     def from_config(cls, cfg) -> "SimPO":
         o = cfg.objective
         return cls(DEFAULT_BETA if o.beta is None else o.beta, o.simpo_gamma, o.nll_weight)
-
-    def totals(self, pairs: list[TokenizedPair]) -> Totals:
-        """Global normalisers: the chosen response tokens (NLL) and the pairs."""
-        return Totals(nll_tokens=float(sum(nll_tokens(p, self.nll_scope) for p in pairs)), pairs=float(len(pairs)))
 
     def hyper(self) -> dict:
         """``beta``, ``gamma`` and ``nll_weight`` as float32 scalars, step inputs."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .. import sampler
 from . import guards
-from ..engine import run_micro_batches
+from ..engine import batch_totals, run_micro_batches
 from ..types import TokenizedPair
 
 ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
@@ -24,7 +24,7 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
     """
     model.eval()
     objective = engine.objective
-    totals = objective.totals(pairs)
+    totals = batch_totals(pairs, objective.nll_scope)
     sums = dict.fromkeys(objective.metric_keys, 0.0)
     for chunk in sampler.dealt_batches(pairs, group.rank, group.size, micro):
         part, _ = run_micro_batches(engine, [chunk], totals, False, None, hyper)  # one read per chunk, for the bar

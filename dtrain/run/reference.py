@@ -28,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..engine.dpo import REF_KEYS
+from ..engine.layout import batch_totals
 from ..engine.loss import upcast
 from ..engine.objective import PairLogps, Totals
 from ..files import sha256_file
@@ -47,9 +48,6 @@ class ReferenceLogps:
 
     nll_scope = "response"
     metric_keys = REF_KEYS
-
-    def totals(self, pairs: list[TokenizedPair]) -> Totals:
-        return Totals(nll_tokens=1.0, pairs=float(len(pairs)))
 
     def hyper(self) -> dict:
         return {}
@@ -79,7 +77,7 @@ def compute(engine, pairs: list[TokenizedPair], micro: int, group) -> np.ndarray
     start = 0
     for i, chunk in enumerate(micro_batches(pairs, micro)):  # as sampler.dealt_batches deals them
         if i % group.size == group.rank:
-            result = engine.evaluate(chunk, engine.objective.totals(chunk))
+            result = engine.evaluate(chunk, batch_totals(chunk, engine.objective.nll_scope))
             mx.eval(result.sums["ref_chosen"], result.sums["ref_rejected"])
             out[start:start + len(chunk), 0] = np.array(result.sums["ref_chosen"], np.float32)
             out[start:start + len(chunk), 1] = np.array(result.sums["ref_rejected"], np.float32)

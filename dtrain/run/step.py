@@ -2,9 +2,11 @@
 
 :class:`Step` is built once by ``trainer.setup``; the loop calls it once per
 step. It asks the sampler once (the global batch and this rank's micro-batches),
-the objective once (totals, hyper-parameters; metric names at the end), the
-engine once per micro-batch (``run_micro_batches``), and every rank joins the
-two all-reduces.
+counts the batch's ``Totals`` (``engine.batch_totals``), asks the engine once per
+micro-batch (``run_micro_batches``) and the objective once, at the end, for the
+metrics (its hyper-parameters are asked when built), and every rank joins one
+all-reduce (``Group.all_sum``): the gradients, the metric sums and the stop flag
+together; ``perf/allreduce_seconds`` times it (flattening and splitting included).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mlx.utils import tree_map
 
 from ..config import TrainConfig
 from ..distributed import Group
-from ..engine import Objective, run_micro_batches
+from ..engine import Objective, batch_totals, run_micro_batches
 from .optimizer import update_applied
 from ..sampler import Sampler
 from .schedule import learning_rate
@@ -77,20 +79,20 @@ class Step:
         self.hyper = self.hyper or self.objective.hyper()
 
     def __call__(self, step: int, stop=None) -> StepOutcome:
-        """Step ``step`` (1-based). ``stop`` (a ``trainer.StopRequest`` or None) is read when the
-        metrics are all-reduced, after the gradients: a signal during this step is agreed in it."""
+        """Step ``step`` (1-based). ``stop`` (a ``trainer.StopRequest`` or None) is read after the
+        micro-batches and all-reduced with the gradients: a signal during them is agreed in this step."""
         t, group, objective = self.train, self.group, self.objective
         start = time.perf_counter()
         batch, chunks = self.sampler.take(step, self.pairs, group.rank, group.size, t.micro_batch_pairs)
-        totals = objective.totals(batch)
+        totals = batch_totals(batch, objective.nll_scope)
         key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
         sums, grads = run_micro_batches(self.engine, chunks, totals, True, key, self.hyper)
         if grads is None:  # this rank got no pairs this step: contribute zeros
             grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
+        sums = {**sums, "stop": float(stop is not None and stop.requested)}
         reduce_start = time.perf_counter()
-        grads = group.all_sum_tree(grads, step)  # evaluated inside: this times the communication alone
+        grads, sums = group.all_sum(grads, sums, step)  # one collective, evaluated inside: this times it alone
         reduce_seconds = time.perf_counter() - reduce_start
-        sums = group.all_sum_scalars({**sums, "stop": float(stop is not None and stop.requested)}, step)
         metrics = objective.finalize(sums, "", self.hyper)
         lr = learning_rate(step, t, self.schedule_steps)
         loss_finite = math.isfinite(metrics["loss"])
