@@ -331,7 +331,7 @@ def plot(results: dict, sets: list, png: Path) -> None:
                 xs, ys = curves(results, ds, arm, key, rel)
                 if xs:
                     axes[i][j].plot(xs, ys, marker="." if key != "lambda" else None, label=arm,  # one colour per arm
-                                    ls="--" if "best" in arm else "-", color=f"C{list(ARMS).index(arm) % 10}")
+                                    ls="--" if "keep_best" in ARMS[arm].get("train", {}) else "-", color=f"C{list(ARMS).index(arm) % 10}")
         axes[0][j].set_title(ds)
         axes[1][j].axhline(0, color="black", lw=0.8)
         axes[-1][j].set_xlabel("optimizer step")
