@@ -266,3 +266,20 @@ def test_warmup_continues_past_a_plan_shorter_than_it():
                            "train.schedule=cosine"]).train
     rates = [learning_rate(s, t, schedule_steps=2) for s in range(1, 14)]
     assert rates == pytest.approx([1e-3 * s / 10 for s in range(1, 11)] + [1e-3] * 3, rel=1e-12)
+
+
+def test_the_extension_notice_says_what_the_rate_does():
+    """The notice of a resume past the planned steps follows learning_rate: with warmup unfinished it
+    says warmup continues (the 4-of-8 case with 10 warmup steps: 2.5e-4 ... 4e-4, then 5e-4), else it
+    names the held final rate."""
+    from dtrain.config import TrainConfig
+    from dtrain.run.schedule import extension_notice, learning_rate
+
+    cfg = TrainConfig(steps=12, learning_rate=5e-4, warmup_steps=10, schedule="cosine")
+    assert [learning_rate(s, cfg, 4) for s in (5, 8, 10, 11, 12)] == pytest.approx([2.5e-4, 4e-4, 5e-4, 5e-4, 5e-4])
+    assert extension_notice(4, cfg, 4) == ("train.steps 12 is past the 4 steps this run's schedule was planned "
+                                           "for: warmup continues to step 10, then steps 11-12 hold its final "
+                                           "learning rate 0.0005")
+    done = TrainConfig(steps=24, learning_rate=2e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.1)
+    assert extension_notice(12, done, 12) == ("train.steps 24 is past the 12 steps this run's schedule was planned "
+                                              "for: steps 13-24 hold its final learning rate 2e-05")

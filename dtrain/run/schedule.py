@@ -32,3 +32,16 @@ def learning_rate(step: int, cfg: TrainConfig, schedule_steps: Optional[int] = N
     if cfg.schedule == "linear":
         return lr - (lr - floor) * progress
     return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def extension_notice(step: int, cfg: TrainConfig, schedule_steps: int) -> str:
+    """What a run resumed at ``step`` with ``cfg.steps`` past its planned ``schedule_steps`` does with the
+    rate (:func:`learning_rate`): warmup, if unfinished, still runs to ``warmup_steps``; then it holds."""
+    held_from = max(schedule_steps, cfg.warmup_steps)
+    final = learning_rate(held_from, cfg, schedule_steps)
+    head = f"train.steps {cfg.steps} is past the {schedule_steps} steps this run's schedule was planned for: "
+    first = max(step, schedule_steps) + 1
+    if held_from >= first:
+        return head + (f"warmup continues to step {held_from}, then steps {held_from + 1}-{cfg.steps} hold "
+                       f"its final learning rate {final:.3g}")
+    return head + f"steps {first}-{cfg.steps} hold its final learning rate {final:.3g}"

@@ -37,7 +37,7 @@ from ..memory import wired_limit
 from ..notices import for_rank
 from .optimizer import AdamWStep
 from .reference import ReferenceLogps, reference_pass
-from .schedule import learning_rate
+from .schedule import extension_notice
 from .step import Step
 from .tracking import RunLogger, new_run_dir
 
@@ -288,9 +288,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                                 f"raise train.steps to continue it")
             state = replace(resumed.state, world_size=group.size)
             if t.steps > state.schedule_steps and notice is not None:
-                notice(f"train.steps {t.steps} is past the {state.schedule_steps} steps this run's schedule was "
-                       f"planned for: steps {max(state.step, state.schedule_steps) + 1}-{t.steps} hold its final "
-                       f"learning rate {learning_rate(state.schedule_steps, t, state.schedule_steps):.3g}")
+                notice(extension_notice(state.step, t, state.schedule_steps))
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
