@@ -199,8 +199,13 @@ def test_keep_best_needs_evaluations(tmp_path):
                              reference={"path": "tiny-llama"})
     with pytest.raises(UserError) as err:
         train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
+    assert str(err.value) == ("train.keep_best needs held-out pairs, and this run has none: data.valid_fraction 0.1 "
+                              "of 9 pairs gives none: set data.valid or add pairs (or turn it off)")
+    cfg.data.valid_fraction = 0.0
+    with pytest.raises(UserError) as err:
+        train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
     assert str(err.value) == ("train.keep_best needs held-out pairs, and this run has none: set data.valid or "
-                              "data.valid_fraction > 0")
+                              "data.valid_fraction > 0 (or turn it off)")
     assert not any(tmp_path.iterdir())  # nothing written
     cfg.orpo.lambda_schedule = "adaptive"
     with pytest.raises(UserError) as err:
