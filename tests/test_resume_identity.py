@@ -280,6 +280,7 @@ def test_the_extension_notice_says_what_the_rate_does():
     assert extension_notice(4, cfg, 4) == ("train.steps 12 is past the 4 steps this run's schedule was planned "
                                            "for: warmup continues to step 10, then steps 11-12 hold its final "
                                            "learning rate 0.0005")
+    assert extension_notice(4, TrainConfig(steps=8, warmup_steps=10), 4).endswith("warmup continues to step 8, its last")
     done = TrainConfig(steps=24, learning_rate=2e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.1)
     assert extension_notice(12, done, 12) == ("train.steps 24 is past the 12 steps this run's schedule was planned "
                                               "for: steps 13-24 hold its final learning rate 2e-05")

@@ -41,6 +41,8 @@ def extension_notice(step: int, cfg: TrainConfig, schedule_steps: int) -> str:
     final = learning_rate(held_from, cfg, schedule_steps)
     head = f"train.steps {cfg.steps} is past the {schedule_steps} steps this run's schedule was planned for: "
     first = max(step, schedule_steps) + 1
+    if held_from >= cfg.steps:
+        return head + f"warmup continues to step {cfg.steps}, its last"
     if held_from >= first:
         return head + (f"warmup continues to step {held_from}, then steps {held_from + 1}-{cfg.steps} hold "
                        f"its final learning rate {final:.3g}")
