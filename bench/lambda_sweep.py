@@ -72,12 +72,17 @@ ARMS = {  # name -> {section: {key: value}} over configs/preference.yaml and FIX
     "best-guard": {"train": {**BEST, "keep_best_guard": 0.0}},
     "adaptive+best": {"orpo": {**ADAPTIVE, "lambda_epsilon": 0.005}, "train": BEST},
     "adaptive-eps": {"orpo": {**ADAPTIVE, "lambda_epsilon": EPS_NOISE}},
-    "lor-guard": {"train": {"keep_best": LOR, "keep_best_guard": 0.0}},  # λ 0.1, the best log-odds step at or above the base
+    "lor-guard": {"train": {"keep_best": LOR, "keep_best_guard": 0.0}},  # λ 0.1, best log-odds at or above the base
     "shipped": {},  # configs/preference.yaml as it is (adaptive-eps + lor-guard)
 }
 # keep_best rules applied to each trained run's evaluations after the fact, with the trainer's own
 # rule (dtrain.run.best.pick_best): keep_best does not change training, only which step is written.
 PICKS = {"end": None, "acc": (ACC, None), "acc+guard0": (ACC, 0.0), "lor": (LOR, None), "lor+guard0": (LOR, 0.0)}
+
+
+def keeps_best(arm: str) -> bool:
+    """Whether ``arm`` sets train.keep_best itself (its trainer writes a kept step)."""
+    return "keep_best" in ARMS[arm].get("train", {})
 
 
 def run_config(base: dict, arm: str, data: dict, seed: int, args, out_dir: Path) -> dict:
@@ -258,7 +263,7 @@ def picked(rec: dict, rule) -> int | None:
 def picks_table(results: dict, sets: list) -> None:
     """Each keep_best rule of :data:`PICKS` applied to every trained arm's evaluations (mean ± sd over seeds),
     and, for the arms that ran keep_best in the trainer, whether the trainer wrote the step the rule picks."""
-    arms = [a for a in ARMS if a != "shipped" and "keep_best" not in ARMS[a].get("train", {})]
+    arms = [a for a in ARMS if a != "shipped" and not keeps_best(a)]
     print("\nkeep_best rules applied to each run's evaluations (acc / Δ chosen / nll at the written step; "
           "'end' = no keep_best):\n")
     print("| dataset | arm | seeds | " + " | ".join(PICKS) + " |")
@@ -271,7 +276,7 @@ def picks_table(results: dict, sets: list) -> None:
             cells = []
             for rule in PICKS.values():
                 got = [(rec["eval"], str(picked(rec, rule))) for rec in recs]
-                cells.append(" / ".join(mean_sd(v, signed) .split(" ±")[0] for v, signed in (
+                cells.append(" / ".join(f"{statistics.mean(v):{'+' if signed else ''}.3f}" for v, signed in (
                     ([e[ACC][s] for e, s in got], False), ([e[CHOSEN][s] - e[CHOSEN]["0"] for e, s in got], True),
                     ([e[NLL][s] for e, s in got], False))))
             print(f"| {ds} | {arm} | {len(recs)} | " + " | ".join(cells) + " |")
@@ -331,7 +336,8 @@ def plot(results: dict, sets: list, png: Path) -> None:
                 xs, ys = curves(results, ds, arm, key, rel)
                 if xs:
                     axes[i][j].plot(xs, ys, marker="." if key != "lambda" else None, label=arm,  # one colour per arm
-                                    ls="--" if "keep_best" in ARMS[arm].get("train", {}) else "-", color=f"C{list(ARMS).index(arm) % 10}")
+                                    ls="--" if keeps_best(arm) else "-",
+                                    color=f"C{list(ARMS).index(arm) % 10}")
         axes[0][j].set_title(ds)
         axes[1][j].axhline(0, color="black", lw=0.8)
         axes[-1][j].set_xlabel("optimizer step")

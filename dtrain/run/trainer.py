@@ -248,8 +248,9 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                                 ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
     if steering and not dataset.valid:
         d = cfg.data  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
+        few = d.valid is None and d.valid_fraction > 0
         fix = (f"data.valid_fraction {d.valid_fraction} of {len(dataset.train)} pairs gives none: set data.valid or "
-               f"add pairs" if d.valid is None and d.valid_fraction > 0 else "set data.valid or data.valid_fraction > 0")
+               f"add pairs" if few else "set data.valid or data.valid_fraction > 0")
         raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
                         f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
     pairs_sampler = sampler.for_run(cfg, dataset.train)
