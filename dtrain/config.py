@@ -170,6 +170,10 @@ class EngineConfig:
                               "gradients; off for models with sliding-window layers)")
     compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
                                   "(slower first steps, no faster on a GPU: docs/gpu.md)")
+    kernels: str = option("auto", "the segmented engine's attention, softmax and sigmoid: mlx = MLX's fused "
+                                  "kernels; dtrain = its own (causal attention by query blocks that skip the keys "
+                                  "above the diagonal; exp through mx.power, as MLX's CPU exp is slow); equal to "
+                                  "rounding; auto: dtrain on the CPU, mlx on a GPU", ("auto", "mlx", "dtrain"))
 
 
 @dataclass

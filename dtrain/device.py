@@ -24,6 +24,12 @@ def default_length_bucket() -> int:
     return 128 if on_gpu() else 0
 
 
+def default_kernels() -> str:
+    """``engine.kernels: auto``: ``dtrain`` on the CPU (MLX's CPU exp and attention are the slow
+    part of a step there), ``mlx`` on a GPU (fused kernels)."""
+    return "mlx" if on_gpu() else "dtrain"
+
+
 def resolve_auto(cfg):
     """``(cfg', choices)``: ``cfg`` with its device-dependent ``auto`` values of the engine and
     train sections resolved, and ``{"section.key": value}`` of every ``auto`` that was,
@@ -37,6 +43,9 @@ def resolve_auto(cfg):
     if e.length_bucket == "auto":
         e = replace(e, length_bucket=default_length_bucket())
         choices["engine.length_bucket"] = e.length_bucket
+    if e.kernels == "auto" and e.kind != "reference":
+        e = replace(e, kernels=default_kernels())
+        choices["engine.kernels"] = e.kernels
     if e.kind == "auto" or e.segment_layers == "auto":
         if e.memory_budget_gb == 0:
             e = replace(e, memory_budget_gb=default_budget_bytes() / GIB)  # exact: GIB is a power of two

@@ -94,15 +94,17 @@ def assert_parity(model, engine, pairs, lam=0.1, norm=NORM):
     return out
 
 
-def engine_for(model, lam=0.1, **kw):
-    return SegmentedEngine(model, adapter_for(model), ORPO(lam), **kw)
+def engine_for(model, lam=0.1, own_kernels=False, **kw):
+    return SegmentedEngine(model, adapter_for(model, own_kernels), ORPO(lam), **kw)
 
 
+@pytest.mark.parametrize("kernels", ["mlx", "dtrain"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_parity(arch, variant):
+def test_parity(arch, variant, kernels):
+    """Against the reference engine (mlx-lm's own forward): with MLX's kernels and with dtrain's."""
     model = lora_model(arch)
-    out = assert_parity(model, engine_for(model, **VARIANTS[variant]), make_pairs())
+    out = assert_parity(model, engine_for(model, own_kernels=kernels == "dtrain", **VARIANTS[variant]), make_pairs())
     prefix = VARIANTS[variant].get("prefix_sharing", False)
     # prefix sharing feeds each prompt once: 3 sequences of P + C + R tokens
     assert out.sums["input_tokens"] == (sum(p + c + r for p, c, r in ((6, 4, 5), (3, 7, 2), (9, 2, 3)))
@@ -123,7 +125,8 @@ def test_gemma3_window_smaller_than_sequence():
     model = lora_model("gemma3", sliding_window=3)
     pairs = make_pairs(lengths=((10, 6, 7), (4, 9, 3), (12, 3, 8)))
     for kw in VARIANTS.values():
-        assert_parity(model, engine_for(model, **kw), pairs)
+        for own in (False, True):
+            assert_parity(model, engine_for(model, own_kernels=own, **kw), pairs)
 
 
 @pytest.mark.parametrize("size", [1, 3, 4, 5, 9, 0])

@@ -45,7 +45,8 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     ``compile`` is dropped with LoRA dropout (compiled ranges would replay one
     mask); ``pack`` is off, without a notice, for sliding-window layers (their
     explicit mask over a packed row is quadratic in its length); ``length_bucket:
-    auto`` is 128 on a GPU, 0 on the CPU. Each other decision
+    auto`` is 128 on a GPU, 0 on the CPU; ``kernels: auto`` is ``dtrain`` on the CPU,
+    ``mlx`` on a GPU (``device.default_kernels``). Each other decision
     that changes what was asked, and the advice for one range with a chunked
     head, is passed to ``report`` once (the trainer reports on rank 0 only).
 
@@ -58,12 +59,12 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     report = report or (lambda _: None)
     if cfg.kind == "reference":
         return ReferenceEngine(model, objective)
-    from ..device import default_length_bucket
+    from ..device import default_kernels, default_length_bucket
     from .arch import adapter_for, module_name
     from .plan import GIB
     from .segmented import SegmentedEngine, has_dropout, trainable_outside_layers
 
-    arch = adapter_for(model)
+    arch = adapter_for(model, (default_kernels() if cfg.kernels == "auto" else cfg.kernels) == "dtrain")
     if arch is None:
         report(f"the segmented engine does not support mlx-lm architecture '{module_name(model)}'; "
                f"using the reference engine")

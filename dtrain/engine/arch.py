@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernels
+from .head import mlx_logsumexp
 from .layout import SharedAttention
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3_text", "minicpm", "gemma4_text")
@@ -48,6 +50,8 @@ class Arch:
             instead of its own (Gemma 4 KV sharing), or None.
         layer_inputs: ``(tokens (S, L), embedded (S, L, D)) -> (S, L, layers, P)``
             constants fed to each layer (Gemma 4 per-layer inputs), or None.
+        logsumexp: ``(..., V) -> (...)`` over the last axis, for the head's log-softmax
+            (MLX's, or ``kernels.logsumexp`` with ``engine.kernels: dtrain``).
     """
 
     name: str
@@ -58,6 +62,7 @@ class Arch:
     head: Callable
     donors: Optional[list] = None
     layer_inputs: Optional[Callable] = None
+    logsumexp: Callable = mlx_logsumexp
 
 
 def module_name(model: nn.Module) -> str:
@@ -84,14 +89,20 @@ def _heads(attn) -> tuple[int, int]:
     return n, kv
 
 
-def shared_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, plan: SharedAttention) -> mx.array:
-    """Prefix-shared attention as one batched fused causal call (see ``SharedAttention``).
+def fused_causal(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """MLX's fused causal attention: ``(B, H, L, Dh)`` queries over ``(B, Hkv, L, Dh)`` keys/values."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+
+
+def shared_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, plan: SharedAttention,
+                     causal: Callable = fused_causal) -> mx.array:
+    """Prefix-shared attention as one batched causal call (see ``SharedAttention``).
 
     ``q`` ``(S, H, L, Dh)``, ``k``/``v`` ``(S, Hkv, L, Dh)``. Each token's row is
     gathered into the plan's ``(rows, M)`` attention rows, attended with
-    ``mask="causal"`` and gathered back (the gathers' vjps sum the prompt's
-    key/value gradients over its two rows). Padded query rows get values
-    nothing reads. Returns ``(S, L, H * Dh)``.
+    ``causal`` (:func:`fused_causal` or ``kernels.causal_attention``) and gathered
+    back (the gathers' vjps sum the prompt's key/value gradients over its two
+    rows). Padded query rows get values nothing reads. Returns ``(S, L, H * Dh)``.
     """
     S, H, L, Dh = q.shape
 
@@ -99,12 +110,13 @@ def shared_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, plan: 
         flat = x.transpose(0, 2, 1, 3).reshape(S * L, x.shape[1], Dh)  # (S*L, h, Dh)
         return flat[plan.gather].transpose(0, 2, 1, 3)
 
-    out = mx.fast.scaled_dot_product_attention(to_rows(q), to_rows(k), to_rows(v), scale=scale, mask="causal")
+    out = causal(to_rows(q), to_rows(k), to_rows(v), scale)
     out = out.transpose(0, 2, 1, 3).reshape(plan.rows * plan.length, H * Dh)  # (rows*M, H*Dh)
     return out[plan.scatter].reshape(S, L, H * Dh)
 
 
-def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = False) -> mx.array:
+def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = False,
+              causal: Callable = fused_causal) -> mx.array:
     """Self-attention of an mlx-lm ``Attention`` module with explicit mask/positions.
 
     Args:
@@ -115,6 +127,7 @@ def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = Fals
             (MLX's fused causal mode, no mask array); or a ``SharedAttention``
             plan (prefix sharing by one batched fused causal call, no mask array).
         positions: ``(B, L)`` int32 RoPE positions.
+        causal: the causal attention of the ``"causal"`` and ``SharedAttention`` masks.
     Returns:
         ``(B, L, D)`` output of ``o_proj``.
     """
@@ -126,39 +139,49 @@ def attention(attn, x: mx.array, mask, positions: mx.array, qk_norm: bool = Fals
     if qk_norm:  # RMSNorm over Dh: the same before or after the transpose
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rope_at(attn.rope, q, positions), rope_at(attn.rope, k, positions)
-    return attn.o_proj(attend(q, k, v, attn.scale, mask))
+    return attn.o_proj(attend(q, k, v, attn.scale, mask, causal))
 
 
-def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, causal: Callable = fused_causal) -> mx.array:
     """``(B, H, L, Dh)`` queries over ``(B, Hkv, L, Dh)`` keys/values -> ``(B, L, H * Dh)``.
 
-    ``mask`` as in :func:`attention`.
+    ``mask`` and ``causal`` as in :func:`attention` (an explicit mask array always
+    goes to MLX's attention).
     """
     B, _, L, _ = q.shape
     if isinstance(mask, SharedAttention):
-        return shared_attention(q, k, v, scale, mask)  # (B, L, H * Dh)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)  # (B, H, L, Dh)
+        return shared_attention(q, k, v, scale, mask, causal)  # (B, L, H * Dh)
+    if isinstance(mask, str) and mask == "causal":
+        out = causal(q, k, v, scale)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)  # (B, H, L, Dh)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
-def _llama_layer(qk_norm: bool, residual_scale: float = 1.0):
-    """Pre-norm block: ``h = x + s*attn(norm(x)); out = h + s*mlp(norm(h))``."""
+def _llama_layer(qk_norm: bool, residual_scale: float = 1.0, own: bool = False):
+    """Pre-norm block: ``h = x + s*attn(norm(x)); out = h + s*mlp(norm(h))``; ``own``:
+    with ``kernels``' attention and SwiGLU (the MLP as the mlx-lm files write it)."""
+    causal = kernels.causal_attention if own else fused_causal
+
+    def mlp(m, x):
+        return m.down_proj(kernels.swiglu(m.gate_proj(x), m.up_proj(x))) if own else m(x)
 
     def call(layer, x, mask, positions):
-        r = attention(layer.self_attn, layer.input_layernorm(x), mask, positions, qk_norm)
+        r = attention(layer.self_attn, layer.input_layernorm(x), mask, positions, qk_norm, causal)
         h = x + r * residual_scale if residual_scale != 1.0 else x + r
-        r = layer.mlp(layer.post_attention_layernorm(h))
+        r = mlp(layer.mlp, layer.post_attention_layernorm(h))
         return h + r * residual_scale if residual_scale != 1.0 else h + r
 
     return call
 
 
-def _gemma3_layer():
-    """Sandwich-norm block of ``gemma3_text.TransformerBlock``."""
+def _gemma3_layer(own: bool = False):
+    """Sandwich-norm block of ``gemma3_text.TransformerBlock``; ``own``: ``kernels``' causal attention."""
     clip_residual = importlib.import_module("mlx_lm.models.gemma3_text").clip_residual
+    causal = kernels.causal_attention if own else fused_causal
 
     def call(layer, x, mask, positions):
-        r = attention(layer.self_attn, layer.input_layernorm(x), mask, positions, qk_norm=True)
+        r = attention(layer.self_attn, layer.input_layernorm(x), mask, positions, True, causal)
         h = clip_residual(x, layer.post_attention_layernorm(r))
         r = layer.mlp(layer.pre_feedforward_layernorm(h))
         return clip_residual(h, layer.post_feedforward_layernorm(r))
@@ -238,34 +261,38 @@ def _linear_head(model, norm, tied: bool, pre_scale: float = 1.0, softcap: Optio
     return head
 
 
-def adapter_for(model: nn.Module) -> Optional[Arch]:
+def adapter_for(model: nn.Module, own_kernels: bool = False) -> Optional[Arch]:
     """The :class:`Arch` of ``model``, or None when its architecture is not supported.
 
-    Supported mlx-lm modules: see ``SUPPORTED``.
+    Supported mlx-lm modules: see ``SUPPORTED``. ``own_kernels`` (``engine.kernels:
+    dtrain``): causal attention, SwiGLU and the head's log-sum-exp from ``kernels``
+    (Gemma 4 keeps MLX's attention; sliding-window masks always do).
     """
     name = module_name(model)
     if name not in SUPPORTED:
         return None
+    lse = {"logsumexp": kernels.logsumexp} if own_kernels else {}
     if name == "gemma4_text":
-        return _gemma4(model)
+        return replace(_gemma4(model), **lse)
     inner, args = model.model, model.args
     layers = list(inner.layers)
     windows = [None] * len(layers)
     if name in ("llama", "qwen2", "qwen3"):
-        layer_call = _llama_layer(qk_norm=name == "qwen3")
+        layer_call = _llama_layer(qk_norm=name == "qwen3", own=own_kernels)
         embed = inner.embed_tokens
         head = _linear_head(model, inner.norm, tied=args.tie_word_embeddings)
         if name == "llama":
             windows = [inner.sliding_window if layer.use_sliding else None for layer in layers]
     elif name == "minicpm":
-        layer_call = _llama_layer(qk_norm=False, residual_scale=args.scale_depth / math.sqrt(args.num_hidden_layers))
+        layer_call = _llama_layer(qk_norm=False, residual_scale=args.scale_depth / math.sqrt(args.num_hidden_layers),
+                                  own=own_kernels)
         embed = lambda tokens: inner.embed_tokens(tokens) * args.scale_emb  # noqa: E731
         if args.tie_word_embeddings:  # minicpm.Model: no logit scaling when tied
             head = lambda h: inner.norm(h) @ inner.embed_tokens.weight.T  # noqa: E731
         else:
             head = _linear_head(model, inner.norm, tied=False, pre_scale=args.hidden_size / args.dim_model_base)
     else:  # gemma3_text
-        layer_call = _gemma3_layer()
+        layer_call = _gemma3_layer(own_kernels)
         scale = mx.array(args.hidden_size**0.5, mx.bfloat16)  # rounded to bf16 as in Gemma3Model
 
         def embed(tokens):
@@ -278,4 +305,4 @@ def adapter_for(model: nn.Module) -> Optional[Arch]:
             model, inner.norm, tied=model.tie_word_embeddings or "lm_head" not in model,
             softcap=getattr(args, "final_logit_softcapping", None),
         )
-    return Arch(name, embed, layers, _no_kv(layer_call), windows, head)
+    return Arch(name, embed, layers, _no_kv(layer_call), windows, head, **lse)

@@ -22,20 +22,26 @@ def _chunks(n: int, size: int):
         yield lo, min(lo + size, n)
 
 
-def target_logps(head: Callable, targets: mx.array) -> Callable:
+def mlx_logsumexp(x: mx.array) -> mx.array:
+    """MLX's ``logsumexp`` over the last axis: ``(..., V) -> (...)``."""
+    return mx.logsumexp(x, axis=-1)
+
+
+def target_logps(head: Callable, targets: mx.array, logsumexp: Callable = mlx_logsumexp) -> Callable:
     """``f(h (n, D)) -> (n,)`` float32 ``log softmax(head(h))[i, targets[i]]``, lazily
-    (no evaluation inside, so it can sit in a function transformation)."""
+    (no evaluation inside, so it can sit in a function transformation); ``logsumexp``
+    over the last axis (``arch.Arch.logsumexp``)."""
 
     def f(h):  # (n, D) -> (n,)
         logits = head(h).astype(mx.float32)  # (n, V)
         picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        return picked - mx.logsumexp(logits, axis=-1)
+        return picked - logsumexp(logits)
 
     return f
 
 
 def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int = 0, with_jacobian: bool = True,
-                vjp_fn: Callable | None = None):
+                vjp_fn: Callable | None = None, logsumexp: Callable = mlx_logsumexp):
     """Log-probabilities of ``targets`` under the head, chunk by chunk.
 
     Args:
@@ -46,6 +52,7 @@ def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int 
         with_jacobian: also return ``J`` ``(N, D)``, ``J[i] = d logp_i / d h_rows[i]``.
         vjp_fn: ``(h_c (n, D), targets_c (n,)) -> (logps, J)`` for a chunk (e.g. a
             compiled one); default: ``mx.vjp`` of :func:`target_logps`.
+        logsumexp: as in :func:`target_logps`.
     Returns:
         ``(logps (N,), J (N, D) or None)``, both scheduled for evaluation chunk
         by chunk (``mx.async_eval``): at most a ``(chunk, V)`` logits array
@@ -56,13 +63,13 @@ def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int 
         h_c, t_c = h_rows[lo:hi], targets[lo:hi]  # (n, D), (n,)
         if with_jacobian:
             if vjp_fn is None:
-                (lp,), (j,) = mx.vjp(target_logps(head, t_c), [h_c], [mx.ones((hi - lo,), mx.float32)])
+                (lp,), (j,) = mx.vjp(target_logps(head, t_c, logsumexp), [h_c], [mx.ones((hi - lo,), mx.float32)])
             else:
                 lp, j = vjp_fn(h_c, t_c)
             mx.async_eval(lp, j)
             jac.append(j)
         else:
-            lp = target_logps(head, t_c)(h_c)
+            lp = target_logps(head, t_c, logsumexp)(h_c)
             mx.async_eval(lp)
         logps.append(lp)
     cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs)  # noqa: E731

@@ -314,11 +314,12 @@ class SegmentedEngine:
         S, L, D = h.shape
         rows = h.reshape(S * L, D)[layout.rows]  # (N, D)
         return token_logps(self.arch.head, rows, layout.targets, chunk, with_jacobian,
-                           self._head_vjp if with_jacobian else None)
+                           self._head_vjp if with_jacobian else None, self.arch.logsumexp)
 
     def _head_vjp_fn(self):
         def head_vjp(h_c, targets):  # (n, D), (n,) -> logp (n,), J (n, D)
-            (lp,), (j,) = mx.vjp(target_logps(self.arch.head, targets), [h_c], [mx.ones(targets.shape, mx.float32)])
+            f = target_logps(self.arch.head, targets, self.arch.logsumexp)
+            (lp,), (j,) = mx.vjp(f, [h_c], [mx.ones(targets.shape, mx.float32)])
             return lp, j
 
         return head_vjp
@@ -382,7 +383,8 @@ class SegmentedEngine:
             def loss_of(params):
                 out, _ = run(h, params, [], masks, positions, layer_inputs)  # (S, L, D)
                 S, L, D = out.shape
-                logps = target_logps(self.arch.head, t.targets)(out.reshape(S * L, D)[t.rows])  # (N,)
+                f = target_logps(self.arch.head, t.targets, self.arch.logsumexp)
+                logps = f(out.reshape(S * L, D)[t.rows])  # (N,)
                 return loss_from_token_logps(logps, t, self.objective, Totals(*totals), hyper)[0], logps
 
             # the metric sums from the returned log-probabilities, outside the vjp: MLX 0.32's

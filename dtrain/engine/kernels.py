@@ -1,0 +1,98 @@
+"""dtrain's own softmax, sigmoid, log-sum-exp and causal attention (``engine.kernels: dtrain``).
+
+MLX's CPU backend evaluates ``exp`` (and ``sigmoid``, ``softmax``,
+``logsumexp``, which use it) several times slower than ``power`` of the same
+arguments, and its attention on the CPU materialises every query-key score,
+the masked half of a causal row included (docs/benchmarks.md, "CPU kernels").
+These functions compute the same values from ops it runs fast: ``exp(x)`` as
+``power(e, x)``, and causal attention as matmuls over query blocks, each block
+against the keys up to its last query only. Their vjps are written out
+(``mx.custom_function``) from the saved outputs, as MLX's own are, so the
+backward pass evaluates no further exponential except log-sum-exp's softmax.
+Results equal MLX's to float32 rounding (tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+E = math.e  # a Python float: it takes the dtype of the array it meets
+QUERY_BLOCK = 128  # queries per attention block: fewer scores above the diagonal, a few more calls
+
+
+@mx.custom_function
+def exp(x: mx.array) -> mx.array:
+    """``e ** x`` elementwise through ``mx.power`` (``-inf`` -> 0)."""
+    return mx.power(E, x)
+
+
+@exp.vjp
+def _exp_vjp(x, g, y):
+    return (g * y,)  # power's own vjp would also take log(e)
+
+
+@mx.custom_function
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis (rows of ``-inf`` keys allowed, not whole rows of them)."""
+    e = exp(x - mx.stop_gradient(x.max(axis=-1, keepdims=True)))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+@softmax.vjp
+def _softmax_vjp(x, g, y):
+    return (y * (g - (g * y).sum(axis=-1, keepdims=True)),)
+
+
+@mx.custom_function
+def sigmoid(x: mx.array) -> mx.array:
+    """``1 / (1 + e ** -x)`` elementwise."""
+    return 1 / (1 + exp(-x))
+
+
+@sigmoid.vjp
+def _sigmoid_vjp(x, g, s):
+    return (g * s * (1 - s),)
+
+
+@mx.custom_function
+def logsumexp(x: mx.array) -> mx.array:
+    """``log sum exp`` over the last axis: ``(..., V) -> (...)``, as ``mx.logsumexp(x, axis=-1)``."""
+    m = mx.stop_gradient(x.max(axis=-1, keepdims=True))
+    return (m + mx.log(exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+@logsumexp.vjp
+def _logsumexp_vjp(x, g, out):
+    return (g[..., None] * exp(x - out[..., None]),)  # the softmax of x
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """``silu(gate) * x`` (mlx-lm's ``activations.swiglu``) with :func:`sigmoid`."""
+    return gate * sigmoid(gate) * x
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, block: int = QUERY_BLOCK) -> mx.array:
+    """Causal scaled dot-product attention, ``mx.fast.scaled_dot_product_attention(...,
+    mask="causal")``'s values, by query blocks.
+
+    ``q`` ``(B, H, L, Dh)``, ``k``/``v`` ``(B, Hkv, L, Dh)`` with ``H`` a multiple of
+    ``Hkv`` (grouped queries); returns ``(B, H, L, Dh)``. Queries ``[lo, hi)`` attend
+    over keys ``[0, hi)`` only, so about half of the scores a full ``L x L`` causal
+    product would compute above the diagonal are never formed. ``block <= 0``: one block.
+    """
+    B, H, L, Dh = q.shape
+    n_kv = k.shape[1]
+    q = (q * scale).reshape(B, n_kv, H // n_kv, L, Dh)  # (B, Hkv, r, L, Dh)
+    k, v = k[:, :, None], v[:, :, None]  # (B, Hkv, 1, L, Dh)
+    block = L if block <= 0 else block
+    outs = []
+    for lo in range(0, L, block):
+        hi = min(lo + block, L)
+        s = q[:, :, :, lo:hi] @ k[:, :, :, :hi].swapaxes(-1, -2)  # (B, Hkv, r, hi - lo, hi)
+        allowed = mx.arange(hi)[None, :] <= mx.arange(lo, hi)[:, None]
+        s = mx.where(allowed, s, -math.inf)
+        outs.append(softmax(s) @ v[:, :, :, :hi])  # (B, Hkv, r, hi - lo, Dh)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    return out.reshape(B, H, L, Dh)
