@@ -81,6 +81,9 @@ VARIANTS = {
     # one range of all layers and an unchunked head: one pass, nothing recomputed (fastest when it fits)
     "dtrain one range+prefix": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
                                 "head_chunk_tokens": 0},
+    # the same with MLX's softmax, sigmoid and fused attention (engine.kernels auto is dtrain's own on the CPU)
+    "dtrain one range+prefix mlx kernels": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
+                                            "head_chunk_tokens": 0, "kernels": "mlx"},
     # the default: plan per length bucket from the memory model, buckets and mx.compile on a GPU
     "dtrain auto": {"kind": "auto", "prefix_sharing": True},
     "dtrain auto eager": {"kind": "auto", "prefix_sharing": True, "compile": False},
