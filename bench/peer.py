@@ -98,6 +98,10 @@ VARIANTS = {
     "dtrain preference": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True, "head_chunk_tokens": 0},
     "dtrain preference padded": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
                                  "head_chunk_tokens": 0, "pack": False},
+    # configs/preference.yaml's engine with dtrain's own attention, softmax and sigmoid
+    # (engine.kernels auto is MLX's on a GPU)
+    "dtrain preference own kernels": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
+                                      "head_chunk_tokens": 0, "kernels": "dtrain"},
 }
 PEER = "mlx-lm-lora"
 TRL = "trl ORPOTrainer"
