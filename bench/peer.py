@@ -93,13 +93,16 @@ VARIANTS = {
     # buckets without compile (what the buckets alone give)
     "dtrain single bucketed": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
                                "head_chunk_tokens": 0, "length_bucket": 128, "compile": False},
-    # configs/preference.yaml's engine (the recommended settings; packed micro-batches), and with each
-    # pair padded to the longest of its micro-batch as before issue 26
-    "dtrain preference": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True, "head_chunk_tokens": 0},
+    # configs/preference.yaml's engine (kind auto: the single pass where it fits engine.memory_budget_gb,
+    # else recomputed ranges; packed micro-batches)
+    "dtrain preference": {"kind": "auto", "prefix_sharing": True, "head_chunk_tokens": 0},
+    # its single pass forced (the config's engine before 2026-12-03), and with each pair padded to the
+    # longest of its micro-batch as before issue 26
+    "dtrain preference single pass": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
+                                      "head_chunk_tokens": 0},
     "dtrain preference padded": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
                                  "head_chunk_tokens": 0, "pack": False},
-    # configs/preference.yaml's engine with dtrain's own attention, softmax and sigmoid
-    # (engine.kernels auto is MLX's on a GPU)
+    # the single pass with dtrain's own attention, softmax and sigmoid (engine.kernels auto is MLX's on a GPU)
     "dtrain preference own kernels": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
                                       "head_chunk_tokens": 0, "kernels": "dtrain"},
 }

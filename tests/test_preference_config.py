@@ -28,5 +28,5 @@ def test_preference_config_loads_and_its_unmarked_values_are_the_defaults():
     written, defaults = yaml.safe_load(PATH.read_text(encoding="utf-8")), to_dict(Config())
     differ = {(s, k) for s, keys in written.items() for k, v in keys.items() if defaults[s][k] != v}
     assert differ == marked_not_default() == {
-        ("data", "train"), ("engine", "kind"), ("orpo", "lambda_schedule"),
+        ("data", "train"), ("orpo", "lambda_schedule"),
         ("train", "eval_every"), ("train", "keep_best"), ("train", "keep_best_guard"), ("train", "output_dir")}
