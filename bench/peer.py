@@ -73,38 +73,32 @@ from pathlib import Path
 from prelude import ORCA, RESULTS, SMOLLM2_F32 as MODEL_DIR, add_flags
 
 TRL_PEER = Path(__file__).with_name("trl_peer.py")  # run in TRL's own Python
+# one range of all layers and an unchunked head: one pass, nothing recomputed (fastest when it fits)
+SINGLE = {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True, "head_chunk_tokens": 0}
 VARIANTS = {
     "dtrain reference": {"kind": "reference"},
     # ranges of round(sqrt(layers)) layers (5 for SmolLM2); `auto` would pick one 30-layer range there
     "dtrain segmented+prefix+chunked": {"kind": "segmented", "segment_layers": "sqrt", "prefix_sharing": True,
                                         "head_chunk_tokens": 512},
-    # one range of all layers and an unchunked head: one pass, nothing recomputed (fastest when it fits)
-    "dtrain one range+prefix": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
-                                "head_chunk_tokens": 0},
+    "dtrain one range+prefix": SINGLE,
     # the same with MLX's softmax, sigmoid and fused attention (engine.kernels auto is dtrain's own on the CPU)
-    "dtrain one range+prefix mlx kernels": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
-                                            "head_chunk_tokens": 0, "kernels": "mlx"},
+    "dtrain one range+prefix mlx kernels": {**SINGLE, "kernels": "mlx"},
     # the default: plan per length bucket from the memory model, buckets and mx.compile on a GPU
     "dtrain auto": {"kind": "auto", "prefix_sharing": True},
     "dtrain auto eager": {"kind": "auto", "prefix_sharing": True, "compile": False},
     # the single pass with exact shapes and no compile (the engine as it ran before buckets)
-    "dtrain single exact": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True, "head_chunk_tokens": 0,
-                            "length_bucket": 0, "compile": False},
+    "dtrain single exact": {**SINGLE, "length_bucket": 0, "compile": False},
     # buckets without compile (what the buckets alone give)
-    "dtrain single bucketed": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
-                               "head_chunk_tokens": 0, "length_bucket": 128, "compile": False},
+    "dtrain single bucketed": {**SINGLE, "length_bucket": 128, "compile": False},
     # configs/preference.yaml's engine (kind auto: the single pass where it fits engine.memory_budget_gb,
     # else recomputed ranges; packed micro-batches)
     "dtrain preference": {"kind": "auto", "prefix_sharing": True, "head_chunk_tokens": 0},
     # its single pass forced (the config's engine before 2026-12-03), and with each pair padded to the
     # longest of its micro-batch as before issue 26
-    "dtrain preference single pass": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
-                                      "head_chunk_tokens": 0},
-    "dtrain preference padded": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
-                                 "head_chunk_tokens": 0, "pack": False},
+    "dtrain preference single pass": SINGLE,
+    "dtrain preference padded": {**SINGLE, "pack": False},
     # the single pass with dtrain's own attention, softmax and sigmoid (engine.kernels auto is MLX's on a GPU)
-    "dtrain preference own kernels": {"kind": "segmented", "segment_layers": 0, "prefix_sharing": True,
-                                      "head_chunk_tokens": 0, "kernels": "dtrain"},
+    "dtrain preference own kernels": {**SINGLE, "kernels": "dtrain"},
 }
 PEER = "mlx-lm-lora"
 TRL = "trl ORPOTrainer"
