@@ -93,7 +93,7 @@ class OutputDir:
         return self.root / "data_cache"
 
     @property
-    def lock(self) -> Path:  # held by the run that owns the folder (dtrain.run.checkpoint.OutputLock)
+    def lock(self) -> Path:  # held by the run that owns the folder (dtrain.run.output.OutputLock)
         return self.root / ".dtrain.lock"
 
 

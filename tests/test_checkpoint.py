@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dtrain.run import checkpoint as ckpt
+from dtrain.run import checkpoint as ckpt, output
 from dtrain.errors import UserError
 from dtrain.run.tracking import read_scalars
 from waiting import finish as finish_proc, spawn, wait_for_path, wait_until
@@ -244,11 +244,11 @@ def test_resume_path_must_be_a_valid_checkpoint(tmp_path):
 
 def test_output_folder_checks(tmp_path):
     with pytest.raises(UserError, match="MB free"):
-        ckpt.check_output_dir(tmp_path, need_bytes=10**18)
+        output.check_output_dir(tmp_path, need_bytes=10**18)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(UserError, match="not writable"):
-        ckpt.check_output_dir(blocker / "out", need_bytes=1)
+        output.check_output_dir(blocker / "out", need_bytes=1)
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):

@@ -30,7 +30,7 @@ def job(tmp_path_factory):
 
 
 def lock_is_free(out: Path) -> bool:
-    """No run holds ``out``'s lock (dtrain.run.checkpoint.OutputLock)."""
+    """No run holds ``out``'s lock (dtrain.run.output.OutputLock)."""
     fd = os.open(OutputDir(out).lock, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 from tensorboardX.record_writer import RecordWriter
 
-from dtrain.run import checkpoint as ckpt
+from dtrain.run import checkpoint as ckpt, output
 from dtrain.errors import UserError
 from dtrain.files import StorageError, storage, storage_reason
 from test_trainer import run
@@ -181,7 +181,7 @@ def test_cli_exit_status_2_and_one_line_on_a_full_disk(tmp_path):
 
 def plan(keep_last=2, steps=8, save_every=2):
     saves = tuple(s for s in range(1, steps + 1) if s == steps or s % save_every == 0)
-    return ckpt.DiskPlan(3_000_000, saves, keep_last)
+    return output.DiskPlan(3_000_000, saves, keep_last)
 
 
 @pytest.mark.parametrize("kept, done, more", [
@@ -199,13 +199,13 @@ def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, m
     from collections import namedtuple
 
     run(tmp_path, "train.steps=4", "train.save_every=2")  # keep_last 2: step-2 and step-4 on disk
-    p = ckpt.DiskPlan(3_000_000, (2, 4, 6), 2)
+    p = output.DiskPlan(3_000_000, (2, 4, 6), 2)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 4_000_000))
-    ckpt.prepare_output(tmp_path, p, resuming=True).release()  # 3 MB checkpoint + 1 MB adapter fit in 4 MB
+    output.prepare_output(tmp_path, p, resuming=True).release()  # 3 MB checkpoint + 1 MB adapter fit in 4 MB
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 3_999_999))
     with pytest.raises(UserError) as err:
-        ckpt.prepare_output(tmp_path, p, resuming=True)
+        output.prepare_output(tmp_path, p, resuming=True)
     assert str(err.value) == (f"output folder {tmp_path} has 4.0 MB free; this run needs about 4.0 MB there: 1 new "
                               f"checkpoint(s) of 3.0 MB before the oldest beyond train.keep_last=2 is pruned (2 on "
                               f"disk now), and the adapter")

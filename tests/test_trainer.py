@@ -164,7 +164,7 @@ def test_output_folder_in_use_is_refused_and_left_alone(tmp_path):
     import os
     import socket
 
-    from dtrain.run.checkpoint import OutputLock
+    from dtrain.run.output import OutputLock
     from dtrain.errors import UserError
 
     tmp_path.mkdir(exist_ok=True)

@@ -1,4 +1,4 @@
-"""Run state, checkpoints and output-folder ownership: everything needed to continue a run exactly.
+"""Run state and checkpoints: everything needed to continue a run exactly.
 
 A checkpoint is a folder ``OUTPUT_DIR/checkpoints/step-NNNNNNN`` holding
 
@@ -15,10 +15,8 @@ previous checkpoint or the new one, never a half-written folder that looks
 valid. A folder is valid only when its manifest exists and every checksum
 matches.
 
-One run owns its output folder for its whole life: :func:`prepare_output` takes
-an exclusive ``flock`` on ``OUTPUT_DIR/.dtrain.lock``, so a second run into the
-same folder stops before it writes anything; a checkpoint of another run is
-never replaced.
+One run owns its output folder for its whole life (``dtrain.run.output``), so a
+checkpoint of another run is never replaced.
 
 :func:`resume` is the one way a run continues: rank 0 finds and validates the
 checkpoint, checks every field of its :class:`RunState` against this run, and
@@ -29,10 +27,8 @@ read the checkpoint, so they need no copy of it).
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import json
-import os
 import secrets
 import shutil
 import socket
@@ -47,7 +43,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
-from ..files import OutputDir, atomic_folder, sha256_file, storage, storage_reason
+from ..files import atomic_folder, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, write_adapter
 
 STATE = "state.json"
@@ -366,124 +362,3 @@ def prune(root: Path, keep_last: int, run_id: str) -> None:
     done = [p for p in list_checkpoints(root) if run_id_of(p) == run_id]
     for p in done[: max(len(done) - keep_last, 0)]:
         shutil.rmtree(p, ignore_errors=True)
-
-
-def estimate_bytes(model) -> int:
-    """Bytes one checkpoint needs: adapter + two AdamW moments + the best adapter, plus 1 MiB of metadata."""
-    n = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
-    return 4 * n + (1 << 20)  # with the best step's adapter (train.keep_best)
-
-
-@dataclass(frozen=True)
-class DiskPlan:
-    """What a run will still write into its output folder, for the free-space check.
-
-    ``checkpoint_bytes``: one checkpoint (:func:`estimate_bytes`).
-    ``save_steps``: the steps that save a checkpoint (``save_every`` multiples and the last step).
-    ``keep_last``: ``train.keep_last``.
-    """
-
-    checkpoint_bytes: int
-    save_steps: tuple
-    keep_last: int
-
-    def need(self, kept: int, done_step: int) -> tuple[int, int]:
-        """``(bytes, new checkpoints on disk at the peak)`` still needed after step ``done_step``.
-
-        Each save writes a new checkpoint before the oldest beyond ``keep_last``
-        is pruned, so at the peak ``keep_last + 1`` coexist: the ``kept``
-        checkpoints already on disk (a resume's, the one it will prune
-        included) count toward them. The adapter folder at the end takes a
-        third of a checkpoint (the weights without AdamW's two moments).
-        """
-        ahead = sum(1 for s in self.save_steps if s > done_step)
-        more = max(min(self.keep_last + 1, kept + ahead) - kept, 0)
-        return more * self.checkpoint_bytes + self.checkpoint_bytes // 3, more
-
-
-class OutputLock:
-    """Exclusive ownership of an output folder, held until :meth:`release` (or process exit).
-
-    ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``OUTPUT_DIR/.dtrain.lock``: atomic,
-    released by the kernel when the process dies (even by SIGKILL), and
-    exclusive between two open files even within one process. The file
-    stays (deleting it would let a third run lock a new inode while the
-    second still holds the old one); it names the holder for the message.
-    """
-
-    def __init__(self, out: Path):
-        self.path = OutputDir(Path(out)).lock
-        self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(self._fd, 200).decode("utf-8", "replace").strip() or "another process"
-            os.close(self._fd)
-            self._fd = None
-            raise UserError(f"output folder {out} is in use by another dtrain run ({holder}); wait for it to end, "
-                            f"or choose another train.output_dir") from None
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor releases the flock
-            self._fd = None
-
-
-def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
-    """Take ownership of ``out``, then check it: writable, room for a checkpoint, no earlier run's checkpoints.
-
-    A fresh run into a folder holding another run's checkpoints would mix the
-    two (``resume: auto`` would later pick the other run's newest step). The
-    checks run under the lock, so no other run can change the answer.
-
-    Args:
-        plan: what the run will write (the free-space check counts the
-            checkpoints already there, the ones a resume will prune included).
-        resuming: ``train.resume`` is set (earlier checkpoints are then
-            checked by :func:`resume`).
-    Returns:
-        The held lock; release it when the run ends.
-    Raises:
-        UserError: another run holds ``out``; not writable; too little space;
-            earlier checkpoints and not ``resuming``.
-    """
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = OutputLock(out)
-    except OSError as err:
-        raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
-    try:
-        earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
-        if not resuming and earlier is not None:
-            raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
-                            f"continue it with train.resume=auto, or choose another train.output_dir")
-        kept = [p for p in list_checkpoints(OutputDir(out).checkpoints) if validate(p) is None] if earlier else []
-        need, more = plan.need(len(kept), int(earlier.name.removeprefix(PREFIX)) if earlier else 0)
-        check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
-                                    f"oldest beyond train.keep_last={plan.keep_last} is pruned ({len(kept)} on disk "
-                                    f"now), and the adapter")
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def check_output_dir(out: Path, need_bytes: int, what: str = "a checkpoint") -> None:
-    """Stop early when ``out`` is not writable or has less than ``need_bytes`` free (``what`` says for what).
-
-    Raises:
-        UserError: naming the folder and the bytes needed/free.
-    """
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as err:
-        raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
-    free = shutil.disk_usage(out).free
-    if free < need_bytes:
-        raise UserError(f"output folder {out} has {free / 1e6:.1f} MB free; this run needs about "
-                        f"{need_bytes / 1e6:.1f} MB there: {what}")

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import checkpoint as ckpt
+from . import checkpoint as ckpt, output
 from .. import sampler
 from ..blas import warn_if_slow
 from ..config import Config, to_dict
@@ -271,8 +271,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
         saves = tuple(s for s in range(1, t.steps + 1) if s == t.steps or (t.save_every and s % t.save_every == 0))
-        plan = ckpt.DiskPlan(ckpt.estimate_bytes(model), saves, max(t.keep_last, 1))
-        lock = _main_rank_check(group, lambda: ckpt.prepare_output(out.root, plan, t.resume is not None))
+        plan = output.DiskPlan(output.estimate_bytes(model), saves, max(t.keep_last, 1))
+        lock = _main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
         if cache_entries:
