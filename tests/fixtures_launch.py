@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 from conftest import make_tiny_model, make_tokenizer
+from dtrain.launch.plan import _claim, spare_base
 from waiting import JOB_S, finish
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,11 +53,20 @@ def make_job(tmp: Path, steps: int = 2, global_batch_pairs: int = 4) -> Path:
     return config
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now (the base of a ring's ports)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 4) -> int:
+    """The first of ``count`` consecutive loopback ports free right now (the base of a ring's
+    ports, or one port), drawn outside the system's ephemeral range as the launcher draws its
+    own: a port that ``bind(port 0)`` hands out can be given to any outgoing connection, such
+    as a finished run's ranks', before the next launcher listens on it."""
+    rng = random.Random()
+    for _ in range(100):
+        base, locks = spare_base(count, rng), []
+        problem = _claim(base, count, "127.0.0.1", locks)
+        for fd in locks:
+            os.close(fd)  # checked free; the launcher under test claims them itself
+        if problem is None:
+            return base
+    raise RuntimeError(f"no {count} free consecutive loopback ports found in 100 tries")
 
 
 def launch(*args, limit: float = JOB_S, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 
 from dtrain import sampler
 from dtrain.blas import blas_env
+from fixtures_launch import free_port
 from waiting import JOB_S, finish as finish_proc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,13 +44,9 @@ def rank_env(extra: dict | None = None) -> dict:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """``n`` loopback ports free now, outside the ephemeral range (``fixtures_launch.free_port``)."""
+    base = free_port(n)
+    return list(range(base, base + n))
 
 
 def start_ring(n: int, out: Path, *args: str, disks: list[Path] | None = None) -> list[subprocess.Popen]:

@@ -85,7 +85,7 @@ def test_one_rank_failure_shows_its_lines(job, tmp_path):
 
 
 def test_dry_run_prints_ranks_env_and_shards(job):
-    port = 40555
+    port = free_port()
     r = launch("-n", 3, "--port", port, "--dry-run", job["config"], "--train.global_batch_pairs", 5)
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -107,12 +107,13 @@ def test_dry_run_mpi_and_nccl_environment(job):
     assert "backend: mpi" in r.stdout and " -np 3 " in r.stdout and "-x PYTHONUNBUFFERED=1" in r.stdout
     assert ("--oversubscribe" in r.stdout) == (3 > (os.cpu_count() or 1))
     assert ("--allow-run-as-root" in r.stdout) == (os.geteuid() == 0)
-    r = launch("-n", 2, "--backend", "nccl", "--port", 12345, "--dry-run", job["config"])
+    port = free_port(1)
+    r = launch("-n", 2, "--backend", "nccl", "--port", port, "--dry-run", job["config"])
     assert r.returncode == 0, r.stderr
     for rank in (0, 1):
         block = r.stdout.split(f"rank {rank} on 127.0.0.1: shard 2 pairs/step\n")[1].split("\nrank ")[0]
         for line in (f"CUDA_VISIBLE_DEVICES={rank}", f"MLX_RANK={rank}", "MLX_WORLD_SIZE=2", "NCCL_HOST_IP=127.0.0.1",
-                     "NCCL_PORT=12345", "NCCL_NVLS_ENABLE=0", "PYTHONUNBUFFERED=1"):
+                     f"NCCL_PORT={port}", "NCCL_NVLS_ENABLE=0", "PYTHONUNBUFFERED=1"):
             assert f"  {line}\n" in block + "\n", (rank, line)
 
 

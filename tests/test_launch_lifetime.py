@@ -15,7 +15,7 @@ import pytest
 
 from dtrain.files import OutputDir
 from dtrain.run.checkpoint import find_latest
-from dtrain.launch.plan import _port_lock, free_ports
+from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, _port_lock, ephemeral_ports, free_ports, spare_base
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
 from waiting import STOP_S, kill_tree, spawn, wait_exit, wait_until
@@ -81,11 +81,12 @@ def test_two_jobs_started_together_take_different_ports_and_both_finish(job, tmp
 @pytest.mark.parametrize("busy_offset", [0, 1])
 def test_a_port_in_use_is_one_line(job, busy_offset):
     """-n 2 --port P needs P and P+1; a listener on either is named."""
+    base = free_port(2)
+    busy = base + busy_offset
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", busy))
         s.listen()
-        busy = s.getsockname()[1]
-        r = launch("-n", 2, "--port", busy - busy_offset, "--dry-run", job)
+        r = launch("-n", 2, "--port", base, "--dry-run", job)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"launch: error: port {busy} is in use (a process on 127.0.0.1 listens on it); pass another --port, "
@@ -135,3 +136,28 @@ def _port_free(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def test_spare_ports_lie_outside_the_ephemeral_range():
+    """Ports the system hands to outgoing connections are never drawn: one could be given to a
+    connection between the launcher's check and the ranks' listen (a CI run failed that way)."""
+    import random
+
+    first, last = ephemeral_ports()
+    assert PORT_FLOOR <= first <= last <= 65535
+    if Path("/proc/sys/net/ipv4/ip_local_port_range").exists():
+        assert (first, last) == tuple(map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()))
+    rng = random.Random(0)
+    for count in (1, 2, 8):
+        for _ in range(2000):
+            base = spare_base(count, rng)
+            assert base >= PORT_FLOOR and base + count - 1 <= 65535
+            assert base + count - 1 < first or base > last, (base, count, first, last)
+    held = [fd for fd in [_port_lock(p) for p in range(DEFAULT_PORT, DEFAULT_PORT + 3)] if fd is not None]
+    locks = []
+    try:
+        base = free_ports(3, None, locks)  # the default port is held: a spare one instead
+        assert base != DEFAULT_PORT and (base + 2 < first or base > last)
+    finally:
+        for fd in held + locks:
+            os.close(fd)

@@ -39,7 +39,7 @@ def test_a_wait_on_an_ended_process_fails_at_once_and_an_event_just_before_the_e
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"exited with status 0 before a line with 'never'"):
         wait_for_line(proc, "never", limit=600)
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 60  # not the 600 s limit: the ended process was noticed (any machine's load)
 
 
 def test_a_wait_past_its_limit_fails_naming_the_event(tmp_path):

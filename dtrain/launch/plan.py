@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from ..contract import FILE_VARS, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
 
 DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port or taken
+PORT_FLOOR = 20000  # spare ports are drawn from here up to the system's ephemeral range
 
 
 @dataclass
@@ -130,6 +133,42 @@ def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int,
     return None
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The system's ephemeral port range ``(first, last)``: the ports it hands to outgoing
+    connections and to ``bind(port 0)``, so any of them can be taken between a check and a listen.
+
+    Read from Linux's ``/proc/sys/net/ipv4/ip_local_port_range`` or macOS's
+    ``sysctl net.inet.ip.portrange``; IANA's 49152-65535 where neither answers.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first, last = map(int, f.read().split())
+            return first, last
+    except (OSError, ValueError):
+        pass
+    try:
+        out = subprocess.run(["sysctl", "-n", "net.inet.ip.portrange.first", "net.inet.ip.portrange.last"],
+                             capture_output=True, text=True, timeout=5).stdout.split()
+        return int(out[0]), int(out[1])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return 49152, 65535
+
+
+def spare_base(count: int, rng: random.Random) -> int:
+    """A random first port of ``count`` consecutive ports that all lie outside
+    :func:`ephemeral_ports` (so no outgoing connection is given one of them), from
+    :data:`PORT_FLOOR` up; not checked for listeners (:func:`free_ports` does that).
+
+    Raises:
+        LaunchError: the ephemeral range leaves no such span.
+    """
+    first, last = ephemeral_ports()
+    spans = [(a, b) for a, b in [(PORT_FLOOR, first - count), (last + 1, 65536 - count)] if b > a]
+    if not spans:
+        raise LaunchError(f"the system's ephemeral ports {first}-{last} leave no {count} spare ports; pass --port")
+    return rng.randrange(*rng.choice(spans))
+
+
 def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0.0.1") -> int:
     """The first of ``count`` consecutive TCP ports on ``host`` for this job's ranks.
 
@@ -137,7 +176,9 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
     runs (fds appended to ``locks``; closing them releases the ports), so two
     launchers started together never take the same ports, and checked to be
     free of listeners. ``first``: the user's ``--port``, taken as is; None:
-    :data:`DEFAULT_PORT`, else ports the system hands out.
+    :data:`DEFAULT_PORT`, else a :func:`spare_base` (outside the ephemeral
+    range, where a port checked free could be handed to a connection before
+    the ranks listen on it).
 
     Raises:
         LaunchError: ``first`` (or one of the ports after it) is in use.
@@ -148,13 +189,11 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
             raise LaunchError(f"port {problem[0]} is in use ({problem[1]}); pass another --port, "
                               "or leave --port out to take free ones")
         return first
-    base = DEFAULT_PORT
+    base, rng = DEFAULT_PORT, random.SystemRandom()
     for _ in range(50):
         if _claim(base, count, host, locks) is None:
             return base
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = min(s.getsockname()[1], 65535 - count)
+        base = spare_base(count, rng)
     raise LaunchError(f"found no {count} free consecutive ports on {host}; pass --port")
 
 
