@@ -155,7 +155,8 @@ class EngineConfig:
     segment_layers: Union[int, Literal["auto"]] = option(
         0, "segmented: decoder layers per recomputed range; 0 = one range of all layers; auto: as kind auto",
         at_least=0)
-    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included); 0 = Metal's recommended "
+    memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included; a fixed plan over it gets a "
+                                          "notice); 0 = Metal's recommended "
                                           "working set less what is in use, 85% of a CUDA GPU's memory, or 50% "
                                           "of RAM on the CPU", at_least=0.0)
     prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
@@ -361,35 +362,43 @@ _OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_
 
 
 def _check(cfg: Config, source: str) -> None:
-    """Rules across keys, checked once after every override is applied."""
-    kind, defaults = cfg.objective.kind, Config()
+    """Rules across keys, checked once after every override is applied; every broken rule is
+    named in one ConfigError (a config written for one objective may break several)."""
+    kind, defaults, problems = cfg.objective.kind, Config(), []
     for (section, name), kinds in _OBJECTIVE_KEYS.items():
         value = getattr(getattr(cfg, section), name)
         if kind not in kinds and value != getattr(getattr(defaults, section), name):
-            raise ConfigError(f"{source}: '{section}.{yaml_key(name)}' is {value!r} but objective.kind {kind} does "
-                              f"not read it (it applies to {', '.join(kinds)}); remove it or change objective.kind")
+            problems.append(f"'{section}.{yaml_key(name)}' is {value!r} but objective.kind {kind} does "
+                            f"not read it (it applies to {', '.join(kinds)}); remove it or change objective.kind")
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
-        raise ConfigError(f"{source}: both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
-                          "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
+        problems.append(f"both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
+                        "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
     o, t = cfg.orpo, cfg.train
     if o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
-        raise ConfigError(f"{source}: 'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")
+        problems.append(f"'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")
     for key, on in (("orpo.lambda_schedule: adaptive", o.lambda_schedule == "adaptive"),
                     (f"train.keep_best: {t.keep_best}", t.keep_best is not None)):
         if on and t.eval_every == 0:
-            raise ConfigError(f"{source}: '{key}' needs held-out evaluations during the run: set 'train.eval_every' "
-                              f"> 0 (it is 0)")
+            problems.append(f"'{key}' needs held-out evaluations during the run: set 'train.eval_every' "
+                            f"> 0 (it is 0)")
     if t.keep_best is not None and t.keep_best not in REPORTED[kind]:
-        raise ConfigError(f"{source}: 'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
-                          f"it; choose one of {', '.join(REPORTED[kind])}")
+        problems.append(f"'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
+                        f"it; choose one of {', '.join(REPORTED[kind])}")
     if t.keep_best_guard is not None and kind == "dpo":  # DPO's logps/chosen: a sum per response (TRL), not per token
-        raise ConfigError(f"{source}: 'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but "
-                          f"objective.kind dpo logs eval/logps/chosen as a sum per response; remove it")
+        problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but "
+                        f"objective.kind dpo logs eval/logps/chosen as a sum per response; remove it")
+    if t.keep_best_guard is not None and t.keep_best is None:
+        problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) needs 'train.keep_best' (it is off): "
+                        f"the guard only filters the steps keep_best chooses from")
     if t.early_stop_evals and t.keep_best is None:
-        raise ConfigError(f"{source}: 'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
-                          f"(it is off): the stop keeps the best step")
+        problems.append(f"'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
+                        f"(it is off): the stop keeps the best step")
     if cfg.data.train is None and cfg.data.demo_pairs <= 0:
-        raise ConfigError(f"{source}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
+        problems.append(f"set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
+    if len(problems) == 1:
+        raise ConfigError(f"{source}: {problems[0]}")
+    if problems:
+        raise ConfigError(f"{source}: {len(problems)} problems:\n" + "\n".join(f"  - {x}" for x in problems))
 
 
 def is_override_flag(arg: str) -> bool:

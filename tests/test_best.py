@@ -19,6 +19,8 @@ from dtrain.errors import ConfigError, UserError
 from dtrain.run.tracking import read_events, read_scalars
 from dtrain.run.trainer import train
 
+ROOT = Path(__file__).resolve().parents[1]
+
 ACC, CHOSEN = "eval/rewards/accuracies", "eval/logps/chosen"
 
 
@@ -267,3 +269,21 @@ def test_keep_best_of_a_metric_the_objective_does_not_report_is_a_config_error()
                            "train.keep_best=eval/rewards/accuracies"])
     assert str(err.value) == ("command line: 'train.keep_best' is eval/rewards/accuracies but objective.kind sft does "
                               "not report it; choose one of eval/loss, eval/nll_loss")
+
+
+def test_a_config_for_another_objective_names_every_broken_rule_in_one_error():
+    """configs/preference.yaml is ORPO's: switching its objective breaks three rules, and the user
+    sees all three at once rather than one per attempt."""
+    with pytest.raises(ConfigError) as err:
+        load_config(str(ROOT / "configs" / "preference.yaml"), ["objective.kind=dpo", "data.train=x.jsonl"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{ROOT / 'configs' / 'preference.yaml'}: 3 problems:"
+    assert [x.split("'")[1] for x in lines[1:]] == ["orpo.lambda_schedule", "train.keep_best", "train.keep_best_guard"]
+    assert all(x.startswith("  - ") for x in lines[1:])
+
+
+def test_keep_best_guard_without_keep_best_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=4", "train.keep_best_guard=0.1"])
+    assert str(err.value) == ("command line: 'train.keep_best_guard' (0.1) needs 'train.keep_best' (it is off): "
+                              "the guard only filters the steps keep_best chooses from")
