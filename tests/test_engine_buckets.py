@@ -146,6 +146,35 @@ def test_auto_plan_single_pass_when_it_fits_else_recompute():
     mx.eval(out.loss)
 
 
+def test_a_fixed_plan_over_the_budget_is_reported_once_and_not_changed():
+    """engine.kind segmented keeps its configured ranges whatever the budget; the user hears once
+    that the estimate exceeds it (the estimate of the configured plan, by the same model)."""
+    model, pairs = lora_model("llama"), make_pairs()
+    for overrides, want in ((["engine.segment_layers=0"], "the single pass"),
+                            (["engine.segment_layers=2", "engine.head_chunk_tokens=8"],
+                             "ranges of 2 layers, head chunks of 8")):
+        notices = []
+        tight = make_engine(load_config(overrides=["engine.kind=segmented", "engine.memory_budget_gb=0.000001",
+                                                   "data.demo_pairs=1", *overrides]).engine,
+                            model, ORPO(0.1), report=notices.append)
+        layout = tight.layout(pairs)
+        rs, chunk = tight.plan_of(layout)
+        assert (len(rs.ranges), chunk) == ((1, 0) if "single" in want else (3, 8))  # as configured
+        assert_parity(model, tight, pairs)
+        tight.step(random_pairs(3), NORM)  # another shape, still over: no second notice
+        S, L = layout.shape
+        assert len(notices) == 1, notices
+        assert notices[0].startswith(f"engine plan for {S} x {L} tokens ({int(layout.targets.shape[0])} targets): "
+                                     f"{want}, set by engine.segment_layers, is estimated at ")
+        assert notices[0].endswith("over the 0.0 GiB engine.memory_budget_gb, which only engine.kind auto or "
+                                   "engine.segment_layers auto follow); if memory runs short, use engine.kind auto")
+    notices = []
+    roomy = make_engine(load_config(overrides=["engine.kind=segmented", "engine.memory_budget_gb=1",
+                                               "data.demo_pairs=1"]).engine, model, ORPO(0.1), report=notices.append)
+    roomy.step(pairs, NORM)
+    assert notices == []  # within the budget: nothing to say
+
+
 def test_auto_is_the_default_and_bucket_keys_are_checked():
     cfg = Config()
     assert cfg.engine.kind == "auto" and cfg.engine.length_bucket == "auto" and cfg.engine.prefix_sharing

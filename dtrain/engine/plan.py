@@ -98,7 +98,9 @@ class Plan:
         memory_budget: bytes for ``"auto"``, weights included (0: ``dtrain.memory.default_budget_bytes``).
 
     ``"auto"`` chooses once per shape and passes each change of choice to ``report``
-    (the run's notices, shown on rank 0 only; None: silent).
+    (the run's notices, shown on rank 0 only; None: silent). A fixed plan is
+    estimated too, and the first shape whose estimate x ``ESTIMATE_MARGIN``
+    exceeds the budget is reported once: the budget does not change a fixed plan.
     """
 
     def __init__(self, model, n_layers: int, segment_layers, head_chunk_tokens: int, memory_budget: float = 0.0,
@@ -119,15 +121,29 @@ class Plan:
     def __call__(self, layout: Layout, attention_rows: tuple[int, int] | None) -> tuple[int, int]:
         """The plan of ``layout``; ``attention_rows``: ``(rows, length)`` of its prefix-sharing
         attention (``layout.SharedAttention``), None when it attends as ``(S, L)``."""
-        if not self.auto:
-            return self.size, self.head_chunk_tokens
         S, L = layout.shape
         rows, length = attention_rows or (S, L)
         key = (S, L, int(layout.targets.shape[0]), rows, length)
+        shape = dict(tokens=S * L, targets=key[2], rows=rows, length=length, heads=self.args.num_attention_heads)
+        if not self.auto:
+            if not self._reported:
+                self._check_fixed(shape, key)
+            return self.size, self.head_chunk_tokens
         if key not in self._chosen:
-            self._chosen[key] = self._choose(dict(tokens=S * L, targets=key[2], rows=rows, length=length,
-                                                  heads=self.args.num_attention_heads), key)
+            self._chosen[key] = self._choose(shape, key)
         return self._chosen[key]
+
+    def _check_fixed(self, shape: dict, key: tuple) -> None:
+        est = self.fixed_bytes + estimate_step_bytes(self.args, self.dtype.size, shape, self.size,
+                                                     self.head_chunk_tokens, fused_attention(self.dtype))
+        if est * ESTIMATE_MARGIN > self.memory_budget:
+            self._reported = True
+            what = ("the single pass" if self.size >= self.n_layers and self.head_chunk_tokens <= 0 else
+                    f"ranges of {self.size} layers, head chunks of {self.head_chunk_tokens or 'the whole head'}")
+            self.report(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what}, set by "
+                        f"engine.segment_layers, is estimated at {est / GIB:.1f} GiB (with the x{ESTIMATE_MARGIN} margin, over "
+                        f"the {self.memory_budget / GIB:.1f} GiB engine.memory_budget_gb, which only engine.kind auto "
+                        f"or engine.segment_layers auto follow); if memory runs short, use engine.kind auto")
 
     def _choose(self, shape: dict, key: tuple) -> tuple[int, int]:
         chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
