@@ -287,3 +287,17 @@ def test_keep_best_guard_without_keep_best_is_a_config_error():
         load_config(None, ["data.demo_pairs=4", "train.keep_best_guard=0.1"])
     assert str(err.value) == ("command line: 'train.keep_best_guard' (0.1) needs 'train.keep_best' (it is off): "
                               "the guard only filters the steps keep_best chooses from")
+
+
+def test_steering_by_a_handful_of_held_out_pairs_gets_a_notice(tmp_path, capsys):
+    """keep_best over 3 held-out pairs: each pair is 0.33 of the accuracy; the run says so once."""
+    from dtrain.run.trainer import FEW_HELD_OUT
+
+    run(tmp_path / "few", f"train.keep_best={ACC}")
+    err = capsys.readouterr().err
+    want = (f"train.keep_best steers by the held-out metrics, here over 3 pair(s): one pair moves "
+            f"eval/rewards/accuracies by 0.33, so the choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs "
+            "(data.valid or data.valid_fraction)")
+    assert err.count(want) == 1, err
+    run(tmp_path / "off")
+    assert "steers by the held-out metrics" not in capsys.readouterr().err  # nothing steers: nothing said
