@@ -374,9 +374,9 @@ def _check(cfg: Config, source: str) -> None:
         problems.append(f"both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                         "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
     o, t = cfg.orpo, cfg.train
-    if o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
+    if kind == "orpo" and o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
         problems.append(f"'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")
-    for key, on in (("orpo.lambda_schedule: adaptive", o.lambda_schedule == "adaptive"),
+    for key, on in (("orpo.lambda_schedule: adaptive", kind == "orpo" and o.lambda_schedule == "adaptive"),
                     (f"train.keep_best: {t.keep_best}", t.keep_best is not None)):
         if on and t.eval_every == 0:
             problems.append(f"'{key}' needs held-out evaluations during the run: set 'train.eval_every' "

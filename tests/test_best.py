@@ -301,3 +301,23 @@ def test_steering_by_a_handful_of_held_out_pairs_gets_a_notice(tmp_path, capsys)
     assert err.count(want) == 1, err
     run(tmp_path / "off")
     assert "steers by the held-out metrics" not in capsys.readouterr().err  # nothing steers: nothing said
+
+
+def test_the_notice_counts_the_pairs_evaluated_not_the_pairs_held_out(tmp_path, capsys):
+    """train.eval_pairs limits the evaluation: 2 of the 3 held-out pairs are what keep_best reads."""
+    run(tmp_path, f"train.keep_best={ACC}", "train.eval_pairs=2")
+    err = capsys.readouterr().err
+    assert err.count("train.keep_best steers by the held-out metrics, here over 2 pair(s): one pair moves "
+                     "eval/rewards/accuracies by 0.50") == 1, err
+    assert "train.eval_pairs limits them to 2)" in err
+
+
+def test_orpo_only_rules_are_not_repeated_for_another_objective():
+    """Under objective.kind dpo the lambda keys are reported once as not read, not again as ORPO's rules."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=4", "objective.kind=dpo", "orpo.lambda_schedule=adaptive",
+                           "orpo.lambda_min=0.9", "orpo.lambda_max=0.2", "train.eval_every=0"])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "command line: 3 problems:"
+    assert [x.split("'")[1] for x in lines[1:]] == ["orpo.lambda_schedule", "orpo.lambda_min", "orpo.lambda_max"]
+    assert all("does not read it" in x for x in lines[1:])

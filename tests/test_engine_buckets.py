@@ -143,6 +143,7 @@ def test_auto_plan_single_pass_when_it_fits_else_recompute():
     rs, chunk = tight.plan_of(tight.layout(pairs))
     assert chunk == 1024 and len(rs.ranges) > 1
     assert "ranges of" in notices[-1]
+    assert notices[-1].endswith("x 1.25 over the 0.00 GiB budget: no plan fits it, this one has the smallest estimate)")
     mx.eval(out.loss)
 
 

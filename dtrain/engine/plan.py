@@ -152,8 +152,12 @@ class Plan:
         what = "single pass" if choice == (self.n_layers, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
         if choice != self._reported:  # a notice when the plan changes, not per shape (exact shapes: every step)
             self._reported = choice
+            fits = est * ESTIMATE_MARGIN <= self.memory_budget
             self.report(f"engine plan for {key[0]} x {key[1]} tokens ({key[2]} targets): {what} (estimated peak "
-                        f"{est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} within a {self.memory_budget / GIB:.1f} GiB budget)")
+                        f"{est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} "
+                        + (f"within a {self.memory_budget / GIB:.1f} GiB budget)" if fits else
+                           f"over the {self.memory_budget / GIB:.2f} GiB budget: no plan fits it, this one has the "
+                           f"smallest estimate)"))
         return choice
 
 

@@ -255,11 +255,12 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                f"add pairs" if few else "set data.valid or data.valid_fraction > 0")
         raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
                         f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
-    if steering and len(dataset.valid) < FEW_HELD_OUT and notice is not None:
+    evaluated = min(len(dataset.valid), t.eval_pairs) if t.eval_pairs > 0 else len(dataset.valid)
+    if steering and evaluated < FEW_HELD_OUT and notice is not None:
         notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by the held-out metrics, here over "
-               f"{len(dataset.valid)} pair(s): one pair moves eval/rewards/accuracies by "
-               f"{1 / len(dataset.valid):.2f}, so the choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs "
-               f"(data.valid or data.valid_fraction)")
+               f"{evaluated} pair(s): one pair moves eval/rewards/accuracies by {1 / evaluated:.2f}, so the "
+               f"choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction"
+               f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if evaluated < len(dataset.valid) else ''})")
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     if t.init_adapter:
