@@ -84,7 +84,8 @@ def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, valu
     kinds = _OBJECTIVE_KEYS.get((section, name.replace("lambda", "lam")))
     reader = [f"objective.kind={kinds[0]}"] if kinds and "orpo" not in kinds else []  # a kind that reads the key
     reader += {"orpo.lambda_schedule": ["train.eval_every=1"], "train.keep_best": ["train.eval_every=1"],
-               "train.early_stop_evals": ["train.eval_every=1", "train.keep_best=eval/loss"]}.get(key, [])
+               "train.early_stop_evals": ["train.eval_every=1", "train.keep_best=eval/loss"],
+               "train.keep_best_guard": ["train.eval_every=1", "train.keep_best=eval/loss"]}.get(key, [])
     load_config(None, [f"{key}={json.dumps(value)}", *reader, "data.demo_pairs=1"]
                 if key not in ("data.train", "data.demo_pairs")
                 else [f"{key}={json.dumps(value)}"])  # the generated value is one the config accepts
