@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from conftest import make_tiny_model, make_tokenizer
-from dtrain.launch.plan import _claim, spare_base
+from dtrain.launch.plan import _claim, ephemeral_ports, spare_base
 from waiting import JOB_S, finish
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +58,9 @@ def free_port(count: int = 4) -> int:
     ports, or one port), drawn outside the system's ephemeral range as the launcher draws its
     own: a port that ``bind(port 0)`` hands out can be given to any outgoing connection, such
     as a finished run's ranks', before the next launcher listens on it."""
-    rng = random.Random()
+    rng, ephemeral = random.Random(), ephemeral_ports()
     for _ in range(100):
-        base, locks = spare_base(count, rng), []
+        base, locks = spare_base(count, rng, ephemeral), []
         problem = _claim(base, count, "127.0.0.1", locks)
         for fd in locks:
             os.close(fd)  # checked free; the launcher under test claims them itself

@@ -150,7 +150,7 @@ def test_spare_ports_lie_outside_the_ephemeral_range():
     rng = random.Random(0)
     for count in (1, 2, 8):
         for _ in range(2000):
-            base = spare_base(count, rng)
+            base = spare_base(count, rng, (first, last))
             assert base >= PORT_FLOOR and base + count - 1 <= 65535
             assert base + count - 1 < first or base > last, (base, count, first, last)
     held = [fd for fd in [_port_lock(p) for p in range(DEFAULT_PORT, DEFAULT_PORT + 3)] if fd is not None]

@@ -154,15 +154,15 @@ def ephemeral_ports() -> tuple[int, int]:
         return 49152, 65535
 
 
-def spare_base(count: int, rng: random.Random) -> int:
+def spare_base(count: int, rng: random.Random, ephemeral: tuple[int, int]) -> int:
     """A random first port of ``count`` consecutive ports that all lie outside
-    :func:`ephemeral_ports` (so no outgoing connection is given one of them), from
+    ``ephemeral`` (:func:`ephemeral_ports`, read once by the caller: no outgoing connection is given one of them), from
     :data:`PORT_FLOOR` up; not checked for listeners (:func:`free_ports` does that).
 
     Raises:
         LaunchError: the ephemeral range leaves no such span.
     """
-    first, last = ephemeral_ports()
+    first, last = ephemeral
     spans = [(a, b) for a, b in [(PORT_FLOOR, first - count), (last + 1, 65536 - count)] if b > a]
     if not spans:
         raise LaunchError(f"the system's ephemeral ports {first}-{last} leave no {count} spare ports; pass --port")
@@ -189,11 +189,11 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
             raise LaunchError(f"port {problem[0]} is in use ({problem[1]}); pass another --port, "
                               "or leave --port out to take free ones")
         return first
-    base, rng = DEFAULT_PORT, random.SystemRandom()
+    base, rng, ephemeral = DEFAULT_PORT, random.SystemRandom(), ephemeral_ports()
     for _ in range(50):
         if _claim(base, count, host, locks) is None:
             return base
-        base = spare_base(count, rng)
+        base = spare_base(count, rng, ephemeral)
     raise LaunchError(f"found no {count} free consecutive ports on {host}; pass --port")
 
 

@@ -255,12 +255,6 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                f"add pairs" if few else "set data.valid or data.valid_fraction > 0")
         raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
                         f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
-    evaluated = min(len(dataset.valid), t.eval_pairs) if t.eval_pairs > 0 else len(dataset.valid)
-    if steering and evaluated < FEW_HELD_OUT and notice is not None:
-        notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by the held-out metrics, here over "
-               f"{evaluated} pair(s): one pair moves eval/rewards/accuracies by {1 / evaluated:.2f}, so the "
-               f"choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction"
-               f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if evaluated < len(dataset.valid) else ''})")
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     if t.init_adapter:
@@ -272,6 +266,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
                       "lora shapes": lora_shapes})
     valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
+    if steering and len(valid) < FEW_HELD_OUT and notice is not None:
+        notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by the held-out metrics, here over "
+               f"{len(valid)} pair(s): one pair moves eval/rewards/accuracies by {1 / len(valid):.2f}, so the "
+               f"choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction"
+               f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
     state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=settings(resolved),
                           schedule_steps=t.steps, world_size=group.size,
                           data=ckpt.data_identity(dataset.fingerprint, dataset.train, valid),
