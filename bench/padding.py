@@ -16,7 +16,10 @@ Per variant: ``padding_fraction`` = 1 - real tokens / tokens computed (what
 ``perf/padding_fraction`` logs, ``dtrain.run.step.padding_fraction``), over all
 steps (Σ / Σ) and the worst step; the distinct layout shapes (what a compiled
 step traces); and the padding of the prefix-sharing attention rows (their
-real tokens over rows x length: attention work only, not in padding_fraction).
+real tokens over the slots of the grouped calls, ``engine.group_rows``:
+attention work only, not in padding_fraction), the attention work of those
+calls (Σ rows x length²) over that of one call padding every row to the
+longest (before the grouping), and the distinct (rows, length) call shapes.
 
 ``--time N`` also times the first N steps on the CPU: the demo model (float32)
 with LoRA as ``--config`` sets it (``--time-layers K``: a random-weight model of
@@ -38,7 +41,7 @@ from common import write_results  # before MLX
 from prelude import ORCA, RESULTS, ROOT, add_flags
 
 from dtrain.config import load_config  # noqa: E402
-from dtrain.engine import batch_totals, bucket_length, make_engine, make_objective  # noqa: E402
+from dtrain.engine import batch_totals, bucket_length, group_rows, make_engine, make_objective  # noqa: E402
 from dtrain.sampler import Sampler  # noqa: E402
 
 
@@ -46,8 +49,8 @@ def measure(cfg, model, chunks_per_step: list, prefix: bool, bucket: int, pack: 
     """Padding and shapes of every micro-batch's layout (``engine.layout``), summed per step."""
     engine = make_engine(dataclasses.replace(cfg.engine, kind="segmented", prefix_sharing=prefix,
                                              length_bucket=bucket, pack=pack), model, make_objective(cfg), None)
-    real = computed = att_real = att_computed = 0
-    per_step, shapes = [], set()
+    real = computed = att_real = att_computed = work_one = work_grouped = 0
+    per_step, shapes, att_shapes = [], set(), set()
     for chunks in chunks_per_step:
         step_real = step_computed = 0
         for chunk in chunks:
@@ -56,14 +59,20 @@ def measure(cfg, model, chunks_per_step: list, prefix: bool, bucket: int, pack: 
             step_real, step_computed = step_real + layout.input_tokens, step_computed + layout.computed_tokens
             if layout.block_sparse or layout.packed:  # attention by gathered rows: [prompt; chosen], [prompt; rejected]
                 rows = [n for P, C, R in layout.spans for n in ((P + C, P + R) if R else (P + C,))]
+                groups = [(width, M) for _, width, M in group_rows(rows, bucket)]
                 att_real += sum(rows)
-                att_computed += len(rows) * bucket_length(max(rows), bucket)
+                att_computed += sum(width * M for width, M in groups)
+                work_one += len(rows) * bucket_length(max(rows), bucket) ** 2  # one call, every row padded to the longest
+                work_grouped += sum(width * M**2 for width, M in groups)
+                att_shapes.update(groups)
         per_step.append(1 - step_real / step_computed)
         real, computed = real + step_real, computed + step_computed
     return {"prefix_sharing": prefix, "bucket": bucket, "pack": pack, "steps": len(per_step),
             "real_tokens": real, "computed_tokens": computed, "padding_fraction": 1 - real / computed,
             "worst_step": max(per_step), "mean_step": sum(per_step) / len(per_step), "shapes": len(shapes),
-            "attention_padding": 1 - att_real / att_computed if att_computed else None}
+            "attention_padding": 1 - att_real / att_computed if att_computed else None,
+            "attention_work_vs_one_call": work_grouped / work_one if work_one else None,
+            "attention_shapes": len(att_shapes)}
 
 
 def time_steps(cfg, model, chunks_per_step: list) -> dict:
@@ -126,12 +135,14 @@ def main(argv=None) -> int:
           f"{t.micro_batch_pairs}); prompt + chosen + rejected tokens: median {lengths[len(lengths) // 2]}, "
           f"min {lengths[0]}, max {lengths[-1]}\n")
     print("| prefix sharing | length bucket | layout | padding_fraction (Σ/Σ) | worst step | shapes | tokens computed "
-          "| attention-row padding |\n|---|---|---|---|---|---|---|---|")
+          "| attention-row padding | attention work ÷ one call | attention shapes |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        att = f"{r['attention_padding']:.1%}" if r["attention_padding"] is not None else "= padding_fraction (causal over the rows)"
+        gathered = r["attention_padding"] is not None
+        att = f"{r['attention_padding']:.1%}" if gathered else "= padding_fraction (causal over the rows)"
+        work = f"{r['attention_work_vs_one_call']:.2f} | {r['attention_shapes']}" if gathered else "– | –"
         print(f"| {'on' if r['prefix_sharing'] else 'off'} | {r['bucket']} | {'packed' if r['pack'] else 'padded'} "
               f"| {r['padding_fraction']:.1%} | {r['worst_step']:.1%} | {r['shapes']} | {r['computed_tokens']:,} "
-              f"| {att} |")
+              f"| {att} | {work} |")
     timing = None
     if a.time:
         import statistics

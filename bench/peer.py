@@ -99,6 +99,9 @@ VARIANTS = {
     "dtrain preference padded": {**SINGLE, "pack": False},
     # the single pass with dtrain's own attention, softmax and sigmoid (engine.kernels auto is MLX's on a GPU)
     "dtrain preference own kernels": {**SINGLE, "kernels": "dtrain"},
+    # its attention as one call over every row padded to the longest (before 2026-12-03), not grouped by length
+    "dtrain preference one attention call": {"kind": "auto", "prefix_sharing": True, "head_chunk_tokens": 0,
+                                             "attention_groups": 1},
 }
 PEER = "mlx-lm-lora"
 TRL = "trl ORPOTrainer"

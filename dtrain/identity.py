@@ -65,7 +65,7 @@ ACCEPTED = {
     "data.on_bad_row": "skip or stop at a bad row; the pairs trained are checked by their token ids",
     **{f"engine.{k}": "how the same gradients are computed" for k in (
         "kind", "segment_layers", "memory_budget_gb", "prefix_sharing", "head_chunk_tokens", "length_bucket",
-        "compile", "pack", "kernels")},
+        "compile", "pack", "attention_groups", "kernels")},
     "distributed.backend": "transport", "distributed.check_sync_every": "a check",
     "distributed.collective_timeout_s": "a watchdog",
 }

@@ -114,7 +114,7 @@ def test_compiled_step_trains_the_eager_adapter(variant):
 def test_layer_and_step_estimates_worked_numbers():
     args = lora_model("llama").args  # D 32, I 64, 4 heads, 2 kv heads, head dim 8, 5 layers, vocab 512
     assert layer_bytes_per_token(args, 4) == 4 * (16 * 32 + 8 * 64 + 2 * (4 + 4) * 8) == 4608
-    shape = dict(tokens=30, targets=20, rows=3, length=12, heads=4)
+    shape = dict(tokens=30, targets=20, attention=((3, 12),), heads=4)
     scores = 2 * 3 * 4 * 12**2 * 4
     assert estimate_step_bytes(args, 4, shape, 0, 0, fused=False) == 5 * (30 * 4608 + scores) + 20 * 512 * 16
     assert estimate_step_bytes(args, 4, shape, 0, 0, fused=True) == 5 * 30 * 4608 + 20 * 512 * 16

@@ -226,14 +226,16 @@ def test_shared_attention_equals_explicit_mask_on_mixed_batch():
     from dtrain.engine.arch import shared_attention
     from dtrain.engine.layout import SharedAttention, attention_mask, attention_plan, shared_prefix_layout
 
-    for bucket, (L, M) in ((0, (15, 12)), (4, (16, 12))):
+    # rows: [P; C] and [P; R] of each shared sequence, one row per fallback sequence: lengths 10, 11, 10,
+    # 7, 11, 12. Exact: [12, 11, 11] and [10, 10, 7] (3*144 + 3*100 = 732 slots against 6*144 = 864 in one
+    # call); buckets of 4 (rows rounded up to a power of two): [12, 11] as 2 x 12 and [11, 10, 10, 7] as 4 x 12
+    for bucket, L, shapes in ((0, 15, ((3, 12), (3, 10))), (4, 16, ((2, 12), (4, 12)))):
         layout = shared_prefix_layout(make_pairs(fallback=True, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))), bucket=bucket)
         S = layout.shape[0]
         assert layout.spans == ((6, 4, 5), (3, 7, 0), (5, 2, 0), (9, 2, 3)) and layout.shape == (4, L)
         plan = attention_plan(layout)
-        # rows: [P; C] and [P; R] of each shared sequence, one row per fallback sequence
-        assert isinstance(plan, SharedAttention) and (plan.rows, plan.length) == (6, M)
-        assert plan.gather.shape == (6, M) and plan.scatter.shape == (S * L,)
+        assert isinstance(plan, SharedAttention) and plan.shapes == shapes
+        assert tuple(g.shape for g in plan.gathers) == shapes and plan.scatter.shape == (S * L,)
         mx.random.seed(1)
         q, k, v = mx.random.normal((S, 4, L, 8)), mx.random.normal((S, 2, L, 8)), mx.random.normal((S, 2, L, 8))
         fused = np.array(shared_attention(q, k, v, 0.35, plan))  # (S, L, H * Dh)
@@ -250,7 +252,7 @@ def test_unwindowed_prefix_sharing_builds_no_mask_array(monkeypatch):
     layout = layout_mod.shared_prefix_layout(make_pairs(fallback=True))
     plan = layout_mod.attention_plan(layout)
     assert isinstance(plan, layout_mod.SharedAttention)
-    assert plan.gather.dtype == mx.int32 and plan.gather.ndim == 2 and plan.scatter.ndim == 1
+    assert all(g.dtype == mx.int32 and g.ndim == 2 for g in plan.gathers) and plan.scatter.ndim == 1
     assert layout_mod.attention_plan(layout_mod.two_sequence_layout(make_pairs())) == "causal"
     assert layout_mod.attention_plan(layout, window=5).shape == (3 + 1, 1, 15, 15)  # sliding layers keep the mask
 

@@ -120,7 +120,7 @@ def fixed_bytes(a: ModelArgs, rank: int = 8) -> int:
 
 def pair_shape(a: ModelArgs, tokens: int) -> dict:
     """One pair of ``tokens`` tokens, prefix-shared: prompt 1/4, chosen and rejected 3/8 each."""
-    return dict(tokens=tokens, targets=3 * tokens // 4, rows=2, length=5 * tokens // 8, heads=a.num_attention_heads)
+    return dict(tokens=tokens, targets=3 * tokens // 4, attention=((2, 5 * tokens // 8),), heads=a.num_attention_heads)
 
 
 def test_model_sizes_are_the_published_parameter_counts():

@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..notices import notice
 from .common import Engine, StepResult, run_micro_batches
 from .dpo import DPO
-from .layout import batch_totals, bucket_length
+from .layout import batch_totals, bucket_length, group_rows
 from .loss import ORPO
 from .objective import Objective, PairLogps, Totals
 from .reference import ReferenceEngine
@@ -86,9 +86,9 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     # silent (the key's help says so): a sliding-window layer's mask over a packed row would span all its sequences
     pack = cfg.pack and all(w is None for w in arch.windows)
     return SegmentedEngine(model, arch, objective, size, cfg.prefix_sharing, cfg.head_chunk_tokens, bucket, compile,
-                           cfg.memory_budget_gb * GIB, report, pack)
+                           cfg.memory_budget_gb * GIB, report, pack, cfg.attention_groups)
 
 
 __all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "DPO", "SimPO", "SFT", "OBJECTIVES", "StepResult",
            "ReferenceEngine", "fit_dataset", "make_engine", "make_objective", "run_micro_batches",
-           "batch_totals", "bucket_length"]
+           "batch_totals", "bucket_length", "group_rows"]

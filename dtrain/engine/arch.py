@@ -96,22 +96,21 @@ def fused_causal(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.arra
 
 def shared_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, plan: SharedAttention,
                      causal: Callable = fused_causal) -> mx.array:
-    """Prefix-shared attention as one batched causal call (see ``SharedAttention``).
+    """Prefix-shared attention as one batched causal call per group of rows (see ``SharedAttention``).
 
     ``q`` ``(S, H, L, Dh)``, ``k``/``v`` ``(S, Hkv, L, Dh)``. Each token's row is
-    gathered into the plan's ``(rows, M)`` attention rows, attended with
+    gathered into its group's ``(rows, M)`` attention rows, attended with
     ``causal`` (:func:`fused_causal` or ``kernels.causal_attention``) and gathered
     back (the gathers' vjps sum the prompt's key/value gradients over its two
     rows). Padded query rows get values nothing reads. Returns ``(S, L, H * Dh)``.
     """
     S, H, L, Dh = q.shape
-
-    def to_rows(x):  # (S, h, L, Dh) -> (rows, h, M, Dh)
-        flat = x.transpose(0, 2, 1, 3).reshape(S * L, x.shape[1], Dh)  # (S*L, h, Dh)
-        return flat[plan.gather].transpose(0, 2, 1, 3)
-
-    out = causal(to_rows(q), to_rows(k), to_rows(v), scale)
-    out = out.transpose(0, 2, 1, 3).reshape(plan.rows * plan.length, H * Dh)  # (rows*M, H*Dh)
+    flat = [x.transpose(0, 2, 1, 3).reshape(S * L, x.shape[1], Dh) for x in (q, k, v)]  # (S*L, h, Dh)
+    outs = []
+    for gather, (rows, M) in zip(plan.gathers, plan.shapes):
+        out = causal(*(x[gather].transpose(0, 2, 1, 3) for x in flat), scale)  # (rows, H, M, Dh)
+        outs.append(out.transpose(0, 2, 1, 3).reshape(rows * M, H * Dh))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return out[plan.scatter].reshape(S, L, H * Dh)
 
 

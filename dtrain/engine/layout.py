@@ -328,37 +328,94 @@ def attention_mask(layout: Layout, window: int | None = None) -> mx.array:
 
 @dataclass(frozen=True)
 class SharedAttention:
-    """Prefix-shared attention as one batched fused causal call, with no mask array.
+    """Prefix-shared attention as a few batched fused causal calls, with no mask array.
 
     A sequence ``[prompt; chosen; rejected]`` with spans ``(P, C, R)`` becomes
     two attention rows gathered from its tokens: ``[prompt; chosen]`` and
     ``[prompt; rejected]``, each plain causal (the rejected tokens then see
     the prompt and earlier rejected tokens, at their own positions). A
-    two-sequence row ``(P, C, 0)`` is one attention row. All rows are padded
-    to one length ``M`` and run as one ``mask="causal"`` call; only the
-    prompt's attention is computed twice (its projections and MLP are not).
-    Interpreted by ``arch.shared_attention``.
+    two-sequence row ``(P, C, 0)`` is one attention row. Rows of similar
+    length go into one group (:func:`group_rows`), padded to the group's
+    length ``M`` and run as one ``mask="causal"`` call, so short rows are not
+    padded to the longest row of the micro-batch (attention work grows with
+    ``M**2``); only the prompt's attention is computed twice (its projections
+    and MLP are not). Interpreted by ``arch.shared_attention``.
 
     Attributes:
-        gather: ``(n_rows, M)`` int32 flat token index (the sequence's
-            ``Layout.starts`` ``+ t``) of each attention row's tokens; padding
-            repeats a real token of the sequence after the row's real tokens,
-            so no real query sees it.
-        scatter: ``(S * L,)`` int32, for each token, the flat index
-            ``row * M + i`` of the attention output it takes (padded tokens
-            take any; nothing reads them).
-        rows, length: host-side ``n_rows`` and ``M``.
+        gathers: per group, ``(rows, M)`` int32 flat token index (the
+            sequence's ``Layout.starts`` ``+ t``) of each attention row's
+            tokens; padding repeats a real token of the sequence after the
+            row's real tokens, so no real query sees it (rows added to round a
+            group's row count up gather token 0 and are read by nothing).
+        scatter: ``(S * L,)`` int32, for each token, the flat index of the
+            attention output it takes in the groups' outputs laid end to end
+            (group ``g``'s row ``r``, slot ``i``: ``offset_g + r * M_g + i``;
+            padded tokens take any; nothing reads them).
+        shapes: host-side ``(rows, M)`` of each group.
     """
 
-    gather: mx.array
+    gathers: tuple
     scatter: mx.array
-    rows: int
-    length: int
+    shapes: tuple[tuple[int, int], ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(r for r, _ in self.shapes)
+
+    @property
+    def length(self) -> int:
+        return max(m for _, m in self.shapes)
 
 
-def shared_attention_plan(layout: Layout) -> SharedAttention:
-    """The :class:`SharedAttention` of a prefix-shared or packed layout; ``M`` is
-    bucketed with ``layout.bucket``."""
+ATTENTION_GROUPS = 4  # the most fused attention calls a layer makes over the gathered rows
+GROUP_SAVING = 0.1  # one more call must save this share of the attention work of one call fewer
+
+
+def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROUPS):
+    """Attention rows grouped by length for :class:`SharedAttention`.
+
+    The rows, longest first, are cut into at most ``max_groups`` runs that
+    minimise the attention work ``sum(rows_g * M_g**2)`` (``M_g``: the group's
+    longest row, bucketed with ``bucket``); one more group is taken only when
+    it saves ``GROUP_SAVING`` of the work, since each group is one more call
+    per layer. With ``bucket > 0`` a group's row count is rounded up to a power
+    of two (the extra rows are computed and discarded), so a run sees a bounded
+    set of ``(rows, M)`` shapes.
+
+    Returns:
+        ``[(row indices, rows_g, M_g), ...]``: every index once, longest rows first.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    n = len(order)
+    width = (lambda k: k) if bucket <= 0 else (lambda k: 1 << (k - 1).bit_length())
+    M = [bucket_length(lengths[i], bucket) for i in order]
+
+    def cost(a, b):  # rows order[a:b] as one group
+        return width(b - a) * M[a] ** 2
+
+    # best[g][j]: least work covering order[:j] with g groups; cut[g][j]: where the last group starts
+    best = [[math.inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for j in range(1, n + 1):
+            for a in range(g - 1, j):
+                c = best[g - 1][a] + cost(a, j)
+                if c < best[g][j]:
+                    best[g][j], cut[g][j] = c, a
+    g = 1
+    while g < min(max_groups, n) and best[g + 1][n] <= (1 - GROUP_SAVING) * best[g][n]:
+        g += 1
+    bounds, j = [], n
+    for k in range(g, 0, -1):
+        bounds.append((cut[k][j], j))
+        j = cut[k][j]
+    return [([order[i] for i in range(a, b)], width(b - a), M[a]) for a, b in reversed(bounds)]
+
+
+def shared_attention_plan(layout: Layout, groups: int = ATTENTION_GROUPS) -> SharedAttention:
+    """The :class:`SharedAttention` of a prefix-shared or packed layout, in at most ``groups``
+    calls (:func:`group_rows`); each group's ``M`` is bucketed with ``layout.bucket``."""
     S, L = layout.shape
     rows, first = [], []  # rows: (sequence start, token indices); first: each sequence's first row
     for o, (P, C, R) in zip(layout.starts, layout.spans):
@@ -366,21 +423,28 @@ def shared_attention_plan(layout: Layout) -> SharedAttention:
         rows.append((o, np.arange(P + C)))
         if R:
             rows.append((o, np.concatenate([np.arange(P), np.arange(P + C, P + C + R)])))
-    M = bucket_length(max(len(t) for _, t in rows), layout.bucket)
-    gather = np.zeros((len(rows), M), np.int64)
-    for i, (o, t) in enumerate(rows):
-        gather[i] = o  # padding: the sequence's token 0, after every real query of the row
-        gather[i, : len(t)] = o + t
+    slot = np.zeros(len(rows), np.int64)  # flat output index of each row's first slot
+    gathers, shapes, offset = [], [], 0
+    for members, width, M in group_rows([len(t) for _, t in rows], layout.bucket, groups):
+        gather = np.zeros((width, M), np.int64)
+        for r, i in enumerate(members):
+            o, t = rows[i]
+            gather[r] = o  # padding: the sequence's token 0, after every real query of the row
+            gather[r, : len(t)] = o + t
+            slot[i] = offset + r * M
+        gathers.append(mx.array(gather.astype(np.int32)))
+        shapes.append((width, M))
+        offset += width * M
     scatter = np.zeros(S * L, np.int64)  # padded tokens: any output
     for o, row, (P, C, R) in zip(layout.starts, first, layout.spans):
         n = P + C
-        scatter[o : o + n] = row * M + np.arange(n)
-        scatter[o + n : o + n + R] = (row + 1) * M + P + np.arange(R)  # rejected i sits at P + i in its row
-    return SharedAttention(mx.array(gather.astype(np.int32)), mx.array(scatter.reshape(-1).astype(np.int32)),
-                           len(rows), M)
+        scatter[o : o + n] = slot[row] + np.arange(n)
+        if R:
+            scatter[o + n : o + n + R] = slot[row + 1] + P + np.arange(R)  # rejected i sits at P + i in its row
+    return SharedAttention(tuple(gathers), mx.array(scatter.astype(np.int32)), tuple(shapes))
 
 
-def attention_plan(layout: Layout, window: int | None = None):
+def attention_plan(layout: Layout, window: int | None = None, groups: int = ATTENTION_GROUPS):
     """What ``arch.attention`` takes as its mask for this layout and window.
 
     ``"causal"`` (MLX's fused causal mode) for plain causal unpacked layouts
@@ -393,4 +457,4 @@ def attention_plan(layout: Layout, window: int | None = None):
         return attention_mask(layout, window)
     if not layout.block_sparse and not layout.packed:
         return "causal"
-    return shared_attention_plan(layout)
+    return shared_attention_plan(layout, groups)

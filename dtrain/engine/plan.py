@@ -50,8 +50,8 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     Args:
         args: the model's ``ModelArgs``.
         itemsize: bytes per activation value (the model dtype's).
-        shape: ``tokens`` (S * L), ``targets`` (N), ``rows`` and ``length``
-            (attention rows and their length), ``heads``.
+        shape: ``tokens`` (S * L), ``targets`` (N), ``attention`` (the
+            attention calls' ``(rows, length)``), ``heads``.
         size: layers per range (0 or >= layers: one range).
         chunk: head rows per chunk (0: the whole head at once).
         fused: attention keeps no scores (see ``fused_attention``).
@@ -61,7 +61,8 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     n = args.num_hidden_layers
     size = n if size <= 0 else min(size, n)
     T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
-    scores = 0.0 if fused else 2.0 * shape["rows"] * shape["heads"] * shape["length"] ** 2 * itemsize
+    slots = sum(rows * length ** 2 for rows, length in shape["attention"])
+    scores = 0.0 if fused else 2.0 * slots * shape["heads"] * itemsize
     layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
     head = (chunk if chunk > 0 else N) * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
     if size >= n and chunk <= 0:  # the single pass: nothing else kept
@@ -118,13 +119,13 @@ class Plan:
         self._reported = None  # the last choice reported
         self.report = report or (lambda _: None)
 
-    def __call__(self, layout: Layout, attention_rows: tuple[int, int] | None) -> tuple[int, int]:
-        """The plan of ``layout``; ``attention_rows``: ``(rows, length)`` of its prefix-sharing
-        attention (``layout.SharedAttention``), None when it attends as ``(S, L)``."""
+    def __call__(self, layout: Layout, attention_rows: tuple | None) -> tuple[int, int]:
+        """The plan of ``layout``; ``attention_rows``: the ``(rows, length)`` of each group of its
+        prefix-sharing attention (``layout.SharedAttention.shapes``), None when it attends as ``(S, L)``."""
         S, L = layout.shape
-        rows, length = attention_rows or (S, L)
-        key = (S, L, int(layout.targets.shape[0]), rows, length)
-        shape = dict(tokens=S * L, targets=key[2], rows=rows, length=length, heads=self.args.num_attention_heads)
+        attention = tuple(attention_rows or ((S, L),))
+        key = (S, L, int(layout.targets.shape[0]), attention)
+        shape = dict(tokens=S * L, targets=key[2], attention=attention, heads=self.args.num_attention_heads)
         if not self.auto:
             if not self._reported:
                 self._check_fixed(shape, key)

@@ -34,7 +34,7 @@ from ..types import TokenizedPair
 from .arch import Arch
 from .common import StepResult, layout_counts, loss_from_token_logps, with_key
 from .head import hidden_grad, target_logps, token_logps
-from .layout import Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
+from .layout import ATTENTION_GROUPS, Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
 from .objective import Totals
 from .plan import Plan, kv_exports, kv_imports, range_bounds
 
@@ -72,7 +72,7 @@ def trainable_outside_layers(model: nn.Module, layers: list) -> list[str]:
 def _encode_mask(mask):
     """An attention plan as compile-friendly leaves (``"causal"``, an array, or a tuple)."""
     if isinstance(mask, SharedAttention):
-        return (mask.gather, mask.scatter, mask.rows, mask.length)
+        return (mask.gathers, mask.scatter, mask.shapes)
     return mask
 
 
@@ -81,8 +81,8 @@ def _decode_mask(x):
 
 
 def _attention_rows(masks: list):
-    """``(rows, length)`` of the prefix-sharing attention among encoded ``masks``, or None."""
-    return next(((m[2], m[3]) for m in masks if isinstance(m, tuple)), None)
+    """The groups' ``(rows, M)`` of the prefix-sharing attention among encoded ``masks``, or None."""
+    return next((m[2] for m in masks if isinstance(m, tuple)), None)
 
 
 def _target_arrays(layout: Layout) -> dict:
@@ -135,6 +135,8 @@ class SegmentedEngine:
             with this quantum (0 = exact shapes).
         pack: a micro-batch's sequences in one row, padded only to the bucket of
             their total length (``layout`` module doc); the same loss and gradients.
+        attention_groups: the most attention calls per layer over prefix-shared or
+            packed rows (``layout.group_rows``); the same loss and gradients.
         compile: ``mx.compile`` the single pass and the range functions (traced
             once per bucket).
         memory_budget: bytes for ``"auto"`` (weights included).
@@ -153,10 +155,10 @@ class SegmentedEngine:
 
     def __init__(self, model: nn.Module, arch: Arch, objective, segment_layers=0, prefix_sharing: bool = False,
                  head_chunk_tokens: int = 0, length_bucket: int = 0, compile: bool = False, memory_budget: float = 0.0,
-                 report=None, pack: bool = False):
+                 report=None, pack: bool = False, attention_groups: int = ATTENTION_GROUPS):
         self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
-        self.length_bucket, self.pack = length_bucket, pack
+        self.length_bucket, self.pack, self.attention_groups = length_bucket, pack, attention_groups
         # LoRA dropout: each range's forward and its recompute draw from the key the
         # range started with (``dtrain.lora.DropoutKeys``); compiled ranges would replay one mask
         self.dropout_keys = keyed_dropout(model)
@@ -279,7 +281,7 @@ class SegmentedEngine:
         """Per window (``self.windows`` order): the encoded attention plan, built once per step
         (an ``(S, 1, L, L)`` mask for sliding layers, MLX's fused causal mode or a
         prefix-sharing plan otherwise)."""
-        return [_encode_mask(attention_plan(layout, w)) for w in self.windows]
+        return [_encode_mask(attention_plan(layout, w, self.attention_groups)) for w in self.windows]
 
     # -- steps --------------------------------------------------------------
 
