@@ -99,9 +99,12 @@ VARIANTS = {
     "dtrain preference padded": {**SINGLE, "pack": False},
     # the single pass with dtrain's own attention, softmax and sigmoid (engine.kernels auto is MLX's on a GPU)
     "dtrain preference own kernels": {**SINGLE, "kernels": "dtrain"},
-    # its attention as one call over every row padded to the longest (before 2026-12-03), not grouped by length
+    # its attention as one call over every row padded to the longest (auto on a GPU), or in up to 4 calls over
+    # rows grouped by length (auto on the CPU)
     "dtrain preference one attention call": {"kind": "auto", "prefix_sharing": True, "head_chunk_tokens": 0,
                                              "attention_groups": 1},
+    "dtrain preference grouped attention": {"kind": "auto", "prefix_sharing": True, "head_chunk_tokens": 0,
+                                            "attention_groups": 4},
 }
 PEER = "mlx-lm-lora"
 TRL = "trl ORPOTrainer"

@@ -169,10 +169,11 @@ class EngineConfig:
     pack: bool = option(True, "auto/segmented: a micro-batch's sequences back to back in one row, padded only to "
                               "the bucket of their total length, instead of each to the longest (same loss and "
                               "gradients; off for models with sliding-window layers)")
-    attention_groups: int = option(4, "auto/segmented with prefix sharing or packing: at most this many attention "
-                                      "calls per layer, each over rows of similar length padded to its longest "
-                                      "(1 = every row padded to the micro-batch's longest); same loss and gradients",
-                                   above=0)
+    attention_groups: Union[int, Literal["auto"]] = option(
+        "auto", "auto/segmented with prefix sharing or packing: at most this many attention calls per layer, each "
+                "over rows of similar length padded to its longest (less work than 1 = every row padded to the "
+                "micro-batch's longest; same loss and gradients); auto: 4 on the CPU, 1 on a GPU (each new call "
+                "shape costs CUDA a setup: docs/benchmarks.md)", at_least=1)
     compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
                                   "(slower first steps, no faster on a GPU: docs/gpu.md)")
     kernels: str = option("auto", "the segmented engine's attention, softmax and sigmoid: mlx = MLX's fused "

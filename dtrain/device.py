@@ -30,6 +30,12 @@ def default_kernels() -> str:
     return "mlx" if on_gpu() else "dtrain"
 
 
+def default_attention_groups() -> int:
+    """``engine.attention_groups: auto``: 4 on the CPU (less attention work), 1 on a GPU (on CUDA
+    the grouped calls' new shapes cost more than the work they save at the recommended batch)."""
+    return 1 if on_gpu() else 4
+
+
 def resolve_auto(cfg):
     """``(cfg', choices)``: ``cfg`` with its device-dependent ``auto`` values of the engine and
     train sections resolved, and ``{"section.key": value}`` of every ``auto`` that was,
@@ -43,6 +49,9 @@ def resolve_auto(cfg):
     if e.length_bucket == "auto":
         e = replace(e, length_bucket=default_length_bucket())
         choices["engine.length_bucket"] = e.length_bucket
+    if e.attention_groups == "auto" and e.kind != "reference":
+        e = replace(e, attention_groups=default_attention_groups())
+        choices["engine.attention_groups"] = e.attention_groups
     if e.kernels == "auto" and e.kind != "reference":
         e = replace(e, kernels=default_kernels())
         choices["engine.kernels"] = e.kernels

@@ -17,8 +17,8 @@ def test_cpu_auto_choices_are_resolved_once_and_named():
     ram = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert choices == {"model.dtype": "float32", "engine.length_bucket": 0,
                        "engine.memory_budget_gb": round(ram / GIB, 1), "train.compile_optimizer": False,
-                       "engine.kernels": "dtrain"}
-    assert (cfg.engine.length_bucket, cfg.train.compile_optimizer) == (0, False)
+                       "engine.kernels": "dtrain", "engine.attention_groups": 4}
+    assert (cfg.engine.length_bucket, cfg.train.compile_optimizer, cfg.engine.attention_groups) == (0, False, 4)
     assert cfg.engine.memory_budget_gb * GIB == ram  # exact: the plan gets the bytes it computed before
     assert cfg.model.dtype == "auto"  # the loader resolves it, with the same rule (models.load.dtype_plan)
 
@@ -26,7 +26,7 @@ def test_cpu_auto_choices_are_resolved_once_and_named():
 def test_explicit_values_are_kept_and_not_reported():
     given = load_config(None, ["data.demo_pairs=1", "model.dtype=float32", "engine.length_bucket=64",
                                "engine.memory_budget_gb=3", "train.compile_optimizer=true",
-                               "engine.kernels=mlx"])
+                               "engine.kernels=mlx", "engine.attention_groups=2"])
     cfg, choices = resolve_auto(given)
     assert choices == {} and cfg == given
     reference, choices = resolve_auto(load_config(None, ["data.demo_pairs=1", "engine.kind=reference",

@@ -59,7 +59,7 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     report = report or (lambda _: None)
     if cfg.kind == "reference":
         return ReferenceEngine(model, objective)
-    from ..device import default_kernels, default_length_bucket
+    from ..device import default_attention_groups, default_kernels, default_length_bucket
     from .arch import adapter_for, module_name
     from .plan import GIB
     from .segmented import SegmentedEngine, has_dropout, trainable_outside_layers
@@ -85,8 +85,9 @@ def make_engine(cfg: EngineConfig, model, objective, report: Optional[Callable[[
     bucket = default_length_bucket() if cfg.length_bucket == "auto" else cfg.length_bucket
     # silent (the key's help says so): a sliding-window layer's mask over a packed row would span all its sequences
     pack = cfg.pack and all(w is None for w in arch.windows)
+    groups = default_attention_groups() if cfg.attention_groups == "auto" else cfg.attention_groups
     return SegmentedEngine(model, arch, objective, size, cfg.prefix_sharing, cfg.head_chunk_tokens, bucket, compile,
-                           cfg.memory_budget_gb * GIB, report, pack, cfg.attention_groups)
+                           cfg.memory_budget_gb * GIB, report, pack, groups)
 
 
 __all__ = ["Engine", "Totals", "PairLogps", "Objective", "ORPO", "DPO", "SimPO", "SFT", "OBJECTIVES", "StepResult",
