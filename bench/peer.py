@@ -81,6 +81,8 @@ VARIANTS = {
     "dtrain segmented+prefix+chunked": {"kind": "segmented", "segment_layers": "sqrt", "prefix_sharing": True,
                                         "head_chunk_tokens": 512},
     "dtrain one range+prefix": SINGLE,
+    # the same with one attention call over both rows padded to the longer (engine.attention_groups auto on a GPU)
+    "dtrain one range+prefix one attention call": {**SINGLE, "attention_groups": 1},
     # the same with MLX's softmax, sigmoid and fused attention (engine.kernels auto is dtrain's own on the CPU)
     "dtrain one range+prefix mlx kernels": {**SINGLE, "kernels": "mlx"},
     # the default: plan per length bucket from the memory model, buckets and mx.compile on a GPU
