@@ -45,8 +45,9 @@ from dtrain.engine import batch_totals, bucket_length, group_rows, make_engine, 
 from dtrain.sampler import Sampler  # noqa: E402
 
 
-def measure(cfg, model, chunks_per_step: list, prefix: bool, bucket: int, pack: bool) -> dict:
-    """Padding and shapes of every micro-batch's layout (``engine.layout``), summed per step."""
+def measure(cfg, model, chunks_per_step: list, prefix: bool, bucket: int, pack: bool, groups: int) -> dict:
+    """Padding and shapes of every micro-batch's layout (``engine.layout``), summed per step;
+    the attention rows in at most ``groups`` calls (``engine.group_rows``)."""
     engine = make_engine(dataclasses.replace(cfg.engine, kind="segmented", prefix_sharing=prefix,
                                              length_bucket=bucket, pack=pack), model, make_objective(cfg), None)
     real = computed = att_real = att_computed = work_one = work_grouped = 0
@@ -59,12 +60,12 @@ def measure(cfg, model, chunks_per_step: list, prefix: bool, bucket: int, pack: 
             step_real, step_computed = step_real + layout.input_tokens, step_computed + layout.computed_tokens
             if layout.block_sparse or layout.packed:  # attention by gathered rows: [prompt; chosen], [prompt; rejected]
                 rows = [n for P, C, R in layout.spans for n in ((P + C, P + R) if R else (P + C,))]
-                groups = [(width, M) for _, width, M in group_rows(rows, bucket)]
+                calls = [(width, M) for _, width, M in group_rows(rows, bucket, groups)]
                 att_real += sum(rows)
-                att_computed += sum(width * M for width, M in groups)
+                att_computed += sum(width * M for width, M in calls)
                 work_one += len(rows) * bucket_length(max(rows), bucket) ** 2  # one call, every row padded to the longest
-                work_grouped += sum(width * M**2 for width, M in groups)
-                att_shapes.update(groups)
+                work_grouped += sum(width * M**2 for width, M in calls)
+                att_shapes.update(calls)
         per_step.append(1 - step_real / step_computed)
         real, computed = real + step_real, computed + step_computed
     return {"prefix_sharing": prefix, "bucket": bucket, "pack": pack, "steps": len(per_step),
@@ -128,12 +129,14 @@ def main(argv=None) -> int:
     sampler = Sampler(len(pairs), t.global_batch_pairs, t.seed)
     steps = max(1, a.passes * len(pairs) // t.global_batch_pairs)
     chunks = [sampler.take(s, pairs, 0, 1, t.micro_batch_pairs)[1] for s in range(1, steps + 1)]
-    rows = [measure(cfg, loaded.model, chunks, prefix, bucket, pack)
+    groups = 4 if cfg.engine.attention_groups == "auto" else cfg.engine.attention_groups  # auto: the CPU's
+    rows = [measure(cfg, loaded.model, chunks, prefix, bucket, pack, groups)
             for prefix in (True, False) for bucket in (0, 128) for pack in (False, True)]
     lengths = sorted(len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs)
     print(f"{len(pairs)} pairs from {a.data}, {steps} steps of {t.global_batch_pairs} pairs (micro-batches of "
           f"{t.micro_batch_pairs}); prompt + chosen + rejected tokens: median {lengths[len(lengths) // 2]}, "
-          f"min {lengths[0]}, max {lengths[-1]}\n")
+          f"min {lengths[0]}, max {lengths[-1]}; attention in at most {groups} calls per layer "
+          f"(engine.attention_groups; auto is 4 on the CPU, 1 on a GPU)\n")
     print("| prefix sharing | length bucket | layout | padding_fraction (Σ/Σ) | worst step | shapes | tokens computed "
           "| attention-row padding | attention work ÷ one call | attention shapes |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -158,7 +161,7 @@ def main(argv=None) -> int:
             s = v["seconds"]
             print(f"| {name} | {statistics.median(s):.1f} ({min(s):.1f}–{max(s):.1f}) "
                   f"| {', '.join(f'{x:.5f}' for x in v['loss'])} |")
-    path = write_results("padding", {"data": a.data, "config": a.config, "set": a.set, "time_layers": a.time_layers, "pairs": len(pairs), "steps": steps,
+    path = write_results("padding", {"data": a.data, "config": a.config, "set": a.set, "time_layers": a.time_layers, "pairs": len(pairs), "steps": steps, "attention_groups": groups,
                                      "rows": rows, "timing": timing}, a.out)
     print(f"\nwrote {path}")
     return 0

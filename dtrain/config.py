@@ -175,7 +175,7 @@ class EngineConfig:
                 "micro-batch's longest; same loss and gradients); auto: 4 on the CPU, 1 on a GPU (each new call "
                 "shape costs CUDA a setup: docs/benchmarks.md)", at_least=1)
     compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
-                                  "(slower first steps, no faster on a GPU: docs/gpu.md)")
+                                  "and attention-call shapes (slower first steps, no faster on a GPU: docs/gpu.md)")
     kernels: str = option("auto", "the segmented engine's attention, softmax and sigmoid: mlx = MLX's fused "
                                   "kernels; dtrain = its own (causal attention by query blocks that skip the keys "
                                   "above the diagonal; exp through mx.power, as MLX's CPU exp is slow); equal to "

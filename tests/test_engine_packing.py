@@ -167,35 +167,57 @@ def test_attention_rows_grouped_by_length_hand_counted():
     """Rows of 100, 90, 20, 10 tokens: one call pads all four to 100 (40,000 slots of work);
     [100, 90] and [20, 10] cost 2*100² + 2*20² = 20,800; a third group ([20] and [10] apart)
     saves only 300 more (1.4%), under GROUP_SAVING, so two calls. Buckets of 16 round the
-    lengths to 112, 96, 32, 16: [112, 96] + [32, 32] is 2*112² + 2*32² = 27,136, three calls
-    112² + 96² + 2*32² = 23,808 (12.3% less), a fourth 23,040 (3.2% less): three. Rows of
-    equal length stay one call; with buckets row counts are powers of two: three rows of 7 (8)
-    as 4 x 8 would compute a discarded row, 256 slots, against 1 x 8 + 2 x 8, 192."""
+    lengths to 112, 96, 32, 16: one call 4*112² = 50,176; [112, 96] + [32, 32] (row counts of
+    several calls are powers of two) 2*112² + 2*32² = 27,136, three calls 112² + 96² + 2*32² =
+    23,808 (23,808 / 0.9² = 29,393 < 27,136 / 0.9 = 30,151), a fourth 23,040 (/ 0.9³ = 31,605):
+    three. One call keeps the exact row count: three rows of 7 (8) are 3 x 8 (192 slots), not
+    1 x 8 + 2 x 8 (also 192: the second call saves nothing). Rows 381, 365, 362, 312, 306, 27,
+    4 with buckets of 128 (384 x 5, 128 x 2): one call 7*384² = 1,032,192; three calls (384 |
+    384 x 4 | 128 x 2) 770,048, which / 0.9² = 950,676 is less: three (two calls round 5 rows to
+    8 and save nothing)."""
     assert group_rows([20, 100, 10, 90], 0) == [([1, 3], 2, 100), ([0, 2], 2, 20)]
     assert group_rows([20, 100, 10, 90], 16) == [([1], 1, 112), ([3], 1, 96), ([0, 2], 2, 32)]
     assert group_rows([7, 7, 7], 0) == [([0, 1, 2], 3, 7)]
-    assert group_rows([7, 7, 7], 4) == [([0], 1, 8), ([1, 2], 2, 8)]
+    assert group_rows([7, 7, 7], 4) == [([0, 1, 2], 3, 8)]
+    assert group_rows([312, 362, 306, 381, 27, 4, 365], 128) == [([3], 1, 384), ([6, 1, 0, 2], 4, 384),
+                                                                  ([4, 5], 2, 128)]
+    assert group_rows([], 0) == [] and group_rows([0, 0, 0], 0) == [([0, 1, 2], 3, 0)]
+    with pytest.raises(ValueError, match="attention groups must be >= 1"):
+        group_rows([5], 0, 0)
     assert group_rows([5], 0) == [([0], 1, 5)]
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 3000), min_size=1, max_size=32), st.sampled_from([0, 8, 128]),
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=14), st.sampled_from([0, 8, 128]),
        st.integers(1, 5))
 def test_attention_groups_cover_every_row_once_and_never_cost_more(lengths, bucket, max_groups):
     """Generated row lengths: every row in exactly one group, each group as long as its longest
-    row's bucket and at least as wide as its rows (a power of two with buckets), at most
-    ``max_groups`` groups, longest first, and never more work than one call over every row."""
+    row's bucket and at least as wide as its rows (exact for one call and without buckets, else a
+    power of two), at most ``max_groups`` groups, longest first; one call is every row padded to
+    the longest; and no other number of calls (each at its least work, found by brute force over
+    the cuts) has a lower work / 0.9^(calls - 1)."""
     groups = group_rows(lengths, bucket, max_groups)
     assert sorted(i for members, _, _ in groups for i in members) == list(range(len(lengths)))
     assert 1 <= len(groups) <= max_groups
     for members, width, M in groups:
         assert M == max(bucket_length(lengths[i], bucket) for i in members)
-        assert width >= len(members) and (bucket == 0 and width == len(members) or width & (width - 1) == 0)
+        exact = bucket == 0 or len(groups) == 1
+        assert width == len(members) if exact else width >= len(members) and width & (width - 1) == 0
     assert [M for _, _, M in groups] == sorted((M for _, _, M in groups), reverse=True)
-    one = group_rows(lengths, bucket, 1)
-    assert len(one) == 1 and _work(groups) <= _work(one)
-    if len(groups) > 1:  # each further call saved GROUP_SAVING of the work of one call fewer
-        assert _work(groups) <= (1 - GROUP_SAVING) * _work(group_rows(lengths, bucket, len(groups) - 1))
+    n, longest = len(lengths), bucket_length(max(lengths), bucket)
+    assert group_rows(lengths, bucket, 1) == [(sorted(range(n), key=lambda i: (-lengths[i], i)), n, longest)]
+    if n <= 10:  # brute force: every cut of the sorted rows into k runs
+        from itertools import combinations
+
+        M = sorted((bucket_length(x, bucket) for x in lengths), reverse=True)
+        width = (lambda k: k) if bucket == 0 else (lambda k: 1 << (k - 1).bit_length())
+        least = {1: n * M[0] ** 2}
+        for k in range(2, min(max_groups, n) + 1):
+            least[k] = min(sum(width(b - a) * M[a] ** 2 for a, b in zip((0, *cuts), (*cuts, n)))
+                           for cuts in combinations(range(1, n), k - 1))
+        score = {k: w / (1 - GROUP_SAVING) ** (k - 1) for k, w in least.items()}
+        assert _work(groups) == least[len(groups)]
+        assert score[len(groups)] <= min(score.values()) * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("kernels", ["mlx", "dtrain"])
@@ -256,3 +278,9 @@ def test_generated_batches_train_the_same_in_any_number_of_calls(seed, n, groups
         assert abs(float(b.sums[k]) - float(v)) <= 1e-11 * max(1.0, abs(float(v))), k
     for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
         assert rel(y, x) < 1e-11, (k, rel(y, x))
+
+
+def test_attention_groups_below_one_are_refused_when_the_engine_is_built():
+    model = lora_model("llama")
+    with pytest.raises(ValueError, match="attention_groups must be >= 1, got 0"):
+        engine_for(model, prefix_sharing=True, attention_groups=0)

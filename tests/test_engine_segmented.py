@@ -228,8 +228,9 @@ def test_shared_attention_equals_explicit_mask_on_mixed_batch():
 
     # rows: [P; C] and [P; R] of each shared sequence, one row per fallback sequence: lengths 10, 11, 10,
     # 7, 11, 12. Exact: [12, 11, 11] and [10, 10, 7] (3*144 + 3*100 = 732 slots against 6*144 = 864 in one
-    # call); buckets of 4 (rows rounded up to a power of two): [12, 11] as 2 x 12 and [11, 10, 10, 7] as 4 x 12
-    for bucket, L, shapes in ((0, 15, ((3, 12), (3, 10))), (4, 16, ((2, 12), (4, 12)))):
+    # call, 732 / 0.9 = 813 < 864); buckets of 4 (12 x 5, 8): two calls would round their row counts to
+    # powers of two, 2 x 12 + 4 x 12 = 864 slots, no less than one call, 6 x 12: one call
+    for bucket, L, shapes in ((0, 15, ((3, 12), (3, 10))), (4, 16, ((6, 12),))):
         layout = shared_prefix_layout(make_pairs(fallback=True, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))), bucket=bucket)
         S = layout.shape[0]
         assert layout.spans == ((6, 4, 5), (3, 7, 0), (5, 2, 0), (9, 2, 3)) and layout.shape == (4, L)

@@ -374,38 +374,50 @@ GROUP_SAVING = 0.1  # one more call must save this share of the attention work o
 def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROUPS):
     """Attention rows grouped by length for :class:`SharedAttention`.
 
-    The rows, longest first, are cut into at most ``max_groups`` runs that
-    minimise the attention work ``sum(rows_g * M_g**2)`` (``M_g``: the group's
-    longest row, bucketed with ``bucket``); one more group is taken only when
-    it saves ``GROUP_SAVING`` of the work, since each group is one more call
-    per layer. With ``bucket > 0`` a group's row count is rounded up to a power
-    of two (the extra rows are computed and discarded), so a run sees a bounded
-    set of ``(rows, M)`` shapes.
+    The rows, longest first, are cut into runs, one call each (``M_g``: the
+    group's longest row, bucketed with ``bucket``). For each number of calls
+    up to ``max_groups`` the cut of least attention work ``sum(rows_g *
+    M_g**2)`` is found; more calls are taken only where each call beyond the
+    first saves ``GROUP_SAVING`` of the work (the least ``work * (1 -
+    GROUP_SAVING) ** -(calls - 1)``), since each is one more call per layer.
+    With ``bucket > 0`` and more than one call, a call's row count is rounded
+    up to a power of two (the extra rows are computed and discarded), so a
+    run sees a bounded set of ``(rows, M)`` shapes; one call keeps the exact
+    row count (every row padded to the longest, as with ``max_groups`` 1).
 
     Returns:
-        ``[(row indices, rows_g, M_g), ...]``: every index once, longest rows first.
+        ``[(row indices, rows_g, M_g), ...]``: every index once, longest rows
+        first; ``[]`` without rows.
+    Raises:
+        ValueError: ``max_groups`` < 1.
     """
+    if max_groups < 1:
+        raise ValueError(f"attention groups must be >= 1, got {max_groups}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     n = len(order)
+    if n == 0:
+        return []
+    G = min(max_groups, n)
     width = (lambda k: k) if bucket <= 0 else (lambda k: 1 << (k - 1).bit_length())
     M = [bucket_length(lengths[i], bucket) for i in order]
 
-    def cost(a, b):  # rows order[a:b] as one group
+    def cost(a, b):  # rows order[a:b] as one of several groups
         return width(b - a) * M[a] ** 2
 
     # best[g][j]: least work covering order[:j] with g groups; cut[g][j]: where the last group starts
-    best = [[math.inf] * (n + 1) for _ in range(max_groups + 1)]
-    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    best = [[math.inf] * (n + 1) for _ in range(G + 1)]
+    cut = [[0] * (n + 1) for _ in range(G + 1)]
     best[0][0] = 0
-    for g in range(1, max_groups + 1):
-        for j in range(1, n + 1):
+    for g in range(1, G + 1):
+        for j in range(g, n + 1):
             for a in range(g - 1, j):
                 c = best[g - 1][a] + cost(a, j)
                 if c < best[g][j]:
                     best[g][j], cut[g][j] = c, a
-    g = 1
-    while g < min(max_groups, n) and best[g + 1][n] <= (1 - GROUP_SAVING) * best[g][n]:
-        g += 1
+    best[1][n] = n * M[0] ** 2  # one call: the exact row count
+    g = min(range(1, G + 1), key=lambda k: (best[k][n] / (1 - GROUP_SAVING) ** (k - 1), k))
+    if g == 1:
+        return [(order, n, M[0])]
     bounds, j = [], n
     for k in range(g, 0, -1):
         bounds.append((cut[k][j], j))

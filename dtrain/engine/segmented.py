@@ -147,8 +147,9 @@ class SegmentedEngine:
 
     Raises:
         ValueError: a trainable parameter outside the decoder layers (the
-            segmented engine only differentiates the layers), or ``compile``
-            with LoRA dropout (compiled ranges would replay one mask).
+            segmented engine only differentiates the layers), ``compile``
+            with LoRA dropout (compiled ranges would replay one mask), or
+            ``attention_groups`` < 1.
     """
 
     name = "segmented"
@@ -158,6 +159,8 @@ class SegmentedEngine:
                  report=None, pack: bool = False, attention_groups: int = ATTENTION_GROUPS):
         self.model, self.arch, self.objective = model, arch, objective
         self.prefix_sharing, self.head_chunk_tokens = prefix_sharing, head_chunk_tokens
+        if attention_groups < 1:
+            raise ValueError(f"attention_groups must be >= 1, got {attention_groups}")
         self.length_bucket, self.pack, self.attention_groups = length_bucket, pack, attention_groups
         # LoRA dropout: each range's forward and its recompute draw from the key the
         # range started with (``dtrain.lora.DropoutKeys``); compiled ranges would replay one mask
