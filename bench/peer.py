@@ -107,6 +107,8 @@ VARIANTS = {
                                              "attention_groups": 1},
     "dtrain preference grouped attention": {"kind": "auto", "prefix_sharing": True, "head_chunk_tokens": 0,
                                             "attention_groups": 4},
+    # configs/preference.yaml's engine with engine.compile (each layout shape traced once)
+    "dtrain preference compiled": {"kind": "auto", "prefix_sharing": True, "head_chunk_tokens": 0, "compile": True},
 }
 PEER = "mlx-lm-lora"
 TRL = "trl ORPOTrainer"
