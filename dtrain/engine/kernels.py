@@ -56,16 +56,29 @@ def _sigmoid_vjp(x, g, s):
     return (g * s * (1 - s),)
 
 
-@mx.custom_function
 def logsumexp(x: mx.array) -> mx.array:
-    """``log sum exp`` over the last axis: ``(..., V) -> (...)``, as ``mx.logsumexp(x, axis=-1)``."""
+    """``log sum exp`` over the last axis: ``(..., V) -> (...)``, as ``mx.logsumexp(x, axis=-1)``.
+
+    The forward's ``exp(x - max)`` and its row sums are kept for the backward pass, whose
+    softmax is then one multiply instead of another exponential over ``(..., V)`` (the LM
+    head's largest elementwise pass), at the memory of one more ``(..., V)`` array."""
+    return _logsumexp_parts(x)[0]
+
+
+@mx.custom_function
+def _logsumexp_parts(x: mx.array):
+    """``(log sum exp (...), exp(x - max) (..., V), its row sums (..., 1))``; only the first is
+    differentiable (the others are for the vjp; nothing outside this module reads them)."""
     m = mx.stop_gradient(x.max(axis=-1, keepdims=True))
-    return (m + mx.log(exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
+    e = exp(x - m)
+    total = e.sum(axis=-1, keepdims=True)
+    return (m + mx.log(total))[..., 0], e, total
 
 
-@logsumexp.vjp
-def _logsumexp_vjp(x, g, out):
-    return (g[..., None] * exp(x - out[..., None]),)  # the softmax of x
+@_logsumexp_parts.vjp
+def _logsumexp_vjp(x, cotangents, outputs):
+    g, e, total = cotangents[0], outputs[1], outputs[2]
+    return (e * (g[..., None] / total),)  # g times the softmax of x
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
