@@ -138,7 +138,7 @@ class SegmentedEngine:
         attention_groups: the most attention calls per layer over prefix-shared or
             packed rows (``layout.group_rows``); the same loss and gradients.
         compile: ``mx.compile`` the single pass and the range functions (traced
-            once per bucket).
+            once per bucket and attention-call shapes).
         memory_budget: bytes for ``"auto"`` (weights included).
         report: called with each plan choice of ``"auto"`` (None: silent).
 
