@@ -33,7 +33,9 @@ def default_kernels() -> str:
 def default_attention_groups() -> int:
     """``engine.attention_groups: auto``: 4 on the CPU (less attention work), 1 on a GPU (on CUDA
     the grouped calls' new shapes cost more than the work they save at the recommended batch)."""
-    return 1 if on_gpu() else 4
+    from .engine.attention import ATTENTION_GROUPS
+
+    return 1 if on_gpu() else ATTENTION_GROUPS
 
 
 def resolve_auto(cfg):
