@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten
 from dtrain.config import Config
 from dtrain.engine import ORPO, make_engine, run_micro_batches
 from dtrain.engine.arch import adapter_for
-from dtrain.engine.layout import (GROUP_SAVING, attention_mask, bucket_length, group_rows, shared_attention_plan,
-                                 shared_prefix_layout, two_sequence_layout)
+from dtrain.engine.attention import GROUP_SAVING, attention_mask, group_rows, shared_attention_plan
+from dtrain.engine.layout import bucket_length, shared_prefix_layout, two_sequence_layout
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.run.step import padding_fraction
 

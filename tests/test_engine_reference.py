@@ -11,7 +11,8 @@ from mlx.utils import tree_flatten, tree_map
 from conftest import make_tiny_model
 from dtrain.config import LoraConfig
 from dtrain.engine import ReferenceEngine, Totals
-from dtrain.engine.layout import attention_mask, shared_prefix_layout, two_sequence_layout
+from dtrain.engine.attention import attention_mask
+from dtrain.engine.layout import shared_prefix_layout, two_sequence_layout
 from dtrain.lora import apply_lora
 from dtrain.engine import ORPO
 from dtrain.types import TokenizedPair

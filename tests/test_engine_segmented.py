@@ -224,7 +224,8 @@ def test_shared_attention_equals_explicit_mask_on_mixed_batch():
     """Shared rows of different lengths, a fallback pair's two rows, padding: the batched
     plan equals the explicit block-sparse mask on every real query, with and without buckets."""
     from dtrain.engine.arch import shared_attention
-    from dtrain.engine.layout import SharedAttention, attention_mask, attention_plan, shared_prefix_layout
+    from dtrain.engine.attention import SharedAttention, attention_mask, attention_plan
+    from dtrain.engine.layout import shared_prefix_layout
 
     # rows: [P; C] and [P; R] of each shared sequence, one row per fallback sequence: lengths 10, 11, 10,
     # 7, 11, 12. Exact: [12, 11, 11] and [10, 10, 7] (3*144 + 3*100 = 732 slots against 6*144 = 864 in one
@@ -248,19 +249,20 @@ def test_shared_attention_equals_explicit_mask_on_mixed_batch():
 def test_unwindowed_prefix_sharing_builds_no_mask_array(monkeypatch):
     """Without a sliding window the plan holds index arrays only (no (L, L) mask), and a
     whole step (mixed batch with a fallback pair) never calls the (S, 1, L, L) mask builder."""
+    import dtrain.engine.attention as attention_mod
     import dtrain.engine.layout as layout_mod
 
     layout = layout_mod.shared_prefix_layout(make_pairs(fallback=True))
-    plan = layout_mod.attention_plan(layout)
-    assert isinstance(plan, layout_mod.SharedAttention)
+    plan = attention_mod.attention_plan(layout)
+    assert isinstance(plan, attention_mod.SharedAttention)
     assert all(g.dtype == mx.int32 and g.ndim == 2 for g in plan.gathers) and plan.scatter.ndim == 1
-    assert layout_mod.attention_plan(layout_mod.two_sequence_layout(make_pairs())) == "causal"
-    assert layout_mod.attention_plan(layout, window=5).shape == (3 + 1, 1, 15, 15)  # sliding layers keep the mask
+    assert attention_mod.attention_plan(layout_mod.two_sequence_layout(make_pairs())) == "causal"
+    assert attention_mod.attention_plan(layout, window=5).shape == (3 + 1, 1, 15, 15)  # sliding layers keep the mask
 
     def no_mask(*_, **__):
         raise AssertionError("attention_mask called for an unwindowed layout")
 
-    monkeypatch.setattr(layout_mod, "attention_mask", no_mask)
+    monkeypatch.setattr(attention_mod, "attention_mask", no_mask)
     for arch in ("llama", "qwen3"):
         model = lora_model(arch)
         out = assert_parity(model, engine_for(model, segment_layers=2, prefix_sharing=True), make_pairs(fallback=True))

@@ -17,7 +17,8 @@ from ..config import EngineConfig
 from ..notices import notice
 from .common import Engine, StepResult, run_micro_batches
 from .dpo import DPO
-from .layout import batch_totals, bucket_length, group_rows
+from .attention import group_rows
+from .layout import batch_totals, bucket_length
 from .loss import ORPO
 from .objective import Objective, PairLogps, Totals
 from .reference import ReferenceEngine

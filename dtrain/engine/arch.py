@@ -23,7 +23,7 @@ import mlx.nn as nn
 
 from . import kernels
 from .head import mlx_logsumexp
-from .layout import SharedAttention
+from .attention import SharedAttention
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3_text", "minicpm", "gemma4_text")
 

@@ -121,7 +121,7 @@ class Plan:
 
     def __call__(self, layout: Layout, attention_rows: tuple | None) -> tuple[int, int]:
         """The plan of ``layout``; ``attention_rows``: the ``(rows, length)`` of each group of its
-        prefix-sharing attention (``layout.SharedAttention.shapes``), None when it attends as ``(S, L)``."""
+        prefix-sharing attention (``attention.SharedAttention.shapes``), None when it attends as ``(S, L)``."""
         S, L = layout.shape
         attention = tuple(attention_rows or ((S, L),))
         key = (S, L, int(layout.targets.shape[0]), attention)

@@ -34,7 +34,8 @@ from ..types import TokenizedPair
 from .arch import Arch
 from .common import StepResult, layout_counts, loss_from_token_logps, with_key
 from .head import hidden_grad, target_logps, token_logps
-from .layout import ATTENTION_GROUPS, Layout, SharedAttention, attention_plan, shared_prefix_layout, two_sequence_layout
+from .attention import ATTENTION_GROUPS, SharedAttention, attention_plan
+from .layout import Layout, shared_prefix_layout, two_sequence_layout
 from .objective import Totals
 from .plan import Plan, kv_exports, kv_imports, range_bounds
 
@@ -136,7 +137,7 @@ class SegmentedEngine:
         pack: a micro-batch's sequences in one row, padded only to the bucket of
             their total length (``layout`` module doc); the same loss and gradients.
         attention_groups: the most attention calls per layer over prefix-shared or
-            packed rows (``layout.group_rows``); the same loss and gradients.
+            packed rows (``attention.group_rows``); the same loss and gradients.
         compile: ``mx.compile`` the single pass and the range functions (traced
             once per bucket and attention-call shapes).
         memory_budget: bytes for ``"auto"`` (weights included).
