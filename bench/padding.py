@@ -15,11 +15,12 @@ padded to the longest sequence (before issue 26) and packed into one row.
 Per variant: ``padding_fraction`` = 1 - real tokens / tokens computed (what
 ``perf/padding_fraction`` logs, ``dtrain.run.step.padding_fraction``), over all
 steps (Σ / Σ) and the worst step; the distinct layout shapes (what a compiled
-step traces); and the padding of the prefix-sharing attention rows (their
-real tokens over the slots of the grouped calls, ``engine.group_rows``:
-attention work only, not in padding_fraction), the attention work of those
-calls (Σ rows x length²) over that of one call padding every row to the
-longest (before the grouping), and the distinct (rows, length) call shapes.
+step traces); and the padding of the prefix-sharing attention rows (the query
+slots whose outputs are read over the query slots of the grouped calls,
+``engine.group_rows``: attention work only, not in padding_fraction), the
+attention work of those calls (Σ rows x (length² - first query²)) over that of
+one call padding every row to the longest with every query computed (before
+the grouping), and the distinct (rows, length, first query) call shapes.
 
 ``--time N`` also times the first N steps on the CPU: the demo model (float32)
 with LoRA as ``--config`` sets it (``--time-layers K``: a random-weight model of
@@ -60,11 +61,12 @@ def measure(cfg, model, chunks_per_step: list, prefix: bool, bucket: int, pack: 
             step_real, step_computed = step_real + layout.input_tokens, step_computed + layout.computed_tokens
             if layout.block_sparse or layout.packed:  # attention by gathered rows: [prompt; chosen], [prompt; rejected]
                 rows = [n for P, C, R in layout.spans for n in ((P + C, P + R) if R else (P + C,))]
-                calls = [(width, M) for _, width, M in group_rows(rows, bucket, groups)]
-                att_real += sum(rows)
-                att_computed += sum(width * M for width, M in calls)
+                needs = [q for P, C, R in layout.spans for q in ((0, P) if R else (0,))]  # [P; R]: queries from P on
+                calls = [(width, M, q0) for _, width, M, q0 in group_rows(rows, bucket, groups, needs)]
+                att_real += sum(rows) - sum(needs)  # the query slots whose outputs are read
+                att_computed += sum(width * (M - q0) for width, M, q0 in calls)
                 work_one += len(rows) * bucket_length(max(rows), bucket) ** 2  # one call, every row padded to the longest
-                work_grouped += sum(width * M**2 for width, M in calls)
+                work_grouped += sum(width * (M**2 - q0**2) for width, M, q0 in calls)
                 att_shapes.update(calls)
         per_step.append(1 - step_real / step_computed)
         real, computed = real + step_real, computed + step_computed

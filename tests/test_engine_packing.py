@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from dtrain.config import Config
 from dtrain.engine import ORPO, make_engine, run_micro_batches
 from dtrain.engine.arch import adapter_for
-from dtrain.engine.attention import GROUP_SAVING, attention_mask, group_rows, shared_attention_plan
+from dtrain.engine.attention import GROUP_SAVING, attention_mask, first_query, group_rows, shared_attention_plan
 from dtrain.engine.layout import bucket_length, shared_prefix_layout, two_sequence_layout
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.run.step import padding_fraction
@@ -119,12 +119,10 @@ def _mask_keys(layout, window):
 def _plan_keys(layout):
     plan = shared_attention_plan(layout)
     scatter = np.array(plan.scatter)
-    slots = []  # per output slot of the groups laid end to end: (the token it gathers, its row's first slot)
-    for gather, (rows, M) in zip(plan.gathers, plan.shapes):
-        first = len(slots)
-        slots += [(int(t), first + i // M * M) for i, t in enumerate(np.array(gather).reshape(-1))]
-    # the row and slot each query reads its output from; causal inside the row (padding slots sit last)
-    return lambda q: [slots[j][0] for j in range(slots[scatter[q]][1], scatter[q] + 1)]
+    slots = []  # per computed output slot of the groups laid end to end: the keys its query sees
+    for gather, q0 in zip(plan.gathers, plan.starts):  # queries [q0, M) of each row, causal in it
+        slots += [[int(t) for t in row[: i + 1]] for row in np.array(gather) for i in range(q0, len(row))]
+    return lambda q: slots[scatter[q]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -159,10 +157,6 @@ def test_make_engine_packs_by_default_and_not_with_sliding_windows():
     assert make_engine(cfg.engine, lora_model("llama"), ORPO(0.1)).pack is False
 
 
-def _work(groups):
-    return sum(width * M**2 for _, width, M in groups)
-
-
 def test_attention_rows_grouped_by_length_hand_counted():
     """Rows of 100, 90, 20, 10 tokens: one call pads all four to 100 (40,000 slots of work);
     [100, 90] and [20, 10] cost 2*100² + 2*20² = 20,800; a third group ([20] and [10] apart)
@@ -175,48 +169,69 @@ def test_attention_rows_grouped_by_length_hand_counted():
     4 with buckets of 128 (384 x 5, 128 x 2): one call 7*384² = 1,032,192; three calls (384 |
     384 x 4 | 128 x 2) 770,048, which / 0.9² = 950,676 is less: three (two calls round 5 rows to
     8 and save nothing)."""
-    assert group_rows([20, 100, 10, 90], 0) == [([1, 3], 2, 100), ([0, 2], 2, 20)]
-    assert group_rows([20, 100, 10, 90], 16) == [([1], 1, 112), ([3], 1, 96), ([0, 2], 2, 32)]
-    assert group_rows([7, 7, 7], 0) == [([0, 1, 2], 3, 7)]
-    assert group_rows([7, 7, 7], 4) == [([0, 1, 2], 3, 8)]
-    assert group_rows([312, 362, 306, 381, 27, 4, 365], 128) == [([3], 1, 384), ([6, 1, 0, 2], 4, 384),
-                                                                  ([4, 5], 2, 128)]
-    assert group_rows([], 0) == [] and group_rows([0, 0, 0], 0) == [([0, 1, 2], 3, 0)]
+    assert group_rows([20, 100, 10, 90], 0) == [([1, 3], 2, 100, 0), ([0, 2], 2, 20, 0)]
+    assert group_rows([20, 100, 10, 90], 16) == [([1], 1, 112, 0), ([3], 1, 96, 0), ([0, 2], 2, 32, 0)]
+    assert group_rows([7, 7, 7], 0) == [([0, 1, 2], 3, 7, 0)]
+    assert group_rows([7, 7, 7], 4) == [([0, 1, 2], 3, 8, 0)]
+    assert group_rows([312, 362, 306, 381, 27, 4, 365], 128) == [([3], 1, 384, 0), ([6, 1, 0, 2], 4, 384, 0),
+                                                                  ([4, 5], 2, 128, 0)]
+    assert group_rows([], 0) == [] and group_rows([0, 0, 0], 0) == [([0, 1, 2], 3, 0, 0)]
     with pytest.raises(ValueError, match="attention groups must be >= 1"):
         group_rows([5], 0, 0)
-    assert group_rows([5], 0) == [([0], 1, 5)]
+    assert group_rows([5], 0) == [([0], 1, 5, 0)]
+
+
+def test_rows_that_need_later_queries_hand_counted():
+    """Rows of 100 and 90 tokens whose queries are needed from 0 and from 60 (a [prompt; rejected]
+    row under a 60-token prompt): one call computes 2 * 100² = 20,000 scores' worth; apart,
+    100² + (90² - 60²) = 14,500 (/ 0.9 = 16,111 < 20,000): two calls, the second from slot 60.
+    With buckets of 16 (112 and 96; start 60 rounds down to 48): one call 2 * 112² = 25,088,
+    apart 112² + 96² - 48² = 19,456 (/ 0.9 = 21,618): two calls, the second from slot 48. A row
+    needed from its start keeps one call for rows of equal length (7, 7 from 3: 2 * 49 = 98
+    against 49 + 40 = 89, / 0.9 = 98.9)."""
+    assert group_rows([100, 90], 0, starts=[0, 60]) == [([0], 1, 100, 0), ([1], 1, 90, 60)]
+    assert first_query([0, 60], [1], 0) == 60 and first_query([0, 60], [0, 1], 0) == 0
+    assert group_rows([100, 90], 16, starts=[0, 60]) == [([0], 1, 112, 0), ([1], 1, 96, 48)]
+    assert first_query([0, 60], [1], 16) == 48
+    assert group_rows([7, 7], 0, starts=[0, 3]) == [([0, 1], 2, 7, 0)]
+    assert group_rows([100, 90], 0) == [([0, 1], 2, 100, 0)]  # without starts the rows stay together
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 3000), min_size=1, max_size=14), st.sampled_from([0, 8, 128]),
-       st.integers(1, 5))
-def test_attention_groups_cover_every_row_once_and_never_cost_more(lengths, bucket, max_groups):
-    """Generated row lengths: every row in exactly one group, each group as long as its longest
-    row's bucket and at least as wide as its rows (exact for one call and without buckets, else a
-    power of two), at most ``max_groups`` groups, longest first; one call is every row padded to
-    the longest; and no other number of calls (each at its least work, found by brute force over
-    the cuts) has a lower work / 0.9^(calls - 1)."""
-    groups = group_rows(lengths, bucket, max_groups)
-    assert sorted(i for members, _, _ in groups for i in members) == list(range(len(lengths)))
+       st.integers(1, 5), st.randoms(use_true_random=False), st.booleans())
+def test_attention_groups_cover_every_row_once_and_never_cost_more(lengths, bucket, max_groups, rnd, later):
+    """Generated row lengths (and, half the time, the first query each row needs): every row in
+    exactly one group, each group as long as its longest row's bucket and at least as wide as its
+    rows (exact for one call and without buckets, else a power of two), at most ``max_groups``
+    groups, longest first; one call is every row padded to the longest; and no other number of
+    calls (each at its least work ``rows * (M² - start²)``, found by brute force over the cuts)
+    has a lower work / 0.9^(calls - 1)."""
+    starts = [rnd.randrange(n) if rnd.random() < 0.5 else 0 for n in lengths] if later else None
+    groups = group_rows(lengths, bucket, max_groups, starts)
+    q0 = lambda rows: min(starts[i] for i in rows) // max(bucket, 1) * max(bucket, 1) if starts else 0  # noqa: E731
+    assert sorted(i for members, *_ in groups for i in members) == list(range(len(lengths)))
     assert 1 <= len(groups) <= max_groups
-    for members, width, M in groups:
+    for members, width, M, start in groups:
         assert M == max(bucket_length(lengths[i], bucket) for i in members)
         exact = bucket == 0 or len(groups) == 1
         assert width == len(members) if exact else width >= len(members) and width & (width - 1) == 0
-    assert [M for _, _, M in groups] == sorted((M for _, _, M in groups), reverse=True)
+        assert start == first_query(starts, members, bucket) == q0(members) and 0 <= start < M
+    assert [M for _, _, M, _ in groups] == sorted((M for _, _, M, _ in groups), reverse=True)
     n, longest = len(lengths), bucket_length(max(lengths), bucket)
-    assert group_rows(lengths, bucket, 1) == [(sorted(range(n), key=lambda i: (-lengths[i], i)), n, longest)]
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    assert group_rows(lengths, bucket, 1, starts) == [(order, n, longest, q0(order))]
     if n <= 10:  # brute force: every cut of the sorted rows into k runs
         from itertools import combinations
 
         M = sorted((bucket_length(x, bucket) for x in lengths), reverse=True)
         width = (lambda k: k) if bucket == 0 else (lambda k: 1 << (k - 1).bit_length())
-        least = {1: n * M[0] ** 2}
+        least = {1: n * (M[0] ** 2 - q0(order) ** 2)}
         for k in range(2, min(max_groups, n) + 1):
-            least[k] = min(sum(width(b - a) * M[a] ** 2 for a, b in zip((0, *cuts), (*cuts, n)))
+            least[k] = min(sum(width(b - a) * (M[a] ** 2 - q0(order[a:b]) ** 2) for a, b in zip((0, *cuts), (*cuts, n)))
                            for cuts in combinations(range(1, n), k - 1))
         score = {k: w / (1 - GROUP_SAVING) ** (k - 1) for k, w in least.items()}
-        assert _work(groups) == least[len(groups)]
+        assert sum(width * (M**2 - start**2) for _, width, M, start in groups) == least[len(groups)]
         assert score[len(groups)] <= min(score.values()) * (1 + 1e-12)
 
 
@@ -243,6 +258,32 @@ def test_grouped_attention_equals_one_call_float64(arch, variant, kernels):
             assert abs(float(b.sums[k]) - float(v)) <= 1e-12 * max(1.0, abs(float(v))), k
         for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
             assert rel(y, x) < 1e-12, (k, rel(y, x))
+
+
+@pytest.mark.parametrize("kernels", ["mlx", "dtrain"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_rejected_rows_without_prompt_queries_train_as_before_float64(arch, kernels):
+    """Long prompts (a [prompt; rejected] row computed from its first rejected query on, one call
+    per row): loss, metric sums and every LoRA gradient equal one call over whole rows to 1e-12 in
+    float64, packed and padded, exact shapes and buckets of 8, and the reference engine's
+    (mlx-lm's forward) to its usual bounds."""
+    model = lora_model(arch)
+    model.set_dtype(mx.float64)
+    pairs = make_pairs(3, 2, lengths=((20, 3, 18), (17, 2, 15)))
+    for pack, bucket in ((False, 0), (True, 0), (True, 8)):
+        kw = dict(prefix_sharing=True, pack=pack, length_bucket=bucket)
+        one = engine_for(model, own_kernels=kernels == "dtrain", attention_groups=1, **kw)
+        grouped = engine_for(model, own_kernels=kernels == "dtrain", attention_groups=4, **kw)
+        plan = shared_attention_plan(grouped.layout(pairs), 4)
+        assert max(plan.starts) >= 16 and shared_attention_plan(one.layout(pairs), 1).starts == (0,)
+        a, b = one.step(pairs, NORM), grouped.step(pairs, NORM)
+        mx.eval(a.loss, a.grads, b.loss, b.grads)
+        assert rel(b.loss, a.loss) < 1e-12
+        for k, v in a.sums.items():
+            assert abs(float(b.sums[k]) - float(v)) <= 1e-12 * max(1.0, abs(float(v))), k
+        for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
+            assert rel(y, x) < 1e-12, (k, rel(y, x))
+        assert_parity(model, grouped, pairs)
 
 
 @settings(max_examples=25, deadline=None)

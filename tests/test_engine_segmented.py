@@ -228,15 +228,17 @@ def test_shared_attention_equals_explicit_mask_on_mixed_batch():
     from dtrain.engine.layout import shared_prefix_layout
 
     # rows: [P; C] and [P; R] of each shared sequence, one row per fallback sequence: lengths 10, 11, 10,
-    # 7, 11, 12. Exact: [12, 11, 11] and [10, 10, 7] (3*144 + 3*100 = 732 slots against 6*144 = 864 in one
-    # call, 732 / 0.9 = 813 < 864); buckets of 4 (12 x 5, 8): two calls would round their row counts to
-    # powers of two, 2 x 12 + 4 x 12 = 864 slots, no less than one call, 6 x 12: one call
-    for bucket, L, shapes in ((0, 15, ((3, 12), (3, 10))), (4, 16, ((6, 12),))):
+    # 7, 11, 12; the [P; R] rows (11 and 12) need queries from 6 and 9 on. Exact: [12 from 9] alone
+    # (144 - 81 = 63), [11, 11, 10, 10] (4 * 121) and [7] (49): 596 / 0.9² = 736, against one call 6 *
+    # 144 = 864, two calls at best 63 + 5 * 121 = 668 (/ 0.9 = 742), four at best 560 (/ 0.9³ = 768);
+    # buckets of 4 (12 x 5, 8; starts 8 and 4): any split rounds row counts to powers of two and costs
+    # more than one call, 6 x 12 (e.g. [12, 11 from 4] + [11, 10, 10, 7]: 256 + 576 = 832, / 0.9 = 924)
+    for bucket, L, shapes, starts in ((0, 15, ((1, 12), (4, 11), (1, 7)), (9, 0, 0)), (4, 16, ((6, 12),), (0,))):
         layout = shared_prefix_layout(make_pairs(fallback=True, lengths=((6, 4, 5), (3, 7, 2), (9, 2, 3))), bucket=bucket)
         S = layout.shape[0]
         assert layout.spans == ((6, 4, 5), (3, 7, 0), (5, 2, 0), (9, 2, 3)) and layout.shape == (4, L)
         plan = attention_plan(layout)
-        assert isinstance(plan, SharedAttention) and plan.shapes == shapes
+        assert isinstance(plan, SharedAttention) and plan.shapes == shapes and plan.starts == starts
         assert tuple(g.shape for g in plan.gathers) == shapes and plan.scatter.shape == (S * L,)
         mx.random.seed(1)
         q, k, v = mx.random.normal((S, 4, L, 8)), mx.random.normal((S, 2, L, 8)), mx.random.normal((S, 2, L, 8))

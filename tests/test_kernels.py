@@ -146,6 +146,26 @@ def test_causal_attention_vjp_equals_mlx_fused_attention(block):
         assert rel(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("block", [0, 1, 3, 64])
+@pytest.mark.parametrize("lq", [1, 4, 7, 11])
+def test_fewer_queries_are_the_last_positions_as_in_mlx(block, lq):
+    """``Lq < Lk``: the queries are the last ``Lq`` of the ``Lk`` positions (MLX's ``"causal"``
+    with fewer queries): the written-out product's last rows in float64, and MLX's fused
+    attention with its vjps in float32."""
+    Lk, Dh, scale = 11, 8, 8 ** -0.5
+    q, k, v = normal((2, 4, Lk, Dh), 21, scale=1.0), normal((2, 2, Lk, Dh), 22, scale=1.0), normal((2, 2, Lk, Dh), 23)
+    out = kernels.causal_attention(q[:, :, Lk - lq:], k, v, scale, block)
+    assert out.shape == (2, 4, lq, Dh)
+    assert rel(out, reference_attention(q, k, v, scale)[:, :, Lk - lq:]) < 1e-12
+    q32, k32, v32 = (t.astype(mx.float32)[..., Lk - lq:, :] if i == 0 else t.astype(mx.float32)
+                     for i, t in enumerate((q, k, v)))
+    w = normal((2, 4, lq, Dh), 24, mx.float32, 1.0)
+    ours = mx.grad(lambda *a: (w * kernels.causal_attention(*a, scale, block)).sum(), argnums=(0, 1, 2))(q32, k32, v32)
+    theirs = mx.grad(lambda *a: (w * fused_causal(*a, scale)).sum(), argnums=(0, 1, 2))(q32, k32, v32)
+    for a, b in zip(ours, theirs):
+        assert rel(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("wrt", [0, 1, 2])
 def test_causal_attention_vjp_matches_finite_differences(wrt):
     """float64, two heads over one key/value head, blocks of 2 over 5 queries."""

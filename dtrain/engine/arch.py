@@ -99,17 +99,19 @@ def shared_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, plan: 
     """Prefix-shared attention as one batched causal call per group of rows (see ``SharedAttention``).
 
     ``q`` ``(S, H, L, Dh)``, ``k``/``v`` ``(S, Hkv, L, Dh)``. Each token's row is
-    gathered into its group's ``(rows, M)`` attention rows, attended with
-    ``causal`` (:func:`fused_causal` or ``kernels.causal_attention``) and gathered
-    back (the gathers' vjps sum the prompt's key/value gradients over its two
+    gathered into its group's ``(rows, M)`` attention rows (queries from the group's
+    start slot on), attended with ``causal`` (:func:`fused_causal` or
+    ``kernels.causal_attention``, both aligning fewer queries with the last keys) and
+    gathered back (the gathers' vjps sum the prompt's key/value gradients over its two
     rows). Padded query rows get values nothing reads. Returns ``(S, L, H * Dh)``.
     """
     S, H, L, Dh = q.shape
     flat = [x.transpose(0, 2, 1, 3).reshape(S * L, x.shape[1], Dh) for x in (q, k, v)]  # (S*L, h, Dh)
     outs = []
-    for gather, (rows, M) in zip(plan.gathers, plan.shapes):
-        out = causal(*(x[gather].transpose(0, 2, 1, 3) for x in flat), scale)  # (rows, H, M, Dh)
-        outs.append(out.transpose(0, 2, 1, 3).reshape(rows * M, H * Dh))
+    for gather, (rows, M), q0 in zip(plan.gathers, plan.shapes, plan.starts):
+        qg, kg, vg = (x[g].transpose(0, 2, 1, 3) for x, g in zip(flat, (gather[:, q0:], gather, gather)))
+        out = causal(qg, kg, vg, scale)  # (rows, H, M - q0, Dh)
+        outs.append(out.transpose(0, 2, 1, 3).reshape(rows * (M - q0), H * Dh))
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     return out[plan.scatter].reshape(S, L, H * Dh)
 

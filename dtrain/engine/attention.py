@@ -60,8 +60,11 @@ class SharedAttention:
     length go into one group (:func:`group_rows`), padded to the group's
     length ``M`` and run as one ``mask="causal"`` call, so short rows are not
     padded to the longest row of the micro-batch (attention work grows with
-    ``M**2``); only the prompt's attention is computed twice (its projections
-    and MLP are not). Interpreted by ``arch.shared_attention``.
+    ``M**2``). Nothing reads the prompt queries of a ``[prompt; rejected]``
+    row (the ``[prompt; chosen]`` row gives the prompt's outputs), so a
+    group's calls start at the first query any of its rows needs
+    (``starts``): the prompt's keys are shared, its queries run once.
+    Interpreted by ``arch.shared_attention``.
 
     Attributes:
         gathers: per group, ``(rows, M)`` int32 flat token index (the
@@ -74,24 +77,37 @@ class SharedAttention:
             (group ``g``'s row ``r``, slot ``i``: ``offset_g + r * M_g + i``;
             padded tokens take any; nothing reads them).
         shapes: host-side ``(rows, M)`` of each group.
+        starts: per group, the first of its ``M`` query slots computed (the
+            call's queries are slots ``[start, M)``, MLX's causal alignment for
+            fewer queries than keys); the scatter reads no earlier slot.
     """
 
     gathers: tuple
     scatter: mx.array
     shapes: tuple[tuple[int, int], ...]
+    starts: tuple[int, ...]
 
 
 ATTENTION_GROUPS = 4  # the most fused attention calls a layer makes over the gathered rows
 GROUP_SAVING = 0.1  # one more call must save this share of the attention work of one call fewer
 
 
-def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROUPS):
+def first_query(starts, members, bucket: int) -> int:
+    """The first query slot a group computes: the least ``starts`` of its rows (0 without
+    ``starts``), rounded down to a multiple of ``bucket`` (a bounded set of call shapes)."""
+    q0 = min((starts[i] for i in members), default=0) if starts else 0
+    return q0 - q0 % bucket if bucket > 0 else q0
+
+
+def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROUPS, starts=None):
     """Attention rows grouped by length for :class:`SharedAttention`.
 
     The rows, longest first, are cut into runs, one call each (``M_g``: the
-    group's longest row, bucketed with ``bucket``). For each number of calls
-    up to ``max_groups`` the cut of least attention work ``sum(rows_g *
-    M_g**2)`` is found; more calls are taken only where each call beyond the
+    group's longest row, bucketed with ``bucket``; its queries start at
+    :func:`first_query` of the rows' ``starts``, the first query each row
+    needs, 0 when None). For each number of calls up to ``max_groups`` the
+    cut of least attention work ``sum(rows_g * (M_g**2 - q0_g**2))`` (the
+    causal scores of queries ``[q0_g, M_g)``) is found; more calls are taken only where each call beyond the
     first saves ``GROUP_SAVING`` of the work (the least ``work * (1 -
     GROUP_SAVING) ** -(calls - 1)``), since each is one more call per layer.
     With ``bucket > 0`` and more than one call, a call's row count is rounded
@@ -100,8 +116,8 @@ def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROU
     row count (every row padded to the longest, as with ``max_groups`` 1).
 
     Returns:
-        ``[(row indices, rows_g, M_g), ...]``: every index once, longest rows
-        first; ``[]`` without rows.
+        ``[(row indices, rows_g, M_g, q0_g), ...]``: every index once, longest
+        rows first; ``[]`` without rows.
     Raises:
         ValueError: ``max_groups`` < 1.
     """
@@ -115,8 +131,12 @@ def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROU
     width = (lambda k: k) if bucket <= 0 else (lambda k: 1 << (k - 1).bit_length())
     M = [bucket_length(lengths[i], bucket) for i in order]
 
+    def work(rows, a, b):  # rows order[a:b] as one call of `rows` rows
+        q0 = first_query(starts, order[a:b], bucket)
+        return rows * (M[a] ** 2 - q0**2)
+
     def cost(a, b):  # rows order[a:b] as one of several groups
-        return width(b - a) * M[a] ** 2
+        return work(width(b - a), a, b)
 
     # best[g][j]: least work covering order[:j] with g groups; cut[g][j]: where the last group starts
     best = [[math.inf] * (n + 1) for _ in range(G + 1)]
@@ -128,46 +148,51 @@ def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROU
                 c = best[g - 1][a] + cost(a, j)
                 if c < best[g][j]:
                     best[g][j], cut[g][j] = c, a
-    best[1][n] = n * M[0] ** 2  # one call: the exact row count
+    best[1][n] = work(n, 0, n)  # one call: the exact row count
     g = min(range(1, G + 1), key=lambda k: (best[k][n] / (1 - GROUP_SAVING) ** (k - 1), k))
     if g == 1:
-        return [(order, n, M[0])]
+        return [(order, n, M[0], first_query(starts, order, bucket))]
     bounds, j = [], n
     for k in range(g, 0, -1):
         bounds.append((cut[k][j], j))
         j = cut[k][j]
-    return [([order[i] for i in range(a, b)], width(b - a), M[a]) for a, b in reversed(bounds)]
+    groups = [[order[i] for i in range(a, b)] for a, b in reversed(bounds)]
+    return [(rows, width(len(rows)), bucket_length(lengths[rows[0]], bucket), first_query(starts, rows, bucket))
+            for rows in groups]
 
 
 def shared_attention_plan(layout: Layout, groups: int = ATTENTION_GROUPS) -> SharedAttention:
     """The :class:`SharedAttention` of a prefix-shared or packed layout, in at most ``groups``
     calls (:func:`group_rows`); each group's ``M`` is bucketed with ``layout.bucket``."""
     S, L = layout.shape
-    rows, first = [], []  # rows: (sequence start, token indices); first: each sequence's first row
-    for o, (P, C, R) in zip(layout.starts, layout.spans):
+    rows, first, needs = [], [], []  # rows: (sequence start, token indices); first: each sequence's
+    for o, (P, C, R) in zip(layout.starts, layout.spans):  # first row; needs: a row's first query read
         first.append(len(rows))
         rows.append((o, np.arange(P + C)))
+        needs.append(0)
         if R:
             rows.append((o, np.concatenate([np.arange(P), np.arange(P + C, P + C + R)])))
-    slot = np.zeros(len(rows), np.int64)  # flat output index of each row's first slot
-    gathers, shapes, offset = [], [], 0
-    for members, width, M in group_rows([len(t) for _, t in rows], layout.bucket, groups):
+            needs.append(P)  # the prompt's outputs come from the chosen row
+    slot = np.zeros(len(rows), np.int64)  # flat output index of each row's slot 0 (computed or not)
+    gathers, shapes, starts, offset = [], [], [], 0
+    for members, width, M, q0 in group_rows([len(t) for _, t in rows], layout.bucket, groups, needs):
         gather = np.zeros((width, M), np.int64)
         for r, i in enumerate(members):
             o, t = rows[i]
             gather[r] = o  # padding: the sequence's token 0, after every real query of the row
             gather[r, : len(t)] = o + t
-            slot[i] = offset + r * M
+            slot[i] = offset + r * (M - q0) - q0
         gathers.append(mx.array(gather.astype(np.int32)))
         shapes.append((width, M))
-        offset += width * M
+        starts.append(q0)
+        offset += width * (M - q0)
     scatter = np.zeros(S * L, np.int64)  # padded tokens: any output
     for o, row, (P, C, R) in zip(layout.starts, first, layout.spans):
         n = P + C
         scatter[o : o + n] = slot[row] + np.arange(n)
         if R:
             scatter[o + n : o + n + R] = slot[row + 1] + P + np.arange(R)  # rejected i sits at P + i in its row
-    return SharedAttention(tuple(gathers), mx.array(scatter.astype(np.int32)), tuple(shapes))
+    return SharedAttention(tuple(gathers), mx.array(scatter.astype(np.int32)), tuple(shapes), tuple(starts))
 
 
 def attention_plan(layout: Layout, window: int | None = None, groups: int = ATTENTION_GROUPS):

@@ -90,22 +90,23 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, block:
     """Causal scaled dot-product attention, ``mx.fast.scaled_dot_product_attention(...,
     mask="causal")``'s values, by query blocks.
 
-    ``q`` ``(B, H, L, Dh)``, ``k``/``v`` ``(B, Hkv, L, Dh)`` with ``H`` a multiple of
-    ``Hkv`` (grouped queries); returns ``(B, H, L, Dh)``. Queries ``[lo, hi)`` attend
-    over keys ``[0, hi)`` only, so about half of the scores a full ``L x L`` causal
-    product would compute above the diagonal are never formed. ``block <= 0``: one block.
+    ``q`` ``(B, H, Lq, Dh)``, ``k``/``v`` ``(B, Hkv, Lk, Dh)`` with ``Lq <= Lk`` and ``H`` a
+    multiple of ``Hkv`` (grouped queries); returns ``(B, H, Lq, Dh)``. As in MLX, the queries
+    are the last ``Lq`` positions: query ``i`` sees keys ``j <= i + Lk - Lq``. Query block
+    ``[lo, hi)`` attends over keys ``[0, Lk - Lq + hi)`` only, so about half of the scores a full
+    causal product would compute above the diagonal are never formed. ``block <= 0``: one block.
     """
     B, H, L, Dh = q.shape
-    n_kv = k.shape[1]
-    q = (q * scale).reshape(B, n_kv, H // n_kv, L, Dh)  # (B, Hkv, r, L, Dh)
-    k, v = k[:, :, None], v[:, :, None]  # (B, Hkv, 1, L, Dh)
+    n_kv, off = k.shape[1], k.shape[2] - L
+    q = (q * scale).reshape(B, n_kv, H // n_kv, L, Dh)  # (B, Hkv, r, Lq, Dh)
+    k, v = k[:, :, None], v[:, :, None]  # (B, Hkv, 1, Lk, Dh)
     block = L if block <= 0 else block
     outs = []
     for lo in range(0, L, block):
         hi = min(lo + block, L)
-        s = q[:, :, :, lo:hi] @ k[:, :, :, :hi].swapaxes(-1, -2)  # (B, Hkv, r, hi - lo, hi)
-        allowed = mx.arange(hi)[None, :] <= mx.arange(lo, hi)[:, None]
+        s = q[:, :, :, lo:hi] @ k[:, :, :, : off + hi].swapaxes(-1, -2)  # (B, Hkv, r, hi - lo, off + hi)
+        allowed = mx.arange(off + hi)[None, :] <= mx.arange(off + lo, off + hi)[:, None]
         s = mx.where(allowed, s, -math.inf)
-        outs.append(softmax(s) @ v[:, :, :, :hi])  # (B, Hkv, r, hi - lo, Dh)
+        outs.append(softmax(s) @ v[:, :, :, : off + hi])  # (B, Hkv, r, hi - lo, Dh)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     return out.reshape(B, H, L, Dh)

@@ -73,7 +73,7 @@ def trainable_outside_layers(model: nn.Module, layers: list) -> list[str]:
 def _encode_mask(mask):
     """An attention plan as compile-friendly leaves (``"causal"``, an array, or a tuple)."""
     if isinstance(mask, SharedAttention):
-        return (mask.gathers, mask.scatter, mask.shapes)
+        return (mask.gathers, mask.scatter, mask.shapes, mask.starts)
     return mask
 
 
