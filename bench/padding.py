@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     print(f"{len(pairs)} pairs from {a.data}, {steps} steps of {t.global_batch_pairs} pairs (micro-batches of "
           f"{t.micro_batch_pairs}); prompt + chosen + rejected tokens: median {lengths[len(lengths) // 2]}, "
           f"min {lengths[0]}, max {lengths[-1]}; attention in at most {groups} calls per layer "
-          f"(engine.attention_groups; auto is 4 on the CPU, 1 on a GPU)\n")
+          f"(engine.attention_groups; auto is 1 on CUDA, else 4)\n")
     print("| prefix sharing | length bucket | layout | padding_fraction (Σ/Σ) | worst step | shapes | tokens computed "
           "| attention-row padding | attention work ÷ one call | attention shapes |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -172,8 +172,8 @@ class EngineConfig:
     attention_groups: Union[int, Literal["auto"]] = option(
         "auto", "auto/segmented with prefix sharing or packing: at most this many attention calls per layer, each "
                 "over rows of similar length padded to its longest (less work than 1 = every row padded to the "
-                "micro-batch's longest; same loss and gradients); auto: 4 on the CPU, 1 on a GPU (each new call "
-                "shape costs CUDA a setup: docs/benchmarks.md)", at_least=1)
+                "micro-batch's longest; same loss and gradients); auto: 1 on CUDA (each new call shape costs it a "
+                "setup: docs/benchmarks.md), else 4", at_least=1)
     compile: bool = option(False, "mx.compile the single pass and the range functions once per length bucket "
                                   "and attention-call shapes (slower first steps, no faster on a GPU: docs/gpu.md)")
     kernels: str = option("auto", "the segmented engine's attention, softmax and sigmoid: mlx = MLX's fused "

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
-from .memory import GIB, default_budget_bytes  # the one owner of memory budgets
+from .memory import GIB, backend, default_budget_bytes  # the one owner of memory budgets
 
 
 def on_gpu() -> bool:
@@ -31,11 +31,13 @@ def default_kernels() -> str:
 
 
 def default_attention_groups() -> int:
-    """``engine.attention_groups: auto``: 4 on the CPU (less attention work), 1 on a GPU (on CUDA
-    the grouped calls' new shapes cost more than the work they save at the recommended batch)."""
+    """``engine.attention_groups: auto``: 1 on CUDA (each new call shape costs cuDNN a setup, more
+    than the work saved at the recommended batch: docs/benchmarks.md), else 4. On the CPU and on
+    Metal, whose fused attention has no backward (MLX trains through the unfused graph there),
+    attention work and memory grow with rows x length², which the grouped calls cut."""
     from .engine.attention import ATTENTION_GROUPS
 
-    return 1 if on_gpu() else ATTENTION_GROUPS
+    return 1 if backend() == "cuda" else ATTENTION_GROUPS
 
 
 def resolve_auto(cfg):

@@ -23,6 +23,16 @@ def test_cpu_auto_choices_are_resolved_once_and_named():
     assert cfg.model.dtype == "auto"  # the loader resolves it, with the same rule (models.load.dtype_plan)
 
 
+@pytest.mark.parametrize("kind, groups", [("cuda", 1), ("metal", 4), ("cpu", 4)])
+def test_attention_groups_auto_is_one_call_on_cuda_only(monkeypatch, kind, groups):
+    """CUDA pays a setup per new attention-call shape; Metal trains attention through MLX's
+    unfused graph, as the CPU does, so the grouped calls remove work there."""
+    import dtrain.device as device
+
+    monkeypatch.setattr(device, "backend", lambda: kind)
+    assert device.default_attention_groups() == groups
+
+
 def test_explicit_values_are_kept_and_not_reported():
     given = load_config(None, ["data.demo_pairs=1", "model.dtype=float32", "engine.length_bucket=64",
                                "engine.memory_budget_gb=3", "train.compile_optimizer=true",
