@@ -11,6 +11,9 @@
 #       ORPOTrainer, SmolLM2 (the demo GGUF) in float32 (TF32 off everywhere) and bfloat16 (issue 26)
 #   bash bench/gpu.sh objectives OUT GGUF [KIND...]   # bench/objectives.py run: each objective + TRL's
 #       DPOTrainer on one held-out split of the orca pairs, float32 with TF32 off (issue 24)
+#   bash bench/gpu.sh groups OUT SPANS   # fewer queries than keys on CUDA (fused attention and its vjp, bf16 and
+#       fp32), grouped attention = one call on a tiny model (fp32, TF32 off), then bench/batch_steps.py at SPANS'
+#       lengths (bench/padding.py --spans-out): engine.attention_groups 1 vs 4 in float32 and bfloat16
 #   (trl==1.16.0, datasets, dill and multiprocess ride as wheels too; DTRAIN_CACHE holds the demo GGUF)
 # MLX runs float32 matmuls as TF32 on NVIDIA GPUs unless MLX_ENABLE_TF32=0 (about 1e-3
 # relative error per product): the float32 equivalence checks turn it off.
@@ -90,6 +93,50 @@ recommended)
   [ -d "$bf" ] || python3 -m mlx_lm convert --hf-path "$f32" --mlx-path "$bf" --dtype bfloat16 >/dev/null
   run --dtype bfloat16 --model-dir "$bf" | tee "$out/recommended-bfloat16.txt"
   tar czf "$out/recommended-logs.tgz" /tmp/dtrain-peer-*/round*/*.log 2>/dev/null
+  ;;
+groups)
+  spans=$3
+  MLX_ENABLE_TF32=0 python3 - <<'PY' 2>&1 | tee "$out/groups-check.txt"
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from dtrain.config import EngineConfig
+from dtrain.engine import ORPO, ReferenceEngine, batch_totals, make_engine
+from dtrain.engine.arch import fused_causal
+from dtrain.lora import apply_lora
+from dtrain.config import LoraConfig
+from dtrain.types import TokenizedPair
+from mlx_lm.models import llama
+rel = lambda a, b: (mx.linalg.norm((a - b).astype(mx.float32)) / mx.linalg.norm(b.astype(mx.float32))).item()
+print("device", mx.default_device())
+for dt in (mx.bfloat16, mx.float32):
+    for L, q0 in ((256, 128), (384, 128), (200, 77)):
+        q, k, v, w = (mx.random.normal((2, 4, L, 64)).astype(dt) for _ in range(4))
+        k, v = k[:, :2], v[:, :2]
+        f = lambda q, k, v: (w[:, :, q0:] * fused_causal(q[:, :, q0:], k, v, 0.125)).sum()
+        g = lambda q, k, v: (w[:, :, q0:] * fused_causal(q, k, v, 0.125)[:, :, q0:]).sum()
+        a, b = mx.grad(f, argnums=(0, 1, 2))(q, k, v), mx.grad(g, argnums=(0, 1, 2))(q, k, v)
+        out = rel(fused_causal(q[:, :, q0:], k, v, 0.125), fused_causal(q, k, v, 0.125)[:, :, q0:])
+        print(dt, L, q0, "output", f"{out:.2e}", "grads", " ".join(f"{rel(x, y):.2e}" for x, y in zip(a, b)))
+mx.random.seed(0)
+m = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=True))
+m.set_dtype(mx.float32); m.freeze(); apply_lora(m, LoraConfig(rank=4, scale=2.0))
+m.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), m.trainable_parameters()))
+ids = lambda n, s: [(7 * i + s) % 500 + 3 for i in range(n)]
+pairs = [TokenizedPair(ids(300, 1), ids(20, 2), ids(250, 3)), TokenizedPair(ids(140, 4), ids(30, 5), ids(90, 6))]
+tot = batch_totals(pairs, "full")
+ref = ReferenceEngine(m, ORPO(0.1)).step(pairs, tot)
+for groups in (1, 4):
+    for bucket in (0, 128):
+        e = make_engine(EngineConfig(kind="segmented", attention_groups=groups, length_bucket=bucket), m, ORPO(0.1))
+        r = e.step(pairs, tot)
+        worst = max(rel(x, y) for (_, x), (_, y) in zip(tree_flatten(r.grads), tree_flatten(ref.grads)))
+        print("groups", groups, "bucket", bucket, "loss", r.loss.item(), "ref", ref.loss.item(), "worst grad rel", f"{worst:.2e}")
+PY
+  for dt in float32 bfloat16; do
+    MLX_ENABLE_TF32=0 timeout ${STEPS_TIMEOUT:-200} python3 bench/batch_steps.py "$spans" --dtype $dt --steps ${STEPS:-10} \
+        --variant attention_groups=1 --variant attention_groups=4 --out "$out" 2>&1 | tail -8 | tee "$out/groups-$dt.md"
+  done
   ;;
 objectives)
   gguf=$3; shift 3; o=${OBJ_OUT:-/tmp/objectives}   # OBJ_OUT: another folder (holding data/) for a second set

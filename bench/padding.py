@@ -3,6 +3,7 @@
     python bench/padding.py                                   # orca pairs from $DTRAIN_DATA_DIR, one pass
     python bench/padding.py --data pairs.jsonl --passes 3
     python bench/padding.py --time 3 --set train.micro_batch_pairs=2 data.max_length=256 data.max_prompt_length=128
+    python bench/padding.py --spans-out spans.json            # the micro-batches' lengths for bench/batch_steps.py
 
 Tokenizes ``--data`` with the demo model's tokenizer under ``--config``'s data
 settings (default configs/preference.yaml: 1,024 tokens per side, 512 per
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="config overrides, e.g. train.micro_batch_pairs=2 data.max_length=256 (a CPU's memory)")
     ap.add_argument("--time", type=int, default=0, help="also time the first N steps (+ 1 warm-up), pack off vs on")
+    ap.add_argument("--spans-out", default=None, metavar="FILE",
+                    help="write each micro-batch's (P, C, R) per pair as JSON, for bench/batch_steps.py")
     ap.add_argument("--time-layers", type=int, default=0,
                     help="time a random-weight SmolLM2-shaped model of this many layers (0 = the demo model)")
     add_flags(ap, out=str(RESULTS))
@@ -131,6 +134,12 @@ def main(argv=None) -> int:
     sampler = Sampler(len(pairs), t.global_batch_pairs, t.seed)
     steps = max(1, a.passes * len(pairs) // t.global_batch_pairs)
     chunks = [sampler.take(s, pairs, 0, 1, t.micro_batch_pairs)[1] for s in range(1, steps + 1)]
+    if a.spans_out:
+        import json
+
+        spans = [[[len(p.prompt), len(p.chosen), len(p.rejected)] for p in chunk] for step in chunks for chunk in step]
+        with open(a.spans_out, "w") as f:
+            json.dump({"data": a.data, "config": a.config, "set": a.set, "micro_batches": spans}, f)
     groups = 4 if cfg.engine.attention_groups == "auto" else cfg.engine.attention_groups  # auto: the CPU's
     rows = [measure(cfg, loaded.model, chunks, prefix, bucket, pack, groups)
             for prefix in (True, False) for bucket in (0, 128) for pack in (False, True)]

@@ -235,6 +235,17 @@ def test_attention_groups_cover_every_row_once_and_never_cost_more(lengths, buck
         assert score[len(groups)] <= min(score.values()) * (1 + 1e-12)
 
 
+def assert_same_step(one, other, pairs, tol=1e-12):
+    """Two engines' steps on ``pairs``: the same loss, metric sums and LoRA gradients to ``tol``."""
+    a, b = one.step(pairs, NORM), other.step(pairs, NORM)
+    mx.eval(a.loss, a.grads, b.loss, b.grads)
+    assert abs(float(b.loss) - float(a.loss)) <= tol * max(1.0, abs(float(a.loss)))
+    for k, v in a.sums.items():
+        assert abs(float(b.sums[k]) - float(v)) <= tol * max(1.0, abs(float(v))), k
+    for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
+        assert rel(y, x) < tol, (k, rel(y, x))
+
+
 @pytest.mark.parametrize("kernels", ["mlx", "dtrain"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
@@ -251,13 +262,7 @@ def test_grouped_attention_equals_one_call_float64(arch, variant, kernels):
         one = engine_for(model, own_kernels=kernels == "dtrain", attention_groups=1, **kw)
         grouped = engine_for(model, own_kernels=kernels == "dtrain", attention_groups=4, **kw)
         assert len(shared_attention_plan(grouped.layout(pairs), 4).shapes) > 1  # the rows did split
-        a, b = one.step(pairs, NORM), grouped.step(pairs, NORM)
-        mx.eval(a.loss, a.grads, b.loss, b.grads)
-        assert rel(b.loss, a.loss) < 1e-12
-        for k, v in a.sums.items():
-            assert abs(float(b.sums[k]) - float(v)) <= 1e-12 * max(1.0, abs(float(v))), k
-        for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
-            assert rel(y, x) < 1e-12, (k, rel(y, x))
+        assert_same_step(one, grouped, pairs)
 
 
 @pytest.mark.parametrize("kernels", ["mlx", "dtrain"])
@@ -276,13 +281,7 @@ def test_rejected_rows_without_prompt_queries_train_as_before_float64(arch, kern
         grouped = engine_for(model, own_kernels=kernels == "dtrain", attention_groups=4, **kw)
         plan = shared_attention_plan(grouped.layout(pairs), 4)
         assert max(plan.starts) >= 16 and shared_attention_plan(one.layout(pairs), 1).starts == (0,)
-        a, b = one.step(pairs, NORM), grouped.step(pairs, NORM)
-        mx.eval(a.loss, a.grads, b.loss, b.grads)
-        assert rel(b.loss, a.loss) < 1e-12
-        for k, v in a.sums.items():
-            assert abs(float(b.sums[k]) - float(v)) <= 1e-12 * max(1.0, abs(float(v))), k
-        for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
-            assert rel(y, x) < 1e-12, (k, rel(y, x))
+        assert_same_step(one, grouped, pairs)
         assert_parity(model, grouped, pairs)
 
 
@@ -312,13 +311,7 @@ def test_generated_batches_train_the_same_in_any_number_of_calls(seed, n, groups
     kw = dict(segment_layers=0, prefix_sharing=True, pack=pack, length_bucket=bucket)
     one = SegmentedEngine(model, adapter_for(model), obj, attention_groups=1, **kw)
     many = SegmentedEngine(model, adapter_for(model), obj, attention_groups=groups, **kw)
-    a, b = one.step(pairs, NORM), many.step(pairs, NORM)
-    mx.eval(a.loss, a.grads, b.loss, b.grads)
-    assert abs(float(b.loss) - float(a.loss)) <= 1e-11 * max(1.0, abs(float(a.loss)))
-    for k, v in a.sums.items():
-        assert abs(float(b.sums[k]) - float(v)) <= 1e-11 * max(1.0, abs(float(v))), k
-    for (k, x), (_, y) in zip(tree_flatten(a.grads), tree_flatten(b.grads)):
-        assert rel(y, x) < 1e-11, (k, rel(y, x))
+    assert_same_step(one, many, pairs, 1e-11)
 
 
 def test_attention_groups_below_one_are_refused_when_the_engine_is_built():
