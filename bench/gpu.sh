@@ -129,9 +129,12 @@ ref = ReferenceEngine(m, ORPO(0.1)).step(pairs, tot)
 for groups in (1, 4):
     for bucket in (0, 128):
         e = make_engine(EngineConfig(kind="segmented", attention_groups=groups, length_bucket=bucket), m, ORPO(0.1))
-        r = e.step(pairs, tot)
-        worst = max(rel(x, y) for (_, x), (_, y) in zip(tree_flatten(r.grads), tree_flatten(ref.grads)))
-        print("groups", groups, "bucket", bucket, "loss", r.loss.item(), "ref", ref.loss.item(), "worst grad rel", f"{worst:.2e}")
+        try:  # 2026-12-04: this tiny shape failed on CUDA (cudaGraphAddKernelNode) before and after that day's change
+            r = e.step(pairs, tot)
+            worst = max(rel(x, y) for (_, x), (_, y) in zip(tree_flatten(r.grads), tree_flatten(ref.grads)))
+            print("groups", groups, "bucket", bucket, "loss", r.loss.item(), "ref", ref.loss.item(), "worst grad rel", f"{worst:.2e}")
+        except RuntimeError as err:
+            print("groups", groups, "bucket", bucket, "FAILED:", err)
 PY
   for dt in float32 bfloat16; do
     MLX_ENABLE_TF32=0 timeout ${STEPS_TIMEOUT:-200} python3 bench/batch_steps.py "$spans" --dtype $dt --steps ${STEPS:-10} \
