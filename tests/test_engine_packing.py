@@ -193,6 +193,7 @@ def test_rows_that_need_later_queries_hand_counted():
     assert first_query([0, 60], [1], 0) == 60 and first_query([0, 60], [0, 1], 0) == 0
     assert group_rows([100, 90], 16, starts=[0, 60]) == [([0], 1, 112, 0), ([1], 1, 96, 48)]
     assert first_query([0, 60], [1], 16) == 48
+    assert group_rows([100, 90], 0, starts=np.array([0, 60])) == [([0], 1, 100, 0), ([1], 1, 90, 60)]  # any sequence
     assert group_rows([7, 7], 0, starts=[0, 3]) == [([0, 1], 2, 7, 0)]
     assert group_rows([100, 90], 0) == [([0, 1], 2, 100, 0)]  # without starts the rows stay together
 

@@ -74,7 +74,8 @@ class SharedAttention:
             group's row count up gather token 0 and are read by nothing).
         scatter: ``(S * L,)`` int32, for each token, the flat index of the
             attention output it takes in the groups' outputs laid end to end
-            (group ``g``'s row ``r``, slot ``i``: ``offset_g + r * M_g + i``;
+            (group ``g``'s row ``r``, slot ``i >= q0_g``: ``offset_g + r * (M_g -
+            q0_g) + i - q0_g``, ``offset_g`` the outputs of the groups before;
             padded tokens take any; nothing reads them).
         shapes: host-side ``(rows, M)`` of each group.
         starts: per group, the first of its ``M`` query slots computed (the
@@ -95,7 +96,7 @@ GROUP_SAVING = 0.1  # one more call must save this share of the attention work o
 def first_query(starts, members, bucket: int) -> int:
     """The first query slot a group computes: the least ``starts`` of its rows (0 without
     ``starts``), rounded down to a multiple of ``bucket`` (a bounded set of call shapes)."""
-    q0 = min((starts[i] for i in members), default=0) if starts else 0
+    q0 = min((int(starts[i]) for i in members), default=0) if starts is not None and len(starts) else 0
     return q0 - q0 % bucket if bucket > 0 else q0
 
 
