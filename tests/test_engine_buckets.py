@@ -118,6 +118,9 @@ def test_layer_and_step_estimates_worked_numbers():
     scores = 2 * 3 * 4 * 12**2 * 4
     assert estimate_step_bytes(args, 4, shape, 0, 0, fused=False) == 5 * (30 * 4608 + scores) + 20 * 512 * 16
     assert estimate_step_bytes(args, 4, shape, 0, 0, fused=True) == 5 * 30 * 4608 + 20 * 512 * 16
+    # a call whose queries start at 5 keeps the scores of its last 7 queries over 12 keys
+    later = dict(shape, attention=((3, 12, 5),))
+    assert estimate_step_bytes(args, 4, later, 0, 0, fused=False) == 5 * (30 * 4608 + 2 * 3 * 4 * 7 * 12 * 4) + 20 * 512 * 16
     # ranges of 2 layers, chunks of 8 rows: 2 layers alive, (3 + 3) boundaries, the jacobian rows
     assert estimate_step_bytes(args, 4, shape, 2, 8, fused=True) == \
         2 * 30 * 4608 + 8 * 512 * 16 + 6 * 30 * 32 * 4 + 20 * 32 * 4

@@ -51,7 +51,8 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
         args: the model's ``ModelArgs``.
         itemsize: bytes per activation value (the model dtype's).
         shape: ``tokens`` (S * L), ``targets`` (N), ``attention`` (the
-            attention calls' ``(rows, length)``), ``heads``.
+            attention calls' ``(rows, length)`` or ``(rows, length, first
+            query)``: scores for the queries from the first on), ``heads``.
         size: layers per range (0 or >= layers: one range).
         chunk: head rows per chunk (0: the whole head at once).
         fused: attention keeps no scores (see ``fused_attention``).
@@ -61,7 +62,7 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     n = args.num_hidden_layers
     size = n if size <= 0 else min(size, n)
     T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
-    slots = sum(rows * length ** 2 for rows, length in shape["attention"])
+    slots = sum(rows * (length - start) * length for rows, length, start in ((*a, 0)[:3] for a in shape["attention"]))
     scores = 0.0 if fused else 2.0 * slots * shape["heads"] * itemsize
     layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
     head = (chunk if chunk > 0 else N) * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
@@ -120,8 +121,9 @@ class Plan:
         self.report = report or (lambda _: None)
 
     def __call__(self, layout: Layout, attention_rows: tuple | None) -> tuple[int, int]:
-        """The plan of ``layout``; ``attention_rows``: the ``(rows, length)`` of each group of its
-        prefix-sharing attention (``attention.SharedAttention.shapes``), None when it attends as ``(S, L)``."""
+        """The plan of ``layout``; ``attention_rows``: the ``(rows, length, first query)`` of each
+        group of its prefix-sharing attention (``attention.SharedAttention``), None when it attends
+        as ``(S, L)``."""
         S, L = layout.shape
         attention = tuple(attention_rows or ((S, L),))
         key = (S, L, int(layout.targets.shape[0]), attention)

@@ -82,8 +82,9 @@ def _decode_mask(x):
 
 
 def _attention_rows(masks: list):
-    """The groups' ``(rows, M)`` of the prefix-sharing attention among encoded ``masks``, or None."""
-    return next((m[2] for m in masks if isinstance(m, tuple)), None)
+    """The groups' ``(rows, M, first query)`` of the prefix-sharing attention among encoded
+    ``masks``, or None."""
+    return next((tuple((*s, q0) for s, q0 in zip(m[2], m[3])) for m in masks if isinstance(m, tuple)), None)
 
 
 def _target_arrays(layout: Layout) -> dict:
