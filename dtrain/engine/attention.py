@@ -61,10 +61,10 @@ class SharedAttention:
     length ``M`` and run as one ``mask="causal"`` call, so short rows are not
     padded to the longest row of the micro-batch (attention work grows with
     ``M**2``). Nothing reads the prompt queries of a ``[prompt; rejected]``
-    row (the ``[prompt; chosen]`` row gives the prompt's outputs), so a
-    group's calls start at the first query any of its rows needs
-    (``starts``): the prompt's keys are shared, its queries run once.
-    Interpreted by ``arch.shared_attention``.
+    row (the ``[prompt; chosen]`` row gives the prompt's outputs), so each
+    call starts at the first query any of its rows needs (``starts``): a
+    call of rejected rows skips the prompt queries its rows share. The
+    prompt's keys serve both rows. Interpreted by ``arch.shared_attention``.
 
     Attributes:
         gathers: per group, ``(rows, M)`` int32 flat token index (the
@@ -108,9 +108,10 @@ def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROU
     :func:`first_query` of the rows' ``starts``, the first query each row
     needs, 0 when None). For each number of calls up to ``max_groups`` the
     cut of least attention work ``sum(rows_g * (M_g**2 - q0_g**2))`` (the
-    causal scores of queries ``[q0_g, M_g)``) is found; more calls are taken only where each call beyond the
-    first saves ``GROUP_SAVING`` of the work (the least ``work * (1 -
-    GROUP_SAVING) ** -(calls - 1)``), since each is one more call per layer.
+    causal scores of queries ``[q0_g, M_g)``) is found; more calls are
+    taken only where each call beyond the first saves ``GROUP_SAVING`` of
+    the work (the least ``work * (1 - GROUP_SAVING) ** -(calls - 1)``),
+    since each is one more call per layer.
     With ``bucket > 0`` and more than one call, a call's row count is rounded
     up to a power of two (the extra rows are computed and discarded), so a
     run sees a bounded set of ``(rows, M)`` shapes; one call keeps the exact
@@ -166,8 +167,10 @@ def shared_attention_plan(layout: Layout, groups: int = ATTENTION_GROUPS) -> Sha
     """The :class:`SharedAttention` of a prefix-shared or packed layout, in at most ``groups``
     calls (:func:`group_rows`); each group's ``M`` is bucketed with ``layout.bucket``."""
     S, L = layout.shape
-    rows, first, needs = [], [], []  # rows: (sequence start, token indices); first: each sequence's
-    for o, (P, C, R) in zip(layout.starts, layout.spans):  # first row; needs: a row's first query read
+    rows = []  # (sequence start, token indices) of each attention row
+    first = []  # each sequence's first row
+    needs = []  # each row's first query whose output is read
+    for o, (P, C, R) in zip(layout.starts, layout.spans):
         first.append(len(rows))
         rows.append((o, np.arange(P + C)))
         needs.append(0)
