@@ -86,9 +86,8 @@ def main(argv=None) -> int:
     print(f"\n{a.model} {a.dtype}, {len(batches) - 1} timed micro-batches of ~{pairs_per_step:.1f} pairs; "
           f"auto choices {choices}\n")
     print("| variant | s/step median (min–max) | pairs/s (Σ/Σ) | peak GB |\n|---|---|---|---|")
-    rows = []
+    rows, n = [], sum(len(b) for b in batches[1:])  # pairs in the timed steps
     for v, s, p, lo in zip(a.variant, seconds, peaks, losses):
-        n = sum(len(b) for b in batches[1:])
         rows.append({"variant": v, "seconds": s, "peak_gb": max(p), "losses": lo,
                      "pairs_per_s": n / sum(s) if s else None})
         if s:

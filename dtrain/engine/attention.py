@@ -158,9 +158,7 @@ def group_rows(lengths: list[int], bucket: int, max_groups: int = ATTENTION_GROU
     for k in range(g, 0, -1):
         bounds.append((cut[k][j], j))
         j = cut[k][j]
-    groups = [[order[i] for i in range(a, b)] for a, b in reversed(bounds)]
-    return [(rows, width(len(rows)), bucket_length(lengths[rows[0]], bucket), first_query(starts, rows, bucket))
-            for rows in groups]
+    return [(order[a:b], width(b - a), M[a], first_query(starts, order[a:b], bucket)) for a, b in reversed(bounds)]
 
 
 def shared_attention_plan(layout: Layout, groups: int = ATTENTION_GROUPS) -> SharedAttention:
