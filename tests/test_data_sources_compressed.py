@@ -22,7 +22,8 @@ from test_data_sources import FORMATS, cfg_for, gen_objs, plain, write_jsonl
 from dtrain.cli import main
 from dtrain.config import DataConfig
 from dtrain.data import load_rows
-from dtrain.data.sources import compression, is_hub_id, read_items, resolve
+from dtrain.data.jsonfile import compression
+from dtrain.data.sources import is_hub_id, read_items, resolve
 from dtrain.errors import DataError
 
 COMPRESS = {

@@ -8,7 +8,8 @@
   read whole (``file:line[index]``); gzip, bzip2, xz and zstd files (told by
   their first bytes, whatever their name) are decompressed as they stream, line
   numbers counting lines of the decompressed text; other archives and
-  compressions (zip, 7z, lz4, tar, ...) are refused by name;
+  compressions (zip, 7z, lz4, tar, ...) are refused by name (``jsonfile``
+  reads such a file);
 - a ``datasets.save_to_disk`` folder: a Dataset (``state.json`` naming its
   ``data-0000i-of-0000N.arrow`` stream files) or a DatasetDict
   (``dataset_dict.json`` and one such folder per split). Read with pyarrow, so
@@ -29,48 +30,20 @@ every row format and ``data.fields`` mapping reads the same from each.
 
 from __future__ import annotations
 
-import bz2
 import dataclasses
-import gzip
 import hashlib
-import io
 import itertools
 import json
-import lzma
-import re
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
-from .formats import BadRow, BadRowReport, detect_format, parse_rows
+from .formats import BadRowReport, detect_format, parse_rows
+from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
-# A JSONL line longer than this is reported instead of parsed and tokenized:
-# ~500k tokens, far past any max_length, and slow to tokenize.
-MAX_LINE_CHARS = 2_000_000
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
-# Compressions read as a stream: name -> (magic bytes, opener of a binary file object).
-_STREAMED = {
-    "gzip": (b"\x1f\x8b", lambda f: gzip.GzipFile(fileobj=f)),
-    "bzip2": (b"BZh", lambda f: bz2.BZ2File(f)),
-    "xz": (b"\xfd7zXZ\x00", lambda f: lzma.LZMAFile(f)),
-    "zstd": (b"\x28\xb5\x2f\xfd", lambda f: _zstd_reader(f)),
-}
-# Archives and compressions that are not read, by first bytes or by file suffix.
-_REFUSED_MAGIC = {
-    b"PK\x03\x04": "a zip archive", b"PK\x05\x06": "a zip archive", b"7z\xbc\xaf\x27\x1c": "a 7z archive",
-    b"\x04\x22\x4d\x18": "lz4-compressed", b"Rar!\x1a\x07": "a RAR archive", b"\xff\x06\x00\x00sNaPpY": "snappy-compressed",
-    b"\x89LZO": "lzop-compressed", b"\x1f\x9d": "compress (.Z)-compressed", b"LZIP": "lzip-compressed",
-}
-_REFUSED_SUFFIX = {
-    ".zip": "a zip archive", ".7z": "a 7z archive", ".lz4": "lz4-compressed", ".rar": "a RAR archive",
-    ".br": "brotli-compressed", ".sz": "snappy-compressed", ".snappy": "snappy-compressed", ".lzo": "lzop-compressed",
-    ".lzma": "lzma-compressed", ".z": "compress (.Z)-compressed", ".lz": "lzip-compressed", ".tar": "a tar archive",
-    ".tgz": "a tar archive",
-}
-COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
 
 
@@ -236,7 +209,7 @@ def read_items(src: Source) -> Iterator[tuple]:
         DataError: an empty or unreadable file (as a whole).
     """
     if src.kind == "json":
-        yield from _json_items(str(src.files[0]))
+        yield from json_items(str(src.files[0]))
         return
     if src.kind == "hub":
         yield from _table_items(src.dataset.with_format("arrow").iter(batch_size=BATCH_ROWS), src.label)
@@ -294,189 +267,6 @@ def _plain(value):
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
-
-
-def compression(path: str) -> Optional[str]:
-    """How a JSON/JSONL file is compressed: ``gzip``, ``bzip2``, ``xz``, ``zstd``, or None for plain text.
-
-    Told by the file's first bytes, so a misnamed file is still read right.
-
-    Raises:
-        DataError: an archive or a compression that is not read (zip, 7z, lz4,
-            tar, RAR, brotli, ...), named, with what is read instead.
-    """
-    with open(path, "rb") as f:
-        head = f.read(512)
-    name = Path(path).name.lower()
-    what = next((w for magic, w in _REFUSED_MAGIC.items() if head.startswith(magic)), None)
-    if head[257:262] == b"ustar" or name.endswith(tuple(f".tar{s}" for s in COMPRESSED_SUFFIXES)):
-        what = "a tar archive"
-    what = what or _REFUSED_SUFFIX.get(Path(path).suffix.lower())
-    if what is not None:
-        raise DataError(f"{path}: {what}, which dtrain does not read; JSON and JSONL files are read plain or "
-                        "compressed with gzip, bzip2, xz or zstd (.gz, .bz2, .xz, .zst): extract the file or "
-                        "recompress it with one of these")
-    return next((kind for kind, (magic, _) in _STREAMED.items() if head.startswith(magic)), None)
-
-
-class _ZstdRaw(io.RawIOBase):
-    """zstd frames one after another, as ``zstd -d`` reads them; a frame cut short raises EOFError.
-
-    (``zstandard``'s own ``stream_reader`` ends quietly at a cut frame.)
-    """
-
-    def __init__(self, f):
-        import zstandard
-
-        self._f, self._new = f, zstandard.ZstdDecompressor().decompressobj
-        self._d, self._fed, self._out = self._new(), False, b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        while not self._out:
-            chunk = self._f.read(1 << 16)
-            if not chunk:
-                if self._fed and not self._d.eof:
-                    raise EOFError("the file ends inside a zstd frame")
-                return 0
-            while chunk:
-                if self._d.eof:  # the next frame
-                    self._d, self._fed = self._new(), False
-                self._fed = True
-                self._out += self._d.decompress(chunk)
-                chunk = self._d.unused_data if self._d.eof else b""
-        n = min(len(buf), len(self._out))
-        buf[:n], self._out = self._out[:n], self._out[n:]
-        return n
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-def _zstd_reader(f):
-    return io.BufferedReader(_ZstdRaw(f))
-
-
-def _open_data(path: str, kind: Optional[str]):
-    """A binary file object over the (decompressed) bytes of ``path``; ``kind`` from :func:`compression`."""
-    f = open(path, "rb")
-    return f if kind is None else _STREAMED[kind][1](f)
-
-
-def _stream_errors() -> tuple:
-    """What a corrupt or truncated compressed stream raises while it is read."""
-    import zstandard
-
-    return (OSError, EOFError, lzma.LZMAError, zlib.error, zstandard.ZstdError)
-
-
-def _json_items(path: str) -> Iterator[tuple]:
-    """JSONL streamed line by line (lines split at ``\\n`` only), or a whole JSON array.
-
-    Compressed files (:func:`compression`) are decompressed as they stream; a
-    line that is not valid JSON gives a :class:`BadRow`; blank lines are skipped.
-
-    Raises:
-        DataError: an archive or compression that is not read; an empty file;
-            an invalid JSON array; one JSON object spread over several lines;
-            no line that is JSON at all (raised at the end of the file, after
-            its lines were yielded); a compressed stream that is corrupt or cut
-            short (naming the line where reading stopped).
-    """
-    kind = compression(path)
-    where = [0]  # the line being read, for a stream that breaks off
-    try:
-        yield from _json_stream(path, kind, where)
-    except _stream_errors() as err:
-        if kind is None:
-            raise DataError(f"{path}: cannot be read: {err}") from None
-        raise DataError(f"{path}: the {kind} stream is corrupt or cut short after line {where[0]} "
-                        f"({str(err) or type(err).__name__})") from None
-
-
-def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]:
-    first_bad, lines, any_json = None, 0, False
-    with _open_data(path, kind) as f:
-        # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
-        # them are reported one by one instead of failing the whole file.
-        first = _first_char(f)
-    if not first:
-        raise DataError(f"{path}: file is empty" + (f" (after {kind} decompression)" if kind else ""))
-    with _open_data(path, kind) as f:
-        if first == "[":
-            yield from _json_array(path, f)
-            return
-        for n, raw in enumerate(f, start=1):
-            where[0] = n
-            line = raw.decode("utf-8", errors="surrogateescape").removesuffix("\n").removesuffix("\r")
-            if n == 1:
-                line = line.lstrip("\ufeff")
-            if not line.strip():
-                continue
-            lines += 1
-            if len(line) > MAX_LINE_CHARS:
-                any_json = True  # not judged: too long to parse
-                yield f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                if n == 1:
-                    _reject_single_object(path, kind)
-                why = f"invalid JSON: {err.msg} (column {err.colno})"
-                first_bad = first_bad or (n, why)
-                yield f"{path}:{n}", BadRow(why)
-                continue
-            any_json = True
-            yield f"{path}:{n}", obj
-    if not any_json:
-        raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
-                        f"({first_bad[0]}: {first_bad[1]})")
-
-
-def _first_char(f) -> str:
-    """The first character that is not whitespace or a BOM ('' for none)."""
-    while chunk := f.read(1 << 16):
-        text = chunk.decode("utf-8", errors="surrogateescape").lstrip("\ufeff \t\r\n")
-        if text:
-            return text[0]
-    return ""
-
-
-def _json_array(path: str, f) -> Iterator[tuple]:
-    text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
-    starts = _item_lines(text, len(items))
-    for i, item in enumerate(items):
-        yield f"{path}:{starts[i]}[{i}]", item
-
-
-def _reject_single_object(path: str, kind: Optional[str]) -> None:
-    with _open_data(path, kind) as f:
-        text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return
-    raise DataError(f"{path}: one JSON {type(obj).__name__} spread over several lines; "
-                    "expected JSONL (one object per line) or a JSON array of objects")
-
-
-def _item_lines(text: str, count: int) -> list:
-    """1-based line where each top-level array item starts."""
-    dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
-    ws = re.compile(r"[\s,]*")
-    for _ in range(count):
-        pos = ws.match(text, pos).end()
-        lines.append(text.count("\n", 0, pos) + 1)
-        _, pos = dec.raw_decode(text, pos)
-    return lines
 
 
 def read_rows(src: Source, cfg) -> tuple:
