@@ -55,7 +55,7 @@ BY_CONTENT = {
 
 # How the run is computed, logged, kept or where it stops: a change is accepted.
 ACCEPTED = {
-    "train.steps": "where the run stops; the schedule keeps the steps it was planned for (schedule.py)",
+    "train.steps": "where the run stops; the schedule keeps the steps it was planned for (run/optimizer.py, learning_rate)",
     "train.micro_batch_pairs": "accumulation gives the same normalised gradient",
     "train.compile_optimizer": "the same update, traced", "train.eval_every": "evaluation cadence",
     "train.save_every": "checkpoint cadence", "train.keep_last": "checkpoints kept",

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from conftest import add_random_lora, make_tiny_model
 from dtrain.config import load_config
 from dtrain.run.optimizer import AdamWStep, update_applied
-from dtrain.run.schedule import learning_rate
+from dtrain.run.optimizer import learning_rate
 
 STEPS = 6
 

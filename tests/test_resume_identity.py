@@ -13,7 +13,7 @@ from dtrain.run import checkpoint as ckpt
 from dtrain import identity
 from dtrain.config import _OBJECTIVE_KEYS, Config, describe_fields, load_config, to_dict
 from dtrain.errors import UserError
-from dtrain.run.schedule import learning_rate
+from dtrain.run.optimizer import learning_rate
 from dtrain.run.tracking import read_events, read_scalars
 from test_trainer import run
 
@@ -274,7 +274,7 @@ def test_the_extension_notice_says_what_the_rate_does():
     says warmup continues (the 4-of-8 case with 10 warmup steps: 2.5e-4 ... 4e-4, then 5e-4), else it
     names the held final rate."""
     from dtrain.config import TrainConfig
-    from dtrain.run.schedule import extension_notice, learning_rate
+    from dtrain.run.optimizer import extension_notice, learning_rate
 
     cfg = TrainConfig(steps=12, learning_rate=5e-4, warmup_steps=10, schedule="cosine")
     assert [learning_rate(s, cfg, 4) for s in (5, 8, 10, 11, 12)] == pytest.approx([2.5e-4, 4e-4, 5e-4, 5e-4, 5e-4])

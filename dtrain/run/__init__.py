@@ -4,8 +4,7 @@
     step.py        one optimizer step (sampler -> totals -> engine -> all-reduce -> AdamW)
     evaluation.py  held-out eval/ metrics
     checkpoint.py  run state, checkpoints and resume, the output-folder lock
-    optimizer.py   clip + AdamW + the non-finite skip as one function
-    schedule.py    the learning rate of a step
+    optimizer.py   the learning rate of a step; clip + AdamW + the non-finite skip as one function
     tracking.py    TensorBoard events and the progress bar
     guards.py      warnings about the run's own metrics
     best.py        train.keep_best: the best evaluated step, its adapter copy, the early stop

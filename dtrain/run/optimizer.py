@@ -1,4 +1,5 @@
-"""The optimizer step: global-norm clipping, the finiteness check and AdamW, as one function.
+"""The optimizer step: the learning-rate schedule, global-norm clipping, the finiteness check and
+AdamW (the last three as one function).
 
 The hundreds of LoRA arrays of a model make mlx's ``Optimizer.update`` thousands of
 tiny eager operations, a large share of a GPU step (docs/benchmarks.md). Here the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Optional
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -29,7 +31,47 @@ from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 
 from ..config import TrainConfig
 from ..device import on_gpu
-from .schedule import learning_rate
+
+
+def learning_rate(step: int, cfg: TrainConfig, schedule_steps: Optional[int] = None) -> float:
+    """Learning rate for optimizer step ``step`` (1-based).
+
+    Linear warmup from ``lr / warmup_steps`` to ``lr`` over ``warmup_steps``,
+    then ``constant``, ``linear`` decay or ``cosine`` decay to
+    ``min_lr_ratio * lr`` at step ``schedule_steps`` (default ``cfg.steps``).
+    Past ``schedule_steps`` the warmup still ends at ``warmup_steps``, and
+    then the rate holds at the schedule's last value: a run resumed with a
+    larger ``train.steps`` keeps the schedule it was planned with and
+    continues at its final rate, never jumping back up (a ``constant``
+    schedule thus continues exactly as an uninterrupted longer run).
+    """
+    lr, warm = cfg.learning_rate, cfg.warmup_steps
+    total = cfg.steps if schedule_steps is None else schedule_steps
+    step = min(step, max(total, warm))
+    if warm > 0 and step <= warm:
+        return lr * step / warm
+    if cfg.schedule == "constant" or total <= warm:
+        return lr
+    progress = min(max((step - warm) / max(total - warm, 1), 0.0), 1.0)
+    floor = cfg.min_lr_ratio * lr
+    if cfg.schedule == "linear":
+        return lr - (lr - floor) * progress
+    return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def extension_notice(step: int, cfg: TrainConfig, schedule_steps: int) -> str:
+    """What a run resumed at ``step`` with ``cfg.steps`` past its planned ``schedule_steps`` does with the
+    rate (:func:`learning_rate`): warmup, if unfinished, still runs to ``warmup_steps``; then it holds."""
+    held_from = max(schedule_steps, cfg.warmup_steps)
+    final = learning_rate(held_from, cfg, schedule_steps)
+    head = f"train.steps {cfg.steps} is past the {schedule_steps} steps this run's schedule was planned for: "
+    first = max(step, schedule_steps) + 1
+    if held_from >= cfg.steps:
+        return head + f"warmup continues to step {cfg.steps}, its last"
+    if held_from >= first:
+        return head + (f"warmup continues to step {held_from}, then steps {held_from + 1}-{cfg.steps} hold "
+                       f"its final learning rate {final:.3g}")
+    return head + f"steps {first}-{cfg.steps} hold its final learning rate {final:.3g}"
 
 
 class AdamWStep:
@@ -41,7 +83,7 @@ class AdamWStep:
 
     Args:
         cfg: ``train`` config: ``weight_decay``, ``grad_clip``,
-            ``compile_optimizer`` and the schedule (the initial learning rate).
+            ``compile_optimizer`` and the schedule (:func:`learning_rate`).
         params: the trainable parameter tree, for the state's shapes.
         plus_ratio: LoRA+ (Hayou et al. 2024): parameters named ``...lora_b`` move
             with ``plus_ratio`` times the learning rate. AdamW's step, weight decay
@@ -49,7 +91,8 @@ class AdamWStep:
     """
 
     def __init__(self, cfg: TrainConfig, params: dict, plus_ratio: float = 1.0):
-        self.plus_ratio = plus_ratio
+        self.cfg, self.plus_ratio = cfg, plus_ratio
+        self.schedule_steps = cfg.steps  # the steps the schedule is planned for; a resume sets its run's
         # bias_correction: the standard AdamW (Loshchilov & Hutter; PyTorch, TRL); MLX defaults to off
         self.adamw = optim.AdamW(learning_rate=learning_rate(1, cfg), weight_decay=cfg.weight_decay,
                                  bias_correction=True)
@@ -67,6 +110,12 @@ class AdamWStep:
     @state.setter
     def state(self, state: dict) -> None:
         self.adamw.state = state
+
+    def step(self, model, grads: dict, step: int, loss_finite: bool) -> tuple[float, float]:
+        """Optimizer step ``step`` (1-based) at the schedule's rate: :meth:`apply` with
+        ``learning_rate(step, cfg, schedule_steps)``. Returns ``(grad norm, learning rate)``."""
+        lr = learning_rate(step, self.cfg, self.schedule_steps)
+        return self.apply(model, grads, lr, loss_finite), lr
 
     def apply(self, model, grads: dict, lr: float, loss_finite: bool) -> float:
         """Clip ``grads``, and unless the step is non-finite, update ``model``'s LoRA and the state.

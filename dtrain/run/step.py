@@ -1,4 +1,4 @@
-"""One optimizer step: global batch -> engine -> all-reduce -> clip + AdamW -> metrics.
+"""One optimizer step: global batch -> engine -> all-reduce -> schedule, clip + AdamW -> metrics.
 
 :class:`Step` is built once by ``trainer.setup``; the loop calls it once per
 step. It asks the sampler once (the global batch and this rank's micro-batches),
@@ -24,7 +24,6 @@ from ..distributed import Group
 from ..engine import Objective, batch_totals, run_micro_batches
 from .optimizer import update_applied
 from ..sampler import Sampler
-from .schedule import learning_rate
 from .tracking import peak_memory_gb
 
 
@@ -72,7 +71,6 @@ class Step:
     group: Group
     objective: Optional[Objective] = None
     hyper: Optional[dict] = None
-    schedule_steps: Optional[int] = None  # the steps the schedule was planned for (RunState; default train.steps)
 
     def __post_init__(self):
         self.objective = self.objective or self.engine.objective
@@ -94,9 +92,8 @@ class Step:
         grads, sums = group.all_sum(grads, sums, step)  # one collective, evaluated inside: this times it alone
         reduce_seconds = time.perf_counter() - reduce_start
         metrics = objective.finalize(sums, "", self.hyper)
-        lr = learning_rate(step, t, self.schedule_steps)
         loss_finite = math.isfinite(metrics["loss"])
-        grad_norm = self.optimizer.apply(self.model, grads, lr, loss_finite)  # clip + AdamW, skipped if non-finite
+        grad_norm, lr = self.optimizer.step(self.model, grads, step, loss_finite)  # schedule, clip + AdamW; skipped if non-finite
         applied = update_applied(loss_finite, grad_norm)
         seconds = time.perf_counter() - start
         metrics.update({

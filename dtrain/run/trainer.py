@@ -35,9 +35,8 @@ from ..identity import settings
 from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
 from ..memory import wired_limit
 from ..notices import for_rank
-from .optimizer import AdamWStep
+from .optimizer import AdamWStep, extension_notice
 from .reference import ReferenceLogps, reference_pass
-from .schedule import extension_notice
 from .step import Step
 from .tracking import RunLogger, new_run_dir
 
@@ -298,6 +297,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
                                 f"raise train.steps to continue it")
             state = replace(resumed.state, world_size=group.size)
+            optimizer.schedule_steps = state.schedule_steps
             if t.steps > state.schedule_steps and notice is not None:
                 notice(extension_notice(state.step, t, state.schedule_steps))
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
@@ -320,7 +320,6 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                     + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
         step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group,
-                    schedule_steps=state.schedule_steps,
                     hyper=lambda_control.hyper(cfg.orpo, state.lambda_control, engine.objective.hyper()))
         kept = keep_best.BestAdapter(state.best_step, resumed.best if resumed and group.is_main else None)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
