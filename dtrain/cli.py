@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import override_help, split_overrides
+from .config_text import override_help, split_overrides
 from .errors import UserError
 
 
@@ -107,7 +107,8 @@ def _data_check(args, overrides) -> int:
 
 
 def _config(args, overrides) -> int:
-    from .config import describe, load_config
+    from .config import load_config
+    from .config_text import describe
 
     cfg = load_config(args.config, overrides) if args.config or overrides else None
     print("# dtrain config: key: value  # help [allowed values]; defaults live in dtrain/config.py")

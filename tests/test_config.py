@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dtrain import config
+from dtrain import config, config_text
 from dtrain.cli import main
-from dtrain.config import Config, allowed, describe_fields, load_config, to_dict
+from dtrain.config import Config, describe_fields, load_config, to_dict
+from dtrain.config_text import allowed
 from dtrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,22 +50,22 @@ def test_demo_config_lists_every_key_with_a_comment_and_true_defaults():
 
 
 def test_demo_config_comments_are_the_help_of_config_py():
-    """configs/demo.yaml is what ``config.commented`` writes: each key's comment is its help
+    """configs/demo.yaml is what ``config_text.commented`` writes: each key's comment is its help
     and allowed values from dtrain/config.py, so the two cannot drift."""
     path = ROOT / "configs" / "demo.yaml"
-    assert path.read_text() == config.commented(str(path)), \
+    assert path.read_text() == config_text.commented(str(path)), \
         "configs/demo.yaml differs from dtrain/config.py's help; rewrite it as its header says"
 
 
 def test_commented_rewrites_a_stale_comment_and_keeps_the_values(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("# my job\n\ntrain:\n  steps: 7   # a comment that drifted\ndata:\n  demo_pairs: 20\n")
-    text = config.commented(str(path))
+    text = config_text.commented(str(path))
     assert text.startswith("# my job\n\nmodel:\n  # path: demo ")
     assert re.search(r"^  steps: 7 +# optimizer steps \[> 0\]$", text, re.M) and "drifted" not in text
     path.write_text(text)
     assert load_config(str(path)) == load_config(None, ["train.steps=7", "data.demo_pairs=20"])
-    assert config.commented(str(path)) == text
+    assert config_text.commented(str(path)) == text
 
 
 def test_train_help_lists_every_key_from_config_py(capsys):
@@ -73,7 +74,7 @@ def test_train_help_lists_every_key_from_config_py(capsys):
     out = capsys.readouterr().out
     for section in dataclasses.fields(Config):
         for key, tp, default, meta in describe_fields(type(getattr(Config(), section.name))):
-            line = f"  --{section.name}.{key} {config.yaml_value(default)}: {meta['help']} [{allowed(tp, meta)}]"
+            line = f"  --{section.name}.{key} {config_text.yaml_value(default)}: {meta['help']} [{allowed(tp, meta)}]"
             assert line in out.splitlines(), line
 
 

@@ -40,7 +40,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from ..config import load_config, take_overrides
+from ..config import load_config
+from ..config_text import take_overrides
 from ..errors import UserError
 from ..files import OutputDir
 from . import restart
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Launcher options and ``section.key=value`` overrides (grammar: ``dtrain.config.take_overrides``).
+    """Launcher options and ``section.key=value`` overrides (grammar: ``dtrain.config_text.take_overrides``).
 
     ``--tensorboard`` followed by something other than a port number takes the
     default port, so ``--tensorboard CONFIG`` reads as meant.
