@@ -13,6 +13,7 @@ User errors print one line ``dtrain: error: ...`` and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config_text import override_help, split_overrides
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (``dtrain config | head``): not an error of dtrain's
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Config loading, the demo config, and the README/CI contract."""
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,3 +171,17 @@ def test_data_file_and_demo_pairs_together_is_an_error():
                                           r"use one .*--data.demo_pairs 0"):
         load_config(str(ROOT / "configs" / "demo.yaml"), ["data.train=x.jsonl"])
     assert load_config(str(ROOT / "configs" / "demo.yaml"), ["data.train=x.jsonl", "data.demo_pairs=0"]).data.train == "x.jsonl"
+
+
+def test_dtrain_config_into_a_closed_pipe_exits_quietly():
+    """``dtrain config | head``: the reader gone before the output is written is not an error
+    (exit 0, no traceback), as for other command-line tools."""
+    read, write = os.pipe()
+    os.close(read)  # no reader: every write of the child gets EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "dtrain", "config"], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
