@@ -62,8 +62,10 @@ def dtrain_engine(model, kind: str = "segmented", **keys):
 def build_model(name: str, layers: int | None = None, dtype=mx.float32, lora_scale: float = 2.0, rank: int = 8):
     """A randomly initialised model of shape ``MODELS[name]`` in ``dtype``, frozen,
     with LoRA (``rank``, ``lora_scale``, no dropout) on every linear layer of every
-    decoder layer (mlx-lm's ``linear_to_lora_layers``). ``layers`` overrides the depth."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
+    decoder layer as a run adds it (``dtrain.lora.apply_lora``: mlx-lm's layers, the
+    product in bfloat16 on a bfloat16 model). ``layers`` overrides the depth."""
+    from dtrain.config import LoraConfig
+    from dtrain.lora import apply_lora
 
     module, args = MODELS[name]
     mod = importlib.import_module(f"mlx_lm.models.{module}")
@@ -74,8 +76,7 @@ def build_model(name: str, layers: int | None = None, dtype=mx.float32, lora_sca
     model.set_dtype(dtype)
     if module == "gemma3_text":
         model.sanitize({})  # no lm_head weight: tied embeddings, as Gemma 3 ships
-    model.freeze()
-    linear_to_lora_layers(model, len(model.layers), {"rank": rank, "scale": lora_scale, "dropout": 0.0})
+    apply_lora(model, LoraConfig(rank=rank, scale=lora_scale))
     mx.eval(model.parameters())
     return model
 

@@ -65,6 +65,9 @@ class LoraConfig:
                                  "read as alpha; the adapter records the scale used")
     plus_ratio: float = option(1.0, "LoRA+ (Hayou et al. 2024): the lora_b matrices' learning rate is "
                                     "train.learning_rate times this (the paper suggests 16); 1 = off", above=0.0)
+    branch_dtype: str = option("auto", "dtype of the low-rank product B A x: auto = the activations' on a bfloat16 "
+                                       "model (lora_a/lora_b and AdamW stay float32, as under PyTorch autocast), "
+                                       "else float32; float32 = always (mlx-lm's LoRALinear)", ("auto", "float32"))
 
 
 @dataclass

@@ -23,6 +23,7 @@ REFUSED = {
     "lora.dropout": "the adapter's input dropout", "lora.num_layers": "which layers get adapters",
     "lora.keys": "which modules get adapters", "lora.rslora": "the adapter's update scale",
     "lora.plus_ratio": "the lora_b matrices' learning rate",
+    "lora.branch_dtype": "the dtype the adapter's product computes in",
     "objective.kind": "the loss", "objective.beta": "the loss", "objective.loss_type": "the loss",
     "objective.simpo_gamma": "the loss", "objective.nll_weight": "the loss",
     "objective.completion_only_loss": "which tokens the loss counts",

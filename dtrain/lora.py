@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from .config import LoraConfig
@@ -41,12 +42,35 @@ def lora_parameters(cfg: LoraConfig) -> dict:
     return params
 
 
+class BranchLoRALinear(LoRALinear):
+    """mlx-lm's ``LoRALinear`` whose low-rank product runs in the activations' dtype on a
+    bfloat16 model (``lora.branch_dtype: auto``).
+
+    mlx-lm keeps ``lora_a``/``lora_b`` in float32, so on a bfloat16 model ``x @ lora_a``
+    promotes ``x`` and the ``(tokens, out)`` product, its scaling and their gradients run in
+    float32: most of a LoRA step's time beside the base model's matmuls (docs/benchmarks.md).
+    Here the factors are cast to bfloat16 for the product (``scale`` folded into ``lora_b``),
+    as PyTorch autocast runs PEFT's LoRA layers; the parameters, their gradients (the casts'
+    vjp) and AdamW stay float32. Other input dtypes (float32; float16, whose range is why
+    half-precision training scales its loss) take mlx-lm's path unchanged. Same parameters,
+    ``fuse`` and adapter files as ``LoRALinear``.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype != mx.bfloat16 or self.lora_a.dtype == mx.bfloat16:
+            return super().__call__(x)
+        lora_b = (self.scale * self.lora_b).astype(x.dtype)
+        return self.linear(x) + (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ lora_b
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     """Freeze ``model`` and wrap its linear layers in mlx-lm LoRA layers.
 
     Relies on ``linear_to_lora_layers``: LoRA on the last ``num_layers``
     decoder layers (all when -1), on the module keys given or every linear
     layer. ``lora_b`` starts at zero (mlx-lm), so the model is unchanged.
+    With ``branch_dtype: auto`` each ``LoRALinear`` becomes a
+    :class:`BranchLoRALinear` (the same module, its class changed).
 
     Returns:
         The number of trainable parameters.
@@ -57,6 +81,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)
     model.freeze()
     linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
+    if cfg.branch_dtype == "auto":
+        for _, module in model.named_modules():
+            if type(module) is LoRALinear:
+                module.__class__ = BranchLoRALinear
     count = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     if count == 0:
         raise ConfigError(f"lora.keys {cfg.keys!r} matched no linear layer of the model")

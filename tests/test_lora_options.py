@@ -161,3 +161,69 @@ def test_rslora_adapter_exports_with_dtrain_export(tmp_path):
                             dtype="float32")
     merged, _ = load(str(result.folder))
     np.testing.assert_allclose(np.array(merged(tokens)), np.array(model(tokens)), rtol=1e-4, atol=1e-4)
+
+
+def _branch_layer(dtype, branch_dtype="auto", seed=0):
+    """One LoRA linear (48 -> 40, rank 4, scale 3) of ``dtype`` through apply_lora, with non-zero factors."""
+    import mlx.nn as nn
+
+    class One(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Module()]
+            self.layers[0].proj = nn.Linear(48, 40, bias=False)
+
+    mx.random.seed(seed)
+    model = One()
+    model.set_dtype(dtype)
+    apply_lora(model, LoraConfig(rank=4, scale=3.0, branch_dtype=branch_dtype))
+    layer = model.layers[0].proj
+    layer.lora_b = 0.1 * mx.random.normal(layer.lora_b.shape)
+    return model, layer
+
+
+def _value_and_grads(model, layer, x):
+    import mlx.nn as nn
+
+    def loss(m, x):
+        return (layer(x).astype(mx.float32) ** 2).sum()
+
+    value, grads = nn.value_and_grad(model, loss)(model, x)
+    return value, grads["layers"][0]["proj"]
+
+
+def test_bfloat16_model_runs_the_low_rank_product_in_bfloat16_from_float32_factors():
+    """``branch_dtype: auto`` on a bfloat16 model: the product is ``x @ bf16(A) @ bf16(scale B)`` exactly, the
+    factors and their gradients stay float32, and the gradients are within bfloat16 rounding of the float32
+    product's (mlx-lm's path, ``branch_dtype: float32``), which differs."""
+    from dtrain.lora import BranchLoRALinear
+
+    model, layer = _branch_layer(mx.bfloat16)
+    plain_model, plain = _branch_layer(mx.bfloat16, "float32")
+    assert type(layer) is BranchLoRALinear and type(plain) is LoRALinear
+    assert layer.lora_a.dtype == mx.float32 and layer.linear.weight.dtype == mx.bfloat16
+    x = mx.random.normal((2, 6, 48), key=mx.random.key(1)).astype(mx.bfloat16)
+    y = layer(x)
+    by_hand = layer.linear(x) + (x @ layer.lora_a.astype(mx.bfloat16)) @ (3.0 * layer.lora_b).astype(mx.bfloat16)
+    assert y.dtype == mx.bfloat16 and mx.array_equal(y, by_hand).item()
+    assert not mx.array_equal(y, plain(x)).item()  # mlx-lm's float32 product rounds differently
+    _, g = _value_and_grads(model, layer, x)
+    _, g32 = _value_and_grads(plain_model, plain, x)
+    for name in ("lora_a", "lora_b"):
+        assert g[name].dtype == mx.float32
+        a, b = np.array(g[name]), np.array(g32[name])
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2, name
+        assert np.linalg.norm(b) > 0
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_float32_and_float16_models_keep_mlx_lms_lora_product_bitwise(dtype):
+    """Only bfloat16 activations take the bfloat16 product: a float32 model (the CPU's) and a float16 one
+    give mlx-lm's outputs and gradients bit for bit."""
+    model, layer = _branch_layer(dtype)
+    plain_model, plain = _branch_layer(dtype, "float32")
+    x = mx.random.normal((2, 6, 48), key=mx.random.key(2)).astype(dtype)
+    assert mx.array_equal(layer(x), plain(x)).item()
+    _, g = _value_and_grads(model, layer, x)
+    _, g32 = _value_and_grads(plain_model, plain, x)
+    assert all(mx.array_equal(g[k], g32[k]).item() for k in ("lora_a", "lora_b"))
