@@ -152,8 +152,9 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
     t, result = run.cfg.train, run.result
-    if run.valid and run.state.step == 0:
-        evaluate_and_steer(run, 0)
+    if eval_pending(run):  # step 0, or a checkpoint saved before its step's evaluation (a stop, skipped steps)
+        if evaluate_and_steer(run, run.state.step):
+            return end_early(run, run.state.step)
     elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
         return end_early(run, run.state.step)
     if run.state.step < t.steps:
@@ -196,6 +197,14 @@ def loop(run: Run) -> TrainResult:
 def _every(step: int, n: int) -> bool:
     """Whether a cadence of every ``n`` steps (0 = never) falls on ``step``."""
     return bool(n) and step % n == 0
+
+
+def eval_pending(run: Run) -> bool:
+    """Whether the step the run starts from (0, or a resumed checkpoint's, before the last) is an
+    evaluation step not evaluated yet: a stop or too many skipped steps save before the evaluation."""
+    step, t = run.state.step, run.cfg.train
+    return (bool(run.valid) and step < t.steps and (step == 0 or _every(step, t.eval_every))
+            and str(step) not in run.state.evals)
 
 
 def evaluate_and_steer(run: Run, step: int) -> bool:
