@@ -187,6 +187,22 @@ def test_early_stop_after_n_evaluations_without_a_new_best(tmp_path, scripted):
     assert again.early_stopped and again.steps == 4 and again.history == []
 
 
+def test_resume_of_an_early_stopped_run_saves_and_logs_nothing_again(tmp_path, scripted, capsys):
+    """As a finished run's resume: no second "stopping early", checkpoint and hparams record untouched."""
+    args = (f"train.keep_best={ACC}", "train.keep_best_guard=0.1", "train.early_stop_evals=2")
+    first = run(tmp_path, *args)
+    step_4 = tmp_path / "checkpoints" / "step-0000004"
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in step_4.iterdir()}
+    capsys.readouterr()
+    again = run(tmp_path, *args, "train.resume=auto")
+    assert again.early_stopped and again.steps == 4 and again.history == [] and scripted == [0, 1, 2, 3, 4]
+    assert "stopping early" not in capsys.readouterr().err
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in step_4.iterdir()} == files
+    assert again.run_dir == first.run_dir
+    tags = [v.tag for e in read_events(again.run_dir) for v in e.summary.value]
+    assert tags.count("_hparams_/experiment") == 1
+
+
 def test_keep_best_needs_evaluations(tmp_path):
     with pytest.raises(ConfigError, match=r"command line: 'train.keep_best: eval/loss' needs held-out evaluations "
                                           r"during the run: set 'train.eval_every' > 0 \(it is 0\)"):

@@ -156,7 +156,7 @@ def loop(run: Run) -> TrainResult:
         if evaluate_and_steer(run, run.state.step):
             return end_early(run, run.state.step)
     elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
-        return end_early(run, run.state.step)
+        return end_early(run, run.state.step, again=True)
     if run.state.step < t.steps:
         run.log.doing(first_step_text(run))
     skipped_in_row = 0
@@ -216,12 +216,14 @@ def evaluate_and_steer(run: Run, step: int) -> bool:
     return keep_best.track(run, step)
 
 
-def end_early(run: Run, step: int) -> TrainResult:
-    """Checkpoint and adapters of a run that ``train.early_stop_evals`` stopped after ``step``."""
-    run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
-                    f"{run.cfg.train.keep_best}; stopping early")
-    save(run, step)
-    finish(run)
+def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
+    """Checkpoint and adapters of a run that ``train.early_stop_evals`` stopped after ``step``;
+    ``again``: a resume of that checkpoint, which only rewrites the adapter folders (the same bytes)."""
+    if not again:
+        run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
+                        f"{run.cfg.train.keep_best}; stopping early")
+        save(run, step)
+    finish(run, hparams=not again)
     run.result.steps, run.result.early_stopped = step, True
     return run.result
 
