@@ -7,7 +7,6 @@ import json
 import shutil
 import typing
 
-import mlx.core as mx
 import pytest
 
 from dtrain.run import checkpoint as ckpt
@@ -309,5 +308,5 @@ def test_a_stop_during_an_evaluation_step_is_evaluated_on_resume(tmp_path):
     assert len(set(lambdas)) > 1 and [h["train/lambda"] for h in stopped.history + resumed.history] == lambdas
     assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2, 4, 6]
     for folder in ("adapters", "adapters-last"):
-        a, b = (mx.load(str(tmp_path / r / folder / "adapters.safetensors")) for r in ("whole", "cut"))
-        assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() for k in a), folder
+        a, b = ((tmp_path / r / folder / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))
+        assert a == b, folder
