@@ -141,7 +141,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     Raises:
         UserError: bad model, data or config; a global batch larger than the
             training pairs; an output folder in use by another run, unusable,
-            or holding another run's checkpoints; a checkpoint that cannot be
+            or holding another run's checkpoints or adapter; a checkpoint that cannot be
             continued; too many non-finite steps in a row.
     """
     run = setup(cfg, group, loaded, dataset, hooks)
