@@ -173,6 +173,12 @@ def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = 
     return out
 
 
+def save_weights(path: Path, weights: dict) -> None:
+    """``mx.save_safetensors`` with the tensors in name order, so the file's bytes depend on the names and
+    values only: MLX lays the tensors out in the dict's order, which differs after a reload."""
+    mx.save_safetensors(str(path), dict(sorted(weights.items())))
+
+
 def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: dict | None = None,
                   chat_template: str | None = None, weights: dict | None = None) -> None:
     """Write ``adapters.safetensors`` and ``adapter_config.json`` into an existing ``folder``.
@@ -182,7 +188,7 @@ def write_adapter(folder: Path, model: nn.Module, cfg: LoraConfig, base_model: d
     folder made by :func:`dtrain.files.atomic_folder` (this function and checkpoints).
     """
     weights = dict(tree_flatten(model.trainable_parameters())) if weights is None else weights
-    mx.save_safetensors(str(folder / ADAPTER_WEIGHTS), weights)
+    save_weights(folder / ADAPTER_WEIGHTS, weights)
     (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, model, base_model, chat_template), indent=2))
 
 

@@ -161,15 +161,16 @@ def test_off_writes_the_last_step_to_adapters_only(tmp_path, scripted):
 
 def test_resume_after_the_best_step_still_writes_it(tmp_path, scripted):
     """Cut after step 3 (best so far: step 2, kept in the checkpoint), resume to step 6:
-    adapters/ and adapters-last/ are bitwise those of the uninterrupted run."""
+    adapters/, adapters-last/ and the last checkpoint's weights are the uninterrupted run's bytes."""
     args = (f"train.keep_best={ACC}", "train.keep_best_guard=0.1")
     run(tmp_path / "whole", *args)
     cut = run(tmp_path / "cut", *args, "train.steps=3")
     assert cut.best.step == 2 and (tmp_path / "cut" / "checkpoints" / "step-0000003" / "best.safetensors").is_file()
     resumed = run(tmp_path / "cut", *args, "train.resume=auto")
     assert resumed.best.step == 2 and len(resumed.history) == 3
-    for folder in ("adapters", "adapters-last"):
-        assert same(weights(tmp_path / "whole" / folder), weights(tmp_path / "cut" / folder)), folder
+    for name in ("adapters/adapters.safetensors", "adapters-last/adapters.safetensors",
+                 "checkpoints/step-0000006/best.safetensors", "checkpoints/step-0000006/optimizer.safetensors"):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes(), name
     state = json.loads((tmp_path / "cut" / "checkpoints" / "step-0000006" / "state.json").read_text())
     assert state["best_step"] == 2
 
@@ -185,6 +186,25 @@ def test_early_stop_after_n_evaluations_without_a_new_best(tmp_path, scripted):
     again = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1", "train.early_stop_evals=2",
                 "train.resume=auto")  # a resumed run that had stopped early trains nothing more
     assert again.early_stopped and again.steps == 4 and again.history == []
+
+
+def test_resume_of_an_early_stopped_run_saves_and_logs_nothing_again(tmp_path, scripted, capsys):
+    """As a finished run's resume: no second "stopping early", checkpoint and hparams record untouched,
+    the adapter folders rewritten with the same bytes."""
+    args = (f"train.keep_best={ACC}", "train.keep_best_guard=0.1", "train.early_stop_evals=2")
+    first = run(tmp_path, *args)
+    step_4 = tmp_path / "checkpoints" / "step-0000004"
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in step_4.iterdir()}
+    adapters = {f: (tmp_path / f / "adapters.safetensors").read_bytes() for f in ("adapters", "adapters-last")}
+    capsys.readouterr()
+    again = run(tmp_path, *args, "train.resume=auto")
+    assert again.early_stopped and again.steps == 4 and again.history == [] and scripted == [0, 1, 2, 3, 4]
+    assert "stopping early" not in capsys.readouterr().err
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in step_4.iterdir()} == files
+    assert {f: (tmp_path / f / "adapters.safetensors").read_bytes() for f in adapters} == adapters
+    assert again.run_dir == first.run_dir
+    tags = [v.tag for e in read_events(again.run_dir) for v in e.summary.value]
+    assert tags.count("_hparams_/experiment") == 1
 
 
 def test_keep_best_needs_evaluations(tmp_path):

@@ -19,7 +19,7 @@ from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, _port_lock, ephemeral_p
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
 from waiting import STOP_S, kill_tree, spawn, wait_exit, wait_until
-from test_launch import read_scalars_of
+from test_launch import http_get, rank_processes, read_scalars_of
 
 ADAPTER = "adapters/adapters.safetensors"
 
@@ -63,6 +63,27 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     saved = find_latest(out / "checkpoints")  # save_every 0: only the stop saved one
     assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
     assert lock_is_free(out)
+
+
+def test_tensorboard_ends_with_its_launcher_killed(job, tmp_path):
+    """kill -9 of the launcher: its TensorBoard ends too (it was left serving, holding the port), as the ranks do."""
+    out, port = tmp_path / "run", free_port(1)
+    proc = spawn([sys.executable, LAUNCH, "--tensorboard", port, job, "--train.steps", 5000, "--train.save_every", 0,
+                  "--train.output_dir", out], tmp_path, "launch", cwd=ROOT, start_new_session=True)
+    try:
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb") and http_get(f"http://127.0.0.1:{port}/"),
+                   "the first step's loss and TensorBoard serving", proc)
+        assert rank_processes(str(out / "tb"))  # the TensorBoard process
+        proc.kill()  # the launcher alone: its ranks and TensorBoard run in sessions of their own
+        wait_exit(proc, STOP_S)
+        wait_until(lambda: not rank_processes(str(out / "tb")), "TensorBoard to end", limit=10)
+        with pytest.raises(OSError):
+            http_get(f"http://127.0.0.1:{port}/")
+        wait_until(lambda: not find_trainers(str(out)), "the rank to end", limit=STOP_S)
+    finally:
+        kill_tree(proc)
+        for pid in rank_processes(str(out)):  # what the test started, left by a failure
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_two_jobs_started_together_take_different_ports_and_both_finish(job, tmp_path):

@@ -285,3 +285,28 @@ def test_the_extension_notice_says_what_the_rate_does():
     done = TrainConfig(steps=24, learning_rate=2e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.1)
     assert extension_notice(12, done, 12) == ("train.steps 24 is past the 12 steps this run's schedule was planned "
                                               "for: steps 13-24 hold its final learning rate 2e-05")
+
+
+def test_a_stop_during_an_evaluation_step_is_evaluated_on_resume(tmp_path):
+    """A stop in step 4 (eval_every 2) saves before step 4's evaluation; the resume evaluates it first, so
+    the adaptive λ and keep_best see the same evaluations as an uninterrupted run: the same adapters."""
+    from dtrain.run.trainer import Hooks
+
+    def stop_in_4(step, run_):
+        if step == 4:
+            run_.stop.requested = True
+
+    args = ("train.steps=6", "orpo.lambda_schedule=adaptive", "orpo.lambda_epsilon=5", "orpo.lambda_step=0.1",
+            "train.keep_best=eval/log_odds_ratio")
+    whole, _ = run(tmp_path / "whole", *args)
+    stopped, _ = run(tmp_path / "cut", *args, hooks=Hooks(before_step=stop_in_4))
+    assert stopped.stopped and stopped.steps == 4 and sorted(stopped.evals) == [0, 2]
+    resumed, _ = run(tmp_path / "cut", *args, "train.resume=auto")
+    assert sorted(whole.evals) == sorted(resumed.evals) == [0, 2, 4, 6]
+    assert resumed.evals == whole.evals
+    lambdas = [h["train/lambda"] for h in whole.history]
+    assert len(set(lambdas)) > 1 and [h["train/lambda"] for h in stopped.history + resumed.history] == lambdas
+    assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2, 4, 6]
+    for folder in ("adapters", "adapters-last"):
+        a, b = ((tmp_path / r / folder / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))
+        assert a == b, folder

@@ -89,6 +89,33 @@ def test_fresh_run_into_a_folder_with_checkpoints_is_refused(tmp_path):
     assert len(resumed.history) == 1  # step 2 only
 
 
+@pytest.mark.parametrize("resume", [[], ["train.resume=auto"]], ids=["fresh", "resume-auto"])
+def test_a_run_into_a_folder_with_an_adapter_and_no_checkpoint_is_refused(tmp_path, resume):
+    """A finished run whose checkpoints/ was deleted: a new run would replace adapters/ (and the user's
+    file in it) at its end; it stops before writing anything, naming the folder."""
+    import shutil
+
+    from dtrain.errors import UserError
+
+    run(tmp_path, "train.steps=1", "train.keep_best=eval/loss", "train.eval_every=1")
+    shutil.rmtree(tmp_path / "checkpoints")
+    (tmp_path / "adapters" / "NOTES.txt").write_text("mine")
+    before = sorted((str(p), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.steps=2", *resume)
+    assert str(err.value) == (f"{tmp_path} holds an earlier run's adapter (adapters/) and no checkpoint to continue "
+                              f"that run from, so this run would replace it; choose another train.output_dir, or "
+                              f"remove {tmp_path / 'adapters'} to train anew here")
+    assert sorted((str(p), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == before
+    shutil.rmtree(tmp_path / "adapters")
+    with pytest.raises(UserError, match=r"adapter \(adapters-last/\)"):
+        run(tmp_path, "train.steps=2", *resume)
+    shutil.rmtree(tmp_path / "adapters-last")
+    (tmp_path / "notes.txt").write_text("an unrelated file is kept")
+    again, _ = run(tmp_path, "train.steps=2", *resume)
+    assert again.steps == 2 and (tmp_path / "notes.txt").read_text() == "an unrelated file is kept"
+
+
 def test_same_seed_same_losses_and_adapter(tmp_path):
     a, _ = run(tmp_path / "a")
     b, _ = run(tmp_path / "b")

@@ -18,7 +18,7 @@ Ctrl-C/SIGTERM/SIGHUP stops the job for good: every rank saves after its
 step; a rank that makes no progress for ``--stop-timeout`` seconds is killed,
 and the launcher says what that lost. A second Ctrl-C kills the ranks at once.
 When the launcher itself is gone (SIGKILL), every rank on its machine saves and
-stops the same way (:mod:`.rank` watches it).
+stops the same way (:mod:`.rank` watches it), and ``--tensorboard``'s server ends.
 
 With ``--max-restarts N`` a failed job (a rank killed or crashed, a lost peer,
 the collective watchdog) is stopped, and after ``--restart-delay`` seconds
@@ -51,6 +51,19 @@ from .plan import DEFAULT_PORT, build_plan, describe
 from .supervise import Attempt, Outcome
 
 TB_DEFAULT_PORT = 6006
+# TensorBoard under a watch on the launcher: its stdin is a pipe whose other end only the launcher
+# holds (Popen's pipes are not inherited), so EOF there means the launcher is gone, SIGKILL included;
+# it then ends its session (the server and its data server), as a rank stops when its launcher is gone.
+TB_PROGRAM = """import os, signal, sys, threading
+def watch():
+    while os.read(0, 1):
+        pass
+    os.killpg(0, signal.SIGKILL)
+threading.Thread(target=watch, daemon=True).start()
+sys.argv[0] = "tensorboard"
+from tensorboard.main import run_main
+run_main()
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,7 +105,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Popen:
-    """Serve ``logdir`` on 127.0.0.1:``port`` with the ``tensorboard`` package.
+    """Serve ``logdir`` on 127.0.0.1:``port`` with the ``tensorboard`` package, ended when the launcher is
+    gone (:data:`TB_PROGRAM`; keep the returned process's ``stdin`` open while it should serve).
 
     Raises:
         LaunchError: the package is missing or the port is taken.
@@ -105,10 +119,10 @@ def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Pop
         except OSError:
             raise LaunchError(f"--tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}") from None
     logdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-c", TB_PROGRAM, "--logdir", str(logdir), "--host", "127.0.0.1",
            "--port", str(port), "--reload_interval", "5"]
     with open(log_path, "wb") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, start_new_session=True)
 
 
 def stop_tensorboard(tb: subprocess.Popen, log_path: Path, timeout: float = 5.0) -> None:
@@ -123,6 +137,7 @@ def stop_tensorboard(tb: subprocess.Popen, log_path: Path, timeout: float = 5.0)
     except subprocess.TimeoutExpired:
         os.killpg(tb.pid, signal.SIGKILL)
         tb.wait()
+    tb.stdin.close()
 
 
 def check_data(cfg) -> None:

@@ -44,7 +44,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from ..files import atomic_folder, sha256_file, storage, storage_reason
-from ..lora import ADAPTER_WEIGHTS, write_adapter
+from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -181,9 +181,9 @@ def save_checkpoint(root: Path, state: RunState, model, optimizer, lora_cfg, res
                         f"not replacing it")
     with storage(f"write checkpoint {final}", "; the previous checkpoints are intact"), atomic_folder(final) as tmp:
         write_adapter(tmp, model, lora_cfg, base_model, chat_template)
-        mx.save_safetensors(str(tmp / OPTIMIZER), dict(tree_flatten(optimizer.state)))
+        save_weights(tmp / OPTIMIZER, dict(tree_flatten(optimizer.state)))
         if best is not None:
-            mx.save_safetensors(str(tmp / BEST), best)
+            save_weights(tmp / BEST, best)
         (tmp / STATE).write_text(state.to_json())
         (tmp / CONFIG).write_text(yaml.safe_dump(resolved, sort_keys=False))
         files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(tmp.iterdir())}

@@ -3,7 +3,7 @@
 :func:`prepare_output` takes an exclusive ``flock`` on ``OUTPUT_DIR/.dtrain.lock``
 (:class:`OutputLock`), so a second run into the same folder stops before it
 writes; under the lock it checks the folder is writable, has room for what the
-run will save (:class:`DiskPlan`) and holds no earlier run's checkpoints.
+run will save (:class:`DiskPlan`) and holds no earlier run's checkpoints or adapter.
 """
 
 from __future__ import annotations
@@ -86,10 +86,13 @@ class OutputLock:
 
 
 def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
-    """Take ownership of ``out``, then check it: writable, room for a checkpoint, no earlier run's checkpoints.
+    """Take ownership of ``out``, then check it: writable, room for a checkpoint, no earlier run's
+    checkpoints or adapter (unless resuming from its checkpoints).
 
     A fresh run into a folder holding another run's checkpoints would mix the
-    two (``resume: auto`` would later pick the other run's newest step). The
+    two (``resume: auto`` would later pick the other run's newest step); one
+    into a folder holding an adapter (``adapters/``, ``adapters-last/``) but no
+    checkpoint (deleted to save space) would replace it at its end. The
     checks run under the lock, so no other run can change the answer.
 
     Args:
@@ -101,7 +104,7 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         The held lock; release it when the run ends.
     Raises:
         UserError: another run holds ``out``; not writable; too little space;
-            earlier checkpoints and not ``resuming``.
+            earlier checkpoints and not ``resuming``; an adapter folder and no checkpoint.
     """
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -113,6 +116,11 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
                             f"continue it with train.resume=auto, or choose another train.output_dir")
+        made = [p for p in (OutputDir(out).adapters, OutputDir(out).adapters_last) if p.exists()]
+        if earlier is None and made:
+            raise UserError(f"{out} holds an earlier run's adapter ({made[0].name}/) and no checkpoint to continue "
+                            f"that run from, so this run would replace it; choose another train.output_dir, or "
+                            f"remove {made[0]} to train anew here")
         kept = [p for p in list_checkpoints(OutputDir(out).checkpoints) if validate(p) is None] if earlier else []
         need, more = plan.need(len(kept), int(earlier.name.removeprefix(PREFIX)) if earlier else 0)
         check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "

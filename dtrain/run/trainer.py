@@ -141,7 +141,7 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     Raises:
         UserError: bad model, data or config; a global batch larger than the
             training pairs; an output folder in use by another run, unusable,
-            or holding another run's checkpoints; a checkpoint that cannot be
+            or holding another run's checkpoints or adapter; a checkpoint that cannot be
             continued; too many non-finite steps in a row.
     """
     run = setup(cfg, group, loaded, dataset, hooks)
@@ -152,10 +152,11 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
     t, result = run.cfg.train, run.result
-    if run.valid and run.state.step == 0:
-        evaluate_and_steer(run, 0)
+    if eval_pending(run):  # step 0, or a checkpoint saved before its step's evaluation (a stop, skipped steps)
+        if evaluate_and_steer(run, run.state.step):
+            return end_early(run, run.state.step)
     elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
-        return end_early(run, run.state.step)
+        return end_early(run, run.state.step, again=True)
     if run.state.step < t.steps:
         run.log.doing(first_step_text(run))
     skipped_in_row = 0
@@ -198,6 +199,14 @@ def _every(step: int, n: int) -> bool:
     return bool(n) and step % n == 0
 
 
+def eval_pending(run: Run) -> bool:
+    """Whether the step the run starts from (0, or a resumed checkpoint's, before the last) is an
+    evaluation step not evaluated yet: a stop or too many skipped steps save before the evaluation."""
+    step, t = run.state.step, run.cfg.train
+    return (bool(run.valid) and step < t.steps and (step == 0 or _every(step, t.eval_every))
+            and str(step) not in run.state.evals)
+
+
 def evaluate_and_steer(run: Run, step: int) -> bool:
     """Evaluate after ``step``, then let the λ controller and ``train.keep_best`` read the
     numbers; True when ``train.early_stop_evals`` says stop (the same on every rank: eval
@@ -207,12 +216,14 @@ def evaluate_and_steer(run: Run, step: int) -> bool:
     return keep_best.track(run, step)
 
 
-def end_early(run: Run, step: int) -> TrainResult:
-    """Checkpoint and adapters of a run that ``train.early_stop_evals`` stopped after ``step``."""
-    run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
-                    f"{run.cfg.train.keep_best}; stopping early")
-    save(run, step)
-    finish(run)
+def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
+    """Checkpoint and adapters of a run that ``train.early_stop_evals`` stopped after ``step``;
+    ``again``: a resume of that checkpoint, which only rewrites the adapter folders (the same bytes)."""
+    if not again:
+        run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
+                        f"{run.cfg.train.keep_best}; stopping early")
+        save(run, step)
+    finish(run, hparams=not again)
     run.result.steps, run.result.early_stopped = step, True
     return run.result
 
