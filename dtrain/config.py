@@ -9,6 +9,7 @@ key (and the file, when there is one).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,6 +327,8 @@ def _check_allowed(value: Any, meta: dict, where: str) -> None:
         raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if not math.isfinite(value):  # NaN fails every comparison below, so it would pass every bound
+        raise ConfigError(f"{where} must be a finite number; got {value}")
     lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
     if lo is not None and hi is not None and not lo <= value < hi:
         raise ConfigError(f"{where} must be in [{lo:g}, {hi:g}); got {value}")

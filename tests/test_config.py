@@ -185,3 +185,21 @@ def test_dtrain_config_into_a_closed_pipe_exits_quietly():
         os.close(write)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("override", ["train.learning_rate=.nan", "train.learning_rate=.inf", "lora.scale=.nan",
+                                      "lora.scale=-.inf", "train.grad_clip=nan", "train.weight_decay=1e400",
+                                      "objective.beta=.inf"])
+def test_a_non_finite_float_is_refused_naming_the_key(override):
+    """NaN passes every bound check (``nan < 0`` is False), and trained an all-NaN adapter."""
+    key, value = override.split("=")
+    extra = ["objective.kind=dpo"] if key == "objective.beta" else []
+    with pytest.raises(ConfigError, match=rf"command line: key '{re.escape(key)}' must be a finite number; got "):
+        load_config(None, ["data.demo_pairs=1", *extra, override])
+
+
+def test_a_non_finite_float_in_a_yaml_file_is_refused(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  demo_pairs: 4\ntrain:\n  learning_rate: .nan\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{f}: key 'train.learning_rate' must be a finite number; got nan")):
+        load_config(str(f))
