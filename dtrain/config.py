@@ -410,7 +410,12 @@ def _check(cfg: Config, source: str) -> None:
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """``"section.key=value"`` -> ``(section, key, value)``, the value read as a YAML scalar.
+    """``"section.key=value"`` -> ``(section, key, value)``.
+
+    A ``str`` key's value is the text as given, so a path keeps its ``#`` or ``: ``
+    and ``2024`` stays text; for an optional one, ``null``, ``~`` and the empty
+    text are None. Other values are read as YAML (``1e-4``, ``true``, ``[a, b]``,
+    ``{prompt: q}``), as they would be in a config file.
 
     Raises:
         ConfigError: ``item`` is not of that form.
@@ -419,6 +424,10 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         raise ConfigError(f"command line: override {item!r} must look like section.key=value")
     dotted, text = item.split("=", 1)
     section, key = dotted.split(".", 1)
+    tp = _field_type(section, key)
+    if tp in (str, Optional[str]):
+        is_null = text == "" or (tp != str and text in ("null", "Null", "NULL", "~"))
+        return section, key, None if is_null else text  # a required str given "" is refused as None
     try:
         value = yaml.safe_load(text) if text != "" else None
     except yaml.YAMLError:
@@ -426,13 +435,19 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def _field_type(section: str, key: str) -> Any:
+    """The annotation of ``section.key`` (YAML spelling), or None for an unknown key."""
+    cls = typing.get_type_hints(Config).get(section)
+    return typing.get_type_hints(cls).get(ALIASES.get(key, key)) if cls else None
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
     """Build a :class:`Config` from defaults, an optional YAML file and overrides.
 
     Args:
         path: YAML file with ``section: {key: value}`` mappings.
-        overrides: ``["section.key=value", ...]``; values are parsed as YAML
-            scalars (``1e-4`` is a float, ``null`` is None).
+        overrides: ``["section.key=value", ...]``, read by :func:`parse_override`
+            (a ``str`` key takes the text as given, other values are YAML).
 
     Raises:
         ConfigError: unreadable or malformed YAML, unknown section or key, a

@@ -203,3 +203,25 @@ def test_a_non_finite_float_in_a_yaml_file_is_refused(tmp_path):
     f.write_text("data:\n  demo_pairs: 4\ntrain:\n  learning_rate: .nan\n")
     with pytest.raises(ConfigError, match=re.escape(f"{f}: key 'train.learning_rate' must be a finite number; got nan")):
         load_config(str(f))
+
+
+@pytest.mark.parametrize("override, section, key, value", [
+    ("train.output_dir=runs/a #b", "train", "output_dir", "runs/a #b"),  # YAML would drop " #b" as a comment
+    ("data.train=my #1.jsonl", "data", "train", "my #1.jsonl"),
+    ("train.output_dir=2024", "train", "output_dir", "2024"),  # YAML: the int 2024
+    ("model.path=models/x: v2", "model", "path", "models/x: v2"),  # YAML: a mapping
+    ("data.valid=yes", "data", "valid", "yes"),  # YAML 1.1: True
+    ("model.path=null", "model", "path", "null"),  # a required str: a file named null
+    ("data.valid=null", "data", "valid", None), ("data.valid=~", "data", "valid", None),
+    ("data.valid=", "data", "valid", None),
+    ("train.steps=9", "train", "steps", 9), ("lora.keys=[self_attn.q_proj]", "lora", "keys", ["self_attn.q_proj"]),
+    ("data.fields={prompt: q}", "data", "fields", {"prompt": "q"}), ("train.progress=false", "train", "progress", False),
+])
+def test_a_str_key_takes_the_override_text_as_given_and_other_keys_read_yaml(override, section, key, value):
+    cfg = load_config(None, ["data.demo_pairs=0", "data.train=x.jsonl", override])
+    assert getattr(getattr(cfg, section), key) == value
+
+
+def test_an_empty_override_of_a_required_str_key_is_refused():
+    with pytest.raises(ConfigError, match=r"command line: key 'train.output_dir': expected str, got None"):
+        load_config(None, ["data.demo_pairs=1", "train.output_dir="])
