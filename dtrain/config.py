@@ -441,13 +441,16 @@ def _field_type(section: str, key: str) -> Any:
     return typing.get_type_hints(cls).get(ALIASES.get(key, key)) if cls else None
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
+def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
+                values: Optional[dict] = None) -> Config:
     """Build a :class:`Config` from defaults, an optional YAML file and overrides.
 
     Args:
         path: YAML file with ``section: {key: value}`` mappings.
         overrides: ``["section.key=value", ...]``, read by :func:`parse_override`
             (a ``str`` key takes the text as given, other values are YAML).
+        values: ``{"section.key": value}`` set as they are, after the overrides
+            (``dtrain data check FILE``'s FILE, whatever its name).
 
     Raises:
         ConfigError: unreadable or malformed YAML, unknown section or key, a
@@ -477,6 +480,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
                 _apply(cfg, str(section), str(key), value, path)
     for item in overrides or []:
         _apply(cfg, *parse_override(item), "command line")
+    for dotted, value in (values or {}).items():
+        _apply(cfg, *dotted.split(".", 1), value, "command line")
     _check(cfg, path or "command line")
     return cfg
 
