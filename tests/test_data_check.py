@@ -235,3 +235,10 @@ def test_cli_file_is_read_by_its_name_as_given(tmp_path, model_dir, capsys, monk
     assert status == 0, out.err
     assert out.out.startswith(f"{name}: 1 rows, 1 usable, 0 bad, 0 dropped")
 
+
+def test_cli_show_refuses_a_negative_count(tmp_path, model_dir, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--show", "-2"])
+    out = capsys.readouterr()
+    assert status == 2 and out.out == ""
+    assert out.err == "dtrain: error: data check: --show N must be 0 or more (the first N usable pairs); got -2\n"
