@@ -472,11 +472,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
         raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
-        for section, values in raw.items():
-            values = {} if values is None else values  # a section whose keys are all commented out
-            if not isinstance(values, dict):
-                raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {values!r}")
-            for key, value in values.items():
+        for section, keys in raw.items():
+            keys = {} if keys is None else keys  # a section whose keys are all commented out
+            if not isinstance(keys, dict):
+                raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {keys!r}")
+            for key, value in keys.items():
                 _apply(cfg, str(section), str(key), value, path)
     for item in overrides or []:
         _apply(cfg, *parse_override(item), "command line")

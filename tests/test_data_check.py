@@ -242,3 +242,14 @@ def test_cli_show_refuses_a_negative_count(tmp_path, model_dir, capsys):
     out = capsys.readouterr()
     assert status == 2 and out.out == ""
     assert out.err == "dtrain: error: data check: --show N must be 0 or more (the first N usable pairs); got -2\n"
+
+
+def test_cli_file_with_a_config_of_demo_pairs(tmp_path, model_dir, capsys):
+    """FILE replaces the config's data: its demo pairs do not apply, its other data keys do."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  demo_pairs: 8\n  max_length: 40\n")
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+    status = main(["data", "check", path, "-c", str(cfg), "--model.path", str(model_dir)])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert out.out.startswith(f"{path}: 1 rows, 1 usable") and "max_length=40" in out.out
