@@ -441,6 +441,28 @@ def _field_type(section: str, key: str) -> Any:
     return typing.get_type_hints(cls).get(ALIASES.get(key, key)) if cls else None
 
 
+class _RepeatedKey(yaml.YAMLError):
+    """A mapping key given twice (``line``, ``first``: 1-based lines)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"line {line}: key '{key}' repeated (first at line {first})")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (PyYAML keeps the last
+    silently, so a second ``train:`` section would drop the first one's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        first = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in first:
+                    raise _RepeatedKey(key, key_node.start_mark.line + 1, first[key])
+                first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
                 values: Optional[dict] = None) -> Config:
     """Build a :class:`Config` from defaults, an optional YAML file and overrides.
@@ -453,8 +475,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
             (``dtrain data check FILE``'s FILE, whatever its name).
 
     Raises:
-        ConfigError: unreadable or malformed YAML, unknown section or key, a
-            value of the wrong type or outside its choices.
+        ConfigError: unreadable or malformed YAML, a repeated section or key, an
+            unknown section or key, a value of the wrong type or outside its choices.
     """
     cfg = Config()
     if path is not None:
@@ -462,9 +484,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
         if not p.is_file():
             raise ConfigError(f"{path}: config file not found" + (" (it is a directory)" if p.is_dir() else ""))
         try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+            raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except _RepeatedKey as err:
+            raise ConfigError(f"{path}: {err}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""

@@ -225,3 +225,22 @@ def test_a_str_key_takes_the_override_text_as_given_and_other_keys_read_yaml(ove
 def test_an_empty_override_of_a_required_str_key_is_refused():
     with pytest.raises(ConfigError, match=r"command line: key 'train.output_dir': expected str, got None"):
         load_config(None, ["data.demo_pairs=1", "train.output_dir="])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  steps: 5\ndata:\n  demo_pairs: 8\ntrain:\n  learning_rate: 0.001\n",
+     "line 5: key 'train' repeated (first at line 1)"),  # PyYAML kept the second train:, dropping steps: 5
+    ("data:\n  demo_pairs: 8\n  # a comment\n  demo_pairs: 9\n", "line 4: key 'demo_pairs' repeated (first at line 2)"),
+    ("data: {demo_pairs: 8, demo_pairs: 8}\n", "line 1: key 'demo_pairs' repeated (first at line 1)"),
+])
+def test_a_repeated_section_or_key_in_yaml_is_refused_with_both_lines(tmp_path, text, message):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'{f}: {message}')}$"):
+        load_config(str(f))
+
+
+def test_yaml_merge_keys_are_not_repeats(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  demo_pairs: 8\ntrain:\n  <<: {steps: 4, seed: 2}\n  steps: 3\n")
+    assert (load_config(str(f)).train.steps, load_config(str(f)).train.seed) == (3, 2)
