@@ -86,9 +86,10 @@ def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, valu
     reader += {"orpo.lambda_schedule": ["train.eval_every=1"], "train.keep_best": ["train.eval_every=1"],
                "train.early_stop_evals": ["train.eval_every=1", "train.keep_best=eval/loss"],
                "train.keep_best_guard": ["train.eval_every=1", "train.keep_best=eval/loss"]}.get(key, [])
-    load_config(None, [f"{key}={json.dumps(value)}", *reader, "data.demo_pairs=1"]
+    text = value if isinstance(value, str) else json.dumps(value)  # a str key's override is its text as given
+    load_config(None, [f"{key}={text}", *reader, "data.demo_pairs=1"]
                 if key not in ("data.train", "data.demo_pairs")
-                else [f"{key}={json.dumps(value)}"])  # the generated value is one the config accepts
+                else [f"{key}={text}"])  # the generated value is one the config accepts
     saved, current = state_for(base), state_for(now)
     if key in identity.REFUSED:
         with pytest.raises(UserError) as err:
@@ -285,3 +286,4 @@ def test_the_extension_notice_says_what_the_rate_does():
     done = TrainConfig(steps=24, learning_rate=2e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.1)
     assert extension_notice(12, done, 12) == ("train.steps 24 is past the 12 steps this run's schedule was planned "
                                               "for: steps 13-24 hold its final learning rate 2e-05")
+
