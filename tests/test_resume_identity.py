@@ -287,3 +287,34 @@ def test_the_extension_notice_says_what_the_rate_does():
     assert extension_notice(12, done, 12) == ("train.steps 24 is past the 12 steps this run's schedule was planned "
                                               "for: steps 13-24 hold its final learning rate 2e-05")
 
+
+def test_a_model_folder_is_compared_by_content_on_resume(tmp_path):
+    """A moved copy of the base model folder continues the run; other weights of the same shapes
+    in the same folder are refused, naming model.path."""
+    from conftest import make_tiny_model
+    from fixtures_launch import make_model_folder
+    from mlx_lm.utils import save_model
+
+    from dtrain.models import load_model
+    from dtrain.run.trainer import train
+
+    def run_on(folder, *overrides):
+        cfg = load_config(None, [f"model.path={folder}", f"train.output_dir={tmp_path / 'out'}", "data.demo_pairs=16",
+                                 "data.max_length=64", "data.max_prompt_length=32", "lora.rank=2",
+                                 "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "train.progress=false",
+                                 *overrides])
+        return train(cfg, loaded=load_model(str(folder), "float32"))
+
+    model = make_model_folder(tmp_path / "model")
+    run_on(model, "train.steps=2")
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.move(model, moved)
+    assert len(run_on(moved, "train.steps=4", "train.resume=auto").history) == 2
+    before = load_model(str(moved), "float32").identity
+    save_model(moved, make_tiny_model(seed=7, num_hidden_layers=2))  # same names and shapes, other weights
+    with pytest.raises(UserError) as err:
+        run_on(moved, "train.steps=6", "train.resume=auto")
+    now = load_model(str(moved), "float32").identity
+    assert before != now and str(err.value) == (
+        f"resume: {tmp_path}/out/checkpoints/step-0000004 was made with different settings: model.path: "
+        f"{before!r} in the checkpoint, {now!r} now. {ckpt.RESUME_HINT}")
