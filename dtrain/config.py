@@ -442,7 +442,7 @@ def _field_type(section: str, key: str) -> Any:
 
 
 class _RepeatedKey(yaml.YAMLError):
-    """A mapping key given twice (``line``, ``first``: 1-based lines)."""
+    """A mapping key given twice; the message names both lines (1-based)."""
 
     def __init__(self, key: Any, line: int, first: int):
         super().__init__(f"line {line}: key '{key}' repeated (first at line {first})")

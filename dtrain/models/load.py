@@ -172,7 +172,7 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
     mx.eval(model.parameters())
     if Path(path).is_dir():
         identity, reference = f"mlx-lm-folder:{folder_fingerprint(Path(path))}", {"path": str(Path(path).resolve())}
-    else:  # a hub id names its content (the download is mlx-lm's, in the hub cache)
+    else:  # a hub id: by its id and config (the download is mlx-lm's, in the hub cache)
         config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
         identity, reference = f"mlx-lm:{path}:{config_hash}", {"hub_id": path}
     return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference)
@@ -186,7 +186,7 @@ def folder_fingerprint(folder: Path) -> str:
     ``model*.safetensors`` file (those mlx-lm loads), its name, size, safetensors header and
     ``SAMPLES`` blocks of ``SAMPLE_BYTES`` at evenly spaced offsets (the whole file when smaller).
 
-    About 1 MiB is read per file, so a 16 GB folder costs milliseconds, not a minute of hashing.
+    At most about 1 MiB is read per file, so a 16 GB folder is not hashed whole at every start.
     It misses an edit in place that keeps every size and header and leaves the sampled bytes alone
     (replaced or re-downloaded weights change the samples).
     """
