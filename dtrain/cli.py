@@ -91,8 +91,11 @@ def _train(args, overrides) -> int:
 def _data_check(args, overrides) -> int:
     from .config import load_config
 
-    # the file named on the command line is the data (a config's demo pairs do not apply)
-    cfg = load_config(args.config, [*overrides, f"data.train={args.file}", "data.demo_pairs=0"])
+    if args.show < 0:
+        raise UserError(f"data check: --show N must be 0 or more (the first N usable pairs); got {args.show}")
+    # the file named on the command line is the data, its name taken as it is (a file may be
+    # called 2024 or null); a config's demo pairs do not apply
+    cfg = load_config(args.config, overrides, values={"data.train": args.file, "data.demo_pairs": 0})
     _setup_blas()
     from .data import check_file
     from .models import load_model

@@ -9,6 +9,7 @@ key (and the file, when there is one).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,6 +330,8 @@ def _check_allowed(value: Any, meta: dict, where: str) -> None:
         raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return
+    if not math.isfinite(value):  # NaN fails every comparison below, so it would pass every bound
+        raise ConfigError(f"{where} must be a finite number; got {value}")
     lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
     if lo is not None and hi is not None and not lo <= value < hi:
         raise ConfigError(f"{where} must be in [{lo:g}, {hi:g}); got {value}")
@@ -410,7 +413,12 @@ def _check(cfg: Config, source: str) -> None:
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """``"section.key=value"`` -> ``(section, key, value)``, the value read as a YAML scalar.
+    """``"section.key=value"`` -> ``(section, key, value)``.
+
+    A ``str`` key's value is the text as given, so a path keeps its ``#`` or ``: ``
+    and ``2024`` stays text; for an optional one, ``null``, ``~`` and the empty
+    text are None. Other values are read as YAML (``1e-4``, ``true``, ``[a, b]``,
+    ``{prompt: q}``), as they would be in a config file.
 
     Raises:
         ConfigError: ``item`` is not of that form.
@@ -419,6 +427,10 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         raise ConfigError(f"command line: override {item!r} must look like section.key=value")
     dotted, text = item.split("=", 1)
     section, key = dotted.split(".", 1)
+    tp = _field_type(section, key)
+    if tp in (str, Optional[str]):
+        is_null = text == "" or (tp != str and text in ("null", "Null", "NULL", "~"))
+        return section, key, None if is_null else text  # a required str given "" is refused as None
     try:
         value = yaml.safe_load(text) if text != "" else None
     except yaml.YAMLError:
@@ -426,17 +438,48 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
+def _field_type(section: str, key: str) -> Any:
+    """The annotation of ``section.key`` (YAML spelling), or None for an unknown key."""
+    cls = typing.get_type_hints(Config).get(section)
+    return typing.get_type_hints(cls).get(ALIASES.get(key, key)) if cls else None
+
+
+class _RepeatedKey(yaml.YAMLError):
+    """A mapping key given twice; the message names both lines (1-based)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"line {line}: key '{key}' repeated (first at line {first})")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (PyYAML keeps the last
+    silently, so a second ``train:`` section would drop the first one's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        first = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in first:
+                    raise _RepeatedKey(key, key_node.start_mark.line + 1, first[key])
+                first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
+                values: Optional[dict] = None) -> Config:
     """Build a :class:`Config` from defaults, an optional YAML file and overrides.
 
     Args:
         path: YAML file with ``section: {key: value}`` mappings.
-        overrides: ``["section.key=value", ...]``; values are parsed as YAML
-            scalars (``1e-4`` is a float, ``null`` is None).
+        overrides: ``["section.key=value", ...]``, read by :func:`parse_override`
+            (a ``str`` key takes the text as given, other values are YAML).
+        values: ``{"section.key": value}`` set as they are, after the overrides
+            (``dtrain data check FILE``'s FILE, whatever its name).
 
     Raises:
-        ConfigError: unreadable or malformed YAML, unknown section or key, a
-            value of the wrong type or outside its choices.
+        ConfigError: unreadable or malformed YAML, a repeated section or key, an
+            unknown section or key, a value of the wrong type or outside its choices.
     """
     cfg = Config()
     if path is not None:
@@ -444,9 +487,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
         if not p.is_file():
             raise ConfigError(f"{path}: config file not found" + (" (it is a directory)" if p.is_dir() else ""))
         try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+            raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except _RepeatedKey as err:
+            raise ConfigError(f"{path}: {err}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
@@ -454,14 +499,16 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
         raw = raw or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
-        for section, values in raw.items():
-            values = {} if values is None else values  # a section whose keys are all commented out
-            if not isinstance(values, dict):
-                raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {values!r}")
-            for key, value in values.items():
+        for section, keys in raw.items():
+            keys = {} if keys is None else keys  # a section whose keys are all commented out
+            if not isinstance(keys, dict):
+                raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {keys!r}")
+            for key, value in keys.items():
                 _apply(cfg, str(section), str(key), value, path)
     for item in overrides or []:
         _apply(cfg, *parse_override(item), "command line")
+    for dotted, value in (values or {}).items():
+        _apply(cfg, *dotted.split(".", 1), value, "command line")
     _check(cfg, path or "command line")
     return cfg
 

@@ -103,6 +103,8 @@ CONFIG_CASES = [
     ("zero_batch", "train:\n  global_batch_pairs: 0\n", "'train.global_batch_pairs' must be > 0"),
     ("negative_lambda", "orpo:\n  lambda: -1\n", "'orpo.lambda' must be >= 0"),
     ("bad_fraction", "data:\n  valid_fraction: 1.5\n", "'data.valid_fraction' must be in [0, 1)"),
+    ("repeated_section", "train:\n  steps: 3\ntrain:\n  seed: 1\n", "line 3: key 'train' repeated (first at line 1)"),
+    ("nan_learning_rate", "train:\n  learning_rate: .nan\n", "'train.learning_rate' must be a finite number"),
     ("not_utf8", b"train:\n  output_dir: caf\xe9\n", "not UTF-8"),
 ]
 

@@ -185,3 +185,62 @@ def test_dtrain_config_into_a_closed_pipe_exits_quietly():
         os.close(write)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("override", ["train.learning_rate=.nan", "train.learning_rate=.inf", "lora.scale=.nan",
+                                      "lora.scale=-.inf", "train.grad_clip=nan", "train.weight_decay=1e400",
+                                      "objective.beta=.inf"])
+def test_a_non_finite_float_is_refused_naming_the_key(override):
+    """NaN passes every bound check (``nan < 0`` is False), and trained an all-NaN adapter."""
+    key, value = override.split("=")
+    extra = ["objective.kind=dpo"] if key == "objective.beta" else []
+    with pytest.raises(ConfigError, match=rf"command line: key '{re.escape(key)}' must be a finite number; got "):
+        load_config(None, ["data.demo_pairs=1", *extra, override])
+
+
+def test_a_non_finite_float_in_a_yaml_file_is_refused(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  demo_pairs: 4\ntrain:\n  learning_rate: .nan\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{f}: key 'train.learning_rate' must be a finite number; got nan")):
+        load_config(str(f))
+
+
+@pytest.mark.parametrize("override, section, key, value", [
+    ("train.output_dir=runs/a #b", "train", "output_dir", "runs/a #b"),  # YAML would drop " #b" as a comment
+    ("data.train=my #1.jsonl", "data", "train", "my #1.jsonl"),
+    ("train.output_dir=2024", "train", "output_dir", "2024"),  # YAML: the int 2024
+    ("model.path=models/x: v2", "model", "path", "models/x: v2"),  # YAML: a mapping
+    ("data.valid=yes", "data", "valid", "yes"),  # YAML 1.1: True
+    ("model.path=null", "model", "path", "null"),  # a required str: a file named null
+    ("data.valid=null", "data", "valid", None), ("data.valid=~", "data", "valid", None),
+    ("data.valid=", "data", "valid", None),
+    ("train.steps=9", "train", "steps", 9), ("lora.keys=[self_attn.q_proj]", "lora", "keys", ["self_attn.q_proj"]),
+    ("data.fields={prompt: q}", "data", "fields", {"prompt": "q"}), ("train.progress=false", "train", "progress", False),
+])
+def test_a_str_key_takes_the_override_text_as_given_and_other_keys_read_yaml(override, section, key, value):
+    cfg = load_config(None, ["data.demo_pairs=0", "data.train=x.jsonl", override])
+    assert getattr(getattr(cfg, section), key) == value
+
+
+def test_an_empty_override_of_a_required_str_key_is_refused():
+    with pytest.raises(ConfigError, match=r"command line: key 'train.output_dir': expected str, got None"):
+        load_config(None, ["data.demo_pairs=1", "train.output_dir="])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  steps: 5\ndata:\n  demo_pairs: 8\ntrain:\n  learning_rate: 0.001\n",
+     "line 5: key 'train' repeated (first at line 1)"),  # PyYAML kept the second train:, dropping steps: 5
+    ("data:\n  demo_pairs: 8\n  # a comment\n  demo_pairs: 9\n", "line 4: key 'demo_pairs' repeated (first at line 2)"),
+    ("data: {demo_pairs: 8, demo_pairs: 8}\n", "line 1: key 'demo_pairs' repeated (first at line 1)"),
+])
+def test_a_repeated_section_or_key_in_yaml_is_refused_with_both_lines(tmp_path, text, message):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'{f}: {message}')}$"):
+        load_config(str(f))
+
+
+def test_yaml_merge_keys_are_not_repeats(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  demo_pairs: 8\ntrain:\n  <<: {steps: 4, seed: 2}\n  steps: 3\n")
+    assert (load_config(str(f)).train.steps, load_config(str(f)).train.seed) == (3, 2)

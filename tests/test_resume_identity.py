@@ -86,9 +86,10 @@ def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, valu
     reader += {"orpo.lambda_schedule": ["train.eval_every=1"], "train.keep_best": ["train.eval_every=1"],
                "train.early_stop_evals": ["train.eval_every=1", "train.keep_best=eval/loss"],
                "train.keep_best_guard": ["train.eval_every=1", "train.keep_best=eval/loss"]}.get(key, [])
-    load_config(None, [f"{key}={json.dumps(value)}", *reader, "data.demo_pairs=1"]
+    text = value if isinstance(value, str) else json.dumps(value)  # a str key's override is its text as given
+    load_config(None, [f"{key}={text}", *reader, "data.demo_pairs=1"]
                 if key not in ("data.train", "data.demo_pairs")
-                else [f"{key}={json.dumps(value)}"])  # the generated value is one the config accepts
+                else [f"{key}={text}"])  # the generated value is one the config accepts
     saved, current = state_for(base), state_for(now)
     if key in identity.REFUSED:
         with pytest.raises(UserError) as err:
@@ -310,3 +311,35 @@ def test_a_stop_during_an_evaluation_step_is_evaluated_on_resume(tmp_path):
     for folder in ("adapters", "adapters-last"):
         a, b = ((tmp_path / r / folder / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))
         assert a == b, folder
+
+
+def test_a_model_folder_is_compared_by_content_on_resume(tmp_path):
+    """A moved copy of the base model folder continues the run; other weights of the same shapes
+    in the same folder are refused, naming model.path."""
+    from conftest import make_tiny_model
+    from fixtures_launch import make_model_folder
+    from mlx_lm.utils import save_model
+
+    from dtrain.models import load_model
+    from dtrain.run.trainer import train
+
+    def run_on(folder, *overrides):
+        cfg = load_config(None, [f"model.path={folder}", f"train.output_dir={tmp_path / 'out'}", "data.demo_pairs=16",
+                                 "data.max_length=64", "data.max_prompt_length=32", "lora.rank=2",
+                                 "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "train.progress=false",
+                                 *overrides])
+        return train(cfg, loaded=load_model(str(folder), "float32"))
+
+    model = make_model_folder(tmp_path / "model")
+    run_on(model, "train.steps=2")
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.move(model, moved)
+    assert len(run_on(moved, "train.steps=4", "train.resume=auto").history) == 2
+    before = load_model(str(moved), "float32").identity
+    save_model(moved, make_tiny_model(seed=7, num_hidden_layers=2))  # same names and shapes, other weights
+    with pytest.raises(UserError) as err:
+        run_on(moved, "train.steps=6", "train.resume=auto")
+    now = load_model(str(moved), "float32").identity
+    assert before != now and str(err.value) == (
+        f"resume: {tmp_path}/out/checkpoints/step-0000004 was made with different settings: model.path: "
+        f"{before!r} in the checkpoint, {now!r} now. {ckpt.RESUME_HINT}")

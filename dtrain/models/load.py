@@ -35,8 +35,9 @@ class LoadedModel:
     on token ids ``(B, T)`` it returns logits ``(B, T, vocab_size)``.
     ``tokenizer``: ``mlx_lm.tokenizer_utils.TokenizerWrapper``.
     ``config``: the mlx-lm config dict (``model_type``, ``hidden_size``, ...).
-    ``identity``: short string that changes when the weights change (GGUF:
-    ``gguf-sha256:<hex>``; folder: resolved path + hash of config.json).
+    ``identity``: short string that changes when the weights change, not when
+    they move (GGUF: ``gguf-sha256:<hex>``; folder: ``mlx-lm-folder:<hex>`` of
+    :func:`folder_fingerprint`; hub id: ``mlx-lm:<id>:<hash of the config>``).
     ``source``: human-readable description.
     ``reference``: where the weights are, for an adapter's ``base_model``:
     ``{"path", "sha256"}`` of a GGUF file (absolute; the demo's cached file
@@ -169,7 +170,39 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     model.set_dtype(float_dtype)
     mx.eval(model.parameters())
-    config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
-    location = str(Path(path).resolve()) if Path(path).is_dir() else path
-    reference = {"path": location} if Path(path).is_dir() else {"hub_id": path}
-    return LoadedModel(model, tokenizer, config, f"mlx-lm:{location}:{config_hash}", f"mlx-lm model {path}", reference)
+    if Path(path).is_dir():
+        identity, reference = f"mlx-lm-folder:{folder_fingerprint(Path(path))}", {"path": str(Path(path).resolve())}
+    else:  # a hub id: by its id and config (the download is mlx-lm's, in the hub cache)
+        config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
+        identity, reference = f"mlx-lm:{path}:{config_hash}", {"hub_id": path}
+    return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference)
+
+
+SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # blocks of each weight file read by folder_fingerprint
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """sha256 hex of a model folder's content, not its path: config.json's bytes and, per
+    ``model*.safetensors`` file (those mlx-lm loads), its name, size, safetensors header and
+    ``SAMPLES`` blocks of ``SAMPLE_BYTES`` at evenly spaced offsets (the whole file when smaller).
+
+    At most about 1 MiB is read per file, so a 16 GB folder is not hashed whole at every start.
+    It misses an edit in place that keeps every size and header and leaves the sampled bytes alone
+    (replaced or re-downloaded weights change the samples).
+    """
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for weights in sorted(folder.glob("model*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"|{weights.name}|{size}|".encode())
+        with open(weights, "rb") as f:
+            if size <= SAMPLES * SAMPLE_BYTES:
+                digest.update(f.read())
+                continue
+            header = int.from_bytes(f.read(8), "little")  # safetensors: u64 length, then the JSON header
+            start = 8 + header if header < size - 8 else 0  # not a safetensors file: sample it all
+            f.seek(0)
+            digest.update(f.read(start))
+            for i in range(SAMPLES):
+                f.seek(start + i * max(size - start - SAMPLE_BYTES, 0) // (SAMPLES - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()

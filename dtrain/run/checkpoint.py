@@ -87,7 +87,7 @@ class RunState:
 
     def must_match(self) -> dict:
         """``{name shown to the user: value}`` of every field a resume may not change, settings first."""
-        return {**self.settings, **self.data, "model": self.model, "lora shapes": self.lora_shapes}
+        return {**self.settings, **self.data, "model.path": self.model, "lora shapes": self.lora_shapes}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
