@@ -24,7 +24,7 @@ import pytest
 from dtrain.config import DataConfig
 from dtrain.data import check_file, load_dataset, load_rows, tokenize_rows
 from dtrain.data.cache import cache_key, tokenize_cached, write_entries
-from dtrain.data.sources import dataset_source, fingerprint, read_rows, resolve, resolve_pair
+from dtrain.data.sources import dataset_source, fingerprint, is_hub_id, read_rows, resolve, resolve_pair
 from dtrain.errors import DataError
 
 FIELDS = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
@@ -415,6 +415,14 @@ def test_hub_id_without_datasets_library():
     assert _resolve_in_subprocess("owner/name", {}, no_datasets) == (
         "owner/name: no such file or folder; to read it as a Hugging Face hub dataset "
         "install the datasets library: pip install 'dtrain[hf]'")
+
+
+@pytest.mark.parametrize("spec", ["data/pairs.JSONL", "data/pairs.Json", "data/pairs.PARQUET", "data/pairs.JSONL.GZ",
+                                  "data/pairs.Pq"])
+def test_missing_path_with_an_upper_case_suffix_is_not_a_hub_id(spec):
+    assert not is_hub_id(spec)
+    with pytest.raises(DataError, match=f"^{spec}: data file not found \\(data.train\\)$"):
+        resolve(spec, DataConfig())
 
 
 def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):

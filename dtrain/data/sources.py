@@ -87,10 +87,13 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
 
 
 def is_hub_id(spec: str) -> bool:
-    """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``."""
+    """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``.
+
+    A data-file suffix (``.jsonl``, ``.JSON``, ``.parquet``, ``.gz`` ..., any case) marks a missing file, not an id.
+    """
     p = Path(spec)
     return (not p.exists() and bool(HUB_ID.fullmatch(spec))
-            and p.suffix not in (".json", ".jsonl", ".parquet", *COMPRESSED_SUFFIXES))
+            and p.suffix.lower() not in (".json", ".jsonl", ".parquet", ".pq", *COMPRESSED_SUFFIXES))
 
 
 def resolve_pair(cfg) -> tuple:
