@@ -50,7 +50,8 @@ COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 def compression(path: str) -> Optional[str]:
     """How a JSON/JSONL file is compressed: ``gzip``, ``bzip2``, ``xz``, ``zstd``, or None for plain text.
 
-    Told by the file's first bytes, so a misnamed file is still read right.
+    Told by the file's first bytes, so a misnamed file is still read right; a
+    tar inside a compressed stream is told by the decompressed first block.
 
     Raises:
         DataError: an archive or a compression that is not read (zip, 7z, lz4,
@@ -59,15 +60,31 @@ def compression(path: str) -> Optional[str]:
     with open(path, "rb") as f:
         head = f.read(512)
     name = Path(path).name.lower()
+    kind = next((kind for kind, (magic, _) in _STREAMED.items() if head.startswith(magic)), None)
     what = next((w for magic, w in _REFUSED_MAGIC.items() if head.startswith(magic)), None)
-    if head[257:262] == b"ustar" or name.endswith(tuple(f".tar{s}" for s in COMPRESSED_SUFFIXES)):
+    if (_is_tar(head) or (kind is not None and _is_tar(_decompressed_head(path, kind)))
+            or name.endswith(tuple(f".tar{s}" for s in COMPRESSED_SUFFIXES))):
         what = "a tar archive"
     what = what or _REFUSED_SUFFIX.get(Path(path).suffix.lower())
     if what is not None:
         raise DataError(f"{path}: {what}, which dtrain does not read; JSON and JSONL files are read plain or "
                         "compressed with gzip, bzip2, xz or zstd (.gz, .bz2, .xz, .zst): extract the file or "
                         "recompress it with one of these")
-    return next((kind for kind, (magic, _) in _STREAMED.items() if head.startswith(magic)), None)
+    return kind
+
+
+def _is_tar(block: bytes) -> bool:
+    """A POSIX/GNU tar header: ``ustar`` at byte 257 of the first 512-byte block."""
+    return block[257:262] == b"ustar"
+
+
+def _decompressed_head(path: str, kind: str) -> bytes:
+    """The first 512 bytes of the decompressed stream (b"" when it breaks off: :func:`json_items` reports that)."""
+    try:
+        with _open_data(path, kind) as f:
+            return f.read(512)
+    except _stream_errors():
+        return b""
 
 
 class _ZstdRaw(io.RawIOBase):

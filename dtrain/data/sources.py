@@ -2,8 +2,9 @@
 
 ``data.train`` and ``data.valid`` each name one of (tried in this order):
 
-- a ``.parquet`` file, read in record batches with pyarrow; a row's source is
-  ``file.parquet:row N`` (N 0-based, the row index as in ``ds[N]``);
+- a Parquet file (told by its first bytes, ``PAR1``, or a ``.parquet``/``.pq`` name), read
+  in record batches with pyarrow; a row's source is ``file.parquet:row N``
+  (N 0-based, the row index as in ``ds[N]``);
 - any other file: JSONL, streamed line by line (``file:line``), or a JSON array,
   read whole (``file:line[index]``); gzip, bzip2, xz and zstd files (told by
   their first bytes, whatever their name) are decompressed as they stream, line
@@ -43,6 +44,7 @@ from ..files import HUB_ID, sha256_file
 from .formats import BadRowReport, detect_format, parse_rows
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
+PARQUET_SUFFIXES = (".parquet", ".pq")
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
 
@@ -78,7 +80,7 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     split = getattr(cfg, split_attr)
     p = Path(spec)
     if p.is_file():
-        return Source("parquet" if p.suffix == ".parquet" else "json", (p,), spec)
+        return _file_source(p, spec)
     if p.is_dir():
         return _folder(p, spec, role, split, key, split_key)
     if is_hub_id(spec):
@@ -93,7 +95,7 @@ def is_hub_id(spec: str) -> bool:
     """
     p = Path(spec)
     return (not p.exists() and bool(HUB_ID.fullmatch(spec))
-            and p.suffix.lower() not in (".json", ".jsonl", ".parquet", ".pq", *COMPRESSED_SUFFIXES))
+            and p.suffix.lower() not in (".json", ".jsonl", *PARQUET_SUFFIXES, *COMPRESSED_SUFFIXES))
 
 
 def resolve_pair(cfg) -> tuple:
@@ -134,7 +136,7 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
         f = p / mlx[role]
         if not f.is_file():
             raise DataError(f"{spec}: mlx-lm data folder without {mlx[role]} ({key})")
-        return Source("json", (f,), str(f))
+        return _file_source(f, str(f))
     parquet = sorted(q for q in p.rglob("*.parquet") if q.is_file())
     if parquet:
         if split is None:
@@ -147,6 +149,14 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
     raise DataError(f"{spec}: is a directory but no data folder ({key}); expected a JSONL/JSON/Parquet file, or a "
                     "folder holding train.jsonl/valid.jsonl (mlx-lm), a datasets.save_to_disk folder (state.json "
                     "or dataset_dict.json) or Parquet files")
+
+
+def _file_source(path: Path, label: str) -> Source:
+    """One file: Parquet when it starts with Parquet's magic ``PAR1`` or is named ``.parquet``/``.pq`` (any case),
+    else JSON/JSONL."""
+    with open(path, "rb") as f:
+        parquet = f.read(4) == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES
+    return Source("parquet" if parquet else "json", (path,), label)
 
 
 def _names_split(rel: Path, split: str) -> bool:
