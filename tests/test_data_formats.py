@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtrain.config import DataConfig
 from dtrain.data import load_rows
@@ -193,3 +195,30 @@ def test_real_stack_exchange_file_with_field_mapping(shared_data):
     assert report.bad == [] and len(rows) == 25
     assert rows[0].prompt.startswith("I'm writing a code using Java Swing")
     assert len({r.prompt for r in rows}) == 8 and max(len(r.chosen) for r in rows) > 9000
+
+
+def _nested(depth: int, kind: str) -> str:
+    return "[" * depth + "]" * depth if kind == "list" else '{"a": ' * depth + "1" + "}" * depth
+
+
+@settings(max_examples=25, deadline=None)
+@given(depth=st.integers(1, 6000), kind=st.sampled_from(["list", "dict"]))
+def test_a_deeply_nested_line_is_a_bad_row_whatever_its_depth(tmp_path_factory, depth, kind):
+    good = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+    path = tmp_path_factory.mktemp("deep") / "deep.jsonl"
+    path.write_text(json.dumps(good) + '\n{"prompt": ' + _nested(depth, kind) + ', "chosen": "a", "rejected": "b"}\n')
+    rows, report = load_rows(str(path), DataConfig())
+    assert len(rows) == 1 and [src for src, _ in report.bad] == [f"{path}:2"]
+
+
+def test_a_too_deeply_nested_line_and_json_array(tmp_path):
+    good = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps(good) + '\n{"prompt": ' + _nested(5000, "list") + ', "chosen": "a", "rejected": "b"}\n')
+    assert load_rows(str(path), DataConfig())[1].bad == [
+        (f"{path}:2", "invalid JSON: nested more than 100 levels deep")]
+    array = tmp_path / "deep.json"
+    array.write_text("[" + json.dumps(good) + ",\n" + _nested(5000, "dict") + "]")
+    with pytest.raises(DataError) as err:
+        load_rows(str(array), DataConfig())
+    assert str(err.value) == f"{array}: invalid JSON array: nested more than 100 levels deep"

@@ -45,6 +45,10 @@ _REFUSED_SUFFIX = {
     ".tgz": "a tar archive",
 }
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+# Values nested deeper than this are refused when read, so that no later step (the UTF-8 check's
+# json.dumps, row parsing) runs out of Python's recursion limit on them; real rows nest a few levels.
+MAX_DEPTH = 100
+TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
 
 
 def compression(path: str) -> Optional[str]:
@@ -145,11 +149,12 @@ def json_items(path: str) -> Iterator[tuple]:
     """JSONL streamed line by line (lines split at ``\\n`` only), or a whole JSON array.
 
     Compressed files (:func:`compression`) are decompressed as they stream; a
-    line that is not valid JSON gives a :class:`BadRow`; blank lines are skipped.
+    line that is not valid JSON or nests more than :data:`MAX_DEPTH` levels gives
+    a :class:`BadRow`; blank lines are skipped.
 
     Raises:
         DataError: an archive or compression that is not read; an empty file;
-            an invalid JSON array; one JSON object spread over several lines;
+            an invalid or too deeply nested JSON array; one JSON object spread over several lines;
             no line that is JSON at all (raised at the end of the file, after
             its lines were yielded); a compressed stream that is corrupt or cut
             short (naming the line where reading stopped).
@@ -191,6 +196,11 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
                 continue
             try:
                 obj = json.loads(line)
+                _check_depth(obj)
+            except RecursionError:
+                any_json = True  # JSON, too deep to read
+                yield f"{path}:{n}", BadRow(f"invalid JSON: {TOO_DEEP}")
+                continue
             except json.JSONDecodeError as err:
                 if n == 1:
                     _reject_single_object(path, kind)
@@ -203,6 +213,16 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
     if not any_json:
         raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
                         f"({first_bad[0]}: {first_bad[1]})")
+
+
+def _check_depth(value, depth: int = 0) -> None:
+    """Raises RecursionError when ``value`` nests lists or objects more than :data:`MAX_DEPTH` deep."""
+    if depth > MAX_DEPTH:
+        raise RecursionError(TOO_DEEP)
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        if isinstance(child, (dict, list)):
+            _check_depth(child, depth + 1)
 
 
 def _first_char(f) -> str:
@@ -218,9 +238,12 @@ def _json_array(path: str, f) -> Iterator[tuple]:
     text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
         items = json.loads(text)
+        _check_depth(items)
+        starts = _item_lines(text, len(items))
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
-    starts = _item_lines(text, len(items))
+    except RecursionError:
+        raise DataError(f"{path}: invalid JSON array: {TOO_DEEP}") from None
     for i, item in enumerate(items):
         yield f"{path}:{starts[i]}[{i}]", item
 
@@ -230,7 +253,7 @@ def _reject_single_object(path: str, kind: Optional[str]) -> None:
         text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return
     raise DataError(f"{path}: one JSON {type(obj).__name__} spread over several lines; "
                     "expected JSONL (one object per line) or a JSON array of objects")
