@@ -41,7 +41,7 @@ from typing import Any, Iterator, Optional
 
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
-from .formats import BadRowReport, detect_format, parse_rows
+from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -287,23 +287,25 @@ def read_rows(src: Source, cfg) -> tuple:
 
     Items are parsed :data:`BATCH_ROWS` at a time, so only one batch of raw
     objects is alive besides the rows; ``format: auto`` is decided once, from the
-    first object of the source (as :func:`formats.parse_rows` does for a list).
+    first :data:`formats.DETECT_ROWS` objects of the source (as
+    :func:`formats.parse_rows` decides it for a list).
 
     Raises:
         DataError: a source without rows, and as :func:`read_items` and
             :func:`formats.parse_rows`.
     """
     items = read_items(src)
-    head = []  # items up to the first object, which decides the format
+    head, objects = [], 0  # items up to the DETECT_ROWS-th object, which decide the format
     for item in items:
         head.append(item)
-        if isinstance(item[1], dict):
+        objects += isinstance(item[1], dict)
+        if objects == DETECT_ROWS:
             break
     if not head:
         raise DataError(f"{src.label}: no rows")
-    fields = cfg.fields or None
-    fmt = detect_format(head[-1][1], fields) if cfg.format == "auto" and isinstance(head[-1][1], dict) else None
-    chunk_cfg = dataclasses.replace(cfg, format=fmt) if fmt is not None else cfg  # else parse_rows raises
+    chunk_cfg = cfg
+    if cfg.format == "auto":
+        chunk_cfg = dataclasses.replace(cfg, format=detect_items_format(head, cfg.fields or None, src.label))
     rows, report = [], BadRowReport()
     stream = itertools.chain(head, items)
     while chunk := list(itertools.islice(stream, BATCH_ROWS)):
