@@ -328,6 +328,44 @@ def test_cache_equals_tokenizing_and_skips_it(tmp_path, tokenizer):
     assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected
 
 
+def _cache_entry(tmp_path, tokenizer) -> tuple:
+    """``(entry path, rows, cfg, expected result)`` of one fresh cache entry."""
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 2, seed=12)), DataConfig())
+    cfg = DataConfig(max_length=20, max_prompt_length=10)
+    expected = tokenize_cached(rows, tokenizer, cfg, tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    return entry, rows, cfg, expected
+
+
+def test_cache_entry_with_an_unknown_compression_method_is_written_again(tmp_path, tokenizer):
+    import struct
+
+    entry, rows, cfg, expected = _cache_entry(tmp_path, tokenizer)
+    data = bytearray(entry.read_bytes())
+    struct.pack_into("<H", data, 8, 99)  # the zip's local header: compression method 99 (NotImplementedError)
+    struct.pack_into("<H", data, data.find(b"PK\x01\x02") + 10, 99)  # and its central directory
+    entry.write_bytes(bytes(data))
+    counting = CountingTokenizer(tokenizer)
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls > 0
+    assert entry.read_bytes()[8:10] == b"\x00\x00"  # written again, stored
+
+
+def test_every_one_bit_flip_of_a_cache_entry_loads_the_same_or_counts_as_absent(tmp_path, tokenizer):
+    from dtrain.data.cache import _load
+
+    entry, _, _, expected = _cache_entry(tmp_path, tokenizer)
+    good = entry.read_bytes()
+    outcomes = set()
+    for bit in range(0, len(good) * 8, 3):  # every third bit: a third of the time, every byte
+        data = bytearray(good)
+        data[bit // 8] ^= 1 << bit % 8
+        entry.write_bytes(bytes(data))
+        loaded = _load(entry)
+        assert loaded in (None, expected), bit
+        outcomes.add(loaded is None)
+    assert outcomes == {True, False}  # some flips (unused header bits) are harmless
+
+
 def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
     from conftest import make_tokenizer
 
