@@ -139,3 +139,16 @@ def test_bad_model_path(tmp_path, capsys):
     data.write_text(jsonl(GOOD))
     status, out = run(tmp_path, tmp_path / "no-model", "--data.train", str(data))
     check(capsys, status, out, "no-model")
+
+
+def test_chat_template_syntax_error_is_one_error_naming_file_and_line(tmp_path, model_dir, capsys):
+    data = tmp_path / "good.jsonl"
+    data.write_text(jsonl(GOOD, {**GOOD, "prompt": "other"}))
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    fragment = f"data.chat_template {template}: Jinja syntax error on line 2: unexpected '}}'"
+    status, out = run(tmp_path, model_dir, "--data.train", str(data), "--data.chat_template", str(template))
+    check(capsys, status, out, fragment)
+    assert main(["data", "check", str(data), "--model.path", str(model_dir), "--data.chat_template", str(template)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == f"dtrain: error: {fragment}" and "cannot render" not in captured.out
