@@ -440,12 +440,73 @@ def _resolve_in_subprocess(spec: str, env: dict, prelude: str = "") -> str:
     return out.stdout.strip()
 
 
+def offline_message(spec: str) -> str:
+    return (f"{spec}: no such file or folder, and as a hub dataset it is not in the local cache and the hub cannot "
+            f"be reached (offline?); download it where there is network: hf download --repo-type dataset {spec} "
+            "--local-dir DIR, then set data.train: DIR")
+
+
 def test_hub_id_offline_says_how_to_download():
     _datasets()
-    msg = _resolve_in_subprocess("owner-x/no-such-dataset", {"HF_HUB_OFFLINE": "1"})
-    assert msg == ("owner-x/no-such-dataset: hub dataset not in the local cache and the hub cannot be reached "
-                   "(offline?); download it where there is network: hf download --repo-type dataset "
-                   "owner-x/no-such-dataset --local-dir DIR, then set data.train: DIR")
+    assert _resolve_in_subprocess("owner-x/no-such-dataset", {"HF_HUB_OFFLINE": "1"}) == offline_message(
+        "owner-x/no-such-dataset")
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """The hub unreachable (one probe answers as with no DNS) and an empty ``datasets`` cache; yields the probes."""
+    ds_lib = _datasets()
+    import huggingface_hub
+    from huggingface_hub.utils import httpx
+
+    probes = []
+
+    def dataset_info(self, repo_id, **kwargs):
+        probes.append((repo_id, kwargs.get("timeout")))
+        raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(ds_lib.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    return probes
+
+
+def test_an_uncached_hub_id_offline_fails_after_one_request(monkeypatch, no_network):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("load_dataset retries for ~25 s"))
+    with pytest.raises(DataError) as err:
+        resolve("someone/some-pairs", DataConfig())
+    assert str(err.value) == offline_message("someone/some-pairs")
+    assert no_network == [("someone/some-pairs", 10.0)]
+
+
+def test_a_cached_hub_id_offline_is_loaded_from_the_cache(monkeypatch, tmp_path, no_network):
+    import datasets
+
+    (tmp_path / "hf/someone___some-pairs/default/0.0.0/abc123").mkdir(parents=True)
+    loads = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda spec, split: loads.append((spec, split)) or _raise(
+        ConnectionError("Couldn't reach 'someone/some-pairs' on the Hub")))
+    with pytest.raises(DataError, match="hub cannot be reached"):
+        resolve("someone/some-pairs", DataConfig())
+    assert loads == [("someone/some-pairs", "train")] and no_network == []
+
+
+def _raise(err):
+    raise err
+
+
+def test_data_check_offline_on_a_missing_relative_folder_prints_one_line(monkeypatch, tmp_path, no_network, capsys):
+    from fixtures_launch import make_model_folder
+
+    from dtrain.cli import main
+
+    model = make_model_folder(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert main(["data", "check", "data/mypairs", "--model.path", str(model)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("dtrain: BLAS")]
+    assert err == [f"dtrain: error: {offline_message('data/mypairs')}"]
 
 
 def test_hub_id_without_datasets_library():

@@ -21,7 +21,9 @@
   the files whose name or folder is the split (``data/train-00000-of-00002.parquet``,
   ``train.parquet``, ``default/train/0000.parquet``);
 - a hub dataset id ``owner/name`` that is no local path, loaded with
-  ``datasets.load_dataset(id, split=...)`` (optional extra ``dtrain[hf]``).
+  ``datasets.load_dataset(id, split=...)`` (optional extra ``dtrain[hf]``);
+  one not in the ``datasets`` cache is first asked of the hub once, so an
+  unreachable hub fails at once instead of after ``load_dataset``'s retries.
 
 The split of a DatasetDict, Parquet folder or hub dataset is ``data.split`` for
 the training rows and ``data.valid_split`` for the held-out rows. Every
@@ -45,6 +47,7 @@ from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
 
@@ -191,16 +194,53 @@ def _hub(spec: str, split: Optional[str], key: str, split_key: str) -> Source:
                         "the datasets library: pip install 'dtrain[hf]'") from None
     if split is None:
         raise DataError(f"{spec}: a hub dataset; set {split_key} ({key})")
+    offline = DataError(f"{spec}: no such file or folder, and as a hub dataset it is not in the local cache and the "
+                        f"hub cannot be reached (offline?); download it where there is network: hf download "
+                        f"--repo-type dataset {spec} --local-dir DIR, then set {key}: DIR")
+    # load_dataset retries an unreachable hub for ~25 s, logging each try; one request says it first
+    if not _in_datasets_cache(spec) and _hub_unreachable(spec):
+        raise offline
     try:
         ds = datasets.load_dataset(spec, split=split)
     except ConnectionError:
-        raise DataError(f"{spec}: hub dataset not in the local cache and the hub cannot be reached (offline?); "
-                        f"download it where there is network: hf download --repo-type dataset {spec} --local-dir DIR, "
-                        f"then set {key}: DIR") from None
+        raise offline from None
     except Exception as err:  # the library's own message names the missing dataset, split or file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"{spec}: hub dataset, split {split!r}: {first}") from None
     return dataset_source(ds, f"{spec}[{split}]", split)
+
+
+def _in_datasets_cache(spec: str) -> bool:
+    """``datasets`` has loaded hub dataset ``spec`` before: its cache holds ``owner___name/CONFIG/VERSION/HASH``
+    (the folders ``datasets.load``'s ``CachedDatasetModuleFactory`` reads when the hub cannot be reached)."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+
+    owner, name = spec.split("/")
+    root = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / f"{owner}___{camelcase_to_snakecase(name)}"
+    return any(p.is_dir() for p in root.glob("*/*/*"))
+
+
+def _hub_unreachable(spec: str) -> bool:
+    """True when one request for ``spec``'s info (no retries, :data:`HUB_PROBE_TIMEOUT_S`) cannot reach the hub.
+
+    Any answer (found, not found, gated) is reachable: ``load_dataset`` then says what it found.
+    """
+    from huggingface_hub import HfApi
+
+    try:  # the HTTP client huggingface_hub uses, as datasets catches it; requests' errors (older hubs) are OSErrors
+        from huggingface_hub.utils import httpx
+
+        transport = (httpx.TransportError,)
+    except ImportError:
+        transport = ()
+    try:
+        HfApi().dataset_info(spec, timeout=HUB_PROBE_TIMEOUT_S)
+    except (OSError, *transport):  # OfflineModeIsEnabled (HF_HUB_OFFLINE=1) is a ConnectionError
+        return True
+    except Exception:  # noqa: BLE001 -- an HTTP error is an answer
+        return False
+    return False
 
 
 def dataset_source(ds, label: str, split: Optional[str] = None) -> Source:
