@@ -44,6 +44,10 @@ DATA_CASES = [
     ("single_object", json.dumps(GOOD, indent=2), "one JSON dict spread over several lines"),
     ("empty_file", "", "file is empty"),
     ("blank_lines_only", "\n\n  \n", "file is empty"),
+    ("deep_row", jsonl(GOOD, '{"prompt": ' + "[" * 5000 + "]" * 5000 + ', "chosen": "a", "rejected": "b"}'),
+     ".jsonl:2: invalid JSON: nested more than 100 levels deep"),
+    ("deep_array", "[" + json.dumps(GOOD) + ", " + "[" * 5000 + "]" * 5000 + "]",
+     ".jsonl: invalid JSON array: nested more than 100 levels deep"),
 ]
 BYTE_CASES = [
     ("invalid_utf8", jsonl(GOOD).encode() + b'{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}\n', ":2:"),
@@ -137,3 +141,16 @@ def test_bad_model_path(tmp_path, capsys):
     data.write_text(jsonl(GOOD))
     status, out = run(tmp_path, tmp_path / "no-model", "--data.train", str(data))
     check(capsys, status, out, "no-model")
+
+
+def test_chat_template_syntax_error_is_one_error_naming_file_and_line(tmp_path, model_dir, capsys):
+    data = tmp_path / "good.jsonl"
+    data.write_text(jsonl(GOOD, {**GOOD, "prompt": "other"}))
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    fragment = f"data.chat_template {template}: Jinja syntax error on line 2: unexpected '}}'"
+    status, out = run(tmp_path, model_dir, "--data.train", str(data), "--data.chat_template", str(template))
+    check(capsys, status, out, fragment)
+    assert main(["data", "check", str(data), "--model.path", str(model_dir), "--data.chat_template", str(template)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines()[-1] == f"dtrain: error: {fragment}" and "cannot render" not in captured.out

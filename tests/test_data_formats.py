@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtrain.config import DataConfig
 from dtrain.data import load_rows
@@ -193,3 +195,67 @@ def test_real_stack_exchange_file_with_field_mapping(shared_data):
     assert report.bad == [] and len(rows) == 25
     assert rows[0].prompt.startswith("I'm writing a code using Java Swing")
     assert len({r.prompt for r in rows}) == 8 and max(len(r.chosen) for r in rows) > 9000
+
+
+def _nested(depth: int, kind: str) -> str:
+    return "[" * depth + "]" * depth if kind == "list" else '{"a": ' * depth + "1" + "}" * depth
+
+
+@settings(max_examples=25, deadline=None)
+@given(depth=st.integers(1, 6000), kind=st.sampled_from(["list", "dict"]))
+def test_a_deeply_nested_line_is_a_bad_row_whatever_its_depth(tmp_path_factory, depth, kind):
+    good = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+    path = tmp_path_factory.mktemp("deep") / "deep.jsonl"
+    path.write_text(json.dumps(good) + '\n{"prompt": ' + _nested(depth, kind) + ', "chosen": "a", "rejected": "b"}\n')
+    rows, report = load_rows(str(path), DataConfig())
+    assert len(rows) == 1 and [src for src, _ in report.bad] == [f"{path}:2"]
+
+
+def test_a_too_deeply_nested_line_and_json_array(tmp_path):
+    good = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps(good) + '\n{"prompt": ' + _nested(5000, "list") + ', "chosen": "a", "rejected": "b"}\n')
+    assert load_rows(str(path), DataConfig())[1].bad == [
+        (f"{path}:2", "invalid JSON: nested more than 100 levels deep")]
+    array = tmp_path / "deep.json"
+    array.write_text("[" + json.dumps(good) + ",\n" + _nested(5000, "dict") + "]")
+    with pytest.raises(DataError) as err:
+        load_rows(str(array), DataConfig())
+    assert str(err.value) == f"{array}: invalid JSON array: nested more than 100 levels deep"
+
+
+GOOD_ROWS = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(40)]
+BAD_FIRST = [  # rows of no format, or of another format than the rest of the file
+    ({"chosen": "ANSWER: 2", "rejected": "It is 3."}, "missing field 'prompt'"),  # alone, it reads as a transcript
+    ({"prompt": "What is 1+1?", "chosen": "ANSWER: 2"}, "missing field 'rejected'"),  # alone, no format at all
+    ({"question": "Q", "answer": "A"}, "missing field 'prompt'"),
+]
+
+
+@pytest.mark.parametrize("bad, reason", BAD_FIRST)
+def test_a_bad_first_row_is_one_bad_row(tmp_path, bad, reason):
+    path = write_jsonl(tmp_path / "d.jsonl", [bad] + GOOD_ROWS[:24])
+    rows, report = load_rows(path, DataConfig())
+    assert [r.chosen for r in rows] == [o["chosen"] for o in GOOD_ROWS[:24]]
+    assert report.bad == [(f"{path}:1", reason)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_auto_format_reads_every_good_row_wherever_the_bad_rows_are(tmp_path_factory, data):
+    good = data.draw(st.integers(2, 30))
+    bad = data.draw(st.lists(st.sampled_from(BAD_FIRST), max_size=good - 1))
+    objs = list(GOOD_ROWS[:good])
+    for b in bad:
+        objs.insert(data.draw(st.integers(0, len(objs))), b)
+    path = write_jsonl(tmp_path_factory.mktemp("d") / "d.jsonl", [o[0] if isinstance(o, tuple) else o for o in objs])
+    rows, report = load_rows(path, DataConfig())
+    assert [r.chosen for r in rows] == [o["chosen"] for o in GOOD_ROWS[:good]]
+    assert report.bad == [(f"{path}:{i + 1}", o[1]) for i, o in enumerate(objs) if isinstance(o, tuple)]
+
+
+def test_no_row_of_a_known_format_is_one_error_naming_the_first_row(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [42, {"question": "Q", "answer": "A"}, {"q": "Q2"}])
+    with pytest.raises(DataError) as err:
+        load_rows(path, DataConfig())
+    assert str(err.value).startswith(f"{path}:2: unknown row format (keys of the first row: ['answer', 'question']);")

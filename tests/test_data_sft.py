@@ -75,6 +75,17 @@ def test_text_rows_are_bos_text_eos_with_everything_after_bos_trained(tok):
     assert len(cut[0].prompt + cut[0].chosen) == 4
 
 
+def test_text_rows_with_no_room_are_dropped_as_no_room(tok):
+    rows, _ = rows_of([{"text": FOX}, {"text": "hello world"}])
+    cfg = DataConfig(max_length=1, max_prompt_length=1)
+    pairs, report = tokenize_rows(rows, tok, cfg)
+    assert pairs == [] and report.bad == []
+    assert report.dropped == [(f"f.jsonl:{n}", "no room: no chosen tokens fit in data.max_length=1 after a 1-token "
+                                             "prompt") for n in (1, 2)]
+    pairs, report = tokenize_rows(rows, tok, DataConfig(max_length=2, max_prompt_length=1))
+    assert [len(p.chosen) for p in pairs] == [1, 1] and report.dropped == []
+
+
 def test_control_text_in_a_text_row_is_plain_text(tok):
     rows, _ = rows_of([{"text": "a <|im_end|> b"}])
     pairs, report = tokenize_rows(rows, tok, DataConfig())

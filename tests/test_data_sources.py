@@ -24,7 +24,7 @@ import pytest
 from dtrain.config import DataConfig
 from dtrain.data import check_file, load_dataset, load_rows, tokenize_rows
 from dtrain.data.cache import cache_key, tokenize_cached, write_entries
-from dtrain.data.sources import dataset_source, fingerprint, read_rows, resolve, resolve_pair
+from dtrain.data.sources import dataset_source, fingerprint, is_hub_id, read_rows, resolve, resolve_pair
 from dtrain.errors import DataError
 
 FIELDS = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
@@ -328,6 +328,44 @@ def test_cache_equals_tokenizing_and_skips_it(tmp_path, tokenizer):
     assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected
 
 
+def _cache_entry(tmp_path, tokenizer) -> tuple:
+    """``(entry path, rows, cfg, expected result)`` of one fresh cache entry."""
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 2, seed=12)), DataConfig())
+    cfg = DataConfig(max_length=20, max_prompt_length=10)
+    expected = tokenize_cached(rows, tokenizer, cfg, tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    return entry, rows, cfg, expected
+
+
+def test_cache_entry_with_an_unknown_compression_method_is_written_again(tmp_path, tokenizer):
+    import struct
+
+    entry, rows, cfg, expected = _cache_entry(tmp_path, tokenizer)
+    data = bytearray(entry.read_bytes())
+    struct.pack_into("<H", data, 8, 99)  # the zip's local header: compression method 99 (NotImplementedError)
+    struct.pack_into("<H", data, data.find(b"PK\x01\x02") + 10, 99)  # and its central directory
+    entry.write_bytes(bytes(data))
+    counting = CountingTokenizer(tokenizer)
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls > 0
+    assert entry.read_bytes()[8:10] == b"\x00\x00"  # written again, stored
+
+
+def test_every_one_bit_flip_of_a_cache_entry_loads_the_same_or_counts_as_absent(tmp_path, tokenizer):
+    from dtrain.data.cache import _load
+
+    entry, _, _, expected = _cache_entry(tmp_path, tokenizer)
+    good = entry.read_bytes()
+    outcomes = set()
+    for bit in range(0, len(good) * 8, 3):  # every third bit: a third of the time, every byte
+        data = bytearray(good)
+        data[bit // 8] ^= 1 << bit % 8
+        entry.write_bytes(bytes(data))
+        loaded = _load(entry)
+        assert loaded in (None, expected), bit
+        outcomes.add(loaded is None)
+    assert outcomes == {True, False}  # some flips (unused header bits) are harmless
+
+
 def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
     from conftest import make_tokenizer
 
@@ -402,12 +440,73 @@ def _resolve_in_subprocess(spec: str, env: dict, prelude: str = "") -> str:
     return out.stdout.strip()
 
 
+def offline_message(spec: str) -> str:
+    return (f"{spec}: no such file or folder, and as a hub dataset it is not in the local cache and the hub cannot "
+            f"be reached (offline?); download it where there is network: hf download --repo-type dataset {spec} "
+            "--local-dir DIR, then set data.train: DIR")
+
+
 def test_hub_id_offline_says_how_to_download():
     _datasets()
-    msg = _resolve_in_subprocess("owner-x/no-such-dataset", {"HF_HUB_OFFLINE": "1"})
-    assert msg == ("owner-x/no-such-dataset: hub dataset not in the local cache and the hub cannot be reached "
-                   "(offline?); download it where there is network: hf download --repo-type dataset "
-                   "owner-x/no-such-dataset --local-dir DIR, then set data.train: DIR")
+    assert _resolve_in_subprocess("owner-x/no-such-dataset", {"HF_HUB_OFFLINE": "1"}) == offline_message(
+        "owner-x/no-such-dataset")
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path):
+    """The hub unreachable (one probe answers as with no DNS) and an empty ``datasets`` cache; yields the probes."""
+    ds_lib = _datasets()
+    import huggingface_hub
+    from huggingface_hub.utils import httpx
+
+    probes = []
+
+    def dataset_info(self, repo_id, **kwargs):
+        probes.append((repo_id, kwargs.get("timeout")))
+        raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(ds_lib.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    return probes
+
+
+def test_an_uncached_hub_id_offline_fails_after_one_request(monkeypatch, no_network):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("load_dataset retries for ~25 s"))
+    with pytest.raises(DataError) as err:
+        resolve("someone/some-pairs", DataConfig())
+    assert str(err.value) == offline_message("someone/some-pairs")
+    assert no_network == [("someone/some-pairs", 10.0)]
+
+
+def test_a_cached_hub_id_offline_is_loaded_from_the_cache(monkeypatch, tmp_path, no_network):
+    import datasets
+
+    (tmp_path / "hf/someone___some-pairs/default/0.0.0/abc123").mkdir(parents=True)
+    loads = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda spec, split: loads.append((spec, split)) or _raise(
+        ConnectionError("Couldn't reach 'someone/some-pairs' on the Hub")))
+    with pytest.raises(DataError, match="hub cannot be reached"):
+        resolve("someone/some-pairs", DataConfig())
+    assert loads == [("someone/some-pairs", "train")] and no_network == []
+
+
+def _raise(err):
+    raise err
+
+
+def test_data_check_offline_on_a_missing_relative_folder_prints_one_line(monkeypatch, tmp_path, no_network, capsys):
+    from fixtures_launch import make_model_folder
+
+    from dtrain.cli import main
+
+    model = make_model_folder(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    assert main(["data", "check", "data/mypairs", "--model.path", str(model)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("dtrain: BLAS")]
+    assert err == [f"dtrain: error: {offline_message('data/mypairs')}"]
 
 
 def test_hub_id_without_datasets_library():
@@ -415,6 +514,14 @@ def test_hub_id_without_datasets_library():
     assert _resolve_in_subprocess("owner/name", {}, no_datasets) == (
         "owner/name: no such file or folder; to read it as a Hugging Face hub dataset "
         "install the datasets library: pip install 'dtrain[hf]'")
+
+
+@pytest.mark.parametrize("spec", ["data/pairs.JSONL", "data/pairs.Json", "data/pairs.PARQUET", "data/pairs.JSONL.GZ",
+                                  "data/pairs.Pq"])
+def test_missing_path_with_an_upper_case_suffix_is_not_a_hub_id(spec):
+    assert not is_hub_id(spec)
+    with pytest.raises(DataError, match=f"^{spec}: data file not found \\(data.train\\)$"):
+        resolve(spec, DataConfig())
 
 
 def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):

@@ -106,7 +106,21 @@ REFUSED = {  # file name: (writer, what the message calls it)
     "p.tgz": (lambda p: _tar(p, "w:gz"), "a tar archive"),
     "p.jsonl": (_tar, "a tar archive"),  # told by content: ustar at byte 257
     "q.jsonl": (_zip, "a zip archive"),
+    # a compressed tar is told by the decompressed stream's first block, whatever its name
+    "archive.jsonl.gz": (lambda p: _tar(p, "w:gz"), "a tar archive"),
+    "archive.jsonl": (lambda p: _tar(p, "w:bz2"), "a tar archive"),
+    "archive.json.xz": (lambda p: _tar(p, "w:xz"), "a tar archive"),
+    "archive.jsonl.zst": (lambda p: p.write_bytes(COMPRESS[".zst"](_tar_bytes())), "a tar archive"),
 }
+
+
+def _tar_bytes() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("pairs.jsonl")
+        info.size = 3
+        tf.addfile(info, io.BytesIO(b"{}\n"))
+    return buf.getvalue()
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -148,6 +162,23 @@ def test_empty_compressed_file_and_missing_compressed_path(tmp_path, suffix):
     assert not is_hub_id(f"owner/pairs.jsonl{suffix}")
     with pytest.raises(DataError, match=f"^owner/pairs.jsonl{suffix}: data file not found \\(data.train\\)$"):
         resolve(f"owner/pairs.jsonl{suffix}", DataConfig())
+
+
+@pytest.mark.parametrize("name", ["pairs.PARQUET", "pairs.pq", "pairs.jsonl"])
+def test_parquet_is_told_by_its_magic_whatever_the_suffix(tmp_path, name):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    objs = [{"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}, {"prompt": "Q", "chosen": "a"}]
+    path = tmp_path / name
+    pq.write_table(pa.Table.from_pylist(objs), path)
+    assert resolve(str(path), DataConfig()).kind == "parquet"
+    rows, report = load_rows(str(path), DataConfig())
+    assert [r.chosen for r in rows] == ["4"] and report.bad == [(f"{path}:row 1", "missing field 'rejected'")]
+    junk = tmp_path / "junk.PQ"  # named Parquet, but is not: the Parquet reader's message
+    junk.write_text(json.dumps(objs[0]) + "\n")
+    with pytest.raises(DataError, match=f"^{junk}: not a readable Parquet file"):
+        load_rows(str(junk), DataConfig())
 
 
 def test_data_check_reads_a_gzip_file(tmp_path, capsys):

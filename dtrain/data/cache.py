@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 from typing import Optional
 
@@ -153,13 +152,21 @@ def _save(path: Path, pairs: list, report: BadRowReport) -> None:
 
 
 def _load(path: Path) -> Optional[tuple]:
+    """The entry's ``(pairs, report)``, or None when it cannot be read (damaged: it is then written again)."""
     import numpy as np
 
     try:
         with np.load(path, allow_pickle=False) as z:
             tokens, lengths, meta = z["tokens"].tolist(), z["lengths"].tolist(), json.loads(str(z["meta"]))
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return _decode(tokens, lengths, meta)
+    # A damaged entry raises from zipfile (BadZipFile; NotImplementedError for an unknown method or
+    # version; RuntimeError "encrypted"), numpy's header parser (SyntaxError, tokenize.TokenError,
+    # ValueError) or json; flipped data fails the zip's CRC. Any of these: the entry is absent.
+    except Exception:  # noqa: BLE001
         return None
+
+
+def _decode(tokens: list, lengths: list, meta: dict) -> tuple:
     pairs, pos = [], 0
     for (p, c, r, rp), source in zip(lengths, meta["sources"]):
         parts = []

@@ -1,7 +1,8 @@
 """Normalise every row format to one :class:`Row` (containers are read by sources.py).
 
-Supported row formats (``data.format``; ``auto`` detects one per file from the
-first JSON object):
+Supported row formats (``data.format``; ``auto`` takes, per file, the format
+most of the first :data:`DETECT_ROWS` JSON objects have, so a bad first row is
+one bad row):
 
 - ``standard``: TRL standard preference, ``prompt``/``chosen``/``rejected``
   strings (https://huggingface.co/docs/trl/dataset_formats#preference).
@@ -48,6 +49,7 @@ FORMATS = ("standard", "conversational", "transcript", "openai", "sharegpt", "ma
            "prompt_completion", "text")
 SFT_FORMATS = ("messages", "prompt_completion", "text")  # rows with one completion (Row.rejected None)
 FIELD_KEYS = ("prompt", "chosen", "rejected", "system")
+DETECT_ROWS = 64  # format: auto votes over this many objects from the top of a file
 # Anthropic HH turn markers; a transcript prompt ends right after ASSISTANT_MARKER.
 HUMAN_MARKER = "\n\nHuman:"
 ASSISTANT_MARKER = "\n\nAssistant:"
@@ -162,14 +164,38 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
     return None
 
 
+def detect_items_format(items: list, fields: Optional[dict], where: str) -> str:
+    """The format most of the first :data:`DETECT_ROWS` objects of ``items`` have (the first seen wins a tie).
+
+    ``items`` is ``[(source, obj_or_BadRow)]``; rows of other formats are later
+    reported one by one as bad rows.
+
+    Raises:
+        DataError: no item is an object, or none of those objects has a known format
+            (naming the first one's ``file:line`` and keys).
+    """
+    objs = [(src, o) for src, o in items if isinstance(o, dict)][:DETECT_ROWS]
+    if not objs:
+        kinds = sorted({type(o).__name__ for _, o in items if not isinstance(o, BadRow)})
+        raise DataError(f"{where}: no row is a JSON object (rows are: {', '.join(kinds) or 'invalid JSON'}); "
+                        f"expected one object per line in one of the formats {', '.join(FORMATS)}")
+    votes = Counter(f for f in (detect_format(o, fields) for _, o in objs) if f is not None)
+    if not votes:
+        src, first = objs[0]
+        raise DataError(f"{src}: unknown row format (keys of the first row: {sorted(first)}); none of the first "
+                        f"{len(objs)} rows is in one of the formats {', '.join(FORMATS)} -- set data.format, or "
+                        f"data.fields to map your column names ({FIELDS_SYNTAX})")
+    return votes.most_common(1)[0][0]  # most_common keeps first-seen order among equal counts
+
+
 def parse_rows(items: list, cfg, where: str) -> tuple:
     """Normalise parsed objects to rows; returns ``(rows, BadRowReport)``.
 
     ``items`` is ``[(source, obj_or_BadRow)]`` as from :func:`.sources.read_items`.
 
     Raises:
-        DataError: ``format: auto`` and no known format fits the first object, or
-            a ``data.fields`` key that is not one of prompt/chosen/rejected/system.
+        DataError: ``format: auto`` and no known format (:func:`detect_items_format`),
+            or a ``data.fields`` key that is not one of prompt/chosen/rejected/system.
     """
     fields = cfg.fields or None
     if fields:
@@ -183,17 +209,7 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
     if fields and fmt in ("openai", "sharegpt"):
         raise DataError(f"data.fields renames flat columns; it does not apply to data.format: {fmt}")
     if fmt == "auto":
-        first = next((o for _, o in items if isinstance(o, dict)), None)
-        if first is None:
-            kinds = sorted({type(o).__name__ for _, o in items if not isinstance(o, BadRow)})
-            raise DataError(f"{where}: no row is a JSON object (rows are: {', '.join(kinds) or 'invalid JSON'}); "
-                            f"expected one object per line in one of the formats {', '.join(FORMATS)}")
-        fmt = detect_format(first, fields)
-        if fmt is None:
-            keys = sorted(first)
-            raise DataError(f"{where}: unknown row format (keys of the first row: {keys}); expected one of "
-                            f"{', '.join(FORMATS)} -- set data.format, or data.fields to map your column names "
-                            f"({FIELDS_SYNTAX})")
+        fmt = detect_items_format(items, fields, where)
     report, rows = BadRowReport(rows_read=len(items)), []
     for source, obj in items:
         try:

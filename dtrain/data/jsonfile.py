@@ -45,12 +45,17 @@ _REFUSED_SUFFIX = {
     ".tgz": "a tar archive",
 }
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+# Values nested deeper than this are refused when read, so that no later step (the UTF-8 check's
+# json.dumps, row parsing) runs out of Python's recursion limit on them; real rows nest a few levels.
+MAX_DEPTH = 100
+TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
 
 
 def compression(path: str) -> Optional[str]:
     """How a JSON/JSONL file is compressed: ``gzip``, ``bzip2``, ``xz``, ``zstd``, or None for plain text.
 
-    Told by the file's first bytes, so a misnamed file is still read right.
+    Told by the file's first bytes, so a misnamed file is still read right; a
+    tar inside a compressed stream is told by the decompressed first block.
 
     Raises:
         DataError: an archive or a compression that is not read (zip, 7z, lz4,
@@ -59,15 +64,31 @@ def compression(path: str) -> Optional[str]:
     with open(path, "rb") as f:
         head = f.read(512)
     name = Path(path).name.lower()
+    kind = next((kind for kind, (magic, _) in _STREAMED.items() if head.startswith(magic)), None)
     what = next((w for magic, w in _REFUSED_MAGIC.items() if head.startswith(magic)), None)
-    if head[257:262] == b"ustar" or name.endswith(tuple(f".tar{s}" for s in COMPRESSED_SUFFIXES)):
+    if (_is_tar(head) or (kind is not None and _is_tar(_decompressed_head(path, kind)))
+            or name.endswith(tuple(f".tar{s}" for s in COMPRESSED_SUFFIXES))):
         what = "a tar archive"
     what = what or _REFUSED_SUFFIX.get(Path(path).suffix.lower())
     if what is not None:
         raise DataError(f"{path}: {what}, which dtrain does not read; JSON and JSONL files are read plain or "
                         "compressed with gzip, bzip2, xz or zstd (.gz, .bz2, .xz, .zst): extract the file or "
                         "recompress it with one of these")
-    return next((kind for kind, (magic, _) in _STREAMED.items() if head.startswith(magic)), None)
+    return kind
+
+
+def _is_tar(block: bytes) -> bool:
+    """A POSIX/GNU tar header: ``ustar`` at byte 257 of the first 512-byte block."""
+    return block[257:262] == b"ustar"
+
+
+def _decompressed_head(path: str, kind: str) -> bytes:
+    """The first 512 bytes of the decompressed stream (b"" when it breaks off: :func:`json_items` reports that)."""
+    try:
+        with _open_data(path, kind) as f:
+            return f.read(512)
+    except _stream_errors():
+        return b""
 
 
 class _ZstdRaw(io.RawIOBase):
@@ -128,11 +149,12 @@ def json_items(path: str) -> Iterator[tuple]:
     """JSONL streamed line by line (lines split at ``\\n`` only), or a whole JSON array.
 
     Compressed files (:func:`compression`) are decompressed as they stream; a
-    line that is not valid JSON gives a :class:`BadRow`; blank lines are skipped.
+    line that is not valid JSON or nests more than :data:`MAX_DEPTH` levels gives
+    a :class:`BadRow`; blank lines are skipped.
 
     Raises:
         DataError: an archive or compression that is not read; an empty file;
-            an invalid JSON array; one JSON object spread over several lines;
+            an invalid or too deeply nested JSON array; one JSON object spread over several lines;
             no line that is JSON at all (raised at the end of the file, after
             its lines were yielded); a compressed stream that is corrupt or cut
             short (naming the line where reading stopped).
@@ -174,6 +196,11 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
                 continue
             try:
                 obj = json.loads(line)
+                _check_depth(obj)
+            except RecursionError:
+                any_json = True  # JSON, too deep to read
+                yield f"{path}:{n}", BadRow(f"invalid JSON: {TOO_DEEP}")
+                continue
             except json.JSONDecodeError as err:
                 if n == 1:
                     _reject_single_object(path, kind)
@@ -186,6 +213,16 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
     if not any_json:
         raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
                         f"({first_bad[0]}: {first_bad[1]})")
+
+
+def _check_depth(value, depth: int = 0) -> None:
+    """Raises RecursionError when ``value`` nests lists or objects more than :data:`MAX_DEPTH` deep."""
+    if depth > MAX_DEPTH:
+        raise RecursionError(TOO_DEEP)
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for child in children:
+        if isinstance(child, (dict, list)):
+            _check_depth(child, depth + 1)
 
 
 def _first_char(f) -> str:
@@ -201,9 +238,12 @@ def _json_array(path: str, f) -> Iterator[tuple]:
     text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
         items = json.loads(text)
+        _check_depth(items)
+        starts = _item_lines(text, len(items))
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
-    starts = _item_lines(text, len(items))
+    except RecursionError:
+        raise DataError(f"{path}: invalid JSON array: {TOO_DEEP}") from None
     for i, item in enumerate(items):
         yield f"{path}:{starts[i]}[{i}]", item
 
@@ -213,7 +253,7 @@ def _reject_single_object(path: str, kind: Optional[str]) -> None:
         text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return
     raise DataError(f"{path}: one JSON {type(obj).__name__} spread over several lines; "
                     "expected JSONL (one object per line) or a JSON array of objects")

@@ -369,7 +369,7 @@ class RowTokenizer:
     def _text_row(self, row: Row) -> RowResult:
         """A ``text`` row: the tokenizer's ids of the whole text (BOS as the tokenizer adds it,
         control-token text as plain text) and one EOS; the first token is the prompt, the
-        rest the completion, cut to ``max_length``."""
+        rest the completion, cut to ``max_length`` (none left: dropped as ``no room``)."""
         out = RowResult(row.source)
         text = self._strip_marks(row.chosen)
         found = self.control_re.search(text) if self.control_re else None
@@ -385,8 +385,11 @@ class RowTokenizer:
             out.drop = "empty response: the text is one token"
             return out
         limit = self.cfg.max_length
+        prompt, completion = list(ids[:1]), list(ids[1:limit])
         out.truncated = len(ids) > limit
-        out.pair = TokenizedPair(list(ids[:1]), list(ids[1:limit]), [], row.source)
+        out.drop = self._no_signal(prompt, prompt, completion, completion, (ids, ids), sft=True)
+        if out.drop is None:
+            out.pair = TokenizedPair(prompt, completion, [], row.source)
         return out
 
     def _no_signal(self, prompt, rprompt, chosen, rejected, untruncated, sft: bool = False) -> Optional[str]:

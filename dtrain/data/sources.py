@@ -2,8 +2,9 @@
 
 ``data.train`` and ``data.valid`` each name one of (tried in this order):
 
-- a ``.parquet`` file, read in record batches with pyarrow; a row's source is
-  ``file.parquet:row N`` (N 0-based, the row index as in ``ds[N]``);
+- a Parquet file (told by its first bytes, ``PAR1``, or a ``.parquet``/``.pq`` name), read
+  in record batches with pyarrow; a row's source is ``file.parquet:row N``
+  (N 0-based, the row index as in ``ds[N]``);
 - any other file: JSONL, streamed line by line (``file:line``), or a JSON array,
   read whole (``file:line[index]``); gzip, bzip2, xz and zstd files (told by
   their first bytes, whatever their name) are decompressed as they stream, line
@@ -20,7 +21,9 @@
   the files whose name or folder is the split (``data/train-00000-of-00002.parquet``,
   ``train.parquet``, ``default/train/0000.parquet``);
 - a hub dataset id ``owner/name`` that is no local path, loaded with
-  ``datasets.load_dataset(id, split=...)`` (optional extra ``dtrain[hf]``).
+  ``datasets.load_dataset(id, split=...)`` (optional extra ``dtrain[hf]``);
+  one not in the ``datasets`` cache is first asked of the hub once, so an
+  unreachable hub fails at once instead of after ``load_dataset``'s retries.
 
 The split of a DatasetDict, Parquet folder or hub dataset is ``data.split`` for
 the training rows and ``data.valid_split`` for the held-out rows. Every
@@ -40,9 +43,11 @@ from typing import Any, Iterator, Optional
 
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
-from .formats import BadRowReport, detect_format, parse_rows
+from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
+PARQUET_SUFFIXES = (".parquet", ".pq")
+HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
 
@@ -78,7 +83,7 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     split = getattr(cfg, split_attr)
     p = Path(spec)
     if p.is_file():
-        return Source("parquet" if p.suffix == ".parquet" else "json", (p,), spec)
+        return _file_source(p, spec)
     if p.is_dir():
         return _folder(p, spec, role, split, key, split_key)
     if is_hub_id(spec):
@@ -87,10 +92,13 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
 
 
 def is_hub_id(spec: str) -> bool:
-    """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``."""
+    """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``.
+
+    A data-file suffix (``.jsonl``, ``.JSON``, ``.parquet``, ``.gz`` ..., any case) marks a missing file, not an id.
+    """
     p = Path(spec)
     return (not p.exists() and bool(HUB_ID.fullmatch(spec))
-            and p.suffix not in (".json", ".jsonl", ".parquet", *COMPRESSED_SUFFIXES))
+            and p.suffix.lower() not in (".json", ".jsonl", *PARQUET_SUFFIXES, *COMPRESSED_SUFFIXES))
 
 
 def resolve_pair(cfg) -> tuple:
@@ -131,7 +139,7 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
         f = p / mlx[role]
         if not f.is_file():
             raise DataError(f"{spec}: mlx-lm data folder without {mlx[role]} ({key})")
-        return Source("json", (f,), str(f))
+        return _file_source(f, str(f))
     parquet = sorted(q for q in p.rglob("*.parquet") if q.is_file())
     if parquet:
         if split is None:
@@ -144,6 +152,14 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
     raise DataError(f"{spec}: is a directory but no data folder ({key}); expected a JSONL/JSON/Parquet file, or a "
                     "folder holding train.jsonl/valid.jsonl (mlx-lm), a datasets.save_to_disk folder (state.json "
                     "or dataset_dict.json) or Parquet files")
+
+
+def _file_source(path: Path, label: str) -> Source:
+    """One file: Parquet when it starts with Parquet's magic ``PAR1`` or is named ``.parquet``/``.pq`` (any case),
+    else JSON/JSONL."""
+    with open(path, "rb") as f:
+        parquet = f.read(4) == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES
+    return Source("parquet" if parquet else "json", (path,), label)
 
 
 def _names_split(rel: Path, split: str) -> bool:
@@ -178,16 +194,53 @@ def _hub(spec: str, split: Optional[str], key: str, split_key: str) -> Source:
                         "the datasets library: pip install 'dtrain[hf]'") from None
     if split is None:
         raise DataError(f"{spec}: a hub dataset; set {split_key} ({key})")
+    offline = DataError(f"{spec}: no such file or folder, and as a hub dataset it is not in the local cache and the "
+                        f"hub cannot be reached (offline?); download it where there is network: hf download "
+                        f"--repo-type dataset {spec} --local-dir DIR, then set {key}: DIR")
+    # load_dataset retries an unreachable hub for ~25 s, logging each try; one request says it first
+    if not _in_datasets_cache(spec) and _hub_unreachable(spec):
+        raise offline
     try:
         ds = datasets.load_dataset(spec, split=split)
     except ConnectionError:
-        raise DataError(f"{spec}: hub dataset not in the local cache and the hub cannot be reached (offline?); "
-                        f"download it where there is network: hf download --repo-type dataset {spec} --local-dir DIR, "
-                        f"then set {key}: DIR") from None
+        raise offline from None
     except Exception as err:  # the library's own message names the missing dataset, split or file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise DataError(f"{spec}: hub dataset, split {split!r}: {first}") from None
     return dataset_source(ds, f"{spec}[{split}]", split)
+
+
+def _in_datasets_cache(spec: str) -> bool:
+    """``datasets`` has loaded hub dataset ``spec`` before: its cache holds ``owner___name/CONFIG/VERSION/HASH``
+    (the folders ``datasets.load``'s ``CachedDatasetModuleFactory`` reads when the hub cannot be reached)."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+
+    owner, name = spec.split("/")
+    root = Path(datasets.config.HF_DATASETS_CACHE).expanduser() / f"{owner}___{camelcase_to_snakecase(name)}"
+    return any(p.is_dir() for p in root.glob("*/*/*"))
+
+
+def _hub_unreachable(spec: str) -> bool:
+    """True when one request for ``spec``'s info (no retries, :data:`HUB_PROBE_TIMEOUT_S`) cannot reach the hub.
+
+    Any answer (found, not found, gated) is reachable: ``load_dataset`` then says what it found.
+    """
+    from huggingface_hub import HfApi
+
+    try:  # the HTTP client huggingface_hub uses, as datasets catches it; requests' errors (older hubs) are OSErrors
+        from huggingface_hub.utils import httpx
+
+        transport = (httpx.TransportError,)
+    except ImportError:
+        transport = ()
+    try:
+        HfApi().dataset_info(spec, timeout=HUB_PROBE_TIMEOUT_S)
+    except (OSError, *transport):  # OfflineModeIsEnabled (HF_HUB_OFFLINE=1) is a ConnectionError
+        return True
+    except Exception:  # noqa: BLE001 -- an HTTP error is an answer
+        return False
+    return False
 
 
 def dataset_source(ds, label: str, split: Optional[str] = None) -> Source:
@@ -274,23 +327,25 @@ def read_rows(src: Source, cfg) -> tuple:
 
     Items are parsed :data:`BATCH_ROWS` at a time, so only one batch of raw
     objects is alive besides the rows; ``format: auto`` is decided once, from the
-    first object of the source (as :func:`formats.parse_rows` does for a list).
+    first :data:`formats.DETECT_ROWS` objects of the source (as
+    :func:`formats.parse_rows` decides it for a list).
 
     Raises:
         DataError: a source without rows, and as :func:`read_items` and
             :func:`formats.parse_rows`.
     """
     items = read_items(src)
-    head = []  # items up to the first object, which decides the format
+    head, objects = [], 0  # items up to the DETECT_ROWS-th object, which decide the format
     for item in items:
         head.append(item)
-        if isinstance(item[1], dict):
+        objects += isinstance(item[1], dict)
+        if objects == DETECT_ROWS:
             break
     if not head:
         raise DataError(f"{src.label}: no rows")
-    fields = cfg.fields or None
-    fmt = detect_format(head[-1][1], fields) if cfg.format == "auto" and isinstance(head[-1][1], dict) else None
-    chunk_cfg = dataclasses.replace(cfg, format=fmt) if fmt is not None else cfg  # else parse_rows raises
+    chunk_cfg = cfg
+    if cfg.format == "auto":
+        chunk_cfg = dataclasses.replace(cfg, format=detect_items_format(head, cfg.fields or None, src.label))
     rows, report = [], BadRowReport()
     stream = itertools.chain(head, items)
     while chunk := list(itertools.islice(stream, BATCH_ROWS)):

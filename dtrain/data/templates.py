@@ -112,19 +112,28 @@ class Renderer:
 
         Raises:
             BadRow: the template rejects the messages (e.g. roles that do not alternate).
+            DataError: the template is not valid Jinja (naming it and the line), whatever the row.
         """
+        from jinja2 import TemplateSyntaxError
+
         try:
             if self.template is None:
                 return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                           tokenize=False)
             return hf_tokenizer(self.tokenizer).apply_chat_template(
                 messages, chat_template=self.template, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateSyntaxError as err:
+            raise DataError(f"{self.name}: Jinja syntax error on line {err.lineno}: {err.message}") from None
         except Exception as err:  # jinja2 errors, raise_exception() in templates
             raise BadRow(f"the chat template ({self.name}) cannot render this row: {err}") from None
 
 
 def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
-    """A :class:`Renderer` with its ``closing`` text probed from a user + assistant exchange."""
+    """A :class:`Renderer` with its ``closing`` text probed from a user + assistant exchange.
+
+    Raises:
+        DataError: a template that is not valid Jinja (the probe compiles it once, before any row).
+    """
     probe = Renderer(tokenizer, template, name=name)
     try:
         text = probe.render([{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}])
@@ -143,7 +152,8 @@ def renderers(tokenizer, cfg) -> tuple:
     the same template under ``prompt_template: chat``, else :data:`RAW_TEXT`.
 
     Raises:
-        DataError: a ``data.chat_template`` that is neither a name nor a file.
+        DataError: a ``data.chat_template`` that is neither a name nor a file, or a
+            template that is not valid Jinja.
     """
     if cfg.chat_template is not None:
         chat = make_renderer(tokenizer, template_source(cfg.chat_template), f"data.chat_template {cfg.chat_template}")
