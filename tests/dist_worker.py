@@ -118,7 +118,7 @@ def run_training(args, overrides, group):
     pairs = make_pairs(args.pairs + 3, seed=seed)
     data_id = distributed.fingerprint([[p.prompt, p.chosen, p.rejected] for p in pairs])
     dataset = SimpleNamespace(train=pairs[: args.pairs], valid=pairs[args.pairs :], fingerprint=data_id)
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny",
                              reference={"path": "tiny"})
     seen: dict = {}
     result = trainer.train(cfg, group=group, loaded=loaded, dataset=dataset, hooks=hooks_for(args, group, seen))

@@ -119,7 +119,7 @@ def run(out, *overrides):
         "train.eval_every=1", "train.save_every=1", "train.keep_last=10", "train.schedule=constant",
         "train.warmup_steps=0", *overrides,
     ])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
     pairs = make_pairs(12)
     return train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs[:9], valid=pairs[9:], fingerprint="fp"))
@@ -217,7 +217,7 @@ def test_keep_best_needs_evaluations(tmp_path):
         load_config(None, ["data.demo_pairs=1", "train.keep_best=accuracy", "train.eval_every=2"])
     cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.demo_pairs=1", "train.keep_best=eval/loss",
                              "train.eval_every=1", "lora.rank=2", "train.progress=false"])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
     with pytest.raises(UserError) as err:
         train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))

@@ -540,7 +540,7 @@ def test_training_run_writes_cache_and_resume_skips_tokenizing(tmp_path):
                                  "train.global_batch_pairs=2", "train.micro_batch_pairs=2", "lora.rank=2",
                                  "train.progress=false", "train.save_every=1", *extra])
         tok = CountingTokenizer(make_tokenizer())
-        train(cfg, loaded=SimpleNamespace(model=make_tiny_model(), tokenizer=tok, identity="tiny", source="tiny",
+        train(cfg, loaded=SimpleNamespace(aliases=(), model=make_tiny_model(), tokenizer=tok, identity="tiny", source="tiny",
                                           reference={}))
         return tok.calls
 

@@ -72,7 +72,7 @@ def run(tmp_path, margin, *overrides):
         "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=4", "train.progress=false",
         "train.warmup_steps=0", "orpo.lambda=5.0", "train.eval_every=3", f"train.chosen_logps_drop_warn={margin}", *overrides,
     ])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
     pairs = [TokenizedPair(p.prompt, p.chosen, [7, 7, 7, 2], p.source) for p in make_pairs(12)]
     held_out = [TokenizedPair(p.prompt, [7, 7, 7, 2], p.chosen, p.source) for p in make_pairs(4, seed=1)]

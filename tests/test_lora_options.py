@@ -92,7 +92,7 @@ def run(out, *overrides, hooks=Hooks()):
     cfg = load_config(None, [
         f"train.output_dir={out}", "data.demo_pairs=1", "train.steps=2", "train.global_batch_pairs=4",
         "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=2", "train.progress=false", *overrides])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
     pairs = make_pairs(12, seed=0)
     return train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs[:9], valid=pairs[9:], fingerprint="fp"),

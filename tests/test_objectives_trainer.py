@@ -41,7 +41,7 @@ def config(out, kind, *overrides):
 
 
 def run(out, kind, *overrides, hooks=Hooks()):
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
     pairs = make_pairs(N_TRAIN + N_VALID, seed=0)
     dataset = SimpleNamespace(train=pairs[:N_TRAIN], valid=pairs[N_TRAIN:], fingerprint="fp")

@@ -202,7 +202,7 @@ def run_on_file(out, data, *overrides):
     cfg = load_config(None, [f"train.output_dir={out}", f"data.train={data}", "train.steps=2",
                              "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "lora.rank=2",
                              "train.progress=false", "train.learning_rate=1e-2", *overrides])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=make_tokenizer(), identity="tiny",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=make_tokenizer(), identity="tiny",
                              source="tiny-llama", reference={"path": "tiny-llama"})
     return train(cfg, loaded=loaded)
 
@@ -343,3 +343,44 @@ def test_a_model_folder_is_compared_by_content_on_resume(tmp_path):
     assert before != now and str(err.value) == (
         f"resume: {tmp_path}/out/checkpoints/step-0000004 was made with different settings: model.path: "
         f"{before!r} in the checkpoint, {now!r} now. {ckpt.RESUME_HINT}")
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_on_its_model_folder(tmp_path):
+    """Checkpoints written before folder identities were by content hold ``mlx-lm:<path>:<config hash>``
+    (``LoadedModel.aliases``): the same folder at that path continues them and keeps that identity; the
+    folder moved elsewhere is refused, as it was then."""
+    import hashlib
+
+    from fixtures_launch import make_model_folder
+
+    from dtrain.files import sha256_file
+    from dtrain.models import load_model
+    from dtrain.run.trainer import train
+
+    def run_on(folder, *overrides):
+        cfg = load_config(None, [f"model.path={folder}", f"train.output_dir={tmp_path / 'out'}", "data.demo_pairs=16",
+                                 "data.max_length=64", "data.max_prompt_length=32", "lora.rank=2",
+                                 "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "train.progress=false",
+                                 *overrides])
+        return train(cfg, loaded=load_model(str(folder), "float32"))
+
+    model = make_model_folder(tmp_path / "model")
+    run_on(model, "train.steps=2")
+    loaded = load_model(str(model), "float32")
+    (legacy,) = loaded.aliases
+    config_hash = hashlib.sha256(repr(sorted(loaded.config.items())).encode()).hexdigest()[:16]
+    assert legacy == f"mlx-lm:{model.resolve()}:{config_hash}" and loaded.identity.startswith("mlx-lm-folder:")
+    step2 = tmp_path / "out" / "checkpoints" / "step-0000002"
+    state = json.loads((step2 / ckpt.STATE).read_text())
+    state["model"] = legacy  # as dtrain before 2026-12-04 wrote it
+    (step2 / ckpt.STATE).write_text(json.dumps(state, indent=2))
+    manifest = json.loads((step2 / ckpt.MANIFEST).read_text())
+    manifest["files"][ckpt.STATE] = {"sha256": sha256_file(step2 / ckpt.STATE), "bytes": (step2 / ckpt.STATE).stat().st_size}
+    (step2 / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.validate(step2) is None
+    assert len(run_on(model, "train.steps=4", "train.resume=auto").history) == 2
+    assert json.loads((tmp_path / "out" / "checkpoints" / "step-0000004" / ckpt.STATE).read_text())["model"] == legacy
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.move(model, moved)
+    with pytest.raises(UserError, match="model.path: 'mlx-lm:"):
+        run_on(moved, "train.steps=6", "train.resume=auto")

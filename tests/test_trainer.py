@@ -22,7 +22,7 @@ def run(tmp_path, *overrides, seed=0, n_train=9, data_seed=0, hooks=None):
         "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=2", "train.progress=false",
         "train.eval_every=2", *overrides,
     ])
-    loaded = SimpleNamespace(model=make_tiny_model(seed=seed), tokenizer=None, identity="tiny", source="tiny-llama",
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=seed), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
     pairs = make_pairs(n_train + 3, seed=data_seed)
     dataset = SimpleNamespace(train=pairs[:n_train], valid=pairs[n_train:], fingerprint="fp")

@@ -84,7 +84,7 @@ def main(argv):
         cfg = load_config(None, overrides)
         group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
         pairs = make_pairs(24)
-        loaded = SimpleNamespace(model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
+        loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny", source="tiny-llama",
                                  reference={"path": "tiny-llama"})
         dataset = SimpleNamespace(train=pairs[:20], valid=pairs[20:], fingerprint="tiny-pairs")
         result = train(cfg, group=group, loaded=loaded, dataset=dataset, hooks=hooks)

@@ -42,6 +42,9 @@ class LoadedModel:
     ``reference``: where the weights are, for an adapter's ``base_model``:
     ``{"path", "sha256"}`` of a GGUF file (absolute; the demo's cached file
     too), ``{"path"}`` of a model folder, or ``{"hub_id"}``.
+    ``aliases``: identities checkpoints of earlier dtrain versions recorded for the
+    same model (a folder: ``mlx-lm:<resolved path>:<hash of the config>``, before
+    2026-12-04), which a resume accepts as this one.
     """
 
     model: nn.Module
@@ -50,6 +53,7 @@ class LoadedModel:
     identity: str
     source: str
     reference: dict = field(default_factory=dict)
+    aliases: tuple = ()
 
 
 def dtype_plan(dtype: str) -> tuple[bool, mx.Dtype]:
@@ -170,12 +174,15 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     model.set_dtype(float_dtype)
     mx.eval(model.parameters())
+    config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
+    aliases = ()
     if Path(path).is_dir():
-        identity, reference = f"mlx-lm-folder:{folder_fingerprint(Path(path))}", {"path": str(Path(path).resolve())}
+        location = str(Path(path).resolve())
+        identity, reference = f"mlx-lm-folder:{folder_fingerprint(Path(path))}", {"path": location}
+        aliases = (f"mlx-lm:{location}:{config_hash}",)  # what checkpoints before 2026-12-04 hold
     else:  # a hub id: by its id and config (the download is mlx-lm's, in the hub cache)
-        config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
         identity, reference = f"mlx-lm:{path}:{config_hash}", {"hub_id": path}
-    return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference)
+    return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference, aliases)
 
 
 SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # blocks of each weight file read by folder_fingerprint

@@ -262,17 +262,22 @@ def _differs(name: str, saved, now) -> str:
     return f"{name}: {saved!r} in the checkpoint, {now!r} now"
 
 
-def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: Path) -> None:
+def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: Path,
+                    model_aliases: tuple = ()) -> None:
     """Refuse to continue ``saved`` when a field that decides what is trained changed.
 
     Args:
         current: this run's state (its ``step`` and bookkeeping are ignored).
         next_pairs: the pair indices this run's sampler gives step ``saved.step + 1``.
+        model_aliases: other identities of this run's model (``LoadedModel.aliases``:
+            what an earlier dtrain version recorded for it), accepted as ``current.model``.
     Raises:
         UserError: naming every changed key with both values.
     """
     was = saved.must_match()
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
+    if saved.model in model_aliases:
+        now["model.path"] = saved.model
     keys = [*now, *(k for k in was if k not in now)]
     diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if k in current.settings and was.get(k) != now.get(k)]
     if not diffs:  # what the settings decide (pairs, shapes) differs only when they do, or the content does
@@ -300,7 +305,7 @@ def _zeros(spec: dict) -> dict:
 
 
 def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Callable[[int], list], model, optimizer,
-           group, report: Callable[[str], None] = print) -> Optional[Checkpoint]:
+           group, report: Callable[[str], None] = print, model_aliases: tuple = ()) -> Optional[Checkpoint]:
     """Continue a run: find, validate, check and restore a checkpoint, the same on every rank.
 
     Rank 0 alone reads checkpoints: it finds the one ``spec`` names (``auto``:
@@ -318,6 +323,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
         next_pairs: step -> pair indices of this run's sampler.
         group: the process group.
         report: where rank 0 reports skipped checkpoints.
+        model_aliases: see :func:`check_resumable`; the continued state keeps the identity it holds.
     Returns:
         The checkpoint continued (``adapter``/``optimizer`` as restored; ``best`` on rank 0 only), or
         None to start at step 1 (no ``spec``, or ``auto`` found none).
@@ -333,7 +339,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
             path = find_latest(root, report) if spec == "auto" else Path(spec)
             if path is not None:
                 found = load_checkpoint(path)
-                check_resumable(found.state, current, next_pairs(found.state.step + 1), path)
+                check_resumable(found.state, current, next_pairs(found.state.step + 1), path, model_aliases)
                 others = [p.name for p in list_checkpoints(root) if run_id_of(p) not in (None, found.state.run_id)]
                 if others:
                     raise UserError(f"{root} also holds checkpoints of another run ({', '.join(others)}); resuming "

@@ -302,7 +302,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             valid = dataset.valid[: len(valid)]  # the same held-out pairs, now carrying their reference log-probs
         optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=notice)
+                              model, optimizer, group, report=notice, model_aliases=loaded.aliases)
         if resumed is not None:
             if resumed.state.step > t.steps:
                 raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
