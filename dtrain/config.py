@@ -66,9 +66,10 @@ class LoraConfig:
                                  "read as alpha; the adapter records the scale used")
     plus_ratio: float = option(1.0, "LoRA+ (Hayou et al. 2024): the lora_b matrices' learning rate is "
                                     "train.learning_rate times this (the paper suggests 16); 1 = off", above=0.0)
-    branch_dtype: str = option("auto", "dtype of the low-rank product B A x: auto = the activations' on a bfloat16 "
-                                       "model (lora_a/lora_b and AdamW stay float32, as under PyTorch autocast), "
-                                       "else float32; float32 = always (mlx-lm's LoRALinear)", ("auto", "float32"))
+    branch_dtype: str = option("auto", "dtype of the low-rank product B A x: bfloat16 = the activations' where they "
+                                       "are bfloat16 (lora_a/lora_b and AdamW stay float32, as under PyTorch "
+                                       "autocast); float32 = always (mlx-lm's LoRALinear); auto = bfloat16 on a "
+                                       "bfloat16 model, else float32", ("auto", "bfloat16", "float32"))
 
 
 @dataclass
@@ -347,6 +348,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     """Set ``section.key`` to ``value`` after checking its type and allowed values."""
     name = ALIASES.get(key, key)
     shown = f"{section}.{yaml_key(name)}"
+    if key in ALIASES.values():  # the Python name of a key spelled otherwise: one spelling, so no silent repeat
+        raise ConfigError(f"{source}: unknown key '{section}.{key}' (write '{shown}')")
     sections = {f.name for f in dataclasses.fields(Config)}
     if section not in sections:
         raise ConfigError(f"{source}: unknown section '{section}' (known: {', '.join(sorted(sections))})")

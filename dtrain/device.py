@@ -66,4 +66,8 @@ def resolve_auto(cfg):
     if t.compile_optimizer == "auto":
         t = replace(t, compile_optimizer=on_gpu())
         choices["train.compile_optimizer"] = t.compile_optimizer
-    return replace(cfg, engine=e, train=t), choices
+    lora = cfg.lora
+    if lora.branch_dtype == "auto":  # what the run's LoRA product computes in, which a resume compares
+        lora = replace(lora, branch_dtype="bfloat16" if dtype_plan(cfg.model.dtype)[1] == mx.bfloat16 else "float32")
+        choices["lora.branch_dtype"] = lora.branch_dtype
+    return replace(cfg, engine=e, train=t, lora=lora), choices

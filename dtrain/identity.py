@@ -84,6 +84,13 @@ def unclassified() -> list[str]:
     return [k for k in config_keys() if k not in REFUSED and k not in BY_CONTENT and k not in ACCEPTED]
 
 
+# REFUSED keys added after checkpoints were written: the value such a checkpoint ran with (its
+# state.json lacks the key), which a resume compares as if recorded.
+BEFORE_KEY = {
+    "lora.branch_dtype": "float32",  # mlx-lm's float32 product, before 2026-12-04
+}
+
+
 def settings(resolved: dict) -> dict:
     """``{"section.key": value}`` of every :data:`REFUSED` key, from the resolved config (``config.to_dict``).
 

@@ -44,7 +44,7 @@ def lora_parameters(cfg: LoraConfig) -> dict:
 
 class BranchLoRALinear(LoRALinear):
     """mlx-lm's ``LoRALinear`` whose low-rank product runs in the activations' dtype on a
-    bfloat16 model (``lora.branch_dtype: auto``).
+    bfloat16 model (``lora.branch_dtype: bfloat16``, ``auto``'s choice there).
 
     mlx-lm keeps ``lora_a``/``lora_b`` in float32, so on a bfloat16 model ``x @ lora_a``
     promotes ``x`` and the ``(tokens, out)`` product, its scaling and their gradients run in
@@ -69,7 +69,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     Relies on ``linear_to_lora_layers``: LoRA on the last ``num_layers``
     decoder layers (all when -1), on the module keys given or every linear
     layer. ``lora_b`` starts at zero (mlx-lm), so the model is unchanged.
-    With ``branch_dtype: auto`` each ``LoRALinear`` becomes a
+    With ``branch_dtype`` ``bfloat16`` (or ``auto``) each ``LoRALinear`` becomes a
     :class:`BranchLoRALinear` (the same module, its class changed).
 
     Returns:
@@ -81,7 +81,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)
     model.freeze()
     linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
-    if cfg.branch_dtype == "auto":
+    if cfg.branch_dtype in ("auto", "bfloat16"):
         for _, module in model.named_modules():
             if type(module) is LoRALinear:
                 module.__class__ = BranchLoRALinear
@@ -174,8 +174,8 @@ def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = 
 
 
 def save_weights(path: Path, weights: dict) -> None:
-    """``mx.save_safetensors`` with the tensors in name order, so the file's bytes depend on the names and
-    values only: MLX lays the tensors out in the dict's order, which differs after a reload."""
+    """``mx.save_safetensors`` given the tensors in name order, so the same names and values give the same
+    bytes whatever order ``weights`` was built in (a reloaded best step's differs from the model's)."""
     mx.save_safetensors(str(path), dict(sorted(weights.items())))
 
 

@@ -244,3 +244,15 @@ def test_yaml_merge_keys_are_not_repeats(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("data:\n  demo_pairs: 8\ntrain:\n  <<: {steps: 4, seed: 2}\n  steps: 3\n")
     assert (load_config(str(f)).train.steps, load_config(str(f)).train.seed) == (3, 2)
+
+
+def test_a_keys_python_name_is_not_a_second_spelling(tmp_path):
+    """``orpo.lambda`` is the key (``lam`` is its Python name): ``lam`` is refused, so ``lambda`` and ``lam``
+    in one section cannot repeat the key silently."""
+    path = tmp_path / "dup.yaml"
+    path.write_text("orpo:\n  lambda: 0.2\n  lam: 0.3\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'orpo.lam' \(write 'orpo.lambda'\)"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="unknown key 'orpo.lam'"):
+        load_config(None, ["orpo.lam=0.3", "data.demo_pairs=4"])
+    assert load_config(None, ["orpo.lambda=0.3", "data.demo_pairs=4"]).orpo.lam == 0.3

@@ -17,8 +17,9 @@ def test_cpu_auto_choices_are_resolved_once_and_named():
     ram = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert choices == {"model.dtype": "float32", "engine.length_bucket": 0,
                        "engine.memory_budget_gb": round(ram / GIB, 1), "train.compile_optimizer": False,
-                       "engine.kernels": "dtrain", "engine.attention_groups": 4}
+                       "engine.kernels": "dtrain", "engine.attention_groups": 4, "lora.branch_dtype": "float32"}
     assert (cfg.engine.length_bucket, cfg.train.compile_optimizer, cfg.engine.attention_groups) == (0, False, 4)
+    assert cfg.lora.branch_dtype == "float32"  # a float32 model: mlx-lm's product
     assert cfg.engine.memory_budget_gb * GIB == ram  # exact: the plan gets the bytes it computed before
     assert cfg.model.dtype == "auto"  # the loader resolves it, with the same rule (models.load.dtype_plan)
 
@@ -36,12 +37,12 @@ def test_attention_groups_auto_is_one_call_on_cuda_only(monkeypatch, kind, group
 def test_explicit_values_are_kept_and_not_reported():
     given = load_config(None, ["data.demo_pairs=1", "model.dtype=float32", "engine.length_bucket=64",
                                "engine.memory_budget_gb=3", "train.compile_optimizer=true",
-                               "engine.kernels=mlx", "engine.attention_groups=2"])
+                               "engine.kernels=mlx", "engine.attention_groups=2", "lora.branch_dtype=float32"])
     cfg, choices = resolve_auto(given)
     assert choices == {} and cfg == given
     reference, choices = resolve_auto(load_config(None, ["data.demo_pairs=1", "engine.kind=reference",
                                                          "engine.length_bucket=0", "model.dtype=float32",
-                                                         "train.compile_optimizer=false"]))
+                                                         "train.compile_optimizer=false", "lora.branch_dtype=float32"]))
     assert choices == {}  # the memory budget only matters to the auto plan
 
 

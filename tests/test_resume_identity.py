@@ -384,3 +384,35 @@ def test_a_checkpoint_of_an_earlier_version_resumes_on_its_model_folder(tmp_path
     shutil.move(model, moved)
     with pytest.raises(UserError, match="model.path: 'mlx-lm:"):
         run_on(moved, "train.steps=6", "train.resume=auto")
+
+
+@pytest.mark.parametrize("product, resumes", [("float32", True), ("bfloat16", False)])
+def test_a_checkpoint_from_before_a_key_compares_as_the_value_it_ran_with(tmp_path, product, resumes):
+    """A checkpoint written before ``lora.branch_dtype`` existed lacks it and ran mlx-lm's float32
+    product (``identity.BEFORE_KEY``): a run whose product is float32 continues it; a bfloat16 product
+    is refused naming the key and both values (``--lora.branch_dtype float32`` continues it as it was)."""
+    old = to_dict(Config())
+    saved = state_for(old)
+    del saved.settings["lora.branch_dtype"]
+    now = json.loads(json.dumps(old))
+    now["lora"]["branch_dtype"] = product
+    if resumes:
+        ckpt.check_resumable(saved, state_for(now), [1, 2], tmp_path)
+        return
+    with pytest.raises(UserError) as err:
+        ckpt.check_resumable(saved, state_for(now), [1, 2], tmp_path)
+    assert str(err.value) == (f"resume: {tmp_path} was made with different settings: lora.branch_dtype: 'float32' in "
+                              f"the checkpoint, 'bfloat16' now. {ckpt.RESUME_HINT}")
+
+
+def test_auto_resolves_the_lora_product_from_the_models_dtype():
+    """``lora.branch_dtype: auto`` is resolved once at setup from ``model.dtype`` (``device.resolve_auto``),
+    so the run's settings and checkpoints record the product it computes."""
+    from dtrain.device import resolve_auto
+
+    for dtype, product in (("float32", "float32"), ("float16", "float32"), ("bfloat16", "bfloat16")):
+        cfg, choices = resolve_auto(load_config(None, [f"model.dtype={dtype}", "data.demo_pairs=4"]))
+        assert cfg.lora.branch_dtype == choices["lora.branch_dtype"] == product
+    cfg, choices = resolve_auto(load_config(None, ["lora.branch_dtype=float32", "model.dtype=bfloat16",
+                                                   "data.demo_pairs=4"]))
+    assert cfg.lora.branch_dtype == "float32" and "lora.branch_dtype" not in choices

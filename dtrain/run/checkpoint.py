@@ -43,6 +43,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
+from ..identity import BEFORE_KEY
 from ..files import atomic_folder, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 
@@ -274,7 +275,7 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
     Raises:
         UserError: naming every changed key with both values.
     """
-    was = saved.must_match()
+    was = {**{k: v for k, v in BEFORE_KEY.items() if k in current.settings}, **saved.must_match()}
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
     if saved.model in model_aliases:
         now["model.path"] = saved.model

@@ -240,6 +240,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     notice = for_rank(group.is_main)  # the run's notices, rank 0's only (run.log.message once the logger exists)
     chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
+    cfg = replace(cfg, lora=chosen.lora)  # the LoRA product's dtype, as the run's settings and checkpoints record it
     t = cfg.train
     mx.random.seed(t.seed)
     if loaded is None:
