@@ -157,7 +157,7 @@ class Group:
         with self.watch(f"{what} ({len(bounds)} bucket(s))" if leaves else what, step):
             parts = [mx.distributed.all_sum(flat[a:b], group=self.mlx_group) for a, b in bounds]
             mx.eval(parts)
-        summed = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        summed = mx.concatenate(parts) if len(parts) > 1 else parts[0] if parts else flat  # nothing to sum: no buckets
         out, start = [], 0
         for name, value in leaves:
             out.append((name, summed[start : start + value.size].reshape(value.shape).astype(value.dtype)))

@@ -160,3 +160,10 @@ def test_broadcast_at_world_size_one_returns_the_input():
     got = Group().broadcast_arrays(arrays, None)
     assert got.keys() == arrays.keys() and all(got[k] is arrays[k] for k in arrays)
     assert Group().broadcast_text("rank 0's", None) == "rank 0's"
+
+
+def test_an_empty_tree_needs_no_collective_at_any_world_size():
+    """DPO's reference pass all-sums the held-out log-probs; with no held-out pairs that is a (0, 2) array
+    on every rank: nothing to sum, so no bucket and no collective (it raised IndexError on 2 ranks)."""
+    got = Group(rank=0, size=2).all_sum_tree({"valid": mx.zeros((0, 2))}, None)
+    assert got["valid"].shape == (0, 2) and got["valid"].dtype == mx.float32
