@@ -313,6 +313,18 @@ def test_a_stop_during_an_evaluation_step_is_evaluated_on_resume(tmp_path):
         assert a == b, folder
 
 
+def run_on(tmp_path, folder, *overrides):
+    """A 16-pair demo run on the model folder ``folder`` into ``tmp_path/out`` (float32)."""
+    from dtrain.models import load_model
+    from dtrain.run.trainer import train
+
+    cfg = load_config(None, [f"model.path={folder}", f"train.output_dir={tmp_path / 'out'}", "data.demo_pairs=16",
+                             "data.max_length=64", "data.max_prompt_length=32", "lora.rank=2",
+                             "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "train.progress=false",
+                             *overrides])
+    return train(cfg, loaded=load_model(str(folder), "float32"))
+
+
 def test_a_model_folder_is_compared_by_content_on_resume(tmp_path):
     """A moved copy of the base model folder continues the run; other weights of the same shapes
     in the same folder are refused, naming model.path."""
@@ -321,24 +333,16 @@ def test_a_model_folder_is_compared_by_content_on_resume(tmp_path):
     from mlx_lm.utils import save_model
 
     from dtrain.models import load_model
-    from dtrain.run.trainer import train
-
-    def run_on(folder, *overrides):
-        cfg = load_config(None, [f"model.path={folder}", f"train.output_dir={tmp_path / 'out'}", "data.demo_pairs=16",
-                                 "data.max_length=64", "data.max_prompt_length=32", "lora.rank=2",
-                                 "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "train.progress=false",
-                                 *overrides])
-        return train(cfg, loaded=load_model(str(folder), "float32"))
 
     model = make_model_folder(tmp_path / "model")
-    run_on(model, "train.steps=2")
+    run_on(tmp_path, model, "train.steps=2")
     moved = tmp_path / "elsewhere" / "model"
     shutil.move(model, moved)
-    assert len(run_on(moved, "train.steps=4", "train.resume=auto").history) == 2
+    assert len(run_on(tmp_path, moved, "train.steps=4", "train.resume=auto").history) == 2
     before = load_model(str(moved), "float32").identity
     save_model(moved, make_tiny_model(seed=7, num_hidden_layers=2))  # same names and shapes, other weights
     with pytest.raises(UserError) as err:
-        run_on(moved, "train.steps=6", "train.resume=auto")
+        run_on(tmp_path, moved, "train.steps=6", "train.resume=auto")
     now = load_model(str(moved), "float32").identity
     assert before != now and str(err.value) == (
         f"resume: {tmp_path}/out/checkpoints/step-0000004 was made with different settings: model.path: "
@@ -355,17 +359,9 @@ def test_a_checkpoint_of_an_earlier_version_resumes_on_its_model_folder(tmp_path
 
     from dtrain.files import sha256_file
     from dtrain.models import load_model
-    from dtrain.run.trainer import train
-
-    def run_on(folder, *overrides):
-        cfg = load_config(None, [f"model.path={folder}", f"train.output_dir={tmp_path / 'out'}", "data.demo_pairs=16",
-                                 "data.max_length=64", "data.max_prompt_length=32", "lora.rank=2",
-                                 "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "train.progress=false",
-                                 *overrides])
-        return train(cfg, loaded=load_model(str(folder), "float32"))
 
     model = make_model_folder(tmp_path / "model")
-    run_on(model, "train.steps=2")
+    run_on(tmp_path, model, "train.steps=2")
     loaded = load_model(str(model), "float32")
     (legacy,) = loaded.aliases
     config_hash = hashlib.sha256(repr(sorted(loaded.config.items())).encode()).hexdigest()[:16]
@@ -378,12 +374,12 @@ def test_a_checkpoint_of_an_earlier_version_resumes_on_its_model_folder(tmp_path
     manifest["files"][ckpt.STATE] = {"sha256": sha256_file(step2 / ckpt.STATE), "bytes": (step2 / ckpt.STATE).stat().st_size}
     (step2 / ckpt.MANIFEST).write_text(json.dumps(manifest))
     assert ckpt.validate(step2) is None
-    assert len(run_on(model, "train.steps=4", "train.resume=auto").history) == 2
+    assert len(run_on(tmp_path, model, "train.steps=4", "train.resume=auto").history) == 2
     assert json.loads((tmp_path / "out" / "checkpoints" / "step-0000004" / ckpt.STATE).read_text())["model"] == legacy
     moved = tmp_path / "elsewhere" / "model"
     shutil.move(model, moved)
     with pytest.raises(UserError, match="model.path: 'mlx-lm:"):
-        run_on(moved, "train.steps=6", "train.resume=auto")
+        run_on(tmp_path, moved, "train.steps=6", "train.resume=auto")
 
 
 @pytest.mark.parametrize("product, resumes", [("float32", True), ("bfloat16", False)])
