@@ -25,6 +25,13 @@ from mlx.utils import tree_flatten
 GIB = 1024**3
 CUDA_SHARE = 0.85  # of the GPU's total memory; ESTIMATE_MARGIN (engine/plan.py) was measured under it
 CPU_SHARE = 0.5  # of physical RAM (a quarter made auto recompute what fits: docs/benchmarks.md, 2026-12-01)
+# Lower-cased pieces of the errors MLX 0.32 raises when a device allocation fails: Metal's
+# ("[metal::malloc] Attempting to allocate N bytes which is greater than the maximum allowed buffer
+# size", "Insufficient Memory (...kIOGPUCommandBufferCallbackErrorOutOfMemory)"), CUDA's runtime calls
+# ("cudaMallocAsync(...) failed: out of memory", "cudaGraphInstantiate(...) failed: out of memory") and
+# the CPU allocator's ("[malloc] Unable to allocate N bytes").
+OUT_OF_MEMORY = ("out of memory", "insufficient memory", "outofmemory", "unable to allocate",
+                 "maximum allowed buffer size")
 
 
 def backend() -> str:
@@ -72,6 +79,28 @@ def default_budget_bytes(counted: int = 0) -> float:
     """
     in_use = max(0, mx.get_active_memory() - counted)
     return budget_bytes(backend(), mx.device_info(), in_use, physical_memory())
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is MLX's report of a failed device allocation (any backend, :data:`OUT_OF_MEMORY`)."""
+    return isinstance(err, (RuntimeError, MemoryError)) and any(t in str(err).lower() for t in OUT_OF_MEMORY)
+
+
+def out_of_memory_text(where: str, budget_gb: float, err: BaseException) -> str:
+    """One message for a run that ran out of device memory ``where`` .
+
+    Args:
+        where: when, e.g. ``"after step 1 of 100"``.
+        budget_gb: ``engine.memory_budget_gb`` as configured (0 = this device's default).
+        err: MLX's error, quoted on its first line.
+    """
+    budget = (f"engine.memory_budget_gb {budget_gb:g}" if budget_gb else
+              f"the default memory budget ({default_budget_bytes() / GIB:.1f} GiB on this {backend()} device)")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"out of memory {where} ({first}; peak {mx.get_peak_memory() / GIB:.1f} GiB held by MLX): "
+            f"{budget} is more than this device gives the run. Lower engine.memory_budget_gb (engine.kind auto then "
+            f"recomputes layer ranges), train.micro_batch_pairs or data.max_length; checkpoints already written are "
+            f"intact and train.resume=auto continues from the latest")
 
 
 def weight_bytes(model) -> int:

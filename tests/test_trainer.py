@@ -305,3 +305,44 @@ def test_step_rate_counts_optimizer_steps_only(tmp_path):
     log.progress(2, {"perf/step_seconds": 4.0, "loss": 1.0})
     assert log.step_rate() == 3.0 and log.bar.postfix == "3.00 s/step, loss 1.0000"
     log.close()
+
+
+# What MLX 0.32 raises when a device allocation fails, as seen on an H100 (CUDA) and reported for Metal
+OOM_ERRORS = [
+    "cudaGraphInstantiate(&handle_, graph, nullptr, nullptr, 0) failed: out of memory",
+    "[METAL] Command buffer execution failed: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
+    "[metal::malloc] Attempting to allocate 28611722496 bytes which is greater than the maximum allowed buffer size "
+    "of 9534832640 bytes.",
+    "[malloc] Unable to allocate 68719476736 bytes.",
+]
+
+
+@pytest.mark.parametrize("text", OOM_ERRORS)
+def test_out_of_memory_is_one_message_and_the_checkpoints_stay(tmp_path, text):
+    from dtrain.errors import UserError
+    from dtrain.run import checkpoint as ckpt
+    from dtrain.run.trainer import Hooks
+
+    def before_step(step, run_):
+        if step == 3:
+            raise RuntimeError(text)
+
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.save_every=2", "engine.memory_budget_gb=3.5", hooks=Hooks(before_step=before_step))
+    message = str(err.value)
+    assert message.startswith(f"out of memory after step 2 of 4 ({text.splitlines()[0]}; peak ")
+    assert "engine.memory_budget_gb 3.5 is more than this device gives the run" in message
+    assert "train.resume=auto continues from the latest" in message and "\n" not in message
+    saved = ckpt.list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in saved] == [ckpt.checkpoint_dir(tmp_path / "checkpoints", 2).name]
+    assert ckpt.validate(saved[0]) is None  # complete: a resume can take it
+
+
+def test_other_runtime_errors_are_not_reported_as_out_of_memory(tmp_path):
+    from dtrain.run.trainer import Hooks
+
+    def before_step(step, run_):
+        raise RuntimeError("[matmul] Last dimension of first input with shape (2,3) must match second-to-last")
+
+    with pytest.raises(RuntimeError, match=r"^\[matmul\] Last dimension"):
+        run(tmp_path, hooks=Hooks(before_step=before_step))

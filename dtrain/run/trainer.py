@@ -33,7 +33,7 @@ from ..errors import UserError
 from ..files import OutputDir, storage
 from ..identity import settings
 from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
-from ..memory import wired_limit
+from ..memory import is_out_of_memory, out_of_memory_text, wired_limit
 from ..notices import for_rank
 from .optimizer import AdamWStep, extension_notice
 from .reference import ReferenceLogps, reference_pass
@@ -142,11 +142,18 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         UserError: bad model, data or config; a global batch larger than the
             training pairs; an output folder in use by another run, unusable,
             or holding another run's checkpoints or adapter; a checkpoint that cannot be
-            continued; too many non-finite steps in a row.
+            continued; too many non-finite steps in a row; the device ran out of
+            memory (MLX's error, :func:`dtrain.memory.is_out_of_memory`).
     """
     run = setup(cfg, group, loaded, dataset, hooks)
     with run.cleanup:  # stop handlers, event file, output-folder lock
-        return loop(run)
+        try:
+            return loop(run)
+        except (RuntimeError, MemoryError) as err:
+            if not is_out_of_memory(err):
+                raise
+            where = f"after step {run.state.step} of {cfg.train.steps}"  # in the next step or an evaluation
+            raise UserError(out_of_memory_text(where, cfg.engine.memory_budget_gb, err)) from None
 
 
 def loop(run: Run) -> TrainResult:
