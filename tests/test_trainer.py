@@ -346,3 +346,15 @@ def test_other_runtime_errors_are_not_reported_as_out_of_memory(tmp_path):
 
     with pytest.raises(RuntimeError, match=r"^\[matmul\] Last dimension"):
         run(tmp_path, hooks=Hooks(before_step=before_step))
+
+
+def test_out_of_memory_in_setup_names_setup(tmp_path, monkeypatch):
+    from dtrain.errors import UserError
+    from dtrain.run import trainer
+
+    def setup(*args):
+        raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+    monkeypatch.setattr(trainer, "setup", setup)
+    with pytest.raises(UserError, match=r"^out of memory while setting up the run \(cudaMallocAsync"):
+        run(tmp_path)

@@ -145,15 +145,17 @@ def train(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             continued; too many non-finite steps in a row; the device ran out of
             memory (MLX's error, :func:`dtrain.memory.is_out_of_memory`).
     """
-    run = setup(cfg, group, loaded, dataset, hooks)
-    with run.cleanup:  # stop handlers, event file, output-folder lock
-        try:
+    run = None
+    try:
+        run = setup(cfg, group, loaded, dataset, hooks)
+        with run.cleanup:  # stop handlers, event file, output-folder lock
             return loop(run)
-        except (RuntimeError, MemoryError) as err:
-            if not is_out_of_memory(err):
-                raise
-            where = f"after step {run.state.step} of {cfg.train.steps}"  # in the next step or an evaluation
-            raise UserError(out_of_memory_text(where, cfg.engine.memory_budget_gb, err)) from None
+    except (RuntimeError, MemoryError) as err:
+        if not is_out_of_memory(err):
+            raise
+        # in the step after the last one done, or in an evaluation; or in setup (DPO's reference pass)
+        where = f"after step {run.state.step} of {cfg.train.steps}" if run else "while setting up the run"
+        raise UserError(out_of_memory_text(where, cfg.engine.memory_budget_gb, err)) from None
 
 
 def loop(run: Run) -> TrainResult:
