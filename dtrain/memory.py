@@ -81,6 +81,29 @@ def default_budget_bytes(counted: int = 0) -> float:
     return budget_bytes(backend(), mx.device_info(), in_use, physical_memory())
 
 
+def run_budget_bytes(memory_budget_gb: float) -> float:
+    """What a run may hold in all (weights, arrays and MLX's buffer cache), in bytes:
+    ``engine.memory_budget_gb`` when set, else :func:`budget_bytes` of this device with nothing in use."""
+    if memory_budget_gb:
+        return memory_budget_gb * GIB
+    return budget_bytes(backend(), mx.device_info(), 0, physical_memory())
+
+
+def trim_cache(budget: float) -> bool:
+    """Empty MLX's buffer cache when the run's peak of arrays plus the cache exceed ``budget`` bytes.
+
+    MLX keeps freed buffers for reuse (``mx.get_cache_memory``), which ``mx.get_peak_memory``
+    does not count; when the lengths change from step to step they pile up beside the arrays
+    (ml-explore/mlx#3993; mlx-lm's trainer empties the cache between steps,
+    ``clear_cache_threshold``). Emptying it only when the next step could exceed the budget keeps
+    the reuse where there is room. Returns whether it emptied the cache.
+    """
+    if mx.get_peak_memory() + mx.get_cache_memory() <= budget:
+        return False
+    mx.clear_cache()
+    return True
+
+
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` is MLX's report of a failed device allocation (any backend, :data:`OUT_OF_MEMORY`)."""
     return isinstance(err, (RuntimeError, MemoryError)) and any(t in str(err).lower() for t in OUT_OF_MEMORY)

@@ -253,3 +253,42 @@ def test_wired_limit_changes_nothing_off_metal(monkeypatch, kind, info):
     with memory.wired_limit(make_tiny_model(), notices.append) as limit:
         assert limit is None
     assert wired == [] and notices == []
+
+
+def test_trim_cache_empties_mlx_s_cache_only_when_peak_plus_cache_exceed_the_budget():
+    from dtrain.memory import trim_cache
+
+    a = mx.ones((512, 512))
+    mx.eval(a)
+    del a  # its 1 MiB buffer goes to MLX's cache
+    cached = mx.get_cache_memory()
+    assert cached >= 512 * 512 * 4
+    room = mx.get_peak_memory() + cached
+    assert trim_cache(room) is False and mx.get_cache_memory() == cached  # within the budget: kept for reuse
+    assert trim_cache(room - 1) is True and mx.get_cache_memory() == 0
+
+
+@pytest.mark.parametrize("budget_gb, emptied", [(1e-6, True), (1e6, False)])
+def test_a_run_empties_the_cache_between_steps_only_over_its_budget(tmp_path, budget_gb, emptied):
+    from types import SimpleNamespace
+
+    from conftest import make_pairs, make_tiny_model
+    from dtrain.config import load_config
+    from dtrain.run.trainer import Hooks, train
+
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.demo_pairs=1", "train.steps=3",
+                             "train.global_batch_pairs=2", "train.micro_batch_pairs=2", "lora.rank=2",
+                             "train.progress=false", f"engine.memory_budget_gb={budget_gb}"])
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny",
+                             source="tiny-llama", reference={"path": "tiny-llama"})
+    pairs = make_pairs(8, seed=0)
+    seen = []  # MLX's cache when each step begins, after the trim
+
+    def before_step(step, run):
+        seen.append(run.step.memory_budget)
+
+    result = train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs[:6], valid=pairs[6:], fingerprint="fp"),
+                   hooks=Hooks(before_step=before_step))
+    assert seen == [budget_gb * 2**30] * 3
+    logged = [h["perf/cache_memory_gb"] for h in result.history]  # the cache each step began with
+    assert all(c == 0 for c in logged) if emptied else all(c > 0 for c in logged)

@@ -22,6 +22,7 @@ from mlx.utils import tree_map
 from ..config import TrainConfig
 from ..distributed import Group
 from ..engine import Objective, batch_totals, run_micro_batches
+from ..memory import trim_cache
 from .optimizer import update_applied
 from ..sampler import Sampler
 from .tracking import peak_memory_gb
@@ -71,6 +72,7 @@ class Step:
     group: Group
     objective: Optional[Objective] = None
     hyper: Optional[dict] = None
+    memory_budget: float = math.inf  # bytes a run may hold, MLX's buffer cache included (memory.trim_cache)
 
     def __post_init__(self):
         self.objective = self.objective or self.engine.objective
@@ -81,6 +83,8 @@ class Step:
         micro-batches and all-reduced with the gradients: a signal during them is agreed in this step."""
         t, group, objective = self.train, self.group, self.objective
         start = time.perf_counter()
+        trim_cache(self.memory_budget)  # the last step's and evaluation's arrays are freed by now
+        cache_gb = mx.get_cache_memory() / 1e9
         batch, chunks = self.sampler.take(step, self.pairs, group.rank, group.size, t.micro_batch_pairs)
         totals = batch_totals(batch, objective.nll_scope)
         key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
@@ -102,6 +106,7 @@ class Step:
             "tokens_per_second": sums["input_tokens"] / seconds,
             "pairs_per_second": sums["pairs"] / seconds,
             "peak_memory_gb": peak_memory_gb(),
+            "perf/cache_memory_gb": cache_gb,  # freed buffers MLX kept for reuse when the step began
             "perf/step_seconds": seconds,
             "perf/allreduce_seconds": reduce_seconds,
             "prefix_sharing/fallback_pairs": sums["fallback_pairs"],

@@ -33,7 +33,7 @@ from ..errors import UserError
 from ..files import OutputDir, storage
 from ..identity import settings
 from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
-from ..memory import is_out_of_memory, out_of_memory_text, wired_limit
+from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
 from .optimizer import AdamWStep, extension_notice
 from .reference import ReferenceLogps, reference_pass
@@ -341,7 +341,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                     + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
         step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group,
-                    hyper=lambda_control.hyper(cfg.orpo, state.lambda_control, engine.objective.hyper()))
+                    hyper=lambda_control.hyper(cfg.orpo, state.lambda_control, engine.objective.hyper()),
+                    memory_budget=run_budget_bytes(cfg.engine.memory_budget_gb))
         kept = keep_best.BestAdapter(state.best_step, resumed.best if resumed and group.is_main else None)
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result, step,
