@@ -230,6 +230,32 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf"]
 
 
+def test_export_onto_another_base_is_refused_naming_both_unless_allowed(tmp_path, llama, capsys):
+    """adapter_config.json records the base GGUF's sha256 (trainer: LoadedModel.reference); a --base of
+    the same shapes but other bytes merged silently before. The override merges onto it as asked."""
+    base, adapter, lora_model = llama
+    recorded = {**load_model(str(base), dtype="float32").reference, "source": "GGUF"}  # what training writes
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model": recorded}))
+    other = tmp_path / "other.gguf"
+    write_tiny_llama(other, {"blk.0.attn_q.weight": Q.Q4_1})  # the same shapes, other weights
+    sha = load_model(str(other), dtype="float32").reference["sha256"]
+    argv = ["export", str(adapter), "--base", str(other), "--out", str(tmp_path / "o1")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"dtrain: error: {adapter / 'adapter_config.json'}: the adapter was trained on {base} (sha256 "
+        f"{recorded['sha256'][:16]}...), but --base {other} is another file (sha256 {sha[:16]}...); export onto "
+        f"the base it was trained on, or pass --allow-base-mismatch to merge it anyway\n")
+    assert not (tmp_path / "o1").exists()
+    assert main(argv + ["--allow-base-mismatch", "--dtype", "float32"]) == 0
+    from mlx_lm import load
+
+    on_other, _ = load(str(tmp_path / "o1"))
+    on_base, _ = load(str(export_adapter(str(adapter), str(base), str(tmp_path / "o2"), dtype="float32").folder))
+    np.testing.assert_allclose(np.array(on_base(TOKENS)), np.array(lora_model(TOKENS)), rtol=1e-4, atol=1e-4)
+    assert rel_err(on_other(TOKENS), on_base(TOKENS)) > 1e-3  # the other base's weights, as asked
+
+
 @pytest.mark.slow
 def test_demo_export_round_trip_greedy_tokens(demo_path, tmp_path, capsys):
     from mlx_lm import generate
