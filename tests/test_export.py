@@ -175,6 +175,20 @@ def test_gemma3_export_restores_norm_offsets_and_reproduces_the_lora_model(tmp_p
     assert back.tokenizer.encode("hello the é") == load_model(str(base)).tokenizer.encode("hello the é")
 
 
+@pytest.mark.parametrize("pad", [0, 8, 16, 24])
+def test_a_base_with_its_own_alignment_exports_a_gguf_that_reads_back(tmp_path, pad):
+    """general.alignment 64 was copied as a plain key while the tensors were padded to 32, so a
+    reader (gguf-py, llama.cpp) looked for the data at other offsets; ``pad`` shifts the header
+    end through the residues where the two disagree."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, alignment=64, extra=[("add_string", "test.pad", "p" * pad)])
+    lora_model = write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"), gguf_type="f32")
+    assert gguf.GGUFReader(str(result.gguf)).alignment == 64
+    back = load_model(str(result.gguf), dtype="float32")
+    assert rel_err(back.model(TOKENS), lora_model(TOKENS)) < 1e-5
+
+
 def test_llama_rows_are_permuted_back_to_llama_cpp_order(tmp_path, llama):
     base, adapter, _ = llama
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f32", dtype="float32")

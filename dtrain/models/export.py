@@ -321,7 +321,9 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
     md = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
     base_name = md.get("general.name") or base_gguf.stem
     model_name = f"{base_name} + {meta['adapter']}" if meta.get("adapter") else base_name
-    replaced = {"general.architecture", "general.file_type", "general.quantization_version", "general.name"}
+    # general.alignment: the writer pads tensor data to it only when set through add_custom_alignment
+    replaced = {"general.architecture", "general.file_type", "general.quantization_version", "general.name",
+                "general.alignment"}
     if meta.get("chat_template") is not None:
         replaced.add("tokenizer.chat_template")
     replaced |= {k for k in md if k.startswith("general.base_model.")}
@@ -330,6 +332,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
             continue
         array = value.types[0] == gguf.GGUFValueType.ARRAY
         writer.add_key_value(key, value.contents(), value.types[0], value.types[-1] if array else None)
+    if "general.alignment" in md:
+        writer.add_custom_alignment(int(md["general.alignment"]))
     writer.add_name(model_name)
     if meta.get("adapter"):
         writer.add_base_model_count(1)
