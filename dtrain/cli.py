@@ -4,7 +4,7 @@
     dtrain data check FILE [-c CONFIG] [--section.key VALUE ...]
     dtrain convert GGUF_FILE OUT_DIR
     dtrain config [-c CONFIG] [--section.key VALUE ...]
-    dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE]
+    dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE] [--allow-base-mismatch]
     dtrain doctor [--steps N] [--max-length L] [--pairs N] [--model PATH] [--no-demo]
 
 User errors print one line ``dtrain: error: ...`` and exit with status 2.
@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                         "q8_0 or q4_0")
     e.add_argument("--dtype", default="bfloat16", help="weights of the mlx-lm folder: bfloat16 (default), "
                                                      "float16 or float32")
+    e.add_argument("--allow-base-mismatch", action="store_true",
+                   help="merge even when --base is not the GGUF file (by sha256) the adapter was trained on")
     doc = sub.add_parser("doctor", help="print what a bug report needs: MLX, device, memory, BLAS, distributed "
                                         "backends, Python, OS, and a short timed demo run")
     doc.add_argument("--steps", type=int, default=2, help="demo run: optimizer steps (default 2)")
@@ -131,7 +133,8 @@ def _convert(args) -> int:
 def _export(args) -> int:
     from .models.export import export_adapter
 
-    result = export_adapter(args.adapter_dir, args.base, args.out, gguf_type=args.gguf, dtype=args.dtype)
+    result = export_adapter(args.adapter_dir, args.base, args.out, gguf_type=args.gguf, dtype=args.dtype,
+                            allow_base_mismatch=args.allow_base_mismatch)
     print(f"wrote mlx-lm model folder {result.folder} ({args.dtype}); "
           f"run it with: mlx_lm.generate --model {result.folder} --prompt ...")
     if result.gguf is not None:

@@ -220,15 +220,16 @@ class TrainConfig:
                                        "gradient (their updates are skipped)", at_least=1)
     chosen_logps_drop_warn: float = option(0.1, "warn when the held-out eval/logps/chosen falls more than this many "
                                                 "nats/token below its step-0 value (the model is lowering the chosen "
-                                                "answers too); 0 = off; not checked for objective.kind dpo, whose "
-                                                "logps are sums per response", at_least=0.0)
+                                                "answers too); 0 = off; not checked for objective.kind dpo with "
+                                                "loss_type sigmoid or hinge, whose logps are sums per response",
+                                           at_least=0.0)
     keep_best: Optional[str] = option(None, "null: adapters/ holds the last step; or a held-out metric: adapters/ "
                                            "holds the best evaluated step by it (the last step goes to "
                                            "adapters-last/); needs eval_every > 0", tuple(DIRECTIONS))
     keep_best_guard: Optional[float] = option(None, "keep_best: a step counts only when its eval/logps/chosen is at "
                                                     "most this many nats/token below step 0's; null = no guard; "
-                                                    "not for objective.kind dpo (its logps are sums per response)",
-                                              at_least=0.0)
+                                                    "not for objective.kind dpo with loss_type sigmoid or hinge "
+                                                    "(their logps are sums per response)", at_least=0.0)
     early_stop_evals: int = option(0, "keep_best: stop after this many evaluations in a row without a new best; "
                                       "0 = never", at_least=0)
     progress: bool = option(True, "show a progress bar on rank 0")
@@ -398,9 +399,11 @@ def _check(cfg: Config, source: str) -> None:
     if t.keep_best is not None and t.keep_best not in REPORTED[kind]:
         problems.append(f"'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
                         f"it; choose one of {', '.join(REPORTED[kind])}")
-    if t.keep_best_guard is not None and kind == "dpo":  # DPO's logps/chosen: a sum per response (TRL), not per token
-        problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but "
-                        f"objective.kind dpo logs eval/logps/chosen as a sum per response; remove it")
+    # DPO's logps/chosen is a sum per response (TRL) except ipo's (engine.dpo.DPO.per_token_logps)
+    if t.keep_best_guard is not None and kind == "dpo" and cfg.objective.loss_type != "ipo":
+        problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but objective.kind dpo "
+                        f"with loss_type {cfg.objective.loss_type} logs eval/logps/chosen as a sum per response; "
+                        f"remove it")
     if t.keep_best_guard is not None and t.keep_best is None:
         problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) needs 'train.keep_best' (it is off): "
                         f"the guard only filters the steps keep_best chooses from")

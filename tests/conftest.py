@@ -117,6 +117,7 @@ def add_random_lora(model, seed: int = 0, rank: int = 4, scale: float = 2.0):
     from mlx_lm.tuner.utils import linear_to_lora_layers
 
     model.freeze()
+    mx.random.seed(seed)  # lora_a's initial values: drawn here, not from whatever an earlier test left
     linear_to_lora_layers(model, len(model.layers), {"rank": rank, "scale": scale, "dropout": 0.0})
     mx.random.seed(seed + 1)
     lora_b = [(k, 0.1 * mx.random.normal(v.shape)) for k, v in tree_flatten(model.trainable_parameters()) if k.endswith("lora_b")]

@@ -275,12 +275,32 @@ def test_each_objective_reports_the_keep_best_metrics_the_config_allows_it(kind)
 
 def test_keep_best_guard_is_refused_for_dpo_whose_logps_are_sums_per_response():
     args = ["data.demo_pairs=4", "train.eval_every=1", "train.keep_best=eval/loss", "train.keep_best_guard=0.0"]
-    with pytest.raises(ConfigError) as err:
-        load_config(None, args + ["objective.kind=dpo"])
-    assert str(err.value) == ("command line: 'train.keep_best_guard' (0.0) is in nats/token, but objective.kind dpo "
-                              "logs eval/logps/chosen as a sum per response; remove it")
-    for kind in ("orpo", "simpo", "sft"):  # mean log-probs per token: the guard's unit
-        assert load_config(None, args + [f"objective.kind={kind}"]).train.keep_best_guard == 0.0
+    for loss_type in ("sigmoid", "hinge"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, args + ["objective.kind=dpo", f"objective.loss_type={loss_type}"])
+        assert str(err.value) == (f"command line: 'train.keep_best_guard' (0.0) is in nats/token, but objective.kind "
+                                  f"dpo with loss_type {loss_type} logs eval/logps/chosen as a sum per response; "
+                                  f"remove it")
+    # mean log-probs per token, the guard's unit (DPO ipo: TRL's all_logps / size_completion)
+    for kind in (["objective.kind=orpo"], ["objective.kind=simpo"], ["objective.kind=sft"],
+                 ["objective.kind=dpo", "objective.loss_type=ipo"]):
+        assert load_config(None, args + kind).train.keep_best_guard == 0.0
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_the_guard_config_and_the_objective_agree_on_which_dpo_logps_are_per_token(loss_type):
+    """config._check and DPO.per_token_logps (the drop warning's switch) state one rule twice."""
+    from dtrain.engine import make_objective
+
+    args = ["data.demo_pairs=4", "train.eval_every=1", "train.keep_best=eval/loss", "objective.kind=dpo",
+            f"objective.loss_type={loss_type}"]
+    per_token = make_objective(load_config(None, args)).per_token_logps
+    try:
+        load_config(None, args + ["train.keep_best_guard=0.0"])
+        accepted = True
+    except ConfigError:
+        accepted = False
+    assert accepted == per_token == (loss_type == "ipo")
 
 
 def test_keep_best_of_a_metric_the_objective_does_not_report_is_a_config_error():

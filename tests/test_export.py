@@ -175,6 +175,20 @@ def test_gemma3_export_restores_norm_offsets_and_reproduces_the_lora_model(tmp_p
     assert back.tokenizer.encode("hello the é") == load_model(str(base)).tokenizer.encode("hello the é")
 
 
+@pytest.mark.parametrize("pad", [0, 8, 16, 24])
+def test_a_base_with_its_own_alignment_exports_a_gguf_that_reads_back(tmp_path, pad):
+    """general.alignment 64 was copied as a plain key while the tensors were padded to 32, so a
+    reader (gguf-py, llama.cpp) looked for the data at other offsets; ``pad`` shifts the header
+    end through the residues where the two disagree."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, alignment=64, extra=[("add_string", "test.pad", "p" * pad)])
+    lora_model = write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"), gguf_type="f32")
+    assert gguf.GGUFReader(str(result.gguf)).alignment == 64
+    back = load_model(str(result.gguf), dtype="float32")
+    assert rel_err(back.model(TOKENS), lora_model(TOKENS)) < 1e-5
+
+
 def test_llama_rows_are_permuted_back_to_llama_cpp_order(tmp_path, llama):
     base, adapter, _ = llama
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f32", dtype="float32")
@@ -228,6 +242,32 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
     with pytest.raises(ModelError, match=r"--gguf needs a GGUF base model .*/o4 is not a GGUF file"):
         export_adapter(str(adapter), str(folder), str(tmp_path / "o5"), gguf_type="f16")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf"]
+
+
+def test_export_onto_another_base_is_refused_naming_both_unless_allowed(tmp_path, llama, capsys):
+    """adapter_config.json records the base GGUF's sha256 (trainer: LoadedModel.reference); a --base of
+    the same shapes but other bytes merged silently before. The override merges onto it as asked."""
+    base, adapter, lora_model = llama
+    recorded = {**load_model(str(base), dtype="float32").reference, "source": "GGUF"}  # what training writes
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model": recorded}))
+    other = tmp_path / "other.gguf"
+    write_tiny_llama(other, {"blk.0.attn_q.weight": Q.Q4_1})  # the same shapes, other weights
+    sha = load_model(str(other), dtype="float32").reference["sha256"]
+    argv = ["export", str(adapter), "--base", str(other), "--out", str(tmp_path / "o1")]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"dtrain: error: {adapter / 'adapter_config.json'}: the adapter was trained on {base} (sha256 "
+        f"{recorded['sha256'][:16]}...), but --base {other} is another file (sha256 {sha[:16]}...); export onto "
+        f"the base it was trained on, or pass --allow-base-mismatch to merge it anyway\n")
+    assert not (tmp_path / "o1").exists()
+    assert main(argv + ["--allow-base-mismatch", "--dtype", "float32"]) == 0
+    from mlx_lm import load
+
+    on_other, _ = load(str(tmp_path / "o1"))
+    on_base, _ = load(str(export_adapter(str(adapter), str(base), str(tmp_path / "o2"), dtype="float32").folder))
+    np.testing.assert_allclose(np.array(on_base(TOKENS)), np.array(lora_model(TOKENS)), rtol=1e-4, atol=1e-4)
+    assert rel_err(on_other(TOKENS), on_base(TOKENS)) > 1e-3  # the other base's weights, as asked
 
 
 @pytest.mark.slow

@@ -66,17 +66,20 @@ def tokenizer_metadata(writer, hf_tok, pre: str = "gpt-2") -> None:
     writer.add_chat_template(CHATML)
 
 
-def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), **over) -> dict:
+def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), alignment=None, **over) -> dict:
     """A 4-layer llama GGUF; returns the HF-layout float32 weights it encodes.
 
     ``quant`` maps GGUF tensor names to a GGML type; those tensors are quantized
     and the returned reference holds their dequantized values. ``extra``:
-    ``(writer method, key, value)`` triples for more metadata.
+    ``(writer method, key, value)`` triples for more metadata; ``alignment``:
+    ``general.alignment`` (None: the format's default 32).
     """
     model = make_tiny_model("llama", seed=1, **over)
     args = model.args
     ref = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
     w = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
     w.add_context_length(128)
     w.add_embedding_length(args.hidden_size)
     w.add_block_count(args.num_hidden_layers)

@@ -165,6 +165,17 @@ def test_the_nats_per_token_guard_is_not_applied_to_dpos_summed_log_probs(tmp_pa
     assert "eval/logps/chosen is" not in capsys.readouterr().err
 
 
+def test_dpo_ipos_per_token_log_probs_get_the_drop_warning(tmp_path, capsys):
+    """ipo's eval/logps/chosen is a mean per token (TRL's all_logps / size_completion), the unit of
+    chosen_logps_drop_warn, so a fall beyond the margin warns, as for ORPO."""
+    result = run(tmp_path, "dpo", "objective.loss_type=ipo", "train.learning_rate=5e-2",
+                 "train.chosen_logps_drop_warn=1e-9")
+    base, now = result.evals[0]["eval/logps/chosen"], result.evals[4]["eval/logps/chosen"]
+    assert -20 < now < base < 0  # nats/token, and it fell
+    assert f"warning: step 4: held-out eval/logps/chosen is {now:.4f}, {base - now:.4f} nats/token below" \
+        in capsys.readouterr().err
+
+
 def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resumed_weights(tmp_path):
     seen = []
 

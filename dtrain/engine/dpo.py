@@ -56,7 +56,12 @@ class DPO:
     nll_scope = "response"  # no NLL term; the layouts' NLL count is then the chosen tokens
     metric_keys = SUM_KEYS + COUNT_KEYS
     needs_reference = True  # the trainer puts REF_KEYS into TokenizedPair.extra before the first step
-    per_token_logps = False  # logps/* are sums per response (TRL): the nats/token guard does not apply
+
+    @property
+    def per_token_logps(self) -> bool:
+        """True for ``ipo``, whose ``logps/*`` are means per token (nats/token, the unit of
+        ``train.chosen_logps_drop_warn`` and ``train.keep_best_guard``); sums per response otherwise."""
+        return self.loss_type == "ipo"
 
     @classmethod
     def from_config(cls, cfg) -> "DPO":

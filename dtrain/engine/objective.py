@@ -63,7 +63,8 @@ class Objective(Protocol):
     Two optional class attributes (default False / True): ``needs_reference``, the
     run puts the step-0 model's summed log-probabilities into each pair's ``extra``
     first (``dtrain.run.reference``, for DPO); ``per_token_logps`` False, its
-    ``logps/*`` are sums per response, so the nats/token eval guard is skipped.
+    ``logps/*`` are sums per response (DPO sigmoid and hinge), so the nats/token
+    eval guard is skipped.
     """
 
     nll_scope: str  # which prompt tokens the layouts mark as NLL targets, and Totals counts (engine.layout.nll_tokens)

@@ -103,8 +103,31 @@ class ExportResult:
                 "folder's, or export a wider type (q8_0, f16)")
 
 
-def merge_adapter(adapter_dir: str, base: str) -> tuple[LoadedModel, dict]:
-    """Load ``base`` in float32 and fuse the mlx-lm adapter in ``adapter_dir`` into it.
+def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
+    """Refuse a base GGUF other than the one the adapter was trained on.
+
+    ``adapter_config.json``'s ``base_model`` (written by dtrain's trainer from
+    ``LoadedModel.reference``) holds the training base's sha256 when it was a GGUF
+    file; a base whose sha256 differs is another model, even with the same shapes.
+    Nothing is compared when either side has no sha256 (a folder, a hub id, an
+    adapter from another tool).
+
+    Raises:
+        ModelError: the two sha256 differ (names both files).
+    """
+    config = Path(adapter_dir) / "adapter_config.json"
+    recorded = json.loads(config.read_text()).get("base_model")
+    want = recorded.get("sha256") if isinstance(recorded, dict) else None
+    got = loaded.reference.get("sha256")
+    if isinstance(want, str) and got is not None and want != got:
+        raise ModelError(f"{config}: the adapter was trained on {recorded.get('path', '?')} (sha256 {want[:16]}...), "
+                         f"but --base {base} is another file (sha256 {got[:16]}...); export onto the base it was "
+                         f"trained on, or pass --allow-base-mismatch to merge it anyway")
+
+
+def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False) -> tuple[LoadedModel, dict]:
+    """Load ``base`` in float32 and fuse the mlx-lm adapter in ``adapter_dir`` into it
+    (a base other than the recorded one only with ``allow_base_mismatch``: :func:`check_base`).
 
     Returns:
         ``(loaded, updates)``: the loaded base whose LoRA layers are replaced by
@@ -113,8 +136,8 @@ def merge_adapter(adapter_dir: str, base: str) -> tuple[LoadedModel, dict]:
         mlx-lm's ``LoRALinear.fuse``.
 
     Raises:
-        ModelError: missing adapter files, or an adapter whose layers or shapes
-            do not fit the base (names the adapter and the base).
+        ModelError: missing adapter files, an adapter whose layers or shapes
+            do not fit the base (names the adapter and the base), or another base.
     """
     from mlx_lm.tuner.utils import load_adapters
 
@@ -129,6 +152,8 @@ def merge_adapter(adapter_dir: str, base: str) -> tuple[LoadedModel, dict]:
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
         detail = " ".join(str(err).split())[:400]
         raise ModelError(f"{adapter_dir}: this adapter does not fit the base model {base}: {detail}") from None
+    if not allow_base_mismatch:
+        check_base(adapter_dir, base, loaded)
     lora = [(name, module) for name, module in loaded.model.named_modules() if hasattr(module, "fuse")]
     updates = {f"{name}.weight": (float(m.scale), np.array(m.lora_a), np.array(m.lora_b)) for name, m in lora}
     loaded.model.update_modules(tree_unflatten([(name, module.fuse()) for name, module in lora]))
@@ -189,7 +214,7 @@ def end_tokens(loaded: LoadedModel, template: str | None) -> list:
 
 
 def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | None = None,
-                   dtype: str = "bfloat16") -> ExportResult:
+                   dtype: str = "bfloat16", allow_base_mismatch: bool = False) -> ExportResult:
     """Write ``base`` with the adapter merged: an mlx-lm folder, and a GGUF file when asked.
 
     Args:
@@ -200,10 +225,13 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         gguf_type: one of :data:`GGUF_TYPES` to also write ``OUT/model-<TYPE>.gguf``
             (needs a GGUF base, whose layout and metadata are copied).
         dtype: float type of the mlx-lm folder's weights (float32, bfloat16, float16).
+        allow_base_mismatch: merge onto ``base`` even when it is not the GGUF the adapter
+            recorded (:func:`check_base`).
 
     Raises:
-        ModelError: a bad adapter folder, a base that does not fit, a non-empty
-            ``out_dir``, an unknown type, or ``gguf_type`` with a non-GGUF base.
+        ModelError: a bad adapter folder, a base that does not fit or is not the
+            recorded one, a non-empty ``out_dir``, an unknown type, or ``gguf_type``
+            with a non-GGUF base.
     """
     if gguf_type is not None and gguf_type.lower() not in GGUF_TYPES:
         raise ModelError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
@@ -216,7 +244,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         if not base_gguf.is_file():
             raise ModelError(f"--gguf needs a GGUF base model (its layout and metadata are copied); {base} is not "
                              "a GGUF file. For an mlx-lm base, `mlx_lm.fuse --export-gguf` writes F16 llama GGUFs")
-    loaded, updates = merge_adapter(adapter_dir, base)  # checks the adapter folder first
+    loaded, updates = merge_adapter(adapter_dir, base, allow_base_mismatch)  # checks the adapter folder first
     trained_with = training_template(adapter_dir)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
     hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
@@ -293,7 +321,9 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
     md = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
     base_name = md.get("general.name") or base_gguf.stem
     model_name = f"{base_name} + {meta['adapter']}" if meta.get("adapter") else base_name
-    replaced = {"general.architecture", "general.file_type", "general.quantization_version", "general.name"}
+    # general.alignment: the writer pads tensor data to it only when set through add_custom_alignment
+    replaced = {"general.architecture", "general.file_type", "general.quantization_version", "general.name",
+                "general.alignment"}
     if meta.get("chat_template") is not None:
         replaced.add("tokenizer.chat_template")
     replaced |= {k for k in md if k.startswith("general.base_model.")}
@@ -302,6 +332,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
             continue
         array = value.types[0] == gguf.GGUFValueType.ARRAY
         writer.add_key_value(key, value.contents(), value.types[0], value.types[-1] if array else None)
+    if "general.alignment" in md:
+        writer.add_custom_alignment(int(md["general.alignment"]))
     writer.add_name(model_name)
     if meta.get("adapter"):
         writer.add_base_model_count(1)

@@ -51,7 +51,7 @@ def evaluate_and_log(run, step: int) -> None:
     run.result.evals[step] = metrics
     run.state.evals[str(step)] = metrics
     run.log.scalars(step, metrics)
-    # the guard's margin is nats/token; DPO's logps/chosen is a sum per response (TRL), so it is not checked
+    # the guard's margin is nats/token; DPO sigmoid/hinge log logps/chosen as a sum per response (TRL): not checked
     per_token = getattr(run.engine.objective, "per_token_logps", True)
     warning = (guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn, run.cfg.objective.kind)
                if per_token else None)
