@@ -180,12 +180,17 @@ class Group:
         if self.size == 1:
             return [text]
         data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        # mx.eval before np.array: np.array of an unevaluated collective drops MLX's lost-peer error
+        # and returns whatever the buffer held (MLX 0.32 ring: a dead rank's text read as '')
         with self.watch(what, step):
             n = mx.distributed.all_gather(mx.array([data.size], dtype=mx.int32), group=self.mlx_group)
+            mx.eval(n)
             lengths = np.array(n)  # (size,)
             padded = np.zeros(int(lengths.max()), np.int32)
             padded[: data.size] = data
-            got = np.array(mx.distributed.all_gather(mx.array(padded), group=self.mlx_group))
+            got = mx.distributed.all_gather(mx.array(padded), group=self.mlx_group)
+            mx.eval(got)
+            got = np.array(got)
         got = got.reshape(self.size, -1)
         return [bytes(got[r, : int(lengths[r])].astype(np.uint8)).decode("utf-8") for r in range(self.size)]
 

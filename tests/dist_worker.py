@@ -3,6 +3,7 @@
     python tests/dist_worker.py OUT_DIR [options] [section.key=value ...]
     python tests/dist_worker.py OUT_DIR --allreduce-check       # bucketed all_sum vs mpi4py (under mpirun)
     python tests/dist_worker.py OUT_DIR --broadcast-check       # rank 0's arrays on every rank, bit for bit
+    python tests/dist_worker.py OUT_DIR --lost-peer handshake   # rank 0 exits; rank 1 gathers once OUT_DIR/go exists
 
 It joins whatever group its launcher set up (``mlx.launch``/ring variables,
 ``mpirun``, or none: one rank), runs :func:`dtrain.run.trainer.train` and writes
@@ -61,6 +62,7 @@ def parse(argv):
     p.add_argument("--data-seed", action="append", default=[])
     p.add_argument("--allreduce-check", action="store_true")
     p.add_argument("--broadcast-check", action="store_true")
+    p.add_argument("--lost-peer", choices=["handshake", "sync"], default=None)
     return p.parse_known_args(argv)
 
 
@@ -189,6 +191,27 @@ def broadcast_check(args, group):
     Path(args.out, f"broadcast{group.rank}.json").write_text(json.dumps({"hex": hexes, "shapes": shapes, "dtypes": dtypes}))
 
 
+def lost_peer(args, group):
+    """Rank 0 exits after one collective; rank 1 waits for ``OUT_DIR/go`` (the test writes it once rank 0
+    has ended), runs the ``--lost-peer`` gather and writes the error it raised to ``OUT_DIR/lost1.json``."""
+    import time
+
+    group.all_sum_scalars({"joined": 1.0}, None)
+    if group.is_main:
+        os._exit(0)
+    while not Path(args.out, "go").exists():
+        time.sleep(0.01)
+    got = {"error": None}
+    try:
+        if args.lost_peer == "handshake":
+            distributed.handshake(group, {"config": {"a": 1}})
+        else:
+            distributed.check_in_sync(group, {"w": mx.ones(4)}, 7)
+    except UserError as err:
+        got = {"error": type(err).__name__, "message": str(err)}
+    Path(args.out, f"lost{group.rank}.json").write_text(json.dumps(got))
+
+
 def main(argv=None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -198,6 +221,8 @@ def main(argv=None) -> int:
             allreduce_check(args, group)
         elif args.broadcast_check:
             broadcast_check(args, group)
+        elif args.lost_peer:
+            lost_peer(args, group)
         else:
             run_training(args, overrides, group)
     except UserError as err:

@@ -2,11 +2,15 @@
 uninterrupted run bitwise; corrupt checkpoints are skipped; incompatible ones
 refused; TensorBoard continues without duplicated steps."""
 
+import fcntl
 import json
 import os
+import pty
 import random
 import signal
+import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -171,6 +175,25 @@ def test_sigint_during_a_step_saves_right_after_that_step(tmp_path):
     assert stopped["stopped"] and stopped["steps"] == 3 and len(stopped["history"]) == 3
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000003"]
     assert "stopped by signal after step 3; checkpoint saved, resume with train.resume=auto" in err
+
+
+def test_a_closed_terminal_saves_after_the_step_and_the_resume_matches(tmp_path, uninterrupted):
+    """`dtrain train` at a terminal that closes (SIGHUP, then writes to it fail) saves after its step, as Ctrl-C does."""
+    _, whole = uninterrupted
+    master, terminal = pty.openpty()
+    env = {**os.environ, "WORKER_HOLD_AT": "3"}
+    proc = subprocess.Popen([sys.executable, WORKER, tmp_path, *ARGS], stdin=terminal, stdout=terminal, stderr=terminal,
+                            env=env, start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(terminal)
+    wait_for_path(tmp_path / "in-step-3", proc)
+    os.close(master)  # the terminal goes away: its session gets SIGHUP
+    (tmp_path / "go-3").touch()
+    assert proc.wait() == 0
+    stopped = json.loads((tmp_path / "result-rank0.json").read_text())
+    assert stopped["stopped"] and stopped["steps"] == 3
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000003"]
+    resumed = finish(tmp_path, *ARGS, "--train.resume", "auto")
+    assert adapters_equal(resumed["adapter_dir"], whole["adapter_dir"])
 
 
 def test_two_runs_started_together_into_one_folder(tmp_path, uninterrupted):

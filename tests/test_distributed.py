@@ -210,6 +210,21 @@ def test_stalled_rank_trips_the_watchdog_of_the_others(tmp_path):
     assert any(fired), [err[-500:] for _, err, _ in results]
 
 
+@pytest.mark.parametrize("call, what", [("handshake", "start-up handshake at start-up"),
+                                        ("sync", "LoRA weight sync check at step 7")])
+def test_a_gather_after_a_peer_died_fails_as_a_lost_peer(tmp_path, call, what):
+    """MLX 0.32's ring returns garbage, not an error, when an unevaluated all_gather is read with np.array:
+    rank 1 read the dead rank 0's text as '' (a JSONDecodeError traceback in the handshake, 'the ranks
+    drifted apart' with exit status 2 in the sync check, which --max-restarts does not retry)."""
+    procs = start_ring(2, tmp_path, "--lost-peer", call)
+    assert finish(procs[:1])[0][0] == 0
+    (tmp_path / "go").touch()
+    rc, err, _ = finish(procs[1:])[0]
+    assert rc == 0, err[-1000:]
+    assert json.loads((tmp_path / "lost1.json").read_text()) == {
+        "error": "CollectiveError", "message": f"rank 1: {what} failed: [ring] connection to a peer was lost"}
+
+
 def test_handshake_names_what_differs_and_where(tmp_path):
     procs = start_ring(3, tmp_path, "--data-seed", "1:7", "--rank-override", "2:lora.rank=4")
     results = finish(procs)

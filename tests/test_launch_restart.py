@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import struct
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dtrain.run.tracking import read_scalars
+from dtrain.run.tracking import read_events, read_scalars
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
 from waiting import STOP_S, Child, kill_tree, spawn, wait_exit, wait_for_line, wait_until
@@ -56,20 +55,10 @@ def weights(path: Path) -> dict:
 
 
 def text_events(run_dir: Path, tag: str) -> list[tuple[int, str]]:
-    """``(step, text)`` of every TensorBoard text entry ``tag`` in ``run_dir`` (TFRecord framing as tracking.read_scalars)."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    out = []
-    for path in sorted(run_dir.glob("events.out.tfevents.*")):
-        data, pos = path.read_bytes(), 0
-        while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos : pos + 8])
-            event = Event.FromString(data[pos + 12 : pos + 12 + length])
-            pos += 12 + length + 4
-            # tensorboardX's add_text(tag, ...) writes the tag as TAG/text_summary
-            out += [(event.step, v.tensor.string_val[0].decode()) for v in event.summary.value
-                    if v.tag == f"{tag}/text_summary"]
-    return out
+    """``(step, text)`` of every TensorBoard text entry ``tag`` in ``run_dir``."""
+    # tensorboardX's add_text(tag, ...) writes the tag as TAG/text_summary
+    return [(event.step, v.tensor.string_val[0].decode()) for event in read_events(run_dir)
+            for v in event.summary.value if v.tag == f"{tag}/text_summary"]
 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi"])

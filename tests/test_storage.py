@@ -23,6 +23,7 @@ from tensorboardX.record_writer import RecordWriter
 from dtrain.run import checkpoint as ckpt, output
 from dtrain.errors import UserError
 from dtrain.files import StorageError, storage, storage_reason
+from dtrain.run.tracking import RunLogger, read_scalars
 from test_trainer import run
 
 MLX_WRITE = "[write] Unable to write 17309 bytes to file."
@@ -209,3 +210,14 @@ def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, m
     assert str(err.value) == (f"output folder {tmp_path} has 4.0 MB free; this run needs about 4.0 MB there: 1 new "
                               f"checkpoint(s) of 3.0 MB before the oldest beyond train.keep_last=2 is pruned (2 on "
                               f"disk now), and the adapter")
+
+
+def test_an_event_file_cut_short_by_a_full_disk_reads_up_to_its_last_whole_record(tmp_path):
+    """A short write (ENOSPC) leaves the last record cut; TensorBoard skips it, and so does read_scalars."""
+    log = RunLogger(tmp_path, 3, progress=False)
+    for step in (1, 2, 3):
+        log.scalars(step, {"loss": float(step)})
+    log.close()
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    events.write_bytes(events.read_bytes()[:-10])  # record 3: its crc and 6 bytes of its payload missing
+    assert read_scalars(tmp_path) == {"loss": [(1, 1.0), (2, 2.0)]}

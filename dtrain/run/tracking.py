@@ -244,7 +244,8 @@ def read_events(run_dir: Path):
     """Every ``Event`` in the event files of ``run_dir`` (not its subfolders), file by file.
 
     Reads the TFRecord framing (u64 length, u32 crc, payload, u32 crc) and
-    parses each payload with tensorboardX's ``Event`` protobuf.
+    parses each payload with tensorboardX's ``Event`` protobuf. A last record cut
+    short (a full disk's short write) is skipped, as TensorBoard does.
     """
     import struct
 
@@ -255,6 +256,8 @@ def read_events(run_dir: Path):
         pos = 0
         while pos + 12 <= len(data):
             (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            if pos + 12 + length + 4 > len(data):
+                break
             payload = data[pos + 12 : pos + 12 + length]
             pos += 12 + length + 4
             yield Event.FromString(payload)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import threading
 from dataclasses import dataclass, field, replace
@@ -430,8 +431,10 @@ def _main_rank_check(group: Group, check):
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set ``requested``; the step in progress agrees on it and the loop saves after it.
+    """SIGINT/SIGTERM/SIGHUP set ``requested``; the step in progress agrees on it and the loop saves after it.
 
+    SIGHUP (the terminal closed) also points stdout and stderr at /dev/null: a write to a
+    hung-up terminal fails (EIO), which would end the run before its save.
     Handlers are installed only in the main thread and restored on exit.
     """
 
@@ -440,11 +443,16 @@ class StopRequest:
         self._old = {}
 
     def _handle(self, signum, _frame):
+        if signum == signal.SIGHUP:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                os.dup2(devnull, fd)
+            os.close(devnull)
         self.requested = True
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old[sig] = signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:
