@@ -47,6 +47,13 @@ REFUSED = {
     "train.early_stop_evals": "where the run stops (its count continues over the resume)",
 }
 
+# Accepted keys that decide what is trained where another setting is on: refused then (and compared only
+# against checkpoints that recorded them, so runs saved before the rule continue).
+REFUSED_WHEN = {
+    "train.eval_every": ("when λ changes (orpo.lambda_schedule: adaptive) and which steps train.keep_best compares",
+                         lambda r: r["train"]["keep_best"] is not None or r["orpo"]["lambda_schedule"] == "adaptive"),
+}
+
 # Compared by content, not by the text of the key: a moved file continues the run.
 BY_CONTENT = {
     "model.path": "the model's identity (a GGUF's sha256; a folder's config.json and weight files: "
@@ -92,7 +99,8 @@ BEFORE_KEY = {
 
 
 def settings(resolved: dict) -> dict:
-    """``{"section.key": value}`` of every :data:`REFUSED` key, from the resolved config (``config.to_dict``).
+    """``{"section.key": value}`` of every :data:`REFUSED` key, and of each :data:`REFUSED_WHEN` key whose
+    condition holds, from the resolved config (``config.to_dict``).
 
     Raises:
         RuntimeError: a config key is not classified (a programming error: add it to a table here).
@@ -100,4 +108,6 @@ def settings(resolved: dict) -> dict:
     missing = unclassified()
     if missing:
         raise RuntimeError(f"config keys not classified for resume in dtrain/identity.py: {', '.join(missing)}")
-    return {key: resolved[key.split(".", 1)[0]][key.split(".", 1)[1]] for key in REFUSED}
+    value = lambda key: resolved[key.split(".", 1)[0]][key.split(".", 1)[1]]  # noqa: E731
+    return {**{key: value(key) for key in REFUSED},
+            **{key: value(key) for key, (_, when) in REFUSED_WHEN.items() if when(resolved)}}

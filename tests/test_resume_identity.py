@@ -412,3 +412,33 @@ def test_auto_resolves_the_lora_product_from_the_models_dtype():
     cfg, choices = resolve_auto(load_config(None, ["lora.branch_dtype=float32", "model.dtype=bfloat16",
                                                    "data.demo_pairs=4"]))
     assert cfg.lora.branch_dtype == "float32" and "lora.branch_dtype" not in choices
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["orpo.lambda_schedule=adaptive"], True),
+    (["train.keep_best=eval/loss"], True),
+    (["objective.kind=dpo"], False),
+    ([], False),
+])
+def test_eval_every_is_refused_where_it_decides_what_is_trained(tmp_path, overrides, refused):
+    run(tmp_path, "train.steps=2", *overrides)
+    if refused:
+        with pytest.raises(UserError) as err:
+            run(tmp_path, "train.steps=4", "train.resume=auto", "train.eval_every=1", *overrides)
+        assert str(err.value) == (f"resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: "
+                                  f"train.eval_every: 2 in the checkpoint, 1 now. {ckpt.RESUME_HINT}")
+    else:
+        more, _ = run(tmp_path, "train.steps=4", "train.resume=auto", "train.eval_every=1", *overrides)
+        assert len(more.history) == 2
+
+
+def test_a_checkpoint_without_a_conditional_key_continues(tmp_path):
+    resolved = to_dict(load_config(None, ["orpo.lambda_schedule=adaptive", "train.eval_every=50", "data.demo_pairs=1"]))
+    current = state_for(resolved)
+    assert current.settings["train.eval_every"] == resolved["train"]["eval_every"]
+    saved = state_for(resolved)
+    del saved.settings["train.eval_every"]  # written before the rule
+    ckpt.check_resumable(saved, current, [1, 2], tmp_path)
+    saved.settings["train.eval_every"] = resolved["train"]["eval_every"] + 1
+    with pytest.raises(UserError, match=r"train\.eval_every: 51 in the checkpoint, 50 now"):
+        ckpt.check_resumable(saved, current, [1, 2], tmp_path)

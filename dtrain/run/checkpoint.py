@@ -43,7 +43,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
-from ..identity import BEFORE_KEY
+from ..identity import BEFORE_KEY, REFUSED_WHEN
 from ..files import atomic_folder, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 
@@ -279,7 +279,7 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
     if saved.model in model_aliases:
         now["model.path"] = saved.model
-    keys = [*now, *(k for k in was if k not in now)]
+    keys = [k for k in now if k in was or k not in REFUSED_WHEN] + [k for k in was if k not in now]
     diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if k in current.settings and was.get(k) != now.get(k)]
     if not diffs:  # what the settings decide (pairs, shapes) differs only when they do, or the content does
         diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if was.get(k) != now.get(k)]
