@@ -133,9 +133,10 @@ def _convert(args) -> int:
 
 def _export(args) -> int:
     from .models.export import export_adapter
+    from .notices import notice
 
     result = export_adapter(args.adapter_dir, args.base, args.out, gguf_type=args.gguf, dtype=args.dtype,
-                            allow_base_mismatch=args.allow_base_mismatch)
+                            allow_base_mismatch=args.allow_base_mismatch, report=notice)
     print(f"wrote mlx-lm model folder {result.folder} ({args.dtype}); "
           f"run it with: mlx_lm.generate --model {result.folder} --prompt ...")
     if result.gguf is not None:

@@ -41,6 +41,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -216,7 +217,8 @@ def end_tokens(loaded: LoadedModel, template: str | None) -> list:
 
 
 def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | None = None,
-                   dtype: str = "bfloat16", allow_base_mismatch: bool = False) -> ExportResult:
+                   dtype: str = "bfloat16", allow_base_mismatch: bool = False,
+                   report: Callable[[str], None] | None = None) -> ExportResult:
     """Write ``base`` with the adapter merged: an mlx-lm folder, and a GGUF file when asked.
 
     Args:
@@ -229,6 +231,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         dtype: float type of the mlx-lm folder's weights (float32, bfloat16, float16).
         allow_base_mismatch: merge onto ``base`` even when it is not the GGUF file or
             model folder the adapter recorded (:func:`check_base`).
+        report: told of each Modelfile value Ollama could not read back (left out), or None.
 
     Raises:
         ModelError: a bad adapter folder, a base that does not fit or is not the
@@ -272,13 +275,14 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
             result.gguf = Path(out_dir) / name
             result.modelfile = Path(out_dir) / "Modelfile"
             (tmp / "Modelfile").write_text(ollama_modelfile(loaded.tokenizer, template, name, config["eos_token_id"],
-                                                            model_name), encoding="utf-8")
+                                                            model_name, report), encoding="utf-8")
 
     write_folder(out_dir, fill)
     return result
 
 
-def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: list, model_name: str) -> str:
+def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: list, model_name: str,
+                     report: Callable[[str], None] | None = None) -> str:
     """The Modelfile for ``gguf_name``: ``TEMPLATE`` read off ``template`` (modelfile.py), stops = ``eos_ids``'s texts.
 
     The opening BOS text is left out of ``TEMPLATE`` when the GGUF tokenizer adds BOS itself.
@@ -294,7 +298,7 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
     adds_bos = bool(bos) and hf("x")["input_ids"][:1] == [hf.convert_tokens_to_ids(bos)]
     drop_open = parts is not None and adds_bos and parts.open == bos
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
-    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name)
+    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report)
 
 
 def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None) -> tuple:
