@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default="bfloat16", help="weights of the mlx-lm folder: bfloat16 (default), "
                                                      "float16 or float32")
     e.add_argument("--allow-base-mismatch", action="store_true",
-                   help="merge even when --base is not the GGUF file (by sha256) the adapter was trained on")
+                   help="merge even when --base is not the GGUF file (by sha256) or model folder "
+                        "(by content) the adapter was trained on")
     doc = sub.add_parser("doctor", help="print what a bug report needs: MLX, device, memory, BLAS, distributed "
                                         "backends, Python, OS, and a short timed demo run")
     doc.add_argument("--steps", type=int, default=2, help="demo run: optimizer steps (default 2)")
@@ -132,9 +133,10 @@ def _convert(args) -> int:
 
 def _export(args) -> int:
     from .models.export import export_adapter
+    from .notices import notice
 
     result = export_adapter(args.adapter_dir, args.base, args.out, gguf_type=args.gguf, dtype=args.dtype,
-                            allow_base_mismatch=args.allow_base_mismatch)
+                            allow_base_mismatch=args.allow_base_mismatch, report=notice)
     print(f"wrote mlx-lm model folder {result.folder} ({args.dtype}); "
           f"run it with: mlx_lm.generate --model {result.folder} --prompt ...")
     if result.gguf is not None:

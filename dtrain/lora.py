@@ -160,8 +160,9 @@ def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = 
     ``dtrain export`` writes it into the exports).
 
     ``base_model`` is what :class:`dtrain.models.LoadedModel` records: the path
-    and sha256 of a GGUF file, a model folder, or a hub id. mlx-lm ignores the
-    extra key; a reader uses it to find the model the adapter belongs to.
+    and sha256 of a GGUF file, the path and content fingerprint of a model folder,
+    or a hub id. mlx-lm ignores the extra key; a reader uses it to find the model
+    the adapter belongs to.
     """
     n_layers = len(model.layers)
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)

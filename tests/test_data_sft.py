@@ -94,7 +94,6 @@ def test_control_text_in_a_text_row_is_plain_text(tok):
 
 @pytest.mark.parametrize("obj, why", [
     ({"messages": [{"role": "user", "content": Q}]}, "'messages' must end with an assistant message"),
-    ({"messages": [{"role": "assistant", "content": "4"}]}, "'messages' has no prompt"),
     ({"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": " "}]}, "empty response"),
     ({"prompt": Q, "completion": ""}, "empty response in 'completion'"),
     ({"prompt": Q, "completion": 4}, "field 'completion' must be a string"),
@@ -107,6 +106,43 @@ def test_bad_rows_are_reported_with_file_and_line(obj, why):
     rows, report = rows_of([good, obj], fmt)
     assert len(rows) == 1
     assert [s for s, _ in report.bad] == ["f.jsonl:2"] and why in report.bad[0][1]
+
+
+DEFAULT_SYSTEM = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+                  "{{ '<|im_start|>system\nYou are helpful.<|im_end|>\n' }}{% endif %}"
+                  "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+USER_FIRST = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user "
+              "message') }}{% endif %}" + DEFAULT_SYSTEM)
+LONE = {"messages": [{"role": "assistant", "content": "4"}]}
+
+
+@pytest.mark.parametrize("template, prompts", [
+    (None, ["<s><|im_start|>assistant\n", "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>assistant\n"]),
+    (DEFAULT_SYSTEM, ["<s><|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>assistant\n",
+                      "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>assistant\n"]),
+])
+def test_a_lone_assistant_message_trains_with_an_empty_prompt(tmp_path, tok, template, prompts):
+    """TRL's SFTTrainer trains a messages row of one assistant turn (refused before: 'no prompt'). Its prompt
+    is what the template writes before the reply (a default system message too), never trained."""
+    path = tmp_path / "t.jinja"
+    path.write_text(template or "")
+    rows, report = rows_of([LONE, {**LONE, "system": "Be brief."}])
+    assert report.bad == [] and rows[0].prompt == []
+    pairs, report = tokenize_rows(rows, tok, DataConfig(chat_template=str(path) if template else None))
+    assert report.bad == [] and report.dropped == []
+    assert [(tok.decode(p.prompt), tok.decode(p.chosen), p.rejected) for p in pairs] == [
+        (prompt, "4<|im_end|>", []) for prompt in prompts]
+
+
+def test_a_lone_assistant_message_the_template_refuses_is_a_bad_row(tmp_path, tok):
+    path = tmp_path / "t.jinja"
+    path.write_text(USER_FIRST)
+    rows, _ = rows_of([{"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}]}, LONE])
+    pairs, report = tokenize_rows(rows, tok, DataConfig(chat_template=str(path)))
+    assert len(pairs) == 1 and report.bad == [("f.jsonl:2", f"the chat template (data.chat_template {path}) cannot "
+                                                            "render this row: Conversations must start with a user "
+                                                            "message")]
 
 
 def test_load_dataset_reads_a_file_of_completions_rows(tmp_path, tok):

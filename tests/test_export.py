@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -244,6 +246,16 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf"]
 
 
+def refused_unless_allowed(argv: list, capsys, names: str) -> None:
+    """``dtrain ARGV`` stops with the base-mismatch line starting ``names`` and writes nothing to ``--out``;
+    with ``--allow-base-mismatch`` it exports."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: {names}; export onto the base it was trained on, or pass "
+                                       "--allow-base-mismatch to merge it anyway\n")
+    assert not Path(argv[argv.index("--out") + 1]).exists()
+    assert main(argv + ["--allow-base-mismatch"]) == 0
+
+
 def test_export_onto_another_base_is_refused_naming_both_unless_allowed(tmp_path, llama, capsys):
     """adapter_config.json records the base GGUF's sha256 (trainer: LoadedModel.reference); a --base of
     the same shapes but other bytes merged silently before. The override merges onto it as asked."""
@@ -254,20 +266,54 @@ def test_export_onto_another_base_is_refused_naming_both_unless_allowed(tmp_path
     other = tmp_path / "other.gguf"
     write_tiny_llama(other, {"blk.0.attn_q.weight": Q.Q4_1})  # the same shapes, other weights
     sha = load_model(str(other), dtype="float32").reference["sha256"]
-    argv = ["export", str(adapter), "--base", str(other), "--out", str(tmp_path / "o1")]
-    assert main(argv) == 2
-    assert capsys.readouterr().err == (
-        f"dtrain: error: {adapter / 'adapter_config.json'}: the adapter was trained on {base} (sha256 "
-        f"{recorded['sha256'][:16]}...), but --base {other} is another file (sha256 {sha[:16]}...); export onto "
-        f"the base it was trained on, or pass --allow-base-mismatch to merge it anyway\n")
-    assert not (tmp_path / "o1").exists()
-    assert main(argv + ["--allow-base-mismatch", "--dtype", "float32"]) == 0
+    argv = ["export", str(adapter), "--base", str(other), "--out", str(tmp_path / "o1"), "--dtype", "float32"]
+    refused_unless_allowed(argv, capsys, f"{adapter / 'adapter_config.json'}: the adapter was trained on {base} "
+                           f"(sha256 {recorded['sha256'][:16]}...), but --base {other} is another file (sha256 "
+                           f"{sha[:16]}...)")
     from mlx_lm import load
 
     on_other, _ = load(str(tmp_path / "o1"))
     on_base, _ = load(str(export_adapter(str(adapter), str(base), str(tmp_path / "o2"), dtype="float32").folder))
     np.testing.assert_allclose(np.array(on_base(TOKENS)), np.array(lora_model(TOKENS)), rtol=1e-4, atol=1e-4)
     assert rel_err(on_other(TOKENS), on_base(TOKENS)) > 1e-3  # the other base's weights, as asked
+
+
+def test_export_onto_another_model_folder_is_refused_by_content_unless_allowed(tmp_path, capsys):
+    """Training on a model folder records its content fingerprint in base_model (the identity a resume
+    compares); a folder of other weights merged silently before. A copy at another path is the same base;
+    an adapter from before the fingerprint (path only) is not compared."""
+    from conftest import make_tiny_model
+    from fixtures_launch import MODEL_CONFIG, make_model_folder
+    from mlx_lm.utils import save_model
+
+    from dtrain.config import load_config
+    from dtrain.models.load import folder_fingerprint
+    from dtrain.run.trainer import train
+
+    model = make_model_folder(tmp_path / "model")
+    cfg = load_config(None, [f"model.path={model}", f"train.output_dir={tmp_path / 'run'}", "data.demo_pairs=8",
+                             "data.max_length=64", "data.max_prompt_length=32", "lora.rank=2", "train.steps=1",
+                             "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "train.progress=false"])
+    adapter = train(cfg, loaded=load_model(str(model), "float32")).adapter_dir
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    want = folder_fingerprint(model)
+    assert config["base_model"] == {"path": str(model.resolve()), "fingerprint": want,
+                                    "source": f"mlx-lm model {model}"}
+    copy = shutil.copytree(model, tmp_path / "elsewhere" / "model")
+    assert main(["export", str(adapter), "--base", str(copy), "--out", str(tmp_path / "o1")]) == 0
+    other = shutil.copytree(model, tmp_path / "other")
+    save_model(other, make_tiny_model(seed=7, num_hidden_layers=MODEL_CONFIG["num_hidden_layers"]))
+    got = folder_fingerprint(other)
+    capsys.readouterr()
+    refused_unless_allowed(["export", str(adapter), "--base", str(other), "--out", str(tmp_path / "o2")], capsys,
+                           f"{config_file}: the adapter was trained on {model.resolve()} (content fingerprint "
+                           f"{want[:16]}...), but --base {other} is another folder (content fingerprint "
+                           f"{got[:16]}...)")
+    del config["base_model"]["fingerprint"]  # as dtrain wrote it before: the path only
+    config_file.write_text(json.dumps(config))
+    assert main(["export", str(adapter), "--base", str(other), "--out", str(tmp_path / "o3")]) == 0
+    assert sorted(p.name for p in (tmp_path / "o3").iterdir()) == sorted(p.name for p in (tmp_path / "o2").iterdir())
 
 
 @pytest.mark.slow

@@ -134,6 +134,19 @@ def test_modelfile_without_a_convertible_template_says_so(tmp_path, tiny):
     assert "# TEMPLATE: the chat template's structure could not be read off its output; write one by hand" in text
 
 
+def test_export_leaves_out_a_system_text_ollama_cannot_read_back_with_one_notice(tmp_path, tiny, capsys):
+    """Ollama's Modelfile parser drops U+2063 (not strconv.IsPrint), so SYSTEM would reach it without;
+    the rest of the Modelfile is written."""
+    base, adapter = tiny
+    record_template(adapter, SMOL.replace("You are helpful.", "You are\u2063helpful."))
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out"), "--gguf", "f16"]) == 0
+    assert capsys.readouterr().err == ("Modelfile: SYSTEM 'You are\\u2063helpful.' left out: Ollama's Modelfile "
+                                       "parser drops the character U+2063, so no quoting gives it back\n")
+    text = (tmp_path / "out" / "Modelfile").read_text()
+    assert "# SYSTEM 'You are\\u2063helpful.' left out: " in text and "\nSYSTEM" not in text
+    assert 'PARAMETER stop "<|im_end|>"' in text and "\u2063" not in text
+
+
 def test_training_template_from_adapter_config_or_the_checkpoint_config(tmp_path, tiny):
     _, adapter = tiny
     assert training_template(str(adapter)) is None

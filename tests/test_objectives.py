@@ -247,3 +247,28 @@ def test_simpo_finalize_reads_the_steps_hyper_parameters():
     m = SimPO(2.0, 0.5, 0.0).finalize(sums, "", given.hyper())
     assert m == given.finalize(sums)
     assert (m["loss"], m["rewards/chosen"], m["rewards/rejected"], m["rewards/margins"]) == (0.875, -1.25, -3.75, 2.5)
+
+
+TRL_NOT_LOGGED = ("logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def test_readme_metrics_paragraph_matches_the_objectives():
+    """README "Objective and metrics" names the TRL metrics no objective logs, and says ORPO's
+    rewards/accuracies compares the log-probs: at lambda = 0 (TRL's rewards and accuracy 0) it is the
+    share of pairs with logps/chosen > logps/rejected, here 2 of 3."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = readme.split("### Objective and metrics", 1)[1].split("**Healthy or degenerate?**", 1)[0]
+    for name in TRL_NOT_LOGGED:
+        assert f"`{name}`" in paragraph, name
+    for kind in OBJECTIVES:
+        obj = make_objective(load_config(None, ["data.demo_pairs=4", f"objective.kind={kind}"]))
+        sums = {k: mx.array(1.0, mx.float32) for k in obj.metric_keys}
+        assert not set(obj.finalize(sums, "", obj.hyper())) & set(TRL_NOT_LOGGED), kind
+    orpo = ORPO(0.0)
+    lw, lr = mx.array([-1.0, -2.0, -3.0]), mx.array([-2.0, -1.0, -4.0])
+    _, sums = orpo.loss(PairLogps(lw, lr, mx.ones(3), mx.ones(3), mx.array(6.0)), Totals(3.0, 3.0), orpo.hyper())
+    m = orpo.finalize({**sums, "pairs": 3.0, "nll_tokens": 3.0}, "", orpo.hyper())
+    assert m["rewards/accuracies"] == pytest.approx(2 / 3) and m["rewards/chosen"] == m["rewards/rejected"] == 0.0
+    assert "`logps/chosen > logps/rejected`" in paragraph and "λ = 0" in paragraph

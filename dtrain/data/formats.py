@@ -27,7 +27,8 @@ Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None)
 
 - ``messages``: mlx-lm's ``chat`` and TRL's conversational language-modeling
   rows, ``{"messages": [...]}``; the completion is the last message (an assistant
-  turn), the prompt the messages before it (mlx-lm's ``mask_prompt`` split).
+  turn), the prompt the messages before it (mlx-lm's ``mask_prompt`` split; none
+  for a lone assistant message, which TRL's SFTTrainer trains too).
 - ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
   rows, ``prompt``/``completion`` strings or message lists.
 - ``text``: mlx-lm's ``text`` rows and TRL's language-modeling rows, ``{"text": ...}``:
@@ -393,8 +394,6 @@ def _messages_row(obj: dict, fields=None) -> Row:
     msgs = _messages(_get(obj, "messages", list), "messages")
     if not msgs or msgs[-1]["role"] != "assistant":
         raise BadRow("'messages' must end with an assistant message (the completion)")
-    if len(msgs) < 2:
-        raise BadRow("'messages' has no prompt before its assistant message")
     return Row(msgs[:-1], _response(msgs[-1:], "messages"), None, _system(obj))
 
 

@@ -3,7 +3,9 @@
 For each side the whole conversation (prompt messages + the response) is
 rendered once with the template and tokenized once. The prompt is the longest
 token prefix shared by both sides' renderings and the prompt's own rendering
-with the generation prompt, so ``prompt + chosen`` is exactly the tokenizer's
+with the generation prompt (for no prompt messages, a lone assistant message:
+what the template writes before the reply's content, a default system message
+too), so ``prompt + chosen`` is exactly the tokenizer's
 ids for the rendered chosen conversation, up to the end of its assistant turn
 (the closing control token kept, the whitespace the template writes after it
 not), and likewise ``prompt + rejected``. A generation prompt that opens a
@@ -278,6 +280,13 @@ class RowTokenizer:
         text, spans = self._unescape(text, marker)
         return self._encode(text, spans, add) + extra, text, found
 
+    def _reply_opening(self, r: Renderer) -> list:
+        """The prompt of no messages (a lone assistant message): the ids the template writes before the
+        reply's content, i.e. the shared prefix of two one-reply conversations (transformers renders no
+        empty conversation, so there is no generation prompt of nothing to render)."""
+        a, b = (self._render(r, [{"role": "assistant", "content": c}], False)[0] for c in ("A", "B"))
+        return a[:_common_prefix(a, b)]
+
     # -- truncation --------------------------------------------------------
     def _fit_prompt(self, r: Renderer, msgs: list) -> tuple:
         """``(messages, ids, untruncated length)``: content cut from the left until the prompt fits.
@@ -286,7 +295,7 @@ class RowTokenizer:
             Drop: the system message and the template's structure alone do not fit.
         """
         limit = self.cfg.max_prompt_length
-        ids = self._render(r, msgs, True)[0]
+        ids = self._render(r, msgs, True)[0] if msgs else self._reply_opening(r)
         full = len(ids)
         if full <= limit:
             return msgs, ids, full
@@ -346,7 +355,7 @@ class RowTokenizer:
         else:
             cuts = [_common_prefix(g, f[0]) for (_, g, _), f in zip(fitted, fulls)]
         for (pm, g, _), (_, text, _), n in zip(fitted, fulls, cuts):
-            if n < len(g) and not text.startswith(self._render(r, pm, False)[1]):
+            if pm and n < len(g) and not text.startswith(self._render(r, pm, False)[1]):
                 raise BadRow(f"the chat template ({r.name}) renders the prompt messages differently once a "
                              "response follows them, so prompt and response cannot be split")
         (fc, _, _), (fr, _, _) = fulls

@@ -41,6 +41,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -104,25 +105,27 @@ class ExportResult:
 
 
 def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
-    """Refuse a base GGUF other than the one the adapter was trained on.
+    """Refuse a base other than the one the adapter was trained on.
 
     ``adapter_config.json``'s ``base_model`` (written by dtrain's trainer from
     ``LoadedModel.reference``) holds the training base's sha256 when it was a GGUF
-    file; a base whose sha256 differs is another model, even with the same shapes.
-    Nothing is compared when either side has no sha256 (a folder, a hub id, an
-    adapter from another tool).
+    file, its content fingerprint (``folder_fingerprint``) when it was a model
+    folder; a base whose value differs is another model, even with the same shapes.
+    Nothing is compared when either side lacks the key (a hub id, a GGUF against a
+    folder, an adapter from another tool or from dtrain before folder fingerprints).
 
     Raises:
-        ModelError: the two sha256 differ (names both files).
+        ModelError: the two sha256 or fingerprints differ (names both).
     """
     config = Path(adapter_dir) / "adapter_config.json"
     recorded = json.loads(config.read_text()).get("base_model")
-    want = recorded.get("sha256") if isinstance(recorded, dict) else None
-    got = loaded.reference.get("sha256")
-    if isinstance(want, str) and got is not None and want != got:
-        raise ModelError(f"{config}: the adapter was trained on {recorded.get('path', '?')} (sha256 {want[:16]}...), "
-                         f"but --base {base} is another file (sha256 {got[:16]}...); export onto the base it was "
-                         f"trained on, or pass --allow-base-mismatch to merge it anyway")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    for key, label, kind in (("sha256", "sha256", "file"), ("fingerprint", "content fingerprint", "folder")):
+        want, got = recorded.get(key), loaded.reference.get(key)
+        if isinstance(want, str) and got is not None and want != got:
+            raise ModelError(f"{config}: the adapter was trained on {recorded.get('path', '?')} ({label} "
+                             f"{want[:16]}...), but --base {base} is another {kind} ({label} {got[:16]}...); export "
+                             "onto the base it was trained on, or pass --allow-base-mismatch to merge it anyway")
 
 
 def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False) -> tuple[LoadedModel, dict]:
@@ -214,7 +217,8 @@ def end_tokens(loaded: LoadedModel, template: str | None) -> list:
 
 
 def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | None = None,
-                   dtype: str = "bfloat16", allow_base_mismatch: bool = False) -> ExportResult:
+                   dtype: str = "bfloat16", allow_base_mismatch: bool = False,
+                   report: Callable[[str], None] | None = None) -> ExportResult:
     """Write ``base`` with the adapter merged: an mlx-lm folder, and a GGUF file when asked.
 
     Args:
@@ -225,8 +229,9 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         gguf_type: one of :data:`GGUF_TYPES` to also write ``OUT/model-<TYPE>.gguf``
             (needs a GGUF base, whose layout and metadata are copied).
         dtype: float type of the mlx-lm folder's weights (float32, bfloat16, float16).
-        allow_base_mismatch: merge onto ``base`` even when it is not the GGUF the adapter
-            recorded (:func:`check_base`).
+        allow_base_mismatch: merge onto ``base`` even when it is not the GGUF file or
+            model folder the adapter recorded (:func:`check_base`).
+        report: told of each Modelfile value Ollama could not read back (left out), or None.
 
     Raises:
         ModelError: a bad adapter folder, a base that does not fit or is not the
@@ -270,13 +275,14 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
             result.gguf = Path(out_dir) / name
             result.modelfile = Path(out_dir) / "Modelfile"
             (tmp / "Modelfile").write_text(ollama_modelfile(loaded.tokenizer, template, name, config["eos_token_id"],
-                                                            model_name), encoding="utf-8")
+                                                            model_name, report), encoding="utf-8")
 
     write_folder(out_dir, fill)
     return result
 
 
-def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: list, model_name: str) -> str:
+def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: list, model_name: str,
+                     report: Callable[[str], None] | None = None) -> str:
     """The Modelfile for ``gguf_name``: ``TEMPLATE`` read off ``template`` (modelfile.py), stops = ``eos_ids``'s texts.
 
     The opening BOS text is left out of ``TEMPLATE`` when the GGUF tokenizer adds BOS itself.
@@ -292,7 +298,7 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
     adds_bos = bool(bos) and hf("x")["input_ids"][:1] == [hf.convert_tokens_to_ids(bos)]
     drop_open = parts is not None and adds_bos and parts.open == bos
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
-    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name)
+    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report)
 
 
 def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None) -> tuple:

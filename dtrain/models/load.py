@@ -41,7 +41,8 @@ class LoadedModel:
     ``source``: human-readable description.
     ``reference``: where the weights are, for an adapter's ``base_model``:
     ``{"path", "sha256"}`` of a GGUF file (absolute; the demo's cached file
-    too), ``{"path"}`` of a model folder, or ``{"hub_id"}``.
+    too), ``{"path", "fingerprint"}`` of a model folder (:func:`folder_fingerprint`),
+    or ``{"hub_id"}``; ``dtrain export`` compares the sha256 or fingerprint.
     ``aliases``: identities checkpoints of earlier dtrain versions recorded for the
     same model (a folder: ``mlx-lm:<resolved path>:<hash of the config>``, before
     2026-12-04), which a resume accepts as this one.
@@ -177,8 +178,8 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
     config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
     aliases = ()
     if Path(path).is_dir():
-        location = str(Path(path).resolve())
-        identity, reference = f"mlx-lm-folder:{folder_fingerprint(Path(path))}", {"path": location}
+        location, fingerprint = str(Path(path).resolve()), folder_fingerprint(Path(path))
+        identity, reference = f"mlx-lm-folder:{fingerprint}", {"path": location, "fingerprint": fingerprint}
         aliases = (f"mlx-lm:{location}:{config_hash}",)  # what checkpoints before 2026-12-04 hold
     else:  # a hub id: by its id and config (the download is mlx-lm's, in the hub cache)
         identity, reference = f"mlx-lm:{path}:{config_hash}", {"hub_id": path}

@@ -12,12 +12,15 @@ not rebuild (one that branches on content, numbers turns, ...) gets no
 ``TEMPLATE`` line and a comment saying so, never a wrong one.
 
 Ollama's template syntax: https://github.com/ollama/ollama/blob/main/docs/template.md
-(``.Messages`` with ``.Role`` and ``.Content``).
+(``.Messages`` with ``.Role`` and ``.Content``). Values are quoted the way Ollama's
+Modelfile parser reads them back (:func:`ollama_quote`); one it cannot read back is
+left out with a notice.
 """
 
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -108,9 +111,38 @@ def _rebuilds(parts: ChatParts, render, msg) -> bool:
         return False
 
 
+def go_printable(ch: str) -> bool:
+    """Go's ``strconv.IsPrint``: Unicode letters, marks, numbers, punctuation, symbols and the ASCII space."""
+    return ch == " " or unicodedata.category(ch)[0] in "LMNPS"
+
+
+def ollama_quote(text: str, quotes: tuple = ('"', '"""')) -> tuple:
+    """``(value, None)``: ``text`` in the first of ``quotes`` that Ollama's Modelfile parser reads back as
+    ``text``; ``(None, reason)`` when none does.
+
+    ollama/ollama ``parser/parser.go`` (``ParseFile``, ``unquote``) unescapes nothing: a value ends at
+    the first line end where the text so far, trimmed, closes its opening quote (three quotes at the
+    start open ``\"\"\"``), and drops each rune ``strconv.IsPrint`` rejects but tab and line ends.
+    """
+    dropped = next((c for c in text if not go_printable(c) and c not in "\t\r\n"), None)
+    if dropped is not None:
+        return None, f"Ollama's Modelfile parser drops the character U+{ord(dropped):04X}, so no quoting gives it back"
+    lines = [text[:i].rstrip(" \t\r\n") for i, c in enumerate(text) if c in "\r\n"]
+    for q in quotes:
+        opens = '"""' if (q + text + q).startswith('"""') else q
+        if opens == q and not any(line.endswith(q) for line in lines):
+            return q + text + q, None
+    return None, "Ollama's Modelfile parser cannot quote it (a line of it ends with \"\"\")"
+
+
 def _go(text: str) -> str:
-    """A Go template action writing ``text`` literally (JSON string escapes are Go's)."""
-    return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
+    """A Go template action writing ``text`` literally (JSON string escapes are Go's; characters Ollama's
+    Modelfile parser would drop are written as Go's ``\\u``/``\\U`` escapes)."""
+    if not text:
+        return ""
+    literal = "".join(c if go_printable(c) else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+                      for c in json.dumps(text, ensure_ascii=False))
+    return "{{ " + literal + " }}"
 
 
 def go_template(parts: ChatParts, drop_open: bool) -> str:
@@ -131,15 +163,28 @@ def go_template(parts: ChatParts, drop_open: bool) -> str:
     return "\n".join(lines)
 
 
-def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops: list, name: str) -> str:
+def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops: list, name: str,
+              report: Optional[Callable[[str], None]] = None) -> str:
     """The Modelfile text: ``FROM ./gguf_name``, TEMPLATE and SYSTEM from ``parts`` (a comment when
-    None), one ``PARAMETER stop`` per end text."""
+    None), one ``PARAMETER stop`` per end text. A value :func:`ollama_quote` cannot quote is left out:
+    a comment in its place and one line to ``report``."""
     out = [f"# {name}: `ollama create NAME -f Modelfile` in this folder", f"FROM ./{gguf_name}"]
+
+    def add(command: str, label: str, text: str, quotes: tuple) -> None:
+        value, reason = ollama_quote(text, quotes)
+        if value is not None:
+            out.append(f"{command} {value}")
+            return
+        out.append(f"# {label} left out: {reason}")
+        if report is not None:
+            report(f"Modelfile: {label} left out: {reason}")
+
     if parts is None:
         out.append("# TEMPLATE: the chat template's structure could not be read off its output; write one by hand")
     else:
-        out.append(f'TEMPLATE """{go_template(parts, drop_open)}"""')
+        add("TEMPLATE", "TEMPLATE", go_template(parts, drop_open), ('"""', '"'))
         if parts.default_system is not None:
-            out.append(f'SYSTEM """{parts.default_system}"""')
-    out += [f"PARAMETER stop {json.dumps(s, ensure_ascii=False)}" for s in stops]
+            add("SYSTEM", f"SYSTEM {parts.default_system!r}", parts.default_system, ('"""', '"'))
+    for stop in stops:
+        add("PARAMETER stop", f"PARAMETER stop {stop!r}", stop, ('"', '"""'))
     return "\n".join(out) + "\n"
