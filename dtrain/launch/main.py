@@ -12,7 +12,7 @@ machine) the data files are checked; a problem is one line
 ``launch: error: ...`` and exit status 2. Every rank gets its environment
 explicitly (:mod:`.plan`) and runs under :mod:`.rank`, which reports how it
 ended; the launcher exits non-zero when any rank failed and shows that rank's
-last lines (:mod:`.supervise`).
+exit status and last lines, not blaming the ranks it stopped after it (:mod:`.supervise`).
 
 Ctrl-C/SIGTERM/SIGHUP stops the job for good: every rank saves after its
 step; a rank that makes no progress for ``--stop-timeout`` seconds is killed,

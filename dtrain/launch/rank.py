@@ -24,7 +24,8 @@ Signals (the launcher's, or a hung-up ssh session's):
   killed ``ABORT_GRACE_S`` seconds later unless it ended by then, which a rank whose peer
   died usually does at once, through its own error path (closing its files).
 
-The report says which happened (``stop``: the signal, ``killed``: why). It
+The report says which happened (``stop``: the signal, ``killed``: why, ``aborted``: the
+abort came while the child ran, so its exit status is the launcher's doing). It
 exists because ``mlx.launch`` exits 0 even when a rank fails (mlx 0.32:
 ``_launch_with_io`` only logs a warning) and mixes the ranks' output without
 saying which rank wrote what; mpirun forwards SIGUSR1/SIGUSR2 to its ranks.
@@ -63,6 +64,7 @@ class Report:
     tail: list = field(default_factory=list)
     stop: Optional[str] = None  # why it stopped gently: the signal, e.g. "SIGINT", or "launcher gone"
     killed: Optional[str] = None  # why this wrapper killed the child, e.g. "abort"
+    aborted: Optional[bool] = None  # the launcher's abort (SIGUSR1) came while the child ran
     pid: Optional[int] = None
     host: Optional[str] = None
 
@@ -115,6 +117,7 @@ class Watch:
         self.stop_timeout = stop_timeout
         self.stop: Optional[str] = None
         self.abort_at: Optional[float] = None  # when SIGUSR1 came
+        self.aborted: Optional[bool] = None  # it came while the child ran (or before it started)
         self.killed: Optional[str] = None
         self._cpu, self._progress_at = -1.0, 0.0
 
@@ -160,6 +163,8 @@ def run(cmd: list) -> int:
         if signum == signal.SIGUSR1:
             if watch.abort_at is None:
                 watch.abort_at = time.monotonic()
+                if not started or started[0].poll() is None:
+                    watch.aborted = True
                 for proc in started:
                     _send(proc, signal.SIGINT)
         elif watch.stop is None:
@@ -217,7 +222,7 @@ def run(cmd: list) -> int:
     if partial.strip():
         tail.append(partial.decode(errors="replace")[:300])
     code = proc.wait()
-    _write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed)).encode())
+    _write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed, watch.aborted)).encode())
     return code if code >= 0 else 128 - code
 
 

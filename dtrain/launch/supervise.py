@@ -58,8 +58,8 @@ class Outcome:
     """How an attempt ended.
 
     ``code``: the launcher's exit status (0, the failed rank's status, 128+signal).
-    ``failed``: ranks that failed on their own (not stopped or killed by the
-    launcher), first-reported first; ``missing``: ranks that never reported.
+    ``failed``: ranks that failed on their own (not stopped, aborted or killed by
+    the launcher), first-reported first; ``missing``: ranks that never reported.
     ``stopped_by``: the signal that stopped the job for good, if any.
     """
 
@@ -216,16 +216,23 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
         launcher_code: exit status of mlx.launch / mpirun / the single rank's wrapper.
         stopped_by: the signal that stopped the job for good, or None.
     """
-    failed = [r for r in order if reports[r].code != 0 and reports[r].killed is None and reports[r].stop is None]
+    ended = [r for r in order if reports[r].code != 0 and reports[r].killed is None and reports[r].stop is None]
+    failed = [r for r in ended if not reports[r].aborted]
     for r in failed:
         rep = reports[r]
-        what = f"failed with exit code {rep.code}" if rep.code > 0 else f"was {describe_status(rep.code)}"
+        what = ("failed with " if rep.code > 0 else "was ") + describe_status(rep.code)
+        if rep.code == EXIT_USER_ERROR:  # one line "dtrain: error: ...", relayed above as it came
+            print(f"launch: rank {r} {what}; its message is above", file=sys.stderr)
+            continue
         print(f"launch: rank {r} {what}" + ("; its last lines:" if rep.tail else ""), file=sys.stderr)
         for line in rep.tail[-10:]:
             print(f"  [rank {r}] {line}", file=sys.stderr)
     aborted = sorted(r for r in reports if reports[r].killed == "abort")
     if aborted:
         print(f"launch: rank(s) {', '.join(map(str, aborted))} killed by the launcher", file=sys.stderr)
+    on_abort = sorted(r for r in ended if reports[r].aborted)  # exit status (SIGINT, a lost peer): the abort's doing
+    if on_abort:
+        print(f"launch: rank(s) {', '.join(map(str, on_abort))} stopped by the launcher", file=sys.stderr)
     for r in sorted(r for r in reports if reports[r].killed not in (None, "abort")):
         print(f"launch: rank {r} was killed before it saved: {reports[r].killed}", file=sys.stderr)
     stopped = sorted(r for r in reports if reports[r].code != 0 and reports[r].stop is not None and reports[r].killed is None)
@@ -242,7 +249,7 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
     elif failed:
         first = reports[failed[0]].code
         code = first if first > 0 else 128 - first
-    elif aborted or stopped or missing or launcher_code != 0:
+    elif aborted or on_abort or stopped or missing or launcher_code != 0:
         code = launcher_code or 1
     else:
         code = 0
