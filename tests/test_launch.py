@@ -109,6 +109,29 @@ def test_one_rank_failure_points_to_its_message(job, tmp_path):
     assert summary_lines(r.stderr) == ["launch: rank 0 failed with exit status 2 (user error); its message is above"]
 
 
+@pytest.mark.parametrize("ranks,backend", [(1, "ring"), (2, "ring"), (2, "mpi")])
+def test_a_closed_output_changes_nothing(job, tmp_path, ranks, backend):
+    """``./launch ... 2>&1 | head -4``: with its reader gone the launcher's writes fail (EPIPE), yet the job
+    trains and saves to its end and exits 0; what the launcher and its ranks print is dropped."""
+    import subprocess
+
+    if backend == "mpi" and shutil.which("mpirun") is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    read, write = os.pipe()
+    os.close(read)  # gone before the first line, so every write meets it
+    try:
+        proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", str(ranks), "--backend", backend, "--port",
+                                 str(free_port()), str(job["config"]), "--train.output_dir", str(tmp_path)],
+                                stdout=write, stderr=write, stdin=subprocess.DEVNULL, cwd=ROOT)
+    finally:
+        os.close(write)
+    try:
+        assert wait_exit(proc) == 0
+    finally:
+        kill_tree(proc)
+    assert_same_adapter(job["tmp"] / "run" / ADAPTER, tmp_path / ADAPTER)
+
+
 def test_dry_run_prints_ranks_env_and_shards(job):
     port = free_port()
     r = launch("-n", 3, "--port", port, "--dry-run", job["config"], "--train.global_batch_pairs", 5)

@@ -34,6 +34,7 @@ saying which rank wrote what; mpirun forwards SIGUSR1/SIGUSR2 to its ranks.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import select
@@ -178,7 +179,7 @@ def run(cmd: list) -> int:
         signal.signal(sig, on_signal)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     started.append(proc)
-    _write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
+    write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
     if watch.stop is not None:  # a signal came while starting
         _send(proc, signal.SIGINT)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
@@ -209,20 +210,20 @@ def run(cmd: list) -> int:
             if not chunk:
                 open_fds.remove(ready_fd)
             elif ready_fd == out_fd:
-                _write(chunk, sys.stdout)
+                write(chunk, sys.stdout)
             else:
-                _write(chunk)
+                write(chunk)
                 *lines, partial = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
                 tail.extend(x.decode(errors="replace")[:300] for x in lines if x.strip())
     while out_fd in open_fds:  # stderr closed first: the rest of stdout
         chunk = os.read(out_fd, 65536)
         if not chunk:
             break
-        _write(chunk, sys.stdout)
+        write(chunk, sys.stdout)
     if partial.strip():
         tail.append(partial.decode(errors="replace")[:300])
     code = proc.wait()
-    _write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed, watch.aborted)).encode())
+    write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed, watch.aborted)).encode())
     return code if code >= 0 else 128 - code
 
 
@@ -233,14 +234,29 @@ def _send(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _write(data: bytes, stream=None) -> None:
-    """Write to stderr (or ``stream``); a closed terminal (ssh hung up) or a launcher gone must not stop the relay."""
+def write(data: bytes, stream=None) -> None:
+    """Write ``data`` to stderr (or ``stream``) and flush; a reader gone never stops the caller.
+
+    A reader gone for good (EPIPE: ``| head`` ended, or a launcher gone; EIO: a closed
+    terminal) points the stream at /dev/null, so this and later writes, the exit's
+    flush included, are dropped without error; any other failure drops this write.
+    """
     stream = stream or sys.stderr
     try:
         stream.buffer.write(data)
         stream.buffer.flush()
-    except (OSError, ValueError):
+    except OSError as err:
+        if err.errno in (errno.EPIPE, errno.EIO):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+    except ValueError:  # closed
         pass
+
+
+def say(line: str, stream=None) -> None:
+    """Print ``line`` to stderr (or ``stream``) through :func:`write`."""
+    write(f"{line}\n".encode(), stream)
 
 
 def main(argv=None) -> int:
