@@ -270,7 +270,7 @@ def test_output_folder_checks(tmp_path):
         output.check_output_dir(tmp_path, need_bytes=10**18)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(UserError, match="not writable"):
+    with pytest.raises(UserError, match=f"^train.output_dir {blocker / 'out'} is under {blocker}, a file, not a folder"):
         output.check_output_dir(blocker / "out", need_bytes=1)
 
 

@@ -230,6 +230,15 @@ def test_tensorboard_port_in_use_is_one_line(job):
         f"launch: error: --tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}")
 
 
+def test_tensorboard_on_an_output_dir_that_is_a_file_is_one_line(job, tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    r = launch("--tensorboard", free_port(1), job["config"], "--train.output_dir", blocker)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: train.output_dir {blocker} is a file, not a folder; choose another train.output_dir")
+
+
 def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=2) as resp:
         return resp.read().decode()

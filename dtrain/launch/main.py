@@ -43,7 +43,7 @@ from typing import Optional
 from ..config import load_config
 from ..config_text import take_overrides
 from ..errors import UserError
-from ..files import OutputDir
+from ..files import OutputDir, output_dir_problem
 from . import restart
 from ..contract import BACKENDS
 from .hosts import LaunchError, load_hostfile
@@ -110,7 +110,7 @@ def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Pop
     gone (:data:`TB_PROGRAM`; keep the returned process's ``stdin`` open while it should serve).
 
     Raises:
-        LaunchError: the package is missing or the port is taken.
+        LaunchError: the package is missing, the port is taken or ``logdir`` cannot be created.
     """
     if importlib.util.find_spec("tensorboard") is None:
         raise LaunchError("--tensorboard needs the tensorboard package: pip install tensorboard (or pip install -e '.[dev]')")
@@ -119,7 +119,10 @@ def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Pop
             s.bind(("127.0.0.1", port))
         except OSError:
             raise LaunchError(f"--tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}") from None
-    logdir.mkdir(parents=True, exist_ok=True)
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LaunchError(output_dir_problem(logdir.parent, err)) from None
     cmd = [sys.executable, "-c", TB_PROGRAM, "--logdir", str(logdir), "--host", "127.0.0.1",
            "--port", str(port), "--reload_interval", "5"]
     with open(log_path, "wb") as log:
