@@ -27,6 +27,9 @@ GROUP_KILL_MARGIN_S = 7.0
 
 # Exit statuses of `dtrain train`. A user error repeats on a restart; the other two are
 # transient (a peer died or stalled) and a restart from the newest checkpoint can succeed.
+# A run stopped by SIGINT/SIGTERM/SIGHUP that saved its checkpoint exits 0: the launcher
+# reads rank 0's 0 as "saved" (supervise, main._say_what_was_lost) and restarts nothing;
+# a second signal kills it (killed by SIGINT/SIGTERM, no save).
 EXIT_USER_ERROR = 2  # bad config, data, model, output folder (dtrain.errors.UserError)
 EXIT_TIMEOUT = 3  # the collective watchdog fired: a peer stalled (distributed.Watchdog)
 EXIT_LOST_PEER = 4  # a collective failed: MLX reported a lost peer (distributed.CollectiveError)

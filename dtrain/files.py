@@ -97,6 +97,19 @@ class OutputDir:
         return self.root / ".dtrain.lock"
 
 
+def output_dir_problem(out: Path, err: OSError) -> str:
+    """Why ``train.output_dir`` ``out`` could not be created or written (``err``), in words.
+
+    ``mkdir`` says "File exists" for a file in its place and "Not a directory" for one
+    above it; both are named as the file they are.
+    """
+    file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if file is None:
+        return f"output folder {out} is not writable: {err.strerror or err}"
+    where = "is a file" if file == out else f"is under {file}, a file"
+    return f"train.output_dir {out} {where}, not a folder; choose another train.output_dir"
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()

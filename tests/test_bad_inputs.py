@@ -136,6 +136,21 @@ def test_bad_command_line(tmp_path, model_dir, capsys):
     assert "is a directory" in capsys.readouterr().err
 
 
+def test_output_dir_that_is_a_file(tmp_path, model_dir, capsys):
+    """train.output_dir on a file (or under one): named with its key, not "not writable: File exists"."""
+    data, blocker = tmp_path / "good.jsonl", tmp_path / "notes.txt"
+    data.write_text(jsonl(GOOD, {**GOOD, "prompt": "other"}))
+    blocker.write_text("x")
+    for out, what in ((blocker, "is a file"), (blocker / "run", f"is under {blocker}, a file")):
+        status = main(["train", "--model.path", str(model_dir), "--data.train", str(data), "--train.output_dir", str(out),
+                       "--train.global_batch_pairs", "1", "--train.steps", "1", "--train.progress", "false"])
+        err = capsys.readouterr().err
+        assert status == 2 and "Traceback" not in err, err
+        assert [x for x in err.splitlines() if x.startswith("dtrain: error:")] == [
+            f"dtrain: error: train.output_dir {out} {what}, not a folder; choose another train.output_dir"], err
+        assert blocker.read_text() == "x"
+
+
 def test_bad_model_path(tmp_path, capsys):
     data = tmp_path / "good.jsonl"
     data.write_text(jsonl(GOOD))

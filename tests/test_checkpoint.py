@@ -177,6 +177,31 @@ def test_sigint_during_a_step_saves_right_after_that_step(tmp_path):
     assert "stopped by signal after step 3; checkpoint saved, resume with train.resume=auto" in err
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Process ``pid`` has a handler for ``sig`` (Linux: SigCgt in /proc/PID/status)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads handlers from /proc")
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """As under ./launch: the first SIGINT asks for a save after the step; the second ends the process at
+    once, killed by SIGINT, inside the step (held there), with nothing saved."""
+    proc = start(tmp_path, "--train.steps", "8", "--train.eval_every", "0", "--train.save_every", "0", hold_at=3)
+    try:
+        wait_for_path(tmp_path / "in-step-3", proc)
+        proc.send_signal(signal.SIGINT)
+        # the first was handled: SIGINT is back to its default action (an event that stays true)
+        wait_until(lambda: not catches(proc.pid, signal.SIGINT), "the first SIGINT handled", proc)
+        proc.send_signal(signal.SIGINT)
+        code, _, err = finish_proc(proc)
+    finally:
+        (tmp_path / "go-3").touch()
+    assert code == -signal.SIGINT, err
+    assert not (tmp_path / "checkpoints").exists() or not ckpt.list_checkpoints(tmp_path / "checkpoints")
+
+
 def test_a_closed_terminal_saves_after_the_step_and_the_resume_matches(tmp_path, uninterrupted):
     """`dtrain train` at a terminal that closes (SIGHUP, then writes to it fail) saves after its step, as Ctrl-C does."""
     _, whole = uninterrupted
@@ -270,7 +295,7 @@ def test_output_folder_checks(tmp_path):
         output.check_output_dir(tmp_path, need_bytes=10**18)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(UserError, match="not writable"):
+    with pytest.raises(UserError, match=f"^train.output_dir {blocker / 'out'} is under {blocker}, a file, not a folder"):
         output.check_output_dir(blocker / "out", need_bytes=1)
 
 

@@ -199,8 +199,8 @@ def test_report_line_round_trip():
 
 
 def exit_reports(*items) -> tuple[dict, list]:
-    """``(rank, code, tail, stop, killed)`` tuples -> summarize's reports and their order."""
-    reports = {r: Report("exit", r, code, tail, stop, killed) for r, code, tail, stop, killed in items}
+    """``(rank, code, tail, stop, killed[, aborted])`` tuples -> summarize's reports and their order."""
+    reports = {item[0]: Report("exit", *item) for item in items}
     return reports, [r for r, *_ in items]
 
 
@@ -210,7 +210,7 @@ def test_summarize_exit_status(capsys):
     assert (out.code, out.failed, out.restartable) == (3, [1], True)
     assert out.cause() == "rank 1 failed (exit status 3 (collective watchdog: a peer stalled))"
     err = capsys.readouterr().err
-    assert "launch: rank 1 failed with exit code 3; its last lines:\n  [rank 1] boom\n" in err
+    assert "launch: rank 1 failed with exit status 3 (collective watchdog: a peer stalled); its last lines:\n  [rank 1] boom\n" in err
     assert "launch: rank(s) 0 killed by the launcher" in err
     out = summarize(2, *exit_reports((0, 0, [], None, None)), 0, None)  # rank 1 never reported
     assert (out.code, out.missing, out.restartable) == (1, [1], True)
@@ -224,7 +224,7 @@ def test_summarize_names_the_cause_not_the_lost_peer(capsys):
     assert out.failed == [0, 2, 1] and out.code == 4 and out.restartable
     assert out.cause() == "rank 2 failed (killed by SIGKILL)"
     err = capsys.readouterr().err
-    assert "launch: rank 0 failed with exit code 4; its last lines:\n  [rank 0] lost\n" in err
+    assert "launch: rank 0 failed with exit status 4 (lost a peer); its last lines:\n  [rank 0] lost\n" in err
     assert "launch: rank 2 was killed by SIGKILL\n" in err  # no output: no "last lines"
 
 
@@ -232,6 +232,31 @@ def test_a_user_error_is_not_restartable(capsys):
     """Exit status 2 on any rank is bad input (config, data, model): a restart would repeat it."""
     out = summarize(2, *exit_reports((1, 2, ["dtrain: error: x"], None, None), (0, 4, [], None, None)), 1, None)
     assert out.user_error and not out.restartable and out.code == 2
+
+
+def test_a_rank_the_launcher_stopped_is_not_blamed(capsys):
+    """Two jobs into one folder: rank 1 fails first (2, "see its message"); the launcher's abort
+    reaches rank 0 while it exits with its own error, and SIGINT ends it. Rank 1 is named, not rank 0."""
+    out = summarize(2, *exit_reports((1, 2, ["dtrain: error: rank 0 could not prepare the output folder"], None, None),
+                                     (0, -2, ["dtrain: error: output folder run is in use"], None, None, True)), 0, None)
+    assert (out.code, out.failed, out.user_error, out.restartable) == (2, [1], True, False)
+    assert capsys.readouterr().err == ("launch: rank 1 failed with exit status 2 (user error); its message is above\n"
+                                       "launch: rank(s) 0 stopped by the launcher\n")
+
+
+def test_the_rank_wrapper_reports_an_abort_that_came_while_its_child_ran(tmp_path):
+    """The child asks for the abort itself (SIGUSR1 to its wrapper), as the launcher would send it, and
+    exits once the wrapper passes it on as SIGINT; a child that just exits 2 is not marked."""
+    aborts = ("import os, signal, sys\n"
+              "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+              "os.kill(os.getppid(), signal.SIGUSR1)\n"
+              "signal.sigwait({signal.SIGINT})\n"
+              "sys.exit(2)\n")
+    for child, aborted in ((aborts, True), ("import sys; sys.exit(2)", None)):
+        wrapper = spawn([sys.executable, "-m", "dtrain.launch.rank", "--", sys.executable, "-c", child], tmp_path, "rank")
+        code, _, err = finish(wrapper)
+        reports = [r for r in map(parse_report, err.split("\n")) if r is not None and r.event == "exit"]
+        assert code == 2 and [(r.code, r.aborted) for r in reports] == [(2, aborted)], err
 
 
 def test_stop_timeout_kills_only_a_rank_without_cpu_progress():

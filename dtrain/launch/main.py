@@ -12,7 +12,7 @@ machine) the data files are checked; a problem is one line
 ``launch: error: ...`` and exit status 2. Every rank gets its environment
 explicitly (:mod:`.plan`) and runs under :mod:`.rank`, which reports how it
 ended; the launcher exits non-zero when any rank failed and shows that rank's
-last lines (:mod:`.supervise`).
+exit status and last lines, not blaming the ranks it stopped after it (:mod:`.supervise`).
 
 Ctrl-C/SIGTERM/SIGHUP stops the job for good: every rank saves after its
 step; a rank that makes no progress for ``--stop-timeout`` seconds is killed,
@@ -43,11 +43,12 @@ from typing import Optional
 from ..config import load_config
 from ..config_text import take_overrides
 from ..errors import UserError
-from ..files import OutputDir
+from ..files import OutputDir, output_dir_problem
 from . import restart
 from ..contract import BACKENDS
 from .hosts import LaunchError, load_hostfile
 from .plan import DEFAULT_PORT, build_plan, describe
+from .rank import say
 from .supervise import Attempt, Outcome
 
 TB_DEFAULT_PORT = 6006
@@ -109,7 +110,7 @@ def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Pop
     gone (:data:`TB_PROGRAM`; keep the returned process's ``stdin`` open while it should serve).
 
     Raises:
-        LaunchError: the package is missing or the port is taken.
+        LaunchError: the package is missing, the port is taken or ``logdir`` cannot be created.
     """
     if importlib.util.find_spec("tensorboard") is None:
         raise LaunchError("--tensorboard needs the tensorboard package: pip install tensorboard (or pip install -e '.[dev]')")
@@ -118,7 +119,10 @@ def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Pop
             s.bind(("127.0.0.1", port))
         except OSError:
             raise LaunchError(f"--tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}") from None
-    logdir.mkdir(parents=True, exist_ok=True)
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise LaunchError(output_dir_problem(logdir.parent, err)) from None
     cmd = [sys.executable, "-c", TB_PROGRAM, "--logdir", str(logdir), "--host", "127.0.0.1",
            "--port", str(port), "--reload_interval", "5"]
     with open(log_path, "wb") as log:
@@ -129,7 +133,7 @@ def stop_tensorboard(tb: subprocess.Popen, log_path: Path, timeout: float = 5.0)
     """Stop the TensorBoard server (or say why it ended early)."""
     if tb.poll() is not None:
         last = [x for x in log_path.read_text(errors="replace").splitlines() if x.strip()][-1:]
-        print(f"launch: TensorBoard exited early (code {tb.returncode}): {' '.join(last)}", file=sys.stderr)
+        say(f"launch: TensorBoard exited early (code {tb.returncode}): {' '.join(last)}")
         return
     os.killpg(tb.pid, signal.SIGTERM)  # its own session: the server and anything it started
     try:
@@ -212,7 +216,7 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
             if max_restarts and outcome.code != 0:
                 why = ("a rank reported a user error, which a restart would repeat" if outcome.user_error
                        else f"all {max_restarts} restart(s) used")
-                print(f"launch: not restarting: {why}", file=sys.stderr, flush=True)
+                say(f"launch: not restarting: {why}")
             return outcome.code
         restarts += 1
         point = restart.resume_point(output_dir) if output_dir is not None else None
@@ -223,11 +227,11 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
         else:
             where = "resuming from rank 0's newest checkpoint"
         text = f"restart {restarts} of at most {max_restarts}: {outcome.cause()}; {where}"
-        print(f"launch: {text}; starting again in {restart_delay:g} s", file=sys.stderr, flush=True)
+        say(f"launch: {text}; starting again in {restart_delay:g} s")
         restart.record(point, text)
         if signals.wake.wait(restart_delay):
             name = signal.Signals(signals.received[0]).name
-            print(f"launch: {name} during the restart delay: not restarting", file=sys.stderr, flush=True)
+            say(f"launch: {name} during the restart delay: not restarting")
             return 128 + signals.received[0]
 
 
@@ -235,7 +239,7 @@ def _say_what_was_lost(outcome: Outcome, output_dir: Optional[Path]) -> None:
     rank0 = outcome.reports.get(0)
     if rank0 is not None and rank0.code == 0 and rank0.killed is None:
         return  # rank 0 finished its save (or had nothing left to do)
-    print(f"launch: rank 0 did not save: {restart.describe_loss(output_dir)}", file=sys.stderr, flush=True)
+    say(f"launch: rank 0 did not save: {restart.describe_loss(output_dir)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
             if plan.local:
                 check_data(cfg)
             for line in plan.notes:
-                print(f"launch: {line}", file=sys.stderr, flush=True)
+                say(f"launch: {line}")
             if args.dry_run:
-                print(describe(plan), flush=True)
+                say(describe(plan), sys.stdout)
                 return 0
             if args.tensorboard is not None:
                 logdir = OutputDir(Path(cfg.train.output_dir)).tb
                 tb = start_tensorboard(logdir, args.tensorboard, Path(tmp) / "tensorboard.log")
-                print(f"launch: TensorBoard at http://127.0.0.1:{args.tensorboard}/ (logdir {logdir})", flush=True)
+                say(f"launch: TensorBoard at http://127.0.0.1:{args.tensorboard}/ (logdir {logdir})", sys.stdout)
             try:
                 output_dir = Path(cfg.train.output_dir) if plan.local else None
                 return run_job(plan_for, args.stop_timeout, args.max_restarts, args.restart_delay, output_dir, signals)
@@ -279,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 if tb is not None:
                     stop_tensorboard(tb, Path(tmp) / "tensorboard.log")
     except UserError as err:
-        print(f"launch: error: {err}", file=sys.stderr)
+        say(f"launch: error: {err}")
         return 2
     finally:
         release(port_locks)

@@ -22,9 +22,11 @@ Signals (the launcher's, or a hung-up ssh session's):
   second on that host), whatever ended it, SIGKILL included: stop gently, as above.
 - SIGUSR1: abort (another rank failed, or a second Ctrl-C): the child gets SIGINT and is
   killed ``ABORT_GRACE_S`` seconds later unless it ended by then, which a rank whose peer
-  died usually does at once, through its own error path (closing its files).
+  died usually does at once, through its own error path (closing its files); a child
+  already stopping gently ends at once (its second SIGINT, ``trainer.StopRequest``).
 
-The report says which happened (``stop``: the signal, ``killed``: why). It
+The report says which happened (``stop``: the signal, ``killed``: why, ``aborted``: the
+abort came while the child ran, so its exit status is the launcher's doing). It
 exists because ``mlx.launch`` exits 0 even when a rank fails (mlx 0.32:
 ``_launch_with_io`` only logs a warning) and mixes the ranks' output without
 saying which rank wrote what; mpirun forwards SIGUSR1/SIGUSR2 to its ranks.
@@ -33,6 +35,7 @@ saying which rank wrote what; mpirun forwards SIGUSR1/SIGUSR2 to its ranks.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import os
 import select
@@ -63,6 +66,7 @@ class Report:
     tail: list = field(default_factory=list)
     stop: Optional[str] = None  # why it stopped gently: the signal, e.g. "SIGINT", or "launcher gone"
     killed: Optional[str] = None  # why this wrapper killed the child, e.g. "abort"
+    aborted: Optional[bool] = None  # the launcher's abort (SIGUSR1) came while the child ran
     pid: Optional[int] = None
     host: Optional[str] = None
 
@@ -115,6 +119,7 @@ class Watch:
         self.stop_timeout = stop_timeout
         self.stop: Optional[str] = None
         self.abort_at: Optional[float] = None  # when SIGUSR1 came
+        self.aborted: Optional[bool] = None  # it came while the child ran (or before it started)
         self.killed: Optional[str] = None
         self._cpu, self._progress_at = -1.0, 0.0
 
@@ -160,6 +165,8 @@ def run(cmd: list) -> int:
         if signum == signal.SIGUSR1:
             if watch.abort_at is None:
                 watch.abort_at = time.monotonic()
+                if not started or started[0].poll() is None:
+                    watch.aborted = True
                 for proc in started:
                     _send(proc, signal.SIGINT)
         elif watch.stop is None:
@@ -173,7 +180,7 @@ def run(cmd: list) -> int:
         signal.signal(sig, on_signal)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     started.append(proc)
-    _write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
+    write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
     if watch.stop is not None:  # a signal came while starting
         _send(proc, signal.SIGINT)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
@@ -204,20 +211,20 @@ def run(cmd: list) -> int:
             if not chunk:
                 open_fds.remove(ready_fd)
             elif ready_fd == out_fd:
-                _write(chunk, sys.stdout)
+                write(chunk, sys.stdout)
             else:
-                _write(chunk)
+                write(chunk)
                 *lines, partial = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
                 tail.extend(x.decode(errors="replace")[:300] for x in lines if x.strip())
     while out_fd in open_fds:  # stderr closed first: the rest of stdout
         chunk = os.read(out_fd, 65536)
         if not chunk:
             break
-        _write(chunk, sys.stdout)
+        write(chunk, sys.stdout)
     if partial.strip():
         tail.append(partial.decode(errors="replace")[:300])
     code = proc.wait()
-    _write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed)).encode())
+    write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed, watch.aborted)).encode())
     return code if code >= 0 else 128 - code
 
 
@@ -228,14 +235,29 @@ def _send(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _write(data: bytes, stream=None) -> None:
-    """Write to stderr (or ``stream``); a closed terminal (ssh hung up) or a launcher gone must not stop the relay."""
+def write(data: bytes, stream=None) -> None:
+    """Write ``data`` to stderr (or ``stream``) and flush; a reader gone never stops the caller.
+
+    A reader gone for good (EPIPE: ``| head`` ended, or a launcher gone; EIO: a closed
+    terminal) points the stream at /dev/null, so this and later writes, the exit's
+    flush included, are dropped without error; any other failure drops this write.
+    """
     stream = stream or sys.stderr
     try:
         stream.buffer.write(data)
         stream.buffer.flush()
-    except (OSError, ValueError):
+    except OSError as err:
+        if err.errno in (errno.EPIPE, errno.EIO):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+    except ValueError:  # closed
         pass
+
+
+def say(line: str, stream=None) -> None:
+    """Print ``line`` to stderr (or ``stream``) through :func:`write`."""
+    write(f"{line}\n".encode(), stream)
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ from typing import Optional
 from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
                         LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from .plan import Plan
-from .rank import MARK, Report, parse_report
+from .rank import MARK, Report, parse_report, say, write
 
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
 
@@ -58,8 +57,8 @@ class Outcome:
     """How an attempt ended.
 
     ``code``: the launcher's exit status (0, the failed rank's status, 128+signal).
-    ``failed``: ranks that failed on their own (not stopped or killed by the
-    launcher), first-reported first; ``missing``: ranks that never reported.
+    ``failed``: ranks that failed on their own (not stopped, aborted or killed by
+    the launcher), first-reported first; ``missing``: ranks that never reported.
     ``stopped_by``: the signal that stopped the job for good, if any.
     """
 
@@ -134,9 +133,8 @@ class Attempt:
     def stop(self, signum: int) -> None:
         """The first Ctrl-C/SIGTERM: ask every rank to save and stop."""
         self.stopped_by = signum
-        print(f"launch: {signal.Signals(signum).name}: stopping {self.plan.world_size} rank(s) after their step; "
-              f"a rank that uses no CPU for {self.stop_timeout:g} s is killed (Ctrl-C again to kill now)",
-              file=sys.stderr, flush=True)
+        say(f"launch: {signal.Signals(signum).name}: stopping {self.plan.world_size} rank(s) after their step; "
+            f"a rank that uses no CPU for {self.stop_timeout:g} s is killed (Ctrl-C again to kill now)")
         self._send(signal.SIGUSR2)
 
     def abort(self, why: str) -> None:
@@ -145,7 +143,7 @@ class Attempt:
             if self.aborted_at is not None:
                 return
             self.aborted_at = time.monotonic()
-        print(f"launch: {why}; stopping the other rank(s)", file=sys.stderr, flush=True)
+        say(f"launch: {why}; stopping the other rank(s)")
         self._send(signal.SIGUSR1)
 
     def _send(self, sig: int) -> None:
@@ -159,25 +157,23 @@ class Attempt:
 
     def _relay(self, fd: int) -> None:
         """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure."""
-        mark, buf, out = MARK.encode(), b"", sys.stderr.buffer
+        mark, buf = MARK.encode(), b""
         for chunk in iter(lambda: os.read(fd, 65536), b""):
             *lines, buf = (buf + chunk).split(b"\n")
             for line in lines:
                 report = parse_report(line.decode(errors="replace"))
                 if report is None:
-                    out.write(line + b"\n")
+                    write(line + b"\n")
                 else:
                     before = line[: line.index(mark)]  # another process's text ahead of the mark
                     if before.strip():
-                        out.write(before + b"\n")
+                        write(before + b"\n")
                     self._on_report(report)
             if buf and mark[:1] not in buf:  # progress bars end in \r, not \n: pass them on now
-                out.write(buf)
+                write(buf)
                 buf = b""
-            out.flush()
         if buf:
-            out.write(buf)
-            out.flush()
+            write(buf)
 
     def _on_report(self, report: Report) -> None:
         if report.event == "start":
@@ -200,8 +196,7 @@ class Attempt:
         for rank, pid in sorted(pids.items()):
             if _is_trainer(pid):
                 _signal(pid, signal.SIGKILL)
-                print(f"launch: killed rank {rank}'s trainer (pid {pid}), left running after its wrapper ended",
-                      file=sys.stderr, flush=True)
+                say(f"launch: killed rank {rank}'s trainer (pid {pid}), left running after its wrapper ended")
 
     def _summarize(self) -> Outcome:
         code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
@@ -216,33 +211,39 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
         launcher_code: exit status of mlx.launch / mpirun / the single rank's wrapper.
         stopped_by: the signal that stopped the job for good, or None.
     """
-    failed = [r for r in order if reports[r].code != 0 and reports[r].killed is None and reports[r].stop is None]
+    ended = [r for r in order if reports[r].code != 0 and reports[r].killed is None and reports[r].stop is None]
+    failed = [r for r in ended if not reports[r].aborted]
     for r in failed:
         rep = reports[r]
-        what = f"failed with exit code {rep.code}" if rep.code > 0 else f"was {describe_status(rep.code)}"
-        print(f"launch: rank {r} {what}" + ("; its last lines:" if rep.tail else ""), file=sys.stderr)
+        what = ("failed with " if rep.code > 0 else "was ") + describe_status(rep.code)
+        if rep.code == EXIT_USER_ERROR:  # one line "dtrain: error: ...", relayed above as it came
+            say(f"launch: rank {r} {what}; its message is above")
+            continue
+        say(f"launch: rank {r} {what}" + ("; its last lines:" if rep.tail else ""))
         for line in rep.tail[-10:]:
-            print(f"  [rank {r}] {line}", file=sys.stderr)
+            say(f"  [rank {r}] {line}")
     aborted = sorted(r for r in reports if reports[r].killed == "abort")
     if aborted:
-        print(f"launch: rank(s) {', '.join(map(str, aborted))} killed by the launcher", file=sys.stderr)
+        say(f"launch: rank(s) {', '.join(map(str, aborted))} killed by the launcher")
+    on_abort = sorted(r for r in ended if reports[r].aborted)  # exit status (SIGINT, a lost peer): the abort's doing
+    if on_abort:
+        say(f"launch: rank(s) {', '.join(map(str, on_abort))} stopped by the launcher")
     for r in sorted(r for r in reports if reports[r].killed not in (None, "abort")):
-        print(f"launch: rank {r} was killed before it saved: {reports[r].killed}", file=sys.stderr)
+        say(f"launch: rank {r} was killed before it saved: {reports[r].killed}")
     stopped = sorted(r for r in reports if reports[r].code != 0 and reports[r].stop is not None and reports[r].killed is None)
     if stopped:
-        print(f"launch: rank(s) {', '.join(map(str, stopped))} stopped by a signal "
-              f"({', '.join(describe_status(reports[r].code) for r in stopped)})", file=sys.stderr)
+        say(f"launch: rank(s) {', '.join(map(str, stopped))} stopped by a signal "
+            f"({', '.join(describe_status(reports[r].code) for r in stopped)})")
     missing = [r for r in range(world_size) if r not in reports]
     if missing:
-        print(f"launch: rank(s) {', '.join(map(str, missing))} did not report an exit status "
-              f"(launcher exit code {launcher_code})", file=sys.stderr)
-    sys.stderr.flush()
+        say(f"launch: rank(s) {', '.join(map(str, missing))} did not report an exit status "
+            f"(launcher exit code {launcher_code})")
     if stopped_by:
         code = 128 + stopped_by
     elif failed:
         first = reports[failed[0]].code
         code = first if first > 0 else 128 - first
-    elif aborted or stopped or missing or launcher_code != 0:
+    elif aborted or on_abort or stopped or missing or launcher_code != 0:
         code = launcher_code or 1
     else:
         code = 0

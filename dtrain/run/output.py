@@ -19,7 +19,7 @@ from typing import Optional
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
-from ..files import OutputDir
+from ..files import OutputDir, output_dir_problem
 from .checkpoint import PREFIX, find_latest, list_checkpoints, validate
 
 def estimate_bytes(model) -> int:
@@ -110,7 +110,7 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         out.mkdir(parents=True, exist_ok=True)
         lock = OutputLock(out)
     except OSError as err:
-        raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
+        raise UserError(output_dir_problem(out, err)) from None
     try:
         earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
@@ -144,7 +144,7 @@ def check_output_dir(out: Path, need_bytes: int, what: str = "a checkpoint") -> 
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
-        raise UserError(f"output folder {out} is not writable: {err.strerror or err}") from None
+        raise UserError(output_dir_problem(out, err)) from None
     free = shutil.disk_usage(out).free
     if free < need_bytes:
         raise UserError(f"output folder {out} has {free / 1e6:.1f} MB free; this run needs about "

@@ -433,6 +433,9 @@ def _main_rank_check(group: Group, check):
 class StopRequest:
     """SIGINT/SIGTERM/SIGHUP set ``requested``; the step in progress agrees on it and the loop saves after it.
 
+    The first also gives SIGINT and SIGTERM back their default action, so a second Ctrl-C
+    ends the process at once (killed by it), also inside a long MLX call, as a second
+    Ctrl-C to ``./launch`` does; a repeated SIGHUP (a closing terminal may send two) does not.
     SIGHUP (the terminal closed) also points stdout and stderr at /dev/null: a write to a
     hung-up terminal fails (EIO), which would end the run before its save.
     Handlers are installed only in the main thread and restored on exit.
@@ -449,6 +452,8 @@ class StopRequest:
                 os.dup2(devnull, fd)
             os.close(devnull)
         self.requested = True
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
