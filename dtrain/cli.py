@@ -13,11 +13,11 @@ User errors print one line ``dtrain: error: ...`` and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .config_text import override_help, split_overrides
 from .errors import UserError
+from .files import to_devnull
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dtrain: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # stdout closed early (``dtrain config | head``): not an error of dtrain's
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not raise again
+        to_devnull(sys.stdout.fileno())  # so the exit's flush does not raise again
         return 0
 
 

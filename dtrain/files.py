@@ -27,6 +27,17 @@ class StorageError(UserError):
     """A file dtrain writes or reads failed (disk full, permissions, I/O); what was written before is intact."""
 
 
+
+def to_devnull(*fds: int) -> None:
+    """Point the file descriptors ``fds`` at /dev/null, so later writes to them (to a pipe
+    whose reader ended, or to a hung-up terminal) are dropped without error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
 def storage_reason(err: BaseException) -> Optional[str]:
     """The one-line reason of a storage failure, or None when ``err`` is not one.
 

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..contract import ABORT_GRACE_S, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env
+from ..files import to_devnull
 
 MARK = "\x1edtrain-rank "
 TAIL_LINES = 15
@@ -248,9 +249,7 @@ def write(data: bytes, stream=None) -> None:
         stream.buffer.flush()
     except OSError as err:
         if err.errno in (errno.EPIPE, errno.EIO):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, stream.fileno())
-            os.close(devnull)
+            to_devnull(stream.fileno())
     except ValueError:  # closed
         pass
 

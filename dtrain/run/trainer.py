@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import threading
 from dataclasses import dataclass, field, replace
@@ -31,7 +30,7 @@ from ..engine import fit_dataset, make_engine, make_objective
 from . import best as keep_best, lambda_control
 from .evaluation import ACCURACY, evaluate_and_log
 from ..errors import UserError
-from ..files import OutputDir, storage
+from ..files import OutputDir, storage, to_devnull
 from ..identity import settings
 from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
@@ -447,10 +446,7 @@ class StopRequest:
 
     def _handle(self, signum, _frame):
         if signum == signal.SIGHUP:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            for fd in (1, 2):
-                os.dup2(devnull, fd)
-            os.close(devnull)
+            to_devnull(1, 2)
         self.requested = True
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
