@@ -110,7 +110,8 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def out_of_memory_text(where: str, budget_gb: float, err: BaseException) -> str:
-    """One message for a run that ran out of device memory ``where`` .
+    """One message for a run that ran out of device memory ``where``; the default budget is the
+    one :func:`trim_cache` keeps to (:func:`run_budget_bytes`), not what is left after the arrays in use.
 
     Args:
         where: when, e.g. ``"after step 1 of 100"``.
@@ -118,7 +119,7 @@ def out_of_memory_text(where: str, budget_gb: float, err: BaseException) -> str:
         err: MLX's error, quoted on its first line.
     """
     budget = (f"engine.memory_budget_gb {budget_gb:g}" if budget_gb else
-              f"the default memory budget ({default_budget_bytes() / GIB:.1f} GiB on this {backend()} device)")
+              f"the default memory budget ({run_budget_bytes(0) / GIB:.1f} GiB on this {backend()} device)")
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (f"out of memory {where} ({first}; peak {mx.get_peak_memory() / GIB:.1f} GiB held by MLX): "
             f"{budget} is more than this device gives the run. Lower engine.memory_budget_gb (engine.kind auto then "

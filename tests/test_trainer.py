@@ -358,3 +358,16 @@ def test_out_of_memory_in_setup_names_setup(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "setup", setup)
     with pytest.raises(UserError, match=r"^out of memory while setting up the run \(cudaMallocAsync"):
         run(tmp_path)
+
+
+def test_out_of_memory_under_the_default_budget_names_the_device_budget(tmp_path):
+    from dtrain.errors import UserError
+    from dtrain.memory import GIB, run_budget_bytes
+    from dtrain.run.trainer import Hooks
+
+    def before_step(step, run_):
+        raise RuntimeError("[malloc] Unable to allocate 68719476736 bytes.")
+
+    with pytest.raises(UserError) as err:
+        run(tmp_path, hooks=Hooks(before_step=before_step))
+    assert f"the default memory budget ({run_budget_bytes(0) / GIB:.1f} GiB on this cpu device) is more" in str(err.value)
