@@ -132,6 +132,33 @@ def test_a_closed_output_changes_nothing(job, tmp_path, ranks, backend):
     assert_same_adapter(job["tmp"] / "run" / ADAPTER, tmp_path / ADAPTER)
 
 
+@pytest.mark.parametrize("backend", ["mpi", "ring"])
+def test_a_closed_output_never_reaches_the_started_command(tmp_path, backend):
+    """What mpirun (or mlx.launch) prints goes through the launcher: handed the launcher's closed stdout
+    itself, mpirun died of SIGPIPE at its shutdown now and then, after every rank had saved (exit 243)."""
+    import subprocess
+
+    script = ("import sys\n"
+              "from dtrain.launch.plan import Plan\n"
+              "from dtrain.launch.supervise import Attempt\n"
+              f"plan = Plan({backend!r}, 0, [], ['sh', '-c', 'echo one; sleep 0.2; echo two; echo err >&2'], {{}}, [], [], 0, 0)\n"
+              "attempt = Attempt(plan, 5.0)\n"
+              "attempt.run()\n"
+              "open(sys.argv[1], 'w').write(str([p.returncode for p in attempt.procs]))\n")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command's first line
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "codes")], stdout=write, stderr=write,
+                                stdin=subprocess.DEVNULL, cwd=ROOT)
+    finally:
+        os.close(write)
+    try:
+        assert wait_exit(proc) == 0
+    finally:
+        kill_tree(proc)
+    assert (tmp_path / "codes").read_text() == "[0]"  # not [-13]: the command's writes all went through
+
+
 def test_dry_run_prints_ranks_env_and_shards(job):
     port = free_port()
     r = launch("-n", 3, "--port", port, "--dry-run", job["config"], "--train.global_batch_pairs", 5)

@@ -25,6 +25,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -109,15 +110,19 @@ class Attempt:
                LAUNCHER_VAR: f"{socket.gethostname()}:{os.getpid()}", JOB_VAR: self.job}
         if self.plan.direct:
             self.procs = [subprocess.Popen(self.plan.command, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
-                                           stderr=subprocess.PIPE, start_new_session=True)
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                           for rank_env in self.plan.direct]
         else:
             # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
             # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
             shield = self.plan.backend not in ("mpi", "none")
-            self.procs = [subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                           start_new_session=True, preexec_fn=_ignore_signals if shield else None)]
+            self.procs = [subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, start_new_session=True,
+                                           preexec_fn=_ignore_signals if shield else None)]
+        # stdout comes through the launcher too: mpirun, handed a closed stdout (``| head`` ended),
+        # can die of SIGPIPE while it shuts down after every rank saved; write() drops such output.
         relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(),), daemon=True) for p in self.procs]
+        relays += [threading.Thread(target=_copy_out, args=(p.stdout.fileno(),), daemon=True) for p in self.procs]
         for relay in relays:
             relay.start()
         while any(p.poll() is None for p in self.procs):
@@ -248,6 +253,12 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
     else:
         code = 0
     return Outcome(code, dict(reports), failed, missing, stopped_by)
+
+
+def _copy_out(fd: int) -> None:
+    """Copy what a started command writes to its stdout to the launcher's stdout."""
+    for chunk in iter(lambda: os.read(fd, 65536), b""):
+        write(chunk, sys.stdout)
 
 
 def _ignore_signals() -> None:
