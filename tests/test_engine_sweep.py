@@ -204,3 +204,49 @@ def check(case: Case) -> None:
 @pytest.mark.parametrize("seed", range(CASES))
 def test_generated_cases_train_as_the_reference_engine_on_one_rank(seed):
     check(make_case(seed))
+
+
+DROPOUT_CASES = 12
+_dropout_models = {}
+
+
+def dropout_model(name: str):
+    """``model_of(name)``'s float64 model with LoRA dropout 0.3 on every layer (random LoRA weights), built once."""
+    if name not in _dropout_models:
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        module, args = MODELS[name]
+        model = make_tiny_model(module, seed=1, **args)
+        model.freeze()
+        linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.3})
+        mx.random.seed(2)
+        model.update(tree_map(lambda p: 0.1 * mx.random.normal(p.shape), model.trainable_parameters()))
+        model.set_dtype(mx.float64)
+        model.train()
+        _dropout_models[name] = model
+    return _dropout_models[name]
+
+
+@pytest.mark.parametrize("seed", range(DROPOUT_CASES))
+def test_generated_cases_with_lora_dropout_draw_the_reference_engines_masks(seed):
+    """LoRA dropout on: over the same micro-batches and one step key (split per micro-batch), the
+    segmented engine on the reference's layout (two padded sequences per pair, exact shapes) draws
+    its masks range by range and again in each recompute, so loss, sums and gradients are the
+    reference engine's; another key gives other log-probabilities."""
+    case = make_case(1000 + seed)
+    name = ("llama", "qwen3", "gemma3", "minicpm")[seed % 4]
+    model, obj = dropout_model(name), OBJECTIVES[case.objective]
+    engine = SegmentedEngine(model, adapter_for(model, case.own_kernels), obj,
+                             **{**(case.engine or {}), "prefix_sharing": False, "pack": False, "length_bucket": 0,
+                                "compile": False})
+    chunks = shard_batches(case.pairs, 0, 1, case.micro)
+    totals, key = batch_totals(case.pairs, obj.nll_scope), mx.random.key(seed)
+    (ref_sums, ref_grads), (sums, grads) = (run_micro_batches(e, chunks, totals, True, key)
+                                            for e in (ReferenceEngine(model, obj), engine))
+    tol = SUM_TOL["dtrain" if case.own_kernels else "mlx"]
+    for k, v in ref_sums.items():
+        assert close(sums[k], v, tol), (k, sums[k], v, name, str(case))
+    errors = grad_errors(dict(tree_flatten(grads)), dict(tree_flatten(ref_grads)))
+    assert max(errors.values()) < GRAD_TOL, (max(errors, key=errors.get), max(errors.values()), name, str(case))
+    other, _ = run_micro_batches(engine, chunks, totals, False, mx.random.key(seed + 100))
+    assert not close(other["logps_chosen_sum"], sums["logps_chosen_sum"], 1e-6)  # other masks: dropout is on
