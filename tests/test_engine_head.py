@@ -57,3 +57,26 @@ def test_chunked_head_peak_memory_is_bounded():
     logits_bytes = N * V * 4  # 32 MiB
     assert whole >= logits_bytes
     assert chunked < 0.1 * whole, (chunked, whole)
+
+
+def test_float64_head_keeps_float64_as_the_reference_engine_does():
+    """A float64 model's log-probabilities stay float64 (``loss.upcast``, as the reference engine's
+    ``gather_token_logps``): the segmented engine's metric sums equal the reference's to float64
+    rounding, chunked head or not (they differed by float32 rounding, ~1e-7, when the head cast to float32)."""
+    from dtrain.engine import ORPO, ReferenceEngine, batch_totals
+    from dtrain.engine.arch import adapter_for
+    from dtrain.engine.segmented import SegmentedEngine
+
+    from test_engine_segmented import lora_model, make_pairs
+
+    model = lora_model("llama")
+    model.set_dtype(mx.float64)
+    pairs = make_pairs()
+    totals = batch_totals(pairs, "full")
+    ref = ReferenceEngine(model, ORPO(0.1)).evaluate(pairs, totals)
+    for kw in (dict(segment_layers=2), dict(segment_layers=2, head_chunk_tokens=5), dict(segment_layers=0)):
+        engine = SegmentedEngine(model, adapter_for(model), ORPO(0.1), **kw)
+        for out in (engine.step(pairs, totals), engine.evaluate(pairs, totals)):
+            assert out.loss.dtype == mx.float64
+            for k, v in ref.sums.items():
+                assert abs(float(out.sums[k]) - float(v)) <= 1e-13 * max(1.0, abs(float(v))), (kw, k)

@@ -15,6 +15,8 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .loss import upcast
+
 
 def _chunks(n: int, size: int):
     size = n if size <= 0 else size
@@ -28,12 +30,13 @@ def mlx_logsumexp(x: mx.array) -> mx.array:
 
 
 def target_logps(head: Callable, targets: mx.array, logsumexp: Callable = mlx_logsumexp) -> Callable:
-    """``f(h (n, D)) -> (n,)`` float32 ``log softmax(head(h))[i, targets[i]]``, lazily
+    """``f(h (n, D)) -> (n,)`` ``log softmax(head(h))[i, targets[i]]``, lazily
     (no evaluation inside, so it can sit in a function transformation); ``logsumexp``
-    over the last axis (``arch.Arch.logsumexp``)."""
+    over the last axis (``arch.Arch.logsumexp``). In float32, or float64 for a float64
+    model (``loss.upcast``, as the reference engine's ``gather_token_logps``)."""
 
     def f(h):  # (n, D) -> (n,)
-        logits = head(h).astype(mx.float32)  # (n, V)
+        logits = upcast(head(h))  # (n, V)
         picked = mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
         return picked - logsumexp(logits)
 

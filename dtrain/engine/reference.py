@@ -19,7 +19,7 @@ from .objective import Totals
 
 
 def gather_token_logps(logits: mx.array, layout: Layout) -> mx.array:
-    """``log softmax(logits)[rows, targets]`` in float32.
+    """``log softmax(logits)[rows, targets]`` in float32 (float64 kept: ``loss.upcast``).
 
     Args:
         logits: ``(S, L, V)`` model outputs for ``layout.tokens``.
