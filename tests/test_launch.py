@@ -232,6 +232,22 @@ def test_tensorboard_port_in_use_is_one_line(job):
         f"launch: error: --tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}")
 
 
+@pytest.mark.parametrize("option, port", [("--port", 99999), ("--port", 0), ("--port", -1),
+                                          ("--tensorboard", 70000), ("--tensorboard", 0)])
+def test_a_port_outside_tcps_range_is_one_line(option, port, job):
+    r = launch(option, port, job["config"], "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"launch: error: {option} must be a TCP port, 1-65535; got {port}"
+
+
+def test_ring_ports_past_65535_are_one_line(job):
+    r = launch("-n", 2, "--port", 65535, job["config"], "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "launch: error: --port 65535: the job needs 2 consecutive ports from it, past the last TCP port 65535; "
+        "pass --port 65534 or lower")
+
+
 def test_tensorboard_on_an_output_dir_that_is_a_file_is_one_line(job, tmp_path):
     blocker = tmp_path / "notes.txt"
     blocker.write_text("x")
