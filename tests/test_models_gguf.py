@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -184,6 +185,23 @@ def test_gguf_gpt2_tokenizer_equals_source_tokenizer(tmp_path):
     assert tok.encode("hi")[0] == 1  # add_bos_token
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_gguf_tokenizer_prints_no_transformers_advice(tmp_path):
+    """`dtrain data check` on a GGUF model imports transformers before mlx_lm (which silences its
+    advisories): without torch, transformers then printed "PyTorch was not found. Models won't be
+    available" on a model that loads fine."""
+    import os
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    code = f"from dtrain.models import load_model; print(load_model({str(path)!r}).tokenizer.encode('hi'))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(make_tokenizer().encode("hi"))
+    assert "PyTorch" not in r.stderr and "transformers" not in r.stderr, r.stderr
 
 
 def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
