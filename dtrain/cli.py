@@ -111,7 +111,7 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show)
+    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show, objective=cfg.objective.kind)
     print(report)
     if n_bad and cfg.data.on_bad_row == "error":
         _error(f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
