@@ -59,7 +59,8 @@ class LoraConfig:
     rank: int = option(8, "LoRA rank r", above=0)
     scale: float = option(20.0, "LoRA scale (mlx-lm's: the update is scale * B A x)")
     dropout: float = option(0.0, "dropout on the adapter input (0 = off)", at_least=0.0, below=1.0)
-    num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all", at_least=-1)
+    num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all; 0 is refused (mlx-lm "
+                                 "would adapt all)", at_least=-1)
     keys: Optional[list] = option(None, "module paths inside a decoder layer (e.g. [self_attn.q_proj]); "
                                         "null = every linear layer, as mlx-lm does")
     rslora: bool = option(False, "rsLoRA (Kalajdzievski 2023): the layers' scale is scale / sqrt(rank), scale "
@@ -388,6 +389,9 @@ def _check(cfg: Config, source: str) -> None:
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         problems.append(f"both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                         "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
+    if cfg.lora.num_layers == 0:  # mlx-lm's linear_to_lora_layers slices model.layers[-0:], i.e. every layer
+        problems.append("'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it as all of them; "
+                        "set -1 for every layer or N >= 1 for the last N")
     o, t = cfg.orpo, cfg.train
     if kind == "orpo" and o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
         problems.append(f"'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")

@@ -173,6 +173,25 @@ def test_data_file_and_demo_pairs_together_is_an_error():
     assert load_config(str(ROOT / "configs" / "demo.yaml"), ["data.train=x.jsonl", "data.demo_pairs=0"]).data.train == "x.jsonl"
 
 
+def test_lora_num_layers_zero_is_refused_since_mlx_lm_would_adapt_every_layer():
+    """0 passed the key's ">= -1" and trained every layer: mlx-lm slices model.layers[-0:]."""
+    from conftest import make_tiny_model
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = make_tiny_model()
+    linear_to_lora_layers(model, 0, {"rank": 2, "scale": 1.0, "dropout": 0.0})
+    adapted = {re.search(r"layers\.(\d+)\.", name)[1] for name, module in model.named_modules()
+               if type(module).__name__ == "LoRALinear"}
+    assert adapted == {str(i) for i in range(len(model.layers))}  # why 0 is refused
+    demo = ROOT / "configs" / "demo.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(str(demo), ["lora.num_layers=0"])
+    assert str(err.value) == (f"{demo}: 'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it "
+                              "as all of them; set -1 for every layer or N >= 1 for the last N")
+    for n in (-1, 1):
+        assert load_config(str(ROOT / "configs" / "demo.yaml"), [f"lora.num_layers={n}"]).lora.num_layers == n
+
+
 def test_dtrain_config_into_a_closed_pipe_exits_quietly():
     """``dtrain config | head``: the reader gone before the output is written is not an error
     (exit 0, no traceback), as for other command-line tools."""
