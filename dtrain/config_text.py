@@ -63,10 +63,11 @@ def allowed(tp: Any, meta: dict) -> str:
     """A field's allowed values as comments and ``dtrain config`` show them: ``a | b``, ``>= 0``, ``int or 'auto'``."""
     if meta.get("choices"):
         return " | ".join((*(("null",) if type(None) in typing.get_args(tp) else ()), *meta["choices"]))
-    lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
+    lo, above, hi, top = meta.get("at_least"), meta.get("above"), meta.get("below"), meta.get("at_most")
     bounds = ([f"in [{lo:g}, {hi:g})"] if lo is not None and hi is not None else
+              [f"in [{lo:g}, {top:g}]"] if lo is not None and top is not None else
               [x for x in (lo is not None and f">= {lo:g}", above is not None and f"> {above:g}",
-                           hi is not None and f"< {hi:g}") if x])
+                           hi is not None and f"< {hi:g}", top is not None and f"<= {top:g}") if x])
     kind = type_name(tp)
     return ", ".join([kind, *bounds]) if typing.get_origin(tp) is Union else " ".join(bounds) or kind
 

@@ -192,6 +192,17 @@ def test_lora_num_layers_zero_is_refused_since_mlx_lm_would_adapt_every_layer():
         assert load_config(str(ROOT / "configs" / "demo.yaml"), [f"lora.num_layers={n}"]).lora.num_layers == n
 
 
+@pytest.mark.parametrize("ratio, message", [(1.5, "must be in [0, 1]; got 1.5"), (-0.1, "must be in [0, 1]; got -0.1")])
+def test_min_lr_ratio_above_one_is_refused(ratio, message):
+    """A final rate above the peak made the cosine 'decay' climb to 1.5x train.learning_rate."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"train.min_lr_ratio={ratio}", "data.demo_pairs=8"])
+    assert str(err.value) == f"command line: key 'train.min_lr_ratio' {message}"
+    assert load_config(None, ["train.min_lr_ratio=1", "data.demo_pairs=8"]).train.min_lr_ratio == 1.0
+    field = {f.name: f for f in dataclasses.fields(config.TrainConfig)}["min_lr_ratio"]
+    assert allowed(float, field.metadata) == "in [0, 1]"
+
+
 def test_dtrain_config_into_a_closed_pipe_exits_quietly():
     """``dtrain config | head``: the reader gone before the output is written is not an error
     (exit 0, no traceback), as for other command-line tools."""
