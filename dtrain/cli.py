@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
     args, extra = _parser().parse_known_args(argv)
     try:
-        overrides = split_overrides(extra)
+        overrides = split_overrides(extra, takes_config=args.command in ("train", "data", "config"))
         if args.command == "train":
             return _train(args, overrides)
         if args.command == "data":

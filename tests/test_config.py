@@ -203,6 +203,17 @@ def test_min_lr_ratio_above_one_is_refused(ratio, message):
     assert allowed(float, field.metadata) == "in [0, 1]"
 
 
+@pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check", "pairs.jsonl"]])
+def test_a_bare_config_file_points_to_dash_c(command, capsys):
+    """`./launch configs/demo.yaml` takes the config bare; `dtrain train configs/demo.yaml` said only
+    "overrides look like --section.key VALUE"."""
+    assert main([*command, "configs/demo.yaml"]) == 2
+    assert capsys.readouterr().err == ("dtrain: error: unexpected argument 'configs/demo.yaml': a config file is "
+                                       "given with -c (-c configs/demo.yaml)\n")
+    assert main(["doctor", "x.yml"]) == 2  # doctor has no -c
+    assert capsys.readouterr().err == "dtrain: error: unexpected argument 'x.yml': overrides look like --section.key VALUE\n"
+
+
 def test_dtrain_config_into_a_closed_pipe_exits_quietly():
     """``dtrain config | head``: the reader gone before the output is written is not an error
     (exit 0, no traceback), as for other command-line tools."""
