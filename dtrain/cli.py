@@ -64,6 +64,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error(message: str) -> None:
+    """``dtrain: error: MESSAGE`` on stderr in one write: under ./launch stderr is unbuffered, and
+    print's two writes (text, then newline) let two ranks' errors run into one line."""
+    sys.stderr.write(f"dtrain: error: {message}\n")
+    sys.stderr.flush()
+
+
 def _setup_blas() -> None:
     """Load the fastest correct BLAS before MLX and print its line (the launcher printed it for ranks)."""
     from .blas import setup
@@ -104,11 +111,11 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show)
+    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show, objective=cfg.objective.kind)
     print(report)
     if n_bad and cfg.data.on_bad_row == "error":
-        print(f"dtrain: error: {args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
-              "(training would stop; see the rows listed above)", file=sys.stderr)
+        _error(f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
+               "(training would stop; see the rows listed above)")
         return 1
     return 0
 
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
     args, extra = _parser().parse_known_args(argv)
     try:
-        overrides = split_overrides(extra)
+        overrides = split_overrides(extra, takes_config=args.command in ("train", "data", "config"))
         if args.command == "train":
             return _train(args, overrides)
         if args.command == "data":
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"unexpected arguments {' '.join(extra)}")
         return _export(args) if args.command == "export" else _convert(args)
     except UserError as err:
-        print(f"dtrain: error: {err}", file=sys.stderr)
+        _error(str(err))
         return getattr(err, "exit_status", 2)  # distributed.CollectiveError: 4 (a restart may succeed)
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)

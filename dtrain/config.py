@@ -27,15 +27,16 @@ from .run.lambda_control import LAWS
 
 
 def option(default: Any, help: str, choices: tuple = (), at_least: Optional[float] = None,
-           above: Optional[float] = None, below: Optional[float] = None) -> Any:
+           above: Optional[float] = None, below: Optional[float] = None, at_most: Optional[float] = None) -> Any:
     """A config field: its default, one help line and its allowed values.
 
     ``choices``: the values a string key accepts, taken from the module that
-    owns them (formats, backends, dtypes). ``at_least``, ``above``, ``below``:
-    bounds of a number (the last two exclusive). A mutable default is copied
+    owns them (formats, backends, dtypes). ``at_least``, ``above``, ``below``,
+    ``at_most``: bounds of a number (``above`` and ``below`` exclusive). A mutable default is copied
     per instance.
     """
-    meta = {"help": help, "choices": tuple(choices), "at_least": at_least, "above": above, "below": below}
+    meta = {"help": help, "choices": tuple(choices), "at_least": at_least, "above": above, "below": below,
+            "at_most": at_most}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -59,7 +60,8 @@ class LoraConfig:
     rank: int = option(8, "LoRA rank r", above=0)
     scale: float = option(20.0, "LoRA scale (mlx-lm's: the update is scale * B A x)")
     dropout: float = option(0.0, "dropout on the adapter input (0 = off)", at_least=0.0, below=1.0)
-    num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all", at_least=-1)
+    num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all; 0 is refused (mlx-lm "
+                                 "would adapt all)", at_least=-1)
     keys: Optional[list] = option(None, "module paths inside a decoder layer (e.g. [self_attn.q_proj]); "
                                         "null = every linear layer, as mlx-lm does")
     rslora: bool = option(False, "rsLoRA (Kalajdzievski 2023): the layers' scale is scale / sqrt(rank), scale "
@@ -199,7 +201,8 @@ class TrainConfig:
     learning_rate: float = option(5e-4, "AdamW peak learning rate", at_least=0.0)
     schedule: str = option("cosine", "learning-rate decay after warmup", ("cosine", "linear", "constant"))
     warmup_steps: int = option(10, "linear warmup: step s of the first N gets learning_rate * s / N", at_least=0)
-    min_lr_ratio: float = option(0.1, "the schedule's final learning rate as a share of the peak", at_least=0.0)
+    min_lr_ratio: float = option(0.1, "the schedule's final learning rate as a share of the peak", at_least=0.0,
+                                 at_most=1.0)
     weight_decay: float = option(0.0, "AdamW weight decay", at_least=0.0)
     grad_clip: float = option(1.0, "clip the global L2 norm of the LoRA gradients to this; 0 = off", at_least=0.0)
     compile_optimizer: Union[bool, Literal["auto"]] = option(
@@ -334,9 +337,11 @@ def _check_allowed(value: Any, meta: dict, where: str) -> None:
         return
     if not math.isfinite(value):  # NaN fails every comparison below, so it would pass every bound
         raise ConfigError(f"{where} must be a finite number; got {value}")
-    lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
+    lo, above, hi, top = meta.get("at_least"), meta.get("above"), meta.get("below"), meta.get("at_most")
     if lo is not None and hi is not None and not lo <= value < hi:
         raise ConfigError(f"{where} must be in [{lo:g}, {hi:g}); got {value}")
+    if lo is not None and top is not None and not lo <= value <= top:
+        raise ConfigError(f"{where} must be in [{lo:g}, {top:g}]; got {value}")
     if lo is not None and value < lo:
         raise ConfigError(f"{where} must be >= {lo:g}; got {value}")
     if above is not None and value <= above:
@@ -388,6 +393,9 @@ def _check(cfg: Config, source: str) -> None:
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         problems.append(f"both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                         "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
+    if cfg.lora.num_layers == 0:  # mlx-lm's linear_to_lora_layers slices model.layers[-0:], i.e. every layer
+        problems.append("'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it as all of them; "
+                        "set -1 for every layer or N >= 1 for the last N")
     o, t = cfg.orpo, cfg.train
     if kind == "orpo" and o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
         problems.append(f"'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")

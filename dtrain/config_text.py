@@ -47,13 +47,17 @@ def take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return others, overrides
 
 
-def split_overrides(argv: list[str]) -> list[str]:
+def split_overrides(argv: list[str], takes_config: bool = True) -> list[str]:
     """Overrides from ``argv`` (see :func:`take_overrides`), which must hold nothing else.
 
     Raises:
-        ConfigError: an argument that is not ``--section.key``, or one that lacks a value.
+        ConfigError: an argument that is not ``--section.key`` (a YAML file is pointed to ``-c``
+            when the command ``takes_config``), or one that lacks a value.
     """
     others, overrides = take_overrides(argv)
+    if others and takes_config and others[0].lower().endswith((".yaml", ".yml")):  # ./launch takes it bare
+        raise ConfigError(f"unexpected argument {others[0]!r}: a config file is given with -c "
+                          f"(-c {others[0]})")
     if others:
         raise ConfigError(f"unexpected argument {others[0]!r}: overrides look like --section.key VALUE")
     return overrides
@@ -63,10 +67,11 @@ def allowed(tp: Any, meta: dict) -> str:
     """A field's allowed values as comments and ``dtrain config`` show them: ``a | b``, ``>= 0``, ``int or 'auto'``."""
     if meta.get("choices"):
         return " | ".join((*(("null",) if type(None) in typing.get_args(tp) else ()), *meta["choices"]))
-    lo, above, hi = meta.get("at_least"), meta.get("above"), meta.get("below")
+    lo, above, hi, top = meta.get("at_least"), meta.get("above"), meta.get("below"), meta.get("at_most")
     bounds = ([f"in [{lo:g}, {hi:g})"] if lo is not None and hi is not None else
+              [f"in [{lo:g}, {top:g}]"] if lo is not None and top is not None else
               [x for x in (lo is not None and f">= {lo:g}", above is not None and f"> {above:g}",
-                           hi is not None and f"< {hi:g}") if x])
+                           hi is not None and f"< {hi:g}", top is not None and f"<= {top:g}") if x])
     kind = type_name(tp)
     return ", ".join([kind, *bounds]) if typing.get_origin(tp) is Union else " ".join(bounds) or kind
 

@@ -242,6 +242,16 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
                                num_layers=int(meta.get("num_layers", cfg.num_layers)))
 
 
+def replaced_by_adapter(cfg: LoraConfig, adapted: LoraConfig) -> list:
+    """The keys ``cfg`` sets away from their defaults that :func:`lora_from_adapter` replaced in
+    ``adapted``, as ``"lora.rank 4 -> 8"``: the adapter's shape wins, and a value the user set
+    should not vanish unsaid."""
+    default = LoraConfig()
+    return [f"lora.{k} {getattr(cfg, k)!r} -> {getattr(adapted, k)!r}" for k in ("rank", "scale", "keys", "num_layers",
+                                                                                  "rslora")
+            if getattr(cfg, k) != getattr(default, k) and getattr(cfg, k) != getattr(adapted, k)]
+
+
 def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     """Set ``model``'s LoRA weights (built by :func:`apply_lora`) to those of ``folder/adapters.safetensors``.
 

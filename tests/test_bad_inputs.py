@@ -169,3 +169,27 @@ def test_chat_template_syntax_error_is_one_error_naming_file_and_line(tmp_path, 
     assert main(["data", "check", str(data), "--model.path", str(model_dir), "--data.chat_template", str(template)]) == 2
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines()[-1] == f"dtrain: error: {fragment}" and "cannot render" not in captured.out
+
+
+class Writes:
+    """A stderr that records each write call (ranks under ./launch write unbuffered)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def write(self, text):
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_the_error_line_is_one_write(monkeypatch):
+    """Under ./launch every rank's stderr is unbuffered: print's separate writes of the text and
+    the newline let two ranks' errors run into one line ("...output_dirdtrain: error: rank 0 ...")."""
+    stderr = Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+    assert main(["config", "--trian.steps", "3"]) == 2
+    assert stderr.calls == ["dtrain: error: command line: unknown section 'trian' (known: data, distributed, "
+                            "engine, lora, model, objective, orpo, train)\n"]

@@ -173,6 +173,47 @@ def test_data_file_and_demo_pairs_together_is_an_error():
     assert load_config(str(ROOT / "configs" / "demo.yaml"), ["data.train=x.jsonl", "data.demo_pairs=0"]).data.train == "x.jsonl"
 
 
+def test_lora_num_layers_zero_is_refused_since_mlx_lm_would_adapt_every_layer():
+    """0 passed the key's ">= -1" and trained every layer: mlx-lm slices model.layers[-0:]."""
+    from conftest import make_tiny_model
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = make_tiny_model()
+    linear_to_lora_layers(model, 0, {"rank": 2, "scale": 1.0, "dropout": 0.0})
+    adapted = {re.search(r"layers\.(\d+)\.", name)[1] for name, module in model.named_modules()
+               if type(module).__name__ == "LoRALinear"}
+    assert adapted == {str(i) for i in range(len(model.layers))}  # why 0 is refused
+    demo = ROOT / "configs" / "demo.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(str(demo), ["lora.num_layers=0"])
+    assert str(err.value) == (f"{demo}: 'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it "
+                              "as all of them; set -1 for every layer or N >= 1 for the last N")
+    for n in (-1, 1):
+        assert load_config(str(ROOT / "configs" / "demo.yaml"), [f"lora.num_layers={n}"]).lora.num_layers == n
+
+
+@pytest.mark.parametrize("ratio, message", [(1.5, "must be in [0, 1]; got 1.5"), (-0.1, "must be in [0, 1]; got -0.1")])
+def test_min_lr_ratio_above_one_is_refused(ratio, message):
+    """A final rate above the peak made the cosine 'decay' climb to 1.5x train.learning_rate."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"train.min_lr_ratio={ratio}", "data.demo_pairs=8"])
+    assert str(err.value) == f"command line: key 'train.min_lr_ratio' {message}"
+    assert load_config(None, ["train.min_lr_ratio=1", "data.demo_pairs=8"]).train.min_lr_ratio == 1.0
+    field = {f.name: f for f in dataclasses.fields(config.TrainConfig)}["min_lr_ratio"]
+    assert allowed(float, field.metadata) == "in [0, 1]"
+
+
+@pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check", "pairs.jsonl"]])
+def test_a_bare_config_file_points_to_dash_c(command, capsys):
+    """`./launch configs/demo.yaml` takes the config bare; `dtrain train configs/demo.yaml` said only
+    "overrides look like --section.key VALUE"."""
+    assert main([*command, "configs/demo.yaml"]) == 2
+    assert capsys.readouterr().err == ("dtrain: error: unexpected argument 'configs/demo.yaml': a config file is "
+                                       "given with -c (-c configs/demo.yaml)\n")
+    assert main(["doctor", "x.yml"]) == 2  # doctor has no -c
+    assert capsys.readouterr().err == "dtrain: error: unexpected argument 'x.yml': overrides look like --section.key VALUE\n"
+
+
 def test_dtrain_config_into_a_closed_pipe_exits_quietly():
     """``dtrain config | head``: the reader gone before the output is written is not an error
     (exit 0, no traceback), as for other command-line tools."""

@@ -253,3 +253,24 @@ def test_cli_file_with_a_config_of_demo_pairs(tmp_path, model_dir, capsys):
     out = capsys.readouterr()
     assert status == 0, out.err
     assert out.out.startswith(f"{path}: 1 rows, 1 usable") and "max_length=40" in out.out
+
+
+SFT_ROWS = [{"prompt": "What is 2 + 2?", "completion": "4"}, {"prompt": "Hi", "completion": "Hello"}]
+
+
+@pytest.mark.parametrize("kind", ["orpo", "dpo", "simpo"])
+def test_cli_sft_rows_under_a_pairwise_objective_are_refused_as_training_refuses_them(tmp_path, model_dir, capsys,
+                                                                                       kind):
+    """`dtrain train` stops on prompt/completion rows under a pairwise objective
+    (engine.sft.fit_dataset); data check used to call them usable pairs."""
+    path = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--objective.kind", kind])
+    out = capsys.readouterr()
+    assert status == 2 and out.out == ""
+    assert out.err.splitlines()[-1] == (
+        f"dtrain: error: {path}:1: a row with one completion (no rejected response) cannot train objective.kind "
+        f"{kind}; set objective.kind: sft (configs/sft.yaml), or give preference rows (chosen and rejected)")
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--objective.kind", "sft"])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert out.out.startswith(f"{path}: 2 rows, 2 usable, 0 bad, 0 dropped")

@@ -108,6 +108,12 @@ def test_field_mapping(tmp_path):
     assert (row.prompt, row.chosen, row.rejected, row.system) == ("Q", "good", "bad", "S")
     rows, report = rows_of(tmp_path, [{"question": "Q", "response_j": "good"}], fields=fields)
     assert rows == [] and report.bad[0][1] == "missing field 'response_k' (data.fields.rejected)"
+    # a mapped system column that the row lacks is a bad row, as a mapped prompt is (a misspelt
+    # column used to train every row without its system message)
+    rows, report = rows_of(tmp_path, [{k: v for k, v in obj.items() if k != "sys"}], fields=fields)
+    assert rows == [] and report.bad[0][1] == "missing field 'sys' (data.fields.system)"
+    rows, report = rows_of(tmp_path, [{**obj, "sys": None}], fields=fields)  # present, null: no system message
+    assert report.bad == [] and rows[0].system is None
 
 
 def test_explicit_format_overrides_detection(tmp_path):

@@ -103,6 +103,22 @@ def test_an_output_folder_in_use_blames_no_rank_the_launcher_stopped(job, tmp_pa
                          [f"launch: rank(s) {other} stopped by the launcher"]), r.stderr
 
 
+def test_a_refused_resume_on_two_ranks_shows_rank_0s_reason_once(job, tmp_path):
+    """Rank 1 repeated rank 0's whole refusal ("rank 0: resume: ... different settings ...")."""
+    shutil.copytree(job["tmp"] / "run", tmp_path / "run")
+    r = launch("-n", 2, "--port", free_port(), job["config"], "--train.output_dir", tmp_path / "run",
+               "--train.resume", "auto", "--train.steps", 4, "--train.learning_rate", 0.02)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dtrain: error:")]
+    reason = (f"dtrain: error: resume: {tmp_path / 'run' / 'checkpoints' / 'step-0000002'} was made with different "
+              "settings: train.learning_rate: 0.01 in the checkpoint, 0.02 now. These decide what is trained or what "
+              "its eval/ metrics measure; set them back, or train into a new train.output_dir (README: Checkpoints and "
+              "resume)")
+    assert errors.count(reason) == 1, r.stderr
+    # rank 1's line, unless the launcher stopped it first (after rank 0's exit)
+    assert set(errors) - {reason} <= {"dtrain: error: rank 0 could not resume the run; see its message"}, r.stderr
+
+
 def test_one_rank_failure_points_to_its_message(job, tmp_path):
     r = launch(job["config"], "--model.path", tmp_path / "missing")
     assert r.returncode == 2
@@ -257,6 +273,22 @@ def test_tensorboard_port_in_use_is_one_line(job):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"launch: error: --tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}")
+
+
+@pytest.mark.parametrize("option, port", [("--port", 99999), ("--port", 0), ("--port", -1),
+                                          ("--tensorboard", 70000), ("--tensorboard", 0)])
+def test_a_port_outside_tcps_range_is_one_line(option, port, job):
+    r = launch(option, port, job["config"], "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"launch: error: {option} must be a TCP port, 1-65535; got {port}"
+
+
+def test_ring_ports_past_65535_are_one_line(job):
+    r = launch("-n", 2, "--port", 65535, job["config"], "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "launch: error: --port 65535: the job needs 2 consecutive ports from it, past the last TCP port 65535; "
+        "pass --port 65534 or lower")
 
 
 def test_tensorboard_on_an_output_dir_that_is_a_file_is_one_line(job, tmp_path):

@@ -121,6 +121,19 @@ def test_init_adapter_weights_are_the_step_0_weights_with_its_rank_scale_and_key
         assert result.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
 
 
+def test_init_adapter_says_which_lora_keys_it_replaces(tmp_path, capsys):
+    """--lora.rank 2 with an init adapter of rank 4 trained rank 4 without a word; now one notice
+    names each key the config set that the adapter replaced (keys left at their defaults are not named)."""
+    write_adapter(tmp_path / "init", rank=4, scale=3.0)
+    run(tmp_path / "out", f"train.init_adapter={tmp_path / 'init'}", "lora.scale=3.0")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train.init_adapter")]
+    assert lines == [f"train.init_adapter {tmp_path / 'init'} sets the LoRA's shape: lora.rank 2 -> 4 "
+                     "(the adapter's values are trained, not the config's)"]
+    write_adapter(tmp_path / "same", rank=2, scale=20.0)
+    run(tmp_path / "out2", f"train.init_adapter={tmp_path / 'same'}")
+    assert "sets the LoRA" not in capsys.readouterr().err
+
+
 def test_init_adapter_config_errors_name_the_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"train.init_adapter .*nowhere: no adapters.safetensors"):
         lora_from_adapter(LoraConfig(), tmp_path / "nowhere")

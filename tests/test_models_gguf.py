@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -184,6 +185,46 @@ def test_gguf_gpt2_tokenizer_equals_source_tokenizer(tmp_path):
     assert tok.encode("hi")[0] == 1  # add_bos_token
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_gguf_tokenizer_prints_no_transformers_advice(tmp_path):
+    """`dtrain data check` on a GGUF model imports transformers before mlx_lm (which silences its
+    advisories): without torch, transformers then printed "PyTorch was not found. Models won't be
+    available" on a model that loads fine."""
+    import os
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    code = f"from dtrain.models import load_model; print(load_model({str(path)!r}).tokenizer.encode('hi'))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(make_tokenizer().encode("hi"))
+    assert "PyTorch" not in r.stderr and "transformers" not in r.stderr, r.stderr
+
+
+def test_convert_and_export_name_a_file_where_the_folder_should_be(tmp_path, capsys):
+    """An output path that is a file, or under one, was 'already exists and is not empty' or
+    mkdir's bare 'could not write X: File exists'; a folder given as the GGUF was 'no such GGUF file'."""
+    from dtrain.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for out, message in [(notes, f"{notes} is a file, not a folder; choose a new folder"),
+                         (notes / "sub", f"{notes / 'sub'} is under {notes}, a file, not a folder; choose a new folder"),
+                         ("", "the output folder is empty text; name a new folder")]:
+        with pytest.raises(ModelError) as err:
+            convert_gguf(str(path), str(out))
+        assert str(err.value) == message
+        assert main(["export", str(tmp_path), "--base", str(path), "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    with pytest.raises(ModelError) as err:
+        convert_gguf(str(tmp_path), str(tmp_path / "out"))
+    assert str(err.value) == f"{tmp_path}: a folder, not a GGUF file (a model folder is already what convert writes)"
+    assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tiny.gguf"]
 
 
 def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):

@@ -47,7 +47,7 @@ def changed_value(tp, default, meta):
     if tp is bool:
         return not default
     if tp is int:
-        return default + 1
+        return 1 if default == -1 else default + 1  # -1 = all; 0 is refused there (lora.num_layers)
     if tp is float:
         hi = meta.get("below")
         return (default + hi) / 2 if hi is not None else default + 0.5

@@ -89,6 +89,24 @@ def test_fresh_run_into_a_folder_with_checkpoints_is_refused(tmp_path):
     assert len(resumed.history) == 1  # step 2 only
 
 
+def test_a_damaged_only_checkpoint_beside_an_adapter_is_named(tmp_path):
+    """resume=auto where the one checkpoint is damaged: the refusal said "no checkpoint to continue
+    that run from" beside step-0000001, and the skip report was silenced; it now names it and why."""
+    from dtrain.errors import UserError
+
+    run(tmp_path, "train.steps=1")
+    step = tmp_path / "checkpoints" / "step-0000001"
+    (step / "adapters.safetensors").write_bytes(b"garbage")
+    before = sorted((str(p), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.steps=2", "train.resume=auto")
+    assert str(err.value) == (f"{tmp_path} holds an earlier run's adapter (adapters/) and no valid checkpoint "
+                              f"(step-0000001: checksum mismatch in adapters.safetensors) to continue that run from, "
+                              f"so this run would replace it; choose another train.output_dir, or remove "
+                              f"{tmp_path / 'adapters'} to train anew here")
+    assert sorted((str(p), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == before
+
+
 @pytest.mark.parametrize("resume", [[], ["train.resume=auto"]], ids=["fresh", "resume-auto"])
 def test_a_run_into_a_folder_with_an_adapter_and_no_checkpoint_is_refused(tmp_path, resume):
     """A finished run whose checkpoints/ was deleted: a new run would replace adapters/ (and the user's

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 
+from ..errors import DataError
 from .render import tokenize_rows
 from .sources import read_rows, resolve
 from .templates import RAW_TEXT, renderers
@@ -56,7 +57,7 @@ def glued_rows(rows: list, tokenizer, cfg) -> list:
     return glued
 
 
-def check_file(path: str, cfg, tokenizer, show: int = 0) -> tuple[str, int]:
+def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo") -> tuple[str, int]:
     """A text report on one data source (read as ``data.train`` reads it), and its bad-row count.
 
     Lists the bad rows and the dropped pairs (``file:line: reason``), the
@@ -65,16 +66,23 @@ def check_file(path: str, cfg, tokenizer, show: int = 0) -> tuple[str, int]:
     ``max_length`` truncate, a warning counting raw prompts glued to their
     response (:func:`glued_rows`), and with ``show > 0`` the first ``show`` usable
     pairs exactly as they are trained (see :func:`show_pair`). Rows go through
-    the same :func:`tokenize_rows` as training.
+    the same :func:`tokenize_rows` as training. ``objective``: ``objective.kind``;
+    a pairwise one (all but ``sft``) cannot train rows with one completion.
 
     Raises:
         DataError: the data cannot be read (missing, a folder of no known
             layout, empty, not JSON, unknown format, invalid JSON array), or the data config or
-            tokenizer cannot render its rows.
+            tokenizer cannot render its rows, or a row with one completion under a pairwise
+            ``objective`` (naming its ``file:line``, as training stops on it).
     """
     rows, report = read_rows(resolve(path, cfg), cfg)
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
+    single = next((p for p in pairs if not p.rejected), None) if objective != "sft" else None
+    if single is not None:  # training's own check: dtrain.engine.sft.fit_dataset
+        raise DataError(f"{single.source or path}: a row with one completion (no rejected response) cannot train "
+                        f"objective.kind {objective}; set objective.kind: sft (configs/sft.yaml), or give "
+                        f"preference rows (chosen and rejected)")
     report = report.merge(dataclasses.replace(tok_report, rows_read=0))
     rendered = [r for r in results if r.lengths != (0, 0, 0)]
     lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "

@@ -373,13 +373,14 @@ def _sharegpt_message(turn, label: str) -> dict:
 
 
 def _rename(obj: dict, fields: dict) -> dict:
-    """Columns renamed by ``data.fields``; unmapped keys keep their names."""
+    """Columns renamed by ``data.fields``; unmapped keys keep their names. A column the mapping
+    names must be there (a misspelt ``system`` column would otherwise drop every system message)."""
     renamed = {}
     for key in FIELD_KEYS:
         src = fields.get(key, key)
         if src in obj:
             renamed[key] = obj[src]
-        elif key in ("chosen", "rejected") or (key == "prompt" and key in fields):
+        elif key in ("chosen", "rejected") or key in fields:
             raise BadRow(f"missing field {src!r} (data.fields.{key})")
     return renamed
 

@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"-n must be at least 1; got {args.ranks}")
         if args.max_restarts < 0 or args.restart_delay < 0 or args.stop_timeout <= 0:
             raise LaunchError("--max-restarts and --restart-delay must be >= 0, --stop-timeout > 0")
+        for name, port in (("--port", args.port), ("--tensorboard", args.tensorboard)):
+            if port is not None and not 1 <= port <= 65535:  # else socket.bind raises OverflowError
+                raise LaunchError(f"{name} must be a TCP port, 1-65535; got {port}")
         cfg = load_config(args.config, overrides)
         hostfile = load_hostfile(args.hostfile) if args.hostfile else None
         with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:

@@ -181,9 +181,12 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
     the ranks listen on it).
 
     Raises:
-        LaunchError: ``first`` (or one of the ports after it) is in use.
+        LaunchError: ``first`` (or one of the ports after it) is in use, or they run past port 65535.
     """
     if first is not None:
+        if first + count - 1 > 65535:
+            raise LaunchError(f"--port {first}: the job needs {count} consecutive ports from it, past the last "
+                              f"TCP port 65535; pass --port {65536 - count} or lower")
         problem = _claim(first, count, host, locks)
         if problem is not None:
             raise LaunchError(f"port {problem[0]} is in use ({problem[1]}); pass another --port, "

@@ -40,6 +40,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
             architecture or tokenizer, or an ``out_dir`` that is a file or not empty.
     """
     src = demo_model_path() if gguf_path == "demo" else Path(gguf_path)
+    if src.is_dir():
+        raise ModelError(f"{gguf_path}: a folder, not a GGUF file (a model folder is already what convert writes)")
     if not src.is_file():
         raise ModelError(f"{gguf_path}: no such GGUF file")
     check_new_folder(out_dir)
@@ -61,9 +63,15 @@ def save_mlx_lm(folder: Path, model, config: dict, tokenizer) -> None:
 
 
 def check_new_folder(out_dir: str) -> None:
-    """Raises ModelError when ``out_dir`` is a file or a folder that is not empty."""
+    """Raises ModelError when ``out_dir`` is empty text, a file or under one, or a folder that is not empty."""
+    if not out_dir:
+        raise ModelError("the output folder is empty text; name a new folder")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:  # else mkdir's bare "File exists"
+        where = "is a file" if file == out else f"is under {file}, a file"
+        raise ModelError(f"{out_dir} {where}, not a folder; choose a new folder")
+    if out.is_dir() and any(out.iterdir()):
         raise ModelError(f"{out_dir}: output folder already exists and is not empty; choose a new folder")
 
 

@@ -163,13 +163,19 @@ def dequantize_weights(weights: dict, quantization: dict) -> dict:
 
 
 def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
+    from huggingface_hub.errors import LocalEntryNotFoundError
     from mlx_lm.utils import dequantize_model, load
 
     try:
         model, tokenizer, config = load(path, return_config=True)
     except Exception as err:  # mlx-lm raises FileNotFoundError, ValueError, hub errors...
+        if isinstance(err, LocalEntryNotFoundError) and not Path(path).is_dir():  # its text spans two lines
+            raise ModelError(f"{path}: no such file or folder, and as a hub model it is not in the local cache and "
+                             f"the hub cannot be reached (offline?); download it where there is network: hf download "
+                             f"{path} --local-dir DIR, then set model.path: DIR") from None
         where = "model folder" if Path(path).is_dir() else "hub model (not a local path)"
-        raise ModelError(f"{path}: mlx-lm could not load this {where}: {type(err).__name__}: {err}") from None
+        detail = " ".join(f"{type(err).__name__}: {err}".split())  # one line
+        raise ModelError(f"{path}: mlx-lm could not load this {where}: {detail}") from None
     if not keep_quantized and config.get("quantization"):
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}

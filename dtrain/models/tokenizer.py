@@ -22,6 +22,8 @@ vocab_attrs.py). Other ``tokenizer.*`` keys that would change the ids
 
 from __future__ import annotations
 
+import os
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from . import vocab_attrs as va
@@ -97,6 +99,9 @@ def build_tokenizer(md: dict):
             unknown ``tokenizer.*`` key, or a BOS/EOS flag without its token id;
             each message names the key and value.
     """
+    # as mlx_lm/__init__.py does: without it, a transformers imported before mlx_lm prints that
+    # PyTorch is missing and "Models won't be available" (dtrain data check on a GGUF model)
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import PreTrainedTokenizerFast
 
     check_tokenizer_keys(md)

@@ -329,7 +329,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
         The checkpoint continued (``adapter``/``optimizer`` as restored; ``best`` on rank 0 only), or
         None to start at step 1 (no ``spec``, or ``auto`` found none).
     Raises:
-        UserError: on every rank, with rank 0's reason.
+        UserError: on every rank: rank 0 with its reason, the others pointing to its message.
     """
     if spec is None:
         return None
@@ -351,7 +351,8 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
             decision = {"error": str(err)}
     decision = json.loads(group.broadcast_text(json.dumps(decision), None, "resume decision of rank 0"))
     if "error" in decision:
-        raise UserError(decision["error"] if group.is_main else f"rank 0: {decision['error']}")
+        # rank 0 prints the reason; the others point to it, so the job shows it once (as the output-folder check)
+        raise UserError(decision["error"] if group.is_main else "rank 0 could not resume the run; see its message")
     if decision["path"] is None:
         return None
     adapter = group.broadcast_arrays(found.adapter if found else _zeros(decision["adapter"]), None,

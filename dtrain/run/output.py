@@ -118,7 +118,10 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
                             f"continue it with train.resume=auto, or choose another train.output_dir")
         made = [p for p in (OutputDir(out).adapters, OutputDir(out).adapters_last) if p.exists()]
         if earlier is None and made:
-            raise UserError(f"{out} holds an earlier run's adapter ({made[0].name}/) and no checkpoint to continue "
+            # a damaged checkpoint is named: "no checkpoint" beside one would send the user looking elsewhere
+            damaged = [f"{p.name}: {validate(p)}" for p in reversed(list_checkpoints(OutputDir(out).checkpoints))]
+            why = f"no valid checkpoint ({'; '.join(damaged)})" if damaged else "no checkpoint"
+            raise UserError(f"{out} holds an earlier run's adapter ({made[0].name}/) and {why} to continue "
                             f"that run from, so this run would replace it; choose another train.output_dir, or "
                             f"remove {made[0]} to train anew here")
         kept = [p for p in list_checkpoints(OutputDir(out).checkpoints) if validate(p) is None] if earlier else []

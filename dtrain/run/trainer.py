@@ -32,7 +32,7 @@ from .evaluation import ACCURACY, evaluate_and_log
 from ..errors import UserError
 from ..files import OutputDir, storage, to_devnull
 from ..identity import settings
-from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, save_adapter
+from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, replaced_by_adapter, save_adapter
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
 from .optimizer import AdamWStep, extension_notice
@@ -244,10 +244,14 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     released by ``run.cleanup``, or here when a later part fails.
     """
     group = replace(group or Group(), timeout_s=cfg.distributed.collective_timeout_s)  # arms the collective watchdog
+    own_lora = cfg.lora
     if cfg.train.init_adapter:  # the adapter's rank, scale and keys are the run's LoRA
         cfg = replace(cfg, lora=lora_from_adapter(cfg.lora, cfg.train.init_adapter))
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     notice = for_rank(group.is_main)  # the run's notices, rank 0's only (run.log.message once the logger exists)
+    if notice and (replaced := replaced_by_adapter(own_lora, cfg.lora)):
+        notice(f"train.init_adapter {cfg.train.init_adapter} sets the LoRA's shape: {', '.join(replaced)} "
+               "(the adapter's values are trained, not the config's)")
     chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
     cfg = replace(cfg, lora=chosen.lora)  # the LoRA product's dtype, as the run's settings and checkpoints record it
     t = cfg.train
