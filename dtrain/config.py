@@ -58,7 +58,7 @@ class LoraConfig:
     """LoRA layers from mlx-lm (``mlx_lm.tuner.utils.linear_to_lora_layers``)."""
 
     rank: int = option(8, "LoRA rank r", above=0)
-    scale: float = option(20.0, "LoRA scale (mlx-lm's: the update is scale * B A x)")
+    scale: float = option(20.0, "LoRA scale (mlx-lm's: the update is scale * B A x)", above=0.0)
     dropout: float = option(0.0, "dropout on the adapter input (0 = off)", at_least=0.0, below=1.0)
     num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all; 0 is refused (mlx-lm "
                                  "would adapt all)", at_least=-1)

@@ -203,6 +203,35 @@ def test_min_lr_ratio_above_one_is_refused(ratio, message):
     assert allowed(float, field.metadata) == "in [0, 1]"
 
 
+@pytest.mark.parametrize("scale", [0, -2.5])
+def test_lora_scale_at_or_below_zero_is_refused(scale):
+    """Scale 0 makes every LoRA layer's update 0 and its gradient 0 (shown below): the run trained nothing."""
+    import mlx.core as mx
+    from conftest import make_tiny_model
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"lora.scale={scale}", "data.demo_pairs=8"])
+    assert str(err.value) == f"command line: key 'lora.scale' must be > 0; got {float(scale)}"
+    assert load_config(None, ["lora.scale=0.5", "data.demo_pairs=8"]).lora.scale == 0.5
+    def largest_gradient(lora_scale: float) -> float:
+        model = make_tiny_model()
+        model.freeze()
+        linear_to_lora_layers(model, -1, {"rank": 2, "scale": lora_scale, "dropout": 0.0})
+        params = model.trainable_parameters()
+        model.update(tree_unflatten([(k, mx.full(v.shape, 0.1) if k.endswith("lora_b") else v)
+                                     for k, v in tree_flatten(params)]))  # lora_b starts at 0: give it a value
+
+        def loss(p):
+            model.update(p)
+            return model(mx.array([[1, 2, 3]])).sum()
+
+        return max(float(mx.abs(g).max()) for _, g in tree_flatten(mx.grad(loss)(model.trainable_parameters())))
+
+    assert largest_gradient(0.0) == 0.0 and largest_gradient(1.0) > 0.0
+
+
 @pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check", "pairs.jsonl"]])
 def test_a_bare_config_file_points_to_dash_c(command, capsys):
     """`./launch configs/demo.yaml` takes the config bare; `dtrain train configs/demo.yaml` said only
