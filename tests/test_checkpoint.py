@@ -240,6 +240,32 @@ def test_two_runs_started_together_into_one_folder(tmp_path, uninterrupted):
     assert [s for s, _ in read_scalars(Path(done["run_dir"]))["loss"]] == list(range(1, 9))
 
 
+def test_a_run_that_has_just_locked_the_folder_is_named(tmp_path):
+    """Between a holder's lock and its name in the file the second run read nothing and said "another
+    process" (once in CI); it now waits for the name, and a holder's longer earlier name is cut."""
+    import threading
+
+    path = tmp_path / ".dtrain.lock"
+    path.write_text("pid 123456789 on an-earlier-host-with-a-long-name")  # a run that ended long ago
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)  # the old holder's way: an empty file until the name was written
+        threading.Timer(0.3, lambda: os.pwrite(fd, b"pid 42 on here", 0)).start()
+        with pytest.raises(UserError) as err:
+            output.OutputLock(tmp_path)
+        assert str(err.value) == (f"output folder {tmp_path} is in use by another dtrain run (pid 42 on here); "
+                                  "wait for it to end, or choose another train.output_dir")
+    finally:
+        os.close(fd)
+    lock = output.OutputLock(tmp_path)  # free again: taken, and the earlier longer name replaced whole
+    try:
+        import socket
+        assert path.read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
+    finally:
+        lock.release()
+
+
 def test_a_checkpoint_of_another_run_is_never_replaced(tmp_path):
     import dataclasses
 

@@ -12,6 +12,7 @@ import fcntl
 import os
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -71,13 +72,23 @@ class OutputLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(self._fd, 200).decode("utf-8", "replace").strip() or "another process"
+            holder = self._holder()
             os.close(self._fd)
             self._fd = None
             raise UserError(f"output folder {out} is in use by another dtrain run ({holder}); wait for it to end, "
                             f"or choose another train.output_dir") from None
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        name = f"pid {os.getpid()} on {socket.gethostname()}".encode()
+        os.pwrite(self._fd, name, 0)  # then cut what a longer earlier name left: the file is never empty
+        os.ftruncate(self._fd, len(name))
+
+    def _holder(self, wait_s: float = 2.0) -> str:
+        """The holder's name; a holder that has just locked a new file may not have written it yet."""
+        end = time.monotonic() + wait_s
+        while True:
+            text = os.pread(self._fd, 200, 0).decode("utf-8", "replace").strip()
+            if text or time.monotonic() > end:
+                return text or "another process"
+            time.sleep(0.02)
 
     def release(self) -> None:
         if self._fd is not None:
