@@ -1,9 +1,12 @@
-"""Containers passed between the data, engine and trainer layers."""
+"""Containers passed between the data, engine and trainer layers, and the check on pairs both the
+data check and training apply (pairwise objectives refuse rows with one completion)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from .errors import DataError
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,17 @@ class TokenizedPair:
     @property
     def shared_prompt(self) -> bool:
         return self.rejected_prompt is None
+
+
+def refuse_single_completions(pairs, kind: str, where: str = "?") -> None:
+    """Refuse rows with one completion (empty ``rejected``: SFT rows) under the pairwise objective
+    ``kind``, as ``dtrain train`` and ``dtrain data check`` both do.
+
+    Raises:
+        DataError: naming the first such row's ``file:line`` (``where`` when it has none).
+    """
+    single = next((p for p in pairs if not p.rejected), None)
+    if single is not None:
+        raise DataError(f"{single.source or where}: a row with one completion (no rejected response) cannot train "
+                        f"objective.kind {kind}; set objective.kind: sft (configs/sft.yaml), or give "
+                        f"preference rows (chosen and rejected)")

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 
-from ..errors import DataError
+from ..types import refuse_single_completions
 from .render import tokenize_rows
 from .sources import read_rows, resolve
 from .templates import RAW_TEXT, renderers
@@ -78,11 +78,8 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     rows, report = read_rows(resolve(path, cfg), cfg)
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
-    single = next((p for p in pairs if not p.rejected), None) if objective != "sft" else None
-    if single is not None:  # training's own check: dtrain.engine.sft.fit_dataset
-        raise DataError(f"{single.source or path}: a row with one completion (no rejected response) cannot train "
-                        f"objective.kind {objective}; set objective.kind: sft (configs/sft.yaml), or give "
-                        f"preference rows (chosen and rejected)")
+    if objective != "sft":  # training's own check (engine.sft.fit_dataset)
+        refuse_single_completions(pairs, objective, path)
     report = report.merge(dataclasses.replace(tok_report, rows_read=0))
     rendered = [r for r in results if r.lengths != (0, 0, 0)]
     lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "

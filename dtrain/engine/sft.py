@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 
-from ..errors import DataError
+from ..types import refuse_single_completions
 from .loss import upcast
 from .objective import COUNT_KEYS, PairLogps, Totals
 
@@ -71,9 +71,5 @@ def fit_dataset(objective, dataset):
         out.train, out.valid = ([dataclasses.replace(p, rejected=[], rejected_prompt=None) for p in pairs]
                                 for pairs in (dataset.train, dataset.valid))
         return out
-    single = next((p for p in (*dataset.train, *dataset.valid) if not p.rejected), None)
-    if single is not None:
-        raise DataError(f"{single.source or '?'}: a row with one completion (no rejected response) cannot train "
-                        f"objective.kind {type(objective).__name__.lower()}; set objective.kind: sft, or give "
-                        f"preference rows (chosen and rejected)")
+    refuse_single_completions((*dataset.train, *dataset.valid), type(objective).__name__.lower())
     return out
