@@ -157,3 +157,41 @@ def test_data_files_are_checked_once_before_ranks_start(job, tmp_path, key, cont
     problem = f"data file not found (data.{key})" if content is None else "file is empty"
     assert r.returncode == 2
     assert [x for x in r.stderr.splitlines() if not x.startswith("launch: using")] == [f"launch: error: {data}: {problem}"]
+
+
+# holds a lock on argv[1] and 1 GB of touched memory; "dtrain" in its command line makes it a trainer
+LEFTOVER = ("import fcntl, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "ballast = b'x' * (1 << 30)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(120)\n")
+
+
+def test_a_killed_leftover_trainer_has_closed_its_files_when_the_launcher_goes_on(tmp_path):
+    """A trainer whose wrapper died without a report is killed, and the launcher waits until it is
+    gone: a restart or the next run must not meet the output folder's lock still held. A killed
+    process lets go of its memory (1 GB here, which takes a while) before it closes its files."""
+    import fcntl
+    import socket
+    import subprocess
+
+    from dtrain.launch.rank import Report
+    from dtrain.launch.supervise import Attempt
+
+    lock = tmp_path / ".dtrain.lock"
+    child = subprocess.Popen([sys.executable, "-c", LEFTOVER, str(lock), "dtrain"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        attempt = Attempt(plan=None, stop_timeout=5.0)
+        attempt.started = {0: Report("start", 0, pid=child.pid, host=socket.gethostname())}
+        attempt._kill_leftovers()
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the killed trainer still holds it
+        finally:
+            os.close(fd)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL

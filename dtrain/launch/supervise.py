@@ -202,6 +202,11 @@ class Attempt:
             if _is_trainer(pid):
                 _signal(pid, signal.SIGKILL)
                 say(f"launch: killed rank {rank}'s trainer (pid {pid}), left running after its wrapper ended")
+        # SIGKILL lands asynchronously: wait until they are gone, so that a restart or the next run
+        # does not meet a trainer that still holds the output folder's lock
+        end = time.monotonic() + LEFTOVER_GRACE_S
+        while any(_exiting(p) for p in pids.values()) and time.monotonic() < end:
+            time.sleep(0.05)
 
     def _summarize(self) -> Outcome:
         code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
@@ -293,6 +298,23 @@ def _is_trainer(pid: int) -> bool:
     except OSError:
         return True
     return b"dtrain" in cmdline
+
+
+def _exiting(pid: int) -> bool:
+    """Process ``pid`` exists and is not yet a zombie. A killed process gives up its memory (its
+    /proc cmdline reads empty) before it closes its files, locks included; a zombie has closed them.
+    Without /proc: whether the pid exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
 
 
 def find_trainers(marker: str) -> dict:
