@@ -266,6 +266,28 @@ def test_a_run_that_has_just_locked_the_folder_is_named(tmp_path):
         lock.release()
 
 
+def test_a_reader_never_sees_two_names_mixed(tmp_path, monkeypatch):
+    """Between writing its name and cutting the file, a holder's shorter name over a longer earlier
+    one read as a mix of both ("pid 7 on here" + the old tail); it is padded, so a reader sees it whole."""
+    import socket
+
+    path = tmp_path / ".dtrain.lock"
+    path.write_text("pid 123456789 on an-earlier-host-with-a-much-longer-name-than-this-one")
+    seen, ftruncate = [], os.ftruncate
+
+    def spy(fd, length):  # what a second run reads in the moment before the cut
+        seen.append(os.pread(fd, 200, 0).decode().strip())
+        ftruncate(fd, length)
+
+    monkeypatch.setattr(output.os, "ftruncate", spy)
+    lock = output.OutputLock(tmp_path)
+    try:
+        assert seen == [f"pid {os.getpid()} on {socket.gethostname()}"]
+        assert path.read_text() == seen[0]
+    finally:
+        lock.release()
+
+
 def test_a_checkpoint_of_another_run_is_never_replaced(tmp_path):
     import dataclasses
 

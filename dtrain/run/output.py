@@ -78,7 +78,8 @@ class OutputLock:
             raise UserError(f"output folder {out} is in use by another dtrain run ({holder}); wait for it to end, "
                             f"or choose another train.output_dir") from None
         name = f"pid {os.getpid()} on {socket.gethostname()}".encode()
-        os.pwrite(self._fd, name, 0)  # then cut what a longer earlier name left: the file is never empty
+        # padded over what a longer earlier name left, then cut: a reader sees one whole name, never none
+        os.pwrite(self._fd, name.ljust(os.fstat(self._fd).st_size), 0)
         os.ftruncate(self._fd, len(name))
 
     def _holder(self, wait_s: float = 2.0) -> str:
