@@ -125,26 +125,31 @@ def test_one_rank_failure_points_to_its_message(job, tmp_path):
     assert summary_lines(r.stderr) == ["launch: rank 0 failed with exit status 2 (user error); its message is above"]
 
 
+def exit_with_closed_output(cmd: list) -> int:
+    """Run ``cmd`` (in the repository) with stdout and stderr a pipe whose reader is gone before its
+    first line, as under ``| head`` once head has ended; its exit status."""
+    import subprocess
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.Popen(cmd, stdout=write, stderr=write, stdin=subprocess.DEVNULL, cwd=ROOT)
+    finally:
+        os.close(write)
+    try:
+        return wait_exit(proc)
+    finally:
+        kill_tree(proc)
+
+
 @pytest.mark.parametrize("ranks,backend", [(1, "ring"), (2, "ring"), (2, "mpi")])
 def test_a_closed_output_changes_nothing(job, tmp_path, ranks, backend):
     """``./launch ... 2>&1 | head -4``: with its reader gone the launcher's writes fail (EPIPE), yet the job
     trains and saves to its end and exits 0; what the launcher and its ranks print is dropped."""
-    import subprocess
-
     if backend == "mpi" and shutil.which("mpirun") is None:
         pytest.skip("OpenMPI's mpirun is not installed")
-    read, write = os.pipe()
-    os.close(read)  # gone before the first line, so every write meets it
-    try:
-        proc = subprocess.Popen([sys.executable, str(LAUNCH), "-n", str(ranks), "--backend", backend, "--port",
-                                 str(free_port()), str(job["config"]), "--train.output_dir", str(tmp_path)],
-                                stdout=write, stderr=write, stdin=subprocess.DEVNULL, cwd=ROOT)
-    finally:
-        os.close(write)
-    try:
-        assert wait_exit(proc) == 0
-    finally:
-        kill_tree(proc)
+    assert exit_with_closed_output([sys.executable, str(LAUNCH), "-n", str(ranks), "--backend", backend, "--port",
+                                    str(free_port()), str(job["config"]), "--train.output_dir", str(tmp_path)]) == 0
     assert_same_adapter(job["tmp"] / "run" / ADAPTER, tmp_path / ADAPTER)
 
 
@@ -152,8 +157,6 @@ def test_a_closed_output_changes_nothing(job, tmp_path, ranks, backend):
 def test_a_closed_output_never_reaches_the_started_command(tmp_path, backend):
     """What mpirun (or mlx.launch) prints goes through the launcher: handed the launcher's closed stdout
     itself, mpirun died of SIGPIPE at its shutdown now and then, after every rank had saved (exit 243)."""
-    import subprocess
-
     script = ("import sys\n"
               "from dtrain.launch.plan import Plan\n"
               "from dtrain.launch.supervise import Attempt\n"
@@ -161,17 +164,7 @@ def test_a_closed_output_never_reaches_the_started_command(tmp_path, backend):
               "attempt = Attempt(plan, 5.0)\n"
               "attempt.run()\n"
               "open(sys.argv[1], 'w').write(str([p.returncode for p in attempt.procs]))\n")
-    read, write = os.pipe()
-    os.close(read)  # the reader is gone before the command's first line
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "codes")], stdout=write, stderr=write,
-                                stdin=subprocess.DEVNULL, cwd=ROOT)
-    finally:
-        os.close(write)
-    try:
-        assert wait_exit(proc) == 0
-    finally:
-        kill_tree(proc)
+    assert exit_with_closed_output([sys.executable, "-c", script, str(tmp_path / "codes")]) == 0
     assert (tmp_path / "codes").read_text() == "[0]"  # not [-13]: the command's writes all went through
 
 
