@@ -123,30 +123,32 @@ def test_unreachable_hub_id_is_a_model_error():
         load_model("no-such-org-xyz/no-such-model")
 
 
+def hub_load_error(monkeypatch, exc: Exception) -> str:
+    """dtrain's message when mlx-lm's loading of a hub id raises ``exc``."""
+    import mlx_lm.utils
+
+    def failing(path, return_config=False):
+        raise exc
+
+    monkeypatch.setattr(mlx_lm.utils, "load", failing)
+    with pytest.raises(ModelError) as err:
+        load_model("some-org/some-model")
+    return str(err.value)
+
+
 def test_a_hub_model_out_of_reach_is_one_line_saying_how_to_download_it(monkeypatch):
     """Offline, huggingface_hub's LocalEntryNotFoundError text spans two lines; dtrain's error was
     'mlx-lm could not load this hub model: LocalEntryNotFoundError: Got: ConnectError ...\nAn error happened ...'."""
-    import mlx_lm.utils
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    def offline(path, return_config=False):
-        raise LocalEntryNotFoundError("Got: ConnectError\nAn error happened while trying to locate the files on the Hub")
-
-    monkeypatch.setattr(mlx_lm.utils, "load", offline)
-    with pytest.raises(ModelError) as err:
-        load_model("some-org/some-model")
-    assert str(err.value) == ("some-org/some-model: no such file or folder, and as a hub model it is not in the local "
-                              "cache and the hub cannot be reached (offline?); download it where there is network: hf "
-                              "download some-org/some-model --local-dir DIR, then set model.path: DIR")
-
-    def refused(path, return_config=False):
-        raise ValueError("Model type foo\nnot supported.")
-
-    monkeypatch.setattr(mlx_lm.utils, "load", refused)
-    with pytest.raises(ModelError) as err:
-        load_model("some-org/some-model")
-    assert str(err.value) == ("some-org/some-model: mlx-lm could not load this hub model (not a local path): "
-                              "ValueError: Model type foo not supported.")
+    offline = LocalEntryNotFoundError("Got: ConnectError\nAn error happened while trying to locate the files on the Hub")
+    assert hub_load_error(monkeypatch, offline) == (
+        "some-org/some-model: no such file or folder, and as a hub model it is not in the local cache and the hub "
+        "cannot be reached (offline?); download it where there is network: hf download some-org/some-model "
+        "--local-dir DIR, then set model.path: DIR")
+    assert hub_load_error(monkeypatch, ValueError("Model type foo\nnot supported.")) == (
+        "some-org/some-model: mlx-lm could not load this hub model (not a local path): ValueError: Model type foo "
+        "not supported.")
 
 
 def test_demo_download_failure_names_the_wheel(tmp_path, monkeypatch):
