@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from .config import LoraConfig
+from .config import LoraConfig, checked
 from .errors import ConfigError
 from .files import atomic_folder
 
@@ -231,15 +231,19 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
     try:
         meta = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
         params = meta["lora_parameters"]
-        rank, scale = int(params["rank"]), float(params["scale"])
+        shape = {"rank": params["rank"], "scale": params["scale"], "keys": params.get("keys"),
+                 "num_layers": meta.get("num_layers", cfg.num_layers)}
     except FileNotFoundError:
         raise ConfigError(f"{where}: no {ADAPTER_CONFIG}") from None
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{where}: {ADAPTER_CONFIG} has no readable lora_parameters rank and scale ({err!r})") from None
     if meta.get("fine_tune_type", "lora") != "lora":
         raise ConfigError(f"{where}: fine_tune_type {meta['fine_tune_type']!r}; only lora adapters can be trained on")
-    return dataclasses.replace(cfg, rank=rank, scale=scale, rslora=False, keys=params.get("keys"),
-                               num_layers=int(meta.get("num_layers", cfg.num_layers)))
+    # the bounds of the lora keys they replace: a scale of 0 would train nothing, a rank of 0 build no LoRA
+    shape = {k: checked(LoraConfig, k, v, f"{where}: {ADAPTER_CONFIG} "
+                                          f"{'' if k == 'num_layers' else 'lora_parameters.'}{k}")
+             for k, v in shape.items()}
+    return dataclasses.replace(cfg, rslora=False, **shape)
 
 
 def replaced_by_adapter(cfg: LoraConfig, adapted: LoraConfig) -> list:

@@ -143,6 +143,23 @@ def test_init_adapter_config_errors_name_the_folder(tmp_path):
         lora_from_adapter(LoraConfig(), tmp_path / "a")
 
 
+@pytest.mark.parametrize("meta, error", [
+    ({"num_layers": 2, "lora_parameters": {"rank": 4, "scale": 0.0}}, "lora_parameters.scale must be > 0; got 0.0"),
+    ({"num_layers": 2, "lora_parameters": {"rank": 0, "scale": 2.0}}, "lora_parameters.rank must be > 0; got 0"),
+    ({"num_layers": "all", "lora_parameters": {"rank": 4, "scale": 2.0}}, "num_layers: expected int, got 'all'"),
+    ({"num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0, "keys": "self_attn.q_proj"}},
+     "lora_parameters.keys: expected list, got 'self_attn.q_proj'"),
+])
+def test_init_adapter_values_outside_the_lora_keys_bounds_are_refused_naming_them(tmp_path, meta, error):
+    """The adapter's values replace lora.rank, scale, num_layers and keys, so they meet the same bounds:
+    before, a scale of 0 trained nothing (every LoRA gradient is 0) and num_layers "all" raised ValueError."""
+    write_adapter(tmp_path / "a")
+    (tmp_path / "a" / ADAPTER_CONFIG).write_text(json.dumps({"fine_tune_type": "lora", **meta}))
+    with pytest.raises(ConfigError) as err:
+        lora_from_adapter(LoraConfig(), tmp_path / "a")
+    assert str(err.value) == f"train.init_adapter {tmp_path / 'a'}: {ADAPTER_CONFIG} {error}"
+
+
 def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
     write_adapter(tmp_path / "a")
     w = mx.load(str(tmp_path / "a" / ADAPTER_WEIGHTS))
