@@ -22,7 +22,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from .config import LoraConfig, checked
 from .errors import ConfigError
-from .files import atomic_folder
+from .files import atomic_folder, storage
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -261,9 +261,11 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
 
     Raises:
         ConfigError: the file's names or shapes differ from the model's LoRA parameters (named).
+        StorageError: the file cannot be read (damaged, truncated, unreadable).
     """
     path = Path(folder) / ADAPTER_WEIGHTS
-    weights = mx.load(str(path))
+    with storage(f"read train.init_adapter {path}"):  # a damaged file is MLX's RuntimeError
+        weights = mx.load(str(path))
     mine = dict(tree_flatten(model.trainable_parameters()))
     missing, extra = sorted(set(mine) - set(weights)), sorted(set(weights) - set(mine))
     if missing or extra:

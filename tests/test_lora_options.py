@@ -15,6 +15,7 @@ from mlx_lm.tuner.lora import LoRALinear
 from conftest import add_random_lora, make_pairs, make_tiny_model
 from dtrain.config import LoraConfig, load_config
 from dtrain.errors import ConfigError
+from dtrain.files import StorageError
 from dtrain.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_lora, lora_from_adapter, save_adapter
 from dtrain.run.optimizer import AdamWStep
 from dtrain.run.trainer import Hooks, train
@@ -158,6 +159,17 @@ def test_init_adapter_values_outside_the_lora_keys_bounds_are_refused_naming_the
     with pytest.raises(ConfigError) as err:
         lora_from_adapter(LoraConfig(), tmp_path / "a")
     assert str(err.value) == f"train.init_adapter {tmp_path / 'a'}: {ADAPTER_CONFIG} {error}"
+
+
+def test_a_damaged_init_adapter_weights_file_is_one_line_naming_it(tmp_path, capsys):
+    """A truncated adapters.safetensors raised MLX's RuntimeError (a traceback from `dtrain train`)."""
+    write_adapter(tmp_path / "a")
+    weights = tmp_path / "a" / ADAPTER_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(StorageError) as err:
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
+    assert str(err.value).startswith(f"could not read train.init_adapter {weights}: [load_safetensors] ")
+    assert not (tmp_path / "out").exists()
 
 
 def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
