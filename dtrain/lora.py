@@ -235,6 +235,8 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
                  "num_layers": meta.get("num_layers", cfg.num_layers)}
     except FileNotFoundError:
         raise ConfigError(f"{where}: no {ADAPTER_CONFIG}") from None
+    except OSError as err:  # a folder of that name, no permission, an I/O error
+        raise ConfigError(f"{where}: cannot read {ADAPTER_CONFIG} ({err.strerror or err})") from None
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{where}: {ADAPTER_CONFIG} has no readable lora_parameters rank and scale ({err!r})") from None
     if meta.get("fine_tune_type", "lora") != "lora":
