@@ -75,12 +75,16 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     Returns:
         The number of trainable parameters.
     Raises:
-        ConfigError: no module matched ``lora.keys``.
+        ConfigError: no module matched ``lora.keys``, or one that is not a linear layer.
     """
     n_layers = len(model.layers)
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)
     model.freeze()
-    linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
+    try:
+        linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
+    except ValueError as err:  # mlx-lm's "Can't convert layer of type RMSNorm to LoRA"
+        raise ConfigError(f"lora.keys {cfg.keys!r}: {err}; name linear layers, e.g. [self_attn.q_proj, "
+                          "mlp.down_proj]") from None
     if cfg.branch_dtype in ("auto", "bfloat16"):
         for _, module in model.named_modules():
             if type(module) is LoRALinear:

@@ -177,6 +177,14 @@ def test_a_damaged_init_adapter_weights_file_is_one_line_naming_it(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_lora_keys_naming_a_module_that_is_not_linear_is_one_line():
+    """mlx-lm's ValueError ("Can't convert layer of type RMSNorm to LoRA") was a traceback from `dtrain train`."""
+    with pytest.raises(ConfigError) as err:
+        apply_lora(make_tiny_model(seed=0), LoraConfig(keys=["self_attn.q_proj", "input_layernorm"]))
+    assert str(err.value) == ("lora.keys ['self_attn.q_proj', 'input_layernorm']: Can't convert layer of type RMSNorm "
+                              "to LoRA; name linear layers, e.g. [self_attn.q_proj, mlp.down_proj]")
+
+
 def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
     write_adapter(tmp_path / "a")
     w = mx.load(str(tmp_path / "a" / ADAPTER_WEIGHTS))
