@@ -206,9 +206,10 @@ def training_template(adapter_dir: str) -> str | None:
 
 
 def adapter_label(adapter_dir: str) -> str:
-    """How ``general.name`` names the adapter: its folder, with the run folder for ``adapters`` / ``step-N``."""
+    """How ``general.name`` names the adapter: its folder, with the run folder for the run's own
+    ``adapters`` / ``adapters-last`` (``train.keep_best``) / ``step-N``."""
     folder = Path(adapter_dir).resolve()
-    if folder.name == "adapters" or folder.name.startswith("step-"):
+    if folder.name in ("adapters", "adapters-last") or folder.name.startswith("step-"):
         run = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
         return f"{run.name}/{folder.name}"
     return folder.name
