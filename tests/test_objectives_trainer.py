@@ -228,3 +228,12 @@ def test_reference_cache_key_tells_a_quantized_model_s_float_types_apart(tmp_pat
         refs[dtype] = [p.extra["ref_chosen"] for p in out.train]
     assert len(list((tmp_path / "cache").glob("reference-*-train.npy"))) == 2
     assert refs[mx.bfloat16] != refs[mx.float16]
+
+
+@pytest.mark.parametrize("loss_type, step_1", [("sigmoid", math.log(2.0)), ("ipo", 1 / (4 * 0.1 ** 2)), ("hinge", 1.0)])
+def test_dpo_step_1_loss_is_the_documented_value_of_each_loss_type(tmp_path, loss_type, step_1):
+    """At step 1 the policy is the reference (h = 0): README and docs/objectives.md give ln 2 for sigmoid,
+    1/(4 beta^2) for ipo and 1 for hinge (they said ln 2 for every loss type)."""
+    result = run(tmp_path, "dpo", f"objective.loss_type={loss_type}", "train.steps=1")
+    assert result.history[0]["loss"] == pytest.approx(step_1, rel=1e-6)
+    assert result.history[0]["rewards/margins"] == 0.0
