@@ -367,9 +367,18 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     if (section, name) == ("data", "fields") and value is not None and not isinstance(value, dict):
         raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system to column names, got "
                           f"{value!r}; e.g. --data.fields '{{prompt: question, chosen: response_j, rejected: response_k}}'")
-    value = _coerce(value, typing.get_type_hints(type(sub))[name], f"{source}: key '{shown}'")
-    _check_allowed(value, fields[name].metadata, f"{source}: key '{shown}'")
-    setattr(sub, name, value)
+    setattr(sub, name, checked(type(sub), name, value, f"{source}: key '{shown}'"))
+
+
+def checked(cls, name: str, value: Any, where: str) -> Any:
+    """``value`` as the field ``name`` of the section class ``cls`` takes it: its type and allowed values.
+
+    Raises:
+        ConfigError: starting with ``where``.
+    """
+    value = _coerce(value, typing.get_type_hints(cls)[name], where)
+    _check_allowed(value, {f.name: f for f in dataclasses.fields(cls)}[name].metadata, where)
+    return value
 
 
 # Which objective.kind reads each objective key (and the orpo section); a key set for another kind is an error.

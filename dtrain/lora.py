@@ -20,9 +20,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from .config import LoraConfig
+from .config import LoraConfig, checked
 from .errors import ConfigError
-from .files import atomic_folder
+from .files import atomic_folder, storage
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -75,12 +75,16 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     Returns:
         The number of trainable parameters.
     Raises:
-        ConfigError: no module matched ``lora.keys``.
+        ConfigError: no module matched ``lora.keys``, or one that is not a linear layer.
     """
     n_layers = len(model.layers)
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)
     model.freeze()
-    linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
+    try:
+        linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
+    except ValueError as err:  # mlx-lm's "Can't convert layer of type RMSNorm to LoRA"
+        raise ConfigError(f"lora.keys {cfg.keys!r}: {err}; name linear layers, e.g. [self_attn.q_proj, "
+                          "mlp.down_proj]") from None
     if cfg.branch_dtype in ("auto", "bfloat16"):
         for _, module in model.named_modules():
             if type(module) is LoRALinear:
@@ -231,15 +235,21 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
     try:
         meta = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
         params = meta["lora_parameters"]
-        rank, scale = int(params["rank"]), float(params["scale"])
+        shape = {"rank": params["rank"], "scale": params["scale"], "keys": params.get("keys"),
+                 "num_layers": meta.get("num_layers", cfg.num_layers)}
     except FileNotFoundError:
         raise ConfigError(f"{where}: no {ADAPTER_CONFIG}") from None
+    except OSError as err:  # a folder of that name, no permission, an I/O error
+        raise ConfigError(f"{where}: cannot read {ADAPTER_CONFIG} ({err.strerror or err})") from None
     except (ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"{where}: {ADAPTER_CONFIG} has no readable lora_parameters rank and scale ({err!r})") from None
     if meta.get("fine_tune_type", "lora") != "lora":
         raise ConfigError(f"{where}: fine_tune_type {meta['fine_tune_type']!r}; only lora adapters can be trained on")
-    return dataclasses.replace(cfg, rank=rank, scale=scale, rslora=False, keys=params.get("keys"),
-                               num_layers=int(meta.get("num_layers", cfg.num_layers)))
+    # the bounds of the lora keys they replace: a scale of 0 would train nothing, a rank of 0 build no LoRA
+    shape = {k: checked(LoraConfig, k, v, f"{where}: {ADAPTER_CONFIG} "
+                                          f"{'' if k == 'num_layers' else 'lora_parameters.'}{k}")
+             for k, v in shape.items()}
+    return dataclasses.replace(cfg, rslora=False, **shape)
 
 
 def replaced_by_adapter(cfg: LoraConfig, adapted: LoraConfig) -> list:
@@ -257,9 +267,11 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
 
     Raises:
         ConfigError: the file's names or shapes differ from the model's LoRA parameters (named).
+        StorageError: the file cannot be read (damaged, truncated, unreadable).
     """
     path = Path(folder) / ADAPTER_WEIGHTS
-    weights = mx.load(str(path))
+    with storage(f"read train.init_adapter {path}"):  # a damaged file is MLX's RuntimeError
+        weights = mx.load(str(path))
     mine = dict(tree_flatten(model.trainable_parameters()))
     missing, extra = sorted(set(mine) - set(weights)), sorted(set(weights) - set(mine))
     if missing or extra:

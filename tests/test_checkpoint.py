@@ -336,6 +336,11 @@ def test_resume_path_must_be_a_valid_checkpoint(tmp_path):
     (tmp_path / "step-0000001").mkdir()
     with pytest.raises(UserError, match="no manifest.json"):
         ckpt.load_checkpoint(tmp_path / "step-0000001")
+    (tmp_path / "step-0000001" / "adapters.safetensors").write_bytes(b"")
+    with pytest.raises(UserError) as err:  # it said the file "does not exist"
+        ckpt.load_checkpoint(tmp_path / "step-0000001" / "adapters.safetensors")
+    assert str(err.value) == (f"resume: {tmp_path}/step-0000001/adapters.safetensors is a file; name a checkpoint "
+                              "folder (OUTPUT_DIR/checkpoints/step-N) or auto")
 
 
 def test_output_folder_checks(tmp_path):

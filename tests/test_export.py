@@ -341,3 +341,27 @@ def test_demo_export_round_trip_greedy_tokens(demo_path, tmp_path, capsys):
     greedy = make_sampler(temp=0.0)
     want = generate(lora_model, base.tokenizer, prompt, max_tokens=8, sampler=greedy)
     assert generate(back.model, back.tokenizer, prompt, max_tokens=8, sampler=greedy) == want
+
+
+def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_it(tmp_path, llama, capsys):
+    """mlx-lm's load_adapters loads non-strictly: a lora_a the file lacks kept its random initialisation
+    and was fused into the export as if trained; a config without lora_parameters raised AttributeError."""
+    base, adapter, _ = llama
+    partial = tmp_path / "partial"
+    shutil.copytree(adapter, partial)
+    weights = mx.load(str(partial / "adapters.safetensors"))
+    del weights["model.layers.2.mlp.up_proj.lora_a"]
+    mx.save_safetensors(str(partial / "adapters.safetensors"), weights)
+    assert main(["export", str(partial), "--base", str(base), "--out", str(tmp_path / "o1"), "--gguf", "f32"]) == 2
+    assert capsys.readouterr().err == (
+        f"dtrain: error: {partial / 'adapters.safetensors'} lacks 1 of the 56 LoRA tensors its adapter_config.json "
+        f"sets up on {base} (model.layers.2.mlp.up_proj.lora_a); the adapter is incomplete or its config is not "
+        "the one it was trained with\n")
+    shapeless = tmp_path / "shapeless"
+    shutil.copytree(adapter, shapeless)
+    (shapeless / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 4}))
+    assert main(["export", str(shapeless), "--base", str(base), "--out", str(tmp_path / "o2")]) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: {shapeless / 'adapter_config.json'}: no 'lora_parameters' "
+                                       "(an mlx-lm LoRA adapter config has fine_tune_type, num_layers and "
+                                       "lora_parameters)\n")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()

@@ -72,6 +72,16 @@ def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(t
     assert "tokenizer.ggml.eot_token_id" not in fields  # llama.cpp ends at <|im_end|> by its text already
 
 
+def test_general_name_names_the_run_of_each_adapter_folder_a_run_writes(tmp_path):
+    """adapters-last/ (train.keep_best's last step) was named without its run, unlike adapters/."""
+    from dtrain.models.export import adapter_label
+
+    run = tmp_path / "demo"
+    assert [adapter_label(str(run / f)) for f in ("adapters", "adapters-last", "checkpoints/step-0000012")] == [
+        "demo/adapters", "demo/adapters-last", "demo/step-0000012"]
+    assert adapter_label(str(tmp_path / "mine")) == "mine"
+
+
 def test_chatml_modelfile_is_the_expected_go_template(tmp_path, tiny):
     base, adapter = tiny
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f32")

@@ -15,6 +15,7 @@ from mlx_lm.tuner.lora import LoRALinear
 from conftest import add_random_lora, make_pairs, make_tiny_model
 from dtrain.config import LoraConfig, load_config
 from dtrain.errors import ConfigError
+from dtrain.files import StorageError
 from dtrain.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_lora, lora_from_adapter, save_adapter
 from dtrain.run.optimizer import AdamWStep
 from dtrain.run.trainer import Hooks, train
@@ -141,6 +142,47 @@ def test_init_adapter_config_errors_name_the_folder(tmp_path):
     (tmp_path / "a" / ADAPTER_CONFIG).write_text("{}")
     with pytest.raises(ConfigError, match=r"adapter_config.json has no readable lora_parameters"):
         lora_from_adapter(LoraConfig(), tmp_path / "a")
+    (tmp_path / "a" / ADAPTER_CONFIG).unlink()
+    (tmp_path / "a" / ADAPTER_CONFIG).mkdir()  # an OSError other than a missing file was a traceback
+    with pytest.raises(ConfigError) as err:
+        lora_from_adapter(LoraConfig(), tmp_path / "a")
+    assert str(err.value) == f"train.init_adapter {tmp_path / 'a'}: cannot read {ADAPTER_CONFIG} (Is a directory)"
+
+
+@pytest.mark.parametrize("meta, error", [
+    ({"num_layers": 2, "lora_parameters": {"rank": 4, "scale": 0.0}}, "lora_parameters.scale must be > 0; got 0.0"),
+    ({"num_layers": 2, "lora_parameters": {"rank": 0, "scale": 2.0}}, "lora_parameters.rank must be > 0; got 0"),
+    ({"num_layers": "all", "lora_parameters": {"rank": 4, "scale": 2.0}}, "num_layers: expected int, got 'all'"),
+    ({"num_layers": 2, "lora_parameters": {"rank": 4, "scale": 2.0, "keys": "self_attn.q_proj"}},
+     "lora_parameters.keys: expected list, got 'self_attn.q_proj'"),
+])
+def test_init_adapter_values_outside_the_lora_keys_bounds_are_refused_naming_them(tmp_path, meta, error):
+    """The adapter's values replace lora.rank, scale, num_layers and keys, so they meet the same bounds:
+    before, a scale of 0 trained nothing (every LoRA gradient is 0) and num_layers "all" raised ValueError."""
+    write_adapter(tmp_path / "a")
+    (tmp_path / "a" / ADAPTER_CONFIG).write_text(json.dumps({"fine_tune_type": "lora", **meta}))
+    with pytest.raises(ConfigError) as err:
+        lora_from_adapter(LoraConfig(), tmp_path / "a")
+    assert str(err.value) == f"train.init_adapter {tmp_path / 'a'}: {ADAPTER_CONFIG} {error}"
+
+
+def test_a_damaged_init_adapter_weights_file_is_one_line_naming_it(tmp_path, capsys):
+    """A truncated adapters.safetensors raised MLX's RuntimeError (a traceback from `dtrain train`)."""
+    write_adapter(tmp_path / "a")
+    weights = tmp_path / "a" / ADAPTER_WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(StorageError) as err:
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
+    assert str(err.value).startswith(f"could not read train.init_adapter {weights}: [load_safetensors] ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_keys_naming_a_module_that_is_not_linear_is_one_line():
+    """mlx-lm's ValueError ("Can't convert layer of type RMSNorm to LoRA") was a traceback from `dtrain train`."""
+    with pytest.raises(ConfigError) as err:
+        apply_lora(make_tiny_model(seed=0), LoraConfig(keys=["self_attn.q_proj", "input_layernorm"]))
+    assert str(err.value) == ("lora.keys ['self_attn.q_proj', 'input_layernorm']: Can't convert layer of type RMSNorm "
+                              "to LoRA; name linear layers, e.g. [self_attn.q_proj, mlp.down_proj]")
 
 
 def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):

@@ -204,3 +204,36 @@ def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
     first, last = result.evals[0]["eval/nll_loss"], result.evals[4]["eval/nll_loss"]
     assert "eval/rewards/accuracies" not in result.evals[4]
     assert result.summary() == f"eval NLL of the completions: step 0 {first:.3f} -> step 4 {last:.3f}"
+
+
+def test_reference_cache_key_tells_a_quantized_model_s_float_types_apart(tmp_path):
+    """A quantized model's first parameter is its packed uint32 weights: the key named the dtype 'uint32' in
+    bfloat16 and float16 alike, so a float16 run read a bfloat16 run's reference log-probs from the cache."""
+    import mlx.nn as nn
+
+    from dtrain.distributed import Group
+    from dtrain.run.reference import reference_pass
+
+    cfg = config(tmp_path / "out", "dpo")
+    data = SimpleNamespace(train=make_pairs(3, seed=1), valid=make_pairs(2, seed=2))
+    refs = {}
+    for dtype in (mx.bfloat16, mx.float16):
+        model = make_tiny_model(seed=0, hidden_size=64, intermediate_size=128)
+        nn.quantize(model, group_size=32, bits=4)
+        model.set_dtype(dtype)
+        said = []
+        out = reference_pass(cfg, model, data, "tiny", Group(), ReferenceEngine(model, ReferenceLogps()),
+                             tmp_path / "cache", said.append)
+        assert said[0].endswith("computed"), (dtype, said)
+        refs[dtype] = [p.extra["ref_chosen"] for p in out.train]
+    assert len(list((tmp_path / "cache").glob("reference-*-train.npy"))) == 2
+    assert refs[mx.bfloat16] != refs[mx.float16]
+
+
+@pytest.mark.parametrize("loss_type, step_1", [("sigmoid", math.log(2.0)), ("ipo", 1 / (4 * 0.1 ** 2)), ("hinge", 1.0)])
+def test_dpo_step_1_loss_is_the_documented_value_of_each_loss_type(tmp_path, loss_type, step_1):
+    """At step 1 the policy is the reference (h = 0): README and docs/objectives.md give ln 2 for sigmoid,
+    1/(4 beta^2) for ipo and 1 for hinge (they said ln 2 for every loss type)."""
+    result = run(tmp_path, "dpo", f"objective.loss_type={loss_type}", "train.steps=1")
+    assert result.history[0]["loss"] == pytest.approx(step_1, rel=1e-6)
+    assert result.history[0]["rewards/margins"] == 0.0

@@ -152,12 +152,25 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     try:
         with storage(f"read the adapter {adapter_dir}"):
             load_adapters(loaded.model, str(folder))
+    except AttributeError as err:  # load_adapters reads num_layers and lora_parameters as attributes
+        raise ModelError(f"{folder / 'adapter_config.json'}: no '{err.name}' (an mlx-lm LoRA adapter config has "
+                         "fine_tune_type, num_layers and lora_parameters)") from None
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
         detail = " ".join(str(err).split())[:400]
         raise ModelError(f"{adapter_dir}: this adapter does not fit the base model {base}: {detail}") from None
     if not allow_base_mismatch:
         check_base(adapter_dir, base, loaded)
     lora = [(name, module) for name, module in loaded.model.named_modules() if hasattr(module, "fuse")]
+    # load_adapters loads non-strictly: a LoRA tensor the file lacks would keep its random
+    # initialisation (lora_a) or zero (lora_b) and be fused as if it were trained
+    expected = {k for k, _ in tree_flatten(loaded.model.parameters())
+                if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b", "m")}  # mlx-lm's adapter leaves (DoRA: m)
+    missing = sorted(expected - set(mx.load(str(folder / "adapters.safetensors"))))
+    if missing:
+        raise ModelError(f"{folder / 'adapters.safetensors'} lacks {len(missing)} of the {len(expected)} LoRA tensors "
+                         f"its adapter_config.json sets up on {base} ({', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''}); the adapter is incomplete or its config is not "
+                         "the one it was trained with")
     updates = {f"{name}.weight": (float(m.scale), np.array(m.lora_a), np.array(m.lora_b)) for name, m in lora}
     loaded.model.update_modules(tree_unflatten([(name, module.fuse()) for name, module in lora]))
     mx.eval(loaded.model.parameters())
@@ -193,9 +206,10 @@ def training_template(adapter_dir: str) -> str | None:
 
 
 def adapter_label(adapter_dir: str) -> str:
-    """How ``general.name`` names the adapter: its folder, with the run folder for ``adapters`` / ``step-N``."""
+    """How ``general.name`` names the adapter: its folder, with the run folder for the run's own
+    ``adapters`` / ``adapters-last`` (``train.keep_best``) / ``step-N``."""
     folder = Path(adapter_dir).resolve()
-    if folder.name == "adapters" or folder.name.startswith("step-"):
+    if folder.name in ("adapters", "adapters-last") or folder.name.startswith("step-"):
         run = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
         return f"{run.name}/{folder.name}"
     return folder.name

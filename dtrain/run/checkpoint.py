@@ -245,6 +245,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
             ``state.json`` lacks fields.
     """
     path = Path(path)
+    if path.exists() and not path.is_dir():  # e.g. its adapters.safetensors named instead of the folder
+        raise UserError(f"resume: {path} is a file; name a checkpoint folder (OUTPUT_DIR/checkpoints/step-N) or auto")
     if not path.is_dir():
         raise UserError(f"resume: checkpoint folder {path} does not exist")
     problem = validate(path)

@@ -141,7 +141,7 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
     training one, with :class:`ReferenceLogps`); read from ``cache_dir`` when cached.
     ``notice`` (rank 0's, or None) is told whether they were computed or read."""
     train, valid = list(dataset.train), list(dataset.valid)
-    dtype = str(tree_flatten(model.parameters())[0][1].dtype)  # the compute dtype decides the values too
+    dtype = compute_dtype(model)  # decides the values too
     key = cache_key(f"{model_identity}|{dtype}", init_adapter_identity(cfg), train + valid)
     model.eval()
     try:  # valid cut from its own start, as evaluation cuts it: step 0's held-out rewards are exactly 0
@@ -155,6 +155,13 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
     dataset = copy.copy(dataset)  # the caller's dataset stays as it was
     dataset.train, dataset.valid = train, valid
     return dataset
+
+
+def compute_dtype(model) -> str:
+    """The float type of ``model``'s parameters: a quantized model's first parameter is its packed
+    uint32 weights, the same whether its scales (and activations) are bfloat16 or float16."""
+    return str(next((v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)),
+                    None))
 
 
 def init_adapter_identity(cfg):
