@@ -192,11 +192,11 @@ class Attempt:
     def _kill_leftovers(self) -> None:
         """Kill this machine's trainers whose wrapper died without reporting (e.g. killed by mpirun)."""
         here = socket.gethostname()
+        # one already exiting (its command line reads empty) still holds its files: it is waited for below
         pids = {s.rank: s.pid for s in self.started.values()
-                if s.host == here and s.rank not in self.reports and _is_trainer(s.pid)}
+                if s.host == here and s.rank not in self.reports and (_is_trainer(s.pid) or _dying(s.pid))}
         end = time.monotonic() + (LEFTOVER_GRACE_S if self.stopped_by is not None and self.aborted_at is None else 0)
-        while pids and time.monotonic() < end:
-            pids = {r: p for r, p in pids.items() if _is_trainer(p)}
+        while any(_is_trainer(p) for p in pids.values()) and time.monotonic() < end:
             time.sleep(0.2)
         for rank, pid in sorted(pids.items()):
             if _is_trainer(pid):
@@ -298,6 +298,19 @@ def _is_trainer(pid: int) -> bool:
     except OSError:
         return True
     return b"dtrain" in cmdline
+
+
+PF_EXITING = 0x4  # /proc/PID/stat's flags (field 9): the process has begun to exit
+
+
+def _dying(pid: int) -> bool:
+    """Process ``pid`` has begun to exit and is not yet a zombie (Linux /proc; elsewhere False): its
+    command line may already read empty while it still holds its files. Read after the command line."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return fields[0] not in ("Z", "X") and bool(int(fields[6]) & PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def _exiting(pid: int) -> bool:
