@@ -309,3 +309,25 @@ def rank_processes(marker: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
+    """Ctrl-C while the launcher was starting its ranks (before it held their processes) set the stop
+    but told no rank: the job ran on to its end. Here the stop comes just before the one rank starts."""
+    import subprocess
+
+    from dtrain.launch import supervise
+    from dtrain.launch.plan import Plan
+
+    plan = Plan("ring", 1, [], ["sleep", "20"], {}, [], [], 0, 0, direct=[{}])
+    attempt = supervise.Attempt(plan, 5.0)
+    real_popen = subprocess.Popen
+
+    def popen_after_a_stop(*args, **kwargs):
+        if attempt.stopped_by is None:
+            attempt.stop(signal.SIGINT)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen_after_a_stop)
+    attempt.run()
+    assert [p.returncode for p in attempt.procs] == [-signal.SIGUSR2]  # told to stop, not left to sleep 20 s

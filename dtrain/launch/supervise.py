@@ -119,6 +119,11 @@ class Attempt:
             self.procs = [subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, start_new_session=True,
                                            preexec_fn=_ignore_signals if shield else None)]
+        # a stop or abort that came while the ranks were being started found no process to tell
+        if self.aborted_at is not None:
+            self._send(signal.SIGUSR1)
+        elif self.stopped_by is not None:
+            self._send(signal.SIGUSR2)
         # stdout comes through the launcher too: mpirun, handed a closed stdout (``| head`` ended),
         # can die of SIGPIPE while it shuts down after every rank saved; write() drops such output.
         relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(),), daemon=True) for p in self.procs]
