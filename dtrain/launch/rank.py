@@ -182,7 +182,7 @@ def run(cmd: list) -> int:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     started.append(proc)
     write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
-    if watch.stop is not None:  # a signal came while starting
+    if watch.stop is not None or watch.abort_at is not None:  # a signal came while starting
         _send(proc, signal.SIGINT)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     partial, fd, out_fd, checked, looked = b"", proc.stderr.fileno(), proc.stdout.fileno(), 0.0, 0.0
