@@ -313,13 +313,16 @@ def rank_processes(marker: str) -> list[int]:
 
 def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
     """Ctrl-C while the launcher was starting its ranks (before it held their processes) set the stop
-    but told no rank: the job ran on to its end. Here the stop comes just before the one rank starts."""
+    but told no rank: the job ran on to its end. Here the stop comes just before the one rank starts;
+    the launcher passes it on at once, while the wrapper's Python is still starting: it waits (blocked)
+    until the wrapper's handlers are in place, where it killed the wrapper before."""
     import subprocess
 
     from dtrain.launch import supervise
     from dtrain.launch.plan import Plan
 
-    plan = Plan("ring", 1, [], ["sleep", "20"], {}, [], [], 0, 0, direct=[{}])
+    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", "sleep", "20"]
+    plan = Plan("ring", 1, [], wrapper, {}, [], [], 0, 0, direct=[{}])
     attempt = supervise.Attempt(plan, 5.0)
     real_popen = subprocess.Popen
 
@@ -330,4 +333,6 @@ def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
 
     monkeypatch.setattr(supervise.subprocess, "Popen", popen_after_a_stop)
     attempt.run()
-    assert [p.returncode for p in attempt.procs] == [-signal.SIGUSR2]  # told to stop, not left to sleep 20 s
+    # the wrapper asked its child to stop (SIGINT), rather than sleeping out 20 s or dying of SIGUSR2
+    assert [p.returncode for p in attempt.procs] == [128 + signal.SIGINT]
+    assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]

@@ -36,7 +36,7 @@ from typing import Optional
 from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
                         LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from .plan import Plan
-from .rank import MARK, Report, parse_report, say, write
+from .rank import MARK, WRAPPER_SIGNALS, Report, parse_report, say, write
 
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
 
@@ -109,9 +109,15 @@ class Attempt:
         env = {**os.environ, **self.plan.explicit, STOP_TIMEOUT_VAR: str(self.stop_timeout),
                LAUNCHER_VAR: f"{socket.gethostname()}:{os.getpid()}", JOB_VAR: self.job}
         if self.plan.direct:
-            self.procs = [subprocess.Popen(self.plan.command, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-                          for rank_env in self.plan.direct]
+            # each wrapper starts with the stop signals blocked (a mask survives exec) and unblocks them once
+            # its handlers are in place: one sent while its Python starts waits instead of killing it
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WRAPPER_SIGNALS)
+            try:
+                self.procs = [subprocess.Popen(self.plan.command, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                              for rank_env in self.plan.direct]
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         else:
             # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
             # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
