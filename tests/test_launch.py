@@ -309,3 +309,30 @@ def rank_processes(marker: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
+    """Ctrl-C while the launcher was starting its ranks (before it held their processes) set the stop
+    but told no rank: the job ran on to its end. Here the stop comes just before the one rank starts;
+    the launcher passes it on at once, while the wrapper's Python is still starting: it waits (blocked)
+    until the wrapper's handlers are in place, where it killed the wrapper before."""
+    import subprocess
+
+    from dtrain.launch import supervise
+    from dtrain.launch.plan import Plan
+
+    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", "sleep", "20"]
+    plan = Plan("ring", 1, [], wrapper, {}, [], [], 0, 0, direct=[{}])
+    attempt = supervise.Attempt(plan, 5.0)
+    real_popen = subprocess.Popen
+
+    def popen_after_a_stop(*args, **kwargs):
+        if attempt.stopped_by is None:
+            attempt.stop(signal.SIGINT)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen_after_a_stop)
+    attempt.run()
+    # the wrapper asked its child to stop (SIGINT), rather than sleeping out 20 s or dying of SIGUSR2
+    assert [p.returncode for p in attempt.procs] == [128 + signal.SIGINT]
+    assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]

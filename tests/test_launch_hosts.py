@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -292,3 +293,22 @@ def test_the_rank_wrapper_runs_its_trainer_in_a_session_of_its_own(tmp_path):
     assert code == 0, err
     session, pid = map(int, out.split())
     assert session == pid and session != os.getsid(0)  # the wrapper stayed in this test's session
+
+
+def test_the_rank_wrapper_passes_on_an_abort_that_came_while_it_started_its_child(tmp_path):
+    """The launcher's abort (SIGUSR1) arrives while the wrapper starts its trainer, before it holds the
+    process: it was passed on to no one, and the trainer was killed (SIGKILL) after the abort's grace
+    instead of being asked to end (SIGINT). Here the abort comes just before the child is started."""
+    script = ("import os, signal, subprocess, sys\n"
+              "from dtrain.launch import rank\n"
+              "real = subprocess.Popen\n"
+              "def popen(*args, **kwargs):\n"
+              "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "    return real(*args, **kwargs)\n"
+              "rank.subprocess.Popen = popen\n"
+              "sys.exit(rank.run(['sleep', '20']))\n")
+    wrapper = spawn([sys.executable, "-c", script], tmp_path, "rank")
+    code, _, err = finish(wrapper)
+    reports = [r for r in map(parse_report, err.split("\n")) if r is not None and r.event == "exit"]
+    assert [(r.code, r.killed, r.aborted) for r in reports] == [(-signal.SIGINT, None, True)], err
+    assert code == 128 + signal.SIGINT

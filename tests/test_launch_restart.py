@@ -195,3 +195,37 @@ def test_a_killed_leftover_trainer_has_closed_its_files_when_the_launcher_goes_o
         child.kill()
         child.wait()
     assert child.returncode == -signal.SIGKILL
+
+
+def test_a_leftover_trainer_already_exiting_is_waited_for_too(tmp_path):
+    """The trainer was already exiting when the launcher looked (killed by someone else: its command line
+    reads empty while it frees its memory, before it closes its files): the launcher did not count it as a
+    trainer, so it neither killed it nor waited, and a restart met the output folder's lock still held."""
+    import fcntl
+    import socket
+    import subprocess
+    import time
+
+    from dtrain.launch.rank import Report
+    from dtrain.launch.supervise import Attempt
+
+    lock = tmp_path / ".dtrain.lock"
+    child = subprocess.Popen([sys.executable, "-c", LEFTOVER, str(lock), "dtrain"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        os.kill(child.pid, signal.SIGKILL)
+        end = time.monotonic() + STOP_S
+        while Path(f"/proc/{child.pid}/cmdline").read_bytes() and time.monotonic() < end:
+            pass  # no sleep: the moment it reads empty, it is still freeing its 1 GB
+        attempt = Attempt(plan=None, stop_timeout=5.0)
+        attempt.started = {0: Report("start", 0, pid=child.pid, host=socket.gethostname())}
+        attempt._kill_leftovers()
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the exiting trainer still holds it
+        finally:
+            os.close(fd)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL

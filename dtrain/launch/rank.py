@@ -55,6 +55,7 @@ TAIL_LINES = 15
 DEFAULT_STOP_TIMEOUT = 60.0
 CPU_STEP = 0.02  # CPU seconds per sample that count as progress (an idle Python process uses ~0)
 GENTLE = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR2)
+WRAPPER_SIGNALS = (*GENTLE, signal.SIGUSR1)  # what the wrapper handles
 
 
 @dataclass
@@ -177,12 +178,14 @@ def run(cmd: list) -> int:
 
     # Handlers first: the launcher may start us with these signals ignored, and
     # an ignored signal stays ignored across exec; a handled one resets to default.
-    for sig in (*GENTLE, signal.SIGUSR1):
+    for sig in WRAPPER_SIGNALS:
         signal.signal(sig, on_signal)
+    # the launcher starts its local wrappers with these blocked: one that came meanwhile is handled now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WRAPPER_SIGNALS)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     started.append(proc)
     write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
-    if watch.stop is not None:  # a signal came while starting
+    if watch.stop is not None or watch.abort_at is not None:  # a signal came while starting
         _send(proc, signal.SIGINT)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     partial, fd, out_fd, checked, looked = b"", proc.stderr.fileno(), proc.stdout.fileno(), 0.0, 0.0

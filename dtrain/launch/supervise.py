@@ -36,7 +36,7 @@ from typing import Optional
 from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
                         LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from .plan import Plan
-from .rank import MARK, Report, parse_report, say, write
+from .rank import MARK, WRAPPER_SIGNALS, Report, parse_report, say, write
 
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
 
@@ -109,9 +109,15 @@ class Attempt:
         env = {**os.environ, **self.plan.explicit, STOP_TIMEOUT_VAR: str(self.stop_timeout),
                LAUNCHER_VAR: f"{socket.gethostname()}:{os.getpid()}", JOB_VAR: self.job}
         if self.plan.direct:
-            self.procs = [subprocess.Popen(self.plan.command, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-                          for rank_env in self.plan.direct]
+            # each wrapper starts with the stop signals blocked (a mask survives exec) and unblocks them once
+            # its handlers are in place: one sent while its Python starts waits instead of killing it
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WRAPPER_SIGNALS)
+            try:
+                self.procs = [subprocess.Popen(self.plan.command, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                              for rank_env in self.plan.direct]
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         else:
             # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
             # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
@@ -119,6 +125,11 @@ class Attempt:
             self.procs = [subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, start_new_session=True,
                                            preexec_fn=_ignore_signals if shield else None)]
+        # a stop or abort that came while the ranks were being started found no process to tell
+        if self.aborted_at is not None:
+            self._send(signal.SIGUSR1)
+        elif self.stopped_by is not None:
+            self._send(signal.SIGUSR2)
         # stdout comes through the launcher too: mpirun, handed a closed stdout (``| head`` ended),
         # can die of SIGPIPE while it shuts down after every rank saved; write() drops such output.
         relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(),), daemon=True) for p in self.procs]
@@ -192,11 +203,11 @@ class Attempt:
     def _kill_leftovers(self) -> None:
         """Kill this machine's trainers whose wrapper died without reporting (e.g. killed by mpirun)."""
         here = socket.gethostname()
+        # one already exiting (its command line reads empty) still holds its files: it is waited for below
         pids = {s.rank: s.pid for s in self.started.values()
-                if s.host == here and s.rank not in self.reports and _is_trainer(s.pid)}
+                if s.host == here and s.rank not in self.reports and (_is_trainer(s.pid) or _dying(s.pid))}
         end = time.monotonic() + (LEFTOVER_GRACE_S if self.stopped_by is not None and self.aborted_at is None else 0)
-        while pids and time.monotonic() < end:
-            pids = {r: p for r, p in pids.items() if _is_trainer(p)}
+        while any(_is_trainer(p) for p in pids.values()) and time.monotonic() < end:
             time.sleep(0.2)
         for rank, pid in sorted(pids.items()):
             if _is_trainer(pid):
@@ -298,6 +309,19 @@ def _is_trainer(pid: int) -> bool:
     except OSError:
         return True
     return b"dtrain" in cmdline
+
+
+PF_EXITING = 0x4  # /proc/PID/stat's flags (field 9): the process has begun to exit
+
+
+def _dying(pid: int) -> bool:
+    """Process ``pid`` has begun to exit and is not yet a zombie (Linux /proc; elsewhere False): its
+    command line may already read empty while it still holds its files. Read after the command line."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return fields[0] not in ("Z", "X") and bool(int(fields[6]) & PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def _exiting(pid: int) -> bool:
