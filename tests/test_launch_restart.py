@@ -168,10 +168,10 @@ LEFTOVER = ("import fcntl, os, sys, time\n"
             "time.sleep(120)\n")
 
 
-def test_a_killed_leftover_trainer_has_closed_its_files_when_the_launcher_goes_on(tmp_path):
-    """A trainer whose wrapper died without a report is killed, and the launcher waits until it is
-    gone: a restart or the next run must not meet the output folder's lock still held. A killed
-    process lets go of its memory (1 GB here, which takes a while) before it closes its files."""
+def lock_after_the_launcher_met_a_leftover(tmp_path: Path, first=lambda pid: None) -> None:
+    """Start a leftover trainer (``LEFTOVER``: its wrapper never reported) holding ``tmp_path``'s lock,
+    run ``first(pid)``, let the launcher deal with it (``Attempt._kill_leftovers``), then take the lock
+    at once: BlockingIOError if the trainer still holds it."""
     import fcntl
     import socket
     import subprocess
@@ -183,49 +183,38 @@ def test_a_killed_leftover_trainer_has_closed_its_files_when_the_launcher_goes_o
     child = subprocess.Popen([sys.executable, "-c", LEFTOVER, str(lock), "dtrain"], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline() == b"ready\n"
+        first(child.pid)
         attempt = Attempt(plan=None, stop_timeout=5.0)
         attempt.started = {0: Report("start", 0, pid=child.pid, host=socket.gethostname())}
         attempt._kill_leftovers()
         fd = os.open(lock, os.O_RDWR)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the killed trainer still holds it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
     finally:
         child.kill()
         child.wait()
     assert child.returncode == -signal.SIGKILL
+
+
+def test_a_killed_leftover_trainer_has_closed_its_files_when_the_launcher_goes_on(tmp_path):
+    """A trainer whose wrapper died without a report is killed, and the launcher waits until it is
+    gone: a restart or the next run must not meet the output folder's lock still held. A killed
+    process lets go of its memory (1 GB here, which takes a while) before it closes its files."""
+    lock_after_the_launcher_met_a_leftover(tmp_path)
 
 
 def test_a_leftover_trainer_already_exiting_is_waited_for_too(tmp_path):
     """The trainer was already exiting when the launcher looked (killed by someone else: its command line
     reads empty while it frees its memory, before it closes its files): the launcher did not count it as a
     trainer, so it neither killed it nor waited, and a restart met the output folder's lock still held."""
-    import fcntl
-    import socket
-    import subprocess
     import time
 
-    from dtrain.launch.rank import Report
-    from dtrain.launch.supervise import Attempt
-
-    lock = tmp_path / ".dtrain.lock"
-    child = subprocess.Popen([sys.executable, "-c", LEFTOVER, str(lock), "dtrain"], stdout=subprocess.PIPE)
-    try:
-        assert child.stdout.readline() == b"ready\n"
-        os.kill(child.pid, signal.SIGKILL)
+    def killed_and_freeing(pid):
+        os.kill(pid, signal.SIGKILL)
         end = time.monotonic() + STOP_S
-        while Path(f"/proc/{child.pid}/cmdline").read_bytes() and time.monotonic() < end:
+        while Path(f"/proc/{pid}/cmdline").read_bytes() and time.monotonic() < end:
             pass  # no sleep: the moment it reads empty, it is still freeing its 1 GB
-        attempt = Attempt(plan=None, stop_timeout=5.0)
-        attempt.started = {0: Report("start", 0, pid=child.pid, host=socket.gethostname())}
-        attempt._kill_leftovers()
-        fd = os.open(lock, os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: the exiting trainer still holds it
-        finally:
-            os.close(fd)
-    finally:
-        child.kill()
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
+
+    lock_after_the_launcher_met_a_leftover(tmp_path, killed_and_freeing)
