@@ -156,6 +156,42 @@ def test_lora_dropout_runs_are_bitwise_repeatable(tmp_path):
     assert a.history[-1]["loss"] != c.history[-1]["loss"]  # (step 1 is equal: lora_b starts at zero)
 
 
+def test_each_rank_draws_its_own_dropout_masks(monkeypatch):
+    """Every rank took the step's one key, so every rank drew the same dropout masks on its own pairs
+    (their noise did not average out in the all-reduce). Each rank now has a key of its own, a pure
+    function of (seed, step, rank); rank 0's is the step's key as before, so one rank is unchanged."""
+    from dtrain.engine import ORPO
+    from dtrain.lora import DropoutKeys, KeyedDropout
+    from dtrain.run import step as step_module
+
+    class Drawn(Exception):
+        pass
+
+    pairs, keys = make_pairs(2), {}
+
+    def record(engine, chunks, totals, with_grads, key, hyper):  # the key the step hands its micro-batches
+        keys[rank] = key
+        raise Drawn
+
+    monkeypatch.setattr(step_module, "run_micro_batches", record)
+    for rank in (0, 1, 0):
+        step = step_module.Step(engine=SimpleNamespace(objective=ORPO(0.1)), model=None, optimizer=None,
+                                sampler=SimpleNamespace(take=lambda *_: (pairs, [pairs])), pairs=pairs,
+                                train=SimpleNamespace(seed=5, micro_batch_pairs=2),
+                                group=SimpleNamespace(rank=rank, size=2))
+        with pytest.raises(Drawn):
+            step(3)
+    assert mx.array_equal(keys[0], mx.random.key(step_module.step_seed(5, 3))).item()
+
+    def mask(key):
+        stream = DropoutKeys()
+        stream.key = key
+        return np.array(KeyedDropout(0.5, stream)(mx.ones((256,))) != 0)
+
+    assert not np.array_equal(mask(keys[0]), mask(keys[1]))
+    assert np.array_equal(mask(step_module.dropout_key(5, 3, 1)), mask(keys[1]))  # the same again: resumable
+
+
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     """Micro-batches are weighted by their real token and pair counts: the
     summed gradient of 1-pair micro-batches equals the 4-pair batch's."""

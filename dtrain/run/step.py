@@ -33,6 +33,15 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63)
 
 
+def dropout_key(seed: int, step: int, rank: int) -> mx.array:
+    """LoRA dropout's key for ``rank``'s share of step ``step``: a pure function of the three, so a
+    resumed run draws the same masks. Rank 0 takes the step's own key (a one-rank run is as before);
+    each other rank one of its own: with one key on every rank, every rank drew the same masks on its
+    different pairs, so their noise did not average out in the all-reduce."""
+    key = mx.random.key(step_seed(seed, step))
+    return key if rank == 0 else mx.random.split(key, rank + 1)[rank]
+
+
 def padding_fraction(sums: dict) -> float:
     """Share of the tokens computed that are padding: ``1 - input_tokens / computed_tokens``
     over a step's summed layout counts (all micro-batches and ranks); 0 when nothing ran."""
@@ -87,7 +96,7 @@ class Step:
         cache_gb = mx.get_cache_memory() / 1e9
         batch, chunks = self.sampler.take(step, self.pairs, group.rank, group.size, t.micro_batch_pairs)
         totals = batch_totals(batch, objective.nll_scope)
-        key = mx.random.key(step_seed(t.seed, step))  # LoRA dropout's masks: a pure function of the step
+        key = dropout_key(t.seed, step, group.rank)  # LoRA dropout's masks
         sums, grads = run_micro_batches(self.engine, chunks, totals, True, key, self.hyper)
         if grads is None:  # this rank got no pairs this step: contribute zeros
             grads = tree_map(mx.zeros_like, self.model.trainable_parameters())
