@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from dtrain.blas import setup
 from waiting import SESSION_VAR, TEST_VAR, leftovers
@@ -17,6 +18,11 @@ BLAS = setup()  # before any test module imports MLX: the fastest correct BLAS (
 # after tests/ on the path, and the only bench/ modules a test imports (test_bench_surface.py)
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 os.environ[SESSION_VAR] = uuid.uuid4().hex  # inherited by every child: marks processes of this run
+# Under CI the property tests draw the same examples every run (a seed per test, from its name): a new
+# random edge case found there failed a landing by chance; at a desk they explore new examples each run
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
