@@ -36,7 +36,7 @@ from typing import Optional
 from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
                         LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from .plan import Plan
-from .rank import MARK, WRAPPER_SIGNALS, Report, parse_report, say, write
+from .rank import MARK, WRAPPER_SIGNALS, Report, alive, parse_report, say, write
 
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
 
@@ -213,10 +213,11 @@ class Attempt:
             if _is_trainer(pid):
                 _signal(pid, signal.SIGKILL)
                 say(f"launch: killed rank {rank}'s trainer (pid {pid}), left running after its wrapper ended")
-        # SIGKILL lands asynchronously: wait until they are gone, so that a restart or the next run
-        # does not meet a trainer that still holds the output folder's lock
+        # SIGKILL lands asynchronously, and a killed process frees its memory (its command line then
+        # reads empty) before it closes its files: wait until each is a zombie or gone, so that a restart
+        # or the next run does not meet a trainer that still holds the output folder's lock
         end = time.monotonic() + LEFTOVER_GRACE_S
-        while any(_exiting(p) for p in pids.values()) and time.monotonic() < end:
+        while any(alive(p) for p in pids.values()) and time.monotonic() < end:
             time.sleep(0.05)
 
     def _summarize(self) -> Outcome:
@@ -322,23 +323,6 @@ def _dying(pid: int) -> bool:
         return fields[0] not in ("Z", "X") and bool(int(fields[6]) & PF_EXITING)
     except (OSError, IndexError, ValueError):
         return False
-
-
-def _exiting(pid: int) -> bool:
-    """Process ``pid`` exists and is not yet a zombie. A killed process gives up its memory (its
-    /proc cmdline reads empty) before it closes its files, locks included; a zombie has closed them.
-    Without /proc: whether the pid exists."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
 
 
 def find_trainers(marker: str) -> dict:
