@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.launch.hosts import parse_hostfile
 from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
 from dtrain.launch.supervise import summarize
 from fixtures_launch import launch, make_job, write_hostfile
@@ -163,6 +165,36 @@ def test_mpi_plan_tells_mlx_which_libmpi_to_load(tmp_path, monkeypatch, system, 
         assert "DYLD_LIBRARY_PATH" not in plan.explicit
     monkeypatch.setenv("MLX_MPI_LIBNAME", "/opt/mine/libmpi.dylib")  # the user's own choice is kept
     assert "MLX_MPI_LIBNAME" not in build_plan("job.yaml", [], load_config(overrides=["data.demo_pairs=8"]), ranks=2, backend="mpi").explicit
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_ranks_on_other_hosts_get_the_attempts_variables_by_name(tmp_path, monkeypatch, backend):
+    """ssh (mlx.launch) and mpirun's remote daemons pass no environment: the attempt's job id and
+    --stop-timeout reach ranks on other hosts only as mlx.launch --env / mpirun -x."""
+    from dtrain.config import load_config
+    from dtrain.launch import supervise
+    from dtrain.launch.plan import build_plan
+
+    if backend == "mpi" and shutil.which("mpirun") is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    hostfile = parse_hostfile(TWO)
+    plan = build_plan("job.yaml", [], load_config(overrides=["data.demo_pairs=8"]), backend=backend, hostfile=hostfile,
+                      hostfile_path=str(tmp_path / "hosts.json"), tmpdir=str(tmp_path))
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd, **kwargs):  # record the command; run one that ends at once
+        started.append(cmd)
+        return real_popen([sys.executable, "-c", ""], **kwargs)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen)
+    attempt = supervise.Attempt(plan, stop_timeout=42)
+    attempt.run()
+    flag = "-x" if backend == "mpi" else "--env"
+    cmd = started[0]
+    before = cmd[: cmd.index("--")]  # the launcher's own options, not the rank program's
+    for value in (f"DTRAIN_JOB={attempt.job}", "DTRAIN_STOP_TIMEOUT=42"):
+        assert before[before.index(value) - 1] == flag, cmd
 
 
 JACCL_TWO_MACS = """{

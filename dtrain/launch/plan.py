@@ -99,6 +99,16 @@ def _env_flags(flag: str, env: dict) -> list[str]:
     return [x for k, v in env.items() for x in (flag, f"{k}={v}")]
 
 
+def command_with_env(plan: Plan, env: dict) -> list[str]:
+    """``plan.command`` passing ``env`` to every rank by name (mlx.launch ``--env``, mpirun ``-x``):
+    ranks started over ssh, or by mpirun's daemons on other hosts, get no other environment
+    from the launcher. Ranks the launcher starts itself (``direct``, one rank) inherit it."""
+    if plan.direct or plan.backend == "none" or "--" not in plan.command:
+        return list(plan.command)
+    at = plan.command.index("--")  # before the rank program
+    return [*plan.command[:at], *_env_flags("-x" if plan.backend == "mpi" else "--env", env), *plan.command[at:]]
+
+
 def _port_lock(port: int) -> Optional[int]:
     """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it."""
     fd = os.open(os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock"), os.O_RDWR | os.O_CREAT, 0o666)

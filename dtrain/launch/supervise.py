@@ -35,7 +35,7 @@ from typing import Optional
 
 from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
                         LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
-from .plan import Plan
+from .plan import Plan, command_with_env
 from .rank import MARK, WRAPPER_SIGNALS, Report, alive, parse_report, say, write
 
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
@@ -106,8 +106,9 @@ class Attempt:
         """Start the ranks, wait for them (and any leftover trainer), summarize."""
         for path, content in self.plan.files.items():
             Path(path).write_text(content)
-        env = {**os.environ, **self.plan.explicit, STOP_TIMEOUT_VAR: str(self.stop_timeout),
-               LAUNCHER_VAR: f"{socket.gethostname()}:{os.getpid()}", JOB_VAR: self.job}
+        ours = {STOP_TIMEOUT_VAR: str(self.stop_timeout), LAUNCHER_VAR: f"{socket.gethostname()}:{os.getpid()}",
+                JOB_VAR: self.job}
+        env = {**os.environ, **self.plan.explicit, **ours}
         if self.plan.direct:
             # each wrapper starts with the stop signals blocked (a mask survives exec) and unblocks them once
             # its handlers are in place: one sent while its Python starts waits instead of killing it
@@ -122,8 +123,8 @@ class Attempt:
             # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
             # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
             shield = self.plan.backend not in ("mpi", "none")
-            self.procs = [subprocess.Popen(self.plan.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, start_new_session=True,
+            self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env=env, stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                            preexec_fn=_ignore_signals if shield else None)]
         # a stop or abort that came while the ranks were being started found no process to tell
         if self.aborted_at is not None:
