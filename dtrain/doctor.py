@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from . import memory
 from .launch.hosts import LaunchError
-from .launch.plan import mlx_launch_path
+from .launch.plan import mlx_launch_path, mpi_library_env
 
 GIB = memory.GIB
 DISTRIBUTED = ("ring", "mpi", "jaccl", "nccl")
@@ -83,13 +83,17 @@ def system_lines(blas_line: Optional[str]) -> list[str]:
     lines.append(f"auto engine budget (engine.memory_budget_gb: 0): {_gib(memory.default_budget_bytes())}")
     if blas_line:
         lines.append(blas_line)
+    mpirun = shutil.which("mpirun")
+    if mpirun and not os.environ.get("MLX_MPI_LIBNAME"):  # the libmpi ./launch gives MPI ranks, before MLX loads one
+        os.environ.update({k: v for k, v in mpi_library_env(mpirun).items() if k == "MLX_MPI_LIBNAME"})
     built = [b for b in DISTRIBUTED if mx.distributed.is_available(b)]
     try:
         launch = mlx_launch_path()
     except LaunchError:
         launch = "not found"
+    libmpi = f" (libmpi: {os.environ['MLX_MPI_LIBNAME']})" if mpirun and os.environ.get("MLX_MPI_LIBNAME") else ""
     lines.append(f"distributed backends in this MLX: {', '.join(built) or 'none'}; mlx.launch: {launch}; "
-                 f"mpirun: {shutil.which('mpirun') or 'not found'}")
+                 f"mpirun: {mpirun or 'not found'}{libmpi}")
     return lines
 
 

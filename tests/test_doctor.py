@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -29,6 +30,30 @@ def test_doctor_on_a_16gb_mac_shows_the_working_set_wired_limit_and_budget(monke
     assert wired == [0, 0]  # read by setting it and putting the old value back
     assert "auto engine budget (engine.memory_budget_gb: 0): 10.67 GiB (11,453,251,584 bytes)" in lines
     assert not any(x.startswith("BLAS:") for x in lines)  # macOS: MLX's own, nothing to choose
+
+
+def test_doctor_asks_mlx_about_mpi_with_the_libmpi_launch_passes(tmp_path, monkeypatch):
+    """MLX dlopens a bare libmpi.dylib unless MLX_MPI_LIBNAME names one, and Homebrew's is not on
+    dyld's path: doctor must ask with the libmpi ./launch gives MPI ranks, or it says 'no mpi'
+    on a Mac where ./launch --backend mpi works."""
+    lib = tmp_path / "homebrew" / "lib" / "libmpi.40.dylib"
+    lib.parent.mkdir(parents=True)
+    lib.write_text("")
+    tools = {"homebrew/bin/mpirun": "exit 0", "homebrew/bin/ompi_info": "exit 0",
+             "tools/otool": f"printf 'ompi_info:\\n\\t{lib} (compatibility version 81.0.0)\\n'"}
+    for name, body in tools.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'homebrew' / 'bin'}:{tmp_path / 'tools'}:/usr/bin:/bin")
+    monkeypatch.setenv("MLX_MPI_LIBNAME", "")
+    stub_device(monkeypatch, "metal", MACS[16], active=0, wired=[])
+    monkeypatch.setattr("platform.system", lambda: "Darwin")
+    monkeypatch.setattr(mx.distributed, "is_available",  # as MLX's dlopen: only with the name given
+                        lambda b: b == "ring" or (b == "mpi" and os.environ.get("MLX_MPI_LIBNAME") == str(lib)))
+    line = doctor.system_lines(None)[-1]
+    assert line.startswith("distributed backends in this MLX: ring, mpi; ")
+    assert line.endswith(f"mpirun: {tmp_path / 'homebrew' / 'bin' / 'mpirun'} (libmpi: {lib})")
 
 
 def test_doctor_without_demo_on_this_machine():
