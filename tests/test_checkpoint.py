@@ -288,6 +288,29 @@ def test_a_reader_never_sees_two_names_mixed(tmp_path, monkeypatch):
         lock.release()
 
 
+@pytest.mark.parametrize("code", ["ENOLCK", "ENOTSUP"])
+def test_a_folder_whose_file_system_cannot_lock_is_one_clear_line(tmp_path, monkeypatch, code):
+    """Some network file systems (SMB, NFS without lockd) refuse flock: the run says so in one line,
+    not "not writable", and keeps no descriptor of the lock file open."""
+    import errno
+
+    def refuse(fd, op):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    opened = []
+    real_open = output.os.open
+    monkeypatch.setattr(output.os, "open", lambda *a, **k: opened.append(real_open(*a, **k)) or opened[-1])
+    monkeypatch.setattr(output.fcntl, "flock", refuse)
+    with pytest.raises(UserError) as err:
+        output.prepare_output(tmp_path / "out", output.DiskPlan(0, (), 1), resuming=False)
+    assert str(err.value) == (f"output folder {tmp_path / 'out'} cannot be locked ({os.strerror(getattr(errno, code))}): "
+                              "its file system does not support locks (a network share?); choose a train.output_dir "
+                              "on a local disk")
+    assert len(opened) == 1
+    with pytest.raises(OSError):  # closed
+        os.fstat(opened[0])
+
+
 def test_a_checkpoint_of_another_run_is_never_replaced(tmp_path):
     import dataclasses
 

@@ -77,6 +77,11 @@ class OutputLock:
             self._fd = None
             raise UserError(f"output folder {out} is in use by another dtrain run ({holder}); wait for it to end, "
                             f"or choose another train.output_dir") from None
+        except OSError as err:  # ENOLCK, ENOTSUP: some network file systems (SMB, NFS without lockd) have no flock
+            os.close(self._fd)
+            self._fd = None
+            raise UserError(f"output folder {out} cannot be locked ({err.strerror or err}): its file system does not "
+                            f"support locks (a network share?); choose a train.output_dir on a local disk") from None
         name = f"pid {os.getpid()} on {socket.gethostname()}".encode()
         # padded over what a longer earlier name left, then cut: a reader sees one whole name, never none
         os.pwrite(self._fd, name.ljust(os.fstat(self._fd).st_size), 0)
