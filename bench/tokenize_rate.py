@@ -21,6 +21,7 @@ with peak RSS after each. Prints a markdown table and writes JSON to bench/resul
 from __future__ import annotations
 
 import argparse
+import platform
 import random
 import resource
 import tempfile
@@ -70,7 +71,8 @@ def write(rows: list, folder: Path, parquet: bool) -> Path:
 
 
 def rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return (peak if platform.system() == "Darwin" else peak * 1024) / 1e9
 
 
 def main() -> None:
