@@ -186,6 +186,36 @@ def test_a_final_step_saved_by_a_stop_is_evaluated_once_on_resume(tmp_path):
     assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2]
 
 
+def hparam_scalars(run_dir):
+    """The hparams record's ``hparam/`` scalars, timings left out (they differ between processes)."""
+    timed = ("per_second", "peak_memory", "perf/")
+    return {k: v for k, v in read_scalars(run_dir).items() if k.startswith("hparam/") and not any(t in k for t in timed)}
+
+
+@pytest.mark.parametrize("extra", [[], ["train.eval_every=1", "train.keep_best=eval/loss", "train.early_stop_evals=1",
+                                        "train.learning_rate=0.3"]], ids=["last-step", "early-stop"])
+def test_a_run_resumed_where_it_ends_records_the_last_steps_metrics_in_hparams(tmp_path, extra):
+    """A stop in the last step (or in the step whose evaluation stops the run early) saves before that
+    evaluation; the resume evaluates and ends without training a step. Its hparams record held only the
+    eval/ metrics: hparam/loss, hparam/grad_norm ... of the last step were missing."""
+    from dtrain.run.trainer import Hooks
+
+    whole, _ = run(tmp_path / "whole", "train.steps=4", *extra)
+    last = whole.steps
+    assert whole.early_stopped == bool(extra) and (last < 4) == bool(extra)
+
+    def stop_in_last(step, run_):
+        if step == last:
+            run_.stop.requested = True
+
+    run(tmp_path / "cut", "train.steps=4", *extra, hooks=Hooks(before_step=stop_in_last))
+    resumed, _ = run(tmp_path / "cut", "train.steps=4", *extra, "train.resume=auto")
+    assert resumed.history == [] and resumed.steps == last and resumed.early_stopped == whole.early_stopped
+    expected = hparam_scalars(whole.run_dir)
+    assert "hparam/loss" in expected and "hparam/eval/loss" in expected
+    assert hparam_scalars(resumed.run_dir) == expected
+
+
 def write_rows(path, n=12, salt=""):
     words = "the quick brown fox jumps over lazy dog what is capital of france paris hello world".split()
     rows = [{"prompt": f"{words[i % 16]} {words[(i * 3) % 16]}?{salt}", "chosen": f"{words[(i + 5) % 16]} yes",

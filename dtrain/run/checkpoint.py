@@ -85,6 +85,7 @@ class RunState:
     evals: dict = field(default_factory=dict)  # "step" -> eval metrics of the whole run
     lambda_control: dict = field(default_factory=dict)  # lambda_control.LambdaState (adaptive λ), {} when static
     best_step: Optional[int] = None  # train.keep_best: the step of best.safetensors
+    last_metrics: dict = field(default_factory=dict)  # the training metrics of ``step``, for the hparams record
 
     def must_match(self) -> dict:
         """``{name shown to the user: value}`` of every field a resume may not change, settings first."""

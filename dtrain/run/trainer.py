@@ -368,7 +368,7 @@ def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
         run.state.skipped_steps += 1
         run.log.message(f"step {step}: non-finite loss or gradient, update skipped")
     metrics["skipped_steps"] = float(run.state.skipped_steps)
-    run.state.step = step
+    run.state.step, run.state.last_metrics = step, metrics
     run.result.skipped_steps = run.state.skipped_steps
     run.result.history.append(metrics)
     run.log.scalars(step, metrics)
@@ -396,7 +396,7 @@ def finish(run: Run, hparams: bool = True) -> None:
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
                                                   run.chat_template, weights)
         if hparams:
-            final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(step, {})}
+            final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at the last step trained none
             run.log.hparams(run.resolved, final, step)
         run.log.message(f"adapter written to {run.result.adapter_dir}"
                         + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
