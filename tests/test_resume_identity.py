@@ -216,6 +216,54 @@ def test_a_run_resumed_where_it_ends_records_the_last_steps_metrics_in_hparams(t
     assert hparam_scalars(resumed.run_dir) == expected
 
 
+def non_finite_at(steps, crash_before=None):
+    """Hooks whose engine gives non-finite gradients in ``steps``; ``crash_before``: step whose start
+    raises (a process killed between steps, after the checkpoint of the step before)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from dtrain.engine.common import StepResult
+    from dtrain.run.trainer import Hooks
+
+    current = {}
+
+    def before_step(step, run_):
+        if step == crash_before:
+            raise KeyboardInterrupt("killed")
+        current["step"] = step
+
+    class Poisoned:
+        def __init__(self, engine):
+            self.engine, self.name, self.objective = engine, engine.name, engine.objective
+
+        def step(self, chunk, totals, key=None, hyper=None):
+            out = self.engine.step(chunk, totals, key, hyper)
+            if current["step"] in steps:
+                return StepResult(out.loss, out.sums, tree_map(lambda g: g * mx.nan, out.grads))
+            return out
+
+        def evaluate(self, chunk, totals, key=None, hyper=None):
+            return self.engine.evaluate(chunk, totals, key, hyper)
+
+    return Hooks(engine=Poisoned, before_step=before_step)
+
+
+def test_a_streak_of_non_finite_steps_counts_across_a_resume(tmp_path):
+    """train.max_skipped_steps 3, steps 3-5 non-finite: the run saves and stops after step 5. Killed
+    after step 4 (checkpoint 4) and resumed, the streak started again at 0, so the resumed run trained
+    on through a streak the uninterrupted run stopped at."""
+    args = ("train.steps=8", "train.save_every=1", "train.max_skipped_steps=3", "train.eval_every=0")
+    with pytest.raises(UserError, match=r"^step 5: 3 steps in a row had a non-finite loss or gradient"):
+        run(tmp_path / "whole", *args, hooks=non_finite_at({3, 4, 5}))
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut", *args, hooks=non_finite_at({3, 4, 5}, crash_before=5))
+    with pytest.raises(UserError, match=r"^step 5: 3 steps in a row had a non-finite loss or gradient"):
+        run(tmp_path / "cut", *args, "train.resume=auto", hooks=non_finite_at({3, 4, 5}))
+    for out in ("whole", "cut"):
+        state = json.loads((tmp_path / out / "checkpoints" / "step-0000005" / ckpt.STATE).read_text())
+        assert state["skipped_steps"] == 3 and state["step"] == 5
+
+
 def write_rows(path, n=12, salt=""):
     words = "the quick brown fox jumps over lazy dog what is capital of france paris hello world".split()
     rows = [{"prompt": f"{words[i % 16]} {words[(i * 3) % 16]}?{salt}", "chosen": f"{words[(i + 5) % 16]} yes",

@@ -85,6 +85,7 @@ class RunState:
     evals: dict = field(default_factory=dict)  # "step" -> eval metrics of the whole run
     lambda_control: dict = field(default_factory=dict)  # lambda_control.LambdaState (adaptive λ), {} when static
     best_step: Optional[int] = None  # train.keep_best: the step of best.safetensors
+    skipped_in_row: int = 0  # non-finite steps in a row up to ``step`` (train.max_skipped_steps)
     last_metrics: dict = field(default_factory=dict)  # the training metrics of ``step``, for the hparams record
 
     def must_match(self) -> dict:

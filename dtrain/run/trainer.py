@@ -168,17 +168,15 @@ def loop(run: Run) -> TrainResult:
         return end_early(run, run.state.step, again=True)
     if run.state.step < t.steps:
         run.log.doing(first_step_text(run))
-    skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
         run.hooks.before_step(step, run)
         out = run.step(step, run.stop)
         run.hooks.after_step(step, run)
-        skipped_in_row = 0 if out.applied else skipped_in_row + 1
         record(run, step, out.metrics, out.applied)
-        if skipped_in_row >= t.max_skipped_steps:
+        if run.state.skipped_in_row >= t.max_skipped_steps:
             save(run, step)
-            sources = ", ".join(p.source or "?" for p in out.batch[:8])
-            raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
+            sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
+            raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
         if out.stop:
             save(run, step)
@@ -363,7 +361,9 @@ def first_step_text(run: Run) -> str:
 
 
 def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
-    """Count a skipped update, log the step's metrics, advance the state and the bar."""
+    """Count a skipped update (the streak too: a checkpoint carries it), log the step's metrics, advance
+    the state and the bar."""
+    run.state.skipped_in_row = 0 if applied else run.state.skipped_in_row + 1
     if not applied:
         run.state.skipped_steps += 1
         run.log.message(f"step {step}: non-finite loss or gradient, update skipped")
