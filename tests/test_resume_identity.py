@@ -264,6 +264,30 @@ def test_a_streak_of_non_finite_steps_counts_across_a_resume(tmp_path):
         assert state["skipped_steps"] == 3 and state["step"] == 5
 
 
+def test_a_run_continued_from_an_older_checkpoint_drops_the_steps_it_left(tmp_path):
+    """Resumed from step-0000004 of a run whose newest is step-0000006 (an accepted key changed), then
+    stopped after step 5: resume=auto took the left branch's step 6 and ended there, without training
+    step 6 on the new branch and with no step 6 in TensorBoard. The branch's first save removes the
+    run's checkpoints past it."""
+    from dtrain.run.trainer import Hooks
+
+    args = ("train.steps=6", "train.eval_every=0", "train.save_every=1", "train.keep_last=3")
+    first, _ = run(tmp_path, *args)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [
+        "step-0000004", "step-0000005", "step-0000006"]
+
+    def stop_in_5(step, run_):
+        if step == 5:
+            run_.stop.requested = True
+
+    older = tmp_path / "checkpoints" / "step-0000004"
+    run(tmp_path, *args, f"train.resume={older}", "engine.kind=reference", hooks=Hooks(before_step=stop_in_5))
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000004", "step-0000005"]
+    resumed, _ = run(tmp_path, *args, "train.resume=auto", "engine.kind=reference")
+    assert len(resumed.history) == 1  # step 6, on the new branch
+    assert [s for s, _ in read_scalars(resumed.run_dir)["loss"]] == [1, 2, 3, 4, 5, 6]
+
+
 def write_rows(path, n=12, salt=""):
     words = "the quick brown fox jumps over lazy dog what is capital of france paris hello world".split()
     rows = [{"prompt": f"{words[i % 16]} {words[(i * 3) % 16]}?{salt}", "chosen": f"{words[(i + 5) % 16]} yes",

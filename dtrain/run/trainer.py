@@ -382,7 +382,7 @@ def save(run: Run, step: int) -> None:
         run.log.flush()
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
                              run.base_model, run.chat_template, run.best.weights)
-        ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
+        ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id, step)
 
 
 def finish(run: Run, hparams: bool = True) -> None:
