@@ -197,6 +197,24 @@ def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resu
         assert np.array_equal(np.load(f), values)
 
 
+def test_a_reference_cache_that_cannot_be_written_costs_only_the_next_runs_pass(tmp_path, monkeypatch):
+    """A full disk (or a read-only data_cache) while writing OUT/data_cache/reference-*.npy ended the run
+    with a raw OSError (a traceback from the command line); like the tokenized pairs' cache, the entry is
+    skipped and the run trains on."""
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(np, "save", full)
+        result = run(tmp_path, "dpo")
+    assert len(result.history) == 4 and (Path(result.adapter_dir) / "adapters.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "data_cache").iterdir()) == []  # no entry, no temporary file
+    cached, fresh = adapter(result), adapter(run(tmp_path / "again", "dpo"))  # the values computed were used
+    assert cached.keys() == fresh.keys() and all(np.array_equal(cached[k], fresh[k]) for k in cached)
+
+
 def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
     """SFT logs no reward accuracy: `dtrain train` printed the summary with a KeyError after the
     adapter was written (seen on the GPU, bench/objectives.py); it reports the held-out NLL."""

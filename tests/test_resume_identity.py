@@ -186,6 +186,108 @@ def test_a_final_step_saved_by_a_stop_is_evaluated_once_on_resume(tmp_path):
     assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2]
 
 
+def hparam_scalars(run_dir):
+    """The hparams record's ``hparam/`` scalars, timings left out (they differ between processes)."""
+    timed = ("per_second", "peak_memory", "perf/")
+    return {k: v for k, v in read_scalars(run_dir).items() if k.startswith("hparam/") and not any(t in k for t in timed)}
+
+
+@pytest.mark.parametrize("extra", [[], ["train.eval_every=1", "train.keep_best=eval/loss", "train.early_stop_evals=1",
+                                        "train.learning_rate=0.3"]], ids=["last-step", "early-stop"])
+def test_a_run_resumed_where_it_ends_records_the_last_steps_metrics_in_hparams(tmp_path, extra):
+    """A stop in the last step (or in the step whose evaluation stops the run early) saves before that
+    evaluation; the resume evaluates and ends without training a step. Its hparams record held only the
+    eval/ metrics: hparam/loss, hparam/grad_norm ... of the last step were missing."""
+    from dtrain.run.trainer import Hooks
+
+    whole, _ = run(tmp_path / "whole", "train.steps=4", *extra)
+    last = whole.steps
+    assert whole.early_stopped == bool(extra) and (last < 4) == bool(extra)
+
+    def stop_in_last(step, run_):
+        if step == last:
+            run_.stop.requested = True
+
+    run(tmp_path / "cut", "train.steps=4", *extra, hooks=Hooks(before_step=stop_in_last))
+    resumed, _ = run(tmp_path / "cut", "train.steps=4", *extra, "train.resume=auto")
+    assert resumed.history == [] and resumed.steps == last and resumed.early_stopped == whole.early_stopped
+    expected = hparam_scalars(whole.run_dir)
+    assert "hparam/loss" in expected and "hparam/eval/loss" in expected
+    assert hparam_scalars(resumed.run_dir) == expected
+
+
+def non_finite_at(steps, crash_before=None):
+    """Hooks whose engine gives non-finite gradients in ``steps``; ``crash_before``: step whose start
+    raises (a process killed between steps, after the checkpoint of the step before)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    from dtrain.engine.common import StepResult
+    from dtrain.run.trainer import Hooks
+
+    current = {}
+
+    def before_step(step, run_):
+        if step == crash_before:
+            raise KeyboardInterrupt("killed")
+        current["step"] = step
+
+    class Poisoned:
+        def __init__(self, engine):
+            self.engine, self.name, self.objective = engine, engine.name, engine.objective
+
+        def step(self, chunk, totals, key=None, hyper=None):
+            out = self.engine.step(chunk, totals, key, hyper)
+            if current["step"] in steps:
+                return StepResult(out.loss, out.sums, tree_map(lambda g: g * mx.nan, out.grads))
+            return out
+
+        def evaluate(self, chunk, totals, key=None, hyper=None):
+            return self.engine.evaluate(chunk, totals, key, hyper)
+
+    return Hooks(engine=Poisoned, before_step=before_step)
+
+
+def test_a_streak_of_non_finite_steps_counts_across_a_resume(tmp_path):
+    """train.max_skipped_steps 3, steps 3-5 non-finite: the run saves and stops after step 5. Killed
+    after step 4 (checkpoint 4) and resumed, the streak started again at 0, so the resumed run trained
+    on through a streak the uninterrupted run stopped at."""
+    args = ("train.steps=8", "train.save_every=1", "train.max_skipped_steps=3", "train.eval_every=0")
+    with pytest.raises(UserError, match=r"^step 5: 3 steps in a row had a non-finite loss or gradient"):
+        run(tmp_path / "whole", *args, hooks=non_finite_at({3, 4, 5}))
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut", *args, hooks=non_finite_at({3, 4, 5}, crash_before=5))
+    with pytest.raises(UserError, match=r"^step 5: 3 steps in a row had a non-finite loss or gradient"):
+        run(tmp_path / "cut", *args, "train.resume=auto", hooks=non_finite_at({3, 4, 5}))
+    for out in ("whole", "cut"):
+        state = json.loads((tmp_path / out / "checkpoints" / "step-0000005" / ckpt.STATE).read_text())
+        assert state["skipped_steps"] == 3 and state["step"] == 5
+
+
+def test_a_run_continued_from_an_older_checkpoint_drops_the_steps_it_left(tmp_path):
+    """Resumed from step-0000004 of a run whose newest is step-0000006 (an accepted key changed), then
+    stopped after step 5: resume=auto took the left branch's step 6 and ended there, without training
+    step 6 on the new branch and with no step 6 in TensorBoard. The branch's first save removes the
+    run's checkpoints past it."""
+    from dtrain.run.trainer import Hooks
+
+    args = ("train.steps=6", "train.eval_every=0", "train.save_every=1", "train.keep_last=3")
+    first, _ = run(tmp_path, *args)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == [
+        "step-0000004", "step-0000005", "step-0000006"]
+
+    def stop_in_5(step, run_):
+        if step == 5:
+            run_.stop.requested = True
+
+    older = tmp_path / "checkpoints" / "step-0000004"
+    run(tmp_path, *args, f"train.resume={older}", "engine.kind=reference", hooks=Hooks(before_step=stop_in_5))
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000004", "step-0000005"]
+    resumed, _ = run(tmp_path, *args, "train.resume=auto", "engine.kind=reference")
+    assert len(resumed.history) == 1  # step 6, on the new branch
+    assert [s for s, _ in read_scalars(resumed.run_dir)["loss"]] == [1, 2, 3, 4, 5, 6]
+
+
 def write_rows(path, n=12, salt=""):
     words = "the quick brown fox jumps over lazy dog what is capital of france paris hello world".split()
     rows = [{"prompt": f"{words[i % 16]} {words[(i * 3) % 16]}?{salt}", "chosen": f"{words[(i + 5) % 16]} yes",

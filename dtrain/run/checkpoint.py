@@ -85,6 +85,8 @@ class RunState:
     evals: dict = field(default_factory=dict)  # "step" -> eval metrics of the whole run
     lambda_control: dict = field(default_factory=dict)  # lambda_control.LambdaState (adaptive λ), {} when static
     best_step: Optional[int] = None  # train.keep_best: the step of best.safetensors
+    skipped_in_row: int = 0  # non-finite steps in a row up to ``step`` (train.max_skipped_steps)
+    last_metrics: dict = field(default_factory=dict)  # the training metrics of ``step``, for the hparams record
 
     def must_match(self) -> dict:
         """``{name shown to the user: value}`` of every field a resume may not change, settings first."""
@@ -365,10 +367,23 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
     return Checkpoint(Path(decision["path"]), RunState(**decision["state"]), adapter, opt, found.best if found else None)
 
 
-def prune(root: Path, keep_last: int, run_id: str) -> None:
-    """Delete all but the newest ``keep_last`` valid checkpoints of run ``run_id``, and stale temporaries."""
+def _step_of(path: Path) -> int:
+    """The step a checkpoint folder's name gives (``step-0000040`` -> 40); -1 for another name."""
+    digits = path.name.removeprefix(PREFIX)
+    return int(digits) if digits.isdigit() else -1
+
+
+def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) -> None:
+    """Delete all but the newest ``keep_last`` valid checkpoints of run ``run_id``, and stale temporaries.
+
+    ``saved``: the step just saved; the run's checkpoints past it are of steps it left when it was
+    continued from an older checkpoint (``train.resume`` naming one), and go first, so that
+    ``resume: auto`` continues this branch, not the one left.
+    """
     for tmp in root.glob(f".{PREFIX}*.tmp-*") if root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True)
     done = [p for p in list_checkpoints(root) if run_id_of(p) == run_id]
-    for p in done[: max(len(done) - keep_last, 0)]:
+    left = [p for p in done if saved is not None and _step_of(p) > saved]
+    done = [p for p in done if p not in left]
+    for p in left + done[: max(len(done) - keep_last, 0)]:
         shutil.rmtree(p, ignore_errors=True)

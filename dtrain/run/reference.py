@@ -118,7 +118,8 @@ def save(path: Path, values: np.ndarray) -> None:
 def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache_dir: Optional[Path],
                     key: str) -> tuple[list[TokenizedPair], int]:
     """``(pairs with reference extras, number of pairs computed now)``: read from ``cache_dir`` when
-    cached under ``key``, else computed (:func:`compute`, every rank joins) and written by rank 0.
+    cached under ``key``, else computed (:func:`compute`, every rank joins) and written by rank 0
+    (not when the disk refuses: a cache).
 
     The caller runs it on the step-0 model in evaluation mode. Every rank decides
     from its own cache folder; a rank that finds no file computes, so all ranks
@@ -131,7 +132,10 @@ def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache
         return with_reference(pairs, cached), 0
     values = compute(engine, pairs, micro, group)
     if path is not None and group.is_main:
-        save(path, values)
+        try:
+            save(path, values)
+        except OSError:
+            pass  # a read-only or full disk costs only the next run's reference pass (as data.cache's entries)
     return with_reference(pairs, values), len(pairs)
 
 

@@ -168,17 +168,15 @@ def loop(run: Run) -> TrainResult:
         return end_early(run, run.state.step, again=True)
     if run.state.step < t.steps:
         run.log.doing(first_step_text(run))
-    skipped_in_row = 0
     for step in range(run.state.step + 1, t.steps + 1):
         run.hooks.before_step(step, run)
         out = run.step(step, run.stop)
         run.hooks.after_step(step, run)
-        skipped_in_row = 0 if out.applied else skipped_in_row + 1
         record(run, step, out.metrics, out.applied)
-        if skipped_in_row >= t.max_skipped_steps:
+        if run.state.skipped_in_row >= t.max_skipped_steps:
             save(run, step)
-            sources = ", ".join(p.source or "?" for p in out.batch[:8])
-            raise UserError(f"step {step}: {skipped_in_row} steps in a row had a non-finite loss or gradient "
+            sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
+            raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
         if out.stop:
             save(run, step)
@@ -363,12 +361,14 @@ def first_step_text(run: Run) -> str:
 
 
 def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
-    """Count a skipped update, log the step's metrics, advance the state and the bar."""
+    """Count a skipped update (the streak too: a checkpoint carries it), log the step's metrics, advance
+    the state and the bar."""
+    run.state.skipped_in_row = 0 if applied else run.state.skipped_in_row + 1
     if not applied:
         run.state.skipped_steps += 1
         run.log.message(f"step {step}: non-finite loss or gradient, update skipped")
     metrics["skipped_steps"] = float(run.state.skipped_steps)
-    run.state.step = step
+    run.state.step, run.state.last_metrics = step, metrics
     run.result.skipped_steps = run.state.skipped_steps
     run.result.history.append(metrics)
     run.log.scalars(step, metrics)
@@ -382,7 +382,7 @@ def save(run: Run, step: int) -> None:
         run.log.flush()
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
                              run.base_model, run.chat_template, run.best.weights)
-        ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
+        ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id, step)
 
 
 def finish(run: Run, hparams: bool = True) -> None:
@@ -396,7 +396,7 @@ def finish(run: Run, hparams: bool = True) -> None:
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
                                                   run.chat_template, weights)
         if hparams:
-            final = {**(run.result.history[-1] if run.result.history else {}), **run.result.evals.get(step, {})}
+            final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at the last step trained none
             run.log.hparams(run.resolved, final, step)
         run.log.message(f"adapter written to {run.result.adapter_dir}"
                         + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
