@@ -264,7 +264,7 @@ def test_a_streak_of_non_finite_steps_counts_across_a_resume(tmp_path):
         assert state["skipped_steps"] == 3 and state["step"] == 5
 
 
-def test_a_run_continued_from_an_older_checkpoint_drops_the_steps_it_left(tmp_path):
+def test_a_run_continued_from_an_older_checkpoint_drops_the_steps_it_left(tmp_path, capsys):
     """Resumed from step-0000004 of a run whose newest is step-0000006 (an accepted key changed), then
     stopped after step 5: resume=auto took the left branch's step 6 and ended there, without training
     step 6 on the new branch and with no step 6 in TensorBoard. The branch's first save removes the
@@ -281,7 +281,10 @@ def test_a_run_continued_from_an_older_checkpoint_drops_the_steps_it_left(tmp_pa
             run_.stop.requested = True
 
     older = tmp_path / "checkpoints" / "step-0000004"
+    capsys.readouterr()
     run(tmp_path, *args, f"train.resume={older}", "engine.kind=reference", hooks=Hooks(before_step=stop_in_5))
+    assert ("resuming step-0000004: this run's later checkpoint(s) step-0000005, step-0000006 belong to the steps "
+            "it leaves and are removed at its first save (copy them elsewhere to keep them)") in capsys.readouterr().err
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000004", "step-0000005"]
     resumed, _ = run(tmp_path, *args, "train.resume=auto", "engine.kind=reference")
     assert len(resumed.history) == 1  # step 6, on the new branch

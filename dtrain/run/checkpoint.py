@@ -349,6 +349,11 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
                 if others:
                     raise UserError(f"{root} also holds checkpoints of another run ({', '.join(others)}); resuming "
                                     f"{path} there would mix two runs: train into a new train.output_dir")
+                left = [p.name for p in list_checkpoints(root)
+                        if run_id_of(p) == found.state.run_id and _step_of(p) > found.state.step]
+                if left:  # prune removes them at the first save: said now, while they are still there
+                    report(f"resuming {path.name}: this run's later checkpoint(s) {', '.join(left)} belong to the "
+                           f"steps it leaves and are removed at its first save (copy them elsewhere to keep them)")
                 decision = {"path": str(path), "state": dataclasses.asdict(found.state),
                             "adapter": _spec(found.adapter), "optimizer": _spec(found.optimizer)}
         except UserError as err:
