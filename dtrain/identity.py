@@ -40,8 +40,6 @@ REFUSED = {
     "train.learning_rate": "the schedule", "train.schedule": "the schedule", "train.warmup_steps": "the schedule",
     "train.min_lr_ratio": "the schedule", "train.weight_decay": "the update", "train.grad_clip": "the update",
     "train.eval_pairs": "the held-out pairs eval/ metrics average over",
-    # by its text: its weights are the step-0 LoRA and, for dpo, the reference model a resume recomputes
-    "train.init_adapter": "the step-0 adapter (and dpo's reference)",
     # the best step so far (RunState.best_step) was picked by these: changed, it would compare unlike things
     "train.keep_best": "which step adapters/ holds", "train.keep_best_guard": "which steps may be the best",
     "train.early_stop_evals": "where the run stops (its count continues over the resume)",
@@ -60,6 +58,9 @@ BY_CONTENT = {
                   "sizes, headers, sampled bytes; a hub id's id and config)",
     "data.train": "the data files' sha256 and the training pairs' token ids",
     "data.valid": "the data files' sha256 and the held-out pairs' token ids",
+    # its weights are the step-0 LoRA and, for dpo, the reference a resume recomputes; its adapter_config.json
+    # sets the lora.* keys, compared as those
+    "train.init_adapter": "the step-0 adapter's weights file's sha256",
 }
 
 # How the run is computed, logged, kept or where it stops: a change is accepted.

@@ -122,6 +122,26 @@ def test_init_adapter_weights_are_the_step_0_weights_with_its_rank_scale_and_key
         assert result.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
 
 
+def test_a_resume_compares_the_init_adapter_by_its_weights_not_its_path(tmp_path):
+    """A resume compared train.init_adapter by its text: new weights in the same folder went on (dpo then
+    recomputed its reference from them, another loss), the same weights moved were refused."""
+    import shutil
+
+    from dtrain.errors import UserError
+
+    write_adapter(tmp_path / "init", rank=4, scale=3.0)
+    stop = Hooks(before_step=lambda step, run_: setattr(run_.stop, "requested", step == 2))
+    run(tmp_path / "out", f"train.init_adapter={tmp_path / 'init'}", "objective.kind=dpo", "train.steps=4", hooks=stop)
+    shutil.copytree(tmp_path / "init", tmp_path / "moved")
+    write_adapter(tmp_path / "init", rank=4, scale=3.0, seed=6)  # other weights, same shapes, same path
+    with pytest.raises(UserError, match=r"train.init_adapter: '[0-9a-f]{64}' in the checkpoint, '[0-9a-f]{64}' now"):
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'init'}", "objective.kind=dpo", "train.steps=4",
+            "train.resume=auto")
+    result, _ = run(tmp_path / "out", f"train.init_adapter={tmp_path / 'moved'}", "objective.kind=dpo",
+                    "train.steps=4", "train.resume=auto")
+    assert result.steps == 4 and len(result.history) == 2  # steps 3 and 4, after the checkpoint of step 2
+
+
 def test_init_adapter_says_which_lora_keys_it_replaces(tmp_path, capsys):
     """--lora.rank 2 with an init adapter of rank 4 trained rank 4 without a word; now one notice
     names each key the config set that the adapter replaced (keys left at their defaults are not named)."""

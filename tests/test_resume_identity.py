@@ -547,3 +547,18 @@ def test_a_checkpoint_without_a_conditional_key_continues(tmp_path):
     saved.settings["train.eval_every"] = resolved["train"]["eval_every"] + 1
     with pytest.raises(UserError, match=r"train\.eval_every: 51 in the checkpoint, 50 now"):
         ckpt.check_resumable(saved, current, [1, 2], tmp_path)
+
+
+def test_a_checkpoint_that_recorded_the_init_adapter_by_its_path_still_continues(tmp_path):
+    """Checkpoints from before train.init_adapter was compared by its weights hold it in ``settings``
+    (by its path): one without an initial adapter continues a run without one, and refuses one with."""
+    from pathlib import Path
+
+    run(tmp_path, "train.steps=2")
+    saved = ckpt.load_checkpoint(tmp_path / "checkpoints" / "step-0000002").state
+    assert saved.init_adapter is None and "train.init_adapter" not in saved.settings
+    older = dataclasses.replace(saved, settings={**saved.settings, "train.init_adapter": None})
+    ckpt.check_resumable(older, saved, saved.position["next_pairs"], Path("step-0000002"))
+    with pytest.raises(UserError, match="train.init_adapter: None in the checkpoint, 'abab"):
+        ckpt.check_resumable(older, dataclasses.replace(saved, init_adapter="ab" * 32), saved.position["next_pairs"],
+                             Path("step-0000002"))

@@ -87,10 +87,13 @@ class RunState:
     best_step: Optional[int] = None  # train.keep_best: the step of best.safetensors
     skipped_in_row: int = 0  # non-finite steps in a row up to ``step`` (train.max_skipped_steps)
     last_metrics: dict = field(default_factory=dict)  # the training metrics of ``step``, for the hparams record
+    init_adapter: Optional[str] = None  # sha256 of train.init_adapter's weights file, None without one
 
     def must_match(self) -> dict:
-        """``{name shown to the user: value}`` of every field a resume may not change, settings first."""
-        return {**self.settings, **self.data, "model.path": self.model, "lora shapes": self.lora_shapes}
+        """``{name shown to the user: value}`` of every field a resume may not change, settings first.
+        (A checkpoint of a dtrain that compared ``train.init_adapter`` by its text has it in ``settings``.)"""
+        by_content = {} if "train.init_adapter" in self.settings else {"train.init_adapter": self.init_adapter}
+        return {**self.settings, **self.data, "model.path": self.model, **by_content, "lora shapes": self.lora_shapes}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

@@ -36,7 +36,7 @@ from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, replaced
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
 from .optimizer import AdamWStep, extension_notice
-from .reference import ReferenceLogps, reference_pass
+from .reference import ReferenceLogps, init_adapter_identity, reference_pass
 from .step import Step
 from .tracking import RunLogger, new_run_dir
 
@@ -296,7 +296,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=settings(resolved),
                           schedule_steps=t.steps, world_size=group.size,
                           data=ckpt.data_identity(dataset.fingerprint, dataset.train, valid),
-                          model=loaded.identity, lora_shapes=lora_shapes)
+                          model=loaded.identity, lora_shapes=lora_shapes, init_adapter=init_adapter_identity(cfg))
     out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
         saves = tuple(s for s in range(1, t.steps + 1) if s == t.steps or (t.save_every and s % t.save_every == 0))
