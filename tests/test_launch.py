@@ -191,6 +191,8 @@ def test_dry_run_mpi_and_nccl_environment(job):
     assert "backend: mpi" in r.stdout and " -np 3 " in r.stdout and "-x PYTHONUNBUFFERED=1" in r.stdout
     assert ("--oversubscribe" in r.stdout) == (3 > (os.cpu_count() or 1))
     assert ("--allow-run-as-root" in r.stdout) == (os.geteuid() == 0)
+    # what each attempt passes to ranks mpirun may start on other hosts, as a real launch does (supervise.Attempt)
+    assert "-x DTRAIN_STOP_TIMEOUT=60.0 -x DTRAIN_LAUNCHER=" in r.stdout and ":<launcher-pid> -x DTRAIN_JOB=<job-id> " in r.stdout
     port = free_port(1)
     r = launch("-n", 2, "--backend", "nccl", "--port", port, "--dry-run", job["config"])
     assert r.returncode == 0, r.stderr

@@ -45,7 +45,7 @@ from ..config_text import take_overrides
 from ..errors import UserError
 from ..files import OutputDir, output_dir_problem
 from . import restart
-from ..contract import BACKENDS
+from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR
 from .hosts import LaunchError, load_hostfile
 from .plan import DEFAULT_PORT, build_plan, describe
 from .rank import say
@@ -273,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             for line in plan.notes:
                 say(f"launch: {line}")
             if args.dry_run:
-                say(describe(plan), sys.stdout)
+                say(describe(plan, {STOP_TIMEOUT_VAR: str(args.stop_timeout),  # as supervise.Attempt passes them
+                                    LAUNCHER_VAR: f"{socket.gethostname()}:<launcher-pid>", JOB_VAR: "<job-id>"}),
+                    sys.stdout)
                 return 0
             if args.tensorboard is not None:
                 logdir = OutputDir(Path(cfg.train.output_dir)).tb

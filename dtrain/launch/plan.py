@@ -358,14 +358,15 @@ def _mpi_plan(hostfile, program, tmpdir, common) -> Plan:
     return Plan(command=command, rank_env=rank_env, files=files, **common)
 
 
-def describe(plan: Plan) -> str:
-    """The human-readable plan printed by ``--dry-run``."""
+def describe(plan: Plan, attempt_env: Optional[dict] = None) -> str:
+    """The human-readable plan printed by ``--dry-run``. ``attempt_env``: the variables each attempt passes
+    to the ranks (:func:`command_with_env`; values a real attempt makes, such as its job id, as placeholders)."""
     hosts = sorted(set(plan.hosts))
     lines = [
         f"ranks: {plan.world_size}",
         f"backend: {plan.backend}",
         f"hosts: {', '.join(hosts)}",
-        f"command{' (each rank)' if plan.direct else ''}: {' '.join(plan.command)}",
+        f"command{' (each rank)' if plan.direct else ''}: {' '.join(command_with_env(plan, attempt_env or {}))}",
     ]
     for path, content in plan.files.items():
         lines.append(f"file {path}: {content.strip()!r}")
