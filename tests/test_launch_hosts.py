@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -262,8 +263,11 @@ def test_jaccl_hostfile_plan(config, tmp_path):
     rank0 = out[out.index("rank 0 on mac1: shard 2 pairs/step") + 1:out.index("rank 1 on mac2: shard 2 pairs/step")]
     passed = sorted(x.strip() for x in rank0 if not x.strip().startswith("MLX_"))
     assert "PYTHONUNBUFFERED=1" in passed
+    # and what each attempt passes (supervise.Attempt: ssh carries no environment), its ids as placeholders
+    attempt = ["DTRAIN_STOP_TIMEOUT=60.0", f"DTRAIN_LAUNCHER={socket.gethostname()}:<launcher-pid>", "DTRAIN_JOB=<job-id>"]
     flags = command[len(head):-len(tail)].split(" ")
-    assert flags[::2] == ["--env"] * len(passed) and sorted(flags[1::2]) == passed
+    assert flags[::2] == ["--env"] * (len(passed) + 3) and sorted(flags[1:-6:2]) == passed
+    assert flags[-5::2] == attempt
 
 
 def test_report_line_round_trip():
