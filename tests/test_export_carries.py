@@ -228,3 +228,25 @@ def test_q4_0_rounding_that_swamps_a_small_update_warns(tmp_path, capsys):
     assert "warning: Q4_0 rounding moves the adapted weights" in err and "28 adapted matrices, 28 of them above 1x" in err
     assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "f16"), "--gguf", "f16"]) == 0
     assert "warning" not in capsys.readouterr().err  # no block rounding measured for f16
+
+
+def test_a_folder_base_keeps_its_generation_config_and_code_files(tmp_path):
+    """mlx_lm.fuse copies the base folder's generation_config.json and *.py files; the export kept only its
+    own eos_token_id, so transformers' generate lost the base's sampling defaults (and remote code its files)."""
+    from fixtures_launch import make_model_folder
+    from transformers import GenerationConfig
+
+    base = make_model_folder(tmp_path / "model")
+    (base / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    (base / "modeling_tiny.py").write_text("# remote code\n")
+    write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"))
+    saved = json.loads((result.folder / "generation_config.json").read_text())
+    assert saved == {"bos_token_id": 1, "eos_token_id": [2, 4], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    gen = GenerationConfig.from_pretrained(str(result.folder))
+    assert (gen.temperature, gen.top_p, gen.eos_token_id) == (0.6, 0.9, [2, 4])
+    assert (result.folder / "modeling_tiny.py").read_text() == "# remote code\n"
+    (base / "generation_config.json").write_text("{not json")  # mlx-lm ignores it too: the end tokens only
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out2"))
+    assert json.loads((result.folder / "generation_config.json").read_text()) == {"eos_token_id": [2, 4]}

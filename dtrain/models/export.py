@@ -19,7 +19,8 @@ Exports carry what training used. The chat template is the one recorded in
 tokens are the base's EOS ids plus the template's end-of-turn token
 (``eos_token_id`` in ``config.json`` and ``generation_config.json``; in the GGUF,
 ``tokenizer.ggml.eot_token_id`` when llama.cpp would not stop at it by its
-text). ``general.name`` is ``"<base name> + <adapter>"`` with the base in
+text). A folder or hub base's own ``generation_config.json`` (sampling defaults)
+is kept with those end tokens, and its ``*.py`` files are copied, as ``mlx_lm.fuse`` does. ``general.name`` is ``"<base name> + <adapter>"`` with the base in
 ``general.base_model.0.name``. Beside the GGUF an Ollama ``Modelfile``
 (modelfile.py) holds ``FROM``, the template as ``TEMPLATE`` and one
 ``PARAMETER stop`` per end token.
@@ -38,6 +39,7 @@ the user decides, and a wider type is the remedy named in the warning.
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,6 +232,31 @@ def end_tokens(loaded: LoadedModel, template: str | None) -> list:
     return sorted(int(i) for i in ids if i is not None)
 
 
+def base_folder(base: str) -> Path | None:
+    """The folder of an mlx-lm/HF base: ``base`` itself, or a hub id's snapshot in the local cache (None: not found)."""
+    if Path(base).expanduser().is_dir():
+        return Path(base).expanduser()
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return hf_repo_to_path(base)
+    except Exception:  # not in the cache, or not a hub id: nothing to carry over
+        return None
+
+
+def base_generation_config(folder: Path | None) -> dict:
+    """The base folder's ``generation_config.json`` (sampling defaults ...), or {} when it has none or it is not
+    a JSON object (mlx-lm ignores such a file too)."""
+    path = folder / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | None = None,
                    dtype: str = "bfloat16", allow_base_mismatch: bool = False,
                    report: Callable[[str], None] | None = None) -> ExportResult:
@@ -274,10 +301,14 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         hf.chat_template = trained_with
     loaded.model.set_dtype(DTYPES[dtype])
     result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
+    source = None if base == "demo" or Path(base).expanduser().is_file() else base_folder(base)  # folder, hub id
 
     def fill(tmp: Path) -> None:
         save_mlx_lm(tmp, loaded.model, config, loaded.tokenizer)
-        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}, indent=2))
+        generation = {**base_generation_config(source), "eos_token_id": config["eos_token_id"]}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        for code in sorted(source.glob("*.py")) if source is not None else ():  # remote code, as mlx_lm.fuse copies
+            shutil.copyfile(code, tmp / code.name)
         if template is not None:
             (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
         if base_gguf is not None:
