@@ -41,9 +41,9 @@ def test_training_template_goes_into_gguf_folder_and_modelfile(tmp_path, tiny):
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
     fields = gguf.GGUFReader(str(result.gguf)).fields
     assert fields["tokenizer.chat_template"].contents() == PLAIN
-    assert (result.folder / "chat_template.jinja").read_text() == PLAIN
+    assert (result.folder / "chat_template.jinja").read_text() == "{{ bos_token }}" + PLAIN  # the base adds BOS
     _, tok = load(str(result.folder))
-    assert tok.chat_template == PLAIN
+    assert tok.chat_template == "{{ bos_token }}" + PLAIN
     assert load_model(str(result.gguf)).tokenizer.chat_template == PLAIN
     assert result.eos_token_ids == [2]  # plain writes no end-of-turn token: EOS ends a response
     modelfile = (result.folder / "Modelfile").read_text().splitlines()
@@ -250,3 +250,48 @@ def test_a_folder_base_keeps_its_generation_config_and_code_files(tmp_path):
     (base / "generation_config.json").write_text("{not json")  # mlx-lm ignores it too: the end tokens only
     result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out2"))
     assert json.loads((result.folder / "generation_config.json").read_text()) == {"eos_token_id": [2, 4]}
+
+
+def mlx_lm_prompt(folder, messages):
+    """The ids `mlx_lm.generate` (and mlx_lm.server) feed the model: the chat template's text, no special tokens
+    added (transformers' apply_chat_template adds none either)."""
+    from mlx_lm import load
+
+    _, tok = load(str(folder))
+    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+@pytest.mark.parametrize("template", [None, PLAIN])
+def test_folder_prompts_start_with_the_bos_training_put_there(tmp_path, tiny, template):
+    """The tiny base's tokenizer adds BOS (add_bos_token) and neither its ChatML nor plain writes it: training
+    (render.py) and llama.cpp put BOS first, mlx-lm's generate did not, so the merged folder ran without it."""
+    from dtrain.config import DataConfig
+    from dtrain.data import tokenize_rows
+    from dtrain.data.formats import Row
+
+    base, adapter = tiny
+    if template is not None:
+        record_template(adapter, template)
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    cfg = DataConfig(chat_template=None if template is None else "plain")
+    pairs, _ = tokenize_rows([Row("What is the capital of France?", "Paris", "London")],
+                             load_model(str(base)).tokenizer, cfg)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert pairs[0].prompt[0] == 1 and mlx_lm_prompt(result.folder, messages) == pairs[0].prompt
+    want = template or CHATML
+    assert result.chat_template == want  # the GGUF's and the Modelfile's: llama.cpp and Ollama add BOS themselves
+    assert gguf.GGUFReader(str(result.gguf)).fields["tokenizer.chat_template"].contents() == want
+    assert (result.folder / "chat_template.jinja").read_text() == "{{ bos_token }}" + want
+
+
+def test_folder_template_that_writes_bos_or_a_tokenizer_without_bos_is_kept():
+    from conftest import make_tokenizer
+
+    from dtrain.models.convert import with_bos
+
+    llama3 = "{{ bos_token }}" + CHATML
+    assert with_bos(make_tokenizer(add_bos=True), llama3) == llama3
+    assert with_bos(make_tokenizer(add_bos=False), CHATML) == CHATML
+    assert with_bos(make_tokenizer(add_bos=True), CHATML) == "{{ bos_token }}" + CHATML
+    assert with_bos(make_tokenizer(add_bos=True), None) is None

@@ -15,7 +15,9 @@ Exports carry what training used. The chat template is the one recorded in
 ``adapter_config.json`` (``chat_template``: the training run's
 ``data.chat_template`` text; older adapters: ``data.chat_template`` of the
 ``config.yaml`` beside them), else the base's own: it is the GGUF's
-``tokenizer.chat_template`` and the folder's ``chat_template.jinja``. The end
+``tokenizer.chat_template`` and the folder's ``chat_template.jinja`` (there with
+BOS in front where the tokenizer adds it and the template writes none:
+``convert.with_bos``). The end
 tokens are the base's EOS ids plus the template's end-of-turn token
 (``eos_token_id`` in ``config.json`` and ``generation_config.json``; in the GGUF,
 ``tokenizer.ggml.eot_token_id`` when llama.cpp would not stop at it by its
@@ -51,7 +53,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import DataError, ModelError
 from ..files import storage
-from .convert import check_new_folder, save_mlx_lm, write_folder
+from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
 from .load import DTYPES, LoadedModel, load_model
@@ -297,8 +299,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     template = trained_with or hf.chat_template
     config = dict(loaded.config)
     config["eos_token_id"] = end_tokens(loaded, trained_with)
-    if trained_with is not None:
-        hf.chat_template = trained_with
+    hf.chat_template = with_bos(loaded.tokenizer, template)  # the folder's; the GGUF and Modelfile keep ``template``
     loaded.model.set_dtype(DTYPES[dtype])
     result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
     source = None if base == "demo" or Path(base).expanduser().is_file() else base_folder(base)  # folder, hub id
@@ -309,8 +310,8 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         for code in sorted(source.glob("*.py")) if source is not None else ():  # remote code, as mlx_lm.fuse copies
             shutil.copyfile(code, tmp / code.name)
-        if template is not None:
-            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+        if hf.chat_template is not None:
+            (tmp / "chat_template.jinja").write_text(hf.chat_template, encoding="utf-8")
         if base_gguf is not None:
             name = f"model-{gguf_type.upper()}.gguf"
             meta = {"chat_template": template, "eos_token_ids": config["eos_token_id"],
