@@ -295,3 +295,31 @@ def test_folder_template_that_writes_bos_or_a_tokenizer_without_bos_is_kept():
     assert with_bos(make_tokenizer(add_bos=False), CHATML) == CHATML
     assert with_bos(make_tokenizer(add_bos=True), CHATML) == "{{ bos_token }}" + CHATML
     assert with_bos(make_tokenizer(add_bos=True), None) is None
+
+
+def test_dora_update_is_what_the_merge_changes(tmp_path, tiny):
+    """A DoRA adapter (mlx-lm's fine_tune_type dora) changes W by its magnitudes too: with lora_b zero
+    scale * B A is zero, yet the merge rescales every row. The rounding error was measured against
+    scale * B A alone (an infinite ratio and a warning here)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    base, _ = tiny
+    model = load_model(str(base), dtype="float32").model
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0}, use_dora=True)
+    weights = {k: 1.5 * v if k.endswith(".m") else v for k, v in tree_flatten(model.trainable_parameters())}
+    adapter = tmp_path / "dora"
+    adapter.mkdir()
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), weights)
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "dora", "num_layers": len(model.layers), "lora_parameters": {"rank": 4, "scale": 2.0,
+                                                                                         "dropout": 0.0}}))
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0", dtype="float32")
+    before = dict(tree_flatten(load_model(str(base), dtype="float32").model.parameters()))
+    after = dict(tree_flatten(load_model(str(result.folder), dtype="float32").model.parameters()))
+    _, update = result.quant_error["blk.1.ffn_down.weight"]
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert update == pytest.approx(float(np.linalg.norm(np.array(after[name]) - np.array(before[name]))), rel=1e-4)
+    assert result.quant_ratio() < 0.1 and result.quant_warning() is None

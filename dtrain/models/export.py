@@ -138,9 +138,9 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
 
     Returns:
         ``(loaded, updates)``: the loaded base whose LoRA layers are replaced by
-        fused ``nn.Linear``, and per fused weight name ``(scale, lora_a, lora_b)``
-        (numpy), whose update is ``ΔW = scale * lora_b.T @ lora_a.T`` as in
-        mlx-lm's ``LoRALinear.fuse``.
+        fused ``nn.Linear``, and per fused weight name ``‖ΔW‖`` (Frobenius), ΔW the
+        fused weight less the base's (``scale * lora_b.T @ lora_a.T`` as in mlx-lm's
+        ``LoRALinear.fuse``; a DoRA adapter's magnitude rescaling included).
 
     Raises:
         ModelError: missing adapter files, an adapter whose layers or shapes
@@ -175,8 +175,12 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
                          f"its adapter_config.json sets up on {base} ({', '.join(missing[:3])}"
                          f"{' ...' if len(missing) > 3 else ''}); the adapter is incomplete or its config is not "
                          "the one it was trained with")
-    updates = {f"{name}.weight": (float(m.scale), np.array(m.lora_a), np.array(m.lora_b)) for name, m in lora}
-    loaded.model.update_modules(tree_unflatten([(name, module.fuse()) for name, module in lora]))
+    fused = [(name, module.fuse()) for name, module in lora]
+    # what the merge changes: scale * B^T A^T for LoRA, DoRA's magnitude rescaling included
+    base_weight = lambda m: (m.linear if hasattr(m, "linear") else m.embedding).weight  # noqa: E731
+    updates = {f"{name}.weight": float(mx.linalg.norm((new.weight - base_weight(module)).astype(mx.float32)))
+               for (name, module), (_, new) in zip(lora, fused)}
+    loaded.model.update_modules(tree_unflatten(fused))
     mx.eval(loaded.model.parameters())
     return loaded, updates
 
@@ -420,9 +424,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
                 fallback.append(tensor.name)
             data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
             if kind in (Q.Q8_0, Q.Q4_0) and name in updates:
-                scale, a, b = updates[name]
                 err = np.linalg.norm(gguf.quants.dequantize(data, kind).reshape(w.shape) - w)
-                quant_error[tensor.name] = (float(err), float(np.linalg.norm(scale * (b.T @ a.T))))
+                quant_error[tensor.name] = (float(err), updates[name])
         writer.add_tensor(tensor.name, data, raw_dtype=kind if data.dtype == np.uint8 else None)
         counts[kind.name] += 1
     writer.write_header_to_file()
