@@ -41,9 +41,9 @@ def test_training_template_goes_into_gguf_folder_and_modelfile(tmp_path, tiny):
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
     fields = gguf.GGUFReader(str(result.gguf)).fields
     assert fields["tokenizer.chat_template"].contents() == PLAIN
-    assert (result.folder / "chat_template.jinja").read_text() == PLAIN
+    assert (result.folder / "chat_template.jinja").read_text() == "{{ bos_token }}" + PLAIN  # the base adds BOS
     _, tok = load(str(result.folder))
-    assert tok.chat_template == PLAIN
+    assert tok.chat_template == "{{ bos_token }}" + PLAIN
     assert load_model(str(result.gguf)).tokenizer.chat_template == PLAIN
     assert result.eos_token_ids == [2]  # plain writes no end-of-turn token: EOS ends a response
     modelfile = (result.folder / "Modelfile").read_text().splitlines()
@@ -228,3 +228,98 @@ def test_q4_0_rounding_that_swamps_a_small_update_warns(tmp_path, capsys):
     assert "warning: Q4_0 rounding moves the adapted weights" in err and "28 adapted matrices, 28 of them above 1x" in err
     assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "f16"), "--gguf", "f16"]) == 0
     assert "warning" not in capsys.readouterr().err  # no block rounding measured for f16
+
+
+def test_a_folder_base_keeps_its_generation_config_and_code_files(tmp_path):
+    """mlx_lm.fuse copies the base folder's generation_config.json and *.py files; the export kept only its
+    own eos_token_id, so transformers' generate lost the base's sampling defaults (and remote code its files)."""
+    from fixtures_launch import make_model_folder
+    from transformers import GenerationConfig
+
+    base = make_model_folder(tmp_path / "model")
+    (base / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    (base / "modeling_tiny.py").write_text("# remote code\n")
+    write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"))
+    saved = json.loads((result.folder / "generation_config.json").read_text())
+    assert saved == {"bos_token_id": 1, "eos_token_id": [2, 4], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    gen = GenerationConfig.from_pretrained(str(result.folder))
+    assert (gen.temperature, gen.top_p, gen.eos_token_id) == (0.6, 0.9, [2, 4])
+    assert (result.folder / "modeling_tiny.py").read_text() == "# remote code\n"
+    (base / "generation_config.json").write_text("{not json")  # mlx-lm ignores it too: the end tokens only
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out2"))
+    assert json.loads((result.folder / "generation_config.json").read_text()) == {"eos_token_id": [2, 4]}
+
+
+def mlx_lm_prompt(folder, messages):
+    """The ids `mlx_lm.generate` (and mlx_lm.server) feed the model: the chat template's text, no special tokens
+    added (transformers' apply_chat_template adds none either)."""
+    from mlx_lm import load
+
+    _, tok = load(str(folder))
+    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                      add_special_tokens=False)
+
+
+@pytest.mark.parametrize("template", [None, PLAIN])
+def test_folder_prompts_start_with_the_bos_training_put_there(tmp_path, tiny, template):
+    """The tiny base's tokenizer adds BOS (add_bos_token) and neither its ChatML nor plain writes it: training
+    (render.py) and llama.cpp put BOS first, mlx-lm's generate did not, so the merged folder ran without it."""
+    from dtrain.config import DataConfig
+    from dtrain.data import tokenize_rows
+    from dtrain.data.formats import Row
+
+    base, adapter = tiny
+    if template is not None:
+        record_template(adapter, template)
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    cfg = DataConfig(chat_template=None if template is None else "plain")
+    pairs, _ = tokenize_rows([Row("What is the capital of France?", "Paris", "London")],
+                             load_model(str(base)).tokenizer, cfg)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert pairs[0].prompt[0] == 1 and mlx_lm_prompt(result.folder, messages) == pairs[0].prompt
+    want = template or CHATML
+    assert result.chat_template == want  # the GGUF's and the Modelfile's: llama.cpp and Ollama add BOS themselves
+    assert gguf.GGUFReader(str(result.gguf)).fields["tokenizer.chat_template"].contents() == want
+    assert (result.folder / "chat_template.jinja").read_text() == "{{ bos_token }}" + want
+
+
+def test_folder_template_that_writes_bos_or_a_tokenizer_without_bos_is_kept():
+    from conftest import make_tokenizer
+
+    from dtrain.models.convert import with_bos
+
+    llama3 = "{{ bos_token }}" + CHATML
+    assert with_bos(make_tokenizer(add_bos=True), llama3) == llama3
+    assert with_bos(make_tokenizer(add_bos=False), CHATML) == CHATML
+    assert with_bos(make_tokenizer(add_bos=True), CHATML) == "{{ bos_token }}" + CHATML
+    assert with_bos(make_tokenizer(add_bos=True), None) is None
+
+
+def test_dora_update_is_what_the_merge_changes(tmp_path, tiny):
+    """A DoRA adapter (mlx-lm's fine_tune_type dora) changes W by its magnitudes too: with lora_b zero
+    scale * B A is zero, yet the merge rescales every row. The rounding error was measured against
+    scale * B A alone (an infinite ratio and a warning here)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    base, _ = tiny
+    model = load_model(str(base), dtype="float32").model
+    model.freeze()
+    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0}, use_dora=True)
+    weights = {k: 1.5 * v if k.endswith(".m") else v for k, v in tree_flatten(model.trainable_parameters())}
+    adapter = tmp_path / "dora"
+    adapter.mkdir()
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), weights)
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "dora", "num_layers": len(model.layers), "lora_parameters": {"rank": 4, "scale": 2.0,
+                                                                                         "dropout": 0.0}}))
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0", dtype="float32")
+    before = dict(tree_flatten(load_model(str(base), dtype="float32").model.parameters()))
+    after = dict(tree_flatten(load_model(str(result.folder), dtype="float32").model.parameters()))
+    _, update = result.quant_error["blk.1.ffn_down.weight"]
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert update == pytest.approx(float(np.linalg.norm(np.array(after[name]) - np.array(before[name]))), rel=1e-4)
+    assert result.quant_ratio() < 0.1 and result.quant_warning() is None

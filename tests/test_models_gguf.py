@@ -238,7 +238,11 @@ def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
     np.testing.assert_allclose(np.array(model(TOKENS)), np.array(loaded.model(TOKENS)), rtol=1e-5, atol=1e-5)
     text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>"
     assert tok.encode(text) == loaded.tokenizer.encode(text)
-    assert tok.chat_template == CHATML
+    assert tok.chat_template == "{{ bos_token }}" + CHATML  # the GGUF adds BOS; mlx-lm's chat prompts add none
+    hi = [{"role": "user", "content": "hi"}]
+    rendered = tok.apply_chat_template(hi, tokenize=False, add_generation_prompt=True)
+    assert tok.encode(rendered, add_special_tokens=False) == loaded.tokenizer.encode(
+        loaded.tokenizer.apply_chat_template(hi, tokenize=False, add_generation_prompt=True))
     with pytest.raises(ModelError, match="output folder already exists and is not empty"):
         convert_gguf(str(path), str(out))
     cli = [sys.executable, "-m", "mlx_lm", "generate", "--model", str(out), "--prompt", "hi", "--max-tokens", "3"]

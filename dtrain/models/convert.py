@@ -22,7 +22,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     entry when quantized weights are kept), ``model.safetensors`` (HF tensor
     names; llama Q/K rows un-permuted, gemma3 norms without llama.cpp's +1) and
     the tokenizer files from ``PreTrainedTokenizerFast.save_pretrained``
-    (including the chat template), so ``mlx_lm.load(out_dir)`` and
+    (including the chat template, with BOS in front where llama.cpp adds it and
+    the template writes none: :func:`with_bos`), so ``mlx_lm.load(out_dir)`` and
     ``python -m mlx_lm generate --model OUT_DIR --adapter-path ADAPTER`` work.
     It is written into a temporary sibling folder and renamed into place.
 
@@ -52,7 +53,32 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
         raise ModelError(f"{gguf_path}: cannot build the tokenizer from GGUF metadata: {err}") from None
     model, config = build_gguf_model(gm, keep_quantized=not dequantize, float_dtype=None)
     config["eos_token_id"] = eos_token_ids(gm.metadata)
+    tokenizer.chat_template = with_bos(tokenizer, tokenizer.chat_template)
     return write_folder(out_dir, lambda tmp: save_mlx_lm(tmp, model, config, tokenizer))
+
+
+def with_bos(tokenizer, template: str | None) -> str | None:
+    """``template`` for a model folder: ``{{ bos_token }}`` in front when the tokenizer adds BOS to a text and the
+    template writes none.
+
+    Training (data/render.py) and llama.cpp put that BOS before a rendered chat; mlx-lm's generate and server, and
+    transformers' ``apply_chat_template``, tokenize it with no special tokens added, so a folder's template writes
+    BOS itself. The GGUF keeps the template as it is (llama.cpp would add a second BOS).
+    """
+    from ..data.formats import BadRow
+    from ..data.render import RowTokenizer
+    from ..data.templates import Renderer, hf_tokenizer
+    from ..errors import DataError
+
+    hf = hf_tokenizer(tokenizer)
+    bos = hf.bos_token
+    if template is None or not bos or RowTokenizer.own_additions(tokenizer)[0] != (hf.convert_tokens_to_ids(bos),):
+        return template
+    try:
+        text = Renderer(hf, template, name="export").render([{"role": "user", "content": "1"}], True)
+    except (BadRow, DataError):  # a template that refuses the probe is left as it is
+        return template
+    return template if text.startswith(bos) else "{{ bos_token }}" + template
 
 
 def save_mlx_lm(folder: Path, model, config: dict, tokenizer) -> None:

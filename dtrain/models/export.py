@@ -15,11 +15,14 @@ Exports carry what training used. The chat template is the one recorded in
 ``adapter_config.json`` (``chat_template``: the training run's
 ``data.chat_template`` text; older adapters: ``data.chat_template`` of the
 ``config.yaml`` beside them), else the base's own: it is the GGUF's
-``tokenizer.chat_template`` and the folder's ``chat_template.jinja``. The end
+``tokenizer.chat_template`` and the folder's ``chat_template.jinja`` (there with
+BOS in front where the tokenizer adds it and the template writes none:
+``convert.with_bos``). The end
 tokens are the base's EOS ids plus the template's end-of-turn token
 (``eos_token_id`` in ``config.json`` and ``generation_config.json``; in the GGUF,
 ``tokenizer.ggml.eot_token_id`` when llama.cpp would not stop at it by its
-text). ``general.name`` is ``"<base name> + <adapter>"`` with the base in
+text). A folder or hub base's own ``generation_config.json`` (sampling defaults)
+is kept with those end tokens, and its ``*.py`` files are copied, as ``mlx_lm.fuse`` does. ``general.name`` is ``"<base name> + <adapter>"`` with the base in
 ``general.base_model.0.name``. Beside the GGUF an Ollama ``Modelfile``
 (modelfile.py) holds ``FROM``, the template as ``TEMPLATE`` and one
 ``PARAMETER stop`` per end token.
@@ -38,6 +41,7 @@ the user decides, and a wider type is the remedy named in the warning.
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +53,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import DataError, ModelError
 from ..files import storage
-from .convert import check_new_folder, save_mlx_lm, write_folder
+from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
 from .load import DTYPES, LoadedModel, load_model
@@ -134,9 +138,9 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
 
     Returns:
         ``(loaded, updates)``: the loaded base whose LoRA layers are replaced by
-        fused ``nn.Linear``, and per fused weight name ``(scale, lora_a, lora_b)``
-        (numpy), whose update is ``ΔW = scale * lora_b.T @ lora_a.T`` as in
-        mlx-lm's ``LoRALinear.fuse``.
+        fused ``nn.Linear``, and per fused weight name ``‖ΔW‖`` (Frobenius), ΔW the
+        fused weight less the base's (``scale * lora_b.T @ lora_a.T`` as in mlx-lm's
+        ``LoRALinear.fuse``; a DoRA adapter's magnitude rescaling included).
 
     Raises:
         ModelError: missing adapter files, an adapter whose layers or shapes
@@ -171,8 +175,12 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
                          f"its adapter_config.json sets up on {base} ({', '.join(missing[:3])}"
                          f"{' ...' if len(missing) > 3 else ''}); the adapter is incomplete or its config is not "
                          "the one it was trained with")
-    updates = {f"{name}.weight": (float(m.scale), np.array(m.lora_a), np.array(m.lora_b)) for name, m in lora}
-    loaded.model.update_modules(tree_unflatten([(name, module.fuse()) for name, module in lora]))
+    fused = [(name, module.fuse()) for name, module in lora]
+    # what the merge changes: scale * B^T A^T for LoRA, DoRA's magnitude rescaling included
+    base_weight = lambda m: (m.linear if hasattr(m, "linear") else m.embedding).weight  # noqa: E731
+    updates = {f"{name}.weight": float(mx.linalg.norm((new.weight - base_weight(module)).astype(mx.float32)))
+               for (name, module), (_, new) in zip(lora, fused)}
+    loaded.model.update_modules(tree_unflatten(fused))
     mx.eval(loaded.model.parameters())
     return loaded, updates
 
@@ -230,6 +238,31 @@ def end_tokens(loaded: LoadedModel, template: str | None) -> list:
     return sorted(int(i) for i in ids if i is not None)
 
 
+def base_folder(base: str) -> Path | None:
+    """The folder of an mlx-lm/HF base: ``base`` itself, or a hub id's snapshot in the local cache (None: not found)."""
+    if Path(base).expanduser().is_dir():
+        return Path(base).expanduser()
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return hf_repo_to_path(base)
+    except Exception:  # not in the cache, or not a hub id: nothing to carry over
+        return None
+
+
+def base_generation_config(folder: Path | None) -> dict:
+    """The base folder's ``generation_config.json`` (sampling defaults ...), or {} when it has none or it is not
+    a JSON object (mlx-lm ignores such a file too)."""
+    path = folder / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | None = None,
                    dtype: str = "bfloat16", allow_base_mismatch: bool = False,
                    report: Callable[[str], None] | None = None) -> ExportResult:
@@ -270,16 +303,19 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     template = trained_with or hf.chat_template
     config = dict(loaded.config)
     config["eos_token_id"] = end_tokens(loaded, trained_with)
-    if trained_with is not None:
-        hf.chat_template = trained_with
+    hf.chat_template = with_bos(loaded.tokenizer, template)  # the folder's; the GGUF and Modelfile keep ``template``
     loaded.model.set_dtype(DTYPES[dtype])
     result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
+    source = None if base == "demo" or Path(base).expanduser().is_file() else base_folder(base)  # folder, hub id
 
     def fill(tmp: Path) -> None:
         save_mlx_lm(tmp, loaded.model, config, loaded.tokenizer)
-        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}, indent=2))
-        if template is not None:
-            (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+        generation = {**base_generation_config(source), "eos_token_id": config["eos_token_id"]}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        for code in sorted(source.glob("*.py")) if source is not None else ():  # remote code, as mlx_lm.fuse copies
+            shutil.copyfile(code, tmp / code.name)
+        if hf.chat_template is not None:
+            (tmp / "chat_template.jinja").write_text(hf.chat_template, encoding="utf-8")
         if base_gguf is not None:
             name = f"model-{gguf_type.upper()}.gguf"
             meta = {"chat_template": template, "eos_token_ids": config["eos_token_id"],
@@ -388,9 +424,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
                 fallback.append(tensor.name)
             data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
             if kind in (Q.Q8_0, Q.Q4_0) and name in updates:
-                scale, a, b = updates[name]
                 err = np.linalg.norm(gguf.quants.dequantize(data, kind).reshape(w.shape) - w)
-                quant_error[tensor.name] = (float(err), float(np.linalg.norm(scale * (b.T @ a.T))))
+                quant_error[tensor.name] = (float(err), updates[name])
         writer.add_tensor(tensor.name, data, raw_dtype=kind if data.dtype == np.uint8 else None)
         counts[kind.name] += 1
     writer.write_header_to_file()
