@@ -17,7 +17,7 @@ from dtrain.run.best import DIRECTIONS, REPORTED, pick_best
 from dtrain.config import load_config
 from dtrain.errors import ConfigError, UserError
 from dtrain.run.tracking import read_events, read_scalars
-from dtrain.run.trainer import train
+from dtrain.run.trainer import TrainResult, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,6 +205,17 @@ def test_resume_of_an_early_stopped_run_saves_and_logs_nothing_again(tmp_path, s
     assert again.run_dir == first.run_dir
     tags = [v.tag for e in read_events(again.run_dir) for v in e.summary.value]
     assert tags.count("_hparams_/experiment") == 1
+
+
+def test_the_sft_summary_names_the_kept_step_and_the_early_stop():
+    """SFT has no accuracy: its summary is the held-out NLL, and with keep_best it still says which step
+    adapters/ holds (and that the run stopped early), as the preference objectives' summary does."""
+    nll = "eval/nll_loss"
+    evals = {s: {"eval/loss": v, nll: v, CHOSEN: -v} for s, v in ((0, 2.0), (5, 1.5), (10, 1.7), (15, 1.8))}
+    result = TrainResult(steps=15, evals=evals, best=pick_best(evals, nll), best_metric=nll, early_stopped=True)
+    assert result.summary() == ("eval NLL of the completions: step 0 2.000 -> step 15 1.800; early stop; "
+                                f"adapters/ holds step 5 ({nll} 1.5000)")
+    assert TrainResult(steps=15, evals=evals).summary() == "eval NLL of the completions: step 0 2.000 -> step 15 1.800"
 
 
 def test_keep_best_needs_evaluations(tmp_path):

@@ -60,15 +60,16 @@ class TrainResult:
 
     def summary(self) -> Optional[str]:
         """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation (sft: the
-        held-out NLL), or None."""
+        held-out NLL), then with ``train.keep_best`` the kept step (and an early stop), or None."""
         if len(self.evals) < 2:
             return None
         first, last = min(self.evals), max(self.evals)
         if ACCURACY not in self.evals[first]:  # sft: no rejected responses, no accuracy
-            return (f"eval NLL of the completions: step {first} {self.evals[first]['eval/nll_loss']:.3f} -> "
+            line = (f"eval NLL of the completions: step {first} {self.evals[first]['eval/nll_loss']:.3f} -> "
                     f"step {last} {self.evals[last]['eval/nll_loss']:.3f}")
-        line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
-                f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
+        else:
+            line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
+                    f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
         if self.best is not None:
             line += "; early stop" if self.early_stopped else ""
             line += f"; {keep_best.describe(self.best, self.best_metric)}"
