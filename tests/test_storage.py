@@ -182,7 +182,7 @@ def test_cli_exit_status_2_and_one_line_on_a_full_disk(tmp_path):
 
 def plan(keep_last=2, steps=8, save_every=2):
     saves = tuple(s for s in range(1, steps + 1) if s == steps or s % save_every == 0)
-    return output.DiskPlan(3_000_000, saves, keep_last)
+    return output.DiskPlan(4_000_000, saves, keep_last)
 
 
 @pytest.mark.parametrize("kept, done, more", [
@@ -192,7 +192,22 @@ def plan(keep_last=2, steps=8, save_every=2):
     (2, 8, 0),  # resume of the final step: nothing more but the adapter
 ])
 def test_disk_plan_counts_the_checkpoints_already_on_disk(kept, done, more):
-    assert plan().need(kept, done) == (more * 3_000_000 + 1_000_000, more)
+    assert plan().need(kept, done) == (more * 4_000_000 + 1_000_000, more)
+
+
+def test_disk_plan_of_keep_best_counts_both_adapter_folders(tmp_path, monkeypatch):
+    """A checkpoint is 4 adapters' worth (its adapter, AdamW's two moments, the best step's copy); a
+    train.keep_best run ends by writing two adapter folders (adapters/ and adapters-last/), each an
+    adapter's worth, and the trainer plans for both."""
+    saves = (2, 4, 6, 8)
+    assert output.DiskPlan(4_000_000, saves, 2, adapters=2).need(2, 8) == (2_000_000, 0)
+    assert output.DiskPlan(4_000_000, saves, 2, adapters=2).need(0, 0) == (3 * 4_000_000 + 2_000_000, 3)
+    plans = []
+    real = output.prepare_output
+    monkeypatch.setattr(output, "prepare_output", lambda out, p, resuming: plans.append(p) or real(out, p, resuming))
+    run(tmp_path / "best", "train.steps=2", "train.eval_every=1", "train.keep_best=eval/loss")
+    run(tmp_path / "last", "train.steps=2")
+    assert [p.adapters for p in plans] == [2, 1]
 
 
 def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, monkeypatch):
@@ -200,15 +215,15 @@ def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, m
     from collections import namedtuple
 
     run(tmp_path, "train.steps=4", "train.save_every=2")  # keep_last 2: step-2 and step-4 on disk
-    p = output.DiskPlan(3_000_000, (2, 4, 6), 2)
+    p = output.DiskPlan(4_000_000, (2, 4, 6), 2)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 4_000_000))
-    output.prepare_output(tmp_path, p, resuming=True).release()  # 3 MB checkpoint + 1 MB adapter fit in 4 MB
-    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 3_999_999))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 5_000_000))
+    output.prepare_output(tmp_path, p, resuming=True).release()  # 4 MB checkpoint + 1 MB adapter fit in 5 MB
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 4_999_999))
     with pytest.raises(UserError) as err:
         output.prepare_output(tmp_path, p, resuming=True)
-    assert str(err.value) == (f"output folder {tmp_path} has 4.0 MB free; this run needs about 4.0 MB there: 1 new "
-                              f"checkpoint(s) of 3.0 MB before the oldest beyond train.keep_last=2 is pruned (2 on "
+    assert str(err.value) == (f"output folder {tmp_path} has 5.0 MB free; this run needs about 5.0 MB there: 1 new "
+                              f"checkpoint(s) of 4.0 MB before the oldest beyond train.keep_last=2 is pruned (2 on "
                               f"disk now), and the adapter")
 
 

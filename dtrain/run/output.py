@@ -36,11 +36,14 @@ class DiskPlan:
     ``checkpoint_bytes``: one checkpoint (:func:`estimate_bytes`).
     ``save_steps``: the steps that save a checkpoint (``save_every`` multiples and the last step).
     ``keep_last``: ``train.keep_last``.
+    ``adapters``: adapter folders written at the end (2 with ``train.keep_best``: ``adapters/`` and
+    ``adapters-last/``).
     """
 
     checkpoint_bytes: int
     save_steps: tuple
     keep_last: int
+    adapters: int = 1
 
     def need(self, kept: int, done_step: int) -> tuple[int, int]:
         """``(bytes, new checkpoints on disk at the peak)`` still needed after step ``done_step``.
@@ -48,12 +51,13 @@ class DiskPlan:
         Each save writes a new checkpoint before the oldest beyond ``keep_last``
         is pruned, so at the peak ``keep_last + 1`` coexist: the ``kept``
         checkpoints already on disk (a resume's, the one it will prune
-        included) count toward them. The adapter folder at the end takes a
-        third of a checkpoint (the weights without AdamW's two moments).
+        included) count toward them. Each adapter folder at the end takes a
+        quarter of a checkpoint (:func:`estimate_bytes`: the weights without
+        AdamW's two moments and the best step's copy).
         """
         ahead = sum(1 for s in self.save_steps if s > done_step)
         more = max(min(self.keep_last + 1, kept + ahead) - kept, 0)
-        return more * self.checkpoint_bytes + self.checkpoint_bytes // 3, more
+        return more * self.checkpoint_bytes + self.adapters * (self.checkpoint_bytes // 4), more
 
 
 class OutputLock:
@@ -145,7 +149,8 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         need, more = plan.need(len(kept), int(earlier.name.removeprefix(PREFIX)) if earlier else 0)
         check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
                                     f"oldest beyond train.keep_last={plan.keep_last} is pruned ({len(kept)} on disk "
-                                    f"now), and the adapter")
+                                    f"now), and the adapter"
+                                    + (f" folders ({plan.adapters})" if plan.adapters > 1 else ""))
     except BaseException:
         lock.release()
         raise
