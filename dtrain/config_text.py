@@ -13,6 +13,7 @@ import yaml
 
 from .config import ALIASES, Config, describe_fields, load_config, type_name
 from .errors import ConfigError
+from .run.best import REPORTED
 
 
 def is_override_flag(arg: str) -> bool:
@@ -93,6 +94,8 @@ def describe(cfg: Optional[Config] = None, active: Optional[set] = None) -> str:
         lines += [""] if lines and active is not None else []
         lines.append(f"{section.name}:")
         for key, tp, _, meta in describe_fields(type(sub)):
+            if (section.name, key) == ("train", "keep_best"):  # the metrics this objective.kind reports
+                meta = {**meta, "choices": REPORTED[cfg.objective.kind]}
             off = "" if active is None or (section.name, key) in active else "# "
             text = f"  {off}{key}: {yaml_value(getattr(sub, ALIASES.get(key, key)))}"
             lines.append(f"{text:<34} # {meta.get('help', '')} [{allowed(tp, meta)}]")

@@ -284,6 +284,16 @@ def test_each_objective_reports_the_keep_best_metrics_the_config_allows_it(kind)
     assert sorted(REPORTED[kind]) == sorted(m for m in DIRECTIONS if m in reported)
 
 
+@pytest.mark.parametrize("kind", sorted(REPORTED))
+def test_dtrain_config_lists_the_keep_best_metrics_of_the_objective(kind):
+    """README: the metrics keep_best accepts depend on objective.kind, and ``dtrain config`` lists them."""
+    from dtrain.config_text import describe
+
+    cfg = load_config(None, ["data.demo_pairs=1", f"objective.kind={kind}"])
+    (line,) = [x for x in describe(cfg).splitlines() if x.strip().startswith("keep_best:")]
+    assert line.endswith(f"[null | {' | '.join(REPORTED[kind])}]")
+
+
 def test_keep_best_guard_is_refused_for_dpo_whose_logps_are_sums_per_response():
     args = ["data.demo_pairs=4", "train.eval_every=1", "train.keep_best=eval/loss", "train.keep_best_guard=0.0"]
     for loss_type in ("sigmoid", "hinge"):
