@@ -91,9 +91,8 @@ def _train(args, overrides) -> int:
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
     if group.is_main:
-        if result.stopped:
-            print(f"stopped after step {result.steps}; continue with --train.resume auto")
-        elif summary := result.summary():  # from the run's evaluations, those before a resume included
+        # a stopped run has said how to continue (trainer.loop); a finished one shows its evaluations, a resume's included
+        if not result.stopped and (summary := result.summary()):
             print(summary)
     return 0
 

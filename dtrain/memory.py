@@ -124,7 +124,7 @@ def out_of_memory_text(where: str, budget_gb: float, err: BaseException) -> str:
     return (f"out of memory {where} ({first}; peak {mx.get_peak_memory() / GIB:.1f} GiB held by MLX): "
             f"{budget} is more than this device gives the run. Lower engine.memory_budget_gb (engine.kind auto then "
             f"recomputes layer ranges), train.micro_batch_pairs or data.max_length; checkpoints already written are "
-            f"intact and train.resume=auto continues from the latest")
+            f"intact and --train.resume auto continues from the latest")
 
 
 def weight_bytes(model) -> int:

@@ -174,7 +174,7 @@ def test_sigint_during_a_step_saves_right_after_that_step(tmp_path):
     stopped = json.loads((tmp_path / "result-rank0.json").read_text())
     assert stopped["stopped"] and stopped["steps"] == 3 and len(stopped["history"]) == 3
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000003"]
-    assert "stopped by signal after step 3; checkpoint saved, resume with train.resume=auto" in err
+    assert "stopped by signal after step 3; checkpoint saved, continue with --train.resume auto" in err
 
 
 def catches(pid: int, sig: int) -> bool:

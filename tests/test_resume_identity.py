@@ -562,3 +562,23 @@ def test_a_checkpoint_that_recorded_the_init_adapter_by_its_path_still_continues
     with pytest.raises(UserError, match="train.init_adapter: None in the checkpoint, 'abab"):
         ckpt.check_resumable(older, dataclasses.replace(saved, init_adapter="ab" * 32), saved.position["next_pairs"],
                              Path("step-0000002"))
+
+
+def test_resume_auto_with_no_checkpoint_says_the_run_starts_anew(tmp_path, capsys):
+    """A mistyped train.output_dir under --train.resume auto trained from step 1 without a word."""
+    result, _ = run(tmp_path / "new", "train.steps=1", "train.resume=auto")
+    assert result.steps == 1
+    assert f"train.resume auto: no checkpoint in {tmp_path / 'new' / 'checkpoints'}; this run starts at step 1" in (
+        capsys.readouterr().err)
+
+
+def test_resuming_a_run_extended_to_its_end_names_no_steps_to_come(tmp_path, capsys):
+    """A finished run extended past its schedule, resumed again at its end, said "steps 4-3 hold its final
+    learning rate" and "resumed ... at step 4" with train.steps 3: nothing is left to train."""
+    run(tmp_path, "train.steps=2")
+    run(tmp_path, "train.steps=3", "train.resume=auto")
+    capsys.readouterr()
+    again, _ = run(tmp_path, "train.steps=3", "train.resume=auto")
+    err = capsys.readouterr().err
+    assert again.history == [] and "is past the" not in err
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-0000003'} after its last step, 3" in err

@@ -83,7 +83,7 @@ def test_fresh_run_into_a_folder_with_checkpoints_is_refused(tmp_path):
 
     run(tmp_path, "train.steps=1")
     with pytest.raises(UserError, match="already holds checkpoints of an earlier run .newest step-0000001.; "
-                                        "continue it with train.resume=auto"):
+                                        "continue it with --train.resume auto"):
         run(tmp_path, "train.steps=2")
     resumed, _ = run(tmp_path, "train.steps=2", "train.resume=auto")
     assert len(resumed.history) == 1  # step 2 only
@@ -386,7 +386,7 @@ def test_out_of_memory_is_one_message_and_the_checkpoints_stay(tmp_path, text):
     message = str(err.value)
     assert message.startswith(f"out of memory after step 2 of 4 ({text.splitlines()[0]}; peak ")
     assert "engine.memory_budget_gb 3.5 is more than this device gives the run" in message
-    assert "train.resume=auto continues from the latest" in message and "\n" not in message
+    assert "--train.resume auto continues from the latest" in message and "\n" not in message
     saved = ckpt.list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in saved] == [ckpt.checkpoint_dir(tmp_path / "checkpoints", 2).name]
     assert ckpt.validate(saved[0]) is None  # complete: a resume can take it

@@ -345,6 +345,8 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
     if group.is_main:
         try:
             path = find_latest(root, report) if spec == "auto" else Path(spec)
+            if path is None:  # a mistyped train.output_dir would otherwise start over without a word
+                report(f"train.resume auto: no checkpoint in {root}; this run starts at step 1")
             if path is not None:
                 found = load_checkpoint(path)
                 check_resumable(found.state, current, next_pairs(found.state.step + 1), path, model_aliases)

@@ -136,7 +136,7 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
-                            f"continue it with train.resume=auto, or choose another train.output_dir")
+                            f"continue it with --train.resume auto, or choose another train.output_dir")
         made = [p for p in (OutputDir(out).adapters, OutputDir(out).adapters_last) if p.exists()]
         if earlier is None and made:
             # a damaged checkpoint is named: "no checkpoint" beside one would send the user looking elsewhere

@@ -181,7 +181,7 @@ def loop(run: Run) -> TrainResult:
                             f"(last batch: {sources}); saved a checkpoint and stopped")
         if out.stop:
             save(run, step)
-            run.log.message(f"stopped by signal after step {step}; checkpoint saved, resume with train.resume=auto")
+            run.log.message(f"stopped by signal after step {step}; checkpoint saved, continue with --train.resume auto")
             result.steps, result.stopped = step, True
             return result
         if _every(step, run.cfg.distributed.check_sync_every):
@@ -323,7 +323,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                                 f"raise train.steps to continue it")
             state = replace(resumed.state, world_size=group.size)
             optimizer.schedule_steps = state.schedule_steps
-            if t.steps > state.schedule_steps and notice is not None:
+            if t.steps > max(state.schedule_steps, state.step) and notice is not None:  # steps left, past the plan
                 notice(extension_notice(state.step, t, state.schedule_steps))
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
@@ -343,7 +343,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
                     + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
-                    + (f"; resumed from {resumed.path} at step {state.step + 1}" if resumed else ""))
+                    + (f"; resumed from {resumed.path} " + (f"at step {state.step + 1}" if state.step < t.steps else
+                                                              f"after its last step, {state.step}") if resumed else ""))
         step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group,
                     hyper=lambda_control.hyper(cfg.orpo, state.lambda_control, engine.objective.hyper()),
                     memory_budget=run_budget_bytes(cfg.engine.memory_budget_gb))
