@@ -198,7 +198,8 @@ def cache_file(key: dict) -> Path:
 
 def probe_key(env: dict) -> dict:
     """What a probe's result depends on: candidate libraries (path, size, mtime), CPU model and
-    flags, MLX's version, this Python, the user's ``OPENBLAS_CORETYPE``, the probe's size."""
+    flags, MLX's version, this Python (its environment and interpreter file: ``.venv/bin/python``
+    and ``python3`` are one), the user's ``OPENBLAS_CORETYPE``, the probe's size."""
     from importlib import metadata
 
     libraries = {}
@@ -213,7 +214,7 @@ def probe_key(env: dict) -> dict:
     except metadata.PackageNotFoundError:
         mlx_version = ""
     return {"libraries": libraries, "cpu": [model, sorted(cpu_flags(cpuinfo))], "mlx": mlx_version,
-            "python": sys.executable, "user_core": env.get("OPENBLAS_CORETYPE") or "", "probe_n": PROBE_N}
+            "python": [sys.prefix, os.path.realpath(sys.executable)], "user_core": env.get("OPENBLAS_CORETYPE") or "", "probe_n": PROBE_N}
 
 
 def _cached(key: dict, path: Path) -> Optional[Blas]:

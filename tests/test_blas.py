@@ -147,6 +147,18 @@ def test_the_probe_result_is_reused_while_library_and_cpu_are_the_same(monkeypat
     assert blas.choose({}, cache=False).line() == first.line() and calls == [None, None]
 
 
+def test_the_same_environment_by_another_interpreter_name_reuses_the_probe(monkeypatch, tmp_path):
+    """.venv/bin/python and .venv/bin/python3 (after activating the venv) probed twice, and kept two files."""
+    calls = _probed_machine(monkeypatch, tmp_path, f"model name\t: Xeon A\nflags\t: {ICE_LAKE}\n")
+    other = tmp_path / "bin" / "python3"
+    other.parent.mkdir()
+    other.symlink_to(sys.executable)
+    blas.choose({})
+    monkeypatch.setattr(blas.sys, "executable", str(other))
+    assert "reused" in blas.choose({}).line() and calls == [None]
+    assert len(list((tmp_path / "cache").glob("blas-*.json"))) == 1
+
+
 @pytest.mark.parametrize("change", ["library rewritten", "cpu model", "cpu flags", "mlx version", "user core type"])
 def test_a_changed_library_cpu_or_mlx_probes_again(monkeypatch, tmp_path, change):
     cpuinfo = f"model name\t: Xeon A\nflags\t: {ICE_LAKE}\n"
