@@ -228,6 +228,8 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
                                          r"adapter_config\.json\)"):
         (tmp_path / "empty").mkdir()
         export_adapter(str(tmp_path / "empty"), str(base), str(tmp_path / "o1"))
+    with pytest.raises(ModelError, match=r"adaptrs: no such adapter folder$"):  # a mistyped path
+        export_adapter(str(tmp_path / "adaptrs"), str(base), str(tmp_path / "o1"))
     other = tmp_path / "other.gguf"
     write_tiny_llama(other, {}, intermediate_size=96)
     with pytest.raises(ModelError, match=r"adapter: this adapter does not fit the base model .*other\.gguf: "

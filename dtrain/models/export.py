@@ -149,6 +149,8 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     from mlx_lm.tuner.utils import load_adapters
 
     folder = Path(adapter_dir)
+    if not folder.is_dir():  # a mistyped path: say so, not which files it lacks
+        raise ModelError(f"{adapter_dir}: no such adapter folder" + (" (a file)" if folder.exists() else ""))
     missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
     if missing:
         raise ModelError(f"{adapter_dir}: not an adapter folder (missing {', '.join(missing)})")
