@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -68,9 +69,10 @@ def test_two_ranks_under_mpirun_equal_one_rank(job, tmp_path):
 
 
 def summary_lines(stderr: str) -> list[str]:
-    """The launcher's summary of how its ranks ended (not its "stopping the other rank(s)" line)."""
-    return [x for x in stderr.splitlines()
-            if x.startswith(("launch: rank ", "launch: rank(s) ")) and not x.endswith("stopping the other rank(s)")]
+    """The launcher's summary of how its ranks ended (not its "rank N failed (...)[; stopping the other
+    rank(s)]" line when the first failure came)."""
+    return [x for x in stderr.splitlines() if x.startswith(("launch: rank ", "launch: rank(s) "))
+            and not x.endswith("stopping the other rank(s)") and not re.match(r"launch: rank \d+ failed \(", x)]
 
 
 def test_failing_ranks_give_their_status_and_point_to_the_message(job, tmp_path):
@@ -123,6 +125,7 @@ def test_one_rank_failure_points_to_its_message(job, tmp_path):
     r = launch(job["config"], "--model.path", tmp_path / "missing")
     assert r.returncode == 2
     assert summary_lines(r.stderr) == ["launch: rank 0 failed with exit status 2 (user error); its message is above"]
+    assert "launch: rank 0 failed (exit status 2 (user error))\n" in r.stderr  # no "other rank(s)" where there is one
 
 
 def exit_with_closed_output(cmd: list) -> int:

@@ -160,7 +160,7 @@ class Attempt:
             if self.aborted_at is not None:
                 return
             self.aborted_at = time.monotonic()
-        say(f"launch: {why}; stopping the other rank(s)")
+        say(f"launch: {why}" + ("; stopping the other rank(s)" if self.plan.world_size > 1 else ""))
         self._send(signal.SIGUSR1)
 
     def _send(self, sig: int) -> None:
