@@ -59,11 +59,13 @@ def test_on_bad_row_skip_logs_count_and_first_rows(tmp_path, tokenizer):
 
 def test_on_bad_row_error_raises_before_training(tmp_path, tokenizer):
     path = tmp_path / "t.jsonl"
-    path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + '{"prompt": "Q", "chosen": "a", "rejected": "a"}\n')
+    path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + '{"prompt": "Q", "chosen": "a", "rejected": "a"}\n'
+                    + '{"prompt": "Q", "chosen": "a"}\n')
     with pytest.raises(DataError) as err:
         load_dataset(DataConfig(train=str(path), on_bad_row="error"), tokenizer, log=None)
-    assert str(err.value) == (f"{path}:5: chosen and rejected are identical (1 bad row(s); data.on_bad_row is 'error')\n"
-                              f"1 of 5 rows skipped (bad rows):\n  {path}:5: chosen and rejected are identical")
+    # the identical pair is read well and dropped (no preference signal), not a bad row; the stop skips nothing
+    assert str(err.value) == (f"{path}:6: missing field 'rejected' (1 bad row(s); data.on_bad_row is 'error')\n"
+                              f"1 of 6 rows bad:\n  {path}:6: missing field 'rejected'")
 
 
 def test_no_usable_pairs_is_an_error(tmp_path, tokenizer):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dtrain.config import DataConfig
 from dtrain.data import load_rows
-from dtrain.data.formats import Row
+from dtrain.data.formats import Row, parse_rows
 from dtrain.errors import DataError
 
 HH_PROMPT = "\n\nHuman: What is 2 + 2?\n\nAssistant:"
@@ -135,7 +135,6 @@ BAD_ROWS = [
     ('{"prompt": "Q", "chosen": "a"}', "missing field 'rejected'"),
     ('{"prompt": "Q", "chosen": 3, "rejected": "b"}', "field 'chosen' must be a string, got int"),
     ('{"prompt": "Q", "chosen": "a", "rejected": " \\n "}', "empty response in 'rejected'"),
-    ('{"prompt": "Q", "chosen": "a", "rejected": "a"}', "chosen and rejected are identical"),
     ('{"prompt": "Q", "chosen": "a", "rejected": "b", "system": 1}', "field 'system' must be a string, got int"),
     ('{"prompt": "Q", "chosen": "a", "rejected": "\\ud800"}', "text is not valid UTF-8 (lone surrogate escape)"),
 ]
@@ -265,3 +264,12 @@ def test_no_row_of_a_known_format_is_one_error_naming_the_first_row(tmp_path):
     with pytest.raises(DataError) as err:
         load_rows(path, DataConfig())
     assert str(err.value).startswith(f"{path}:2: unknown row format (keys of the first row: ['answer', 'question']);")
+
+
+def test_a_pair_identical_as_written_is_dropped_not_bad(tmp_path):
+    """Chosen == rejected reads well but carries no preference: a drop (``same text``), as the README lists
+    drops; it was a bad row, which data.on_bad_row: error stopped a run for."""
+    rows, report = parse_rows([("f.jsonl:1", {"prompt": "Q", "chosen": "a", "rejected": "a"}),
+                               ("f.jsonl:2", {"prompt": "Q", "chosen": "a", "rejected": "b"})], DataConfig(), "f.jsonl")
+    assert [r.source for r in rows] == ["f.jsonl:2"] and report.bad == []
+    assert report.dropped == [("f.jsonl:1", "same text: chosen and rejected are identical")]

@@ -122,7 +122,7 @@ def test_every_container_reads_the_rows_of_the_jsonl(tmp_path, fmt):
     objs = gen_objs(fmt, 2600, seed=FORMATS.index(fmt))  # > 2 record batches of 1024
     cfg = cfg_for(fmt)
     ref_rows, ref = load_rows(write_jsonl(tmp_path / "d.jsonl", objs), cfg)
-    assert len(ref_rows) + len(ref.bad) == 2600 and len(ref.bad) > 200
+    assert len(ref_rows) + len(ref.bad) + len(ref.dropped) == 2600 and len(ref.bad) > 200
     line_of = {int(src.rsplit(":", 1)[1]) - 1 for src, _ in ref.bad}  # 0-based row numbers of bad rows
     write_jsonl(tmp_path / "mlx/train.jsonl", objs)
     write_jsonl(tmp_path / "mlx/test.jsonl", objs[:3])
@@ -139,6 +139,7 @@ def test_every_container_reads_the_rows_of_the_jsonl(tmp_path, fmt):
         rows, report = load_rows(path, cfg)
         assert plain(rows) == plain(ref_rows), name
         assert [why for _, why in report.bad] == [why for _, why in ref.bad] and report.rows_read == 2600, name
+        assert [why for _, why in report.dropped] == [why for _, why in ref.dropped], name
         if pattern:
             assert {int(src.rsplit(" ", 1)[1]) for src, _ in report.bad} == line_of, name
             assert rows[0].source == pattern.format(p=path, i=int(ref_rows[0].source.rsplit(":", 1)[1]) - 1), name
@@ -152,7 +153,8 @@ def test_bad_rows_name_file_and_row(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", objs)
     rows, report = load_rows(path, DataConfig())
     assert [r.source for r in rows] == [f"{path}:row 0"]
-    assert report.bad == [(f"{path}:row 1", "missing field 'chosen'"), (f"{path}:row 2", "chosen and rejected are identical")]
+    assert report.bad == [(f"{path}:row 1", "missing field 'chosen'")]
+    assert report.dropped == [(f"{path}:row 2", "same text: chosen and rejected are identical")]  # read, no signal
     folder = save_dict_like(tmp_path / "dd", {"train": objs})
     assert load_rows(folder, DataConfig())[1].bad[0] == (f"{folder}[train]:row 1", "missing field 'chosen'")
 

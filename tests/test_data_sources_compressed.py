@@ -190,5 +190,5 @@ def test_data_check_reads_a_gzip_file(tmp_path, capsys):
     path.write_bytes(gzip.compress("".join(json.dumps(o) + "\n" for o in objs).encode()))
     assert main(["data", "check", str(path), "--model.path", str(model)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"{path}: 2 rows, 1 usable, 1 bad, 0 dropped"
-    assert f"  {path}:2: chosen and rejected are identical" in out
+    assert out[0] == f"{path}: 2 rows, 1 usable, 0 bad, 1 dropped"
+    assert f"  {path}:2: same text: chosen and rejected are identical" in out

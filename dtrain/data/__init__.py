@@ -34,7 +34,8 @@ def load_rows(path: str, cfg, role: str = "train") -> tuple:
     """Read the rows of ``path`` (any container of :mod:`.sources`) as ``role``: ``(list[Row], BadRowReport)``.
 
     Bad rows (invalid JSON, missing or wrongly typed fields, empty responses,
-    chosen == rejected, invalid UTF-8) are listed in the report, never raised.
+    invalid UTF-8) are listed in the report, never raised; pairs whose chosen
+    and rejected are the same text are listed as dropped (``same text``).
     Pairs without preference signal after rendering are dropped later, by
     :func:`tokenize_rows`.
 
@@ -123,7 +124,7 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     if report.bad and cfg.on_bad_row == "error":
         first, why = report.bad[0]
         raise DataError(f"{first}: {why} ({len(report.bad)} bad row(s); data.on_bad_row is 'error')\n"
-                        f"{BadRowReport(report.rows_read, report.bad).summary()}")
+                        f"{BadRowReport(report.rows_read, report.bad).summary(bad='bad')}")
     if (report.bad or report.dropped or report.truncated) and log is not None:
         log(report.summary())
     if not train:

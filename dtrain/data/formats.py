@@ -115,10 +115,11 @@ class BadRowReport:
                             self.truncated + other.truncated, self.prompt_cut_fits + other.prompt_cut_fits,
                             self.control_text + other.control_text)
 
-    def summary(self, limit: int = 5) -> str:
-        """Readable lines: counts, then the first ``limit`` entries of each kind."""
+    def summary(self, limit: int = 5, bad: str = "skipped (bad rows)") -> str:
+        """Readable lines: counts, then the first ``limit`` entries of each kind (``bad``: what bad rows
+        are called; a run that stops at one skips none)."""
         lines = []
-        for what, entries in (("skipped (bad rows)", self.bad), ("dropped", self.dropped)):
+        for what, entries in ((bad, self.bad), ("dropped", self.dropped)):
             if not entries:
                 continue
             if entries is self.dropped:
@@ -222,8 +223,9 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
             if fields and fmt != "mapped":
                 obj = _rename(obj, fields)
             row = _PARSERS[fmt](obj, fields)
-            if row.chosen == row.rejected and row.rejected_prompt is None:
-                raise BadRow("chosen and rejected are identical")
+            if row.chosen == row.rejected and row.rejected_prompt is None:  # read well, but no preference signal
+                report.dropped.append((source, "same text: chosen and rejected are identical"))
+                continue
             rows.append(dataclasses.replace(row, source=source))
         except BadRow as err:
             report.bad.append((source, str(err)))

@@ -353,6 +353,7 @@ def read_rows(src: Source, cfg) -> tuple:
         rows += part
         report.rows_read += part_report.rows_read
         report.bad += part_report.bad
+        report.dropped += part_report.dropped
     return rows, report
 
 
