@@ -346,6 +346,7 @@ def test_progress_shows_evaluation_apart_and_the_first_step(tmp_path, capsys):
     assert "eval at step 0: 3 held-out pairs" in err
     assert "step 1: forward+backward of 4 pairs (<= 4 on each of 1 rank(s), micro-batches of 4)" in err
     assert " s/step, loss " in err and "step/s" not in err  # no tqdm rate: it would count evaluations in
+    assert ": :" not in err and "train: " in err  # tqdm's description ends ": " already (it read "train: :")
 
 
 def test_step_rate_counts_optimizer_steps_only(tmp_path):

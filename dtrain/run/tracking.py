@@ -143,7 +143,7 @@ class RunLogger:
 
             # no tqdm rate: it would count evaluations in; the postfix gives s/step of training
             self.bar = tqdm(total=total_steps, initial=first_step, file=sys.stderr, dynamic_ncols=True, unit="step",
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+                            bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")  # desc ends ": "
             self.bar.set_description("train")
 
     def config(self, resolved: dict, auto: dict | None = None) -> None:
