@@ -241,7 +241,7 @@ def test_reference_cache_key_tells_a_quantized_model_s_float_types_apart(tmp_pat
         model.set_dtype(dtype)
         said = []
         out = reference_pass(cfg, model, data, "tiny", Group(), ReferenceEngine(model, ReferenceLogps()),
-                             tmp_path / "cache", said.append)
+                             tmp_path / "cache", said.append, init_adapter=None)
         assert said[0].endswith("computed"), (dtype, said)
         refs[dtype] = [p.extra["ref_chosen"] for p in out.train]
     assert len(list((tmp_path / "cache").glob("reference-*-train.npy"))) == 2

@@ -139,14 +139,16 @@ def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache
     return with_reference(pairs, values), len(pairs)
 
 
-def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cache_dir: Path, notice=None):
+def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cache_dir: Path, notice=None, *,
+                   init_adapter: Optional[str]):
     """``dataset`` with DPO's reference log-probabilities on every train and valid pair (its
     ``extra``): the step-0 ``model`` in evaluation mode through ``engine`` (built like the
     training one, with :class:`ReferenceLogps`); read from ``cache_dir`` when cached.
-    ``notice`` (rank 0's, or None) is told whether they were computed or read."""
+    ``notice`` (rank 0's, or None) is told whether they were computed or read; ``init_adapter``:
+    :func:`init_adapter_identity` of ``cfg``, which the run's state holds too (hashed once)."""
     train, valid = list(dataset.train), list(dataset.valid)
     dtype = compute_dtype(model)  # decides the values too
-    key = cache_key(f"{model_identity}|{dtype}", init_adapter_identity(cfg), train + valid)
+    key = cache_key(f"{model_identity}|{dtype}", init_adapter, train + valid)
     model.eval()
     try:  # valid cut from its own start, as evaluation cuts it: step 0's held-out rewards are exactly 0
         train, computed = reference_pairs(engine, train, cfg.train.micro_batch_pairs, group, cache_dir, key + "-train")

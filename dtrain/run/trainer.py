@@ -312,7 +312,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             write_entries(cache_entries)
         if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
             ref_engine = hooks.reference_engine(make_engine(chosen.engine, model, ReferenceLogps(), report=None))
-            dataset = reference_pass(cfg, model, dataset, loaded.identity, group, ref_engine, out.data_cache, notice)
+            dataset = reference_pass(cfg, model, dataset, loaded.identity, group, ref_engine, out.data_cache, notice,
+                                     init_adapter=state.init_adapter)
             valid = dataset.valid[: len(valid)]  # the same held-out pairs, now carrying their reference log-probs
         optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
