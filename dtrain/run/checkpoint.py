@@ -347,7 +347,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
             path = find_latest(root, report) if spec == "auto" else Path(spec)
             if path is None:  # a mistyped train.output_dir would otherwise start over without a word
                 report(f"train.resume auto: no checkpoint in {root}; this run starts at step 1")
-            if path is not None:
+            else:
                 found = load_checkpoint(path)
                 check_resumable(found.state, current, next_pairs(found.state.step + 1), path, model_aliases)
                 others = [p.name for p in list_checkpoints(root) if run_id_of(p) not in (None, found.state.run_id)]
@@ -355,7 +355,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
                     raise UserError(f"{root} also holds checkpoints of another run ({', '.join(others)}); resuming "
                                     f"{path} there would mix two runs: train into a new train.output_dir")
                 left = [p.name for p in list_checkpoints(root)
-                        if run_id_of(p) == found.state.run_id and _step_of(p) > found.state.step]
+                        if run_id_of(p) == found.state.run_id and step_of(p) > found.state.step]
                 if left:  # prune removes them at the first save: said now, while they are still there
                     report(f"resuming {path.name}: this run's later checkpoint(s) {', '.join(left)} belong to the "
                            f"steps it leaves and are removed at its first save (copy them elsewhere to keep them)")
@@ -377,7 +377,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
     return Checkpoint(Path(decision["path"]), RunState(**decision["state"]), adapter, opt, found.best if found else None)
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     """The step a checkpoint folder's name gives (``step-0000040`` -> 40); -1 for another name."""
     digits = path.name.removeprefix(PREFIX)
     return int(digits) if digits.isdigit() else -1
@@ -393,7 +393,7 @@ def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) 
     for tmp in root.glob(f".{PREFIX}*.tmp-*") if root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True)
     done = [p for p in list_checkpoints(root) if run_id_of(p) == run_id]
-    left = [p for p in done if saved is not None and _step_of(p) > saved]
+    left = [p for p in done if saved is not None and step_of(p) > saved]
     done = [p for p in done if p not in left]
     for p in left + done[: max(len(done) - keep_last, 0)]:
         shutil.rmtree(p, ignore_errors=True)

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..files import OutputDir, output_dir_problem
-from .checkpoint import PREFIX, find_latest, list_checkpoints, validate
+from .checkpoint import find_latest, list_checkpoints, step_of, validate
 
 def estimate_bytes(model) -> int:
     """Bytes one checkpoint needs: adapter + two AdamW moments + the best adapter, plus 1 MiB of metadata."""
@@ -146,7 +146,7 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
                             f"that run from, so this run would replace it; choose another train.output_dir, or "
                             f"remove {made[0]} to train anew here")
         kept = [p for p in list_checkpoints(OutputDir(out).checkpoints) if validate(p) is None] if earlier else []
-        need, more = plan.need(len(kept), int(earlier.name.removeprefix(PREFIX)) if earlier else 0)
+        need, more = plan.need(len(kept), step_of(earlier) if earlier else 0)
         check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
                                     f"oldest beyond train.keep_last={plan.keep_last} is pruned ({len(kept)} on disk "
                                     f"now), and the adapter"
