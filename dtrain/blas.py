@@ -214,7 +214,8 @@ def probe_key(env: dict) -> dict:
     except metadata.PackageNotFoundError:
         mlx_version = ""
     return {"libraries": libraries, "cpu": [model, sorted(cpu_flags(cpuinfo))], "mlx": mlx_version,
-            "python": [sys.prefix, os.path.realpath(sys.executable)], "user_core": env.get("OPENBLAS_CORETYPE") or "", "probe_n": PROBE_N}
+            "python": [sys.prefix, os.path.realpath(sys.executable)], "user_core": env.get("OPENBLAS_CORETYPE") or "",
+            "probe_n": PROBE_N}
 
 
 def _cached(key: dict, path: Path) -> Optional[Blas]:

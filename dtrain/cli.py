@@ -91,7 +91,7 @@ def _train(args, overrides) -> int:
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
     if group.is_main:
-        # a stopped run has said how to continue (trainer.loop); a finished one shows its evaluations, a resume's included
+        # a stopped run has said how to continue (trainer.loop); a finished one shows its evaluations (a resume's too)
         if not result.stopped and (summary := result.summary()):
             print(summary)
     return 0

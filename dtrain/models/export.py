@@ -22,8 +22,9 @@ tokens are the base's EOS ids plus the template's end-of-turn token
 (``eos_token_id`` in ``config.json`` and ``generation_config.json``; in the GGUF,
 ``tokenizer.ggml.eot_token_id`` when llama.cpp would not stop at it by its
 text). A folder or hub base's own ``generation_config.json`` (sampling defaults)
-is kept with those end tokens, and its ``*.py`` files are copied, as ``mlx_lm.fuse`` does. ``general.name`` is ``"<base name> + <adapter>"`` with the base in
-``general.base_model.0.name``. Beside the GGUF an Ollama ``Modelfile``
+is kept with those end tokens, and its ``*.py`` files are copied, as
+``mlx_lm.fuse`` does. ``general.name`` is ``"<base name> + <adapter>"`` with the
+base in ``general.base_model.0.name``. Beside the GGUF an Ollama ``Modelfile``
 (modelfile.py) holds ``FROM``, the template as ``TEMPLATE`` and one
 ``PARAMETER stop`` per end token.
 

@@ -141,9 +141,10 @@ class RunLogger:
         if self.events is not None and progress:
             from tqdm import tqdm
 
-            # no tqdm rate: it would count evaluations in; the postfix gives s/step of training
+            # no tqdm rate: it would count evaluations in; the postfix gives s/step of training. {desc} is
+            # set_description's text, which tqdm ends with ": " itself
             self.bar = tqdm(total=total_steps, initial=first_step, file=sys.stderr, dynamic_ncols=True, unit="step",
-                            bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")  # desc ends ": "
+                            bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
             self.bar.set_description("train")
 
     def config(self, resolved: dict, auto: dict | None = None) -> None:

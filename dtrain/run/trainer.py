@@ -341,11 +341,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         if t.keep_best is not None and state.evals:
             result.best = keep_best.pick_best(state.evals, t.keep_best, t.keep_best_guard)
         log.config(resolved, auto)
+        at = f"at step {state.step + 1}" if state.step < t.steps else f"after its last step, {state.step}"
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
                     f"world size {group.size}; engine {engine.name}"
                     + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
-                    + (f"; resumed from {resumed.path} " + (f"at step {state.step + 1}" if state.step < t.steps else
-                                                              f"after its last step, {state.step}") if resumed else ""))
+                    + (f"; resumed from {resumed.path} {at}" if resumed else ""))
         step = Step(engine, model, optimizer, pairs_sampler, dataset.train, t, group,
                     hyper=lambda_control.hyper(cfg.orpo, state.lambda_control, engine.objective.hyper()),
                     memory_budget=run_budget_bytes(cfg.engine.memory_budget_gb))
@@ -400,7 +400,7 @@ def finish(run: Run, hparams: bool = True) -> None:
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
                                                   run.chat_template, weights)
         if hparams:
-            final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at the last step trained none
+            final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at its end trains none
             run.log.hparams(run.resolved, final, step)
         run.log.message(f"adapter written to {run.result.adapter_dir}"
                         + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
