@@ -104,9 +104,9 @@ def scripted(monkeypatch):
     """Replace the held-out evaluation by the script (the training steps stay real)."""
     calls = []
 
-    def fake(engine, model, pairs, micro, group, step, bar=None, hyper=None):
+    def fake(engine, model, pairs, micro, group, step, bar=None, hyper=None, stop=None):
         calls.append(step)
-        return {"eval/loss": 1.0 - SCRIPT_ACC[step], ACC: SCRIPT_ACC[step], CHOSEN: SCRIPT_CHOSEN[step]}
+        return {"eval/loss": 1.0 - SCRIPT_ACC[step], ACC: SCRIPT_ACC[step], CHOSEN: SCRIPT_CHOSEN[step]}, False
 
     monkeypatch.setattr(evaluation, "evaluate", fake)
     return calls

@@ -582,3 +582,39 @@ def test_resuming_a_run_extended_to_its_end_names_no_steps_to_come(tmp_path, cap
     err = capsys.readouterr().err
     assert again.history == [] and "is past the" not in err
     assert f"resumed from {tmp_path / 'checkpoints' / 'step-0000003'} after its last step, 3" in err
+
+
+@pytest.mark.parametrize("during", [0, 2])
+def test_a_signal_during_an_evaluation_stops_after_it_and_the_resume_matches(tmp_path, during):
+    """Ctrl-C during the evaluation at step ``during`` saves after it, without training another step
+    (it waited for one more step: on a Mac, minutes); the resume gives the uninterrupted run's adapter."""
+    import os
+    import signal
+
+    from dtrain.run.trainer import Hooks
+
+    class SignalInEval:
+        """Sends this process SIGINT from inside the evaluation at step ``during`` (one chunk per eval)."""
+
+        def __init__(self, engine):
+            self.engine, self.objective, self.name, self.evals = engine, engine.objective, engine.name, 0
+
+        def step(self, *args):
+            return self.engine.step(*args)
+
+        def evaluate(self, *args):
+            if self.evals == during // 2:
+                os.kill(os.getpid(), signal.SIGINT)
+            self.evals += 1
+            return self.engine.evaluate(*args)
+
+    whole, _ = run(tmp_path / "whole")
+    stopped, _ = run(tmp_path / "cut", hooks=Hooks(engine=SignalInEval))
+    assert stopped.stopped and stopped.steps == during and len(stopped.history) == during
+    assert sorted(stopped.evals) == list(range(0, during + 1, 2))
+    assert ckpt.list_checkpoints(tmp_path / "cut" / "checkpoints")[-1].name == f"step-{during:07d}"
+    resumed, _ = run(tmp_path / "cut", "train.resume=auto")
+    assert len(resumed.history) == 4 - during and resumed.evals == whole.evals
+    assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2, 4]
+    a, b = ((tmp_path / r / "adapters" / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))
+    assert a == b

@@ -12,8 +12,10 @@ ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen res
 
 
 def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None,
-             hyper: dict | None = None) -> dict:
-    """``eval/`` metrics over held-out ``pairs``, each rank taking its micro-batches.
+             hyper: dict | None = None, stop=None) -> tuple[dict, bool]:
+    """``eval/`` metrics over held-out ``pairs``, each rank taking its micro-batches, and whether a
+    rank was asked to stop meanwhile (``stop``: a ``trainer.StopRequest`` or None; agreed with the
+    metric sums, as a step agrees it).
 
     ``micro``: pairs per micro-batch, cut as DPO's reference pass cuts them
     (:func:`~dtrain.sampler.dealt_batches`: at step 0 the policy's log-probs then
@@ -31,20 +33,21 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
         sums = {k: sums[k] + part[k] for k in sums}
         if bar is not None:
             bar.update(len(chunk))
+    sums["stop"] = float(stop is not None and stop.requested)
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
     model.train()
-    return objective.finalize(sums, "eval/", hyper)
+    return objective.finalize(sums, "eval/", hyper), sums["stop"] > 0
 
 
-def evaluate_and_log(run, step: int) -> None:
+def evaluate_and_log(run, step: int) -> bool:
     """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics
-    (``run``: the trainer's ``Run``)."""
+    (``run``: the trainer's ``Run``); True when a signal asked the run to stop meanwhile."""
     mine = sampler.dealt_batches(run.valid, run.group.rank, run.group.size, run.cfg.train.micro_batch_pairs)
     bar = run.log.eval_bar(step, sum(map(len, mine)))
     run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
     try:
-        metrics = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group, step, bar,
-                           run.step.hyper)
+        metrics, stopped = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group,
+                                    step, bar, run.step.hyper, run.stop)
     finally:
         if bar is not None:
             bar.close()
@@ -57,3 +60,4 @@ def evaluate_and_log(run, step: int) -> None:
                if per_token else None)
     if warning:
         run.log.message(warning)
+    return stopped

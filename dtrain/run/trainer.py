@@ -163,8 +163,8 @@ def loop(run: Run) -> TrainResult:
     """Steps ``state.step + 1 .. train.steps``; evaluations, checkpoints, the adapter at the end."""
     t, result = run.cfg.train, run.result
     if eval_pending(run):  # step 0, or a checkpoint saved before its step's evaluation (a stop, skipped steps)
-        if evaluate_and_steer(run, run.state.step):
-            return end_early(run, run.state.step)
+        if end := evaluate_and_steer(run, run.state.step):
+            return end(run, run.state.step)
     elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
         return end_early(run, run.state.step, again=True)
     if run.state.step < t.steps:
@@ -180,22 +180,19 @@ def loop(run: Run) -> TrainResult:
             raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
         if out.stop:
-            save(run, step)
-            run.log.message(f"stopped by signal after step {step}; checkpoint saved, continue with --train.resume auto")
-            result.steps, result.stopped = step, True
-            return result
+            return end_stopped(run, step)
         if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
         if run.valid and _every(step, t.eval_every) and step != t.steps:
-            if evaluate_and_steer(run, step):
-                return end_early(run, step)
+            if end := evaluate_and_steer(run, step):
+                return end(run, step)
         if _every(step, t.save_every) and step != t.steps:
             save(run, step)
     # the end of a run is idempotent: a resume of its final checkpoint evaluates, saves and logs nothing again
     done = run.resumed_from is not None and run.state.step == t.steps and (
         not run.valid or str(t.steps) in run.state.evals)
     if run.valid and str(t.steps) not in run.state.evals:
-        evaluate_and_steer(run, t.steps)
+        evaluate_and_steer(run, t.steps)  # a stop asked for meanwhile: the run ends here anyway
     if not done:
         save(run, t.steps)
     finish(run, hparams=not done)
@@ -215,13 +212,25 @@ def eval_pending(run: Run) -> bool:
             and str(step) not in run.state.evals)
 
 
-def evaluate_and_steer(run: Run, step: int) -> bool:
-    """Evaluate after ``step``, then let the λ controller and ``train.keep_best`` read the
-    numbers; True when ``train.early_stop_evals`` says stop (the same on every rank: eval
-    metrics are all-reduced)."""
-    evaluate_and_log(run, step)
+def evaluate_and_steer(run: Run, step: int) -> Optional[Callable[[Run, int], TrainResult]]:
+    """Evaluate after ``step``, then let the λ controller and ``train.keep_best`` read the numbers.
+    Returns how the run ends here, if it does (the same on every rank: the eval sums and the stop
+    flag are all-reduced): :func:`end_early` when ``train.early_stop_evals`` says stop, else
+    :func:`end_stopped` when a signal came during the evaluation; None to go on."""
+    stopped = evaluate_and_log(run, step)
     lambda_control.steer(run, step)
-    return keep_best.track(run, step)
+    if keep_best.track(run, step):
+        return end_early
+    return end_stopped if stopped else None
+
+
+def end_stopped(run: Run, step: int) -> TrainResult:
+    """Checkpoint ``step`` of a run a signal stopped (after the step, or during its evaluation)."""
+    save(run, step)
+    run.log.message(f"stopped by signal {f'after step {step}' if step else 'before step 1'}; checkpoint saved, "
+                    f"continue with --train.resume auto")
+    run.result.steps, run.result.stopped = step, True
+    return run.result
 
 
 def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
