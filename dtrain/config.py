@@ -416,6 +416,10 @@ def _check(cfg: Config, source: str) -> None:
     if t.keep_best is not None and t.keep_best not in REPORTED[kind]:
         problems.append(f"'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
                         f"it; choose one of {', '.join(REPORTED[kind])}")
+    elif kind == "orpo" and o.lambda_schedule == "adaptive" and t.keep_best in ("eval/loss", "eval/rewards/margins"):
+        problems.append(f"'train.keep_best' is {t.keep_best}, which is weighted by lambda, and orpo.lambda_schedule "
+                        f"adaptive changes lambda between evaluations, so they do not compare; choose "
+                        f"eval/rewards/accuracies, eval/log_odds_ratio or eval/nll_loss")
     # DPO's logps/chosen is a sum per response (TRL) except ipo's (engine.dpo.DPO.per_token_logps)
     if t.keep_best_guard is not None and kind == "dpo" and cfg.objective.loss_type != "ipo":
         problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but objective.kind dpo "

@@ -332,6 +332,22 @@ def test_keep_best_of_a_metric_the_objective_does_not_report_is_a_config_error()
                               "not report it; choose one of eval/loss, eval/nll_loss")
 
 
+@pytest.mark.parametrize("metric", ["eval/loss", "eval/rewards/margins"])
+def test_keep_best_of_a_lambda_weighted_metric_under_the_lambda_controller_is_a_config_error(metric):
+    """ORPO's eval/loss (NLL + λ·OR) and rewards/margins (λ times a log-prob gap) are weighted by the λ of
+    the moment: under orpo.lambda_schedule adaptive each evaluation has its own, so the pick compared a λ
+    ramp, not the model (a rising λ raises eval/loss: adapters/ held a step from before the ramp, and
+    train.early_stop_evals stopped runs whose held-out odds still improved)."""
+    args = ["data.demo_pairs=4", "train.eval_every=1", "orpo.lambda_schedule=adaptive", f"train.keep_best={metric}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, args)
+    assert str(err.value) == (f"command line: 'train.keep_best' is {metric}, which is weighted by lambda, and "
+                              f"orpo.lambda_schedule adaptive changes lambda between evaluations, so they do not "
+                              f"compare; choose eval/rewards/accuracies, eval/log_odds_ratio or eval/nll_loss")
+    assert load_config(None, args[:-1] + ["train.keep_best=eval/log_odds_ratio"]).train.keep_best
+    assert load_config(None, args[:2] + [f"train.keep_best={metric}"]).train.keep_best == metric  # static λ
+
+
 def test_a_config_for_another_objective_names_every_broken_rule_in_one_error():
     """configs/preference.yaml is ORPO's: switching its objective breaks three rules, and the user
     sees all three at once rather than one per attempt."""

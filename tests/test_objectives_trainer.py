@@ -127,6 +127,21 @@ def test_evaluation_cuts_the_held_out_pairs_as_the_reference_pass_does(tmp_path)
     assert set(held_out) <= set(ref)
 
 
+def test_the_reference_pass_cuts_the_held_out_pairs_train_eval_pairs_keeps(tmp_path):
+    """With train.eval_pairs the reference pass cut every held-out pair while evaluation cuts only the
+    first eval_pairs: the last evaluated micro-batch was not one the reference pass ran (here (v0,)
+    against (v0, v1)), so its step-0 rewards were rounding noise, not 0; and it computed pairs no
+    evaluation reads."""
+    ref, ev = [], []
+    result = run(tmp_path, "dpo", "train.eval_pairs=1",
+                 hooks=Hooks(reference_engine=lambda e: Chunks(e, ref), engine=lambda e: Chunks(e, ev)))
+    assert result.evals[0]["eval/rewards/rejected"] == 0.0 and result.evals[0]["eval/rewards/margins"] == 0.0
+    first = make_pairs(N_TRAIN + N_VALID, seed=0)[N_TRAIN].source
+    assert ev and set(ev) == {(first,)}
+    assert set(ev) <= set(ref)
+    assert not {p.source for p in make_pairs(N_TRAIN + N_VALID, seed=0)[N_TRAIN + 1:]} & {s for c in ref for s in c}
+
+
 def test_reference_cache_key_covers_the_model_and_the_pairs():
     from dtrain.run.reference import cache_key
 

@@ -192,6 +192,39 @@ def test_each_rank_draws_its_own_dropout_masks(monkeypatch):
     assert np.array_equal(mask(step_module.dropout_key(5, 3, 1)), mask(keys[1]))  # the same again: resumable
 
 
+@pytest.mark.parametrize("world_size, micro_batches", [(2, 2), (3, 2), (3, 3), (4, 2)])
+def test_no_rank_repeats_another_ranks_dropout_masks(world_size, micro_batches):
+    """Rank r's key was ``split(step key, r + 1)[r]``, which is rank 0's key for micro-batch r when rank 0
+    splits the step key into r + 1 micro-batches (``run_micro_batches``); with 2 micro-batches rank r's
+    own split then equals that micro-batch's dropout stream, so rank 1 drew rank 0's masks shifted by
+    one module. Every mask a step draws on one rank must differ from every mask of another."""
+    from dtrain.engine import ORPO, StepResult, run_micro_batches
+    from dtrain.lora import DropoutKeys, KeyedDropout
+    from dtrain.run.step import dropout_key
+
+    class Drawing:  # an engine whose micro-batch draws 4 masks from the key it is given, as LoRA dropout does
+        objective = ORPO(0.1)
+
+        def __init__(self):
+            self.masks = []
+
+        def step(self, chunk, totals, key=None, hyper=None):
+            stream = DropoutKeys()
+            stream.key = key
+            dropout = KeyedDropout(0.5, stream)
+            self.masks += [np.packbits(np.array(dropout(mx.ones((256,))) != 0)).tobytes() for _ in range(4)]
+            return StepResult(mx.zeros(()), {}, {})
+
+    drawn = []
+    for rank in range(world_size):
+        engine = Drawing()
+        run_micro_batches(engine, [[rank]] * micro_batches, None, True, dropout_key(5, 3, rank))
+        drawn.append(set(engine.masks))
+    for a in range(world_size):
+        for b in range(a + 1, world_size):
+            assert not drawn[a] & drawn[b], (a, b, len(drawn[a] & drawn[b]))
+
+
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     """Micro-batches are weighted by their real token and pair counts: the
     summed gradient of 1-pair micro-batches equals the 4-pair batch's."""

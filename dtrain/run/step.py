@@ -36,10 +36,10 @@ def step_seed(seed: int, step: int) -> int:
 def dropout_key(seed: int, step: int, rank: int) -> mx.array:
     """LoRA dropout's key for ``rank``'s share of step ``step``: a pure function of the three, so a
     resumed run draws the same masks. Rank 0 takes the step's own key (a one-rank run is as before);
-    each other rank one of its own: with one key on every rank, every rank drew the same masks on its
-    different pairs, so their noise did not average out in the all-reduce."""
-    key = mx.random.key(step_seed(seed, step))
-    return key if rank == 0 else mx.random.split(key, rank + 1)[rank]
+    each other rank one of its own, not a split of the step's key (rank 0 splits that into its
+    micro-batches' keys, ``split(key, rank + 1)[rank]`` among them): ranks that draw the same masks on
+    their different pairs do not average their noise out in the all-reduce."""
+    return mx.random.key(step_seed(seed, step) + (rank << 32))
 
 
 def padding_fraction(sums: dict) -> float:

@@ -321,9 +321,12 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             write_entries(cache_entries)
         if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
             ref_engine = hooks.reference_engine(make_engine(chosen.engine, model, ReferenceLogps(), report=None))
+            # only the held-out pairs evaluations run (train.eval_pairs), cut into their micro-batches: at step 0
+            # the policy's log-probs are then the reference's bit for bit (fit_dataset gave this copy)
+            dataset.valid = valid
             dataset = reference_pass(cfg, model, dataset, loaded.identity, group, ref_engine, out.data_cache, notice,
                                      init_adapter=state.init_adapter)
-            valid = dataset.valid[: len(valid)]  # the same held-out pairs, now carrying their reference log-probs
+            valid = dataset.valid  # the same held-out pairs, now carrying their reference log-probs
         optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
                               model, optimizer, group, report=notice, model_aliases=loaded.aliases)
