@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from conftest import make_pairs, make_tiny_model
 from dtrain.config import load_config
-from dtrain.run.guards import chosen_logps_drop
+from dtrain.run.guards import chosen_logps_drop, non_finite_eval
 from dtrain.run.trainer import train
 from dtrain.types import TokenizedPair
 
@@ -102,3 +102,26 @@ def test_a_resumed_run_still_compares_with_the_step_zero_eval_of_its_checkpoint(
     logged = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: step")]
     assert logged == [chosen_logps_drop({0: first.evals[0], 6: resumed.evals[6]}, 0.5)]
     assert f"step-0 value {first.evals[0]['eval/logps/chosen']:.4f}" in logged[0]
+
+
+def test_a_non_finite_evaluation_is_named_in_a_warning(tmp_path, capsys, monkeypatch):
+    """Training skips a non-finite step with a message; a NaN or infinite held-out metric went only to
+    TensorBoard (and keep_best passed over the step without a word)."""
+    import math
+
+    from dtrain.run import evaluation
+
+    real = evaluation.evaluate
+
+    def poisoned(*args, **kwargs):
+        metrics, stopped = real(*args, **kwargs)
+        if args[5] == 3:  # the step evaluated
+            metrics = {**metrics, "eval/loss": math.nan, "eval/logps/chosen": -math.inf}
+        return metrics, stopped
+
+    monkeypatch.setattr(evaluation, "evaluate", poisoned)
+    run(tmp_path, 0.0)
+    logged = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: step")]
+    assert logged == ["warning: step 3: the held-out evaluation is not finite (eval/loss nan, eval/logps/chosen "
+                      "-inf); check the held-out pairs (`dtrain data check`) and the model's dtype"]
+    assert non_finite_eval({"eval/loss": 0.5, "eval/rewards/accuracies": 1.0}, 3) is None

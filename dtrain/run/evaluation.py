@@ -56,8 +56,9 @@ def evaluate_and_log(run, step: int) -> bool:
     run.log.scalars(step, metrics)
     # the guard's margin is nats/token; DPO sigmoid/hinge log logps/chosen as a sum per response (TRL): not checked
     per_token = getattr(run.engine.objective, "per_token_logps", True)
-    warning = (guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn, run.cfg.objective.kind)
-               if per_token else None)
-    if warning:
-        run.log.message(warning)
+    drop = (guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn, run.cfg.objective.kind)
+            if per_token else None)
+    for warning in (drop, guards.non_finite_eval(metrics, step)):
+        if warning:
+            run.log.message(warning)
     return stopped

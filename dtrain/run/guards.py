@@ -7,6 +7,7 @@ return. Nothing here stops a run.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 CHOSEN_LOGPS = "eval/logps/chosen"
@@ -51,3 +52,13 @@ def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo") -> Optiona
     return (f"warning: step {step}: held-out {CHOSEN_LOGPS} is {now:.4f}, {base - now:.4f} nats/token below "
             f"its step-0 value {base:.4f} (train.chosen_logps_drop_warn: {margin:g}); the model is making the "
             f"chosen answers less likely too; try a lower train.learning_rate{REMEDIES.get(kind, '')}")
+
+
+def non_finite_eval(metrics: dict, step: int) -> Optional[str]:
+    """A warning naming the held-out metrics of ``step`` that are NaN or infinite (None when all are
+    finite): training skips a non-finite step with a message, an evaluation has nothing to skip."""
+    bad = [f"{key} {value}" for key, value in metrics.items() if not math.isfinite(value)]
+    if not bad:
+        return None
+    return (f"warning: step {step}: the held-out evaluation is not finite ({', '.join(bad)}); check the "
+            f"held-out pairs (`dtrain data check`) and the model's dtype")
