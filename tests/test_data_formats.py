@@ -273,3 +273,20 @@ def test_a_pair_identical_as_written_is_dropped_not_bad(tmp_path):
                                ("f.jsonl:2", {"prompt": "Q", "chosen": "a", "rejected": "b"})], DataConfig(), "f.jsonl")
     assert [r.source for r in rows] == ["f.jsonl:2"] and report.bad == []
     assert report.dropped == [("f.jsonl:1", "same text: chosen and rejected are identical")]
+
+
+def test_a_pair_identical_as_written_is_dropped_in_every_preference_format():
+    """Identical message lists (implicit prompt), transcripts, OpenAI and ShareGPT outputs are ``same text`` drops
+    too, as TRL's extract_prompt keeps the last message as the response; an identical conversation was a bad row
+    ('no assistant message after the shared prompt'), which data.on_bad_row: error stopped a run for."""
+    u, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    items = [("f.jsonl:1", {"chosen": [u, a], "rejected": [u, a]}),
+             ("f.jsonl:2", {"chosen": HH_PROMPT + " 4", "rejected": HH_PROMPT + " 4"}),
+             ("f.jsonl:3", {"input": {"messages": [u]}, "preferred_output": [a], "non_preferred_output": [a]}),
+             ("f.jsonl:4", {"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "gpt", "value": "A"},
+                            "rejected": {"from": "gpt", "value": "A"}})]
+    for item in items:
+        rows, report = parse_rows([item], DataConfig(), "f.jsonl")
+        assert (rows, report.bad) == ([], [])
+        assert report.dropped == [(item[0], "same text: chosen and rejected are identical")]
+

@@ -313,7 +313,7 @@ def _implicit_conversation(chosen: list, rejected: list, system: Optional[str]) 
     the common prefix, and the row carries ``rejected_prompt``.
     """
     n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:  # the last message is a response
         n += 1
     sides = []
     for msgs, label in ((chosen, "chosen"), (rejected, "rejected")):
