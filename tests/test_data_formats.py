@@ -290,3 +290,17 @@ def test_a_pair_identical_as_written_is_dropped_in_every_preference_format():
         assert (rows, report.bad) == ([], [])
         assert report.dropped == [(item[0], "same text: chosen and rejected are identical")]
 
+
+def test_conversational_text_prompt_repeated_in_the_messages_is_not_trained_twice(tmp_path):
+    """HuggingFaceH4/ultrafeedback_binarized rows carry ``prompt`` as text and the whole conversation in
+    ``chosen``/``rejected``: the prompt is the messages' shared prefix (TRL maybe_extract_prompt). The text
+    prompt was made a user turn in front of the messages, so the user turn was trained twice, once as response."""
+    s, u = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What color is the sky?"}
+    row = one_row(tmp_path, {"prompt": "What color is the sky?", "prompt_id": "0a1b",
+                             "chosen": [s, u, {"role": "assistant", "content": "Blue."}],
+                             "rejected": [s, u, {"role": "assistant", "content": "Green."}]})
+    assert (row.prompt, row.chosen, row.rejected, row.rejected_prompt) == ([s, u], "Blue.", "Green.", None)
+    # a text prompt in front of replies alone is still their user turn
+    row = one_row(tmp_path, {"prompt": "Q", "chosen": [{"role": "assistant", "content": "x"}],
+                             "rejected": [{"role": "assistant", "content": "y"}]})
+    assert (row.prompt, row.chosen, row.rejected) == ([{"role": "user", "content": "Q"}], "x", "y")

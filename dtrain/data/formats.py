@@ -8,7 +8,8 @@ one bad row):
   strings (https://huggingface.co/docs/trl/dataset_formats#preference).
 - ``conversational``: TRL conversational preference, message lists
   ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
-  common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``).
+  common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
+  a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does).
 - ``transcript``: ``chosen``/``rejected`` strings only, e.g. Anthropic HH
   (``\\n\\nHuman: … \\n\\nAssistant: …``); the prompt is the longest common
   prefix of both sides that ends at an ``Assistant:`` turn marker.
@@ -296,8 +297,11 @@ def _standard(obj: dict, fields=None) -> Row:
 def _conversational(obj: dict, fields=None) -> Row:
     chosen = _messages(_get(obj, "chosen", list), "chosen")
     rejected = _messages(_get(obj, "rejected", list), "rejected")
-    if obj.get("prompt") is not None:
-        prompt = obj["prompt"]
+    prompt = obj.get("prompt")
+    if isinstance(prompt, str) and chosen[:1] and rejected[:1] and "assistant" not in (
+            chosen[0]["role"], rejected[0]["role"]):
+        prompt = None  # a text copy of a prompt the messages hold (TRL maybe_extract_prompt)
+    if prompt is not None:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         prompt = _messages(_get({"prompt": prompt}, "prompt", list), "prompt")
