@@ -384,6 +384,22 @@ def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
         assert other != key
 
 
+def test_cache_key_changes_with_the_text_of_a_chat_template_file(tmp_path, tokenizer):
+    """An edited data.chat_template file renders other tokens at the same path; its key was the path's,
+    so a second run into the same folder trained on the pairs of the old template."""
+    from dtrain.data.templates import CHATML
+
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 3, seed=7)), DataConfig())
+    template = tmp_path / "t.jinja"
+    template.write_text(CHATML)
+    cfg = DataConfig(chat_template=str(template))
+    first = tokenize_cached(rows, tokenizer, cfg, tmp_path / "cache")
+    template.write_text(CHATML.replace("'<|im_end|>\n'", "'<|im_end|>\n\n'"))  # a blank line after each turn
+    again = tokenize_cached(rows, tokenizer, cfg, tmp_path / "cache")
+    assert again == tokenize_rows(rows, tokenizer, cfg) and again != first
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
 def test_load_dataset_caches_next_to_output(tmp_path, tokenizer):
     cfg = DataConfig(train=write_parquet(tmp_path / "d.parquet", gen_objs("openai", 50, seed=8)))
     first = load_dataset(cfg, tokenizer, log=None, cache_dir=tmp_path / "out/data_cache")

@@ -1,7 +1,8 @@
 """Tokenized pairs cached by content, so a resume or a second run does not tokenize again.
 
 An entry's name is the sha256 of everything its pairs depend on: the rows (every
-field, sources included), every ``data`` config key, the tokenizer (its full
+field, sources included), every ``data`` config key (a ``chat_template`` file by its
+text), the tokenizer (its full
 ``tokenizer.json`` serialisation, chat template and special tokens), the source
 of the data package and types.py, and the versions of the libraries
 that render and tokenize. Entries are ``.npz`` files (no pickle) written
@@ -23,6 +24,7 @@ from typing import Optional
 from ..types import TokenizedPair
 from .formats import BadRowReport
 from .render import tokenize_rows
+from .templates import template_source
 
 CACHE_VERSION = 1  # bump when the entry layout changes
 CHUNK_ROWS = 512  # rows tokenized between progress-bar updates
@@ -65,6 +67,8 @@ def cache_key(rows: list, tokenizer, cfg) -> Optional[str]:
         return None
     h = hashlib.sha256(f"{_code_identity()}\n{tok}\n".encode())
     h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode())
+    if cfg.chat_template is not None:  # a Jinja file's text, not only its path
+        h.update(template_source(cfg.chat_template).encode())
     for row in rows:
         h.update(repr(row).encode("utf-8", errors="surrogatepass"))
     return h.hexdigest()
