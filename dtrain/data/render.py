@@ -376,14 +376,15 @@ class RowTokenizer:
         return out
 
     def _text_row(self, row: Row) -> RowResult:
-        """A ``text`` row: the tokenizer's ids of the whole text (BOS as the tokenizer adds it,
-        control-token text as plain text) and one EOS; the first token is the prompt, the
-        rest the completion, cut to ``max_length`` (none left: dropped as ``no room``)."""
+        """A ``text`` row: the tokenizer's ids of the whole text (BOS as the tokenizer adds it, its
+        own EOS suffix not, control-token text as plain text) and one EOS; the first token is the
+        prompt, the rest the completion, cut to ``max_length`` (none left: dropped as ``no room``)."""
         out = RowResult(row.source)
         text = self._strip_marks(row.chosen)
         found = self.control_re.search(text) if self.control_re else None
         out.control_text = found.group(0) if found else None
-        ids = hf_tokenizer(self.tokenizer)(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        ids = list(self.prefix) + hf_tokenizer(self.tokenizer)(text, add_special_tokens=False,
+                                                               split_special_tokens=True)["input_ids"]
         if self.cfg.append_eos:
             if self.tokenizer.eos_token_id is None:
                 raise DataError("text rows need an EOS token to end them and the tokenizer has none; set "
