@@ -182,6 +182,24 @@ def test_file_level_errors(tmp_path, setup, message):
     assert str(err.value).startswith(str(path)) and message in str(err.value)
 
 
+@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16LE"), ("utf-16-le", "UTF-16LE"), ("utf-16-be", "UTF-16BE"),
+                                            ("utf-32", "UTF-32LE"), ("utf-32-be", "UTF-32BE")])
+@pytest.mark.parametrize("text", ['{"prompt": "Q", "chosen": "a", "rejected": "b"}\r\n', '[{"prompt": "Q"}]'])
+def test_a_utf16_file_is_named_as_such(tmp_path, encoding, name, text):
+    """A JSONL file saved as UTF-16 (Windows PowerShell's > and Out-File) was 'not a JSONL file or a JSON array:
+    none of its lines is JSON'; plain or compressed, the message names the encoding and the conversion."""
+    import gzip
+
+    for path, data in ((tmp_path / "x.jsonl", text.encode(encoding)),
+                       (tmp_path / "x.jsonl.gz", gzip.compress(text.encode(encoding)))):
+        path.write_bytes(data)
+        with pytest.raises(DataError) as err:
+            load_rows(str(path), DataConfig())
+        after = " (after gzip decompression)" if path.suffix == ".gz" else ""
+        assert str(err.value) == (f"{path}: {name} text{after}; JSON and JSONL files are read as UTF-8: "
+                                  f"convert it, e.g. iconv -f {name} -t UTF-8 (or save it as UTF-8)")
+
+
 def test_unknown_fields_key(tmp_path):
     with pytest.raises(DataError, match="data.fields: unknown key 'answer'"):
         rows_of(tmp_path, [{"q": "Q"}], fields={"answer": "q"})
