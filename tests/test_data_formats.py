@@ -140,6 +140,27 @@ BAD_ROWS = [
 ]
 
 
+def test_json_array_item_lines_count_each_newline_once():
+    """The line of each array item was counted from the top of the file for every item: a JSON array of
+    tens of MB spent minutes (quadratic) before its first row was read. Item lines stay exact."""
+    from dtrain.data.jsonfile import _item_lines
+
+    class Counting(str):
+        scanned = 0
+
+        def count(self, sub, start=0, end=None):
+            Counting.scanned += (len(self) if end is None else end) - start
+            return super().count(sub, start, end)
+
+    items = [{"prompt": "Q\n" * i, "chosen": "a", "rejected": "b"} for i in range(200)]
+    text = Counting("[\n" + ",\n".join(json.dumps(o, indent=1) for o in items) + "\n]\n")
+    starts = [2]  # "[" alone on line 1
+    for o in items[:-1]:
+        starts.append(starts[-1] + json.dumps(o, indent=1).count("\n") + 1)
+    assert _item_lines(text, len(items)) == starts
+    assert Counting.scanned <= len(text)
+
+
 def test_each_bad_row_kind_has_line_and_reason(tmp_path):
     path = tmp_path / "bad.jsonl"
     good = '{"prompt": "Q", "chosen": "a", "rejected": "b"}'

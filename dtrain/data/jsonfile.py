@@ -281,8 +281,10 @@ def _item_lines(text: str, count: int) -> list:
     """1-based line where each top-level array item starts."""
     dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
     ws = re.compile(r"[\s,]*")
+    line, counted = 1, 0  # newlines are counted once each, from the previous item on
     for _ in range(count):
         pos = ws.match(text, pos).end()
-        lines.append(text.count("\n", 0, pos) + 1)
+        line, counted = line + text.count("\n", counted, pos), pos
+        lines.append(line)
         _, pos = dec.raw_decode(text, pos)
     return lines
