@@ -174,6 +174,14 @@ def test_each_bad_row_kind_has_line_and_reason(tmp_path):
     assert f"{len(expected)} of {len(expected) + 1} rows skipped" in report.summary()
 
 
+def test_an_object_field_of_another_type_is_named_an_object():
+    """The message read 'must be a object'."""
+    for obj, fmt, field in (({"input": "Q", "preferred_output": [], "non_preferred_output": []}, "openai", "input"),
+                            ({"conversations": [], "chosen": "A", "rejected": "B"}, "sharegpt", "chosen")):
+        _, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
+        assert report.bad == [("f.jsonl:1", f"field '{field}' must be an object, got str")]
+
+
 def test_conversational_bad_rows(tmp_path):
     u = {"role": "user", "content": "a"}
     rows, report = rows_of(tmp_path, [

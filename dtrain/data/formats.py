@@ -250,11 +250,11 @@ def _get(obj: dict, key: str, kind: type, label: Optional[str] = None):
         raise BadRow(f"missing field {label!r}")
     value = obj[key]
     if not isinstance(value, kind):
-        raise BadRow(f"field {label!r} must be a {_KIND_NAMES[kind]}, got {type(value).__name__}")
+        raise BadRow(f"field {label!r} must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
     return value
 
 
-_KIND_NAMES = {str: "string", list: "list of messages", dict: "object"}
+_KIND_NAMES = {str: "a string", list: "a list of messages", dict: "an object"}
 
 
 def _system(obj: dict, key: str = "system") -> Optional[str]:
