@@ -219,6 +219,20 @@ def test_mlx_folder_train_and_valid(tmp_path, tokenizer):
     assert str(err.value) == f"{tmp_path}/n: mlx-lm data folder without train.jsonl (data.train)"
 
 
+def test_a_path_under_home_is_read_as_model_path_reads_it(tmp_path, monkeypatch, tokenizer):
+    """``data.train: ~/pairs.jsonl`` in YAML (which expands nothing) was 'data file not found', while
+    model.path and data.chat_template take ``~``; an mlx-lm folder under ``~`` keeps its valid.jsonl."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    objs = gen_objs("standard", 30, seed=2)
+    write_jsonl(tmp_path / "pairs.jsonl", objs)
+    rows, _ = load_rows("~/pairs.jsonl", DataConfig())
+    assert [r.source for r in rows][:2] == [f"{tmp_path}/pairs.jsonl:1", f"{tmp_path}/pairs.jsonl:2"]
+    write_jsonl(tmp_path / "m/train.jsonl", objs[:20])
+    write_jsonl(tmp_path / "m/valid.jsonl", objs[20:])
+    ds = load_dataset(DataConfig(train="~/m"), tokenizer, log=None)
+    assert {p.source.rsplit(":", 1)[0] for p in ds.valid} == {f"{tmp_path}/m/valid.jsonl"}
+
+
 def test_parquet_folder_split_choice(tmp_path):
     objs = gen_objs("standard", 10, seed=3)
     for name in ("data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",

@@ -81,7 +81,7 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     """
     key, split_attr, split_key = _ROLE_KEYS[role]
     split = getattr(cfg, split_attr)
-    p = Path(spec)
+    p = Path(spec).expanduser()  # ~ as model.path and data.chat_template read it (YAML expands nothing)
     if p.is_file():
         return _file_source(p, spec)
     if p.is_dir():
@@ -120,7 +120,8 @@ def resolve_pair(cfg) -> tuple:
             raise DataError(f"data.valid_split ({cfg.valid_split}) needs data.train to have splits "
                             f"(a DatasetDict folder, a Parquet folder or a hub id); {cfg.train} has none")
         return train, resolve(cfg.train, cfg, "valid")
-    if train.kind == "json" and Path(cfg.train).is_dir() and (Path(cfg.train) / "valid.jsonl").is_file():
+    folder = Path(cfg.train).expanduser()
+    if train.kind == "json" and folder.is_dir() and (folder / "valid.jsonl").is_file():
         return train, resolve(cfg.train, cfg, "valid")  # mlx-lm folder
     return train, None
 
