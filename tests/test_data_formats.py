@@ -86,6 +86,20 @@ def test_transcript_common_prefix_past_the_marker(tmp_path):
     assert (row.prompt, row.chosen, row.rejected) == (HH_PROMPT, " The sum is 4", " The sum is 5")
 
 
+def test_a_prompt_column_of_another_name_is_named_in_the_bad_row(tmp_path):
+    """Intel/orca_dpo_pairs rows (system/question/chosen/rejected) have no prompt key, so they read as
+    transcripts: every row was 'no shared prompt ending at an Assistant: turn marker', with no word of data.fields."""
+    rows, report = rows_of(tmp_path, [{"system": "", "question": "Q", "chosen": "a", "rejected": "b", "id": 3}])
+    assert rows == [] and [r for _, r in report.bad] == [
+        "no shared prompt ending at an 'Assistant:' turn marker; name its prompt column with data.fields: "
+        "{prompt: COLUMN} (text columns: question)"]
+    rows, report = rows_of(tmp_path, [{"chosen": "a", "rejected": "b"}])
+    assert [r for _, r in report.bad] == ["no shared prompt ending at an 'Assistant:' turn marker"]
+    row = one_row(tmp_path, {"system": "", "question": "Q", "chosen": "a", "rejected": "b"},
+                  fields={"prompt": "question"})
+    assert (row.prompt, row.chosen, row.rejected) == ("Q", "a", "b")
+
+
 def test_openai_format(tmp_path):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
     row = one_row(tmp_path, {"input": {"messages": msgs},

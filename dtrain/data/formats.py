@@ -339,7 +339,11 @@ def _transcript(obj: dict, fields=None) -> Row:
     # The last Assistant marker lying wholly inside the common prefix.
     cut = chosen.rfind(ASSISTANT_MARKER, 0, n)
     if cut < 0:
-        raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker")
+        # e.g. Intel/orca_dpo_pairs' question/chosen/rejected: without a prompt key the row reads as a transcript
+        others = [k for k, v in obj.items() if k not in FIELD_KEYS and isinstance(v, str)]
+        hint = f"; name its prompt column with data.fields: {{prompt: COLUMN}} (text columns: {', '.join(others)})" \
+            if others else ""
+        raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker{hint}")
     end = cut + len(ASSISTANT_MARKER)
     return Row(chosen[:end], _text_response(chosen[end:], "chosen"), _text_response(rejected[end:], "rejected"),
                _system(obj), transcript=True)
