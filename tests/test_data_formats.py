@@ -100,6 +100,23 @@ def test_a_prompt_column_of_another_name_is_named_in_the_bad_row(tmp_path):
     assert (row.prompt, row.chosen, row.rejected) == ("Q", "a", "b")
 
 
+def test_an_empty_system_column_is_no_system_message(tmp_path):
+    """Intel/orca_dpo_pairs leaves ``system`` empty in many rows: an empty system turn was rendered in place of
+    the template's default one (mlx_lm.generate then prompts with the default, not what was trained)."""
+    from conftest import CHATML, make_tokenizer
+
+    from dtrain.data import tokenize_rows
+
+    default = "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe kind.<|im_end|>\n{% endif %}" + CHATML
+    tok = make_tokenizer(chat_template=default)
+    row = one_row(tmp_path, {"prompt": "Q", "chosen": "a", "rejected": "b", "system": " "})
+    assert row.system is None
+    (pair,), _ = tokenize_rows([row], tok, DataConfig())
+    assert tok.decode(pair.prompt).startswith("<s><|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nQ")
+    row = one_row(tmp_path, {"prompt": "Q", "chosen": "a", "rejected": "b", "system": "Be brief."})
+    assert row.system == "Be brief."
+
+
 def test_openai_format(tmp_path):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
     row = one_row(tmp_path, {"input": {"messages": msgs},

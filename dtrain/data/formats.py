@@ -22,7 +22,7 @@ one bad row):
   response_j, rejected: response_k, system: sys}``), then the row is read as
   standard, conversational or transcript by the types of its values.
 
-Every format may carry an optional ``system`` string.
+Every format may carry an optional ``system`` string (empty or blank: none).
 
 Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None):
 
@@ -260,7 +260,9 @@ _KIND_NAMES = {str: "a string", list: "a list of messages", dict: "an object"}
 def _system(obj: dict, key: str = "system") -> Optional[str]:
     if obj.get(key) is None:
         return None
-    return _get(obj, key, str)
+    system = _get(obj, key, str)
+    # an empty column (Intel/orca_dpo_pairs) is no system message, not an empty one in place of the template's default
+    return system if system.strip() else None
 
 
 def _text_response(value: str, label: str) -> str:
