@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -71,6 +72,13 @@ def write_jsonl(path, objs) -> str:
 def write_parquet(path, objs, row_group_size=None) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(objs), path, row_group_size=row_group_size)
+    return str(path)
+
+
+def write_feather(path, objs) -> str:
+    import pyarrow.feather as feather
+
+    feather.write_feather(pa.Table.from_pylist(objs), str(path), chunksize=1000)
     return str(path)
 
 
@@ -132,6 +140,9 @@ def test_every_container_reads_the_rows_of_the_jsonl(tmp_path, fmt):
         "parquet": (write_parquet(tmp_path / "d.parquet", objs, row_group_size=700), "{p}:row {i}"),
         "saved": (save_to_disk_like(tmp_path / "saved", objs, shards=3), "{p}:row {i}"),
         "dict": (save_dict_like(tmp_path / "dict", {"test": objs[:5], "train": objs}, shards=2), "{p}[train]:row {i}"),
+        # one Arrow file: a saved dataset's (or datasets' cache) stream file, and an Arrow IPC file (Feather v2)
+        "arrow": (str(Path(save_to_disk_like(tmp_path / "one", objs)) / "data-00000-of-00001.arrow"), "{p}:row {i}"),
+        "feather": (write_feather(tmp_path / "d.feather", objs), "{p}:row {i}"),
         "mlx": (str(tmp_path / "mlx"), None),
         "pqdir": (str(tmp_path / "hub"), None),
     }

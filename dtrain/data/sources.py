@@ -5,6 +5,8 @@
 - a Parquet file (told by its first bytes, ``PAR1``, or a ``.parquet``/``.pq`` name), read
   in record batches with pyarrow; a row's source is ``file.parquet:row N``
   (N 0-based, the row index as in ``ds[N]``);
+- an Arrow file (told by its first bytes): an IPC stream, as ``datasets`` writes its
+  ``*.arrow`` files, or an IPC file (``ARROW1``, Feather v2); sources ``file:row N``;
 - any other file: JSONL, streamed line by line (``file:line``), or a JSON array,
   read whole (``file:line[index]``); gzip, bzip2, xz and zstd files (told by
   their first bytes, whatever their name) are decompressed as they stream, line
@@ -47,6 +49,7 @@ from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes of an Arrow IPC stream (continuation marker) and file
 HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
@@ -57,7 +60,7 @@ class Source:
     """One resolved container of rows.
 
     ``kind``: ``json`` (one JSONL/JSON file), ``parquet`` (Parquet files),
-    ``arrow`` (Arrow stream files of a saved dataset) or ``hub`` (a loaded
+    ``arrow`` (Arrow files: a saved dataset's stream files, or one Arrow file) or ``hub`` (a loaded
     ``datasets.Dataset`` in ``dataset``). ``files``: what is read, in order (for
     ``hub``, the dataset's Arrow cache files). ``label``: prefix of row sources
     and messages. ``split``: the split read, if the container has splits.
@@ -157,10 +160,15 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
 
 def _file_source(path: Path, label: str) -> Source:
     """One file: Parquet when it starts with Parquet's magic ``PAR1`` or is named ``.parquet``/``.pq`` (any case),
+    Arrow when it starts as an Arrow IPC stream (``datasets``' ``*.arrow`` files) or file (``ARROW1``, Feather v2),
     else JSON/JSONL."""
     with open(path, "rb") as f:
-        parquet = f.read(4) == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES
-    return Source("parquet" if parquet else "json", (path,), label)
+        head = f.read(6)
+    if head[:4] == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES:
+        return Source("parquet", (path,), label)
+    if head[:4] == ARROW_STREAM or head == ARROW_FILE:
+        return Source("arrow", (path,), label)
+    return Source("json", (path,), label)
 
 
 def _names_split(rel: Path, split: str) -> bool:
@@ -279,10 +287,21 @@ def read_items(src: Source) -> Iterator[tuple]:
                     yield from _table_items(pf.iter_batches(batch_size=BATCH_ROWS), str(f))
             else:
                 with pa.memory_map(str(f)) as mm:
-                    n = yield from _table_items(pa.ipc.open_stream(mm), src.label, n)
+                    n = yield from _table_items(_arrow_batches(mm), src.label, n)
         except (pa.ArrowException, OSError) as err:
-            what = "Parquet" if src.kind == "parquet" else "Arrow stream"
+            what = "Parquet" if src.kind == "parquet" else "Arrow"
             raise DataError(f"{f}: not a readable {what} file: {err}") from None
+
+
+def _arrow_batches(mm):
+    """Record batches of an Arrow IPC stream, or of an Arrow IPC file (``ARROW1``: Feather v2)."""
+    import pyarrow as pa
+
+    if mm.read(6) != ARROW_FILE:
+        mm.seek(0)
+        return pa.ipc.open_stream(mm)
+    reader = pa.ipc.open_file(mm)
+    return (reader.get_batch(i) for i in range(reader.num_record_batches))
 
 
 def _table_items(batches, label: str, start: int = 0):
