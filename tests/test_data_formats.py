@@ -117,6 +117,25 @@ def test_an_empty_system_column_is_no_system_message(tmp_path):
     assert row.system == "Be brief."
 
 
+def test_rows_with_tools_are_bad_rows_saying_so():
+    """mlx-lm's and TRL's ``tools``, OpenAI's ``input.tools`` and a message's ``tool_calls`` are rendered by chat
+    templates; dtrain renders role and content only. A row with tools trained without their definitions, and a
+    tool call was 'must be an object with string 'role' and 'content''."""
+    u, a = {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]}
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {}}}]
+    items = [({"messages": [u, a], "tools": tools}, "messages", "'tools' (tool definitions)"),
+             ({"messages": [u, call, {"role": "tool", "content": "sun"}, a]}, "messages", "messages[1] 'tool_calls'"),
+             ({"input": {"messages": [u], "tools": tools}, "preferred_output": [a],
+               "non_preferred_output": [{"role": "assistant", "content": "Rain."}]}, "openai", "'tools' (tool definitions)")]
+    for obj, fmt, what in items:
+        rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
+        assert rows == [] and report.bad == [
+            ("f.jsonl:1", f"{what}: rows with tools are not read (dtrain renders the messages' role and content only)")]
+    rows, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": []})], DataConfig(), "f.jsonl")
+    assert report.bad == [] and len(rows) == 1
+
+
 def test_openai_format(tmp_path):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
     row = one_row(tmp_path, {"input": {"messages": msgs},

@@ -58,6 +58,8 @@ ASSISTANT_MARKER = "\n\nAssistant:"
 # How to write data.fields, shown in error messages (README "Preference data" says the same).
 FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rejected: response_k}' "
                  "on the command line, or the same mapping under data: fields: in YAML")
+# mlx-lm, TRL and OpenAI rows may carry tools, which templates render; dtrain renders messages' text only.
+NO_TOOLS = "{what}: rows with tools are not read (dtrain renders the messages' role and content only)"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -221,6 +223,8 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
             if not isinstance(obj, dict):
                 raise BadRow(f"expected a JSON object, got {type(obj).__name__}")
             _check_utf8(obj)
+            if obj.get("tools") or (isinstance(obj.get("input"), dict) and obj["input"].get("tools")):
+                raise BadRow(NO_TOOLS.format(what="'tools' (tool definitions)"))
             if fields and fmt != "mapped":
                 obj = _rename(obj, fields)
             row = _PARSERS[fmt](obj, fields)
@@ -274,6 +278,8 @@ def _text_response(value: str, label: str) -> str:
 def _messages(value: list, label: str) -> list:
     out = []
     for i, m in enumerate(value):
+        if isinstance(m, dict) and m.get("tool_calls"):
+            raise BadRow(NO_TOOLS.format(what=f"{label}[{i}] 'tool_calls'"))
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
         out.append({"role": m["role"], "content": m["content"]})
