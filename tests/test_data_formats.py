@@ -127,7 +127,8 @@ def test_rows_with_tools_are_bad_rows_saying_so():
     items = [({"messages": [u, a], "tools": tools}, "messages", "'tools' (tool definitions)"),
              ({"messages": [u, call, {"role": "tool", "content": "sun"}, a]}, "messages", "messages[1] 'tool_calls'"),
              ({"input": {"messages": [u], "tools": tools}, "preferred_output": [a],
-               "non_preferred_output": [{"role": "assistant", "content": "Rain."}]}, "openai", "'tools' (tool definitions)")]
+               "non_preferred_output": [{"role": "assistant", "content": "Rain."}]},
+              "openai", "'tools' (tool definitions)")]
     for obj, fmt, what in items:
         rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
         assert rows == [] and report.bad == [
@@ -261,8 +262,8 @@ def test_file_level_errors(tmp_path, setup, message):
     assert str(err.value).startswith(str(path)) and message in str(err.value)
 
 
-@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16LE"), ("utf-16-le", "UTF-16LE"), ("utf-16-be", "UTF-16BE"),
-                                            ("utf-32", "UTF-32LE"), ("utf-32-be", "UTF-32BE")])
+@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16LE"), ("utf-16-le", "UTF-16LE"),
+                                            ("utf-16-be", "UTF-16BE"), ("utf-32", "UTF-32LE"), ("utf-32-be", "UTF-32BE")])
 @pytest.mark.parametrize("text", ['{"prompt": "Q", "chosen": "a", "rejected": "b"}\r\n', '[{"prompt": "Q"}]'])
 def test_a_utf16_file_is_named_as_such(tmp_path, encoding, name, text):
     """A JSONL file saved as UTF-16 (Windows PowerShell's > and Out-File) was 'not a JSONL file or a JSON array:

@@ -49,7 +49,7 @@ from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes of an Arrow IPC stream (continuation marker) and file
+ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes: IPC stream (continuation marker), IPC file
 HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
