@@ -261,6 +261,21 @@ def test_parquet_folder_split_choice(tmp_path):
                               "default/test/0000.parquet); set data.split")
 
 
+def test_parquet_folder_of_several_configs_is_refused(tmp_path):
+    """``hf download`` of a dataset with configs leaves ``main/train-*.parquet`` and ``socratic/train-*.parquet``:
+    both were read as the one split, two datasets trained as one."""
+    objs = gen_objs("standard", 10, seed=3)
+    for name in ("main/train-00000-of-00001.parquet", "socratic/train-00000-of-00001.parquet",
+                 "main/test-00000-of-00001.parquet"):
+        write_parquet(tmp_path / "hub" / name, objs)
+    folder = str(tmp_path / "hub")
+    with pytest.raises(DataError) as err:
+        resolve(folder, DataConfig())
+    assert str(err.value) == (f"{folder}: Parquet files of split 'train' in 2 folders (main, socratic), one per "
+                              "dataset config as the hub lays them out; set data.train to one of them")
+    assert resolve(f"{folder}/main", DataConfig()).files == (tmp_path / "hub/main/train-00000-of-00001.parquet",)
+
+
 def test_unknown_folder_and_missing_paths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="is a directory but no data folder"):

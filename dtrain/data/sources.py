@@ -152,6 +152,11 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
         if not chosen:
             shown = ", ".join(str(q.relative_to(p)) for q in parquet[:5]) + (", ..." if len(parquet) > 5 else "")
             raise DataError(f"{spec}: no Parquet file of split {split!r} ({shown}); set {split_key}")
+        folders = sorted({str(q.parent.relative_to(p)) for q in chosen})
+        if len(folders) > 1:  # a hub dataset's configs (main/train-*.parquet, socratic/train-*.parquet)
+            raise DataError(f"{spec}: Parquet files of split {split!r} in {len(folders)} folders "
+                            f"({', '.join(folders)}), one per dataset config as the hub lays them out; set {key} "
+                            "to one of them")
         return Source("parquet", chosen, f"{spec}[{split}]", split)
     raise DataError(f"{spec}: is a directory but no data folder ({key}); expected a JSONL/JSON/Parquet file, or a "
                     "folder holding train.jsonl/valid.jsonl (mlx-lm), a datasets.save_to_disk folder (state.json "
