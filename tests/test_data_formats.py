@@ -191,6 +191,16 @@ BAD_ROWS = [
 ]
 
 
+def test_a_byte_order_mark_opening_any_line_is_skipped(tmp_path):
+    """Files saved with a BOM and joined (``cat a.jsonl b.jsonl``) carry one at the start of a later line: that
+    row was bad ('invalid JSON: Unexpected UTF-8 BOM'); only the file's first line was read past it."""
+    line = '\ufeff{"prompt": "Q", "chosen": "a", "rejected": "b"}\r\n'
+    path = tmp_path / "joined.jsonl"
+    path.write_bytes((line * 3).encode())
+    rows, report = load_rows(str(path), DataConfig())
+    assert [r.source for r in rows] == [f"{path}:{n}" for n in (1, 2, 3)] and report.bad == []
+
+
 def test_json_array_item_lines_count_each_newline_once():
     """The line of each array item was counted from the top of the file for every item: a JSON array of
     tens of MB spent minutes (quadratic) before its first row was read. Item lines stay exact."""

@@ -189,9 +189,9 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
             return
         for n, raw in enumerate(f, start=1):
             where[0] = n
+            # a BOM opens the file, or a line of files saved with one and joined (cat a.jsonl b.jsonl)
             line = raw.decode("utf-8", errors="surrogateescape").removesuffix("\n").removesuffix("\r")
-            if n == 1:
-                line = line.lstrip("\ufeff")
+            line = line.lstrip("\ufeff")
             if not line.strip():
                 continue
             lines += 1
