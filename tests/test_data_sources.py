@@ -424,6 +424,17 @@ def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
         assert other != key
 
 
+def test_cache_key_keeps_with_settings_that_only_choose_rows(tmp_path, tokenizer):
+    """Another data.valid file, on_bad_row or split leaves the training rows as they were: their pairs were
+    tokenized again, since every data key was in the key."""
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 10, seed=7)), DataConfig())
+    key = cache_key(rows, tokenizer, DataConfig(train="d.jsonl"))
+    for same in (DataConfig(train="d.jsonl", valid="v2.jsonl"), DataConfig(train="d.jsonl", on_bad_row="error"),
+                 DataConfig(train="d.jsonl", valid_split="test", split="all"), DataConfig(train="moved/d.jsonl")):
+        assert cache_key(rows, tokenizer, same) == key
+    assert cache_key(rows, tokenizer, DataConfig(train="d.jsonl", max_length=100)) != key
+
+
 def test_cache_key_changes_with_the_text_of_a_chat_template_file(tmp_path, tokenizer):
     """An edited data.chat_template file renders other tokens at the same path; its key was the path's,
     so a second run into the same folder trained on the pairs of the old template."""
