@@ -191,6 +191,21 @@ def test_named_chatml_on_base_model_text_markers_and_eos():
     assert pair.prompt + pair.chosen == whole
 
 
+def test_chat_template_text_or_a_name_too_long_is_one_clear_error(tokenizer):
+    """The template's text given as data.chat_template (as mlx_lm.server --chat-template takes it) ended in a bare
+    OSError traceback, 'File name too long', once longer than a file name may be."""
+    text = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + "{# a long comment #}" * 20
+    for value in (text, text[:60]):
+        with pytest.raises(DataError) as err:
+            tokenize_rows([Row("Q", "a", "b")], tokenizer, DataConfig(chat_template=value))
+        assert str(err.value) == ("data.chat_template: the template's text was given; it takes a template name "
+                                  "(chatml, plain) or a Jinja file: save the text to a .jinja file and name it")
+    with pytest.raises(DataError) as err:
+        tokenize_rows([Row("Q", "a", "b")], tokenizer, DataConfig(chat_template="t" * 300))
+    assert str(err.value) == (f"data.chat_template: {'t' * 300!r} is neither a template name (chatml, plain) nor "
+                              "a Jinja file")
+
+
 def test_chat_template_file_overrides_the_models(tmp_path, tokenizer):
     jinja = tmp_path / "t.jinja"
     jinja.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}</s>{% endfor %}"

@@ -276,6 +276,15 @@ def test_parquet_folder_of_several_configs_is_refused(tmp_path):
     assert resolve(f"{folder}/main", DataConfig()).files == (tmp_path / "hub/main/train-00000-of-00001.parquet",)
 
 
+def test_a_path_too_long_for_the_file_system_is_one_clear_error():
+    """A data.train longer than a file name may be was a bare OSError traceback ('File name too long')."""
+    for spec in ("q" * 300, "q" * 300 + "/name"):  # the launcher asks is_hub_id first
+        assert not is_hub_id(spec)
+        with pytest.raises(DataError) as err:
+            resolve(spec, DataConfig())
+        assert str(err.value) == f"{'q' * 80}...: not a usable path: File name too long (data.train)"
+
+
 def test_unknown_folder_and_missing_paths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="is a directory but no data folder"):

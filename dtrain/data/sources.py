@@ -85,9 +85,13 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     key, split_attr, split_key = _ROLE_KEYS[role]
     split = getattr(cfg, split_attr)
     p = Path(spec).expanduser()  # ~ as model.path and data.chat_template read it (YAML expands nothing)
-    if p.is_file():
+    try:
+        is_file, is_dir = p.is_file(), p.is_dir()
+    except OSError as err:  # a name too long for the file system
+        raise DataError(f"{spec[:80]}...: not a usable path: {err.strerror} ({key})") from None
+    if is_file:
         return _file_source(p, spec)
-    if p.is_dir():
+    if is_dir:
         return _folder(p, spec, role, split, key, split_key)
     if is_hub_id(spec):
         return _hub(spec, split, key, split_key)
@@ -100,7 +104,11 @@ def is_hub_id(spec: str) -> bool:
     A data-file suffix (``.jsonl``, ``.JSON``, ``.parquet``, ``.gz`` ..., any case) marks a missing file, not an id.
     """
     p = Path(spec)
-    return (not p.exists() and bool(HUB_ID.fullmatch(spec))
+    try:
+        exists = p.exists()
+    except OSError:  # a name too long for the file system, and for a hub id
+        return False
+    return (not exists and bool(HUB_ID.fullmatch(spec))
             and p.suffix.lower() not in (".json", ".jsonl", *PARQUET_SUFFIXES, *COMPRESSED_SUFFIXES))
 
 
