@@ -133,8 +133,12 @@ def test_rows_with_tools_are_bad_rows_saying_so():
         rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
         assert rows == [] and report.bad == [
             ("f.jsonl:1", f"{what}: rows with tools are not read (dtrain renders the messages' role and content only)")]
-    rows, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": []})], DataConfig(), "f.jsonl")
-    assert report.bad == [] and len(rows) == 1
+    for none in ([], None, "[]", ""):  # hub datasets keep tools as JSON text
+        rows, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": none})], DataConfig(), "f.jsonl")
+        assert report.bad == [] and len(rows) == 1
+    _, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": json.dumps(tools)})], DataConfig(), "f.jsonl")
+    assert [why for _, why in report.bad] == [
+        "'tools' (tool definitions): rows with tools are not read (dtrain renders the messages' role and content only)"]
 
 
 def test_openai_format(tmp_path):

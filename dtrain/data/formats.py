@@ -223,7 +223,8 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
             if not isinstance(obj, dict):
                 raise BadRow(f"expected a JSON object, got {type(obj).__name__}")
             _check_utf8(obj)
-            if obj.get("tools") or (isinstance(obj.get("input"), dict) and obj["input"].get("tools")):
+            inp = obj.get("input")
+            if _has_tools(obj.get("tools")) or (isinstance(inp, dict) and _has_tools(inp.get("tools"))):
                 raise BadRow(NO_TOOLS.format(what="'tools' (tool definitions)"))
             if fields and fmt != "mapped":
                 obj = _rename(obj, fields)
@@ -235,6 +236,16 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
         except BadRow as err:
             report.bad.append((source, str(err)))
     return rows, report
+
+
+def _has_tools(value) -> bool:
+    """A non-empty tools or tool_calls value; some hub datasets keep it as JSON text (``"[]"`` is none)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return bool(value.strip())
+    return bool(value)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # searched in C: a per-character loop was most of the parse time
@@ -278,7 +289,7 @@ def _text_response(value: str, label: str) -> str:
 def _messages(value: list, label: str) -> list:
     out = []
     for i, m in enumerate(value):
-        if isinstance(m, dict) and m.get("tool_calls"):
+        if isinstance(m, dict) and _has_tools(m.get("tool_calls")):
             raise BadRow(NO_TOOLS.format(what=f"{label}[{i}] 'tool_calls'"))
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
