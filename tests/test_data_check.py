@@ -97,6 +97,18 @@ def test_show_prints_pairs_as_trained(tmp_path, tokenizer):
     assert "pair 3" not in out
 
 
+def test_check_of_sft_rows_shows_no_rejected_side(tmp_path, tokenizer):
+    """SFT rows have one completion: the report listed 'rejected 0 / 0 / 0 / 0' and each shown pair an empty
+    'rejected 0 tokens'."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 2 + 2?", "completion": "4"}])
+    out, _ = check_file(path, DataConfig(), tokenizer, show=1, objective="sft")
+    lines = out.splitlines()
+    assert lines[1:4] == ["token lengths (untruncated, 1 pairs): min / median / p95 / max",
+                          "  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2"]
+    assert lines[-2:] == ['  chosen       2 tokens  "4<|im_end|>"', "            ids [24, 4]"]
+    assert "rejected" not in out
+
+
 # -- command line ------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -177,6 +189,21 @@ def test_named_chatml_on_base_model_text_markers_and_eos():
     whole = base.encode("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                         "<|im_start|>assistant\nYes<|im_end|>") + [1]
     assert pair.prompt + pair.chosen == whole
+
+
+def test_chat_template_text_or_a_name_too_long_is_one_clear_error(tokenizer):
+    """The template's text given as data.chat_template (as mlx_lm.server --chat-template takes it) ended in a bare
+    OSError traceback, 'File name too long', once longer than a file name may be."""
+    text = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + "{# a long comment #}" * 20
+    for value in (text, text[:60]):
+        with pytest.raises(DataError) as err:
+            tokenize_rows([Row("Q", "a", "b")], tokenizer, DataConfig(chat_template=value))
+        assert str(err.value) == ("data.chat_template: the template's text was given; it takes a template name "
+                                  "(chatml, plain) or a Jinja file: save the text to a .jinja file and name it")
+    with pytest.raises(DataError) as err:
+        tokenize_rows([Row("Q", "a", "b")], tokenizer, DataConfig(chat_template="t" * 300))
+    assert str(err.value) == (f"data.chat_template: {'t' * 300!r} is neither a template name (chatml, plain) nor "
+                              "a Jinja file")
 
 
 def test_chat_template_file_overrides_the_models(tmp_path, tokenizer):

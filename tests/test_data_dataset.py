@@ -68,6 +68,20 @@ def test_on_bad_row_error_raises_before_training(tmp_path, tokenizer):
                               f"1 of 6 rows bad:\n  {path}:6: missing field 'rejected'")
 
 
+def test_on_bad_row_error_stops_before_tokenizing(tmp_path):
+    """A row that cannot be read stops the run before any row is tokenized; the stop came only after every row
+    of train and valid was tokenized (minutes on a large file)."""
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"tokenizer used: {name}")
+
+    path = write_jsonl(tmp_path / "t.jsonl", GOOD[:4] + [{"prompt": "Q", "chosen": "a"}])
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=path, on_bad_row="error"), Untouchable(), log=None)
+    assert str(err.value) == (f"{path}:5: missing field 'rejected' (1 bad row(s); data.on_bad_row is 'error')\n"
+                              f"1 of 5 rows bad:\n  {path}:5: missing field 'rejected'")
+
+
 def test_no_usable_pairs_is_an_error(tmp_path, tokenizer):
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD[:3]), max_length=4, max_prompt_length=4)
     logged = []

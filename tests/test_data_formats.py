@@ -86,6 +86,61 @@ def test_transcript_common_prefix_past_the_marker(tmp_path):
     assert (row.prompt, row.chosen, row.rejected) == (HH_PROMPT, " The sum is 4", " The sum is 5")
 
 
+def test_a_prompt_column_of_another_name_is_named_in_the_bad_row(tmp_path):
+    """Intel/orca_dpo_pairs rows (system/question/chosen/rejected) have no prompt key, so they read as
+    transcripts: every row was 'no shared prompt ending at an Assistant: turn marker', with no word of data.fields."""
+    rows, report = rows_of(tmp_path, [{"system": "", "question": "Q", "chosen": "a", "rejected": "b", "id": 3}])
+    assert rows == [] and [r for _, r in report.bad] == [
+        "no shared prompt ending at an 'Assistant:' turn marker; name its prompt column with data.fields: "
+        "{prompt: COLUMN} (text columns: question)"]
+    rows, report = rows_of(tmp_path, [{"chosen": "a", "rejected": "b"}])
+    assert [r for _, r in report.bad] == ["no shared prompt ending at an 'Assistant:' turn marker"]
+    row = one_row(tmp_path, {"system": "", "question": "Q", "chosen": "a", "rejected": "b"},
+                  fields={"prompt": "question"})
+    assert (row.prompt, row.chosen, row.rejected) == ("Q", "a", "b")
+
+
+def test_an_empty_system_column_is_no_system_message(tmp_path):
+    """Intel/orca_dpo_pairs leaves ``system`` empty in many rows: an empty system turn was rendered in place of
+    the template's default one (mlx_lm.generate then prompts with the default, not what was trained)."""
+    from conftest import CHATML, make_tokenizer
+
+    from dtrain.data import tokenize_rows
+
+    default = "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe kind.<|im_end|>\n{% endif %}" + CHATML
+    tok = make_tokenizer(chat_template=default)
+    row = one_row(tmp_path, {"prompt": "Q", "chosen": "a", "rejected": "b", "system": " "})
+    assert row.system is None
+    (pair,), _ = tokenize_rows([row], tok, DataConfig())
+    assert tok.decode(pair.prompt).startswith("<s><|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nQ")
+    row = one_row(tmp_path, {"prompt": "Q", "chosen": "a", "rejected": "b", "system": "Be brief."})
+    assert row.system == "Be brief."
+
+
+def test_rows_with_tools_are_bad_rows_saying_so():
+    """mlx-lm's and TRL's ``tools``, OpenAI's ``input.tools`` and a message's ``tool_calls`` are rendered by chat
+    templates; dtrain renders role and content only. A row with tools trained without their definitions, and a
+    tool call was 'must be an object with string 'role' and 'content''."""
+    u, a = {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "w"}}]}
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {}}}]
+    items = [({"messages": [u, a], "tools": tools}, "messages", "'tools' (tool definitions)"),
+             ({"messages": [u, call, {"role": "tool", "content": "sun"}, a]}, "messages", "messages[1] 'tool_calls'"),
+             ({"input": {"messages": [u], "tools": tools}, "preferred_output": [a],
+               "non_preferred_output": [{"role": "assistant", "content": "Rain."}]},
+              "openai", "'tools' (tool definitions)")]
+    for obj, fmt, what in items:
+        rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
+        assert rows == [] and report.bad == [
+            ("f.jsonl:1", f"{what}: rows with tools are not read (dtrain renders the messages' role and content only)")]
+    for none in ([], None, "[]", ""):  # hub datasets keep tools as JSON text
+        rows, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": none})], DataConfig(), "f.jsonl")
+        assert report.bad == [] and len(rows) == 1
+    _, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": json.dumps(tools)})], DataConfig(), "f.jsonl")
+    assert [why for _, why in report.bad] == [
+        "'tools' (tool definitions): rows with tools are not read (dtrain renders the messages' role and content only)"]
+
+
 def test_openai_format(tmp_path):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
     row = one_row(tmp_path, {"input": {"messages": msgs},
@@ -140,6 +195,37 @@ BAD_ROWS = [
 ]
 
 
+def test_a_byte_order_mark_opening_any_line_is_skipped(tmp_path):
+    """Files saved with a BOM and joined (``cat a.jsonl b.jsonl``) carry one at the start of a later line: that
+    row was bad ('invalid JSON: Unexpected UTF-8 BOM'); only the file's first line was read past it."""
+    line = '\ufeff{"prompt": "Q", "chosen": "a", "rejected": "b"}\r\n'
+    path = tmp_path / "joined.jsonl"
+    path.write_bytes((line * 3).encode())
+    rows, report = load_rows(str(path), DataConfig())
+    assert [r.source for r in rows] == [f"{path}:{n}" for n in (1, 2, 3)] and report.bad == []
+
+
+def test_json_array_item_lines_count_each_newline_once():
+    """The line of each array item was counted from the top of the file for every item: a JSON array of
+    tens of MB spent minutes (quadratic) before its first row was read. Item lines stay exact."""
+    from dtrain.data.jsonfile import _item_lines
+
+    class Counting(str):
+        scanned = 0
+
+        def count(self, sub, start=0, end=None):
+            Counting.scanned += (len(self) if end is None else end) - start
+            return super().count(sub, start, end)
+
+    items = [{"prompt": "Q\n" * i, "chosen": "a", "rejected": "b"} for i in range(200)]
+    text = Counting("[\n" + ",\n".join(json.dumps(o, indent=1) for o in items) + "\n]\n")
+    starts = [2]  # "[" alone on line 1
+    for o in items[:-1]:
+        starts.append(starts[-1] + json.dumps(o, indent=1).count("\n") + 1)
+    assert _item_lines(text, len(items)) == starts
+    assert Counting.scanned <= len(text)
+
+
 def test_each_bad_row_kind_has_line_and_reason(tmp_path):
     path = tmp_path / "bad.jsonl"
     good = '{"prompt": "Q", "chosen": "a", "rejected": "b"}'
@@ -151,6 +237,14 @@ def test_each_bad_row_kind_has_line_and_reason(tmp_path):
     expected.append((f"{path}:{len(BAD_ROWS) + 2}", "text is not valid UTF-8 (undecodable byte 0xff)"))
     assert report.bad == expected
     assert f"{len(expected)} of {len(expected) + 1} rows skipped" in report.summary()
+
+
+def test_an_object_field_of_another_type_is_named_an_object():
+    """The message read 'must be a object'."""
+    for obj, fmt, field in (({"input": "Q", "preferred_output": [], "non_preferred_output": []}, "openai", "input"),
+                            ({"conversations": [], "chosen": "A", "rejected": "B"}, "sharegpt", "chosen")):
+        _, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
+        assert report.bad == [("f.jsonl:1", f"field '{field}' must be an object, got str")]
 
 
 def test_conversational_bad_rows(tmp_path):
@@ -180,6 +274,24 @@ def test_file_level_errors(tmp_path, setup, message):
     with pytest.raises(DataError) as err:
         load_rows(str(path), DataConfig())
     assert str(err.value).startswith(str(path)) and message in str(err.value)
+
+
+@pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16LE"), ("utf-16-le", "UTF-16LE"),
+                                            ("utf-16-be", "UTF-16BE"), ("utf-32", "UTF-32LE"), ("utf-32-be", "UTF-32BE")])
+@pytest.mark.parametrize("text", ['{"prompt": "Q", "chosen": "a", "rejected": "b"}\r\n', '[{"prompt": "Q"}]'])
+def test_a_utf16_file_is_named_as_such(tmp_path, encoding, name, text):
+    """A JSONL file saved as UTF-16 (Windows PowerShell's > and Out-File) was 'not a JSONL file or a JSON array:
+    none of its lines is JSON'; plain or compressed, the message names the encoding and the conversion."""
+    import gzip
+
+    for path, data in ((tmp_path / "x.jsonl", text.encode(encoding)),
+                       (tmp_path / "x.jsonl.gz", gzip.compress(text.encode(encoding)))):
+        path.write_bytes(data)
+        with pytest.raises(DataError) as err:
+            load_rows(str(path), DataConfig())
+        after = " (after gzip decompression)" if path.suffix == ".gz" else ""
+        assert str(err.value) == (f"{path}: {name} text{after}; JSON and JSONL files are read as UTF-8: "
+                                  f"convert it, e.g. iconv -f {name} -t UTF-8 (or save it as UTF-8)")
 
 
 def test_unknown_fields_key(tmp_path):
@@ -273,3 +385,34 @@ def test_a_pair_identical_as_written_is_dropped_not_bad(tmp_path):
                                ("f.jsonl:2", {"prompt": "Q", "chosen": "a", "rejected": "b"})], DataConfig(), "f.jsonl")
     assert [r.source for r in rows] == ["f.jsonl:2"] and report.bad == []
     assert report.dropped == [("f.jsonl:1", "same text: chosen and rejected are identical")]
+
+
+def test_a_pair_identical_as_written_is_dropped_in_every_preference_format():
+    """Identical message lists (implicit prompt), transcripts, OpenAI and ShareGPT outputs are ``same text`` drops
+    too, as TRL's extract_prompt keeps the last message as the response; an identical conversation was a bad row
+    ('no assistant message after the shared prompt'), which data.on_bad_row: error stopped a run for."""
+    u, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    items = [("f.jsonl:1", {"chosen": [u, a], "rejected": [u, a]}),
+             ("f.jsonl:2", {"chosen": HH_PROMPT + " 4", "rejected": HH_PROMPT + " 4"}),
+             ("f.jsonl:3", {"input": {"messages": [u]}, "preferred_output": [a], "non_preferred_output": [a]}),
+             ("f.jsonl:4", {"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "gpt", "value": "A"},
+                            "rejected": {"from": "gpt", "value": "A"}})]
+    for item in items:
+        rows, report = parse_rows([item], DataConfig(), "f.jsonl")
+        assert (rows, report.bad) == ([], [])
+        assert report.dropped == [(item[0], "same text: chosen and rejected are identical")]
+
+
+def test_conversational_text_prompt_repeated_in_the_messages_is_not_trained_twice(tmp_path):
+    """HuggingFaceH4/ultrafeedback_binarized rows carry ``prompt`` as text and the whole conversation in
+    ``chosen``/``rejected``: the prompt is the messages' shared prefix (TRL maybe_extract_prompt). The text
+    prompt was made a user turn in front of the messages, so the user turn was trained twice, once as response."""
+    s, u = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What color is the sky?"}
+    row = one_row(tmp_path, {"prompt": "What color is the sky?", "prompt_id": "0a1b",
+                             "chosen": [s, u, {"role": "assistant", "content": "Blue."}],
+                             "rejected": [s, u, {"role": "assistant", "content": "Green."}]})
+    assert (row.prompt, row.chosen, row.rejected, row.rejected_prompt) == ([s, u], "Blue.", "Green.", None)
+    # a text prompt in front of replies alone is still their user turn
+    row = one_row(tmp_path, {"prompt": "Q", "chosen": [{"role": "assistant", "content": "x"}],
+                             "rejected": [{"role": "assistant", "content": "y"}]})
+    assert (row.prompt, row.chosen, row.rejected) == ([{"role": "user", "content": "Q"}], "x", "y")

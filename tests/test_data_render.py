@@ -257,6 +257,21 @@ def test_pair_with_no_room_for_a_response_is_dropped(tokenizer):
     assert len(pairs[0].chosen) == len(pairs[0].rejected) == 1 and report.truncated == 1
 
 
+def test_transcript_without_its_leading_blank_line_opens_with_the_human_turn(tokenizer):
+    """HH rows stripped of their leading "\\n\\n" start 'Human: a': the first user turn became the text before the
+    first marker and joined the first *assistant* turn ('Human: a\\nb' as assistant), so roles were wrong."""
+    stripped = "Human: a b\n\nAssistant: hi\n\nHuman: What is 2 + 2?\n\nAssistant:"
+    row = Row(stripped, " 4", " 5", transcript=True)
+    assert texts(tokenizer, one_pair(tokenizer, row)) == (
+        "<s><|im_start|>user\na b<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>\n" + CHAT_Q[3:],
+        "4<|im_end|>", "5<|im_end|>")
+    assert one_pair(tokenizer, Row(HH.lstrip(), " 4", " 5", transcript=True)) == one_pair(
+        tokenizer, Row(HH, " 4", " 5", transcript=True))
+    # text before a first Assistant turn is the user's turn, not part of the assistant's
+    unmarked = Row(stripped.removeprefix("Human: "), " 4", " 5", transcript=True)
+    assert one_pair(tokenizer, unmarked) == one_pair(tokenizer, row)
+
+
 def test_transcript_sides_equal_after_rendering_dropped(tokenizer):
     row = Row("\n\nHuman: hi\n\nAssistant:", " Yes", "  Yes", transcript=True, source="hh.jsonl:1")
     n = len(tokenizer.encode("Yes<|im_end|>", add_special_tokens=False))

@@ -75,6 +75,20 @@ def test_text_rows_are_bos_text_eos_with_everything_after_bos_trained(tok):
     assert len(cut[0].prompt + cut[0].chosen) == 4
 
 
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_text_rows_end_with_one_eos_when_the_tokenizer_appends_one(source):
+    """A tokenizer whose post-processor appends EOS (tokenizer.json, GGUF add_eos_token): the text row took the
+    tokenizer's EOS and then dtrain's, so every text row trained '</s></s>'."""
+    from test_data_terminators import variant
+
+    tok = variant("chatml", source, "bos+eos")
+    rows, _ = rows_of([{"text": "hello world"}])
+    (p,), _ = tokenize_rows(rows, tok, DataConfig())
+    assert (p.prompt, p.chosen) == ([1], [262, 386, 382, 2])
+    (p,), _ = tokenize_rows(rows, tok, DataConfig(append_eos=False))
+    assert (p.prompt, p.chosen) == ([1], [262, 386, 382])
+
+
 def test_text_rows_with_no_room_are_dropped_as_no_room(tok):
     rows, _ = rows_of([{"text": FOX}, {"text": "hello world"}])
     cfg = DataConfig(max_length=1, max_prompt_length=1)

@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -71,6 +72,13 @@ def write_jsonl(path, objs) -> str:
 def write_parquet(path, objs, row_group_size=None) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(objs), path, row_group_size=row_group_size)
+    return str(path)
+
+
+def write_feather(path, objs) -> str:
+    import pyarrow.feather as feather
+
+    feather.write_feather(pa.Table.from_pylist(objs), str(path), chunksize=1000)
     return str(path)
 
 
@@ -132,6 +140,9 @@ def test_every_container_reads_the_rows_of_the_jsonl(tmp_path, fmt):
         "parquet": (write_parquet(tmp_path / "d.parquet", objs, row_group_size=700), "{p}:row {i}"),
         "saved": (save_to_disk_like(tmp_path / "saved", objs, shards=3), "{p}:row {i}"),
         "dict": (save_dict_like(tmp_path / "dict", {"test": objs[:5], "train": objs}, shards=2), "{p}[train]:row {i}"),
+        # one Arrow file: a saved dataset's (or datasets' cache) stream file, and an Arrow IPC file (Feather v2)
+        "arrow": (str(Path(save_to_disk_like(tmp_path / "one", objs)) / "data-00000-of-00001.arrow"), "{p}:row {i}"),
+        "feather": (write_feather(tmp_path / "d.feather", objs), "{p}:row {i}"),
         "mlx": (str(tmp_path / "mlx"), None),
         "pqdir": (str(tmp_path / "hub"), None),
     }
@@ -219,6 +230,20 @@ def test_mlx_folder_train_and_valid(tmp_path, tokenizer):
     assert str(err.value) == f"{tmp_path}/n: mlx-lm data folder without train.jsonl (data.train)"
 
 
+def test_a_path_under_home_is_read_as_model_path_reads_it(tmp_path, monkeypatch, tokenizer):
+    """``data.train: ~/pairs.jsonl`` in YAML (which expands nothing) was 'data file not found', while
+    model.path and data.chat_template take ``~``; an mlx-lm folder under ``~`` keeps its valid.jsonl."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    objs = gen_objs("standard", 30, seed=2)
+    write_jsonl(tmp_path / "pairs.jsonl", objs)
+    rows, _ = load_rows("~/pairs.jsonl", DataConfig())
+    assert [r.source for r in rows][:2] == [f"{tmp_path}/pairs.jsonl:1", f"{tmp_path}/pairs.jsonl:2"]
+    write_jsonl(tmp_path / "m/train.jsonl", objs[:20])
+    write_jsonl(tmp_path / "m/valid.jsonl", objs[20:])
+    ds = load_dataset(DataConfig(train="~/m"), tokenizer, log=None)
+    assert {p.source.rsplit(":", 1)[0] for p in ds.valid} == {f"{tmp_path}/m/valid.jsonl"}
+
+
 def test_parquet_folder_split_choice(tmp_path):
     objs = gen_objs("standard", 10, seed=3)
     for name in ("data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",
@@ -234,6 +259,30 @@ def test_parquet_folder_split_choice(tmp_path):
     assert str(err.value) == (f"{folder}: no Parquet file of split 'validation' (data/train-00000-of-00002.parquet, "
                               "data/train-00001-of-00002.parquet, data/train_prefs-00000-of-00001.parquet, "
                               "default/test/0000.parquet); set data.split")
+
+
+def test_parquet_folder_of_several_configs_is_refused(tmp_path):
+    """``hf download`` of a dataset with configs leaves ``main/train-*.parquet`` and ``socratic/train-*.parquet``:
+    both were read as the one split, two datasets trained as one."""
+    objs = gen_objs("standard", 10, seed=3)
+    for name in ("main/train-00000-of-00001.parquet", "socratic/train-00000-of-00001.parquet",
+                 "main/test-00000-of-00001.parquet"):
+        write_parquet(tmp_path / "hub" / name, objs)
+    folder = str(tmp_path / "hub")
+    with pytest.raises(DataError) as err:
+        resolve(folder, DataConfig())
+    assert str(err.value) == (f"{folder}: Parquet files of split 'train' in 2 folders (main, socratic), one per "
+                              "dataset config as the hub lays them out; set data.train to one of them")
+    assert resolve(f"{folder}/main", DataConfig()).files == (tmp_path / "hub/main/train-00000-of-00001.parquet",)
+
+
+def test_a_path_too_long_for_the_file_system_is_one_clear_error():
+    """A data.train longer than a file name may be was a bare OSError traceback ('File name too long')."""
+    for spec in ("q" * 300, "q" * 300 + "/name"):  # the launcher asks is_hub_id first
+        assert not is_hub_id(spec)
+        with pytest.raises(DataError) as err:
+            resolve(spec, DataConfig())
+        assert str(err.value) == f"{'q' * 80}...: not a usable path: File name too long (data.train)"
 
 
 def test_unknown_folder_and_missing_paths(tmp_path):
@@ -382,6 +431,33 @@ def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
                   cache_key(rows, make_tokenizer(chat_template=None), DataConfig()),
                   cache_key(rows, make_tokenizer(add_bos=False), DataConfig())):
         assert other != key
+
+
+def test_cache_key_keeps_with_settings_that_only_choose_rows(tmp_path, tokenizer):
+    """Another data.valid file, on_bad_row or split leaves the training rows as they were: their pairs were
+    tokenized again, since every data key was in the key."""
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 10, seed=7)), DataConfig())
+    key = cache_key(rows, tokenizer, DataConfig(train="d.jsonl"))
+    for same in (DataConfig(train="d.jsonl", valid="v2.jsonl"), DataConfig(train="d.jsonl", on_bad_row="error"),
+                 DataConfig(train="d.jsonl", valid_split="test", split="all"), DataConfig(train="moved/d.jsonl")):
+        assert cache_key(rows, tokenizer, same) == key
+    assert cache_key(rows, tokenizer, DataConfig(train="d.jsonl", max_length=100)) != key
+
+
+def test_cache_key_changes_with_the_text_of_a_chat_template_file(tmp_path, tokenizer):
+    """An edited data.chat_template file renders other tokens at the same path; its key was the path's,
+    so a second run into the same folder trained on the pairs of the old template."""
+    from dtrain.data.templates import CHATML
+
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 3, seed=7)), DataConfig())
+    template = tmp_path / "t.jinja"
+    template.write_text(CHATML)
+    cfg = DataConfig(chat_template=str(template))
+    first = tokenize_cached(rows, tokenizer, cfg, tmp_path / "cache")
+    template.write_text(CHATML.replace("'<|im_end|>\n'", "'<|im_end|>\n\n'"))  # a blank line after each turn
+    again = tokenize_cached(rows, tokenizer, cfg, tmp_path / "cache")
+    assert again == tokenize_rows(rows, tokenizer, cfg) and again != first
+    assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
 def test_load_dataset_caches_next_to_output(tmp_path, tokenizer):

@@ -61,6 +61,14 @@ def split_rows(rows: list, valid_fraction: float, seed: int) -> tuple:
     return train, [r for i, r in enumerate(rows) if i in picked]
 
 
+def _stop_on_bad_rows(report: BadRowReport, cfg) -> None:
+    """Raises DataError naming the first bad row and listing them, under ``data.on_bad_row: error``."""
+    if report.bad and cfg.on_bad_row == "error":
+        first, why = report.bad[0]
+        raise DataError(f"{first}: {why} ({len(report.bad)} bad row(s); data.on_bad_row is 'error')\n"
+                        f"{BadRowReport(report.rows_read, report.bad).summary(bad='bad')}")
+
+
 @dataclass
 class Dataset:
     """Tokenized train and held-out pairs.
@@ -116,15 +124,13 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         else:
             train_rows, valid_rows = split_rows(rows, cfg.valid_fraction, seed)
         fingerprint = data_fingerprint([s for s in (train_src, valid_src) if s is not None])
+    _stop_on_bad_rows(report, cfg)  # rows that cannot be read stop the run before any row is tokenized
     progress, pending = log is not None, []
     train, train_report = tokenize_cached(train_rows, tokenizer, cfg, cache_dir, progress, "train", pending)
     valid, valid_report = tokenize_cached(valid_rows, tokenizer, cfg, cache_dir, progress, "valid", pending)
     # rows_read was counted at load time; tokenize reports add only their entries.
     report = report.merge(dataclasses.replace(train_report.merge(valid_report), rows_read=0))
-    if report.bad and cfg.on_bad_row == "error":
-        first, why = report.bad[0]
-        raise DataError(f"{first}: {why} ({len(report.bad)} bad row(s); data.on_bad_row is 'error')\n"
-                        f"{BadRowReport(report.rows_read, report.bad).summary(bad='bad')}")
+    _stop_on_bad_rows(report, cfg)
     if (report.bad or report.dropped or report.truncated) and log is not None:
         log(report.summary())
     if not train:

@@ -1,7 +1,8 @@
 """Tokenized pairs cached by content, so a resume or a second run does not tokenize again.
 
 An entry's name is the sha256 of everything its pairs depend on: the rows (every
-field, sources included), every ``data`` config key, the tokenizer (its full
+field, sources included), every ``data`` config key that decides how a row is
+tokenized (a ``chat_template`` file by its text; not :data:`ROW_KEYS`), the tokenizer (its full
 ``tokenizer.json`` serialisation, chat template and special tokens), the source
 of the data package and types.py, and the versions of the libraries
 that render and tokenize. Entries are ``.npz`` files (no pickle) written
@@ -23,9 +24,13 @@ from typing import Optional
 from ..types import TokenizedPair
 from .formats import BadRowReport
 from .render import tokenize_rows
+from .templates import template_source
 
 CACHE_VERSION = 1  # bump when the entry layout changes
 CHUNK_ROWS = 512  # rows tokenized between progress-bar updates
+# data keys that decide which rows are read, not how a row is tokenized: the rows (hashed) carry their effect
+ROW_KEYS = ("train", "valid", "split", "valid_split", "valid_fraction", "format", "fields", "on_bad_row",
+            "demo_pairs", "demo_seed")
 
 
 def tokenizer_identity(tokenizer) -> Optional[str]:
@@ -64,7 +69,10 @@ def cache_key(rows: list, tokenizer, cfg) -> Optional[str]:
     if tok is None:
         return None
     h = hashlib.sha256(f"{_code_identity()}\n{tok}\n".encode())
-    h.update(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode())
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ROW_KEYS}
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    if cfg.chat_template is not None:  # a Jinja file's text, not only its path
+        h.update(template_source(cfg.chat_template).encode())
     for row in rows:
         h.update(repr(row).encode("utf-8", errors="surrogatepass"))
     return h.hexdigest()

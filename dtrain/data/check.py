@@ -33,7 +33,8 @@ def show_pair(pair, tokenizer, number: int) -> list:
     parts = [("prompt", pair.prompt), ("chosen", pair.chosen)]
     if pair.rejected_prompt is not None:
         parts.append(("rejected prompt", pair.rejected_prompt))
-    parts.append(("rejected", pair.rejected))
+    if pair.rejected:  # an SFT row has none
+        parts.append(("rejected", pair.rejected))
     lines = [f"pair {number}: {pair.source}  (prompt ends after token {len(pair.prompt)}; responses follow it)"]
     for name, ids in parts:
         lines.append(f"  {name:<9} {len(ids):>4} tokens  {text(ids)}")
@@ -88,7 +89,8 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     if summary:
         lines.append(summary)
     lines.append(f"token lengths (untruncated, {len(rendered)} pairs): min / median / p95 / max")
-    for i, key in enumerate(("prompt", "chosen", "rejected")):
+    sides = ("prompt", "chosen", "rejected") if any(r.lengths[2] for r in rendered) else ("prompt", "chosen")
+    for i, key in enumerate(sides):  # SFT rows have no rejected side
         lines.append(f"  {key:<9}{_stats([r.lengths[i] for r in rendered])}")
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
                  f"{report.truncated} pairs truncated, {report.prompt_cut_fits} of them only because of "

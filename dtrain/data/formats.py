@@ -8,7 +8,8 @@ one bad row):
   strings (https://huggingface.co/docs/trl/dataset_formats#preference).
 - ``conversational``: TRL conversational preference, message lists
   ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
-  common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``).
+  common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
+  a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does).
 - ``transcript``: ``chosen``/``rejected`` strings only, e.g. Anthropic HH
   (``\\n\\nHuman: … \\n\\nAssistant: …``); the prompt is the longest common
   prefix of both sides that ends at an ``Assistant:`` turn marker.
@@ -21,7 +22,7 @@ one bad row):
   response_j, rejected: response_k, system: sys}``), then the row is read as
   standard, conversational or transcript by the types of its values.
 
-Every format may carry an optional ``system`` string.
+Every format may carry an optional ``system`` string (empty or blank: none).
 
 Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None):
 
@@ -57,6 +58,8 @@ ASSISTANT_MARKER = "\n\nAssistant:"
 # How to write data.fields, shown in error messages (README "Preference data" says the same).
 FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rejected: response_k}' "
                  "on the command line, or the same mapping under data: fields: in YAML")
+# mlx-lm, TRL and OpenAI rows may carry tools, which templates render; dtrain renders messages' text only.
+NO_TOOLS = "{what}: rows with tools are not read (dtrain renders the messages' role and content only)"
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -220,6 +223,9 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
             if not isinstance(obj, dict):
                 raise BadRow(f"expected a JSON object, got {type(obj).__name__}")
             _check_utf8(obj)
+            inp = obj.get("input")
+            if _has_tools(obj.get("tools")) or (isinstance(inp, dict) and _has_tools(inp.get("tools"))):
+                raise BadRow(NO_TOOLS.format(what="'tools' (tool definitions)"))
             if fields and fmt != "mapped":
                 obj = _rename(obj, fields)
             row = _PARSERS[fmt](obj, fields)
@@ -230,6 +236,16 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
         except BadRow as err:
             report.bad.append((source, str(err)))
     return rows, report
+
+
+def _has_tools(value) -> bool:
+    """A non-empty tools or tool_calls value; some hub datasets keep it as JSON text (``"[]"`` is none)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return bool(value.strip())
+    return bool(value)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # searched in C: a per-character loop was most of the parse time
@@ -249,17 +265,19 @@ def _get(obj: dict, key: str, kind: type, label: Optional[str] = None):
         raise BadRow(f"missing field {label!r}")
     value = obj[key]
     if not isinstance(value, kind):
-        raise BadRow(f"field {label!r} must be a {_KIND_NAMES[kind]}, got {type(value).__name__}")
+        raise BadRow(f"field {label!r} must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
     return value
 
 
-_KIND_NAMES = {str: "string", list: "list of messages", dict: "object"}
+_KIND_NAMES = {str: "a string", list: "a list of messages", dict: "an object"}
 
 
 def _system(obj: dict, key: str = "system") -> Optional[str]:
     if obj.get(key) is None:
         return None
-    return _get(obj, key, str)
+    system = _get(obj, key, str)
+    # an empty column (Intel/orca_dpo_pairs) is no system message, not an empty one in place of the template's default
+    return system if system.strip() else None
 
 
 def _text_response(value: str, label: str) -> str:
@@ -271,6 +289,8 @@ def _text_response(value: str, label: str) -> str:
 def _messages(value: list, label: str) -> list:
     out = []
     for i, m in enumerate(value):
+        if isinstance(m, dict) and _has_tools(m.get("tool_calls")):
+            raise BadRow(NO_TOOLS.format(what=f"{label}[{i}] 'tool_calls'"))
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
         out.append({"role": m["role"], "content": m["content"]})
@@ -296,8 +316,11 @@ def _standard(obj: dict, fields=None) -> Row:
 def _conversational(obj: dict, fields=None) -> Row:
     chosen = _messages(_get(obj, "chosen", list), "chosen")
     rejected = _messages(_get(obj, "rejected", list), "rejected")
-    if obj.get("prompt") is not None:
-        prompt = obj["prompt"]
+    prompt = obj.get("prompt")
+    if isinstance(prompt, str) and chosen[:1] and rejected[:1] and "assistant" not in (
+            chosen[0]["role"], rejected[0]["role"]):
+        prompt = None  # a text copy of a prompt the messages hold (TRL maybe_extract_prompt)
+    if prompt is not None:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         prompt = _messages(_get({"prompt": prompt}, "prompt", list), "prompt")
@@ -313,7 +336,7 @@ def _implicit_conversation(chosen: list, rejected: list, system: Optional[str]) 
     the common prefix, and the row carries ``rejected_prompt``.
     """
     n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+    while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:  # the last message is a response
         n += 1
     sides = []
     for msgs, label in ((chosen, "chosen"), (rejected, "rejected")):
@@ -335,7 +358,11 @@ def _transcript(obj: dict, fields=None) -> Row:
     # The last Assistant marker lying wholly inside the common prefix.
     cut = chosen.rfind(ASSISTANT_MARKER, 0, n)
     if cut < 0:
-        raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker")
+        # e.g. Intel/orca_dpo_pairs' question/chosen/rejected: without a prompt key the row reads as a transcript
+        others = [k for k, v in obj.items() if k not in FIELD_KEYS and isinstance(v, str)]
+        hint = f"; name its prompt column with data.fields: {{prompt: COLUMN}} (text columns: {', '.join(others)})" \
+            if others else ""
+        raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker{hint}")
     end = cut + len(ASSISTANT_MARKER)
     return Row(chosen[:end], _text_response(chosen[end:], "chosen"), _text_response(rejected[end:], "rejected"),
                _system(obj), transcript=True)

@@ -45,6 +45,10 @@ _REFUSED_SUFFIX = {
     ".tgz": "a tar archive",
 }
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+# Text that is not UTF-8: byte order marks (UTF-32's first), and the NUL bytes of its first four bytes.
+_WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),
+              (b"\xfe\xff", "UTF-16BE"))
+_WIDE_NULS = {"000x": "UTF-32BE", "x000": "UTF-32LE", "0x0x": "UTF-16BE", "x0x0": "UTF-16LE"}
 # Values nested deeper than this are refused when read, so that no later step (the UTF-8 check's
 # json.dumps, row parsing) runs out of Python's recursion limit on them; real rows nest a few levels.
 MAX_DEPTH = 100
@@ -153,7 +157,7 @@ def json_items(path: str) -> Iterator[tuple]:
     a :class:`BadRow`; blank lines are skipped.
 
     Raises:
-        DataError: an archive or compression that is not read; an empty file;
+        DataError: an archive or compression that is not read; an empty file; UTF-16 or UTF-32 text;
             an invalid or too deeply nested JSON array; one JSON object spread over several lines;
             no line that is JSON at all (raised at the end of the file, after
             its lines were yielded); a compressed stream that is corrupt or cut
@@ -172,6 +176,7 @@ def json_items(path: str) -> Iterator[tuple]:
 
 def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]:
     first_bad, lines, any_json = None, 0, False
+    _refuse_utf16(path, kind)
     with _open_data(path, kind) as f:
         # surrogateescape keeps undecodable bytes as lone surrogates; rows holding
         # them are reported one by one instead of failing the whole file.
@@ -184,9 +189,9 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
             return
         for n, raw in enumerate(f, start=1):
             where[0] = n
+            # a BOM opens the file, or a line of files saved with one and joined (cat a.jsonl b.jsonl)
             line = raw.decode("utf-8", errors="surrogateescape").removesuffix("\n").removesuffix("\r")
-            if n == 1:
-                line = line.lstrip("\ufeff")
+            line = line.lstrip("\ufeff")
             if not line.strip():
                 continue
             lines += 1
@@ -213,6 +218,19 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
     if not any_json:
         raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
                         f"({first_bad[0]}: {first_bad[1]})")
+
+
+def _refuse_utf16(path: str, kind: Optional[str]) -> None:
+    """Raises DataError for UTF-16 or UTF-32 text, told by a byte order mark or by the NUL bytes beside
+    JSON's first ASCII character (RFC 4627 section 3); it would read as invalid JSON on every line."""
+    with _open_data(path, kind) as f:
+        head = f.read(4)
+    nul = "".join("0" if b == 0 else "x" for b in head)
+    encoding = next((enc for bom, enc in _WIDE_BOMS if head.startswith(bom)), None) or _WIDE_NULS.get(nul)
+    if encoding is not None:
+        after = f" (after {kind} decompression)" if kind else ""
+        raise DataError(f"{path}: {encoding} text{after}; JSON and JSONL files are read as UTF-8: convert it, "
+                        f"e.g. iconv -f {encoding} -t UTF-8 (or save it as UTF-8)")
 
 
 def _check_depth(value, depth: int = 0) -> None:
@@ -263,8 +281,10 @@ def _item_lines(text: str, count: int) -> list:
     """1-based line where each top-level array item starts."""
     dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
     ws = re.compile(r"[\s,]*")
+    line, counted = 1, 0  # newlines are counted once each, from the previous item on
     for _ in range(count):
         pos = ws.match(text, pos).end()
-        lines.append(text.count("\n", 0, pos) + 1)
+        line, counted = line + text.count("\n", counted, pos), pos
+        lines.append(line)
         _, pos = dec.raw_decode(text, pos)
     return lines

@@ -64,8 +64,12 @@ def transcript_messages(text: str) -> list:
     """``\\n\\nHuman: a\\n\\nAssistant: b\\n\\nAssistant:`` -> user/assistant messages.
 
     The trailing empty Assistant turn (the generation prompt) is dropped; text
-    before the first marker joins the first turn.
+    before the first marker joins the first turn, or is one before a first
+    Assistant turn. A transcript that opens with ``Human:`` (its leading blank
+    line stripped) opens with that turn.
     """
+    if text.lstrip().startswith(HUMAN_MARKER.strip()):
+        text = HUMAN_MARKER + text.lstrip()[len(HUMAN_MARKER.strip()):]
     parts, pos, msgs = [], 0, []
     markers = {HUMAN_MARKER: "user", ASSISTANT_MARKER: "assistant"}
     while True:
@@ -81,9 +85,11 @@ def transcript_messages(text: str) -> list:
         msgs.append({"role": markers[marker], "content": text[at + len(marker): end].strip()})
     if msgs and msgs[-1]["role"] == "assistant" and not msgs[-1]["content"]:
         msgs.pop()
-    if lead and msgs:
+    if lead and msgs and msgs[0]["role"] == "user":
         msgs[0] = {**msgs[0], "content": (lead + "\n" + msgs[0]["content"]).strip()}
-    return msgs or [{"role": "user", "content": lead}]
+    elif lead or not msgs:  # text before a first Assistant turn is what the user said
+        msgs.insert(0, {"role": "user", "content": lead})
+    return msgs
 
 
 def _with_system(msgs: list, system: Optional[str]) -> list:
@@ -376,14 +382,15 @@ class RowTokenizer:
         return out
 
     def _text_row(self, row: Row) -> RowResult:
-        """A ``text`` row: the tokenizer's ids of the whole text (BOS as the tokenizer adds it,
-        control-token text as plain text) and one EOS; the first token is the prompt, the
-        rest the completion, cut to ``max_length`` (none left: dropped as ``no room``)."""
+        """A ``text`` row: the tokenizer's ids of the whole text (BOS as the tokenizer adds it, its
+        own EOS suffix not, control-token text as plain text) and one EOS; the first token is the
+        prompt, the rest the completion, cut to ``max_length`` (none left: dropped as ``no room``)."""
         out = RowResult(row.source)
         text = self._strip_marks(row.chosen)
         found = self.control_re.search(text) if self.control_re else None
         out.control_text = found.group(0) if found else None
-        ids = hf_tokenizer(self.tokenizer)(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        ids = list(self.prefix) + hf_tokenizer(self.tokenizer)(text, add_special_tokens=False,
+                                                               split_special_tokens=True)["input_ids"]
         if self.cfg.append_eos:
             if self.tokenizer.eos_token_id is None:
                 raise DataError("text rows need an EOS token to end them and the tokenizer has none; set "

@@ -5,6 +5,8 @@
 - a Parquet file (told by its first bytes, ``PAR1``, or a ``.parquet``/``.pq`` name), read
   in record batches with pyarrow; a row's source is ``file.parquet:row N``
   (N 0-based, the row index as in ``ds[N]``);
+- an Arrow file (told by its first bytes): an IPC stream, as ``datasets`` writes its
+  ``*.arrow`` files, or an IPC file (``ARROW1``, Feather v2); sources ``file:row N``;
 - any other file: JSONL, streamed line by line (``file:line``), or a JSON array,
   read whole (``file:line[index]``); gzip, bzip2, xz and zstd files (told by
   their first bytes, whatever their name) are decompressed as they stream, line
@@ -47,6 +49,7 @@ from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes: IPC stream (continuation marker), IPC file
 HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
@@ -57,7 +60,7 @@ class Source:
     """One resolved container of rows.
 
     ``kind``: ``json`` (one JSONL/JSON file), ``parquet`` (Parquet files),
-    ``arrow`` (Arrow stream files of a saved dataset) or ``hub`` (a loaded
+    ``arrow`` (Arrow files: a saved dataset's stream files, or one Arrow file) or ``hub`` (a loaded
     ``datasets.Dataset`` in ``dataset``). ``files``: what is read, in order (for
     ``hub``, the dataset's Arrow cache files). ``label``: prefix of row sources
     and messages. ``split``: the split read, if the container has splits.
@@ -81,10 +84,14 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     """
     key, split_attr, split_key = _ROLE_KEYS[role]
     split = getattr(cfg, split_attr)
-    p = Path(spec)
-    if p.is_file():
+    p = Path(spec).expanduser()  # ~ as model.path and data.chat_template read it (YAML expands nothing)
+    try:
+        is_file, is_dir = p.is_file(), p.is_dir()
+    except OSError as err:  # a name too long for the file system
+        raise DataError(f"{spec[:80]}...: not a usable path: {err.strerror} ({key})") from None
+    if is_file:
         return _file_source(p, spec)
-    if p.is_dir():
+    if is_dir:
         return _folder(p, spec, role, split, key, split_key)
     if is_hub_id(spec):
         return _hub(spec, split, key, split_key)
@@ -97,7 +104,11 @@ def is_hub_id(spec: str) -> bool:
     A data-file suffix (``.jsonl``, ``.JSON``, ``.parquet``, ``.gz`` ..., any case) marks a missing file, not an id.
     """
     p = Path(spec)
-    return (not p.exists() and bool(HUB_ID.fullmatch(spec))
+    try:
+        exists = p.exists()
+    except OSError:  # a name too long for the file system, and for a hub id
+        return False
+    return (not exists and bool(HUB_ID.fullmatch(spec))
             and p.suffix.lower() not in (".json", ".jsonl", *PARQUET_SUFFIXES, *COMPRESSED_SUFFIXES))
 
 
@@ -120,7 +131,8 @@ def resolve_pair(cfg) -> tuple:
             raise DataError(f"data.valid_split ({cfg.valid_split}) needs data.train to have splits "
                             f"(a DatasetDict folder, a Parquet folder or a hub id); {cfg.train} has none")
         return train, resolve(cfg.train, cfg, "valid")
-    if train.kind == "json" and Path(cfg.train).is_dir() and (Path(cfg.train) / "valid.jsonl").is_file():
+    folder = Path(cfg.train).expanduser()
+    if train.kind == "json" and folder.is_dir() and (folder / "valid.jsonl").is_file():
         return train, resolve(cfg.train, cfg, "valid")  # mlx-lm folder
     return train, None
 
@@ -148,6 +160,11 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
         if not chosen:
             shown = ", ".join(str(q.relative_to(p)) for q in parquet[:5]) + (", ..." if len(parquet) > 5 else "")
             raise DataError(f"{spec}: no Parquet file of split {split!r} ({shown}); set {split_key}")
+        folders = sorted({str(q.parent.relative_to(p)) for q in chosen})
+        if len(folders) > 1:  # a hub dataset's configs (main/train-*.parquet, socratic/train-*.parquet)
+            raise DataError(f"{spec}: Parquet files of split {split!r} in {len(folders)} folders "
+                            f"({', '.join(folders)}), one per dataset config as the hub lays them out; set {key} "
+                            "to one of them")
         return Source("parquet", chosen, f"{spec}[{split}]", split)
     raise DataError(f"{spec}: is a directory but no data folder ({key}); expected a JSONL/JSON/Parquet file, or a "
                     "folder holding train.jsonl/valid.jsonl (mlx-lm), a datasets.save_to_disk folder (state.json "
@@ -156,10 +173,15 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
 
 def _file_source(path: Path, label: str) -> Source:
     """One file: Parquet when it starts with Parquet's magic ``PAR1`` or is named ``.parquet``/``.pq`` (any case),
+    Arrow when it starts as an Arrow IPC stream (``datasets``' ``*.arrow`` files) or file (``ARROW1``, Feather v2),
     else JSON/JSONL."""
     with open(path, "rb") as f:
-        parquet = f.read(4) == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES
-    return Source("parquet" if parquet else "json", (path,), label)
+        head = f.read(6)
+    if head[:4] == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES:
+        return Source("parquet", (path,), label)
+    if head[:4] == ARROW_STREAM or head == ARROW_FILE:
+        return Source("arrow", (path,), label)
+    return Source("json", (path,), label)
 
 
 def _names_split(rel: Path, split: str) -> bool:
@@ -278,10 +300,21 @@ def read_items(src: Source) -> Iterator[tuple]:
                     yield from _table_items(pf.iter_batches(batch_size=BATCH_ROWS), str(f))
             else:
                 with pa.memory_map(str(f)) as mm:
-                    n = yield from _table_items(pa.ipc.open_stream(mm), src.label, n)
+                    n = yield from _table_items(_arrow_batches(mm), src.label, n)
         except (pa.ArrowException, OSError) as err:
-            what = "Parquet" if src.kind == "parquet" else "Arrow stream"
+            what = "Parquet" if src.kind == "parquet" else "Arrow"
             raise DataError(f"{f}: not a readable {what} file: {err}") from None
+
+
+def _arrow_batches(mm):
+    """Record batches of an Arrow IPC stream, or of an Arrow IPC file (``ARROW1``: Feather v2)."""
+    import pyarrow as pa
+
+    if mm.read(6) != ARROW_FILE:
+        mm.seek(0)
+        return pa.ipc.open_stream(mm)
+    reader = pa.ipc.open_file(mm)
+    return (reader.get_batch(i) for i in range(reader.num_record_batches))
 
 
 def _table_items(batches, label: str, start: int = 0):
