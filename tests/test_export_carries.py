@@ -252,6 +252,26 @@ def test_a_folder_base_keeps_its_generation_config_and_code_files(tmp_path):
     assert json.loads((result.folder / "generation_config.json").read_text()) == {"eos_token_id": [2, 4]}
 
 
+def test_a_folder_base_with_named_chat_templates_keeps_them_all(tmp_path):
+    """A tokenizer_config.json with a list of named templates (default, tool_use) loads as a dict: the export
+    wrote that dict as chat_template.jinja and failed with a TypeError traceback."""
+    from fixtures_launch import make_model_folder
+    from transformers import AutoTokenizer
+
+    base = make_model_folder(tmp_path / "model")
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    tools = "TOOLS " + CHATML
+    config["chat_template"] = [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": tools}]
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"))
+    assert result.chat_template == CHATML and result.eos_token_ids == [2, 4]
+    saved = AutoTokenizer.from_pretrained(str(result.folder)).chat_template
+    assert saved == {"default": "{{ bos_token }}" + CHATML, "tool_use": "{{ bos_token }}" + tools}
+    assert mlx_lm_prompt(result.folder, [{"role": "user", "content": "hi"}])[0] == 1
+
+
 def mlx_lm_prompt(folder, messages):
     """The ids `mlx_lm.generate` (and mlx_lm.server) feed the model: the chat template's text, no special tokens
     added (transformers' apply_chat_template adds none either)."""

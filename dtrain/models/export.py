@@ -303,10 +303,14 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     trained_with = training_template(adapter_dir)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
     hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
-    template = trained_with or hf.chat_template
+    own = hf.chat_template  # a dict for a base with named templates (transformers renders its "default")
+    named = isinstance(own, dict) and trained_with is None
+    template = trained_with or (own.get("default") if isinstance(own, dict) else own)
     config = dict(loaded.config)
     config["eos_token_id"] = end_tokens(loaded, trained_with)
-    hf.chat_template = with_bos(loaded.tokenizer, template)  # the folder's; the GGUF and Modelfile keep ``template``
+    # the folder's; the GGUF and Modelfile keep ``template``
+    hf.chat_template = ({name: with_bos(loaded.tokenizer, text) for name, text in own.items()} if named
+                        else with_bos(loaded.tokenizer, template))
     loaded.model.set_dtype(DTYPES[dtype])
     result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
     source = None if base == "demo" or Path(base).expanduser().is_file() else base_folder(base)  # folder, hub id
@@ -317,7 +321,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         for code in sorted(source.glob("*.py")) if source is not None else ():  # remote code, as mlx_lm.fuse copies
             shutil.copyfile(code, tmp / code.name)
-        if hf.chat_template is not None:
+        if isinstance(hf.chat_template, str):  # named templates: save_pretrained writes each one
             (tmp / "chat_template.jinja").write_text(hf.chat_template, encoding="utf-8")
         if base_gguf is not None:
             name = f"model-{gguf_type.upper()}.gguf"
