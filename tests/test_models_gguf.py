@@ -264,6 +264,42 @@ def test_keep_quantized_builds_per_module_bits(tmp_path):
     np.testing.assert_allclose(np.array(model(TOKENS)), np.array(dense(TOKENS)), rtol=1e-4, atol=1e-4)
 
 
+def test_llama_gguf_with_bias_tensors_loads_and_converts_with_the_same_logits(tmp_path):
+    """llama.cpp's llama reads attn_q/k/v/output and ffn biases as optional tensors; dtrain built the model
+    without biases and stopped with mlx-lm's 'Received 24 parameters not in model' traceback. Here q/k/v and
+    the MLP have biases and attn_output has none (a zero bias in mlx-lm's attention_bias model)."""
+    model = make_tiny_model("llama", seed=1, attention_bias=True, mlp_bias=True)
+    args = model.args
+    ref = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    for name in [n for n in ref if n.endswith("o_proj.bias")]:
+        ref[name] = np.zeros_like(ref[name])
+    path = tmp_path / "bias.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_embedding_length(args.hidden_size)
+    w.add_block_count(args.num_hidden_layers)
+    w.add_feed_forward_length(args.intermediate_size)
+    w.add_head_count(args.num_attention_heads)
+    w.add_head_count_kv(args.num_key_value_heads)
+    w.add_layer_norm_rms_eps(args.rms_norm_eps)
+    w.add_rope_freq_base(args.rope_theta)
+    tokenizer_metadata(w, make_tokenizer()._tokenizer)
+    for name, value in ref.items():
+        module, suffix = name.rsplit(".", 1)
+        if module.endswith("o_proj") and suffix == "bias":
+            continue
+        heads = {"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}.get(module.split(".")[-1])
+        stored = llama_cpp_permute(value, heads) if heads else value  # llama.cpp permutes q/k biases too
+        w.add_tensor(gguf_name(module + ".weight", _LLAMA_LAYER)[: -len("weight")] + suffix, stored)
+    _finish(w)
+    expected = reference_logits("llama", args, ref, TOKENS)
+    np.testing.assert_allclose(np.array(load_model(str(path), dtype="float32").model(TOKENS)), expected,
+                               rtol=1e-5, atol=1e-5)
+    from mlx_lm.utils import load
+
+    convert_gguf(str(path), str(tmp_path / "out"))
+    np.testing.assert_allclose(np.array(load(str(tmp_path / "out"))[0](TOKENS)), expected, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- gemma3
 
 

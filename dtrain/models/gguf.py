@@ -134,6 +134,7 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
         raise ModelError(f"{path}: {err}") from None
     if arch == "llama":
         _unpermute_qk(weights, config)
+        _fill_biases(weights, config)
     else:
         for name in [n for n in weights if n.endswith("norm.weight")]:
             weights[name] = weights[name].astype(mx.float32) - 1.0
@@ -196,6 +197,19 @@ def _unpermute_qk(weights: dict, config: dict) -> None:
             n = heads[proj]
             rows = w.shape[0]
             weights[name] = w.reshape(n, rows // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_BIASED = {"attention_bias": ("attn_q", "attn_k", "attn_v", "attn_output"),
+           "mlp_bias": ("ffn_gate", "ffn_up", "ffn_down")}
+
+
+def _fill_biases(weights: dict, config: dict) -> None:
+    """Zero biases for the projections a biased llama file leaves without one: llama.cpp reads each
+    bias tensor as optional, mlx-lm's ``attention_bias``/``mlp_bias`` give every projection of the group one."""
+    for key, parts in _BIASED.items():
+        projs = {_LAYER_NAMES[p].split(".")[-1] for p in parts}
+        for name in [n for n in weights if config.get(key) and n.endswith(".weight") and n.split(".")[-2] in projs]:
+            weights.setdefault(name[: -len("weight")] + "bias", mx.zeros((weights[name].shape[0],), mx.float32))
 
 
 def _llama3_rope_scaling(factors: mx.array, head_dim: int, base: float) -> dict:
@@ -307,6 +321,9 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
             rope_theta=float(key("rope.freq_base", 10000.0)),
             head_dim=int(key("attention.key_length", config["hidden_size"] // heads)),
         )
+        # llama.cpp's llama takes optional bias tensors (blk.N.attn_q.bias ...)
+        biased = {name.split(".")[2] for name in tensors if name.startswith("blk.") and name.endswith(".bias")}
+        config.update({key: True for key, parts in _BIASED.items() if biased & set(parts)})
         return config
     head_dim = int(key("attention.key_length", 256))
     layers = config["num_hidden_layers"]
