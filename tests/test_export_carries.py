@@ -45,9 +45,10 @@ def test_training_template_goes_into_gguf_folder_and_modelfile(tmp_path, tiny):
     _, tok = load(str(result.folder))
     assert tok.chat_template == "{{ bos_token }}" + PLAIN
     assert load_model(str(result.gguf)).tokenizer.chat_template == PLAIN
-    assert result.eos_token_ids == [2]  # plain writes no end-of-turn token: EOS ends a response
+    assert result.eos_token_ids == [2, 4]  # plain writes no end-of-turn token: the base's end tokens
     modelfile = (result.folder / "Modelfile").read_text().splitlines()
-    assert modelfile[1] == "FROM ./model-F16.gguf" and modelfile[-1] == 'PARAMETER stop "</s>"'
+    assert modelfile[1] == "FROM ./model-F16.gguf" and modelfile[-2:] == ['PARAMETER stop "</s>"',
+                                                                          'PARAMETER stop "<|im_end|>"']
     assert modelfile[2] == 'TEMPLATE """{{- range $i, $_ := .Messages }}'
     assert modelfile[5] == '{{- else if eq .Role "user" }}{{ "User: " }}{{ .Content }}{{ "\\n\\n" }}'
 
@@ -55,9 +56,9 @@ def test_training_template_goes_into_gguf_folder_and_modelfile(tmp_path, tiny):
 def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(tmp_path, tiny):
     base, adapter = tiny
     before = load_model(str(base)).tokenizer
-    assert sorted(before.eos_token_ids) == [2]  # the base GGUF names only </s>
+    assert sorted(before.eos_token_ids) == [2, 4]  # the GGUF names </s>; llama.cpp ends at <|im_end|> by its text
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0")
-    assert result.eos_token_ids == [2, 4]  # + <|im_end|>, the base template's end-of-turn
+    assert result.eos_token_ids == [2, 4]  # <|im_end|> is the base template's end-of-turn too
     config = json.loads((result.folder / "config.json").read_text())
     generation = json.loads((result.folder / "generation_config.json").read_text())
     assert config["eos_token_id"] == generation["eos_token_id"] == [2, 4]

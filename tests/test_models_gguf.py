@@ -300,6 +300,27 @@ def test_llama_gguf_with_bias_tensors_loads_and_converts_with_the_same_logits(tm
     np.testing.assert_allclose(np.array(load(str(tmp_path / "out"))[0](TOKENS)), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_end_tokens_are_those_llama_cpp_ends_generation_at(tmp_path):
+    """A Llama 3.1 GGUF names only <|eot_id|> as EOS; llama.cpp (and the HF model's config, [128001, 128008,
+    128009]) also end at <|end_of_text|> and <|eom_id|>. The tokenizer and convert's config.json held the EOS
+    (and EOT) id alone, so mlx-lm generated on past the other two."""
+    from mlx_lm.utils import load
+
+    from dtrain.models.tokenizer import eos_token_ids
+
+    tokens = ["a", "b", "<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.token_type": [1, 1, 3, 3, 3, 3], "tokenizer.ggml.bos_token_id": 2,
+          "tokenizer.ggml.eos_token_id": 5}
+    assert eos_token_ids(md) == [3, 4, 5]
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})  # names </s> (2) as EOS; llama.cpp ends at <|im_end|> (4) by its text too
+    assert load_model(str(path)).tokenizer.eos_token_ids == {2, 4}
+    convert_gguf(str(path), str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == [2, 4]
+    assert load(str(tmp_path / "out"))[1].eos_token_ids == {2, 4}
+
+
 # ---------------------------------------------------------------- gemma3
 
 

@@ -178,6 +178,6 @@ def build_tokenizer(md: dict):
 
 
 def eos_token_ids(md: dict) -> list:
-    """End-of-sequence ids: ``eos_token_id`` and, when present, ``eot_token_id`` (Gemma's <end_of_turn>)."""
-    ids = [md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.eot_token_id")]
-    return sorted({int(i) for i in ids if i is not None})
+    """The ids llama.cpp ends generation at (vocab_attrs.py): EOS, EOT (Gemma's <end_of_turn>), EOM and the
+    end-of-turn texts of the vocabulary (Llama 3's <|end_of_text|>, <|eom_id|>, <|eot_id|>), sorted."""
+    return sorted(va.token_attrs(md)[1])
