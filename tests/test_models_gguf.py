@@ -477,3 +477,17 @@ def test_bf16_tensors_keep_values_float16_cannot_hold(tmp_path):
     assert expected[0, 0] == 99840.0 and expected[0, 3] != 0  # beyond float16's range, below its subnormals
     np.testing.assert_array_equal(np.array(tensors["b.weight"]), expected)
     np.testing.assert_array_equal(np.array(tensors["a.weight"]), np.ones((3, 32)))
+
+
+def test_converted_config_names_the_transformers_architecture(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (get_model_architecture) and vLLM pick the model class from
+    config.json's architectures; a folder converted or exported from a GGUF had none ('Failed to detect model
+    architecture')."""
+    from transformers import AutoConfig
+
+    for name, write, want in (("llama", lambda p: write_tiny_llama(p, {}), "LlamaForCausalLM"),
+                              ("gemma", write_tiny_gemma3, "Gemma3ForCausalLM")):
+        write(tmp_path / f"{name}.gguf")
+        convert_gguf(str(tmp_path / f"{name}.gguf"), str(tmp_path / name))
+        assert json.loads((tmp_path / name / "config.json").read_text())["architectures"] == [want]
+        assert AutoConfig.from_pretrained(str(tmp_path / name)).architectures == [want]

@@ -56,6 +56,8 @@ _ARCH_LAYER_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
+# config.json's architectures: transformers' model class, which llama.cpp's convert_hf_to_gguf.py requires
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _IGNORED = {"rope_freqs"}  # llama3 rope factors, turned into config["rope_scaling"] instead
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
@@ -296,6 +298,7 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
         raise KeyError("token_embd.weight")
     heads = int(key("attention.head_count"))
     config = {
+        "architectures": [_HF_ARCHITECTURES[arch]],
         "hidden_size": int(key("embedding_length")),
         "num_hidden_layers": int(key("block_count")),
         "intermediate_size": int(key("feed_forward_length")),
