@@ -133,6 +133,30 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
                              "onto the base it was trained on, or pass --allow-base-mismatch to merge it anyway")
 
 
+def check_adapter_config(path: Path) -> None:
+    """Refuse an ``adapter_config.json`` that mlx-lm's ``load_adapters`` would misread as an adapter that does not
+    fit the base: not a JSON object, or ``num_layers`` / ``lora_parameters`` ``rank`` and ``scale`` of another type.
+
+    Raises:
+        ModelError: naming the file and the key.
+    """
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    params = meta.get("lora_parameters", {})
+    values = [("num_layers", meta.get("num_layers", 0), int, "an integer"),
+              ("lora_parameters", params, dict, "an object")]
+    if isinstance(params, dict):
+        values += [("lora_parameters.rank", params.get("rank", 0), int, "an integer"),
+                   ("lora_parameters.scale", params.get("scale", 0.0), (int, float), "a number")]
+    for key, value, kind, what in values:
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ModelError(f"{path}: {key} is {json.dumps(value)}, not {what}")
+
+
 def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False) -> tuple[LoadedModel, dict]:
     """Load ``base`` in float32 and fuse the mlx-lm adapter in ``adapter_dir`` into it
     (a base other than the recorded one only with ``allow_base_mismatch``: :func:`check_base`).
@@ -155,6 +179,7 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
     if missing:
         raise ModelError(f"{adapter_dir}: not an adapter folder (missing {', '.join(missing)})")
+    check_adapter_config(folder / "adapter_config.json")
     loaded = load_model(base, dtype="float32")
     try:
         with storage(f"read the adapter {adapter_dir}"):
