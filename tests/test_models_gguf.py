@@ -491,3 +491,30 @@ def test_converted_config_names_the_transformers_architecture(tmp_path):
         convert_gguf(str(tmp_path / f"{name}.gguf"), str(tmp_path / name))
         assert json.loads((tmp_path / name / "config.json").read_text())["architectures"] == [want]
         assert AutoConfig.from_pretrained(str(tmp_path / name)).architectures == [want]
+
+
+@pytest.mark.parametrize("change, detail", [
+    (lambda name, data: None if name == "blk.3.ffn_up.weight" else data,
+     "Missing 1 parameters: model.layers.3.mlp.up_proj.weight."),
+    (lambda name, data: data[:-2] if name == "blk.3.ffn_up.weight" else data,
+     "Expected shape (64, 32) but received shape (62, 32) for parameter model.layers.3.mlp.up_proj.weight"),
+])
+def test_a_tensor_missing_or_misshapen_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys, change, detail):
+    """A GGUF whose tensors do not fit the model its metadata describes stopped with MLX's ValueError traceback."""
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_changed(self, name, data, *args, **kwargs):
+        if (data := change(name, data)) is not None:
+            add(self, name, data, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_changed)
+    write_tiny_llama(tmp_path / "bad.gguf", {})
+    message = f"{tmp_path / 'bad.gguf'}: its tensors do not fit the llama model its metadata describes: {detail}"
+    with pytest.raises(ModelError) as err:
+        load_model(str(tmp_path / "bad.gguf"))
+    assert str(err.value) == message
+    from dtrain.cli import main
+
+    assert main(["convert", str(tmp_path / "bad.gguf"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    assert not (tmp_path / "out").exists()

@@ -51,7 +51,10 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
         tokenizer = build_tokenizer(gm.metadata)
     except (ValueError, KeyError) as err:
         raise ModelError(f"{gguf_path}: cannot build the tokenizer from GGUF metadata: {err}") from None
-    model, config = build_gguf_model(gm, keep_quantized=not dequantize, float_dtype=None)
+    try:
+        model, config = build_gguf_model(gm, keep_quantized=not dequantize, float_dtype=None)
+    except ModelError as err:
+        raise ModelError(f"{gguf_path}: {err}") from None
     config["eos_token_id"] = eos_token_ids(gm.metadata)
     tokenizer.chat_template = with_bos(tokenizer, tokenizer.chat_template)
     return write_folder(out_dir, lambda tmp: save_mlx_lm(tmp, model, config, tokenizer))
