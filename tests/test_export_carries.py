@@ -136,6 +136,38 @@ def test_chat_parts_of_known_template_shapes():
     assert chat_parts(lambda m, g: 1 / 0) is None
 
 
+LLAMA31 = ("{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+           "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+           "{{- '<|im_start|>system\nCutting Knowledge Date: December 2023\n\n' + system + '<|im_end|>\n' }}"
+           "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endfor %}"
+           "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_a_default_system_header_with_empty_content_is_written_by_the_go_template(tmp_path, tiny):
+    """Llama 3.1's template writes BOS and a system header (dates) even with no system message (empty content).
+    The Modelfile had SYSTEM \"\"\"\"\"\", which Ollama never adds (it adds SYSTEM only when not empty), so
+    Ollama's prompts lacked the header; with a system message they began with BOS twice (the tokenizer's and
+    the system branch's literal <s>)."""
+    base, adapter = tiny
+    record_template(adapter, LLAMA31)
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    header = '{{ "<|im_start|>system\\nCutting Knowledge Date: December 2023\\n\\n'
+    assert result.modelfile.read_text().splitlines()[2:] == [
+        'TEMPLATE """{{- range $i, $_ := .Messages }}',
+        "{{- $last := eq (len (slice $.Messages $i)) 1 }}",
+        '{{- if and (eq $i 0) (ne .Role "system") }}' + header + '<|im_end|>\\n" }}{{ end }}',
+        '{{- if eq .Role "system" }}' + header + '" }}{{ .Content }}{{ "<|im_end|>\\n" }}',
+        '{{- else if eq .Role "user" }}{{ "<|im_start|>user\\n" }}{{ .Content }}{{ "<|im_end|>\\n" }}',
+        '{{- else if eq .Role "assistant" }}{{ "<|im_start|>assistant\\n" }}{{ .Content }}'
+        '{{- if not $last }}{{ "<|im_end|>\\n" }}{{ end }}',
+        "{{- end }}",
+        '{{- if and $last (ne .Role "assistant") }}{{ "<|im_start|>assistant\\n" }}{{ end }}',
+        '{{- end }}"""',
+        'PARAMETER stop "</s>"',
+        'PARAMETER stop "<|im_end|>"',
+    ]
+
+
 def test_modelfile_without_a_convertible_template_says_so(tmp_path, tiny):
     base, adapter = tiny
     record_template(adapter, NUMBERED)

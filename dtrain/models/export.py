@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -378,6 +378,10 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
         parts = chat_parts(lambda msgs, gen: renderer.render(msgs, add_generation_prompt=gen))
     bos = hf.bos_token
     adds_bos = bool(bos) and hf("x")["input_ids"][:1] == [hf.convert_tokens_to_ids(bos)]
+    if parts is not None and adds_bos and not parts.open and parts.default_system is not None \
+            and parts.before["system"].startswith(bos):
+        # every prompt opens with the system header then, so its BOS is the opening text the tokenizer adds
+        parts = replace(parts, open=bos, before={**parts.before, "system": parts.before["system"][len(bos):]})
     drop_open = parts is not None and adds_bos and parts.open == bos
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
     return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report)
