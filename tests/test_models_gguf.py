@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import CHATML, make_tiny_model, make_tokenizer
+from conftest import CHATML, make_tiny_model, make_tokenizer, tiny_llama_args
 from mlx.utils import tree_flatten
 
 from dtrain.errors import ModelError
@@ -37,11 +37,11 @@ _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_
 
 
 def gguf_name(hf_name: str, layer_map: dict) -> str:
-    module = hf_name.rsplit(".", 1)[0]
+    module, suffix = hf_name.rsplit(".", 1)
     if module in _GLOBAL:
-        return f"{_GLOBAL[module]}.weight"
+        return f"{_GLOBAL[module]}.{suffix}"
     _, _, n, rest = module.split(".", 3)
-    return f"blk.{n}.{layer_map[rest]}.weight"
+    return f"blk.{n}.{layer_map[rest]}.{suffix}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -96,9 +96,9 @@ def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), 
         w.add_tensor("rope_freqs.weight", rope_freqs)
     for name, value in ref.items():
         stored = value
-        if name.endswith("q_proj.weight"):
+        if ".q_proj." in name:  # llama.cpp permutes q/k biases too
             stored = llama_cpp_permute(value, args.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif ".k_proj." in name:
             stored = llama_cpp_permute(value, args.num_key_value_heads)
         tname = gguf_name(name, _LLAMA_LAYER)
         if tname in quant:
@@ -264,34 +264,18 @@ def test_keep_quantized_builds_per_module_bits(tmp_path):
     np.testing.assert_allclose(np.array(model(TOKENS)), np.array(dense(TOKENS)), rtol=1e-4, atol=1e-4)
 
 
-def test_llama_gguf_with_bias_tensors_loads_and_converts_with_the_same_logits(tmp_path):
+def test_llama_gguf_with_bias_tensors_loads_and_converts_with_the_same_logits(tmp_path, monkeypatch):
     """llama.cpp's llama reads attn_q/k/v/output and ffn biases as optional tensors; dtrain built the model
     without biases and stopped with mlx-lm's 'Received 24 parameters not in model' traceback. Here q/k/v and
     the MLP have biases and attn_output has none (a zero bias in mlx-lm's attention_bias model)."""
-    model = make_tiny_model("llama", seed=1, attention_bias=True, mlp_bias=True)
-    args = model.args
-    ref = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+    add = gguf.GGUFWriter.add_tensor
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, *a, **k: None if name.endswith(
+        "attn_output.bias") else add(self, name, *a, **k))
+    path = tmp_path / "bias.gguf"
+    ref = write_tiny_llama(path, {}, attention_bias=True, mlp_bias=True)
     for name in [n for n in ref if n.endswith("o_proj.bias")]:
         ref[name] = np.zeros_like(ref[name])
-    path = tmp_path / "bias.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_embedding_length(args.hidden_size)
-    w.add_block_count(args.num_hidden_layers)
-    w.add_feed_forward_length(args.intermediate_size)
-    w.add_head_count(args.num_attention_heads)
-    w.add_head_count_kv(args.num_key_value_heads)
-    w.add_layer_norm_rms_eps(args.rms_norm_eps)
-    w.add_rope_freq_base(args.rope_theta)
-    tokenizer_metadata(w, make_tokenizer()._tokenizer)
-    for name, value in ref.items():
-        module, suffix = name.rsplit(".", 1)
-        if module.endswith("o_proj") and suffix == "bias":
-            continue
-        heads = {"q_proj": args.num_attention_heads, "k_proj": args.num_key_value_heads}.get(module.split(".")[-1])
-        stored = llama_cpp_permute(value, heads) if heads else value  # llama.cpp permutes q/k biases too
-        w.add_tensor(gguf_name(module + ".weight", _LLAMA_LAYER)[: -len("weight")] + suffix, stored)
-    _finish(w)
-    expected = reference_logits("llama", args, ref, TOKENS)
+    expected = reference_logits("llama", tiny_llama_args(attention_bias=True, mlp_bias=True), ref, TOKENS)
     np.testing.assert_allclose(np.array(load_model(str(path), dtype="float32").model(TOKENS)), expected,
                                rtol=1e-5, atol=1e-5)
     from mlx_lm.utils import load
