@@ -67,6 +67,18 @@ def tokenizer_metadata(writer, hf_tok, pre: str = "gpt-2") -> None:
     writer.add_chat_template(CHATML)
 
 
+K_QUANT_SCALES = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 d (and dmin): ggml-common.h
+
+
+def k_quant(shape: tuple, qtype, seed: int = 0) -> np.ndarray:
+    """Random ``shape`` blocks of a K-quant type with small scales (gguf-py cannot quantize to these types)."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(seed).integers(0, 256, size=(shape[0] * shape[1] // 256, size), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        blocks[:, offset:offset + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return blocks.reshape(shape[0], -1)
+
+
 def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), alignment=None, **over) -> dict:
     """A 4-layer llama GGUF; returns the HF-layout float32 weights it encodes.
 
@@ -102,7 +114,8 @@ def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), 
             stored = llama_cpp_permute(value, args.num_key_value_heads)
         tname = gguf_name(name, _LLAMA_LAYER)
         if tname in quant:
-            packed = gguf.quants.quantize(stored, quant[tname])
+            kind = quant[tname]
+            packed = k_quant(stored.shape, kind) if kind in K_QUANT_SCALES else gguf.quants.quantize(stored, kind)
             w.add_tensor(tname, packed, raw_dtype=quant[tname])
             ref[name] = gguf.quants.dequantize(packed, quant[tname])
             if "q_proj" in name or "k_proj" in name:  # back to HF row order
@@ -152,6 +165,22 @@ def test_llama_gguf_logits_equal_mlx_lm_on_original_weights(tmp_path, quant):
     np.testing.assert_allclose(np.array(loaded.model(TOKENS)), expected, rtol=1e-5, atol=1e-5)
     assert loaded.config["model_type"] == "llama" and loaded.config["tie_word_embeddings"] is True
     assert loaded.identity.startswith("gguf-sha256:")
+
+
+def test_k_quant_tensors_are_dequantized_as_gguf_does(tmp_path):
+    """mx.load accepts Q4_K and Q6_K tensors (a Q4_K_M file's types) but narrows them to float16, and decodes
+    Q4_K wrongly (values off by up to the tensor's range): a Q4_K_M GGUF was trained on other weights than
+    llama.cpp runs. Files with such tensors are now read with gguf's dequantization, which is ggml's."""
+    path = tmp_path / "k.gguf"
+    quant = {"blk.0.ffn_down.weight": Q.Q4_K, "blk.1.ffn_down.weight": Q.Q6_K}
+    ref = write_tiny_llama(path, quant, intermediate_size=256)  # K-quant rows hold 256-value blocks
+    weights = gguf_to_mlx(path).weights
+    for n in (0, 1):
+        name = f"model.layers.{n}.mlp.down_proj.weight"
+        np.testing.assert_array_equal(np.array(weights[name]), ref[name])
+    expected = reference_logits("llama", tiny_llama_args(intermediate_size=256), ref, TOKENS)
+    np.testing.assert_allclose(np.array(load_model(str(path), dtype="float32").model(TOKENS)), expected,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_rope_freqs_become_mlx_lm_rope_scaling(tmp_path):

@@ -1,12 +1,13 @@
 """GGUF files → mlx-lm config and weights (llama and gemma3 architectures).
 
-Tensors are read with ``mx.load(path, return_metadata=True)``, which returns
-F32/F16 tensors as they are (BF16 ones, which it narrows to float16, are read
-again exactly by gguf_bf16.py) and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
-triplets (``name.weight`` uint32, ``name.scales``, ``name.biases``; group size
-32). Files with other tensor types (K-quants, Q5_0, ...) make ``mx.load`` fail;
-they are read with ``gguf.GGUFReader`` and every tensor is dequantized to
-float32 with ``gguf.quants.dequantize``.
+Files whose tensors are all F32, F16, BF16, Q4_0, Q4_1 or Q8_0 are read with
+``mx.load(path, return_metadata=True)``, which returns F32/F16 tensors as they
+are (BF16 ones, which it narrows to float16, are read again exactly by
+gguf_bf16.py) and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized triplets
+(``name.weight`` uint32, ``name.scales``, ``name.biases``; group size 32). Files
+with other tensor types (K-quants, Q5_0, ...) are read with ``gguf.GGUFReader``
+and every tensor is dequantized to float32 with ``gguf.quants.dequantize``
+(``mx.load`` reads some K-quants, but not exactly: :data:`_MX_LOAD_TYPES`).
 
 Two conventions of llama.cpp's ``convert_hf_to_gguf.py`` are undone here so the
 result is the plain Hugging Face layout that mlx-lm expects (and that
@@ -23,6 +24,7 @@ result is the plain Hugging Face layout that mlx-lm expects (and that
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +32,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelError
-from .gguf_bf16 import read_bf16_tensors
+from .gguf_bf16 import read_bf16_tensors, tensor_types
 
 GROUP_SIZE = 32  # every GGUF block quant that mx.load accepts has 32-value blocks
+# GGML types mx.load reads right (MLX 0.32: F32, F16, Q4_0, Q4_1, Q8_0, and BF16 read again exactly); it also
+# accepts Q2_K/Q4_K/Q6_K, but narrows them to float16 and decodes Q4_K wrongly, and drops TQ1_0/TQ2_0 tensors
+_MX_LOAD_TYPES = {0, 1, 2, 3, 8, 30}
 
 # GGUF tensor base names → HF/mlx-lm module paths, per architecture.
 _LAYER_NAMES = {
@@ -87,12 +92,13 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
         ModelError: the file is not a readable GGUF file.
     """
     try:
-        tensors, raw = mx.load(str(path), return_metadata=True)
-        # mx.load narrows BF16 tensors to float16; read those again exactly
-        tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path).items()})
-        return {k: _plain(v) for k, v in raw.items()}, tensors
-    except (RuntimeError, ValueError):
-        pass  # a tensor type mx.load does not read, or not GGUF at all
+        if tensor_types(path) <= _MX_LOAD_TYPES:
+            tensors, raw = mx.load(str(path), return_metadata=True)
+            # mx.load narrows BF16 tensors to float16; read those again exactly
+            tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path).items()})
+            return {k: _plain(v) for k, v in raw.items()}, tensors
+    except (RuntimeError, ValueError, struct.error):
+        pass  # not GGUF at all, or not one mx.load reads
     import gguf
 
     try:
