@@ -216,6 +216,21 @@ def test_gguf_gpt2_tokenizer_equals_source_tokenizer(tmp_path):
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_named_chat_templates_of_a_gguf_reach_the_tokenizer_and_the_converted_folder(tmp_path):
+    """convert_hf_to_gguf.py writes a model's other templates as tokenizer.chat_template.<name> (listed in
+    tokenizer.chat_templates); only the default one was read, so a converted folder lost tool_use."""
+    from transformers import AutoTokenizer
+
+    tools = "TOOLS " + CHATML
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {}, extra=[("add_array", "tokenizer.chat_templates", ["tool_use"]),
+                                      ("add_string", "tokenizer.chat_template.tool_use", tools)])
+    assert load_model(str(path)).tokenizer.chat_template == {"default": CHATML, "tool_use": tools}
+    convert_gguf(str(path), str(tmp_path / "out"))
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template
+    assert saved == {"default": "{{ bos_token }}" + CHATML, "tool_use": "{{ bos_token }}" + tools}  # adds BOS
+
+
 def test_gguf_tokenizer_prints_no_transformers_advice(tmp_path):
     """`dtrain data check` on a GGUF model imports transformers before mlx_lm (which silences its
     advisories): without torch, transformers then printed "PyTorch was not found. Models won't be

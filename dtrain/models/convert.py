@@ -60,7 +60,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     return write_folder(out_dir, lambda tmp: save_mlx_lm(tmp, model, config, tokenizer))
 
 
-def with_bos(tokenizer, template: str | None) -> str | None:
+def with_bos(tokenizer, template: str | dict | None) -> str | dict | None:
     """``template`` for a model folder: ``{{ bos_token }}`` in front when the tokenizer adds BOS to a text and the
     template writes none.
 
@@ -73,6 +73,8 @@ def with_bos(tokenizer, template: str | None) -> str | None:
     from ..data.templates import Renderer, hf_tokenizer
     from ..errors import DataError
 
+    if isinstance(template, dict):  # named templates (default, tool_use ...): each one
+        return {name: with_bos(tokenizer, text) for name, text in template.items()}
     hf = hf_tokenizer(tokenizer)
     bos = hf.bos_token
     if template is None or not bos or RowTokenizer.own_additions(tokenizer)[0] != (hf.convert_tokens_to_ids(bos),):

@@ -334,8 +334,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     config = dict(loaded.config)
     config["eos_token_id"] = end_tokens(loaded, trained_with)
     # the folder's; the GGUF and Modelfile keep ``template``
-    hf.chat_template = ({name: with_bos(loaded.tokenizer, text) for name, text in own.items()} if named
-                        else with_bos(loaded.tokenizer, template))
+    hf.chat_template = with_bos(loaded.tokenizer, own if named else template)
     loaded.model.set_dtype(DTYPES[dtype])
     result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
     source = None if base == "demo" or Path(base).expanduser().is_file() else base_folder(base)  # folder, hub id

@@ -173,7 +173,11 @@ def build_tokenizer(md: dict):
         unk_token=token("unknown"),
         clean_up_tokenization_spaces=False,  # decode gives back the text as written
     )
-    hf.chat_template = md.get("tokenizer.chat_template")
+    template = md.get("tokenizer.chat_template")
+    # named templates (convert_hf_to_gguf.py writes tokenizer.chat_template.tool_use ...): transformers' dict
+    named = {n: md[f"tokenizer.chat_template.{n}"] for n in md.get("tokenizer.chat_templates") or []
+             if f"tokenizer.chat_template.{n}" in md}
+    hf.chat_template = {"default": template, **named} if named and template is not None else template
     return hf
 
 
