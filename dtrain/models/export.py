@@ -135,7 +135,8 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
 
 def check_adapter_config(path: Path) -> None:
     """Refuse an ``adapter_config.json`` that mlx-lm's ``load_adapters`` would misread as an adapter that does not
-    fit the base: not a JSON object, or ``num_layers`` / ``lora_parameters`` ``rank`` and ``scale`` of another type.
+    fit the base: not a JSON object, ``num_layers`` / ``lora_parameters`` ``rank`` and ``scale`` of another type,
+    or ``lora_parameters`` without ``rank``, ``scale`` or ``dropout``.
 
     Raises:
         ModelError: naming the file and the key.
@@ -155,6 +156,11 @@ def check_adapter_config(path: Path) -> None:
     for key, value, kind, what in values:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise ModelError(f"{path}: {key} is {json.dumps(value)}, not {what}")
+    missing = [k for k in ("rank", "scale", "dropout") if "lora_parameters" in meta and k not in params]
+    if missing:
+        hint = " (PEFT's alpha / rank is mlx-lm's scale)" if "scale" in missing and "alpha" in params else ""
+        raise ModelError(f"{path}: lora_parameters has no {', '.join(missing)}, which mlx-lm's LoRA layers "
+                         f"take{hint}")
 
 
 def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False) -> tuple[LoadedModel, dict]:
