@@ -53,6 +53,26 @@ def test_training_template_goes_into_gguf_folder_and_modelfile(tmp_path, tiny):
     assert modelfile[5] == '{{- else if eq .Role "user" }}{{ "User: " }}{{ .Content }}{{ "\\n\\n" }}'
 
 
+def test_a_training_template_replaces_the_named_templates_of_the_base_gguf(tmp_path):
+    """A base GGUF's tool_use template (tokenizer.chat_template.tool_use) describes the base's format; the GGUF
+    of a run trained with another template kept it beside the new default, so llama.cpp prompted tool calls
+    in a format the fine-tune was not trained on. Without a training template both stay."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, extra=[("add_array", "tokenizer.chat_templates", ["tool_use"]),
+                                      ("add_string", "tokenizer.chat_template.tool_use", "TOOLS " + CHATML)])
+    (tmp_path / "run").mkdir()
+    write_adapter(str(base), tmp_path / "run" / "adapters")
+    kept = gguf.GGUFReader(str(export_adapter(str(tmp_path / "run" / "adapters"), str(base), str(tmp_path / "o1"),
+                                              gguf_type="f16").gguf)).fields
+    assert kept["tokenizer.chat_template.tool_use"].contents() == "TOOLS " + CHATML
+    assert kept["tokenizer.chat_template"].contents() == CHATML
+    record_template(tmp_path / "run" / "adapters", PLAIN)
+    fields = gguf.GGUFReader(str(export_adapter(str(tmp_path / "run" / "adapters"), str(base), str(tmp_path / "o2"),
+                                                gguf_type="f16").gguf)).fields
+    assert fields["tokenizer.chat_template"].contents() == PLAIN
+    assert not [k for k in fields if k.startswith("tokenizer.chat_template") and k != "tokenizer.chat_template"]
+
+
 def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(tmp_path, tiny):
     base, adapter = tiny
     before = load_model(str(base)).tokenizer

@@ -395,7 +395,8 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
 def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None) -> tuple:
     """Write ``merged`` (HF names, float32 numpy) in the layout and with the metadata of ``base_gguf``.
 
-    ``meta`` (all optional): ``chat_template`` (replaces ``tokenizer.chat_template``),
+    ``meta`` (all optional): ``chat_template`` (replaces ``tokenizer.chat_template``, and the base's named
+    templates when it is another one),
     ``eos_token_ids`` (one not among llama.cpp's end-of-generation tokens becomes
     ``tokenizer.ggml.eot_token_id`` when the file names none), ``adapter`` (its name in
     ``general.name``), ``updates`` (as :func:`merge_adapter` returns, for the
@@ -423,6 +424,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
                 "general.alignment"}
     if meta.get("chat_template") is not None:
         replaced.add("tokenizer.chat_template")
+    if meta.get("chat_template") not in (None, md.get("tokenizer.chat_template")):  # the base's tool_use ... go too
+        replaced |= {k for k in md if k == "tokenizer.chat_templates" or k.startswith("tokenizer.chat_template.")}
     replaced |= {k for k in md if k.startswith("general.base_model.")}
     for key, value in reader.fields.items():
         if key.startswith("GGUF.") or key in replaced:
