@@ -367,3 +367,28 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
                                        "(an mlx-lm LoRA adapter config has fine_tune_type, num_layers and "
                                        "lora_parameters)\n")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("[]", "not a JSON object"),
+    ('{"fine_tune_type": "lora", "num_layers": null, "lora_parameters": {"rank": 4, "scale": 2.0}}',
+     "num_layers is null, not an integer"),
+    ('{"num_layers": 4, "lora_parameters": {"rank": "4", "scale": 2.0}}',
+     'lora_parameters.rank is "4", not an integer'),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": "2"}}', 'lora_parameters.scale is "2", not a number'),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0}}',
+     "lora_parameters has no dropout, which mlx-lm's LoRA layers take"),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "alpha": 8, "dropout": 0.0}}',
+     "lora_parameters has no scale, which mlx-lm's LoRA layers take (PEFT's alpha / rank is mlx-lm's scale)"),
+])
+def test_an_unreadable_adapter_config_is_named_not_blamed_on_the_base(tmp_path, llama, capsys, text, problem):
+    """mlx-lm's load_adapters parses the file itself; its JSON error or a mistyped value surfaced as 'this adapter
+    does not fit the base model ...: uniform(): incompatible function arguments', sending the user to the base."""
+    base, adapter, _ = llama
+    broken = tmp_path / "broken"
+    shutil.copytree(adapter, broken)
+    (broken / "adapter_config.json").write_text(text)
+    assert main(["export", str(broken), "--base", str(base), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {broken / 'adapter_config.json'}: {problem}\n"
+    assert not (tmp_path / "out").exists()

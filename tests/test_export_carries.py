@@ -45,19 +45,40 @@ def test_training_template_goes_into_gguf_folder_and_modelfile(tmp_path, tiny):
     _, tok = load(str(result.folder))
     assert tok.chat_template == "{{ bos_token }}" + PLAIN
     assert load_model(str(result.gguf)).tokenizer.chat_template == PLAIN
-    assert result.eos_token_ids == [2]  # plain writes no end-of-turn token: EOS ends a response
+    assert result.eos_token_ids == [2, 4]  # plain writes no end-of-turn token: the base's end tokens
     modelfile = (result.folder / "Modelfile").read_text().splitlines()
-    assert modelfile[1] == "FROM ./model-F16.gguf" and modelfile[-1] == 'PARAMETER stop "</s>"'
+    assert modelfile[1] == "FROM ./model-F16.gguf" and modelfile[-2:] == ['PARAMETER stop "</s>"',
+                                                                          'PARAMETER stop "<|im_end|>"']
     assert modelfile[2] == 'TEMPLATE """{{- range $i, $_ := .Messages }}'
     assert modelfile[5] == '{{- else if eq .Role "user" }}{{ "User: " }}{{ .Content }}{{ "\\n\\n" }}'
+
+
+def test_a_training_template_replaces_the_named_templates_of_the_base_gguf(tmp_path):
+    """A base GGUF's tool_use template (tokenizer.chat_template.tool_use) describes the base's format; the GGUF
+    of a run trained with another template kept it beside the new default, so llama.cpp prompted tool calls
+    in a format the fine-tune was not trained on. Without a training template both stay."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, extra=[("add_array", "tokenizer.chat_templates", ["tool_use"]),
+                                      ("add_string", "tokenizer.chat_template.tool_use", "TOOLS " + CHATML)])
+    (tmp_path / "run").mkdir()
+    write_adapter(str(base), tmp_path / "run" / "adapters")
+    kept = gguf.GGUFReader(str(export_adapter(str(tmp_path / "run" / "adapters"), str(base), str(tmp_path / "o1"),
+                                              gguf_type="f16").gguf)).fields
+    assert kept["tokenizer.chat_template.tool_use"].contents() == "TOOLS " + CHATML
+    assert kept["tokenizer.chat_template"].contents() == CHATML
+    record_template(tmp_path / "run" / "adapters", PLAIN)
+    fields = gguf.GGUFReader(str(export_adapter(str(tmp_path / "run" / "adapters"), str(base), str(tmp_path / "o2"),
+                                                gguf_type="f16").gguf)).fields
+    assert fields["tokenizer.chat_template"].contents() == PLAIN
+    assert not [k for k in fields if k.startswith("tokenizer.chat_template") and k != "tokenizer.chat_template"]
 
 
 def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(tmp_path, tiny):
     base, adapter = tiny
     before = load_model(str(base)).tokenizer
-    assert sorted(before.eos_token_ids) == [2]  # the base GGUF names only </s>
+    assert sorted(before.eos_token_ids) == [2, 4]  # the GGUF names </s>; llama.cpp ends at <|im_end|> by its text
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0")
-    assert result.eos_token_ids == [2, 4]  # + <|im_end|>, the base template's end-of-turn
+    assert result.eos_token_ids == [2, 4]  # <|im_end|> is the base template's end-of-turn too
     config = json.loads((result.folder / "config.json").read_text())
     generation = json.loads((result.folder / "generation_config.json").read_text())
     assert config["eos_token_id"] == generation["eos_token_id"] == [2, 4]
@@ -133,6 +154,28 @@ def test_chat_parts_of_known_template_shapes():
     assert go_template(llama3, drop_open=False).startswith('{{ "<s>" }}')
     assert chat_parts(_jinja(NUMBERED)) is None  # numbers its turns: no literal pieces rebuild it
     assert chat_parts(lambda m, g: 1 / 0) is None
+
+
+LLAMA31 = ("{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+           "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+           "{{- '<|im_start|>system\nCutting Knowledge Date: December 2023\n\n' + system + '<|im_end|>\n' }}"
+           "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endfor %}"
+           "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_a_default_system_header_with_empty_content_is_written_by_the_go_template(tmp_path, tiny):
+    """Llama 3.1's template writes BOS and a system header (dates) even with no system message (empty content).
+    The Modelfile had SYSTEM \"\"\"\"\"\", which Ollama never adds (it adds SYSTEM only when not empty), so
+    Ollama's prompts lacked the header; with a system message they began with BOS twice (the tokenizer's and
+    the system branch's literal <s>)."""
+    base, adapter = tiny
+    record_template(adapter, LLAMA31)
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    header = '{{ "<|im_start|>system\\nCutting Knowledge Date: December 2023\\n\\n'
+    lines = result.modelfile.read_text().splitlines()
+    assert lines[4:6] == ['{{- if and (eq $i 0) (ne .Role "system") }}' + header + '<|im_end|>\\n" }}{{ end }}',
+                          '{{- if eq .Role "system" }}' + header + '" }}{{ .Content }}{{ "<|im_end|>\\n" }}']
+    assert not any(line.startswith("SYSTEM") for line in lines) and "<s>" not in "".join(lines)
 
 
 def test_modelfile_without_a_convertible_template_says_so(tmp_path, tiny):
@@ -250,6 +293,26 @@ def test_a_folder_base_keeps_its_generation_config_and_code_files(tmp_path):
     (base / "generation_config.json").write_text("{not json")  # mlx-lm ignores it too: the end tokens only
     result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out2"))
     assert json.loads((result.folder / "generation_config.json").read_text()) == {"eos_token_id": [2, 4]}
+
+
+def test_a_folder_base_with_named_chat_templates_keeps_them_all(tmp_path):
+    """A tokenizer_config.json with a list of named templates (default, tool_use) loads as a dict: the export
+    wrote that dict as chat_template.jinja and failed with a TypeError traceback."""
+    from fixtures_launch import make_model_folder
+    from transformers import AutoTokenizer
+
+    base = make_model_folder(tmp_path / "model")
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    tools = "TOOLS " + CHATML
+    config["chat_template"] = [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": tools}]
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"))
+    assert result.chat_template == CHATML and result.eos_token_ids == [2, 4]
+    saved = AutoTokenizer.from_pretrained(str(result.folder)).chat_template
+    assert saved == {"default": "{{ bos_token }}" + CHATML, "tool_use": "{{ bos_token }}" + tools}
+    assert mlx_lm_prompt(result.folder, [{"role": "user", "content": "hi"}])[0] == 1
 
 
 def mlx_lm_prompt(folder, messages):

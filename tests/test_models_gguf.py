@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import CHATML, make_tiny_model, make_tokenizer
+from conftest import CHATML, make_tiny_model, make_tokenizer, tiny_llama_args
 from mlx.utils import tree_flatten
 
 from dtrain.errors import ModelError
@@ -37,11 +37,11 @@ _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_
 
 
 def gguf_name(hf_name: str, layer_map: dict) -> str:
-    module = hf_name.rsplit(".", 1)[0]
+    module, suffix = hf_name.rsplit(".", 1)
     if module in _GLOBAL:
-        return f"{_GLOBAL[module]}.weight"
+        return f"{_GLOBAL[module]}.{suffix}"
     _, _, n, rest = module.split(".", 3)
-    return f"blk.{n}.{layer_map[rest]}.weight"
+    return f"blk.{n}.{layer_map[rest]}.{suffix}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -65,6 +65,18 @@ def tokenizer_metadata(writer, hf_tok, pre: str = "gpt-2") -> None:
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHATML)
+
+
+K_QUANT_SCALES = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 d (and dmin): ggml-common.h
+
+
+def k_quant(shape: tuple, qtype, seed: int = 0) -> np.ndarray:
+    """Random ``shape`` blocks of a K-quant type with small scales (gguf-py cannot quantize to these types)."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(seed).integers(0, 256, size=(shape[0] * shape[1] // 256, size), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[qtype]:
+        blocks[:, offset:offset + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return blocks.reshape(shape[0], -1)
 
 
 def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), alignment=None, **over) -> dict:
@@ -96,13 +108,14 @@ def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), 
         w.add_tensor("rope_freqs.weight", rope_freqs)
     for name, value in ref.items():
         stored = value
-        if name.endswith("q_proj.weight"):
+        if ".q_proj." in name:  # llama.cpp permutes q/k biases too
             stored = llama_cpp_permute(value, args.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif ".k_proj." in name:
             stored = llama_cpp_permute(value, args.num_key_value_heads)
         tname = gguf_name(name, _LLAMA_LAYER)
         if tname in quant:
-            packed = gguf.quants.quantize(stored, quant[tname])
+            kind = quant[tname]
+            packed = k_quant(stored.shape, kind) if kind in K_QUANT_SCALES else gguf.quants.quantize(stored, kind)
             w.add_tensor(tname, packed, raw_dtype=quant[tname])
             ref[name] = gguf.quants.dequantize(packed, quant[tname])
             if "q_proj" in name or "k_proj" in name:  # back to HF row order
@@ -154,6 +167,22 @@ def test_llama_gguf_logits_equal_mlx_lm_on_original_weights(tmp_path, quant):
     assert loaded.identity.startswith("gguf-sha256:")
 
 
+def test_k_quant_tensors_are_dequantized_as_gguf_does(tmp_path):
+    """mx.load accepts Q4_K and Q6_K tensors (a Q4_K_M file's types) but narrows them to float16, and decodes
+    Q4_K wrongly (values off by up to the tensor's range): a Q4_K_M GGUF was trained on other weights than
+    llama.cpp runs. Files with such tensors are now read with gguf's dequantization, which is ggml's."""
+    path = tmp_path / "k.gguf"
+    quant = {"blk.0.ffn_down.weight": Q.Q4_K, "blk.1.ffn_down.weight": Q.Q6_K}
+    ref = write_tiny_llama(path, quant, intermediate_size=256)  # K-quant rows hold 256-value blocks
+    weights = gguf_to_mlx(path).weights
+    for n in (0, 1):
+        name = f"model.layers.{n}.mlp.down_proj.weight"
+        np.testing.assert_array_equal(np.array(weights[name]), ref[name])
+    expected = reference_logits("llama", tiny_llama_args(intermediate_size=256), ref, TOKENS)
+    np.testing.assert_allclose(np.array(load_model(str(path), dtype="float32").model(TOKENS)), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_llama3_rope_freqs_become_mlx_lm_rope_scaling(tmp_path):
     from mlx_lm.models.rope_utils import Llama3RoPE
 
@@ -185,6 +214,21 @@ def test_gguf_gpt2_tokenizer_equals_source_tokenizer(tmp_path):
     assert tok.encode("hi")[0] == 1  # add_bos_token
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_named_chat_templates_of_a_gguf_reach_the_tokenizer_and_the_converted_folder(tmp_path):
+    """convert_hf_to_gguf.py writes a model's other templates as tokenizer.chat_template.<name> (listed in
+    tokenizer.chat_templates); only the default one was read, so a converted folder lost tool_use."""
+    from transformers import AutoTokenizer
+
+    tools = "TOOLS " + CHATML
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {}, extra=[("add_array", "tokenizer.chat_templates", ["tool_use"]),
+                                      ("add_string", "tokenizer.chat_template.tool_use", tools)])
+    assert load_model(str(path)).tokenizer.chat_template == {"default": CHATML, "tool_use": tools}
+    convert_gguf(str(path), str(tmp_path / "out"))
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "out")).chat_template
+    assert saved == {"default": "{{ bos_token }}" + CHATML, "tool_use": "{{ bos_token }}" + tools}  # adds BOS
 
 
 def test_gguf_tokenizer_prints_no_transformers_advice(tmp_path):
@@ -262,6 +306,47 @@ def test_keep_quantized_builds_per_module_bits(tmp_path):
     assert config["quantization"]["model.layers.1.self_attn.k_proj"] == {"group_size": 32, "bits": 4}
     dense = load_model(str(path), dtype="float32").model
     np.testing.assert_allclose(np.array(model(TOKENS)), np.array(dense(TOKENS)), rtol=1e-4, atol=1e-4)
+
+
+def test_llama_gguf_with_bias_tensors_loads_and_converts_with_the_same_logits(tmp_path, monkeypatch):
+    """llama.cpp's llama reads attn_q/k/v/output and ffn biases as optional tensors; dtrain built the model
+    without biases and stopped with mlx-lm's 'Received 24 parameters not in model' traceback. Here q/k/v and
+    the MLP have biases and attn_output has none (a zero bias in mlx-lm's attention_bias model)."""
+    add = gguf.GGUFWriter.add_tensor
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, *a, **k: None if name.endswith(
+        "attn_output.bias") else add(self, name, *a, **k))
+    path = tmp_path / "bias.gguf"
+    ref = write_tiny_llama(path, {}, attention_bias=True, mlp_bias=True)
+    for name in [n for n in ref if n.endswith("o_proj.bias")]:
+        ref[name] = np.zeros_like(ref[name])
+    expected = reference_logits("llama", tiny_llama_args(attention_bias=True, mlp_bias=True), ref, TOKENS)
+    np.testing.assert_allclose(np.array(load_model(str(path), dtype="float32").model(TOKENS)), expected,
+                               rtol=1e-5, atol=1e-5)
+    from mlx_lm.utils import load
+
+    convert_gguf(str(path), str(tmp_path / "out"))
+    np.testing.assert_allclose(np.array(load(str(tmp_path / "out"))[0](TOKENS)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_end_tokens_are_those_llama_cpp_ends_generation_at(tmp_path):
+    """A Llama 3.1 GGUF names only <|eot_id|> as EOS; llama.cpp (and the HF model's config, [128001, 128008,
+    128009]) also end at <|end_of_text|> and <|eom_id|>. The tokenizer and convert's config.json held the EOS
+    (and EOT) id alone, so mlx-lm generated on past the other two."""
+    from mlx_lm.utils import load
+
+    from dtrain.models.tokenizer import eos_token_ids
+
+    tokens = ["a", "b", "<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.token_type": [1, 1, 3, 3, 3, 3], "tokenizer.ggml.bos_token_id": 2,
+          "tokenizer.ggml.eos_token_id": 5}
+    assert eos_token_ids(md) == [3, 4, 5]
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})  # names </s> (2) as EOS; llama.cpp ends at <|im_end|> (4) by its text too
+    assert load_model(str(path)).tokenizer.eos_token_ids == {2, 4}
+    convert_gguf(str(path), str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == [2, 4]
+    assert load(str(tmp_path / "out"))[1].eos_token_ids == {2, 4}
 
 
 # ---------------------------------------------------------------- gemma3
@@ -420,3 +505,44 @@ def test_bf16_tensors_keep_values_float16_cannot_hold(tmp_path):
     assert expected[0, 0] == 99840.0 and expected[0, 3] != 0  # beyond float16's range, below its subnormals
     np.testing.assert_array_equal(np.array(tensors["b.weight"]), expected)
     np.testing.assert_array_equal(np.array(tensors["a.weight"]), np.ones((3, 32)))
+
+
+def test_converted_config_names_the_transformers_architecture(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (get_model_architecture) and vLLM pick the model class from
+    config.json's architectures; a folder converted or exported from a GGUF had none ('Failed to detect model
+    architecture')."""
+    from transformers import AutoConfig
+
+    for name, write, want in (("llama", lambda p: write_tiny_llama(p, {}), "LlamaForCausalLM"),
+                              ("gemma", write_tiny_gemma3, "Gemma3ForCausalLM")):
+        write(tmp_path / f"{name}.gguf")
+        convert_gguf(str(tmp_path / f"{name}.gguf"), str(tmp_path / name))
+        assert json.loads((tmp_path / name / "config.json").read_text())["architectures"] == [want]
+        assert AutoConfig.from_pretrained(str(tmp_path / name)).architectures == [want]
+
+
+@pytest.mark.parametrize("change, detail", [
+    (lambda name, data: None if name == "blk.3.ffn_up.weight" else data,
+     "Missing 1 parameters: model.layers.3.mlp.up_proj.weight."),
+    (lambda name, data: data[:-2] if name == "blk.3.ffn_up.weight" else data,
+     "Expected shape (64, 32) but received shape (62, 32) for parameter model.layers.3.mlp.up_proj.weight"),
+])
+def test_a_tensor_missing_or_misshapen_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys, change, detail):
+    """A GGUF whose tensors do not fit the model its metadata describes stopped with MLX's ValueError traceback."""
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_changed(self, name, data, *args, **kwargs):
+        if (data := change(name, data)) is not None:
+            add(self, name, data, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_changed)
+    write_tiny_llama(tmp_path / "bad.gguf", {})
+    message = f"{tmp_path / 'bad.gguf'}: its tensors do not fit the llama model its metadata describes: {detail}"
+    with pytest.raises(ModelError) as err:
+        load_model(str(tmp_path / "bad.gguf"))
+    assert str(err.value) == message
+    from dtrain.cli import main
+
+    assert main(["convert", str(tmp_path / "bad.gguf"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    assert not (tmp_path / "out").exists()

@@ -53,7 +53,8 @@ def test_demo_tokenizer_round_trips_and_keeps_specials_whole(smollm):
         assert tok.decode(ids) == text
     assert tok.encode("x = 123") == [104, 446, 216, 33, 34, 35]  # digits split one by one (pre "smollm")
     assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
-    assert tok.bos_token_id == 1 and tok.eos_token_ids == {2} and tok.pad_token_id == 2
+    # llama.cpp ends generation at <|im_end|> (EOS), <|endoftext|> and the FIM repo token <reponame>
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == {0, 2, 4} and tok.pad_token_id == 2
     assert tok.encode("hi")[0] != 1  # add_bos_token is false in this GGUF
     rendered = tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
     assert rendered.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")

@@ -134,17 +134,19 @@ PIECE = st.lists(st.sampled_from(['"', '"""', "\\", "\n", "\t", " ", "<|x|>", "}
 @given(st.tuples(*[PIECE] * 8), st.one_of(st.none(), PIECE))
 def test_template_and_system_are_read_back_exactly(pieces, default_system):
     """Every literal piece of the template reaches Ollama's Go template as written, also characters Ollama's
-    parser drops (written as Go escapes) and quotes; SYSTEM is the default system text or left out."""
+    parser drops (written as Go escapes) and quotes; the default system message is written by the template
+    too; SYSTEM is the default system text or left out."""
     open_, gen, *rest = pieces
     parts = ChatParts(open_, dict(zip(ROLES, rest[:3])), dict(zip(ROLES, rest[3:])), gen, default_system)
     notes = []
     read = dict(ollama_read(modelfile("m.gguf", parts, False, [], "n", notes.append)))
     assert read["template"] == go_template(parts, False)
-    want = [open_] + [p for r in ROLES for p in (parts.before[r], parts.after[r])] + [gen]
+    default = [] if default_system is None else [parts.before["system"] + default_system + parts.after["system"]]
+    want = [open_] + default + [p for r in ROLES for p in (parts.before[r], parts.after[r])] + [gen]
     assert go_literals(read["template"]) == [p for p in want if p]
     if "system" in read:
         assert read["system"] == default_system and not notes
-    elif default_system is not None:
+    elif default_system:  # an empty one is not written: Ollama adds SYSTEM only when it is not empty
         assert len(notes) == 1 and notes[0].startswith(f"Modelfile: SYSTEM {default_system!r} left out: ")
         for q in ('"', '"""'):  # neither quoting carries it
             assert read_or_none(f"SYSTEM {q}{default_system}{q}\n") != [("system", default_system)]

@@ -51,13 +51,16 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
         tokenizer = build_tokenizer(gm.metadata)
     except (ValueError, KeyError) as err:
         raise ModelError(f"{gguf_path}: cannot build the tokenizer from GGUF metadata: {err}") from None
-    model, config = build_gguf_model(gm, keep_quantized=not dequantize, float_dtype=None)
+    try:
+        model, config = build_gguf_model(gm, keep_quantized=not dequantize, float_dtype=None)
+    except ModelError as err:
+        raise ModelError(f"{gguf_path}: {err}") from None
     config["eos_token_id"] = eos_token_ids(gm.metadata)
     tokenizer.chat_template = with_bos(tokenizer, tokenizer.chat_template)
     return write_folder(out_dir, lambda tmp: save_mlx_lm(tmp, model, config, tokenizer))
 
 
-def with_bos(tokenizer, template: str | None) -> str | None:
+def with_bos(tokenizer, template: str | dict | None) -> str | dict | None:
     """``template`` for a model folder: ``{{ bos_token }}`` in front when the tokenizer adds BOS to a text and the
     template writes none.
 
@@ -70,6 +73,8 @@ def with_bos(tokenizer, template: str | None) -> str | None:
     from ..data.templates import Renderer, hf_tokenizer
     from ..errors import DataError
 
+    if isinstance(template, dict):  # named templates (default, tool_use ...): each one
+        return {name: with_bos(tokenizer, text) for name, text in template.items()}
     hf = hf_tokenizer(tokenizer)
     bos = hf.bos_token
     if template is None or not bos or RowTokenizer.own_additions(tokenizer)[0] != (hf.convert_tokens_to_ids(bos),):

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -133,6 +133,36 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
                              "onto the base it was trained on, or pass --allow-base-mismatch to merge it anyway")
 
 
+def check_adapter_config(path: Path) -> None:
+    """Refuse an ``adapter_config.json`` that mlx-lm's ``load_adapters`` would misread as an adapter that does not
+    fit the base: not a JSON object, ``num_layers`` / ``lora_parameters`` ``rank`` and ``scale`` of another type,
+    or ``lora_parameters`` without ``rank``, ``scale`` or ``dropout``.
+
+    Raises:
+        ModelError: naming the file and the key.
+    """
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    params = meta.get("lora_parameters", {})
+    values = [("num_layers", meta.get("num_layers", 0), int, "an integer"),
+              ("lora_parameters", params, dict, "an object")]
+    if isinstance(params, dict):
+        values += [("lora_parameters.rank", params.get("rank", 0), int, "an integer"),
+                   ("lora_parameters.scale", params.get("scale", 0.0), (int, float), "a number")]
+    for key, value, kind, what in values:
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ModelError(f"{path}: {key} is {json.dumps(value)}, not {what}")
+    missing = [k for k in ("rank", "scale", "dropout") if "lora_parameters" in meta and k not in params]
+    if missing:
+        hint = " (PEFT's alpha / rank is mlx-lm's scale)" if "scale" in missing and "alpha" in params else ""
+        raise ModelError(f"{path}: lora_parameters has no {', '.join(missing)}, which mlx-lm's LoRA layers "
+                         f"take{hint}")
+
+
 def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False) -> tuple[LoadedModel, dict]:
     """Load ``base`` in float32 and fuse the mlx-lm adapter in ``adapter_dir`` into it
     (a base other than the recorded one only with ``allow_base_mismatch``: :func:`check_base`).
@@ -155,6 +185,7 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
     if missing:
         raise ModelError(f"{adapter_dir}: not an adapter folder (missing {', '.join(missing)})")
+    check_adapter_config(folder / "adapter_config.json")
     loaded = load_model(base, dtype="float32")
     try:
         with storage(f"read the adapter {adapter_dir}"):
@@ -303,10 +334,13 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     trained_with = training_template(adapter_dir)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
     hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
-    template = trained_with or hf.chat_template
+    own = hf.chat_template  # a dict for a base with named templates (transformers renders its "default")
+    named = isinstance(own, dict) and trained_with is None
+    template = trained_with or (own.get("default") if isinstance(own, dict) else own)
     config = dict(loaded.config)
     config["eos_token_id"] = end_tokens(loaded, trained_with)
-    hf.chat_template = with_bos(loaded.tokenizer, template)  # the folder's; the GGUF and Modelfile keep ``template``
+    # the folder's; the GGUF and Modelfile keep ``template``
+    hf.chat_template = with_bos(loaded.tokenizer, own if named else template)
     loaded.model.set_dtype(DTYPES[dtype])
     result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
     source = None if base == "demo" or Path(base).expanduser().is_file() else base_folder(base)  # folder, hub id
@@ -317,7 +351,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         for code in sorted(source.glob("*.py")) if source is not None else ():  # remote code, as mlx_lm.fuse copies
             shutil.copyfile(code, tmp / code.name)
-        if hf.chat_template is not None:
+        if isinstance(hf.chat_template, str):  # named templates: save_pretrained writes each one
             (tmp / "chat_template.jinja").write_text(hf.chat_template, encoding="utf-8")
         if base_gguf is not None:
             name = f"model-{gguf_type.upper()}.gguf"
@@ -349,6 +383,10 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
         parts = chat_parts(lambda msgs, gen: renderer.render(msgs, add_generation_prompt=gen))
     bos = hf.bos_token
     adds_bos = bool(bos) and hf("x")["input_ids"][:1] == [hf.convert_tokens_to_ids(bos)]
+    if parts is not None and adds_bos and not parts.open and parts.default_system is not None \
+            and parts.before["system"].startswith(bos):
+        # every prompt opens with the system header then, so its BOS is the opening text the tokenizer adds
+        parts = replace(parts, open=bos, before={**parts.before, "system": parts.before["system"][len(bos):]})
     drop_open = parts is not None and adds_bos and parts.open == bos
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
     return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report)
@@ -357,7 +395,8 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
 def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None) -> tuple:
     """Write ``merged`` (HF names, float32 numpy) in the layout and with the metadata of ``base_gguf``.
 
-    ``meta`` (all optional): ``chat_template`` (replaces ``tokenizer.chat_template``),
+    ``meta`` (all optional): ``chat_template`` (replaces ``tokenizer.chat_template``, and the base's named
+    templates when it is another one),
     ``eos_token_ids`` (one not among llama.cpp's end-of-generation tokens becomes
     ``tokenizer.ggml.eot_token_id`` when the file names none), ``adapter`` (its name in
     ``general.name``), ``updates`` (as :func:`merge_adapter` returns, for the
@@ -385,6 +424,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
                 "general.alignment"}
     if meta.get("chat_template") is not None:
         replaced.add("tokenizer.chat_template")
+    if meta.get("chat_template") not in (None, md.get("tokenizer.chat_template")):  # the base's tool_use ... go too
+        replaced |= {k for k in md if k == "tokenizer.chat_templates" or k.startswith("tokenizer.chat_template.")}
     replaced |= {k for k in md if k.startswith("general.base_model.")}
     for key, value in reader.fields.items():
         if key.startswith("GGUF.") or key in replaced:

@@ -1,12 +1,13 @@
 """GGUF files → mlx-lm config and weights (llama and gemma3 architectures).
 
-Tensors are read with ``mx.load(path, return_metadata=True)``, which returns
-F32/F16 tensors as they are (BF16 ones, which it narrows to float16, are read
-again exactly by gguf_bf16.py) and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
-triplets (``name.weight`` uint32, ``name.scales``, ``name.biases``; group size
-32). Files with other tensor types (K-quants, Q5_0, ...) make ``mx.load`` fail;
-they are read with ``gguf.GGUFReader`` and every tensor is dequantized to
-float32 with ``gguf.quants.dequantize``.
+Files whose tensors are all F32, F16, BF16, Q4_0, Q4_1 or Q8_0 are read with
+``mx.load(path, return_metadata=True)``, which returns F32/F16 tensors as they
+are (BF16 ones, which it narrows to float16, are read again exactly by
+gguf_bf16.py) and Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized triplets
+(``name.weight`` uint32, ``name.scales``, ``name.biases``; group size 32). Files
+with other tensor types (K-quants, Q5_0, ...) are read with ``gguf.GGUFReader``
+and every tensor is dequantized to float32 with ``gguf.quants.dequantize``
+(``mx.load`` reads some K-quants, but not exactly: :data:`_MX_LOAD_TYPES`).
 
 Two conventions of llama.cpp's ``convert_hf_to_gguf.py`` are undone here so the
 result is the plain Hugging Face layout that mlx-lm expects (and that
@@ -23,6 +24,7 @@ result is the plain Hugging Face layout that mlx-lm expects (and that
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +32,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelError
-from .gguf_bf16 import read_bf16_tensors
+from .gguf_bf16 import read_bf16_tensors, tensor_types
 
 GROUP_SIZE = 32  # every GGUF block quant that mx.load accepts has 32-value blocks
+# GGML types mx.load reads right (MLX 0.32: F32, F16, Q4_0, Q4_1, Q8_0, and BF16 read again exactly); it also
+# accepts Q2_K/Q4_K/Q6_K, but narrows them to float16 and decodes Q4_K wrongly, and drops TQ1_0/TQ2_0 tensors
+_MX_LOAD_TYPES = {0, 1, 2, 3, 8, 30}
 
 # GGUF tensor base names → HF/mlx-lm module paths, per architecture.
 _LAYER_NAMES = {
@@ -56,6 +61,8 @@ _ARCH_LAYER_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
+# config.json's architectures: transformers' model class, which llama.cpp's convert_hf_to_gguf.py requires
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _IGNORED = {"rope_freqs"}  # llama3 rope factors, turned into config["rope_scaling"] instead
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
@@ -85,12 +92,13 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
         ModelError: the file is not a readable GGUF file.
     """
     try:
-        tensors, raw = mx.load(str(path), return_metadata=True)
-        # mx.load narrows BF16 tensors to float16; read those again exactly
-        tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path).items()})
-        return {k: _plain(v) for k, v in raw.items()}, tensors
-    except (RuntimeError, ValueError):
-        pass  # a tensor type mx.load does not read, or not GGUF at all
+        if tensor_types(path) <= _MX_LOAD_TYPES:
+            tensors, raw = mx.load(str(path), return_metadata=True)
+            # mx.load narrows BF16 tensors to float16; read those again exactly
+            tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path).items()})
+            return {k: _plain(v) for k, v in raw.items()}, tensors
+    except (RuntimeError, ValueError, struct.error):
+        pass  # not GGUF at all, or not one mx.load reads
     import gguf
 
     try:
@@ -134,6 +142,7 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
         raise ModelError(f"{path}: {err}") from None
     if arch == "llama":
         _unpermute_qk(weights, config)
+        _fill_biases(weights, config)
     else:
         for name in [n for n in weights if n.endswith("norm.weight")]:
             weights[name] = weights[name].astype(mx.float32) - 1.0
@@ -196,6 +205,19 @@ def _unpermute_qk(weights: dict, config: dict) -> None:
             n = heads[proj]
             rows = w.shape[0]
             weights[name] = w.reshape(n, rows // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_BIASED = {"attention_bias": ("attn_q", "attn_k", "attn_v", "attn_output"),
+           "mlp_bias": ("ffn_gate", "ffn_up", "ffn_down")}
+
+
+def _fill_biases(weights: dict, config: dict) -> None:
+    """Zero biases for the projections a biased llama file leaves without one: llama.cpp reads each
+    bias tensor as optional, mlx-lm's ``attention_bias``/``mlp_bias`` give every projection of the group one."""
+    for key, parts in _BIASED.items():
+        projs = {_LAYER_NAMES[p].split(".")[-1] for p in parts}
+        for name in [n for n in weights if config.get(key) and n.endswith(".weight") and n.split(".")[-2] in projs]:
+            weights.setdefault(name[: -len("weight")] + "bias", mx.zeros((weights[name].shape[0],), mx.float32))
 
 
 def _llama3_rope_scaling(factors: mx.array, head_dim: int, base: float) -> dict:
@@ -282,6 +304,7 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
         raise KeyError("token_embd.weight")
     heads = int(key("attention.head_count"))
     config = {
+        "architectures": [_HF_ARCHITECTURES[arch]],
         "hidden_size": int(key("embedding_length")),
         "num_hidden_layers": int(key("block_count")),
         "intermediate_size": int(key("feed_forward_length")),
@@ -307,6 +330,9 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
             rope_theta=float(key("rope.freq_base", 10000.0)),
             head_dim=int(key("attention.key_length", config["hidden_size"] // heads)),
         )
+        # llama.cpp's llama takes optional bias tensors (blk.N.attn_q.bias ...)
+        biased = {name.split(".")[2] for name in tensors if name.startswith("blk.") and name.endswith(".bias")}
+        config.update({key: True for key, parts in _BIASED.items() if biased & set(parts)})
         return config
     head_dim = int(key("attention.key_length", 256))
     layers = config["num_hidden_layers"]

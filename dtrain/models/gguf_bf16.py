@@ -1,4 +1,4 @@
-"""BF16 tensors of a GGUF file, read exactly.
+"""BF16 tensors of a GGUF file, read exactly; the types of its tensors.
 
 ``mx.load`` returns GGUF BF16 tensors as float16 (MLX 0.32: values below 6e-5
 lose precision, values above 65504 become inf), and ``gguf.GGUFReader`` parses
@@ -45,12 +45,32 @@ def _skip_value(f, vtype: int) -> None:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
+def tensor_types(path: Path) -> set:
+    """The GGML type numbers (``GGMLQuantizationType``) of a GGUF file's tensors.
+
+    Raises:
+        ValueError: not a GGUF v2/v3 file.
+    """
+    return {ttype for _, _, ttype, _ in _tensor_infos(path)[0]}
+
+
 def read_bf16_tensors(path: Path) -> dict:
     """``{name: float32 array}`` for every BF16 tensor of a GGUF file (shape as numpy: slowest first).
 
     Raises:
         ValueError: not a GGUF v2/v3 file.
     """
+    infos, start = _tensor_infos(path)
+    out = {}
+    for name, shape, ttype, offset in infos:
+        if ttype == BF16:
+            bits = np.fromfile(path, dtype="<u2", count=int(np.prod(shape)), offset=start + offset)
+            out[name] = (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return out
+
+
+def _tensor_infos(path: Path) -> tuple:
+    """``([(name, shape, type, offset)], data_start)`` from the header (shape as numpy: slowest first)."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF" or _u(f, "I") not in (2, 3):
             raise ValueError(f"{path}: not a GGUF v2/v3 file")
@@ -63,16 +83,11 @@ def read_bf16_tensors(path: Path) -> dict:
                 alignment = _u(f, "I")
             else:
                 _skip_value(f, vtype)
-        wanted = []
+        infos = []
         for _ in range(n_tensors):
             name = f.read(_u(f, "Q")).decode("utf-8")
             dims = [_u(f, "Q") for _ in range(_u(f, "I"))]
             ttype, offset = _u(f, "I"), _u(f, "Q")
-            if ttype == BF16:
-                wanted.append((name, tuple(reversed(dims)), offset))
+            infos.append((name, tuple(reversed(dims)), ttype, offset))
         start = -(-f.tell() // alignment) * alignment
-    out = {}
-    for name, shape, offset in wanted:
-        bits = np.fromfile(path, dtype="<u2", count=int(np.prod(shape)), offset=start + offset)
-        out[name] = (bits.astype(np.uint32) << 16).view(np.float32).reshape(shape)
-    return out
+    return infos, start

@@ -112,7 +112,10 @@ def _load_gguf(path: Path, keep_quantized: bool, float_dtype, source: str) -> Lo
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     tokenizer = TokenizerWrapper(hf, eos_token_ids=eos_token_ids(gm.metadata))
-    model, config = build_gguf_model(gm, keep_quantized, float_dtype)
+    try:
+        model, config = build_gguf_model(gm, keep_quantized, float_dtype)
+    except ModelError as err:
+        raise ModelError(f"{path}: {err}") from None
     sha = sha256_file(path)
     return LoadedModel(model, tokenizer, config, f"gguf-sha256:{sha}", source,
                        reference={"path": str(Path(path).resolve()), "sha256": sha})
@@ -125,6 +128,9 @@ def build_gguf_model(gm: GGUFModel, keep_quantized: bool, float_dtype) -> tuple[
     their own bits when ``keep_quantized`` (config then gets mlx-lm's per-module
     ``quantization`` entry), else they are dequantized in float32. Other float
     parameters are cast to ``float_dtype`` (``None`` keeps the GGUF's dtypes).
+
+    Raises:
+        ModelError: a tensor missing, unexpected or of another shape than the model of ``gm.config`` has.
     """
     config = dict(gm.config)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
@@ -138,7 +144,12 @@ def build_gguf_model(gm: GGUFModel, keep_quantized: bool, float_dtype) -> tuple[
         config["quantization"] = {**default, **dict(sorted(gm.quantization.items()))}
     else:
         weights = dequantize_weights(weights, gm.quantization)
-    model.load_weights(list(weights.items()), strict=True)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as err:  # MLX names each missing, unexpected or misshapen parameter
+        detail = " ".join(str(err).split())[:400]
+        raise ModelError(f"its tensors do not fit the {config['model_type']} model its metadata describes: "
+                         f"{detail}") from None
     if float_dtype is not None:
         model.set_dtype(float_dtype)  # floating parameters only (set_dtype's default predicate)
     mx.eval(model.parameters())

@@ -147,10 +147,15 @@ def _go(text: str) -> str:
 
 def go_template(parts: ChatParts, drop_open: bool) -> str:
     """Ollama's TEMPLATE for ``parts`` over ``.Messages``; ``drop_open``: leave the opening text (BOS) to
-    the tokenizer, which adds it. A last assistant message stays open (prefill), as in Ollama's templates."""
+    the tokenizer, which adds it. A last assistant message stays open (prefill), as in Ollama's templates.
+    A conversation without a system message gets the template's default one here: Ollama adds ``SYSTEM`` only
+    when it is not empty (server/routes.go), and Llama 3's default has empty content."""
     lines = [] if drop_open or not parts.open else [_go(parts.open)]
     lines.append("{{- range $i, $_ := .Messages }}")
     lines.append("{{- $last := eq (len (slice $.Messages $i)) 1 }}")
+    if parts.default_system is not None:
+        default = parts.before["system"] + parts.default_system + parts.after["system"]
+        lines.append(f'{{{{- if and (eq $i 0) (ne .Role "system") }}}}{_go(default)}{{{{ end }}}}')
     for n, role in enumerate(ROLES):
         keyword = "if" if n == 0 else "else if"
         close = _go(parts.after[role])
@@ -183,7 +188,7 @@ def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops
         out.append("# TEMPLATE: the chat template's structure could not be read off its output; write one by hand")
     else:
         add("TEMPLATE", "TEMPLATE", go_template(parts, drop_open), ('"""', '"'))
-        if parts.default_system is not None:
+        if parts.default_system:
             add("SYSTEM", f"SYSTEM {parts.default_system!r}", parts.default_system, ('"""', '"'))
     for stop in stops:
         add("PARAMETER stop", f"PARAMETER stop {stop!r}", stop, ('"', '"""'))

@@ -173,11 +173,15 @@ def build_tokenizer(md: dict):
         unk_token=token("unknown"),
         clean_up_tokenization_spaces=False,  # decode gives back the text as written
     )
-    hf.chat_template = md.get("tokenizer.chat_template")
+    template = md.get("tokenizer.chat_template")
+    # named templates (convert_hf_to_gguf.py writes tokenizer.chat_template.tool_use ...): transformers' dict
+    named = {n: md[f"tokenizer.chat_template.{n}"] for n in md.get("tokenizer.chat_templates") or []
+             if f"tokenizer.chat_template.{n}" in md}
+    hf.chat_template = {"default": template, **named} if named and template is not None else template
     return hf
 
 
 def eos_token_ids(md: dict) -> list:
-    """End-of-sequence ids: ``eos_token_id`` and, when present, ``eot_token_id`` (Gemma's <end_of_turn>)."""
-    ids = [md.get("tokenizer.ggml.eos_token_id"), md.get("tokenizer.ggml.eot_token_id")]
-    return sorted({int(i) for i in ids if i is not None})
+    """The ids llama.cpp ends generation at (vocab_attrs.py): EOS, EOT (Gemma's <end_of_turn>), EOM and the
+    end-of-turn texts of the vocabulary (Llama 3's <|end_of_text|>, <|eom_id|>, <|eot_id|>), sorted."""
+    return sorted(va.token_attrs(md)[1])
