@@ -89,7 +89,8 @@ class DataConfig:
     format: str = option("auto", "row format; auto detects it from the first rows; messages, prompt_completion "
                                  "and text are SFT rows (objective.kind sft)", ("auto", *FORMATS))
     fields: Optional[dict] = option(None, "column names for the mapped format: {prompt: .., chosen: .., "
-                                          "rejected: .., system: ..}; command line: --data.fields '{prompt: q}'")
+                                          "rejected: .., system: ..}, or for SFT rows {prompt: .., completion: ..} "
+                                          "(or messages, text); command line: --data.fields '{prompt: q}'")
     prompt_template: str = option("chat", "chat: a plain-text prompt becomes a user turn; raw: kept as text "
                                           "(messages: 'User: ...' lines)", ("chat", "raw"))
     chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
@@ -365,8 +366,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         known = ", ".join(sorted(yaml_key(k) for k in fields))
         raise ConfigError(f"{source}: unknown key '{shown}' (known in '{section}': {known})")
     if (section, name) == ("data", "fields") and value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system to column names, got "
-                          f"{value!r}; e.g. --data.fields '{{prompt: question, chosen: response_j, rejected: response_k}}'")
+        raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system (SFT: "
+                          f"completion/messages/text) to column names, got {value!r}; e.g. --data.fields "
+                          f"'{{prompt: question, chosen: response_j, rejected: response_k}}'")
     setattr(sub, name, checked(type(sub), name, value, f"{source}: key '{shown}'"))
 
 

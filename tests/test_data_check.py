@@ -147,8 +147,8 @@ def test_fields_syntax_in_errors_and_on_the_command_line(tmp_path):
     assert cfg.data.fields == {"prompt": "question", "chosen": "good", "rejected": "bad"}
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.demo_pairs=1", "data.fields=prompt=question"])
-    assert str(err.value) == ("command line: key 'data.fields' must map prompt/chosen/rejected/system to column names, "
-                              "got 'prompt=question'; e.g. --data.fields '{prompt: question, chosen: response_j, "
+    assert str(err.value) == ("command line: key 'data.fields' must map prompt/chosen/rejected/system (SFT: "
+                              "completion/messages/text) to column names, got 'prompt=question'; e.g. --data.fields '{prompt: question, chosen: response_j, "
                               "rejected: response_k}'")
     path = write_jsonl(tmp_path / "d.jsonl", [{"question": "Q", "answer": "A"}])
     with pytest.raises(DataError, match=r"--data.fields '\{prompt: question, chosen: response_j"):

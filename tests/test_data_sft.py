@@ -176,3 +176,33 @@ def test_sft_trains_the_chosen_side_of_preference_pairs_and_pairwise_objectives_
     for obj in (ORPO(0.1), DPO()):
         with pytest.raises(DataError, match=r"f.jsonl:1: a row with one completion \(no rejected response\) cannot train objective.kind (orpo|dpo); set objective.kind: sft"):
             fit_dataset(obj, SimpleNamespace(train=pref + single, valid=[]))
+
+
+def mapped(objs, fields):
+    return parse_rows([(f"f.jsonl:{i + 1}", o) for i, o in enumerate(objs)], DataConfig(fields=fields), "f.jsonl")
+
+
+def test_data_fields_maps_sft_columns():
+    """An SFT file with its own column names (Alpaca's instruction/output, a 'conversation' list) was refused
+    row by row ("missing field 'rejected'"): data.fields mapped preference columns only."""
+    msgs = [{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}]
+    rows, report = mapped([{"instruction": Q, "output": "4", "sys": "Be brief.", "input": ""}],
+                          {"prompt": "instruction", "completion": "output", "system": "sys"})
+    assert rows == [Row(Q, "4", None, "Be brief.", source="f.jsonl:1")] and not report.bad
+    rows, _ = mapped([{"conversation": msgs}], {"messages": "conversation"})
+    assert rows == [Row(msgs[:1], "4", None, None, source="f.jsonl:1")]
+    rows, _ = mapped([{"body": FOX}], {"text": "body"})
+    assert rows == [Row(None, FOX, None, None, source="f.jsonl:1")]
+    _, report = mapped([{"instruction": Q, "answer": "4"}, {"output": "4"}],
+                       {"prompt": "instruction", "completion": "output"})
+    assert report.bad == [("f.jsonl:1", "missing field 'output' (data.fields.completion)"),
+                          ("f.jsonl:2", "missing field 'instruction' (data.fields.prompt)")]
+
+
+@pytest.mark.parametrize("fields", [{"chosen": "a", "completion": "b"}, {"messages": "a", "text": "b"}])
+def test_data_fields_mapping_a_pair_and_an_sft_row_is_refused(fields):
+    with pytest.raises(DataError) as err:
+        mapped([{"a": "x", "b": "y"}], fields)
+    named = ", ".join(sorted(fields))
+    assert str(err.value) == (f"data.fields maps {named}: a row is a preference pair (chosen, rejected) or one SFT "
+                              f"completion (completion, messages or text), not both")

@@ -19,8 +19,9 @@ one bad row):
 - ``sharegpt``: ``conversations`` of ``{from, value}`` plus ``chosen`` and
   ``rejected`` as ``{from, value}``.
 - ``mapped``: ``data.fields`` renames columns (``{prompt: question, chosen:
-  response_j, rejected: response_k, system: sys}``), then the row is read as
-  standard, conversational or transcript by the types of its values.
+  response_j, rejected: response_k, system: sys}``; for SFT rows ``{prompt:
+  instruction, completion: output}``, or a ``messages`` or ``text`` column),
+  then the row is read by its keys and the types of its values.
 
 Every format may carry an optional ``system`` string (empty or blank: none).
 
@@ -51,6 +52,7 @@ FORMATS = ("standard", "conversational", "transcript", "openai", "sharegpt", "ma
            "prompt_completion", "text")
 SFT_FORMATS = ("messages", "prompt_completion", "text")  # rows with one completion (Row.rejected None)
 FIELD_KEYS = ("prompt", "chosen", "rejected", "system")
+SFT_FIELD_KEYS = ("completion", "messages", "text")  # data.fields for SFT rows (mlx-lm's prompt/completion_feature)
 DETECT_ROWS = 64  # format: auto votes over this many objects from the top of a file
 # Anthropic HH turn markers; a transcript prompt ends right after ASSISTANT_MARKER.
 HUMAN_MARKER = "\n\nHuman:"
@@ -200,13 +202,20 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
 
     Raises:
         DataError: ``format: auto`` and no known format (:func:`detect_items_format`),
-            or a ``data.fields`` key that is not one of prompt/chosen/rejected/system.
+            or ``data.fields`` with a key that is not one of :data:`FIELD_KEYS` and
+            :data:`SFT_FIELD_KEYS`, or mapping both a pair's and an SFT row's columns.
     """
     fields = cfg.fields or None
     if fields:
-        unknown = sorted(set(fields) - set(FIELD_KEYS))
+        unknown = sorted(set(fields) - set(FIELD_KEYS + SFT_FIELD_KEYS))
         if unknown:
-            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS)}); {FIELDS_SYNTAX}")
+            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS + SFT_FIELD_KEYS)})"
+                            f"; {FIELDS_SYNTAX}")
+        sft = sorted(set(fields) & set(SFT_FIELD_KEYS))
+        if len(sft) > 1 or (sft and {"chosen", "rejected"} & set(fields)):
+            named = sorted(set(fields) & {"chosen", "rejected", *SFT_FIELD_KEYS})
+            raise DataError(f"data.fields maps {', '.join(named)}: a row is a preference pair (chosen, rejected) or "
+                            f"one SFT completion (completion, messages or text), not both")
         odd = next((k for k, v in fields.items() if not isinstance(v, str)), None)
         if odd is not None:
             raise DataError(f"data.fields.{odd}: expected a column name, got {fields[odd]!r}; {FIELDS_SYNTAX}")
@@ -403,13 +412,17 @@ def _sharegpt_message(turn, label: str) -> dict:
 
 def _rename(obj: dict, fields: dict) -> dict:
     """Columns renamed by ``data.fields``; unmapped keys keep their names. A column the mapping
-    names must be there (a misspelt ``system`` column would otherwise drop every system message)."""
+    names must be there (a misspelt ``system`` column would otherwise drop every system message), and
+    so must a pair's chosen and rejected, or an SFT row's completion (and its prompt)."""
+    sft = next((k for k in SFT_FIELD_KEYS if k in fields), None)
+    keys = ("prompt", "system", sft) if sft else FIELD_KEYS
+    needed = {"completion": ("completion", "prompt")}.get(sft, (sft,)) if sft else ("chosen", "rejected")
     renamed = {}
-    for key in FIELD_KEYS:
+    for key in keys:
         src = fields.get(key, key)
         if src in obj:
             renamed[key] = obj[src]
-        elif key in ("chosen", "rejected") or key in fields:
+        elif key in needed or key in fields:
             raise BadRow(f"missing field {src!r} (data.fields.{key})")
     return renamed
 
