@@ -206,3 +206,18 @@ def test_data_fields_mapping_a_pair_and_an_sft_row_is_refused(fields):
     named = ", ".join(sorted(fields))
     assert str(err.value) == (f"data.fields maps {named}: a row is a preference pair (chosen, rejected) or one SFT "
                               f"completion (completion, messages or text), not both")
+
+
+def test_message_content_as_text_parts_is_read_as_its_text():
+    """OpenAI-style content parts ([{type: text, text: ...}], as multimodal-ready datasets store text) were a bad
+    row with a generic message; text parts are read back to back, any other part is named."""
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 2?"}]
+    rows, report = rows_of([{"messages": [{"role": "user", "content": parts},
+                                          {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]},
+                            {"messages": [{"role": "user", "content": [{"type": "image", "url": "x.png"}]},
+                                          {"role": "assistant", "content": "4"}]},
+                            {"messages": [{"role": "user", "content": ["2 + 2?"]},
+                                          {"role": "assistant", "content": "4"}]}])
+    assert rows == [Row([{"role": "user", "content": Q}], "4", None, None, source="f.jsonl:1")]
+    assert report.bad == [("f.jsonl:2", "messages[0] content[0] is not a text part ('image'); dtrain trains on text only"),
+                          ("f.jsonl:3", "messages[0] content[0] is not a text part ('str'); dtrain trains on text only")]

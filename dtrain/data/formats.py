@@ -300,10 +300,22 @@ def _messages(value: list, label: str) -> list:
     for i, m in enumerate(value):
         if isinstance(m, dict) and _has_tools(m.get("tool_calls")):
             raise BadRow(NO_TOOLS.format(what=f"{label}[{i}] 'tool_calls'"))
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": _text_parts(m["content"], f"{label}[{i}]")}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+def _text_parts(parts: list, label: str) -> str:
+    """OpenAI-style content parts ``[{"type": "text", "text": ...}]`` as one string, the parts joined as
+    chat templates that take parts write them (back to back); any other part is a bad row."""
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise BadRow(f"{label} content[{j}] is not a text part ({kind!r}); dtrain trains on text only")
+    return "".join(part["text"] for part in parts)
 
 
 def _response(msgs: list, label: str) -> Union[str, list]:
