@@ -638,3 +638,13 @@ def test_data_check_command_on_a_saved_dataset(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{folder}: 2 rows, 1 usable, 1 bad, 0 dropped"
     assert f"  {folder}[test]:row 1: missing field 'rejected'" in out
+
+
+def test_a_pipe_is_named_as_one(tmp_path):
+    """``--data.train <(zcat pairs.jsonl.gz)`` (a FIFO) was 'data file not found', though it exists."""
+    fifo = tmp_path / "pairs.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError) as err:
+        resolve(str(fifo), DataConfig())
+    assert str(err.value) == (f"{fifo}: not a regular file (data.train); data is read more than once (its format, "
+                              f"its fingerprint), so write it to a file first (compressed files are read as they are)")

@@ -95,6 +95,9 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
         return _folder(p, spec, role, split, key, split_key)
     if is_hub_id(spec):
         return _hub(spec, split, key, split_key)
+    if p.exists():  # a pipe (<(zcat ...)), a socket or a device
+        raise DataError(f"{spec}: not a regular file ({key}); data is read more than once (its format, its "
+                        f"fingerprint), so write it to a file first (compressed files are read as they are)")
     raise DataError(f"{spec}: data file not found ({key})")
 
 
