@@ -648,3 +648,20 @@ def test_a_pipe_is_named_as_one(tmp_path):
         resolve(str(fifo), DataConfig())
     assert str(err.value) == (f"{fifo}: not a regular file (data.train); data is read more than once (its format, "
                               f"its fingerprint), so write it to a file first (compressed files are read as they are)")
+
+
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """A data file without read permission ended in PermissionError's traceback (tested through open: root
+    reads any file)."""
+    from dtrain.data import sources
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "Q", "chosen": "a", "rejected": "b"}\n')
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(sources, "open", refused, raising=False)
+    with pytest.raises(DataError) as err:
+        resolve(str(path), DataConfig())
+    assert str(err.value) == f"{path}: cannot be read: Permission denied"

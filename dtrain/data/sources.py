@@ -178,8 +178,11 @@ def _file_source(path: Path, label: str) -> Source:
     """One file: Parquet when it starts with Parquet's magic ``PAR1`` or is named ``.parquet``/``.pq`` (any case),
     Arrow when it starts as an Arrow IPC stream (``datasets``' ``*.arrow`` files) or file (``ARROW1``, Feather v2),
     else JSON/JSONL."""
-    with open(path, "rb") as f:
-        head = f.read(6)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError as err:  # no read permission, a file on a disconnected share
+        raise DataError(f"{label}: cannot be read: {err.strerror or err}") from None
     if head[:4] == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES:
         return Source("parquet", (path,), label)
     if head[:4] == ARROW_STREAM or head == ARROW_FILE:
