@@ -90,6 +90,20 @@ def test_gguf_keeps_the_base_metadata_and_tokenizer(tmp_path, llama):
     assert tok_new.chat_template == tok_old.chat_template
 
 
+def test_gguf_leaves_out_the_base_imatrix_record(tmp_path):
+    """A base quantized with an importance matrix (llama-quantize --imatrix) records it under quantize.imatrix.*;
+    the export quantizes the merged weights without one, and kept that record."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, extra=[("add_string", "quantize.imatrix.file", "imatrix.dat"),
+                                      ("add_int32", "quantize.imatrix.chunks_count", 125),
+                                      ("add_string", "general.license", "apache-2.0")])
+    write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"), gguf_type="q8_0")
+    fields = gguf.GGUFReader(str(result.gguf)).fields
+    assert not [k for k in fields if k.startswith("quantize.")]
+    assert fields["general.license"].contents() == "apache-2.0"
+
+
 def block_bound(w: np.ndarray, levels: float, steps: float) -> np.ndarray:
     """Per-value error bound of a 32-value block quant with step d = max|block| / levels.
 

@@ -427,6 +427,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
     if meta.get("chat_template") not in (None, md.get("tokenizer.chat_template")):  # the base's tool_use ... go too
         replaced |= {k for k in md if k == "tokenizer.chat_templates" or k.startswith("tokenizer.chat_template.")}
     replaced |= {k for k in md if k.startswith("general.base_model.")}
+    # these weights are quantized here, without an importance matrix: the base's record of one would be untrue
+    replaced |= {k for k in md if k.startswith("quantize.imatrix.")}
     for key, value in reader.fields.items():
         if key.startswith("GGUF.") or key in replaced:
             continue
