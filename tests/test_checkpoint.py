@@ -154,6 +154,33 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
     assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest.json" in seen[1]
 
 
+def test_every_bit_flip_of_a_manifest_is_skipped_or_harmless(tmp_path):
+    """A manifest whose entry lost a key ("sha256" -> "sha257": one bit) raised KeyError out of validate, so
+    `--train.resume auto` (and the launcher's restart) ended in a traceback instead of using step 2."""
+    finish(tmp_path, "--train.steps", "4", "--train.save_every", "2", "--train.keep_last", "2")
+    root = tmp_path / "checkpoints"
+    manifest = root / "step-0000004" / "manifest.json"
+    good = manifest.read_bytes()
+    skipped = 0
+    for i in range(len(good) * 8):
+        bad = bytearray(good)
+        bad[i // 8] ^= 1 << (i % 8)
+        manifest.write_bytes(bytes(bad))
+        seen = []
+        found = ckpt.find_latest(root, report=seen.append)
+        if found.name == "step-0000002":
+            assert seen[0].startswith(f"skipping checkpoint {manifest.parent}: "), seen
+            skipped += 1
+        else:  # the step field or its key: the files are what the manifest lists
+            assert not seen and json.loads(bytes(bad))["files"] == json.loads(good)["files"]
+    assert skipped > len(good) * 7
+    manifest.write_bytes(good.replace(b'"sha256"', b'"sha257"', 1))
+    code, _, err = finish_proc(start(tmp_path, "--train.steps", "4", "--train.resume", "auto"))
+    assert code == 0, err
+    assert f"skipping checkpoint {manifest.parent}: unreadable manifest ('sha256')" in err
+    assert f"resumed from {root / 'step-0000002'} at step 3" in err
+
+
 def test_incompatible_resume_is_refused_in_one_line(tmp_path):
     """Every key is covered in-process by test_trainer; here the CLI-style worker: one line, exit 2."""
     finish(tmp_path, "--train.steps", "2")

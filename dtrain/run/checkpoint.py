@@ -202,16 +202,17 @@ def validate(path: Path) -> Optional[str]:
     manifest = path / MANIFEST
     if not manifest.is_file():
         return "no manifest.json (not a checkpoint, or its write was interrupted)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, OSError) as err:
+    try:  # a damaged manifest may still parse: an entry without its keys, a list for a dict
+        listed = json.loads(manifest.read_text())["files"]
+        files = {name: (meta["bytes"], meta["sha256"]) for name, meta in listed.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as err:
         return f"unreadable manifest ({err})"
-    for name, meta in files.items():
+    for name, (size, digest) in files.items():
         p = path / name
         if not p.is_file():
             return f"missing {name}"
         try:
-            if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+            if p.stat().st_size != size or sha256_file(p) != digest:
                 return f"checksum mismatch in {name}"
         except OSError as err:
             return f"unreadable {name} ({storage_reason(err)})"
