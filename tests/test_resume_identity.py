@@ -334,6 +334,20 @@ def test_the_same_data_file_at_a_moved_path_continues_the_run(tmp_path):
         f"training pairs sha256: ")
 
 
+def test_a_refused_resume_computes_and_writes_nothing_first(tmp_path):
+    """A DPO resume on other data was refused only after the new pairs had been cached and their
+    reference pass (a forward of every pair: hours on a large set) had run and been cached too."""
+    data, other, cache = tmp_path / "pairs.jsonl", tmp_path / "other.jsonl", tmp_path / "out" / "data_cache"
+    write_rows(data)
+    write_rows(other, salt=" again")
+    run_on_file(tmp_path / "out", data, "objective.kind=dpo")
+    before = sorted(p.name for p in cache.iterdir())
+    assert len([n for n in before if n.startswith("reference-")]) == 2
+    with pytest.raises(UserError, match=r"was made with different settings: data content sha256 \(data.train"):
+        run_on_file(tmp_path / "out", other, "objective.kind=dpo", "train.steps=4", "train.resume=auto")
+    assert sorted(p.name for p in cache.iterdir()) == before
+
+
 def test_a_copied_run_folder_logs_into_its_own_tensorboard_run(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     args = ("train.eval_every=0", "train.save_every=2")

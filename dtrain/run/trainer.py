@@ -306,6 +306,12 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         lock = _main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
+        # a resume is checked (and refused) before the run writes its caches or computes DPO's reference
+        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
+                              group, report=notice, model_aliases=loaded.aliases)
+        if resumed is not None and resumed.state.step > t.steps:
+            raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
+                            f"raise train.steps to continue it")
         if cache_entries:
             from ..data import write_entries
 
@@ -316,12 +322,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                                      init_adapter=state.init_adapter)
             valid = dataset.valid[: len(valid)]  # the same held-out pairs, now carrying their reference log-probs
         optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
-        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=notice, model_aliases=loaded.aliases)
         if resumed is not None:
-            if resumed.state.step > t.steps:
-                raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
-                                f"raise train.steps to continue it")
+            ckpt.restore(model, optimizer, resumed.adapter, resumed.optimizer)
             state = replace(resumed.state, world_size=group.size)
             optimizer.schedule_steps = state.schedule_steps
             if t.steps > max(state.schedule_steps, state.step) and notice is not None:  # steps left, past the plan
