@@ -197,8 +197,9 @@ def loop(run: Run) -> TrainResult:
     if run.valid and str(t.steps) not in run.state.evals:
         evaluate_and_steer(run, t.steps)
     if not done:
+        log_hparams(run, t.steps)
         save(run, t.steps)
-    finish(run, hparams=not done)
+    finish(run)
     return result
 
 
@@ -230,8 +231,9 @@ def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
     if not again:
         run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
                         f"{run.cfg.train.keep_best}; stopping early")
+        log_hparams(run, step)
         save(run, step)
-    finish(run, hparams=not again)
+    finish(run)
     run.result.steps, run.result.early_stopped = step, True
     return run.result
 
@@ -391,9 +393,16 @@ def save(run: Run, step: int) -> None:
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id, step)
 
 
-def finish(run: Run, hparams: bool = True) -> None:
+def log_hparams(run: Run, step: int) -> None:
+    """Record the config with the final metrics of ``step`` (TensorBoard HPARAMS; rank 0's logger) before the
+    run's last checkpoint, whose save flushes it: a run killed after that checkpoint keeps the record."""
+    final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at its end trains none
+    run.log.hparams(run.resolved, final, step)
+
+
+def finish(run: Run) -> None:
     """Rank 0 writes the adapter (the same bytes when written again; with ``train.keep_best``: the best
-    step's, and the last step's to ``adapters-last/``) and, with ``hparams``, the hparams record."""
+    step's, and the last step's to ``adapters-last/``)."""
     if run.group.is_main:
         t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
         weights = keep_best.last_and_best(run, out.adapters_last)
@@ -401,9 +410,6 @@ def finish(run: Run, hparams: bool = True) -> None:
                      f"holds the same weights"):
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
                                                   run.chat_template, weights)
-        if hparams:
-            final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at its end trains none
-            run.log.hparams(run.resolved, final, step)
         run.log.message(f"adapter written to {run.result.adapter_dir}"
                         + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
 
