@@ -181,6 +181,26 @@ def test_every_bit_flip_of_a_manifest_is_skipped_or_harmless(tmp_path):
     assert f"resumed from {root / 'step-0000002'} at step 3" in err
 
 
+def test_a_run_killed_while_writing_its_adapter_leaves_no_temporary_folder_after_the_resume(tmp_path):
+    """SIGKILL inside the adapters/ write at the end (after the last checkpoint): the resume writes adapters/,
+    and the killed write's hidden .adapters.tmp-PID folder stayed in the output folder for good."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    args = ("--train.steps", "4", "--train.save_every", "2", "--train.eval_every", "2")
+    finish(whole, *args)
+    cut.mkdir()
+    proc = spawn([sys.executable, WORKER, cut, *args], tmp_path / "cut-logs", "worker",
+                 env={**os.environ, "WORKER_HOLD_SAVE": "adapters.safetensors:3"})  # checkpoints 2, 4, then adapters/
+    wait_for_path(cut / "in-save", proc)
+    proc.kill()
+    proc.wait()
+    (cut / "in-save").unlink()
+    assert [p.name for p in cut.glob(".adapters.tmp-*")] == [f".adapters.tmp-{proc.pid}"]
+    finish(cut, *args, "--train.resume", "auto")
+    assert adapters_equal(cut / "adapters", whole / "adapters")
+    listing = lambda out: sorted(str(p.relative_to(out)) for p in out.rglob("*") if "tb" not in p.parts)  # noqa: E731
+    assert listing(cut) == listing(whole)
+
+
 def test_incompatible_resume_is_refused_in_one_line(tmp_path):
     """Every key is covered in-process by test_trainer; here the CLI-style worker: one line, exit 2."""
     finish(tmp_path, "--train.steps", "2")

@@ -56,6 +56,27 @@ def fail_save(spec: str) -> None:
 
 
 
+def hold_save(spec: str, folder: Path) -> None:
+    """Test harness only: ``NAME:N`` makes the N-th ``mx.save_safetensors`` of a file NAME touch
+    ``folder/in-save`` and wait there (its file half-written), so a test kills the process inside that write."""
+    import mlx.core as mx
+
+    name, nth = spec.rsplit(":", 1)
+    real, seen = mx.save_safetensors, []
+
+    def save(path, *a, **k):
+        if Path(path).name == name:
+            seen.append(path)
+            if len(seen) == int(nth):
+                Path(path).write_bytes(b"half")
+                (folder / "in-save").touch()
+                while True:
+                    time.sleep(0.01)
+        return real(path, *a, **k)
+
+    mx.save_safetensors = save
+
+
 def held_step(hold_at: int, folder: Path) -> trainer.Hooks:
     """Test harness only: when step ``hold_at`` begins, touch ``folder/in-step-N`` and wait until
     ``folder/go-N`` exists, so a test kills or signals the process inside that step, not near it."""
@@ -73,6 +94,8 @@ def main(argv):
     out = Path(argv[0])
     if os.environ.get("WORKER_FAIL_SAVE"):
         fail_save(os.environ["WORKER_FAIL_SAVE"])
+    if os.environ.get("WORKER_HOLD_SAVE"):
+        hold_save(os.environ["WORKER_HOLD_SAVE"], out)
     hooks = trainer.Hooks()
     if os.environ.get("WORKER_STEP_DELAY"):
         hooks = slow_steps(float(os.environ["WORKER_STEP_DELAY"]), out if os.environ.get("WORKER_MARK_STEPS") else None)
