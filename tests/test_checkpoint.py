@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,6 +200,24 @@ def test_a_run_killed_while_writing_its_adapter_leaves_no_temporary_folder_after
     assert adapters_equal(cut / "adapters", whole / "adapters")
     listing = lambda out: sorted(str(p.relative_to(out)) for p in out.rglob("*") if "tb" not in p.parts)  # noqa: E731
     assert listing(cut) == listing(whole)
+
+
+def test_an_output_folder_removed_mid_run_stops_at_the_next_save_saying_so(tmp_path):
+    """`rm -rf` of the output folder while step 3 runs (a folder of that name made again at once): the save
+    after step 4 failed on the TensorBoard file and said "the checkpoints are intact", of checkpoints that
+    were gone; another run could also take the new folder while this one wrote into it."""
+    out = tmp_path / "out"
+    proc = start(out, "--train.steps", "6", "--train.save_every", "2", hold_at=3)
+    wait_for_path(out / "in-step-3", proc)
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / "go-3").touch()
+    code, _, err = finish_proc(proc)
+    assert code == 2 and err.splitlines()[-1] == (
+        f"dtrain: error: output folder {out} was removed or replaced while this run ran (its lock file is not the "
+        f"one this run holds); step 4 is not saved there, and the checkpoints and TensorBoard events written "
+        f"before went with the old folder"), err
+    assert sorted(p.name for p in out.iterdir()) == ["go-3"]
 
 
 def test_incompatible_resume_is_refused_in_one_line(tmp_path):

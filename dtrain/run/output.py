@@ -100,6 +100,15 @@ class OutputLock:
                 return text or "another process"
             time.sleep(0.02)
 
+    def lost(self) -> bool:
+        """Whether ``OUTPUT_DIR/.dtrain.lock`` is no longer the file held (the folder was removed or replaced)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        held = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor releases the flock

@@ -122,6 +122,7 @@ class Run:
     hooks: Hooks = Hooks()
     chat_template: Optional[str] = None  # data.chat_template's text, recorded in adapter_config.json
     best: keep_best.BestAdapter = field(default_factory=keep_best.BestAdapter)  # train.keep_best: rank 0's copy
+    lock: Optional[output.OutputLock] = None  # rank 0's hold on the output folder
 
     @property
     def checkpoints(self) -> Path:
@@ -335,7 +336,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
-        cleanup.callback(log.close)
+        cleanup.push(lambda failed, *_: log.close(quiet=failed is not None))  # a failing run keeps its own error
         stop = StopRequest()
         stop.install()
         cleanup.callback(stop.uninstall)
@@ -357,7 +358,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks,
-                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None, kept)
+                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None, kept, lock)
 
 
 def first_step_text(run: Run) -> str:
@@ -384,8 +385,16 @@ def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
 
 
 def save(run: Run, step: int) -> None:
-    """Rank 0 writes checkpoint ``step`` after the event file is on disk (so it covers every logged step)."""
+    """Rank 0 writes checkpoint ``step`` after the event file is on disk (so it covers every logged step).
+
+    Raises:
+        UserError: the output folder was removed or replaced since the run took it.
+    """
     if run.group.is_main:
+        if run.lock is not None and run.lock.lost():
+            raise UserError(f"output folder {run.cfg.train.output_dir} was removed or replaced while this run ran (its "
+                            f"lock file is not the one this run holds); step {step} is not saved there, and the "
+                            f"checkpoints and TensorBoard events written before went with the old folder")
         state = replace(run.state, step=step, position=run.sampler.position(step))
         run.log.flush()
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
