@@ -30,7 +30,7 @@ class ResumePoint:
 
 
 def resume_point(output_dir: Path, named: Optional[Path] = None) -> Optional[ResumePoint]:
-    """The checkpoint folder ``named``, else the one ``train.resume: auto`` will continue from; None when there is none."""
+    """The checkpoint folder ``named``, else the one ``train.resume: auto`` continues; None when there is none."""
     from ..run.checkpoint import STATE, RunState, find_latest
     from ..files import OutputDir
 
