@@ -71,7 +71,7 @@ class OutputLock:
     """
 
     def __init__(self, out: Path):
-        self.path = OutputDir(Path(out)).lock
+        self.path = OutputDir(Path(out).absolute()).lock  # absolute: lost() holds after a chdir
         self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
