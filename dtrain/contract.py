@@ -39,6 +39,7 @@ RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # first one set wi
 FILE_VARS = ("MLX_HOSTFILE", "MLX_IBV_DEVICES")
 STOP_TIMEOUT_VAR = "DTRAIN_STOP_TIMEOUT"  # launcher -> rank wrapper: --stop-timeout in seconds
 LAUNCHER_VAR = "DTRAIN_LAUNCHER"  # launcher -> rank wrapper: "HOST:PID" of ./launch; gone there: stop
+LAUNCH_TMP_VAR = "DTRAIN_LAUNCH_TMP"  # launcher -> its local rank wrappers: its temporary folder (hostfiles)
 JOB_VAR = "DTRAIN_JOB"  # launcher -> ranks: the attempt's identity, compared in the start-up handshake
 SIZE_VARS = ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # a world size a launcher announced
 

@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,6 +153,71 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
     seen = []
     assert ckpt.find_latest(root, report=seen.append).name == "step-0000002"
     assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest.json" in seen[1]
+
+
+def test_every_bit_flip_of_a_manifest_is_skipped_or_harmless(tmp_path):
+    """A manifest whose entry lost a key ("sha256" -> "sha257": one bit) raised KeyError out of validate, so
+    `--train.resume auto` (and the launcher's restart) ended in a traceback instead of using step 2."""
+    finish(tmp_path, "--train.steps", "4", "--train.save_every", "2", "--train.keep_last", "2")
+    root = tmp_path / "checkpoints"
+    manifest = root / "step-0000004" / "manifest.json"
+    good = manifest.read_bytes()
+    skipped = 0
+    for i in range(len(good) * 8):
+        bad = bytearray(good)
+        bad[i // 8] ^= 1 << (i % 8)
+        manifest.write_bytes(bytes(bad))
+        seen = []
+        found = ckpt.find_latest(root, report=seen.append)
+        if found.name == "step-0000002":
+            assert seen[0].startswith(f"skipping checkpoint {manifest.parent}: "), seen
+            skipped += 1
+        else:  # the step field or its key: the files are what the manifest lists
+            assert not seen and json.loads(bytes(bad))["files"] == json.loads(good)["files"]
+    assert skipped > len(good) * 7
+    manifest.write_bytes(good.replace(b'"sha256"', b'"sha257"', 1))
+    code, _, err = finish_proc(start(tmp_path, "--train.steps", "4", "--train.resume", "auto"))
+    assert code == 0, err
+    assert f"skipping checkpoint {manifest.parent}: unreadable manifest ('sha256')" in err
+    assert f"resumed from {root / 'step-0000002'} at step 3" in err
+
+
+def test_a_run_killed_while_writing_its_adapter_leaves_no_temporary_folder_after_the_resume(tmp_path):
+    """SIGKILL inside the adapters/ write at the end (after the last checkpoint): the resume writes adapters/,
+    and the killed write's hidden .adapters.tmp-PID folder stayed in the output folder for good."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    args = ("--train.steps", "4", "--train.save_every", "2", "--train.eval_every", "2")
+    finish(whole, *args)
+    cut.mkdir()
+    proc = spawn([sys.executable, WORKER, cut, *args], tmp_path / "cut-logs", "worker",
+                 env={**os.environ, "WORKER_HOLD_SAVE": "adapters.safetensors:3"})  # checkpoints 2, 4, then adapters/
+    wait_for_path(cut / "in-save", proc)
+    proc.kill()
+    proc.wait()
+    (cut / "in-save").unlink()
+    assert [p.name for p in cut.glob(".adapters.tmp-*")] == [f".adapters.tmp-{proc.pid}"]
+    finish(cut, *args, "--train.resume", "auto")
+    assert adapters_equal(cut / "adapters", whole / "adapters")
+    listing = lambda out: sorted(str(p.relative_to(out)) for p in out.rglob("*") if "tb" not in p.parts)  # noqa: E731
+    assert listing(cut) == listing(whole)
+
+
+def test_an_output_folder_removed_mid_run_stops_at_the_next_save_saying_so(tmp_path):
+    """`rm -rf` of the output folder while step 3 runs (a folder of that name made again at once): the save
+    after step 4 failed on the TensorBoard file and said "the checkpoints are intact", of checkpoints that
+    were gone; another run could also take the new folder while this one wrote into it."""
+    out = tmp_path / "out"
+    proc = start(out, "--train.steps", "6", "--train.save_every", "2", hold_at=3)
+    wait_for_path(out / "in-step-3", proc)
+    shutil.rmtree(out)
+    out.mkdir()
+    (out / "go-3").touch()
+    code, _, err = finish_proc(proc)
+    assert code == 2 and err.splitlines()[-1] == (
+        f"dtrain: error: output folder {out} was removed or replaced while this run ran (its lock file is not the "
+        f"one this run holds); step 4 is not saved there, and the checkpoints and TensorBoard events written "
+        f"before went with the old folder"), err
+    assert sorted(p.name for p in out.iterdir()) == ["go-3"]
 
 
 def test_incompatible_resume_is_refused_in_one_line(tmp_path):

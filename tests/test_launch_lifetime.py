@@ -46,10 +46,11 @@ def lock_is_free(out: Path) -> bool:
 def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     """The signal goes to the launcher's process group, as a terminal (SIGINT, SIGHUP when
     it closes) or ``kill -9 -PGID`` sends it; the ranks, in sessions of their own, are not in it."""
-    out = tmp_path / "run"
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
     proc = spawn([sys.executable, LAUNCH, "-n", 2, "--port", free_port(), job, "--train.steps", 5000,
                   "--train.save_every", 0, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT,
-                 start_new_session=True)
+                 start_new_session=True, env={**os.environ, "TMPDIR": str(tmp)})
     try:
         wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
         trainers = find_trainers(str(out))
@@ -64,6 +65,8 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
     # a killed trainer leaves /proc's command lines (find_trainers) before it closes its files
     wait_until(lambda: lock_is_free(out), "the output folder's lock to be released", limit=10)
+    # the launcher's temporary folder (the ring's MLX_HOSTFILE) goes too, also when the launcher was killed
+    wait_until(lambda: not list(tmp.glob("dtrain-launch-*")), "the launcher's temporary folder to go", limit=STOP_S)
 
 
 def test_tensorboard_ends_with_its_launcher_killed(job, tmp_path):

@@ -218,3 +218,40 @@ def test_a_leftover_trainer_already_exiting_is_waited_for_too(tmp_path):
             pass  # no sleep: the moment it reads empty, it is still freeing its 1 GB
 
     lock_after_the_launcher_met_a_leftover(tmp_path, killed_and_freeing)
+
+
+# on PYTHONPATH: rank 1's trainer exits 1 as it starts, once (the marker file says it did)
+DIES_ONCE = ("import os, sys\n"
+             "marker = os.path.join(os.path.dirname(__file__), 'died')\n"
+             "args = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\n"
+             "if args[1:4] == [b'-m', b'dtrain', b'train'] and os.environ.get('MLX_RANK') == '1' "
+             "and not os.path.exists(marker):\n"
+             "    open(marker, 'w').close()\n"
+             "    os._exit(1)\n")
+
+
+def test_a_restart_before_the_first_save_resumes_the_checkpoint_named(job, tmp_path):
+    """--train.resume names step 3 of a run saved up to step 8; a rank dies before the resumed run's first
+    save. The restart resumed step 8 (the newest, of the steps the user left: resume auto) instead of step 3."""
+    common = ("-n", 2, "--backend", "ring", job, "--train.save_every", 1, "--train.keep_last", STEPS)
+    out, plain = tmp_path / "run", tmp_path / "plain"
+    assert launch("--port", free_port(), *common, "--train.output_dir", out).returncode == 0
+    shutil.copytree(out, plain)
+    named = out / "checkpoints" / "step-0000003"
+    r = launch("--port", free_port(), *common, "--train.output_dir", plain,
+               "--train.resume", plain / "checkpoints" / "step-0000003")
+    assert r.returncode == 0, r.stderr
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(DIES_ONCE)
+    path = os.pathsep.join(x for x in (str(hook), os.environ.get("PYTHONPATH")) if x)
+    r = launch("--port", free_port(), "--max-restarts", 1, "--restart-delay", 0, *common, "--train.output_dir", out,
+               "--train.resume", named, env={"PYTHONPATH": path})
+    assert r.returncode == 0, r.stderr
+    assert (hook / "died").exists()
+    assert (f"launch: restart 1 of at most 1: rank 1 failed (exit status 1); resuming from step 3 ({named}); "
+            "starting again in 0 s") in r.stderr.splitlines(), r.stderr
+    assert f"resumed from {named} at step 4" in r.stderr
+    a, b = weights(plain / ADAPTER), weights(out / ADAPTER)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)  # bitwise
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{s:07d}" for s in range(1, STEPS + 1)]

@@ -230,6 +230,23 @@ def test_a_reference_cache_that_cannot_be_written_costs_only_the_next_runs_pass(
     assert cached.keys() == fresh.keys() and all(np.array_equal(cached[k], fresh[k]) for k in cached)
 
 
+def test_a_damaged_reference_cache_entry_is_absent_not_a_traceback(tmp_path):
+    """A reference-*.npy whose header a flipped bit or a cut made unparseable raised tokenize.TokenError or
+    SyntaxError from numpy's header parser out of the DPO setup (a traceback); it counts as absent (recomputed)."""
+    from dtrain.run.reference import load, save
+
+    path, values = tmp_path / "reference-k-train.npy", np.arange(40, dtype=np.float32).reshape(20, 2)
+    save(path, values)
+    good = path.read_bytes()
+    damaged = [good[:n] for n in range(len(good))]
+    damaged += [bytes(b ^ (1 << bit) if i == at else b for i, b in enumerate(good))
+                for at in range(len(good)) for bit in range(8)]
+    for data in damaged:
+        path.write_bytes(data)
+        got = load(path, 20)
+        assert got is None or (got.shape == (20, 2) and got.dtype == np.float32)
+
+
 def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
     """SFT logs no reward accuracy: `dtrain train` printed the summary with a KeyError after the
     adapter was written (seen on the GPU, bench/objectives.py); it reports the held-out NLL."""

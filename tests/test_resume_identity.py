@@ -216,6 +216,31 @@ def test_a_run_resumed_where_it_ends_records_the_last_steps_metrics_in_hparams(t
     assert hparam_scalars(resumed.run_dir) == expected
 
 
+@pytest.mark.parametrize("extra", [[], ["train.eval_every=1", "train.keep_best=eval/loss", "train.early_stop_evals=1",
+                                        "train.learning_rate=0.3"]], ids=["last-step", "early-stop"])
+def test_a_run_killed_after_its_last_checkpoint_keeps_its_hparams_record(tmp_path, monkeypatch, extra):
+    """Killed while writing the adapter, after the checkpoint of its last step (or of the step that stopped it
+    early): the resume only writes the adapter, and the run's hparams record, written after that checkpoint,
+    was never written at all."""
+    import dtrain.lora
+    from dtrain.run import trainer
+
+    whole, _ = run(tmp_path / "whole", "train.steps=4", *extra)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer, "save_adapter", killed)
+        mp.setattr(dtrain.lora, "save_adapter", killed)
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path / "cut", "train.steps=4", *extra)
+    resumed, _ = run(tmp_path / "cut", "train.steps=4", *extra, "train.resume=auto")
+    assert resumed.history == [] and resumed.steps == whole.steps
+    assert "hparam/loss" in hparam_scalars(whole.run_dir)
+    assert hparam_scalars(resumed.run_dir) == hparam_scalars(whole.run_dir)
+
+
 def non_finite_at(steps, crash_before=None):
     """Hooks whose engine gives non-finite gradients in ``steps``; ``crash_before``: step whose start
     raises (a process killed between steps, after the checkpoint of the step before)."""
@@ -332,6 +357,20 @@ def test_the_same_data_file_at_a_moved_path_continues_the_run(tmp_path):
         f"resume: {tmp_path}/out/checkpoints/step-0000004 was made with different settings: data content sha256 "
         f"(data.train, data.valid): {sha256_file(moved)!r} in the checkpoint, {sha256_file(other)!r} now; "
         f"training pairs sha256: ")
+
+
+def test_a_refused_resume_computes_and_writes_nothing_first(tmp_path):
+    """A DPO resume on other data was refused only after the new pairs had been cached and their
+    reference pass (a forward of every pair: hours on a large set) had run and been cached too."""
+    data, other, cache = tmp_path / "pairs.jsonl", tmp_path / "other.jsonl", tmp_path / "out" / "data_cache"
+    write_rows(data)
+    write_rows(other, salt=" again")
+    run_on_file(tmp_path / "out", data, "objective.kind=dpo")
+    before = sorted(p.name for p in cache.iterdir())
+    assert len([n for n in before if n.startswith("reference-")]) == 2
+    with pytest.raises(UserError, match=r"was made with different settings: data content sha256 \(data.train"):
+        run_on_file(tmp_path / "out", other, "objective.kind=dpo", "train.steps=4", "train.resume=auto")
+    assert sorted(p.name for p in cache.iterdir()) == before
 
 
 def test_a_copied_run_folder_logs_into_its_own_tensorboard_run(tmp_path):

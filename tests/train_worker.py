@@ -38,8 +38,8 @@ def slow_steps(seconds: float, marks: Optional[Path]) -> trainer.Hooks:
     return trainer.Hooks(before_step=delayed)
 
 
-def fail_save(spec: str) -> None:
-    """Test harness only: ``NAME:N`` makes the N-th ``mx.save_safetensors`` of a file NAME raise MLX's write error."""
+def on_nth_save(spec: str, instead) -> None:
+    """Test harness only: ``NAME:N`` makes the N-th ``mx.save_safetensors`` of a file NAME call ``instead(path)``."""
     import mlx.core as mx
 
     name, nth = spec.rsplit(":", 1)
@@ -49,11 +49,27 @@ def fail_save(spec: str) -> None:
         if Path(path).name == name:
             seen.append(path)
             if len(seen) == int(nth):
-                raise RuntimeError("[write] Unable to write 17309 bytes to file.")
+                return instead(Path(path))
         return real(path, *a, **k)
 
     mx.save_safetensors = save
 
+
+def fail_save(path: Path) -> None:
+    """Raise MLX's write error."""
+    raise RuntimeError("[write] Unable to write 17309 bytes to file.")
+
+
+def hold_save(folder: Path):
+    """Write half the file, touch ``folder/in-save`` and wait there, so a test kills the process inside that write."""
+
+    def hold(path: Path) -> None:
+        path.write_bytes(b"half")
+        (folder / "in-save").touch()
+        while True:
+            time.sleep(0.01)
+
+    return hold
 
 
 def held_step(hold_at: int, folder: Path) -> trainer.Hooks:
@@ -72,7 +88,9 @@ def held_step(hold_at: int, folder: Path) -> trainer.Hooks:
 def main(argv):
     out = Path(argv[0])
     if os.environ.get("WORKER_FAIL_SAVE"):
-        fail_save(os.environ["WORKER_FAIL_SAVE"])
+        on_nth_save(os.environ["WORKER_FAIL_SAVE"], fail_save)
+    if os.environ.get("WORKER_HOLD_SAVE"):
+        on_nth_save(os.environ["WORKER_HOLD_SAVE"], hold_save(out))
     hooks = trainer.Hooks()
     if os.environ.get("WORKER_STEP_DELAY"):
         hooks = slow_steps(float(os.environ["WORKER_STEP_DELAY"]), out if os.environ.get("WORKER_MARK_STEPS") else None)

@@ -22,8 +22,9 @@ stops the same way (:mod:`.rank` watches it), and ``--tensorboard``'s server end
 
 With ``--max-restarts N`` a failed job (a rank killed or crashed, a lost peer,
 the collective watchdog) is stopped, and after ``--restart-delay`` seconds
-started again with ``train.resume=auto``, at most N times; a user error (exit
-status 2 on any rank) is not restarted, since it would repeat.
+started again with ``train.resume=auto`` (a run continued from a checkpoint its
+``train.resume`` names: that one again until the run has saved), at most N times;
+a user error (exit status 2 on any rank) is not restarted, since it would repeat.
 """
 
 from __future__ import annotations
@@ -190,18 +191,22 @@ class StopSignals:
 
 
 def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: float, output_dir: Optional[Path],
-            signals: StopSignals) -> int:
+            signals: StopSignals, named: Optional[Path] = None) -> int:
     """Run attempts of the job until it succeeds, is stopped, fails for good or runs out of restarts.
 
     Args:
         plan_for: ``plan_for(resume)`` -> the :class:`~.plan.Plan`; ``resume=True`` adds ``train.resume=auto``.
         output_dir: the run's output folder when it is on this machine, else None.
+        named: the checkpoint folder ``train.resume`` names (not ``auto``), with ``output_dir``: a restart
+            continues it again until the run has saved a checkpoint (the newest one until then is of
+            the steps the run left, which its first save prunes).
     Returns:
         The launcher's exit status.
     """
-    restarts = 0
+    restarts, auto = 0, False
+    at_launch = restart.newest_manifest(output_dir) if named is not None else None
     while True:
-        attempt = Attempt(plan_for(restarts > 0), stop_timeout)
+        attempt = Attempt(plan_for(auto), stop_timeout)
         signals.attempt = attempt
         if signals.received:
             return 128 + signals.received[0]
@@ -209,8 +214,9 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
             outcome = attempt.run()
         finally:
             signals.attempt = None
+        again = named if named is not None and restart.newest_manifest(output_dir) == at_launch else None
         if outcome.stopped_by is not None:
-            _say_what_was_lost(outcome, output_dir)
+            _say_what_was_lost(outcome, output_dir, again)
             return outcome.code
         if not outcome.restartable or restarts >= max_restarts:
             if max_restarts and outcome.code != 0:
@@ -218,8 +224,8 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
                        else f"all {max_restarts} restart(s) used")
                 say(f"launch: not restarting: {why}")
             return outcome.code
-        restarts += 1
-        point = restart.resume_point(output_dir) if output_dir is not None else None
+        restarts, auto = restarts + 1, again is None
+        point = restart.resume_point(output_dir, again) if output_dir is not None else None
         if point is not None:
             where = f"resuming from step {point.step} ({point.path})"
         elif output_dir is not None:
@@ -235,11 +241,11 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
             return 128 + signals.received[0]
 
 
-def _say_what_was_lost(outcome: Outcome, output_dir: Optional[Path]) -> None:
+def _say_what_was_lost(outcome: Outcome, output_dir: Optional[Path], named: Optional[Path]) -> None:
     rank0 = outcome.reports.get(0)
     if rank0 is not None and rank0.code == 0 and rank0.killed is None:
         return  # rank 0 finished its save (or had nothing left to do)
-    say(f"launch: rank 0 did not save: {restart.describe_loss(output_dir)}")
+    say(f"launch: rank 0 did not save: {restart.describe_loss(output_dir, named)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"launch: TensorBoard at http://127.0.0.1:{args.tensorboard}/ (logdir {logdir})", sys.stdout)
             try:
                 output_dir = Path(cfg.train.output_dir) if plan.local else None
-                return run_job(plan_for, args.stop_timeout, args.max_restarts, args.restart_delay, output_dir, signals)
+                named = restart.named_checkpoint(cfg.train.resume) if output_dir else None
+                return run_job(plan_for, args.stop_timeout, args.max_restarts, args.restart_delay, output_dir, signals,
+                               named)
             finally:
                 if tb is not None:
                     stop_tensorboard(tb, Path(tmp) / "tensorboard.log")

@@ -38,7 +38,7 @@ class Plan:
 
     ``rank_env[r]``: the variables rank ``r`` receives beyond the inherited
     environment (what ``--dry-run`` prints). ``shards[r]``: pairs per step.
-    ``files``: temporary files to write before starting (path -> content).
+    ``files``: temporary files to write before starting (path -> content), in ``tmpdir``.
     ``local``: every rank runs on this machine (its files are the launcher's files).
     ``direct``: the launcher starts ``command`` once per rank itself, rank ``r``
     with ``direct[r]`` added (``rank_env[r]`` with files' paths for their
@@ -58,6 +58,7 @@ class Plan:
     files: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     direct: list = field(default_factory=list)
+    tmpdir: Optional[str] = None
 
 
 def shard_sizes(global_batch_pairs: int, world_size: int) -> list[int]:
@@ -252,7 +253,7 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
     t = cfg.train
     common = dict(backend=backend or "none", world_size=n, hosts=hosts, explicit=explicit, notes=notes,
                   shards=shard_sizes(t.global_batch_pairs, n), global_batch_pairs=t.global_batch_pairs,
-                  micro_batch_pairs=t.micro_batch_pairs, local=hostfile is None)
+                  micro_batch_pairs=t.micro_batch_pairs, local=hostfile is None, tmpdir=tmpdir)
     program = rank_program(config, overrides, backend)
     if backend is None:
         return Plan(command=program, rank_env=[dict(explicit)], **common)

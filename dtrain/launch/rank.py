@@ -19,7 +19,8 @@ Signals (the launcher's, or a hung-up ssh session's):
   does one waiting in a ring or MPI collective for a slower peer (both poll);
   a process that uses none for that long is stuck (e.g. its host went to sleep).
 - The launcher gone (``DTRAIN_LAUNCHER`` names its host and pid; checked every
-  second on that host), whatever ended it, SIGKILL included: stop gently, as above.
+  second on that host), whatever ended it, SIGKILL included: stop gently, as above;
+  once the child ended, the launcher's temporary folder (``DTRAIN_LAUNCH_TMP``) is removed.
 - SIGUSR1: abort (another rank failed, or a second Ctrl-C): the child gets SIGINT and is
   killed ``ABORT_GRACE_S`` seconds later unless it ended by then, which a rank whose peer
   died usually does at once, through its own error path (closing its files); a child
@@ -39,6 +40,7 @@ import errno
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..contract import ABORT_GRACE_S, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env
+from ..contract import ABORT_GRACE_S, LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env
 from ..files import to_devnull
 
 MARK = "\x1edtrain-rank "
@@ -229,6 +231,8 @@ def run(cmd: list) -> int:
         tail.append(partial.decode(errors="replace")[:300])
     code = proc.wait()
     write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed, watch.aborted)).encode())
+    if launcher is not None and not alive(launcher) and os.environ.get(LAUNCH_TMP_VAR):
+        shutil.rmtree(os.environ[LAUNCH_TMP_VAR], ignore_errors=True)  # the launcher was killed before removing it
     return code if code >= 0 else 128 - code
 
 

@@ -29,12 +29,12 @@ class ResumePoint:
     tensorboard_dir: Optional[Path]
 
 
-def resume_point(output_dir: Path) -> Optional[ResumePoint]:
-    """The checkpoint ``train.resume: auto`` will continue from, or None when there is none."""
+def resume_point(output_dir: Path, named: Optional[Path] = None) -> Optional[ResumePoint]:
+    """The checkpoint folder ``named``, else the one ``train.resume: auto`` continues; None when there is none."""
     from ..run.checkpoint import STATE, RunState, find_latest
     from ..files import OutputDir
 
-    path = find_latest(OutputDir(Path(output_dir)).checkpoints, report=lambda _: None)
+    path = named if named is not None else find_latest(OutputDir(Path(output_dir)).checkpoints, report=lambda _: None)
     if path is None:
         return None
     state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
@@ -42,14 +42,33 @@ def resume_point(output_dir: Path) -> Optional[ResumePoint]:
     return ResumePoint(state.step, path, Path(output_dir) / state.tensorboard_run if state.tensorboard_run else None)
 
 
-def describe_loss(output_dir: Optional[Path]) -> str:
-    """What a job that ended without its final save loses, in words (``output_dir`` None: not on this machine)."""
+def named_checkpoint(resume: Optional[str]) -> Optional[Path]:
+    """The valid checkpoint folder ``train.resume`` names; None for none, ``auto`` or a folder the trainer refuses."""
+    from ..run.checkpoint import validate
+
+    path = Path(resume) if resume not in (None, "auto") else None
+    return path if path is not None and path.is_dir() and validate(path) is None else None
+
+
+def newest_manifest(output_dir: Path) -> Optional[bytes]:
+    """The newest valid checkpoint's ``manifest.json`` (None: none); while it reads the same, the run saved nothing."""
+    from ..run.checkpoint import MANIFEST, find_latest
+    from ..files import OutputDir
+
+    path = find_latest(OutputDir(Path(output_dir)).checkpoints, report=lambda _: None)
+    return None if path is None else (path / MANIFEST).read_bytes()
+
+
+def describe_loss(output_dir: Optional[Path], named: Optional[Path] = None) -> str:
+    """What a job that ended without its final save loses, in words (``output_dir`` None: not on this machine;
+    ``named``: the checkpoint its restart would continue, see ``main.run_job``)."""
     if output_dir is None:
         return "the work after rank 0's newest checkpoint is lost; continue from it with --train.resume auto"
-    point = resume_point(output_dir)
+    point = resume_point(output_dir, named)
     if point is None:
         return f"no checkpoint was saved in {Path(output_dir) / 'checkpoints'}: all of this run's steps are lost"
-    return f"the work after step {point.step} ({point.path}) is lost; continue from there with --train.resume auto"
+    how = f"--train.resume {named}" if named is not None else "--train.resume auto"
+    return f"the work after step {point.step} ({point.path}) is lost; continue from there with {how}"
 
 
 def record(point: Optional[ResumePoint], text: str) -> Optional[Path]:

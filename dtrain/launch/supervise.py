@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
-                        LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
+                        LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from .plan import Plan, command_with_env
 from .rank import MARK, WRAPPER_SIGNALS, Report, alive, parse_report, say, write
 
@@ -109,6 +109,8 @@ class Attempt:
         ours = {STOP_TIMEOUT_VAR: str(self.stop_timeout), LAUNCHER_VAR: f"{socket.gethostname()}:{os.getpid()}",
                 JOB_VAR: self.job}
         env = {**os.environ, **self.plan.explicit, **ours}
+        if self.plan.tmpdir:  # a wrapper that outlives the launcher (kill -9) removes it
+            env[LAUNCH_TMP_VAR] = self.plan.tmpdir
         if self.plan.direct:
             # each wrapper starts with the stop signals blocked (a mask survives exec) and unblocks them once
             # its handlers are in place: one sent while its Python starts waits instead of killing it

@@ -202,16 +202,17 @@ def validate(path: Path) -> Optional[str]:
     manifest = path / MANIFEST
     if not manifest.is_file():
         return "no manifest.json (not a checkpoint, or its write was interrupted)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, OSError) as err:
+    try:  # a damaged manifest may still parse: an entry without its keys, a list for a dict
+        listed = json.loads(manifest.read_text())["files"]
+        files = {name: (meta["bytes"], meta["sha256"]) for name, meta in listed.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as err:
         return f"unreadable manifest ({err})"
-    for name, meta in files.items():
+    for name, (size, digest) in files.items():
         p = path / name
         if not p.is_file():
             return f"missing {name}"
         try:
-            if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+            if p.stat().st_size != size or sha256_file(p) != digest:
                 return f"checksum mismatch in {name}"
         except OSError as err:
             return f"unreadable {name} ({storage_reason(err)})"
@@ -312,9 +313,9 @@ def _zeros(spec: dict) -> dict:
     return {k: mx.zeros(shape, dtype=getattr(mx, dtype)) for k, (shape, dtype) in spec.items()}
 
 
-def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Callable[[int], list], model, optimizer,
-           group, report: Callable[[str], None] = print, model_aliases: tuple = ()) -> Optional[Checkpoint]:
-    """Continue a run: find, validate, check and restore a checkpoint, the same on every rank.
+def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Callable[[int], list], group,
+           report: Callable[[str], None] = print, model_aliases: tuple = ()) -> Optional[Checkpoint]:
+    """Continue a run: find, validate and check a checkpoint, and give it to every rank.
 
     Rank 0 alone reads checkpoints: it finds the one ``spec`` names (``auto``:
     the newest valid one under ``root``, invalid ones reported and skipped;
@@ -322,7 +323,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
     ``root`` holds no valid checkpoint of another run. Its decision and the
     :class:`RunState` go to every rank as text, then the LoRA weights and
     optimizer state as arrays (:meth:`dtrain.distributed.Group.broadcast_arrays`,
-    bit for bit), and every rank restores them.
+    bit for bit), which the caller puts into its model and optimizer with :func:`restore`.
 
     Args:
         spec: ``train.resume``: None, ``auto`` or a checkpoint folder.
@@ -333,7 +334,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
         report: where rank 0 reports skipped checkpoints.
         model_aliases: see :func:`check_resumable`; the continued state keeps the identity it holds.
     Returns:
-        The checkpoint continued (``adapter``/``optimizer`` as restored; ``best`` on rank 0 only), or
+        The checkpoint continued (``adapter``/``optimizer`` on every rank; ``best`` on rank 0 only), or
         None to start at step 1 (no ``spec``, or ``auto`` found none).
     Raises:
         UserError: on every rank: rank 0 with its reason, the others pointing to its message.
@@ -373,7 +374,6 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
                                      "broadcast of the checkpoint's LoRA weights")
     opt = group.broadcast_arrays(found.optimizer if found else _zeros(decision["optimizer"]), None,
                                  "broadcast of the checkpoint's optimizer state")
-    restore(model, optimizer, adapter, opt)
     return Checkpoint(Path(decision["path"]), RunState(**decision["state"]), adapter, opt, found.best if found else None)
 
 

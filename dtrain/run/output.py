@@ -71,7 +71,7 @@ class OutputLock:
     """
 
     def __init__(self, out: Path):
-        self.path = OutputDir(Path(out)).lock
+        self.path = OutputDir(Path(out).absolute()).lock  # absolute: lost() holds after a chdir
         self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -100,6 +100,15 @@ class OutputLock:
                 return text or "another process"
             time.sleep(0.02)
 
+    def lost(self) -> bool:
+        """Whether ``OUTPUT_DIR/.dtrain.lock`` is no longer the file held (the folder was removed or replaced)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        held = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor releases the flock
@@ -107,8 +116,8 @@ class OutputLock:
 
 
 def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
-    """Take ownership of ``out``, then check it: writable, room for a checkpoint, no earlier run's
-    checkpoints or adapter (unless resuming from its checkpoints).
+    """Take ownership of ``out``, remove what a killed run left half-written, then check it: writable, room
+    for a checkpoint, no earlier run's checkpoints or adapter (unless resuming from its checkpoints).
 
     A fresh run into a folder holding another run's checkpoints would mix the
     two (``resume: auto`` would later pick the other run's newest step); one
@@ -133,6 +142,13 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     except OSError as err:
         raise UserError(output_dir_problem(out, err)) from None
     try:
+        # what a killed run left half-written (files.atomic_folder's adapter folders, the caches' temporary
+        # files); under the lock no other run writes here
+        for debris in [*out.glob(".adapters*.tmp-*"), *OutputDir(out).data_cache.glob(".tmp-*")]:
+            if debris.is_dir():
+                shutil.rmtree(debris, ignore_errors=True)
+            else:
+                debris.unlink(missing_ok=True)
         earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "

@@ -97,7 +97,8 @@ def load(path: Path, n: int) -> Optional[np.ndarray]:
     """The cached ``(n, 2)`` values, or None when absent, damaged or of another size."""
     try:
         values = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
+    # a damaged file raises OSError, ValueError, EOFError, or numpy's header parser's SyntaxError, TokenError
+    except Exception:  # noqa: BLE001
         return None
     return values if values.shape == (n, 2) and values.dtype == np.float32 else None
 

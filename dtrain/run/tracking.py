@@ -226,11 +226,14 @@ class RunLogger:
         if self.events is not None:
             self.events.flush()
 
-    def close(self) -> None:
+    def close(self, quiet: bool = False) -> None:
+        """Close the bar and the event file; ``quiet`` (the run is failing already): a failed write of the
+        event file raises nothing, so the run's own error stays the one reported."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         if self.events is not None:
+            self.events.failed |= quiet
             self.events.close()
             self.events = None
 

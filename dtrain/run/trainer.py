@@ -122,6 +122,7 @@ class Run:
     hooks: Hooks = Hooks()
     chat_template: Optional[str] = None  # data.chat_template's text, recorded in adapter_config.json
     best: keep_best.BestAdapter = field(default_factory=keep_best.BestAdapter)  # train.keep_best: rank 0's copy
+    lock: Optional[output.OutputLock] = None  # rank 0's hold on the output folder
 
     @property
     def checkpoints(self) -> Path:
@@ -194,8 +195,9 @@ def loop(run: Run) -> TrainResult:
     if run.valid and str(t.steps) not in run.state.evals:
         evaluate_and_steer(run, t.steps)  # a stop asked for meanwhile: the run ends here anyway
     if not done:
+        log_hparams(run, t.steps)
         save(run, t.steps)
-    finish(run, hparams=not done)
+    finish(run)
     return result
 
 
@@ -239,8 +241,9 @@ def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
     if not again:
         run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
                         f"{run.cfg.train.keep_best}; stopping early")
+        log_hparams(run, step)
         save(run, step)
-    finish(run, hparams=not again)
+    finish(run)
     run.result.steps, run.result.early_stopped = step, True
     return run.result
 
@@ -315,6 +318,12 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         lock = _main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None))
         if lock is not None:
             cleanup.callback(lock.release)
+        # a resume is checked (and refused) before the run writes its caches or computes DPO's reference
+        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
+                              group, report=notice, model_aliases=loaded.aliases)
+        if resumed is not None and resumed.state.step > t.steps:
+            raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
+                            f"raise train.steps to continue it")
         if cache_entries:
             from ..data import write_entries
 
@@ -328,12 +337,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                                      init_adapter=state.init_adapter)
             valid = dataset.valid  # the same held-out pairs, now carrying their reference log-probs
         optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
-        resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              model, optimizer, group, report=notice, model_aliases=loaded.aliases)
         if resumed is not None:
-            if resumed.state.step > t.steps:
-                raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
-                                f"raise train.steps to continue it")
+            ckpt.restore(model, optimizer, resumed.adapter, resumed.optimizer)
             state = replace(resumed.state, world_size=group.size)
             optimizer.schedule_steps = state.schedule_steps
             if t.steps > max(state.schedule_steps, state.step) and notice is not None:  # steps left, past the plan
@@ -343,7 +348,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
-        cleanup.callback(log.close)
+        cleanup.push(lambda failed, *_: log.close(quiet=failed is not None))  # a failing run keeps its own error
         stop = StopRequest()
         stop.install()
         cleanup.callback(stop.uninstall)
@@ -365,7 +370,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks,
-                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None, kept)
+                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None, kept, lock)
 
 
 def first_step_text(run: Run) -> str:
@@ -392,8 +397,16 @@ def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
 
 
 def save(run: Run, step: int) -> None:
-    """Rank 0 writes checkpoint ``step`` after the event file is on disk (so it covers every logged step)."""
+    """Rank 0 writes checkpoint ``step`` after the event file is on disk (so it covers every logged step).
+
+    Raises:
+        UserError: the output folder was removed or replaced since the run took it.
+    """
     if run.group.is_main:
+        if run.lock is not None and run.lock.lost():
+            raise UserError(f"output folder {run.cfg.train.output_dir} was removed or replaced while this run ran (its "
+                            f"lock file is not the one this run holds); step {step} is not saved there, and the "
+                            f"checkpoints and TensorBoard events written before went with the old folder")
         state = replace(run.state, step=step, position=run.sampler.position(step))
         run.log.flush()
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
@@ -401,9 +414,16 @@ def save(run: Run, step: int) -> None:
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id, step)
 
 
-def finish(run: Run, hparams: bool = True) -> None:
+def log_hparams(run: Run, step: int) -> None:
+    """Record the config with the final metrics of ``step`` (TensorBoard HPARAMS; rank 0's logger) before the
+    run's last checkpoint, whose save flushes it: a run killed after that checkpoint keeps the record."""
+    final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at its end trains none
+    run.log.hparams(run.resolved, final, step)
+
+
+def finish(run: Run) -> None:
     """Rank 0 writes the adapter (the same bytes when written again; with ``train.keep_best``: the best
-    step's, and the last step's to ``adapters-last/``) and, with ``hparams``, the hparams record."""
+    step's, and the last step's to ``adapters-last/``)."""
     if run.group.is_main:
         t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
         weights = keep_best.last_and_best(run, out.adapters_last)
@@ -411,9 +431,6 @@ def finish(run: Run, hparams: bool = True) -> None:
                      f"holds the same weights"):
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
                                                   run.chat_template, weights)
-        if hparams:
-            final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at its end trains none
-            run.log.hparams(run.resolved, final, step)
         run.log.message(f"adapter written to {run.result.adapter_dir}"
                         + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
 
