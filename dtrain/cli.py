@@ -110,11 +110,15 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show, objective=cfg.objective.kind)
+    report, n_bad, n_usable = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
+                                         objective=cfg.objective.kind)
     print(report)
     if n_bad and cfg.data.on_bad_row == "error":
         _error(f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
                "(training would stop; see the rows listed above)")
+        return 1
+    if not n_usable:
+        _error(f"{args.file}: no usable pairs (training would stop; see the rows listed above)")
         return 1
     return 0
 
