@@ -20,6 +20,9 @@ from .errors import UserError
 from .files import to_devnull
 
 
+COMMANDS = ("train", "data", "config", "convert", "export", "doctor")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtrain", description="ORPO + LoRA preference training on MLX")
     sub = p.add_subparsers(dest="command", required=True)
@@ -181,6 +184,12 @@ def _doctor(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    # `dtrain -c cfg train`: argparse would call the config path an invalid command
+    command = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    if command and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        _error(f"options go after the command: dtrain {' '.join(argv[command:] + argv[:command])}")
+        return 2
     args, extra = _parser().parse_known_args(argv)
     try:
         overrides = split_overrides(extra, takes_config=args.command in ("train", "data", "config"))
