@@ -109,10 +109,12 @@ class ExportResult:
                 "folder's, or export a wider type (q8_0, f16)")
 
 
-BASE_IDENTITIES = (("sha256", "sha256", "file"), ("fingerprint", "content fingerprint", "folder"))  # base_model's identities
+# base_model's keys: (key, label, what the base is)
+BASE_IDENTITIES = (("sha256", "sha256", "file"), ("fingerprint", "content fingerprint", "folder"))
 
 
-def check_base(adapter_dir: str, base: str, loaded: LoadedModel, report: Callable[[str], None] | None = None) -> None:
+def check_base(adapter_dir: str, base: str, loaded: LoadedModel,
+               report: Callable[[str], None] | None = None) -> None:
     """Refuse a base other than the one the adapter was trained on.
 
     ``adapter_config.json``'s ``base_model`` (written by dtrain's trainer from
@@ -138,9 +140,9 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel, report: Callabl
                              "onto the base it was trained on, or pass --allow-base-mismatch to merge it anyway")
     recorded_by = [(key, label) for key, label, _ in BASE_IDENTITIES if isinstance(recorded.get(key), str)]
     if report is not None and recorded_by and all(loaded.reference.get(key) is None for key, _ in recorded_by):
-        report(f"{config}: the adapter was trained on {recorded.get('path', '?')} (recorded by its {recorded_by[0][1]}); "
-               f"--base {base} cannot be compared with it: make sure it is that model (not an export that already "
-               "holds the adapter)")
+        report(f"{config}: the adapter was trained on {recorded.get('path', '?')} (recorded by its "
+               f"{recorded_by[0][1]}); --base {base} cannot be compared with it: make sure it is that model (not an "
+               "export that already holds the adapter)")
 
 
 def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False,

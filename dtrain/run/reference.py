@@ -75,7 +75,7 @@ def compute(engine, pairs: list[TokenizedPair], micro: int, group, progress: boo
     Micro-batches of ``micro`` pairs over the whole list; rank ``r`` runs batches
     ``r, r + size, ...``; ``group.all_sum_tree`` gathers the values (every rank joins).
     ``progress``: a tqdm bar on stderr (``DPO reference log-probs <desc>``, shown after one second)
-    counting the pairs every rank has passed, as tokenization's.
+    over the list's pairs, as tokenization's (rank 0's passes the micro-batches other ranks run).
     """
     from tqdm import tqdm
 
