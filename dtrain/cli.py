@@ -20,6 +20,9 @@ from .errors import UserError
 from .files import to_devnull
 
 
+COMMANDS = ("train", "data", "config", "convert", "export", "doctor")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtrain", description="ORPO + LoRA preference training on MLX")
     sub = p.add_subparsers(dest="command", required=True)
@@ -110,11 +113,15 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show, objective=cfg.objective.kind)
+    report, n_bad, n_usable = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
+                                         objective=cfg.objective.kind)
     print(report)
     if n_bad and cfg.data.on_bad_row == "error":
         _error(f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
                "(training would stop; see the rows listed above)")
+        return 1
+    if not n_usable:
+        _error(f"{args.file}: no usable pairs (training would stop; see the rows listed above)")
         return 1
     return 0
 
@@ -177,6 +184,12 @@ def _doctor(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    # `dtrain -c cfg train`: argparse would call the config path an invalid command
+    command = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
+    if command and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        _error(f"options go after the command: dtrain {' '.join(argv[command:] + argv[:command])}")
+        return 2
     args, extra = _parser().parse_known_args(argv)
     try:
         overrides = split_overrides(extra, takes_config=args.command in ("train", "data", "config"))

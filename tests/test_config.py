@@ -243,6 +243,20 @@ def test_a_bare_config_file_points_to_dash_c(command, capsys):
     assert capsys.readouterr().err == "dtrain: error: unexpected argument 'x.yml': overrides look like --section.key VALUE\n"
 
 
+@pytest.mark.parametrize("argv, fixed", [
+    (["-c", "configs/demo.yaml", "train"], "dtrain train -c configs/demo.yaml"),
+    (["--train.steps", "3", "train", "-c", "a.yaml"], "dtrain train -c a.yaml --train.steps 3"),
+    (["-c", "a.yaml", "data", "check", "p.jsonl"], "dtrain data check p.jsonl -c a.yaml"),
+])
+def test_options_before_the_command_name_it(argv, fixed, capsys):
+    """`dtrain -c configs/demo.yaml train` said "argument command: invalid choice: 'configs/demo.yaml'"."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"dtrain: error: options go after the command: {fixed}\n"
+    from dtrain.cli import COMMANDS, _parser
+
+    assert set(COMMANDS) == set(next(a for a in _parser()._actions if a.dest == "command").choices)
+
+
 def test_dtrain_config_into_a_closed_pipe_exits_quietly():
     """``dtrain config | head``: the reader gone before the output is written is not an error
     (exit 0, no traceback), as for other command-line tools."""

@@ -34,7 +34,7 @@ def write_jsonl(path, objs):
 
 def test_check_reports_every_dropped_kind_with_line_and_reason(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    out, n_bad = check_file(path, DataConfig(max_length=80, max_prompt_length=27), tokenizer)
+    out, n_bad, _ = check_file(path, DataConfig(max_length=80, max_prompt_length=27), tokenizer)
     lines = out.splitlines()
     chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
     hello, explain = (len(tokenizer.encode(chat.format(ROWS[i]["prompt"]))) for i in (5, 1))
@@ -61,12 +61,12 @@ def test_check_reports_every_dropped_kind_with_line_and_reason(tmp_path, tokeniz
 
 def test_check_empty_prompt_and_same_ids_transcript(tmp_path, tokenizer):
     raw = write_jsonl(tmp_path / "raw.jsonl", [ROWS[0], ROWS[6]])
-    out, _ = check_file(raw, DataConfig(prompt_template="raw"), make_no_bos())
+    out, _, _ = check_file(raw, DataConfig(prompt_template="raw"), make_no_bos())
     assert f"  {raw}:2: empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)" in out
     hh = write_jsonl(tmp_path / "hh.jsonl", [
         {"chosen": "\n\nHuman: hi\n\nAssistant: Yes", "rejected": "\n\nHuman: hi\n\nAssistant: No"},
         {"chosen": "\n\nHuman: hi\n\nAssistant: Yes", "rejected": "\n\nHuman: hi\n\nAssistant:  Yes"}])
-    out, _ = check_file(hh, DataConfig(), tokenizer)
+    out, _, _ = check_file(hh, DataConfig(), tokenizer)
     assert out.splitlines()[:3] == [f"{hh}: 2 rows, 1 usable, 0 bad, 1 dropped", "1 of 2 rows dropped (1 same ids):",
                                     f"  {hh}:2: same ids: chosen and rejected are the same 4 tokens after rendering"]
 
@@ -79,7 +79,7 @@ def make_no_bos():
 
 def test_show_prints_pairs_as_trained(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {**ROWS[0], "chosen": "Yes<|im_end|>"}, ROWS[5]])
-    out, _ = check_file(path, DataConfig(), tokenizer, show=2)
+    out, _, _ = check_file(path, DataConfig(), tokenizer, show=2)
     shown = out.splitlines()[-14:]
     assert shown == [
         f"pair 1: {path}:1  (prompt ends after token 18; responses follow it)",
@@ -127,6 +127,18 @@ def test_cli_show_and_on_bad_row_error_line(tmp_path, model_dir, capsys):
     assert status == 1 and f"  {path}:2: missing field 'rejected'" in out.out
     assert errors(out.err) == [f"dtrain: error: {path}: 1 bad row(s) and data.on_bad_row is 'error' "
                                "(training would stop; see the rows listed above)"]
+
+
+def test_cli_no_usable_pair_fails_as_training_fails(tmp_path, model_dir, capsys):
+    # every row lacks the mapped field: training stops ("no usable training pairs"), so the check
+    # must not exit 0 (it did, printing "0 usable")
+    path = write_jsonl(tmp_path / "d.jsonl", [{"q": "Hi?", "good": "Yes", "bad": "No"}] * 2)
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--data.fields",
+                   "{prompt: q, chosen: good, rejected: bda}"])
+    out = capsys.readouterr()
+    assert status == 1 and f"  {path}:2: missing field 'bda' (data.fields.rejected)" in out.out
+    assert [line for line in out.err.splitlines() if line.startswith("dtrain: error:")] == [
+        f"dtrain: error: {path}: no usable pairs (training would stop; see the rows listed above)"]
 
 
 def test_non_json_file_named_clearly(tmp_path):
@@ -224,7 +236,7 @@ def test_chat_template_file_overrides_the_models(tmp_path, tokenizer):
 def test_check_show_on_base_model_with_chat_template(tmp_path):
     path = write_jsonl(tmp_path / "oa.jsonl", [{"input": {"messages": MSGS}, "preferred_output": [
         {"role": "assistant", "content": "Yes"}], "non_preferred_output": [{"role": "assistant", "content": "No"}]}])
-    out, _ = check_file(path, DataConfig(chat_template="plain"), style_tokenizer("base"), show=1)
+    out, _, _ = check_file(path, DataConfig(chat_template="plain"), style_tokenizer("base"), show=1)
     base = style_tokenizer("base")
     prompt, yes = base.encode("System: Be terse.\n\nUser: Hi\n\nAssistant:"), base.encode(" Yes", add_special_tokens=False)
     assert out.splitlines()[-6:-2] == [
@@ -241,14 +253,14 @@ def test_check_counts_raw_prompts_glued_to_their_response(tmp_path, tokenizer):
         {"prompt": "Add", "chosen": "ed", "rejected": "ing"},
     ]
     path = write_jsonl(tmp_path / "g.jsonl", rows)
-    out, _ = check_file(path, DataConfig(prompt_template="raw"), tokenizer)
+    out, _, _ = check_file(path, DataConfig(prompt_template="raw"), tokenizer)
     warning = [line for line in out.splitlines() if line.startswith("warning:")]
     assert warning == [f"warning: 2 of 5 rows glue a raw prompt to its response with no whitespace between them "
                        f"(\"Say hi\" + \"hi\" trains \"Say hihi\"), first {path}:1; end the prompts with a space or "
                        "newline, or set data.prompt_template: chat"]
-    chat, _ = check_file(path, DataConfig(), tokenizer)  # a user turn: the template separates them
+    chat, _, _ = check_file(path, DataConfig(), tokenizer)  # a user turn: the template separates them
     assert "warning:" not in chat
-    base, _ = check_file(path, DataConfig(), style_tokenizer("base"))  # no template: raw text too
+    base, _, _ = check_file(path, DataConfig(), style_tokenizer("base"))  # no template: raw text too
     assert warning[0] in base.splitlines()
 
 

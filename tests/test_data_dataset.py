@@ -124,7 +124,7 @@ def test_demo_dataset_is_short_and_fingerprinted(tokenizer):
 def test_check_file_report(tmp_path, tokenizer):
     path = tmp_path / "t.jsonl"
     path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + "{oops\n")
-    out, n_bad = check_file(str(path), DataConfig(max_length=19), tokenizer)
+    out, n_bad, _ = check_file(str(path), DataConfig(max_length=19), tokenizer)
     assert n_bad == 1
     lines = out.splitlines()
     assert lines[0] == f"{path}: 5 rows, 4 usable, 1 bad, 0 dropped"
@@ -145,6 +145,6 @@ def test_real_files_tokenize(shared_data, tokenizer):
     assert all(len(p.prompt) <= 256 and len(p.prompt) + len(p.chosen) <= 512 for p in ds.train)
     assert all(tokenizer.decode(p.prompt).endswith("<|im_end|>\n<|im_start|>assistant\n") for p in ds.train)
     se = DataConfig(fields={"prompt": "question", "chosen": "response_j", "rejected": "response_k"})
-    out, n_bad = check_file(str(shared_data / "stack_exchange_paired_tiny.json"), se, tokenizer)
+    out, n_bad, _ = check_file(str(shared_data / "stack_exchange_paired_tiny.json"), se, tokenizer)
     assert n_bad == 0
     assert out.splitlines()[0].endswith("stack_exchange_paired_tiny.json: 25 rows, 25 usable, 0 bad, 0 dropped")

@@ -252,7 +252,9 @@ def test_truncation_raw_prompt_left_then_responses_right(tokenizer):
 def test_pair_with_no_room_for_a_response_is_dropped(tokenizer):
     row = Row(FOX, "Paris", "hello", source="f.jsonl:3")
     assert dropped(tokenizer, row, prompt_template="raw", max_prompt_length=20, max_length=10) == [
-        ("f.jsonl:3", "no room: no chosen tokens fit in data.max_length=10 after a 10-token prompt")]
+        ("f.jsonl:3", "no room: no chosen tokens fit in data.max_length=10 after a 10-token prompt "
+                      "(data.max_prompt_length=20 is not below data.max_length: lower it to cut such prompts and "
+                      "keep the pair)")]
     pairs, report = tokenize_rows([row], tokenizer, DataConfig(prompt_template="raw", max_prompt_length=20, max_length=11))
     assert len(pairs[0].chosen) == len(pairs[0].rejected) == 1 and report.truncated == 1
 

@@ -324,7 +324,7 @@ def test_data_check_on_each_container(tmp_path, tokenizer):
     objs = [{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": "Q", "chosen": "a"}]
     for path, bad in ((write_parquet(tmp_path / "c.parquet", objs), f"{tmp_path}/c.parquet:row 1"),
                       (save_dict_like(tmp_path / "cd", {"train": objs}), f"{tmp_path}/cd[train]:row 1")):
-        out, n_bad = check_file(path, DataConfig(), tokenizer)
+        out, n_bad, _ = check_file(path, DataConfig(), tokenizer)
         lines = out.splitlines()
         assert n_bad == 1 and lines[0] == f"{path}: 2 rows, 1 usable, 1 bad, 0 dropped"
         assert lines[2] == f"  {bad}: missing field 'rejected'"

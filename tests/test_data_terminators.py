@@ -298,7 +298,7 @@ def test_data_check_show_prints_one_terminator_in_each_case(demo_md, demo_path, 
     add_eos = TokenizerWrapper(build_tokenizer(md), eos_token_ids=eos_token_ids(md))
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "Hi", "chosen": "Yes<|im_end|>", "rejected": "No"}) + "\n")
-    out, _ = check_file(str(path), DataConfig(prompt_template="raw"), add_eos, show=1)
+    out, _, _ = check_file(str(path), DataConfig(prompt_template="raw"), add_eos, show=1)
     assert out.splitlines()[-6:] == [
         '  prompt       1 tokens  "Hi"', "            ids [26843]",
         '  chosen       2 tokens  "Yes<|im_end|>"', "            ids [10539, 2]",

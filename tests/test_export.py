@@ -294,6 +294,26 @@ def test_export_onto_another_base_is_refused_naming_both_unless_allowed(tmp_path
     assert rel_err(on_other(TOKENS), on_base(TOKENS)) > 1e-3  # the other base's weights, as asked
 
 
+def test_export_onto_a_base_that_cannot_be_compared_says_so(tmp_path, llama):
+    """An adapter trained on a GGUF records its sha256; a model folder as --base (`dtrain convert`'s, or
+    an earlier export with the adapter already merged) was merged without a word."""
+    from dtrain.models.convert import convert_gguf
+
+    base, adapter, _ = llama
+    recorded = {**load_model(str(base), dtype="float32").reference, "source": "GGUF"}  # what training writes
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model": recorded}))
+    folder = convert_gguf(str(base), str(tmp_path / "folder"))
+    said = []
+    export_adapter(str(adapter), str(folder), str(tmp_path / "o1"), dtype="float32", report=said.append)
+    assert said == [f"{adapter / 'adapter_config.json'}: the adapter was trained on {base} (recorded by its sha256); "
+                    f"--base {folder} cannot be compared with it: make sure it is that model (not an export that "
+                    "already holds the adapter)"]
+    said.clear()
+    export_adapter(str(adapter), str(base), str(tmp_path / "o2"), dtype="float32", report=said.append)
+    assert said == []  # compared, and the same
+
+
 def test_export_onto_another_model_folder_is_refused_by_content_unless_allowed(tmp_path, capsys):
     """Training on a model folder records its content fingerprint in base_model (the identity a resume
     compares); a folder of other weights merged silently before. A copy at another path is the same base;

@@ -107,6 +107,22 @@ def test_a_damaged_only_checkpoint_beside_an_adapter_is_named(tmp_path):
     assert sorted((str(p), p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == before
 
 
+def test_a_run_into_an_adapter_folder_is_refused(tmp_path):
+    """--train.output_dir runs/demo/adapters (the adapter, not the run folder): the run trained and wrote
+    checkpoints/, tb/ and a nested adapters/ into the published adapter; it stops before writing anything."""
+    from dtrain.errors import UserError
+
+    run(tmp_path, "train.steps=1")
+    adapter = tmp_path / "adapters"
+    before = sorted((str(p), p.read_bytes()) for p in adapter.rglob("*") if p.is_file())
+    with pytest.raises(UserError) as err:
+        run(adapter, "train.steps=1")
+    assert str(err.value) == (f"train.output_dir {adapter} is an adapter folder (adapter_config.json), not a run's "
+                              f"output folder; choose another train.output_dir (the run writes adapters/, "
+                              f"checkpoints/ and tb/ into it)")
+    assert sorted((str(p), p.read_bytes()) for p in adapter.rglob("*") if p.is_file()) == before
+
+
 @pytest.mark.parametrize("resume", [[], ["train.resume=auto"]], ids=["fresh", "resume-auto"])
 def test_a_run_into_a_folder_with_an_adapter_and_no_checkpoint_is_refused(tmp_path, resume):
     """A finished run whose checkpoints/ was deleted: a new run would replace adapters/ (and the user's

@@ -58,8 +58,9 @@ def glued_rows(rows: list, tokenizer, cfg) -> list:
     return glued
 
 
-def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo") -> tuple[str, int]:
-    """A text report on one data source (read as ``data.train`` reads it), and its bad-row count.
+def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo") -> tuple[str, int, int]:
+    """A text report on one data source (read as ``data.train`` reads it), its bad-row count and
+    its usable-pair count.
 
     Lists the bad rows and the dropped pairs (``file:line: reason``), the
     untruncated token lengths of prompt, chosen and rejected for the rows that
@@ -102,4 +103,4 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
                      "the prompts with a space or newline, or set data.prompt_template: chat")
     for n, pair in enumerate(pairs[:show], start=1):
         lines += show_pair(pair, tokenizer, n)
-    return "\n".join(lines), len(report.bad)
+    return "\n".join(lines), len(report.bad), len(pairs)

@@ -109,7 +109,12 @@ class ExportResult:
                 "folder's, or export a wider type (q8_0, f16)")
 
 
-def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
+# base_model's keys: (key, label, what the base is)
+BASE_IDENTITIES = (("sha256", "sha256", "file"), ("fingerprint", "content fingerprint", "folder"))
+
+
+def check_base(adapter_dir: str, base: str, loaded: LoadedModel,
+               report: Callable[[str], None] | None = None) -> None:
     """Refuse a base other than the one the adapter was trained on.
 
     ``adapter_config.json``'s ``base_model`` (written by dtrain's trainer from
@@ -117,7 +122,9 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
     file, its content fingerprint (``folder_fingerprint``) when it was a model
     folder; a base whose value differs is another model, even with the same shapes.
     Nothing is compared when either side lacks the key (a hub id, a GGUF against a
-    folder, an adapter from another tool or from dtrain before folder fingerprints).
+    folder, an adapter from another tool or from dtrain before folder fingerprints);
+    ``report`` is told so when the adapter recorded one (a merged export given as the base
+    would get the adapter twice).
 
     Raises:
         ModelError: the two sha256 or fingerprints differ (names both).
@@ -125,12 +132,17 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel) -> None:
     config = Path(adapter_dir) / "adapter_config.json"
     recorded = json.loads(config.read_text()).get("base_model")
     recorded = recorded if isinstance(recorded, dict) else {}
-    for key, label, kind in (("sha256", "sha256", "file"), ("fingerprint", "content fingerprint", "folder")):
+    for key, label, kind in BASE_IDENTITIES:
         want, got = recorded.get(key), loaded.reference.get(key)
         if isinstance(want, str) and got is not None and want != got:
             raise ModelError(f"{config}: the adapter was trained on {recorded.get('path', '?')} ({label} "
                              f"{want[:16]}...), but --base {base} is another {kind} ({label} {got[:16]}...); export "
                              "onto the base it was trained on, or pass --allow-base-mismatch to merge it anyway")
+    recorded_by = [(key, label) for key, label, _ in BASE_IDENTITIES if isinstance(recorded.get(key), str)]
+    if report is not None and recorded_by and all(loaded.reference.get(key) is None for key, _ in recorded_by):
+        report(f"{config}: the adapter was trained on {recorded.get('path', '?')} (recorded by its "
+               f"{recorded_by[0][1]}); --base {base} cannot be compared with it: make sure it is that model (not an "
+               "export that already holds the adapter)")
 
 
 def check_adapter_config(path: Path) -> None:
@@ -163,7 +175,8 @@ def check_adapter_config(path: Path) -> None:
                          f"take{hint}")
 
 
-def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False) -> tuple[LoadedModel, dict]:
+def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False,
+                  report: Callable[[str], None] | None = None) -> tuple[LoadedModel, dict]:
     """Load ``base`` in float32 and fuse the mlx-lm adapter in ``adapter_dir`` into it
     (a base other than the recorded one only with ``allow_base_mismatch``: :func:`check_base`).
 
@@ -197,7 +210,7 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
         detail = " ".join(str(err).split())[:400]
         raise ModelError(f"{adapter_dir}: this adapter does not fit the base model {base}: {detail}") from None
     if not allow_base_mismatch:
-        check_base(adapter_dir, base, loaded)
+        check_base(adapter_dir, base, loaded, report)
     lora = [(name, module) for name, module in loaded.model.named_modules() if hasattr(module, "fuse")]
     # load_adapters loads non-strictly: a LoRA tensor the file lacks would keep its random
     # initialisation (lora_a) or zero (lora_b) and be fused as if it were trained
@@ -312,7 +325,8 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         dtype: float type of the mlx-lm folder's weights (float32, bfloat16, float16).
         allow_base_mismatch: merge onto ``base`` even when it is not the GGUF file or
             model folder the adapter recorded (:func:`check_base`).
-        report: told of each Modelfile value Ollama could not read back (left out), or None.
+        report: told of a base that cannot be compared with the recorded one (:func:`check_base`) and
+            of each Modelfile value Ollama could not read back (left out), or None.
 
     Raises:
         ModelError: a bad adapter folder, a base that does not fit or is not the
@@ -330,7 +344,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         if not base_gguf.is_file():
             raise ModelError(f"--gguf needs a GGUF base model (its layout and metadata are copied); {base} is not "
                              "a GGUF file. For an mlx-lm base, `mlx_lm.fuse --export-gguf` writes F16 llama GGUFs")
-    loaded, updates = merge_adapter(adapter_dir, base, allow_base_mismatch)  # checks the adapter folder first
+    loaded, updates = merge_adapter(adapter_dir, base, allow_base_mismatch, report)  # checks the adapter folder first
     trained_with = training_template(adapter_dir)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
     hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)

@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..files import OutputDir, output_dir_problem
+from ..lora import ADAPTER_CONFIG
 from .checkpoint import find_latest, list_checkpoints, step_of, validate
 
 def estimate_bytes(model) -> int:
@@ -133,9 +134,13 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     Returns:
         The held lock; release it when the run ends.
     Raises:
-        UserError: another run holds ``out``; not writable; too little space;
-            earlier checkpoints and not ``resuming``; an adapter folder and no checkpoint.
+        UserError: ``out`` is an adapter folder; another run holds ``out``; not writable; too
+            little space; earlier checkpoints and not ``resuming``; an adapter folder and no checkpoint.
     """
+    # runs/demo/adapters given for runs/demo: checkpoints/, tb/ and data_cache/ would go into the adapter
+    if (out / ADAPTER_CONFIG).is_file():
+        raise UserError(f"train.output_dir {out} is an adapter folder ({ADAPTER_CONFIG}), not a run's output folder; "
+                        f"choose another train.output_dir (the run writes adapters/, checkpoints/ and tb/ into it)")
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = OutputLock(out)

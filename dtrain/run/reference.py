@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -67,21 +68,29 @@ def cache_key(model_identity: str, init_adapter: Optional[str], pairs: list[Toke
     return digest.hexdigest()
 
 
-def compute(engine, pairs: list[TokenizedPair], micro: int, group) -> np.ndarray:
+def compute(engine, pairs: list[TokenizedPair], micro: int, group, progress: bool = False,
+            desc: str = "") -> np.ndarray:
     """``(N, 2)`` float32 summed log-probabilities (chosen, rejected) of ``pairs`` under ``engine``'s model.
 
     Micro-batches of ``micro`` pairs over the whole list; rank ``r`` runs batches
     ``r, r + size, ...``; ``group.all_sum_tree`` gathers the values (every rank joins).
+    ``progress``: a tqdm bar on stderr (``DPO reference log-probs <desc>``, shown after one second)
+    over the list's pairs, as tokenization's (rank 0's passes the micro-batches other ranks run).
     """
+    from tqdm import tqdm
+
     out = np.zeros((len(pairs), 2), np.float32)
     start = 0
-    for i, chunk in enumerate(micro_batches(pairs, micro)):  # as sampler.dealt_batches deals them
-        if i % group.size == group.rank:
-            result = engine.evaluate(chunk, batch_totals(chunk, engine.objective.nll_scope))
-            mx.eval(result.sums["ref_chosen"], result.sums["ref_rejected"])
-            out[start:start + len(chunk), 0] = np.array(result.sums["ref_chosen"], np.float32)
-            out[start:start + len(chunk), 1] = np.array(result.sums["ref_rejected"], np.float32)
-        start += len(chunk)
+    with tqdm(total=len(pairs), desc=f"DPO reference log-probs {desc}".strip(), unit="pair", disable=not progress,
+              delay=1.0, file=sys.stderr, leave=False) as bar:
+        for i, chunk in enumerate(micro_batches(pairs, micro)):  # as sampler.dealt_batches deals them
+            if i % group.size == group.rank:
+                result = engine.evaluate(chunk, batch_totals(chunk, engine.objective.nll_scope))
+                mx.eval(result.sums["ref_chosen"], result.sums["ref_rejected"])
+                out[start:start + len(chunk), 0] = np.array(result.sums["ref_chosen"], np.float32)
+                out[start:start + len(chunk), 1] = np.array(result.sums["ref_rejected"], np.float32)
+            start += len(chunk)
+            bar.update(len(chunk))
     if group.size > 1:
         out = np.array(group.all_sum_tree({"ref": mx.array(out)}, None, "all_sum of reference log-probs")["ref"])
     return out
@@ -117,7 +126,7 @@ def save(path: Path, values: np.ndarray) -> None:
 
 
 def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache_dir: Optional[Path],
-                    key: str) -> tuple[list[TokenizedPair], int]:
+                    key: str, progress: bool = False, desc: str = "") -> tuple[list[TokenizedPair], int]:
     """``(pairs with reference extras, number of pairs computed now)``: read from ``cache_dir`` when
     cached under ``key``, else computed (:func:`compute`, every rank joins) and written by rank 0
     (not when the disk refuses: a cache).
@@ -131,7 +140,7 @@ def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache
     found = group.all_sum_scalars({"found": float(cached is not None)}, None, "reference cache check")["found"]
     if cached is not None and found == group.size:
         return with_reference(pairs, cached), 0
-    values = compute(engine, pairs, micro, group)
+    values = compute(engine, pairs, micro, group, progress, desc)
     if path is not None and group.is_main:
         try:
             save(path, values)
@@ -152,8 +161,11 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
     key = cache_key(f"{model_identity}|{dtype}", init_adapter, train + valid)
     model.eval()
     try:  # valid cut from its own start, as evaluation cuts it: step 0's held-out rewards are exactly 0
-        train, computed = reference_pairs(engine, train, cfg.train.micro_batch_pairs, group, cache_dir, key + "-train")
-        valid, more = reference_pairs(engine, valid, cfg.train.micro_batch_pairs, group, cache_dir, key + "-valid")
+        bar = cfg.train.progress and group.is_main
+        train, computed = reference_pairs(engine, train, cfg.train.micro_batch_pairs, group, cache_dir, key + "-train",
+                                          bar, "train")
+        valid, more = reference_pairs(engine, valid, cfg.train.micro_batch_pairs, group, cache_dir, key + "-valid",
+                                      bar, "valid")
     finally:
         model.train()
     if notice is not None:
