@@ -101,7 +101,7 @@ def test_check_of_sft_rows_shows_no_rejected_side(tmp_path, tokenizer):
     """SFT rows have one completion: the report listed 'rejected 0 / 0 / 0 / 0' and each shown pair an empty
     'rejected 0 tokens'."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 2 + 2?", "completion": "4"}])
-    out, _ = check_file(path, DataConfig(), tokenizer, show=1, objective="sft")
+    out, _, _ = check_file(path, DataConfig(), tokenizer, show=1, objective="sft")
     lines = out.splitlines()
     assert lines[1:4] == ["token lengths (untruncated, 1 pairs): min / median / p95 / max",
                           "  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2"]
