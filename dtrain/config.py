@@ -9,6 +9,7 @@ key (and the file, when there is one).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from dataclasses import dataclass, field
@@ -359,17 +360,29 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         raise ConfigError(f"{source}: unknown key '{section}.{key}' (write '{shown}')")
     sections = {f.name for f in dataclasses.fields(Config)}
     if section not in sections:
-        raise ConfigError(f"{source}: unknown section '{section}' (known: {', '.join(sorted(sections))})")
+        raise ConfigError(f"{source}: unknown section '{section}' ({_did_you_mean(section, sections)}known: "
+                          f"{', '.join(sorted(sections))})")
     sub = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(sub)}
     if name not in fields:
-        known = ", ".join(sorted(yaml_key(k) for k in fields))
-        raise ConfigError(f"{source}: unknown key '{shown}' (known in '{section}': {known})")
+        known = sorted(yaml_key(k) for k in fields)
+        elsewhere = [f"{s}.{yaml_key(name)}" for s in sorted(sections)
+                     if name in {f.name for f in dataclasses.fields(getattr(cfg, s))}]
+        hint = (f"it is '{elsewhere[0]}'; " if elsewhere else
+                _did_you_mean(yaml_key(name), known, f"{section}."))
+        raise ConfigError(f"{source}: unknown key '{shown}' ({hint}known in '{section}': {', '.join(known)})")
     if (section, name) == ("data", "fields") and value is not None and not isinstance(value, dict):
         raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system (SFT: "
                           f"completion/messages/text) to column names, got {value!r}; e.g. --data.fields "
                           f"'{{prompt: question, chosen: response_j, rejected: response_k}}'")
     setattr(sub, name, checked(type(sub), name, value, f"{source}: key '{shown}'"))
+
+
+def _did_you_mean(word: str, known, prefix: str = "") -> str:
+    """``did you mean 'x'? `` for the known name closest to a misspelt one (difflib's ratio of at least
+    0.75: one or two letters off), else ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.75)
+    return f"did you mean '{prefix}{close[0]}'? " if close else ""
 
 
 def checked(cls, name: str, value: Any, where: str) -> Any:

@@ -190,5 +190,5 @@ def test_the_error_line_is_one_write(monkeypatch):
     stderr = Writes()
     monkeypatch.setattr("sys.stderr", stderr)
     assert main(["config", "--trian.steps", "3"]) == 2
-    assert stderr.calls == ["dtrain: error: command line: unknown section 'trian' (known: data, distributed, "
+    assert stderr.calls == ["dtrain: error: command line: unknown section 'trian' (did you mean 'train'? known: data, distributed, "
                             "engine, lora, model, objective, orpo, train)\n"]

@@ -151,8 +151,22 @@ def test_overrides_beat_yaml_and_parse_as_yaml_scalars(tmp_path):
 
 
 def test_unknown_key_names_the_key_and_lists_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown key 'orpo.beta' \(known in 'orpo': lambda, lambda_backoff, lambda_epsilon, lambda_kd, lambda_law, lambda_max, lambda_min, lambda_schedule, lambda_step, lambda_stop_drop, lambda_window, nll_scope\)"):
+    with pytest.raises(ConfigError, match=r"unknown key 'orpo.beta' \(it is 'objective.beta'; known in 'orpo': lambda, lambda_backoff, lambda_epsilon, lambda_kd, lambda_law, lambda_max, lambda_min, lambda_schedule, lambda_step, lambda_stop_drop, lambda_window, nll_scope\)"):
         load_config(None, ["data.demo_pairs=1", "orpo.beta=0.1"])
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("data.max_lenght=5", "(did you mean 'data.max_length'? known in 'data': "),
+    ("lora.rnak=4", "(did you mean 'lora.rank'? known in 'lora': "),
+    ("train.max_length=5", "(it is 'data.max_length'; known in 'train': "),
+    ("trian.steps=3", "unknown section 'trian' (did you mean 'train'? known: data, "),
+    ("train.nope=1", "unknown key 'train.nope' (known in 'train': "),
+])
+def test_a_misspelt_or_misplaced_key_names_the_one_meant(override, hint):
+    """A typo or a key under the wrong section listed every key of the section and left the user to find it."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert hint in str(err.value)
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
