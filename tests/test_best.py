@@ -398,3 +398,16 @@ def test_orpo_only_rules_are_not_repeated_for_another_objective():
     assert lines[0] == "command line: 3 problems:"
     assert [x.split("'")[1] for x in lines[1:]] == ["orpo.lambda_schedule", "orpo.lambda_min", "orpo.lambda_max"]
     assert all("does not read it" in x for x in lines[1:])
+
+
+def test_the_dpo_summary_says_why_step_0_prefers_no_pair():
+    """DPO's step-0 model is its reference: every reward is 0 and no pair counts as preferred, so the summary
+    began 'step 0 0.000', which read as a model preferring every rejected answer."""
+    dpo = {0: {ACC: 0.0, "eval/rewards/chosen": 0.0, "eval/rewards/rejected": 0.0},
+           8: {ACC: 0.75, "eval/rewards/chosen": 0.1, "eval/rewards/rejected": -0.2}}
+    assert TrainResult(steps=8, evals=dpo).summary() == (
+        "eval reward accuracy (chosen preferred over rejected): step 0 0.000 (the reference itself: every reward 0) "
+        "-> step 8 0.750")
+    orpo = {0: {ACC: 0.25, "eval/rewards/chosen": -0.3, "eval/rewards/rejected": -0.3}, 8: dpo[8]}
+    assert TrainResult(steps=8, evals=orpo).summary() == (
+        "eval reward accuracy (chosen preferred over rejected): step 0 0.250 -> step 8 0.750")

@@ -44,7 +44,7 @@ def evaluate_and_log(run, step: int) -> bool:
     (``run``: the trainer's ``Run``); True when a signal asked the run to stop meanwhile."""
     mine = sampler.dealt_batches(run.valid, run.group.rank, run.group.size, run.cfg.train.micro_batch_pairs)
     bar = run.log.eval_bar(step, sum(map(len, mine)))
-    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pairs")
+    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pair{'s' if len(run.valid) != 1 else ''}")
     try:
         metrics, stopped = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group,
                                     step, bar, run.step.hyper, run.stop)

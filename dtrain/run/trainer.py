@@ -68,8 +68,12 @@ class TrainResult:
             line = (f"eval NLL of the completions: step {first} {self.evals[first]['eval/nll_loss']:.3f} -> "
                     f"step {last} {self.evals[last]['eval/nll_loss']:.3f}")
         else:
-            line = (f"eval reward accuracy (chosen preferred over rejected): step {first} "
-                    f"{self.evals[first][ACCURACY]:.3f} -> step {last} {self.evals[last][ACCURACY]:.3f}")
+            start = self.evals[first]
+            # DPO's model at step 0 is its own reference: every reward 0, no pair preferred (ties count as not)
+            tied = start.get("eval/rewards/chosen") == start.get("eval/rewards/rejected") == 0.0
+            line = (f"eval reward accuracy (chosen preferred over rejected): step {first} {start[ACCURACY]:.3f}"
+                    f"{' (the reference itself: every reward 0)' if tied else ''} -> step {last} "
+                    f"{self.evals[last][ACCURACY]:.3f}")
         if self.best is not None:
             line += "; early stop" if self.early_stopped else ""
             line += f"; {keep_best.describe(self.best, self.best_metric)}"
