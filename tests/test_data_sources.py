@@ -665,3 +665,14 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(DataError) as err:
         resolve(str(path), DataConfig())
     assert str(err.value) == f"{path}: cannot be read: Permission denied"
+
+
+def test_the_shipped_configs_placeholder_says_what_to_pass(tmp_path):
+    """./launch configs/dpo.yaml as shipped said only 'PATH/TO/pairs.jsonl: data file not found (data.train)'."""
+    with pytest.raises(DataError) as err:
+        resolve("PATH/TO/pairs.jsonl", DataConfig())
+    assert str(err.value) == ("PATH/TO/pairs.jsonl: data file not found (data.train); it is the config's placeholder: "
+                              "pass the data with --data.train")
+    with pytest.raises(DataError) as err:
+        resolve("PATH/TO/valid.jsonl", DataConfig(), role="valid")
+    assert str(err.value).endswith("pass the data with --data.valid")

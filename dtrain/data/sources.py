@@ -98,7 +98,8 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     if p.exists():  # a pipe (<(zcat ...)), a socket or a device
         raise DataError(f"{spec}: not a regular file ({key}); data is read more than once (its format, its "
                         f"fingerprint), so write it to a file first (compressed files are read as they are)")
-    raise DataError(f"{spec}: data file not found ({key})")
+    placeholder = "; it is the config's placeholder: pass the data with --" + key if spec.startswith("PATH/TO/") else ""
+    raise DataError(f"{spec}: data file not found ({key}){placeholder}")
 
 
 def is_hub_id(spec: str) -> bool:
