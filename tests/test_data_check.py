@@ -136,7 +136,7 @@ def test_cli_no_usable_pair_fails_as_training_fails(tmp_path, model_dir, capsys)
     status = main(["data", "check", path, "--model.path", str(model_dir), "--data.fields",
                    "{prompt: q, chosen: good, rejected: bda}"])
     out = capsys.readouterr()
-    assert status == 1 and f"  {path}:2: missing field 'bda' (data.fields.rejected)" in out.out
+    assert status == 1 and f"  {path}:2: missing field 'bda' (data.fields.rejected; the row's columns: q, good, bad)" in out.out
     assert [line for line in out.err.splitlines() if line.startswith("dtrain: error:")] == [
         f"dtrain: error: {path}: no usable pairs (training would stop; see the rows listed above)"]
 

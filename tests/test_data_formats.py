@@ -162,11 +162,11 @@ def test_field_mapping(tmp_path):
     row = one_row(tmp_path, obj, fields=fields)
     assert (row.prompt, row.chosen, row.rejected, row.system) == ("Q", "good", "bad", "S")
     rows, report = rows_of(tmp_path, [{"question": "Q", "response_j": "good"}], fields=fields)
-    assert rows == [] and report.bad[0][1] == "missing field 'response_k' (data.fields.rejected)"
+    assert rows == [] and report.bad[0][1] == "missing field 'response_k' (data.fields.rejected; the row's columns: question, response_j)"
     # a mapped system column that the row lacks is a bad row, as a mapped prompt is (a misspelt
     # column used to train every row without its system message)
     rows, report = rows_of(tmp_path, [{k: v for k, v in obj.items() if k != "sys"}], fields=fields)
-    assert rows == [] and report.bad[0][1] == "missing field 'sys' (data.fields.system)"
+    assert rows == [] and report.bad[0][1] == "missing field 'sys' (data.fields.system; the row's columns: question, response_j, response_k, extra)"
     rows, report = rows_of(tmp_path, [{**obj, "sys": None}], fields=fields)  # present, null: no system message
     assert report.bad == [] and rows[0].system is None
 

@@ -195,8 +195,8 @@ def test_data_fields_maps_sft_columns():
     assert rows == [Row(None, FOX, None, None, source="f.jsonl:1")]
     _, report = mapped([{"instruction": Q, "answer": "4"}, {"output": "4"}],
                        {"prompt": "instruction", "completion": "output"})
-    assert report.bad == [("f.jsonl:1", "missing field 'output' (data.fields.completion)"),
-                          ("f.jsonl:2", "missing field 'instruction' (data.fields.prompt)")]
+    assert report.bad == [("f.jsonl:1", "missing field 'output' (data.fields.completion; the row's columns: instruction, answer)"),
+                          ("f.jsonl:2", "missing field 'instruction' (data.fields.prompt; the row's columns: output)")]
 
 
 @pytest.mark.parametrize("fields", [{"chosen": "a", "completion": "b"}, {"messages": "a", "text": "b"}])

@@ -435,7 +435,8 @@ def _rename(obj: dict, fields: dict) -> dict:
         if src in obj:
             renamed[key] = obj[src]
         elif key in needed or key in fields:
-            raise BadRow(f"missing field {src!r} (data.fields.{key})")
+            columns = ", ".join(list(obj)[:12]) + (", ..." if len(obj) > 12 else "")
+            raise BadRow(f"missing field {src!r} (data.fields.{key}; the row's columns: {columns or 'none'})")
     return renamed
 
 
