@@ -221,3 +221,17 @@ def test_message_content_as_text_parts_is_read_as_its_text():
     assert rows == [Row([{"role": "user", "content": Q}], "4", None, None, source="f.jsonl:1")]
     assert report.bad == [("f.jsonl:2", "messages[0] content[0] is not a text part ('image'); dtrain trains on text only"),
                           ("f.jsonl:3", "messages[0] content[0] is not a text part ('str'); dtrain trains on text only")]
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "thinking"])
+def test_a_message_with_a_separate_reasoning_field_is_a_bad_row(key):
+    """Reasoning datasets keep the model's reasoning beside its answer (Qwen3's template writes it as a <think>
+    block); dtrain dropped it without a word and trained the answer alone. An empty one is no reasoning."""
+    rows, report = rows_of([{"messages": [{"role": "user", "content": Q},
+                                          {"role": "assistant", "content": "4", key: "2 and 2 make 4."}]},
+                            {"messages": [{"role": "user", "content": Q},
+                                          {"role": "assistant", "content": "4", key: ""}]}])
+    assert [r.source for r in rows] == ["f.jsonl:2"]
+    assert report.bad == [("f.jsonl:1", f"messages[1] {key!r}: messages with a separate reasoning field are not read "
+                           "(dtrain renders the messages' role and content only); write the reasoning into 'content' "
+                           "as the model's chat template would")]

@@ -62,6 +62,7 @@ FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rej
                  "on the command line, or the same mapping under data: fields: in YAML")
 # mlx-lm, TRL and OpenAI rows may carry tools, which templates render; dtrain renders messages' text only.
 NO_TOOLS = "{what}: rows with tools are not read (dtrain renders the messages' role and content only)"
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # a message's reasoning, apart from its content
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -300,6 +301,11 @@ def _messages(value: list, label: str) -> list:
     for i, m in enumerate(value):
         if isinstance(m, dict) and _has_tools(m.get("tool_calls")):
             raise BadRow(NO_TOOLS.format(what=f"{label}[{i}] 'tool_calls'"))
+        reasoning = next((k for k in REASONING_KEYS if isinstance(m, dict) and m.get(k)), None)
+        if reasoning is not None:  # templates such as Qwen3's render it as a <think> block; dropped, it would not train
+            raise BadRow(f"{label}[{i}] {reasoning!r}: messages with a separate reasoning field are not read (dtrain "
+                         f"renders the messages' role and content only); write the reasoning into 'content' as the "
+                         f"model's chat template would")
         if isinstance(m, dict) and isinstance(m.get("content"), list):
             m = {**m, "content": _text_parts(m["content"], f"{label}[{i}]")}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
