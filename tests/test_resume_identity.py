@@ -624,16 +624,17 @@ def test_resuming_a_run_extended_to_its_end_names_no_steps_to_come(tmp_path, cap
 
 
 @pytest.mark.parametrize("during", [0, 2])
-def test_a_signal_during_an_evaluation_stops_after_it_and_the_resume_matches(tmp_path, during):
-    """Ctrl-C during the evaluation at step ``during`` saves after it, without training another step
-    (it waited for one more step: on a Mac, minutes); the resume gives the uninterrupted run's adapter."""
+def test_a_signal_during_an_evaluation_stops_it_and_the_resume_matches(tmp_path, during):
+    """Ctrl-C during the evaluation at step ``during`` cuts it short (its first of 3 micro-batches run), keeps
+    none of it and saves, without training another step (it finished the evaluation and trained one more
+    step: on a CPU, minutes); the resume evaluates that step first and gives the uninterrupted run's adapter."""
     import os
     import signal
 
     from dtrain.run.trainer import Hooks
 
     class SignalInEval:
-        """Sends this process SIGINT from inside the evaluation at step ``during`` (one chunk per eval)."""
+        """Sends this process SIGINT from inside the evaluation at step ``during`` (3 micro-batches each)."""
 
         def __init__(self, engine):
             self.engine, self.objective, self.name, self.evals = engine, engine.objective, engine.name, 0
@@ -642,17 +643,20 @@ def test_a_signal_during_an_evaluation_stops_after_it_and_the_resume_matches(tmp
             return self.engine.step(*args)
 
         def evaluate(self, *args):
-            if self.evals == during // 2:
+            if self.evals == 3 * (during // 2):
                 os.kill(os.getpid(), signal.SIGINT)
             self.evals += 1
             return self.engine.evaluate(*args)
 
-    whole, _ = run(tmp_path / "whole")
-    stopped, _ = run(tmp_path / "cut", hooks=Hooks(engine=SignalInEval))
+    micro = ("train.micro_batch_pairs=1",)
+    whole, _ = run(tmp_path / "whole", *micro)
+    wrapped = []
+    stopped, _ = run(tmp_path / "cut", *micro, hooks=Hooks(engine=lambda e: wrapped.append(SignalInEval(e)) or wrapped[0]))
+    assert wrapped[0].evals == 3 * (during // 2) + 1  # the rest of that evaluation was skipped
     assert stopped.stopped and stopped.steps == during and len(stopped.history) == during
-    assert sorted(stopped.evals) == list(range(0, during + 1, 2))
+    assert sorted(stopped.evals) == list(range(0, during, 2))
     assert ckpt.list_checkpoints(tmp_path / "cut" / "checkpoints")[-1].name == f"step-{during:07d}"
-    resumed, _ = run(tmp_path / "cut", "train.resume=auto")
+    resumed, _ = run(tmp_path / "cut", *micro, "train.resume=auto")
     assert len(resumed.history) == 4 - during and resumed.evals == whole.evals
     assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2, 4]
     a, b = ((tmp_path / r / "adapters" / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))

@@ -3,6 +3,8 @@ micro-batches, the metric sums added over ranks and finalised by the engine's ob
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .. import sampler
 from . import guards
 from ..engine import batch_totals, run_micro_batches
@@ -12,10 +14,11 @@ ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen res
 
 
 def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None,
-             hyper: dict | None = None, stop=None) -> tuple[dict, bool]:
+             hyper: dict | None = None, stop=None) -> tuple[Optional[dict], bool]:
     """``eval/`` metrics over held-out ``pairs``, each rank taking its micro-batches, and whether a
     rank was asked to stop meanwhile (``stop``: a ``trainer.StopRequest`` or None; agreed with the
-    metric sums, as a step agrees it).
+    metric sums, as a step agrees it). A rank asked to stop skips its remaining micro-batches, and
+    a stopped evaluation gives no metrics (None): they would cover only part of the pairs.
 
     ``micro``: pairs per micro-batch, cut as DPO's reference pass cuts them
     (:func:`~dtrain.sampler.dealt_batches`: at step 0 the policy's log-probs then
@@ -29,6 +32,8 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
     totals = batch_totals(pairs, objective.nll_scope)
     sums = dict.fromkeys(objective.metric_keys, 0.0)
     for chunk in sampler.dealt_batches(pairs, group.rank, group.size, micro):
+        if stop is not None and stop.requested:  # every rank still joins the one collective below
+            break
         part, _ = run_micro_batches(engine, [chunk], totals, False, None, hyper)  # one read per chunk, for the bar
         sums = {k: sums[k] + part[k] for k in sums}
         if bar is not None:
@@ -36,21 +41,26 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
     sums["stop"] = float(stop is not None and stop.requested)
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
     model.train()
-    return objective.finalize(sums, "eval/", hyper), sums["stop"] > 0
+    if sums["stop"] > 0:
+        return None, True
+    return objective.finalize(sums, "eval/", hyper), False
 
 
-def evaluate_and_log(run, step: int) -> bool:
+def evaluate_and_log(run, step: int, may_stop: bool = True) -> bool:
     """Evaluate the held-out pairs after ``step`` (its own bar), keep and log the metrics
-    (``run``: the trainer's ``Run``); True when a signal asked the run to stop meanwhile."""
+    (``run``: the trainer's ``Run``); True when a signal asked the run to stop meanwhile
+    (``may_stop``): the evaluation is then cut short and nothing is kept."""
     mine = sampler.dealt_batches(run.valid, run.group.rank, run.group.size, run.cfg.train.micro_batch_pairs)
     bar = run.log.eval_bar(step, sum(map(len, mine)))
     run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pair{'s' if len(run.valid) != 1 else ''}")
     try:
         metrics, stopped = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group,
-                                    step, bar, run.step.hyper, run.stop)
+                                    step, bar, run.step.hyper, run.stop if may_stop else None)
     finally:
         if bar is not None:
             bar.close()
+    if stopped:
+        return True
     run.result.evals[step] = metrics
     run.state.evals[str(step)] = metrics
     run.log.scalars(step, metrics)

@@ -197,7 +197,7 @@ def loop(run: Run) -> TrainResult:
     done = run.resumed_from is not None and run.state.step == t.steps and (
         not run.valid or str(t.steps) in run.state.evals)
     if run.valid and str(t.steps) not in run.state.evals:
-        evaluate_and_steer(run, t.steps)  # a stop asked for meanwhile: the run ends here anyway
+        evaluate_and_steer(run, t.steps, may_stop=False)  # the run ends here anyway
     if not done:
         log_hparams(run, t.steps)
         save(run, t.steps)
@@ -218,16 +218,16 @@ def eval_pending(run: Run) -> bool:
             and str(step) not in run.state.evals)
 
 
-def evaluate_and_steer(run: Run, step: int) -> Optional[Callable[[Run, int], TrainResult]]:
+def evaluate_and_steer(run: Run, step: int, may_stop: bool = True) -> Optional[Callable[[Run, int], TrainResult]]:
     """Evaluate after ``step``, then let the λ controller and ``train.keep_best`` read the numbers.
     Returns how the run ends here, if it does (the same on every rank: the eval sums and the stop
-    flag are all-reduced): :func:`end_early` when ``train.early_stop_evals`` says stop, else
-    :func:`end_stopped` when a signal came during the evaluation; None to go on."""
-    stopped = evaluate_and_log(run, step)
+    flag are all-reduced): :func:`end_stopped` when a signal came during the evaluation (with
+    ``may_stop``; cut short, it is done again first on resume), :func:`end_early` when
+    ``train.early_stop_evals`` says stop; None to go on."""
+    if evaluate_and_log(run, step, may_stop):
+        return end_stopped
     lambda_control.steer(run, step)
-    if keep_best.track(run, step):
-        return end_early
-    return end_stopped if stopped else None
+    return end_early if keep_best.track(run, step) else None
 
 
 def end_stopped(run: Run, step: int) -> TrainResult:
