@@ -14,9 +14,9 @@ from test_distributed import WORKER, assert_same_as_one_rank, finish, run_cmd, s
 
 
 def reference_values(out: Path) -> np.ndarray:
-    files = [list((out / "run" / "data_cache").glob(f"reference-*-{part}.npy")) for part in ("train", "valid")]
+    files = [list((out / "run" / "data_cache").glob(f"reference-*-{part}.npz")) for part in ("train", "valid")]
     assert [len(f) for f in files] == [1, 1], files
-    return np.concatenate([np.load(f[0]) for f in files])
+    return np.concatenate([np.load(f[0])["values"] for f in files])
 
 
 @pytest.mark.parametrize("kind", ["dpo", "simpo", "sft"])

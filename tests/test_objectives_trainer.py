@@ -63,7 +63,7 @@ def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
     assert sorted(seen) == sorted(sources)  # every train and valid pair once
     # the cached values equal a fresh computation, pair by pair, on the step-0 model
     cache = tmp_path / "a" / "data_cache"
-    cached = np.concatenate([np.load(next(cache.glob(f"reference-*-{part}.npy"))) for part in ("train", "valid")])
+    cached = np.concatenate([np.load(next(cache.glob(f"reference-*-{part}.npz")))["values"] for part in ("train", "valid")])
     model = make_tiny_model(seed=0)
     from dtrain.config import LoraConfig
     from dtrain.lora import apply_lora
@@ -200,7 +200,7 @@ def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resu
 
     with pytest.raises(RuntimeError):
         run(tmp_path, "dpo", "train.save_every=2", hooks=counting_hooks(seen, before_step=crash))
-    files = sorted((tmp_path / "data_cache").glob("reference-*.npy"))
+    files = sorted((tmp_path / "data_cache").glob("reference-*.npz"))
     assert len(files) == 2  # train and valid
     before = [np.load(f) for f in files]
     for f in files:
@@ -213,7 +213,7 @@ def test_a_resume_without_the_cache_recomputes_the_step_0_reference_not_the_resu
 
 
 def test_a_reference_cache_that_cannot_be_written_costs_only_the_next_runs_pass(tmp_path, monkeypatch):
-    """A full disk (or a read-only data_cache) while writing OUT/data_cache/reference-*.npy ended the run
+    """A full disk (or a read-only data_cache) while writing OUT/data_cache/reference-*.npz ended the run
     with a raw OSError (a traceback from the command line); like the tokenized pairs' cache, the entry is
     skipped and the run trains on."""
     import errno
@@ -222,7 +222,7 @@ def test_a_reference_cache_that_cannot_be_written_costs_only_the_next_runs_pass(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as mp:
-        mp.setattr(np, "save", full)
+        mp.setattr(np, "savez", full)
         result = run(tmp_path, "dpo")
     assert len(result.history) == 4 and (Path(result.adapter_dir) / "adapters.safetensors").is_file()
     assert sorted(p.name for p in (tmp_path / "data_cache").iterdir()) == []  # no entry, no temporary file
@@ -231,11 +231,12 @@ def test_a_reference_cache_that_cannot_be_written_costs_only_the_next_runs_pass(
 
 
 def test_a_damaged_reference_cache_entry_is_absent_not_a_traceback(tmp_path):
-    """A reference-*.npy whose header a flipped bit or a cut made unparseable raised tokenize.TokenError or
-    SyntaxError from numpy's header parser out of the DPO setup (a traceback); it counts as absent (recomputed)."""
+    """A reference cache entry whose header a flipped bit or a cut made unparseable raised tokenize.TokenError or
+    SyntaxError from numpy's header parser out of the DPO setup (a traceback), and one whose values a flipped bit
+    changed (a .npy has no checksum) was read as it was: every such entry counts as absent (recomputed)."""
     from dtrain.run.reference import load, save
 
-    path, values = tmp_path / "reference-k-train.npy", np.arange(40, dtype=np.float32).reshape(20, 2)
+    path, values = tmp_path / "reference-k-train.npz", np.arange(40, dtype=np.float32).reshape(20, 2)
     save(path, values)
     good = path.read_bytes()
     damaged = [good[:n] for n in range(len(good))]
@@ -244,7 +245,7 @@ def test_a_damaged_reference_cache_entry_is_absent_not_a_traceback(tmp_path):
     for data in damaged:
         path.write_bytes(data)
         got = load(path, 20)
-        assert got is None or (got.shape == (20, 2) and got.dtype == np.float32)
+        assert got is None or np.array_equal(got, values)
 
 
 def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
@@ -276,7 +277,7 @@ def test_reference_cache_key_tells_a_quantized_model_s_float_types_apart(tmp_pat
                              tmp_path / "cache", said.append, init_adapter=None)
         assert said[0].endswith("computed"), (dtype, said)
         refs[dtype] = [p.extra["ref_chosen"] for p in out.train]
-    assert len(list((tmp_path / "cache").glob("reference-*-train.npy"))) == 2
+    assert len(list((tmp_path / "cache").glob("reference-*-train.npz"))) == 2
     assert refs[mx.bfloat16] != refs[mx.float16]
 
 

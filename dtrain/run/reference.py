@@ -8,7 +8,8 @@ with :class:`ReferenceLogps` as its objective. Micro-batches are cut from the
 whole pair list and dealt to ranks in turn, so every pair is computed in the
 same micro-batch whatever the world size; an all-sum in which each pair has one
 non-zero contribution gathers them bit for bit. The values go into
-``OUT/data_cache/reference-<key>.npy`` next to the tokenized pairs; ``key``
+``OUT/data_cache/reference-<key>.npz`` next to the tokenized pairs (a zip, whose CRC
+catches a damaged file, as the tokenized pairs' entries are); ``key``
 covers the model, the initial adapter and every pair's token ids, so a resume or
 a restart reads them instead of recomputing.
 """
@@ -103,10 +104,12 @@ def with_reference(pairs: list[TokenizedPair], values: np.ndarray) -> list[Token
 
 
 def load(path: Path, n: int) -> Optional[np.ndarray]:
-    """The cached ``(n, 2)`` values, or None when absent, damaged or of another size."""
+    """The cached ``(n, 2)`` values, or None when absent, damaged (the zip's CRC) or of another size."""
     try:
-        values = np.load(path, allow_pickle=False)
-    # a damaged file raises OSError, ValueError, EOFError, or numpy's header parser's SyntaxError, TokenError
+        with np.load(path, allow_pickle=False) as entry:
+            values = entry["values"]
+    # a damaged file raises OSError, ValueError, EOFError, KeyError, zipfile's BadZipFile, or numpy's header
+    # parser's SyntaxError, TokenError
     except Exception:  # noqa: BLE001
         return None
     return values if values.shape == (n, 2) and values.dtype == np.float32 else None
@@ -115,10 +118,10 @@ def load(path: Path, n: int) -> Optional[np.ndarray]:
 def save(path: Path, values: np.ndarray) -> None:
     """Write ``values`` to ``path`` atomically (a temporary file, then ``os.replace``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npy")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.save(f, values)
+            np.savez(f, values=values)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -135,7 +138,7 @@ def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache
     from its own cache folder; a rank that finds no file computes, so all ranks
     must see the same folder state (the trainer agrees it through ``group``).
     """
-    path = None if cache_dir is None else Path(cache_dir) / f"reference-{key}.npy"
+    path = None if cache_dir is None else Path(cache_dir) / f"reference-{key}.npz"
     cached = None if path is None else load(path, len(pairs))
     found = group.all_sum_scalars({"found": float(cached is not None)}, None, "reference cache check")["found"]
     if cached is not None and found == group.size:
