@@ -411,3 +411,12 @@ def test_the_dpo_summary_says_why_step_0_prefers_no_pair():
     orpo = {0: {ACC: 0.25, "eval/rewards/chosen": -0.3, "eval/rewards/rejected": -0.3}, 8: dpo[8]}
     assert TrainResult(steps=8, evals=orpo).summary() == (
         "eval reward accuracy (chosen preferred over rejected): step 0 0.250 -> step 8 0.750")
+
+
+def test_the_reference_note_is_dpo_s_alone():
+    """ORPO with orpo.lambda 0 reports every reward as 0 * logps = 0 (rewards/accuracies compares the
+    log-probabilities themselves): its step 0 is no reference model, and 0.250 needs no explaining."""
+    orpo = {0: {ACC: 0.25, "eval/rewards/chosen": -0.0, "eval/rewards/rejected": -0.0, "eval/nll_loss": 2.0},
+            8: {ACC: 0.75, "eval/rewards/chosen": -0.0, "eval/rewards/rejected": -0.0, "eval/nll_loss": 1.5}}
+    assert TrainResult(steps=8, evals=orpo).summary() == (
+        "eval reward accuracy (chosen preferred over rejected): step 0 0.250 -> step 8 0.750")

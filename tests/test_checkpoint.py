@@ -202,6 +202,18 @@ def test_a_run_killed_while_writing_its_adapter_leaves_no_temporary_folder_after
     assert listing(cut) == listing(whole)
 
 
+def test_a_kill_between_an_adapter_folder_s_renames_leaves_no_old_copy_after_the_next_run(tmp_path):
+    """files.atomic_folder moves the previous adapters/ aside to .adapters.old-PID before its rename and
+    removes it after; SIGKILL in that removal left a hidden copy of the adapter that no later run removed
+    (only the .tmp-PID folder was)."""
+    out = tmp_path / "out"
+    for name in (".adapters.old-4242", ".adapters-last.old-4242", ".adapters.tmp-4242"):
+        (out / name).mkdir(parents=True)
+        (out / name / "adapters.safetensors").write_bytes(b"weights")
+    output.prepare_output(out, output.DiskPlan(0, (), 1), resuming=True).release()
+    assert sorted(p.name for p in out.iterdir()) == [".dtrain.lock"]
+
+
 def test_an_output_folder_removed_mid_run_stops_at_the_next_save_saying_so(tmp_path):
     """`rm -rf` of the output folder while step 3 runs (a folder of that name made again at once): the save
     after step 4 failed on the TensorBoard file and said "the checkpoints are intact", of checkpoints that

@@ -235,3 +235,13 @@ def test_a_message_with_a_separate_reasoning_field_is_a_bad_row(key):
     assert report.bad == [("f.jsonl:1", f"messages[1] {key!r}: messages with a separate reasoning field are not read "
                            "(dtrain renders the messages' role and content only); write the reasoning into 'content' "
                            "as the model's chat template would")]
+
+
+def test_data_fields_maps_one_column_of_an_sft_row():
+    """An SFT row whose other columns have their own names ({instruction, completion}, mlx-lm's prompt_feature
+    alone; a system column beside messages) read as a pair with its 'chosen' missing."""
+    msgs = [{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}]
+    rows, report = mapped([{"instruction": Q, "completion": "4"}], {"prompt": "instruction"})
+    assert rows == [Row(Q, "4", None, None, source="f.jsonl:1")] and not report.bad
+    rows, report = mapped([{"messages": msgs, "sys": "Be brief."}], {"system": "sys"})
+    assert rows == [Row(msgs[:1], "4", None, "Be brief.", source="f.jsonl:1")] and not report.bad

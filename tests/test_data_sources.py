@@ -244,6 +244,15 @@ def test_a_path_under_home_is_read_as_model_path_reads_it(tmp_path, monkeypatch,
     assert {p.source.rsplit(":", 1)[0] for p in ds.valid} == {f"{tmp_path}/m/valid.jsonl"}
 
 
+def test_a_path_under_an_unknown_user_s_home_is_not_found():
+    """``data.train: ~nosuchuser/pairs.jsonl`` (a config from another machine) ended in pathlib's
+    RuntimeError traceback from expanding ``~``; before ``~`` was expanded it was 'data file not found'."""
+    with pytest.raises(DataError) as err:
+        resolve("~nosuchuser-dtrain/pairs.jsonl", DataConfig())
+    assert str(err.value) == ("~nosuchuser-dtrain/pairs.jsonl: data file not found (data.train): "
+                              "no home folder for ~nosuchuser-dtrain")
+
+
 def test_parquet_folder_split_choice(tmp_path):
     objs = gen_objs("standard", 10, seed=3)
     for name in ("data/train-00000-of-00002.parquet", "data/train-00001-of-00002.parquet",

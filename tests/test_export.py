@@ -411,6 +411,8 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
     ('{"num_layers": 4, "lora_parameters": {"rank": "4", "scale": 2.0}}',
      'lora_parameters.rank is "4", not an integer'),
     ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": "2"}}', 'lora_parameters.scale is "2", not a number'),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": null}}',
+     "lora_parameters.dropout is null, not a number"),
     ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0}}',
      "lora_parameters has no dropout, which mlx-lm's LoRA layers take"),
     ('{"num_layers": 4, "lora_parameters": {"rank": 4, "alpha": 8, "dropout": 0.0}}',

@@ -546,3 +546,22 @@ def test_a_tensor_missing_or_misshapen_is_one_line_naming_the_file(tmp_path, mon
     assert main(["convert", str(tmp_path / "bad.gguf"), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"dtrain: error: {message}\n"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """A GGUF file without read permission (tested through open: root reads any file) ended in
+    PermissionError's traceback from the tensor-type scan, which lets only a non-GGUF file through to
+    gguf's reader."""
+    from dtrain.models import gguf_bf16
+
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(gguf_bf16, "open", refused, raising=False)
+    monkeypatch.setattr(gguf, "GGUFReader", refused)
+    with pytest.raises(ModelError) as err:
+        load_model(str(path))
+    assert str(err.value) == f"{path}: not a readable GGUF file (PermissionError: [Errno 13] Permission denied)"

@@ -433,6 +433,8 @@ def _rename(obj: dict, fields: dict) -> dict:
     names must be there (a misspelt ``system`` column would otherwise drop every system message), and
     so must a pair's chosen and rejected, or an SFT row's completion (and its prompt)."""
     sft = next((k for k in SFT_FIELD_KEYS if k in fields), None)
+    if sft is None and not {"chosen", "rejected"} & (set(fields) | set(obj)):  # an SFT row's own column kept
+        sft = next((k for k in SFT_FIELD_KEYS if k in obj), None)
     keys = ("prompt", "system", sft) if sft else FIELD_KEYS
     needed = {"completion": ("completion", "prompt")}.get(sft, (sft,)) if sft else ("chosen", "rejected")
     renamed = {}

@@ -84,9 +84,11 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     """
     key, split_attr, split_key = _ROLE_KEYS[role]
     split = getattr(cfg, split_attr)
-    p = Path(spec).expanduser()  # ~ as model.path and data.chat_template read it (YAML expands nothing)
     try:
+        p = Path(spec).expanduser()  # ~ as model.path and data.chat_template read it (YAML expands nothing)
         is_file, is_dir = p.is_file(), p.is_dir()
+    except RuntimeError:  # ~user of no user here
+        raise DataError(f"{spec}: data file not found ({key}): no home folder for {spec.split('/')[0]}") from None
     except OSError as err:  # a name too long for the file system
         raise DataError(f"{spec[:80]}...: not a usable path: {err.strerror} ({key})") from None
     if is_file:

@@ -147,8 +147,8 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel,
 
 def check_adapter_config(path: Path) -> None:
     """Refuse an ``adapter_config.json`` that mlx-lm's ``load_adapters`` would misread as an adapter that does not
-    fit the base: not a JSON object, ``num_layers`` / ``lora_parameters`` ``rank`` and ``scale`` of another type,
-    or ``lora_parameters`` without ``rank``, ``scale`` or ``dropout``.
+    fit the base: not a JSON object, ``num_layers`` / ``lora_parameters`` ``rank``, ``scale`` and ``dropout`` of another
+    type, or ``lora_parameters`` without ``rank``, ``scale`` or ``dropout``.
 
     Raises:
         ModelError: naming the file and the key.
@@ -164,7 +164,8 @@ def check_adapter_config(path: Path) -> None:
               ("lora_parameters", params, dict, "an object")]
     if isinstance(params, dict):
         values += [("lora_parameters.rank", params.get("rank", 0), int, "an integer"),
-                   ("lora_parameters.scale", params.get("scale", 0.0), (int, float), "a number")]
+                   ("lora_parameters.scale", params.get("scale", 0.0), (int, float), "a number"),
+                   ("lora_parameters.dropout", params.get("dropout", 0.0), (int, float), "a number")]
     for key, value, kind, what in values:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise ModelError(f"{path}: {key} is {json.dumps(value)}, not {what}")

@@ -97,8 +97,8 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
             # mx.load narrows BF16 tensors to float16; read those again exactly
             tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path).items()})
             return {k: _plain(v) for k, v in raw.items()}, tensors
-    except (RuntimeError, ValueError, struct.error):
-        pass  # not GGUF at all, or not one mx.load reads
+    except (RuntimeError, ValueError, struct.error, OSError):
+        pass  # not GGUF at all, not one mx.load reads, or unreadable: gguf's reader says which
     import gguf
 
     try:

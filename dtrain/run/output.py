@@ -147,9 +147,10 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     except OSError as err:
         raise UserError(output_dir_problem(out, err)) from None
     try:
-        # what a killed run left half-written (files.atomic_folder's adapter folders, the caches' temporary
-        # files); under the lock no other run writes here
-        for debris in [*out.glob(".adapters*.tmp-*"), *OutputDir(out).data_cache.glob(".tmp-*")]:
+        # what a killed run left half-written (files.atomic_folder's adapter folders, new and set aside, the caches'
+        # temporary files); under the lock no other run writes here
+        for debris in [*out.glob(".adapters*.tmp-*"), *out.glob(".adapters*.old-*"),
+                       *OutputDir(out).data_cache.glob(".tmp-*")]:
             if debris.is_dir():
                 shutil.rmtree(debris, ignore_errors=True)
             else:

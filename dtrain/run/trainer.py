@@ -69,8 +69,10 @@ class TrainResult:
                     f"step {last} {self.evals[last]['eval/nll_loss']:.3f}")
         else:
             start = self.evals[first]
-            # DPO's model at step 0 is its own reference: every reward 0, no pair preferred (ties count as not)
-            tied = start.get("eval/rewards/chosen") == start.get("eval/rewards/rejected") == 0.0
+            # DPO's model at step 0 is its own reference: every reward 0, no pair preferred (ties count as not);
+            # ORPO's and SimPO's rewards (they report an NLL) are 0 at a weight of 0, with no reference
+            tied = ("eval/nll_loss" not in start
+                    and start.get("eval/rewards/chosen") == start.get("eval/rewards/rejected") == 0.0)
             line = (f"eval reward accuracy (chosen preferred over rejected): step {first} {start[ACCURACY]:.3f}"
                     f"{' (the reference itself: every reward 0)' if tied else ''} -> step {last} "
                     f"{self.evals[last][ACCURACY]:.3f}")
