@@ -192,3 +192,18 @@ def test_the_error_line_is_one_write(monkeypatch):
     assert main(["config", "--trian.steps", "3"]) == 2
     assert stderr.calls == ["dtrain: error: command line: unknown section 'trian' (did you mean 'train'? known: data, distributed, "
                             "engine, lora, model, objective, orpo, train)\n"]
+
+
+def test_a_path_under_an_unknown_users_home_is_one_line():
+    """model.path and data.chat_template under ~nosuchuser/ ended in pathlib's RuntimeError traceback."""
+    from dtrain.data.templates import template_source
+    from dtrain.errors import DataError, ModelError
+    from dtrain.models import load_model
+
+    with pytest.raises(ModelError) as err:
+        load_model("~nosuchuser-dtrain/model.gguf")
+    assert str(err.value) == ("~nosuchuser-dtrain/model.gguf: no such file or directory: no home folder for "
+                              "~nosuchuser-dtrain")
+    with pytest.raises(DataError) as err:
+        template_source("~nosuchuser-dtrain/chat.jinja")
+    assert str(err.value).startswith("data.chat_template: '~nosuchuser-dtrain/chat.jinja' is neither a template name")

@@ -84,10 +84,10 @@ def template_source(value: str) -> str:
     if "{{" in value or "{%" in value:  # as mlx_lm.server --chat-template takes it
         raise DataError("data.chat_template: the template's text was given; it takes a template name "
                         f"({', '.join(NAMED_TEMPLATES)}) or a Jinja file: save the text to a .jinja file and name it")
-    path = Path(value).expanduser()
     try:
+        path = Path(value).expanduser()
         found = path.is_file()
-    except OSError:  # a name too long for the file system
+    except (OSError, RuntimeError):  # a name too long for the file system; ~user of no user here
         found = False
     if not found:
         raise DataError(f"data.chat_template: {value!r} is neither a template name ({', '.join(NAMED_TEMPLATES)}) "

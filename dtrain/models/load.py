@@ -91,7 +91,10 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
     keep_quantized, float_dtype = dtype_plan(dtype)
     if path == "demo":
         return _load_gguf(demo_model_path(), keep_quantized, float_dtype, source="demo (SmolLM2-135M-Instruct Q4_1)")
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError:  # ~user of no user here
+        raise ModelError(f"{path}: no such file or directory: no home folder for {path.split('/')[0]}") from None
     if p.is_file():
         return _load_gguf(p, keep_quantized, float_dtype, source=f"GGUF file {p}")
     if p.is_dir():
