@@ -181,3 +181,17 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
             old.rename(final)  # the rename of the new folder failed: put the old one back
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def clear_set_aside(parent: Path, pattern: str) -> None:
+    """Tidy what :func:`atomic_folder` left in ``parent`` when its process was killed (``pattern``: a glob
+    of final names, ``adapters*``): an old folder ``.NAME.old-PID`` goes back to ``NAME`` when ``NAME`` is
+    missing (killed between the two renames), else it goes; a new one ``.NAME.tmp-PID`` goes."""
+    for old in sorted(parent.glob(f".{pattern}.old-*")):
+        final = parent / old.name[1:].rsplit(".old-", 1)[0]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.rename(final)
+    for tmp in parent.glob(f".{pattern}.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -206,12 +206,40 @@ def test_a_kill_between_an_adapter_folder_s_renames_leaves_no_old_copy_after_the
     """files.atomic_folder moves the previous adapters/ aside to .adapters.old-PID before its rename and
     removes it after; SIGKILL in that removal left a hidden copy of the adapter that no later run removed
     (only the .tmp-PID folder was)."""
+    from dtrain.files import clear_set_aside
+
     out = tmp_path / "out"
-    for name in (".adapters.old-4242", ".adapters-last.old-4242", ".adapters.tmp-4242"):
-        (out / name).mkdir(parents=True)
-        (out / name / "adapters.safetensors").write_bytes(b"weights")
+    for name in (".adapters.tmp-4242", ".adapters-last.tmp-4242", "data_cache/.tmp-abc.npz"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        ((out / name).mkdir() if "adapters" in name else (out / name).write_bytes(b"x"))
     output.prepare_output(out, output.DiskPlan(0, (), 1), resuming=True).release()
-    assert sorted(p.name for p in out.iterdir()) == [".dtrain.lock"]
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".dtrain.lock", "data_cache"]
+    for name in ("adapters", "adapters-last", ".adapters.old-4242", ".adapters-last.old-4242"):
+        (out / name).mkdir()
+        (out / name / "adapters.safetensors").write_bytes(name.encode())
+    clear_set_aside(out, "adapters*")
+    assert sorted(p.name for p in out.iterdir()) == [".dtrain.lock", "adapters", "adapters-last", "data_cache"]
+    assert (out / "adapters" / "adapters.safetensors").read_bytes() == b"adapters"
+
+
+def test_a_kill_between_the_two_renames_gets_the_folder_back(tmp_path):
+    """SIGKILL after files.atomic_folder set the old folder aside and before the new one took its name left no
+    adapters/ (or checkpoint step-N/) at all, and the next run removed the set-aside copy too: the old folder
+    goes back to its name (and, an earlier run's adapter, is then not replaced by a new run)."""
+    out = tmp_path / "out"
+    for name in (".adapters.old-4242", ".adapters.tmp-4242", "checkpoints/.step-0000004.old-4242",
+                 "checkpoints/.step-0000004.tmp-4242"):
+        (out / name).mkdir(parents=True)
+        (out / name / "adapters.safetensors").write_bytes(name.encode())
+    ckpt.prune(out / "checkpoints", 3, "run")
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-0000004"]
+    assert (out / "checkpoints" / "step-0000004" / "adapters.safetensors").read_bytes() == (
+        b"checkpoints/.step-0000004.old-4242")
+    shutil.rmtree(out / "checkpoints")
+    with pytest.raises(UserError, match="holds an earlier run's adapter"):
+        output.prepare_output(out, output.DiskPlan(0, (), 1), resuming=False)
+    assert sorted(p.name for p in out.iterdir()) == [".dtrain.lock", "adapters"]
+    assert (out / "adapters" / "adapters.safetensors").read_bytes() == b".adapters.old-4242"
 
 
 def test_an_output_folder_removed_mid_run_stops_at_the_next_save_saying_so(tmp_path):

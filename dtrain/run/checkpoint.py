@@ -44,7 +44,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from ..identity import BEFORE_KEY, REFUSED_WHEN
-from ..files import atomic_folder, sha256_file, storage, storage_reason
+from ..files import atomic_folder, clear_set_aside, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 
 STATE = "state.json"
@@ -390,8 +390,8 @@ def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) 
     continued from an older checkpoint (``train.resume`` naming one), and go first, so that
     ``resume: auto`` continues this branch, not the one left.
     """
-    for tmp in root.glob(f".{PREFIX}*.tmp-*") if root.is_dir() else []:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if root.is_dir():
+        clear_set_aside(root, f"{PREFIX}*")
     done = [p for p in list_checkpoints(root) if run_id_of(p) == run_id]
     left = [p for p in done if saved is not None and step_of(p) > saved]
     done = [p for p in done if p not in left]

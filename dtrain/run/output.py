@@ -20,7 +20,7 @@ from typing import Optional
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
-from ..files import OutputDir, output_dir_problem
+from ..files import OutputDir, clear_set_aside, output_dir_problem
 from ..lora import ADAPTER_CONFIG
 from .checkpoint import find_latest, list_checkpoints, step_of, validate
 
@@ -149,12 +149,9 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     try:
         # what a killed run left half-written (files.atomic_folder's adapter folders, new and set aside, the caches'
         # temporary files); under the lock no other run writes here
-        for debris in [*out.glob(".adapters*.tmp-*"), *out.glob(".adapters*.old-*"),
-                       *OutputDir(out).data_cache.glob(".tmp-*")]:
-            if debris.is_dir():
-                shutil.rmtree(debris, ignore_errors=True)
-            else:
-                debris.unlink(missing_ok=True)
+        clear_set_aside(out, "adapters*")
+        for debris in OutputDir(out).data_cache.glob(".tmp-*"):
+            debris.unlink(missing_ok=True)
         earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
