@@ -176,7 +176,8 @@ def test_running_out_of_memory_in_a_collective_is_not_a_lost_peer(monkeypatch):
     trainer's out-of-memory advice; MLX's error now reaches the trainer, as it does outside collectives."""
     from dtrain.memory import is_out_of_memory
 
-    oom = "[metal::malloc] Attempting to allocate 3355443200 bytes which is greater than the maximum allowed buffer size"
+    oom = ("[metal::malloc] Attempting to allocate 3355443200 bytes which is greater than the maximum allowed "
+           "buffer size")
 
     def all_sum(x, **kw):
         raise RuntimeError(oom)

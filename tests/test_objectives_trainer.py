@@ -323,21 +323,21 @@ def test_dpo_step_1_loss_is_the_documented_value_of_each_loss_type(tmp_path, los
     assert result.history[0]["rewards/margins"] == 0.0
 
 
-def test_a_run_with_other_micro_batches_does_not_read_the_reference_cache_of_the_last(tmp_path):
+@pytest.mark.parametrize("changed", ["train.micro_batch_pairs=1", "engine.kind=reference"])
+def test_a_run_with_other_micro_batches_or_engine_does_not_read_the_last_runs_reference_cache(tmp_path, changed):
     """The reference values depend on how the pairs are cut (the padding of a micro-batch changes the
-    rounding): a run that ended before its first save (here at step 1; an out-of-memory error, say)
-    and then started again in the same folder with smaller micro-batches read the first run's cached
-    values, so its held-out pairs were evaluated at step 0 in micro-batches the reference pass had not
-    run, and its step-0 rewards were rounding noise, not 0."""
+    rounding) and on the engine: a run that ended before its first save (here at step 1; an
+    out-of-memory error, say) and then started again in the same folder with smaller micro-batches or
+    another engine read the first run's cached values, so its held-out pairs' step-0 log-probs were not
+    the reference's bit for bit and its step-0 rewards were rounding noise, not 0."""
+    from dtrain.errors import UserError
 
     def crash(step, run_):
         raise RuntimeError("out of memory")
 
-    from dtrain.errors import UserError
-
     with pytest.raises(UserError, match="^out of memory after step 0"):
         run(tmp_path, "dpo", "train.micro_batch_pairs=3", hooks=Hooks(before_step=crash))
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
-    again = run(tmp_path, "dpo", "train.micro_batch_pairs=1")
+    again = run(tmp_path, "dpo", "train.micro_batch_pairs=3", changed)
     start = again.evals[0]
     assert start["eval/rewards/chosen"] == start["eval/rewards/rejected"] == start["eval/rewards/margins"] == 0.0
