@@ -332,7 +332,7 @@ def handshake(group: Group, facts: dict) -> None:
 
     Args:
         facts: name -> JSON-able value (resolved config, data fingerprint,
-            model identity, LoRA shapes).
+            model identity, LoRA shapes, the initial adapter's weights).
     Raises:
         ForeignRankError: ranks of different jobs (``Group.job``) met, on every rank.
         UserError: on every rank, naming each fact that differs and the ranks.
