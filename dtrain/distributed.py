@@ -331,7 +331,7 @@ def handshake(group: Group, facts: dict) -> None:
     """Stop every rank when the ranks belong to different jobs, or disagree on any of ``facts``.
 
     Args:
-        facts: name -> JSON-able value (resolved config, data fingerprint,
+        facts: name -> JSON-able value (resolved config, data identity (the token ids),
             model identity, LoRA shapes, the initial adapter's weights).
     Raises:
         ForeignRankError: ranks of different jobs (``Group.job``) met, on every rank.

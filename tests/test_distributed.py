@@ -290,3 +290,15 @@ def test_handshake_compares_the_initial_adapters_weights(tmp_path):
         line = [x for x in err.splitlines() if x.startswith("dtrain: error:")]
         assert line == ["dtrain: error: ranks disagree before training: initial adapter differs on rank(s) 1 from "
                         "rank 0"], err[-1000:]
+
+
+def test_handshake_compares_the_tokenized_pairs(tmp_path):
+    """The same data file tokenized differently on two machines (a data.chat_template file, one path in
+    one config, that differs between them; another tokenizer version): the handshake compared the raw
+    data's fingerprint, so each rank trained its shards of other token ids, and the sync check never
+    noticed (the summed gradients keep the weights equal): a run unlike any one-rank run."""
+    procs = start_ring(2, tmp_path, "--data-seed", "1:7", "--raw-fingerprint", "same-data-file")
+    for rc, err, _ in finish(procs):
+        assert rc == 2, err[-1000:]
+        line = [x for x in err.splitlines() if x.startswith("dtrain: error:")]
+        assert line == ["dtrain: error: ranks disagree before training: data differs on rank(s) 1 from rank 0"]
