@@ -26,6 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
+from .memory import is_out_of_memory
 from .contract import (EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
                        launcher_backend, rank_from_env)
 
@@ -54,7 +55,8 @@ class Watchdog:
     On firing it writes one line to stderr and calls ``os._exit(EXIT_TIMEOUT)``
     (no clean-up: the main thread is stuck in native code). A ``RuntimeError``
     from MLX inside the block (e.g. ``[ring] connection to a peer was lost``)
-    becomes a :class:`CollectiveError` naming the collective and the step.
+    becomes a :class:`CollectiveError` naming the collective and the step; MLX's out-of-memory
+    error (:func:`dtrain.memory.is_out_of_memory`) is left as it is.
 
     Args:
         rank: this process's rank, for the message.
@@ -91,7 +93,8 @@ class Watchdog:
         if self._timer is not None:
             self._timer.cancel()
             self._timer.join()  # returns at once after cancel(); leaves no thread behind
-        if exc_type is not None and issubclass(exc_type, RuntimeError):
+        # out of memory (the collective's buffers) is this rank's own failure, for the trainer to report
+        if exc_type is not None and issubclass(exc_type, RuntimeError) and not is_out_of_memory(exc):
             raise CollectiveError(f"rank {self.rank}: {self.what} {self.where} failed: {exc}") from None
         return False
 
@@ -328,8 +331,8 @@ def handshake(group: Group, facts: dict) -> None:
     """Stop every rank when the ranks belong to different jobs, or disagree on any of ``facts``.
 
     Args:
-        facts: name -> JSON-able value (resolved config, data fingerprint,
-            model identity, LoRA shapes).
+        facts: name -> JSON-able value (resolved config, data identity (the token ids),
+            model identity, LoRA shapes, the initial adapter's weights).
     Raises:
         ForeignRankError: ranks of different jobs (``Group.job``) met, on every rank.
         UserError: on every rank, naming each fact that differs and the ranks.

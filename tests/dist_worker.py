@@ -15,7 +15,8 @@ the CLI does.
 Fault injection, each ``STEP:RANK``: ``--kill-at`` (SIGKILL at the start of the
 step), ``--stall-at`` (SIGSTOP there), ``--drift-at`` (nudge the LoRA weights
 after the step); ``--rank-override RANK:section.key=value`` and
-``--data-seed RANK:SEED`` give one rank a different config or data.
+``--data-seed RANK:SEED`` give one rank a different config or data (``--raw-fingerprint``: with the
+raw data's fingerprint the same on every rank).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def parse(argv):
     p.add_argument("--drift-at", default=None)
     p.add_argument("--rank-override", action="append", default=[])
     p.add_argument("--data-seed", action="append", default=[])
+    p.add_argument("--raw-fingerprint", default=None, help="Dataset.fingerprint whatever the pairs (the raw data's, "
+                   "which a chat template file that differs between machines leaves as it is)")
     p.add_argument("--allreduce-check", action="store_true")
     p.add_argument("--broadcast-check", action="store_true")
     p.add_argument("--lost-peer", choices=["handshake", "sync"], default=None)
@@ -118,7 +121,7 @@ def run_training(args, overrides, group):
                              *for_rank(args.rank_override, group.rank)])
     seed = int((for_rank(args.data_seed, group.rank) or [0])[0])
     pairs = make_pairs(args.pairs + 3, seed=seed)
-    data_id = distributed.fingerprint([[p.prompt, p.chosen, p.rejected] for p in pairs])
+    data_id = args.raw_fingerprint or distributed.fingerprint([[p.prompt, p.chosen, p.rejected] for p in pairs])
     dataset = SimpleNamespace(train=pairs[: args.pairs], valid=pairs[args.pairs :], fingerprint=data_id)
     loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny",
                              reference={"path": "tiny"})

@@ -271,3 +271,34 @@ def test_broadcast_gives_every_rank_rank_0s_bits(tmp_path):
     assert bytes.fromhex(got[0]["hex"]["step"]) == struct.pack("<Q", 2**40 + 7)
     assert bytes.fromhex(got[0]["hex"]["i32"]) == struct.pack("<4i", -5, 7, 0, 1)
     assert got[0]["shapes"] == {"bf16": [6], "f32": [6], "i32": [2, 2], "step": []}
+
+
+def test_handshake_compares_the_initial_adapters_weights(tmp_path):
+    """Two machines whose train.init_adapter (one path in one config) holds different weights: the
+    ranks started from different LoRA weights (and DPO's reference of each rank's share was another
+    model's), which only the weight sync check noticed, as a drift, distributed.check_sync_every steps
+    later (default 50); the handshake compared the config's text, the base model and the LoRA shapes."""
+    from test_lora_options import write_adapter
+
+    disks = [tmp_path / "mac0", tmp_path / "mac1"]
+    for seed, disk in zip((5, 6), disks):
+        write_adapter(disk / "init", rank=2, scale=3.0, seed=seed)
+    results = finish(start_ring(2, tmp_path, "train.output_dir=run", "train.init_adapter=init",
+                                "distributed.check_sync_every=1", disks=disks))
+    for rc, err, _ in results:  # every rank stops before step 1, each with the same one-line message
+        assert rc == 2, err[-1000:]
+        line = [x for x in err.splitlines() if x.startswith("dtrain: error:")]
+        assert line == ["dtrain: error: ranks disagree before training: initial adapter differs on rank(s) 1 from "
+                        "rank 0"], err[-1000:]
+
+
+def test_handshake_compares_the_tokenized_pairs(tmp_path):
+    """The same data file tokenized differently on two machines (a data.chat_template file, one path in
+    one config, that differs between them; another tokenizer version): the handshake compared the raw
+    data's fingerprint, so each rank trained its shards of other token ids, and the sync check never
+    noticed (the summed gradients keep the weights equal): a run unlike any one-rank run."""
+    procs = start_ring(2, tmp_path, "--data-seed", "1:7", "--raw-fingerprint", "same-data-file")
+    for rc, err, _ in finish(procs):
+        assert rc == 2, err[-1000:]
+        line = [x for x in err.splitlines() if x.startswith("dtrain: error:")]
+        assert line == ["dtrain: error: ranks disagree before training: data differs on rank(s) 1 from rank 0"]

@@ -167,3 +167,22 @@ def test_an_empty_tree_needs_no_collective_at_any_world_size():
     on every rank: nothing to sum, so no bucket and no collective (it raised IndexError on 2 ranks)."""
     got = Group(rank=0, size=2).all_sum_tree({"valid": mx.zeros((0, 2))}, None)
     assert got["valid"].shape == (0, 2) and got["valid"].dtype == mx.float32
+
+
+def test_running_out_of_memory_in_a_collective_is_not_a_lost_peer(monkeypatch):
+    """The all-reduce allocates the flat gradient vector and its sums (MLX evaluates them inside the
+    watchdog): a rank that ran out of memory there said 'all_sum of LoRA gradients ... failed: ... out
+    of memory' as a lost peer (exit status 4, which ./launch --max-restarts retries), without the
+    trainer's out-of-memory advice; MLX's error now reaches the trainer, as it does outside collectives."""
+    from dtrain.memory import is_out_of_memory
+
+    oom = ("[metal::malloc] Attempting to allocate 3355443200 bytes which is greater than the maximum allowed "
+           "buffer size")
+
+    def all_sum(x, **kw):
+        raise RuntimeError(oom)
+
+    monkeypatch.setattr(mx.distributed, "all_sum", all_sum)
+    with pytest.raises(RuntimeError) as err:
+        Group(rank=1, size=2).all_sum({"w": mx.ones(3)}, {"pairs": 1.0}, 5)
+    assert not isinstance(err.value, UserError) and is_out_of_memory(err.value) and str(err.value) == oom

@@ -322,3 +322,23 @@ def test_dpo_step_1_loss_is_the_documented_value_of_each_loss_type(tmp_path, los
     result = run(tmp_path, "dpo", f"objective.loss_type={loss_type}", "train.steps=1")
     assert result.history[0]["loss"] == pytest.approx(step_1, rel=1e-6)
     assert result.history[0]["rewards/margins"] == 0.0
+
+
+@pytest.mark.parametrize("changed", ["train.micro_batch_pairs=1", "engine.kind=reference"])
+def test_a_run_with_other_micro_batches_or_engine_does_not_read_the_last_runs_reference_cache(tmp_path, changed):
+    """The reference values depend on how the pairs are cut (the padding of a micro-batch changes the
+    rounding) and on the engine: a run that ended before its first save (here at step 1; an
+    out-of-memory error, say) and then started again in the same folder with smaller micro-batches or
+    another engine read the first run's cached values, so its held-out pairs' step-0 log-probs were not
+    the reference's bit for bit and its step-0 rewards were rounding noise, not 0."""
+    from dtrain.errors import UserError
+
+    def crash(step, run_):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(UserError, match="^out of memory after step 0"):
+        run(tmp_path, "dpo", "train.micro_batch_pairs=3", hooks=Hooks(before_step=crash))
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    again = run(tmp_path, "dpo", "train.micro_batch_pairs=3", changed)
+    start = again.evals[0]
+    assert start["eval/rewards/chosen"] == start["eval/rewards/rejected"] == start["eval/rewards/margins"] == 0.0

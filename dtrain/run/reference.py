@@ -9,9 +9,10 @@ whole pair list and dealt to ranks in turn, so every pair is computed in the
 same micro-batch whatever the world size; an all-sum in which each pair has one
 non-zero contribution gathers them bit for bit. The values go into
 ``OUT/data_cache/reference-<key>.npz`` next to the tokenized pairs (a zip, whose CRC
-catches a damaged file, as the tokenized pairs' entries are); ``key``
-covers the model, the initial adapter and every pair's token ids, so a resume or
-a restart reads them instead of recomputing.
+catches a damaged file, as the tokenized pairs' entries are); ``key`` covers the model,
+the initial adapter, every pair's token ids, ``train.micro_batch_pairs`` and the engine
+settings (the padding of a micro-batch and the plan change the rounding), so a resume or
+a restart with the same ones reads them instead of recomputing.
 """
 
 from __future__ import annotations
@@ -160,8 +161,9 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
     ``notice`` (rank 0's, or None) is told whether they were computed or read; ``init_adapter``:
     :func:`init_adapter_identity` of ``cfg``, which the run's state holds too (hashed once)."""
     train, valid = list(dataset.train), list(dataset.valid)
-    dtype = compute_dtype(model)  # decides the values too
-    key = cache_key(f"{model_identity}|{dtype}", init_adapter, train + valid)
+    dtype = compute_dtype(model)  # decides the values too, as do the micro-batches' padding and the engine's plan
+    how = f"{dtype}|micro {cfg.train.micro_batch_pairs}|{sorted(dataclasses.asdict(cfg.engine).items())}"
+    key = cache_key(f"{model_identity}|{how}", init_adapter, train + valid)
     model.eval()
     try:  # valid cut from its own start, as evaluation cuts it: step 0's held-out rewards are exactly 0
         bar = cfg.train.progress and group.is_main

@@ -304,9 +304,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     engine = hooks.engine(make_engine(chosen.engine, model, objective, report=notice))
     resolved = to_dict(cfg)
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
-    handshake(group, {"config": resolved, "model": loaded.identity, "data": dataset.fingerprint,
-                      "lora shapes": lora_shapes})
+    init_adapter = init_adapter_identity(cfg)  # its weights: one path may name other files on other machines
     valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
+    data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid)  # the token ids: a template file may differ
+    handshake(group, {"config": resolved, "model": loaded.identity, "data": data, "lora shapes": lora_shapes,
+                      "initial adapter": init_adapter})
     if steering and len(valid) < FEW_HELD_OUT and notice is not None:
         notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by the held-out metrics, here over "
                f"{len(valid)} pair(s): one pair moves eval/rewards/accuracies by {1 / len(valid):.2f}, so the "
@@ -314,8 +316,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
     state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=settings(resolved),
                           schedule_steps=t.steps, world_size=group.size,
-                          data=ckpt.data_identity(dataset.fingerprint, dataset.train, valid),
-                          model=loaded.identity, lora_shapes=lora_shapes, init_adapter=init_adapter_identity(cfg))
+                          data=data,
+                          model=loaded.identity, lora_shapes=lora_shapes, init_adapter=init_adapter)
     out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
         saves = tuple(s for s in range(1, t.steps + 1) if s == t.steps or (t.save_every and s % t.save_every == 0))
