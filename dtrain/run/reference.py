@@ -8,7 +8,7 @@ with :class:`ReferenceLogps` as its objective. Micro-batches are cut from the
 whole pair list and dealt to ranks in turn, so every pair is computed in the
 same micro-batch whatever the world size; an all-sum in which each pair has one
 non-zero contribution gathers them bit for bit. The values go into
-``OUT/data_cache/reference-<key>.npy`` next to the tokenized pairs; ``key``
+``OUT/data_cache/reference-<key>-train.npy`` and ``-valid.npy`` next to the tokenized pairs; ``key``
 covers the model, the initial adapter and every pair's token ids, so a resume or
 a restart reads them instead of recomputing.
 """
