@@ -93,7 +93,7 @@ class DataConfig:
                                           "rejected: .., system: ..}, or for SFT rows {prompt: .., completion: ..} "
                                           "(or messages, text); command line: --data.fields '{prompt: q}'")
     prompt_template: str = option("chat", "chat: a plain-text prompt becomes a user turn; raw: kept as text "
-                                          "(messages: 'User: ...' lines)", ("chat", "raw"))
+                                          "(message rows keep the chat template; with none they are 'User: ...' lines)", ("chat", "raw"))
     chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
                                                 f"Jinja file replaces it (or gives a base model one)")
     append_eos: bool = option(True, "end each response with the template's end-of-turn token")
