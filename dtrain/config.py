@@ -93,7 +93,7 @@ class DataConfig:
                                           "rejected: .., system: ..}, or for SFT rows {prompt: .., completion: ..} "
                                           "(or messages, text); command line: --data.fields '{prompt: q}'")
     prompt_template: str = option("chat", "chat: a plain-text prompt becomes a user turn; raw: kept as text "
-                                          "(messages: 'User: ...' lines)", ("chat", "raw"))
+                                          "(message rows keep the chat template; with none they are 'User: ...' lines)", ("chat", "raw"))
     chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
                                                 f"Jinja file replaces it (or gives a base model one)")
     append_eos: bool = option(True, "end each response with the template's end-of-turn token")
@@ -405,9 +405,10 @@ _OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_
                                                                    "window", "epsilon", "stop_drop", "law", "kd")}}
 
 
-def _check(cfg: Config, source: str) -> None:
+def _check(cfg: Config, source: str, need_data: bool = True) -> None:
     """Rules across keys, checked once after every override is applied; every broken rule is
-    named in one ConfigError (a config written for one objective may break several)."""
+    named in one ConfigError (a config written for one objective may break several). ``need_data``:
+    a run's config must name its pairs (``dtrain config`` prints one that need not)."""
     kind, defaults, problems = cfg.objective.kind, Config(), []
     for (section, name), kinds in _OBJECTIVE_KEYS.items():
         value = getattr(getattr(cfg, section), name)
@@ -446,7 +447,7 @@ def _check(cfg: Config, source: str) -> None:
     if t.early_stop_evals and t.keep_best is None:
         problems.append(f"'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
                         f"(it is off): the stop keeps the best step")
-    if cfg.data.train is None and cfg.data.demo_pairs <= 0:
+    if need_data and cfg.data.train is None and cfg.data.demo_pairs <= 0:
         problems.append(f"set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
     if len(problems) == 1:
         raise ConfigError(f"{source}: {problems[0]}")
@@ -509,7 +510,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
-                values: Optional[dict] = None) -> Config:
+                values: Optional[dict] = None, need_data: bool = True) -> Config:
     """Build a :class:`Config` from defaults, an optional YAML file and overrides.
 
     Args:
@@ -518,6 +519,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
             (a ``str`` key takes the text as given, other values are YAML).
         values: ``{"section.key": value}`` set as they are, after the overrides
             (``dtrain data check FILE``'s FILE, whatever its name).
+        need_data: refuse a config without ``data.train`` or ``data.demo_pairs`` (False: ``dtrain config``).
 
     Raises:
         ConfigError: unreadable or malformed YAML, a repeated section or key, an
@@ -551,7 +553,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
         _apply(cfg, *parse_override(item), "command line")
     for dotted, value in (values or {}).items():
         _apply(cfg, *dotted.split(".", 1), value, "command line")
-    _check(cfg, path or "command line")
+    _check(cfg, path or "command line", need_data)
     return cfg
 
 

@@ -354,3 +354,14 @@ def test_a_keys_python_name_is_not_a_second_spelling(tmp_path):
     with pytest.raises(ConfigError, match="unknown key 'orpo.lam'"):
         load_config(None, ["orpo.lam=0.3", "data.demo_pairs=4"])
     assert load_config(None, ["orpo.lambda=0.3", "data.demo_pairs=4"]).orpo.lam == 0.3
+
+
+def test_dtrain_config_lists_another_objectives_keep_best_metrics_without_data(capsys):
+    """README: the metrics keep_best accepts depend on objective.kind (`dtrain config` lists them);
+    `dtrain config --objective.kind sft` stopped at "set 'data.train'" instead, which only a run needs."""
+    assert main(["config", "--objective.kind", "sft"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("  keep_best: "))
+    assert line.endswith("[null | eval/loss | eval/nll_loss]")
+    assert main(["train", "--objective.kind", "sft"]) == 2  # a run still needs its data
+    assert "set 'data.train'" in capsys.readouterr().err

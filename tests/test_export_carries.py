@@ -386,3 +386,14 @@ def test_dora_update_is_what_the_merge_changes(tmp_path, tiny):
     name = "model.layers.1.mlp.down_proj.weight"
     assert update == pytest.approx(float(np.linalg.norm(np.array(after[name]) - np.array(before[name]))), rel=1e-4)
     assert result.quant_ratio() < 0.1 and result.quant_warning() is None
+
+
+def test_the_rounding_warning_suggests_only_types_wider_than_the_one_written(tmp_path):
+    """A q8_0 export's warning said "export a wider type (q8_0, f16)": q8_0 is the type it wrote."""
+    from dtrain.models.export import ExportResult
+
+    errors = {"blk.0.attn_q.weight": (5.0, 1.0)}
+    q8 = ExportResult(tmp_path, gguf=tmp_path / "model-Q8_0.gguf", quant_error=errors).quant_warning()
+    q4 = ExportResult(tmp_path, gguf=tmp_path / "model-Q4_0.gguf", quant_error=errors).quant_warning()
+    assert q8.endswith("or export a wider type (f16)")
+    assert q4.endswith("or export a wider type (q8_0, f16)")

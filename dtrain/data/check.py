@@ -82,6 +82,8 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
     if objective != "sft":  # training's own check (engine.sft.fit_dataset)
         refuse_single_completions(pairs, objective, path)
+    else:  # as engine.sft.fit_dataset: SFT trains the chosen side of preference rows
+        pairs = [dataclasses.replace(p, rejected=[], rejected_prompt=None) for p in pairs]
     report = report.merge(dataclasses.replace(tok_report, rows_read=0))
     rendered = [r for r in results if r.lengths != (0, 0, 0)]
     lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "
@@ -90,7 +92,8 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     if summary:
         lines.append(summary)
     lines.append(f"token lengths (untruncated, {len(rendered)} pairs): min / median / p95 / max")
-    sides = ("prompt", "chosen", "rejected") if any(r.lengths[2] for r in rendered) else ("prompt", "chosen")
+    sides = ("prompt", "chosen", "rejected") if objective != "sft" and any(r.lengths[2] for r in rendered) \
+        else ("prompt", "chosen")
     for i, key in enumerate(sides):  # SFT rows have no rejected side
         lines.append(f"  {key:<9}{_stats([r.lengths[i] for r in rendered])}")
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "

@@ -106,7 +106,7 @@ class ExportResult:
         return (f"{kind} rounding moves the adapted weights {ratio:.1f}x as far as the adapter's update does "
                 f"(‖Q(W+ΔW) − (W+ΔW)‖ / ‖ΔW‖ over {len(self.quant_error)} adapted matrices, {over} of them above 1x): "
                 "the quantized model may have lost much of the fine-tune; compare its output with the mlx-lm "
-                "folder's, or export a wider type (q8_0, f16)")
+                f"folder's, or export a wider type ({'f16' if kind.lower() == 'q8_0' else 'q8_0, f16'})")
 
 
 # base_model's keys: (key, label, what the base is)

@@ -8,8 +8,8 @@ with :class:`ReferenceLogps` as its objective. Micro-batches are cut from the
 whole pair list and dealt to ranks in turn, so every pair is computed in the
 same micro-batch whatever the world size; an all-sum in which each pair has one
 non-zero contribution gathers them bit for bit. The values go into
-``OUT/data_cache/reference-<key>.npz`` next to the tokenized pairs (a zip, whose CRC
-catches a damaged file, as the tokenized pairs' entries are); ``key`` covers the model,
+``OUT/data_cache/reference-<key>-train.npz`` and ``-valid.npz`` next to the tokenized pairs (zips,
+whose CRC catches a damaged file, as the tokenized pairs' entries are); ``key`` covers the model,
 the initial adapter, every pair's token ids, ``train.micro_batch_pairs`` and the engine
 settings (the padding of a micro-batch and the plan change the rounding), so a resume or
 a restart with the same ones reads them instead of recomputing.

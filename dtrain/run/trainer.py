@@ -9,7 +9,9 @@ record, and when to stop, check, evaluate and save.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import os
 import signal
 import threading
 from dataclasses import dataclass, field, replace
@@ -488,6 +490,7 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self._old = {}
+        self._wakeup: Optional[tuple] = None  # (the fd signal.set_wakeup_fd had, our pipe's write end)
 
     def _handle(self, signum, _frame):
         if signum == signal.SIGHUP:
@@ -500,8 +503,34 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 self._old[sig] = signal.signal(sig, self._handle)
+            # Python runs _handle only when the main thread is back in Python, not inside a long MLX call;
+            # the wakeup fd gets each signal's number as it arrives, so a thread can act on the second
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = (signal.set_wakeup_fd(write), write)
+            threading.Thread(target=self._watch, args=(read,), name="dtrain-stop", daemon=True).start()
+
+    def _watch(self, fd: int) -> None:
+        """A SIGINT or SIGTERM after an earlier stop signal ends the process by it at once, as the default
+        action _handle restores would, also while the main thread has not run _handle yet."""
+        stops = 0
+        try:
+            while data := os.read(fd, 64):
+                for signum in data:
+                    if stops and signum in (signal.SIGINT, signal.SIGTERM):
+                        libc = ctypes.CDLL(None)  # signal.signal works in the main thread only
+                        libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
+                        libc.signal(signum, None)  # SIG_DFL
+                        os.kill(os.getpid(), signum)
+                    stops += signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        finally:
+            os.close(fd)
 
     def uninstall(self) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
         self._old = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._wakeup[0])
+            os.close(self._wakeup[1])  # the watching thread reads the end of the pipe and closes it
+            self._wakeup = None

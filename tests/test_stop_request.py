@@ -1,0 +1,30 @@
+"""A second Ctrl-C or SIGTERM ends ``dtrain train`` at once, also while its main thread is inside a long
+native call (an MLX step), where Python's handler of the first signal has not run yet (README,
+Checkpoints and resume)."""
+
+import signal
+import sys
+
+from waiting import STOP_S, spawn, wait_exit, wait_for_line
+
+CHILD = """
+import ctypes, os, signal, threading
+from dtrain.run.trainer import StopRequest
+StopRequest().install()
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # takes the signals, as MLX's threads do
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+r, w = os.pipe()
+print("ready", flush=True)
+ctypes.CDLL(None).read(r, ctypes.create_string_buffer(1), 1)  # the main thread in a native call that never returns
+print("returned", flush=True)
+"""
+
+
+def test_a_second_stop_signal_kills_while_the_main_thread_is_in_a_native_call(tmp_path):
+    proc = spawn([sys.executable, "-c", CHILD], tmp_path)
+    wait_for_line(proc, "ready", stream="out")
+    proc.send_signal(signal.SIGTERM)  # the first: save after the step (its Python handler cannot run yet)
+    proc.send_signal(signal.SIGINT)  # the second, of another number, so the two are never merged into one
+    code = wait_exit(proc, STOP_S)
+    assert code in (-signal.SIGINT, -signal.SIGTERM), (code, proc.out(), proc.err())
+    assert "returned" not in proc.out()
