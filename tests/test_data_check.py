@@ -97,10 +97,12 @@ def test_show_prints_pairs_as_trained(tmp_path, tokenizer):
     assert "pair 3" not in out
 
 
-def test_check_of_sft_rows_shows_no_rejected_side(tmp_path, tokenizer):
+@pytest.mark.parametrize("row", [{"prompt": "What is 2 + 2?", "completion": "4"}, ROWS[0]], ids=["sft", "pair"])
+def test_check_under_sft_shows_the_chosen_side_only(tmp_path, tokenizer, row):
     """SFT rows have one completion: the report listed 'rejected 0 / 0 / 0 / 0' and each shown pair an empty
-    'rejected 0 tokens'."""
-    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 2 + 2?", "completion": "4"}])
+    'rejected 0 tokens'; SFT trains the chosen side of preference rows (engine.sft.fit_dataset), and the
+    report showed their rejected side too, as if trained."""
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
     out, _, _ = check_file(path, DataConfig(), tokenizer, show=1, objective="sft")
     lines = out.splitlines()
     assert lines[1:4] == ["token lengths (untruncated, 1 pairs): min / median / p95 / max",
@@ -108,18 +110,6 @@ def test_check_of_sft_rows_shows_no_rejected_side(tmp_path, tokenizer):
     assert lines[-2:] == ['  chosen       2 tokens  "4<|im_end|>"', "            ids [24, 4]"]
     assert "rejected" not in out
 
-
-
-def test_check_of_preference_rows_under_sft_shows_the_chosen_side_only(tmp_path, tokenizer):
-    """SFT trains the chosen side of preference rows (engine.sft.fit_dataset); the report showed their
-    rejected side too, as if trained."""
-    path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0]])
-    out, _, _ = check_file(path, DataConfig(), tokenizer, show=1, objective="sft")
-    lines = out.splitlines()
-    assert lines[1:4] == ["token lengths (untruncated, 1 pairs): min / median / p95 / max",
-                          "  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2"]
-    assert lines[-2:] == ['  chosen       2 tokens  "4<|im_end|>"', "            ids [24, 4]"]
-    assert "rejected" not in out
 
 # -- command line ------------------------------------------------------------------------------------
 
