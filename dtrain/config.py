@@ -448,7 +448,7 @@ def _check(cfg: Config, source: str, need_data: bool = True) -> None:
         problems.append(f"'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
                         f"(it is off): the stop keeps the best step")
     if need_data and cfg.data.train is None and cfg.data.demo_pairs <= 0:
-        problems.append(f"set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
+        problems.append("set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
     if len(problems) == 1:
         raise ConfigError(f"{source}: {problems[0]}")
     if problems:

@@ -1,4 +1,4 @@
-"""BF16 tensors of a GGUF file, read exactly; the types of its tensors.
+"""BF16 tensors of a GGUF file, read exactly; its tensors' names, shapes and types.
 
 ``mx.load`` returns GGUF BF16 tensors as float16 (MLX 0.32: values below 6e-5
 lose precision, values above 65504 become inf), and ``gguf.GGUFReader`` parses
@@ -45,22 +45,14 @@ def _skip_value(f, vtype: int) -> None:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def tensor_types(path: Path) -> set:
-    """The GGML type numbers (``GGMLQuantizationType``) of a GGUF file's tensors.
+def read_bf16_tensors(path: Path, header: tuple | None = None) -> dict:
+    """``{name: float32 array}`` for every BF16 tensor of a GGUF file (shape as numpy: slowest first);
+    ``header``: :func:`tensor_infos` of ``path`` when the caller has it (else it is read here).
 
     Raises:
         ValueError: not a GGUF v2/v3 file.
     """
-    return {ttype for _, _, ttype, _ in _tensor_infos(path)[0]}
-
-
-def read_bf16_tensors(path: Path) -> dict:
-    """``{name: float32 array}`` for every BF16 tensor of a GGUF file (shape as numpy: slowest first).
-
-    Raises:
-        ValueError: not a GGUF v2/v3 file.
-    """
-    infos, start = _tensor_infos(path)
+    infos, start = header or tensor_infos(path)
     out = {}
     for name, shape, ttype, offset in infos:
         if ttype == BF16:
@@ -69,8 +61,13 @@ def read_bf16_tensors(path: Path) -> dict:
     return out
 
 
-def _tensor_infos(path: Path) -> tuple:
-    """``([(name, shape, type, offset)], data_start)`` from the header (shape as numpy: slowest first)."""
+def tensor_infos(path: Path) -> tuple:
+    """``([(name, shape, type, offset)], data_start)`` from a GGUF file's header (shape as numpy: slowest
+    first; type: the ``GGMLQuantizationType`` number).
+
+    Raises:
+        ValueError: not a GGUF v2/v3 file.
+    """
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF" or _u(f, "I") not in (2, 3):
             raise ValueError(f"{path}: not a GGUF v2/v3 file")
