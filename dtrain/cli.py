@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="print the first N usable pairs as trained: text with control tokens visible, and ids")
     k = sub.add_parser("config", help="print every config key with its default (or the value from -c and "
                                       "overrides), allowed values and help, as a commented YAML config")
-    k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training, but data.train may be left to the command line)")
+    k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training, but data.train may be "
+                                          "left to the command line)")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file (or demo)")
     c.add_argument("gguf_file")
     c.add_argument("out_dir")

@@ -93,7 +93,8 @@ class DataConfig:
                                           "rejected: .., system: ..}, or for SFT rows {prompt: .., completion: ..} "
                                           "(or messages, text); command line: --data.fields '{prompt: q}'")
     prompt_template: str = option("chat", "chat: a plain-text prompt becomes a user turn; raw: kept as text "
-                                          "(message rows keep the chat template; with none they are 'User: ...' lines)", ("chat", "raw"))
+                                          "(message rows keep the chat template; with none they are 'User: ...' lines)",
+                                  ("chat", "raw"))
     chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
                                                 f"Jinja file replaces it (or gives a base model one)")
     append_eos: bool = option(True, "end each response with the template's end-of-turn token")
@@ -448,7 +449,8 @@ def _check(cfg: Config, source: str, need_data: bool = True) -> None:
         problems.append(f"'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
                         f"(it is off): the stop keeps the best step")
     if need_data and cfg.data.train is None and cfg.data.demo_pairs <= 0:
-        problems.append("set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for generated pairs")
+        problems.append("set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for "
+                        "generated pairs")
     if len(problems) == 1:
         raise ConfigError(f"{source}: {problems[0]}")
     if problems:
