@@ -420,3 +420,20 @@ def test_the_reference_note_is_dpo_s_alone():
             8: {ACC: 0.75, "eval/rewards/chosen": -0.0, "eval/rewards/rejected": -0.0, "eval/nll_loss": 1.5}}
     assert TrainResult(steps=8, evals=orpo).summary() == (
         "eval reward accuracy (chosen preferred over rejected): step 0 0.250 -> step 8 0.750")
+
+
+def test_an_evaluation_that_raises_leaves_the_model_in_training_mode():
+    """``evaluate`` puts the model in evaluation mode (LoRA dropout off); an error from the engine
+    left it there, so a caller that went on (the API, a retry) trained without dropout."""
+    from dtrain.distributed import Group
+    from dtrain.engine import ORPO, ReferenceEngine
+
+    class Failing(ReferenceEngine):
+        def evaluate(self, *args, **kwargs):
+            raise RuntimeError("engine failed")
+
+    model = make_tiny_model()
+    model.train()
+    with pytest.raises(RuntimeError, match="engine failed"):
+        evaluation.evaluate(Failing(model, ORPO(0.1)), model, make_pairs(2), 1, Group(), 3)
+    assert model.training

@@ -27,20 +27,22 @@ def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step:
     advanced by the pairs of each micro-batch (rank 0's); ``hyper``: the
     objective's hyper-parameters (the step's, ``step.Step.hyper``; None: ``objective.hyper()``).
     """
-    model.eval()
     objective = engine.objective
     totals = batch_totals(pairs, objective.nll_scope)
     sums = dict.fromkeys(objective.metric_keys, 0.0)
-    for chunk in sampler.dealt_batches(pairs, group.rank, group.size, micro):
-        if stop is not None and stop.requested:  # every rank still joins the one collective below
-            break
-        part, _ = run_micro_batches(engine, [chunk], totals, False, None, hyper)  # one read per chunk, for the bar
-        sums = {k: sums[k] + part[k] for k in sums}
-        if bar is not None:
-            bar.update(len(chunk))
+    model.eval()
+    try:  # training mode back even on an error: a caller that goes on trains with its dropout
+        for chunk in sampler.dealt_batches(pairs, group.rank, group.size, micro):
+            if stop is not None and stop.requested:  # every rank still joins the one collective below
+                break
+            part, _ = run_micro_batches(engine, [chunk], totals, False, None, hyper)  # one read per chunk, for the bar
+            sums = {k: sums[k] + part[k] for k in sums}
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        model.train()
     sums["stop"] = float(stop is not None and stop.requested)
     sums = group.all_sum_scalars(sums, step, "all_sum of eval metrics")
-    model.train()
     if sums["stop"] > 0:
         return None, True
     return objective.finalize(sums, "eval/", hyper), False
