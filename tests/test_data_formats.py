@@ -416,3 +416,13 @@ def test_conversational_text_prompt_repeated_in_the_messages_is_not_trained_twic
     row = one_row(tmp_path, {"prompt": "Q", "chosen": [{"role": "assistant", "content": "x"}],
                              "rejected": [{"role": "assistant", "content": "y"}]})
     assert (row.prompt, row.chosen, row.rejected) == ([{"role": "user", "content": "Q"}], "x", "y")
+
+
+def test_a_jsonl_file_whose_first_row_is_a_list_is_read_line_by_line(tmp_path):
+    """A JSONL file opening with ``[1, 2]`` was read as one JSON array and stopped ('invalid JSON array:
+    Extra data'); its lines are rows, the list a bad row."""
+    path = tmp_path / "x.jsonl"
+    path.write_text('[1, 2]\n{"prompt": "Q", "chosen": "a", "rejected": "b"}\n')
+    rows, report = load_rows(str(path), DataConfig())
+    assert [r.source for r in rows] == [f"{path}:2"]
+    assert report.bad == [(f"{path}:1", "expected a JSON object, got list")]

@@ -150,7 +150,8 @@ def _stream_errors() -> tuple:
 
 
 def json_items(path: str) -> Iterator[tuple]:
-    """JSONL streamed line by line (lines split at ``\\n`` only), or a whole JSON array.
+    """JSONL streamed line by line (lines split at ``\\n`` only), or a whole JSON array (a file opening
+    ``[`` whose first line is a whole JSON value, with more lines after it, is JSONL).
 
     Compressed files (:func:`compression`) are decompressed as they stream; a
     line that is not valid JSON or nests more than :data:`MAX_DEPTH` levels gives
@@ -183,10 +184,13 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
         first = _first_char(f)
     if not first:
         raise DataError(f"{path}: file is empty" + (f" (after {kind} decompression)" if kind else ""))
-    with _open_data(path, kind) as f:
-        if first == "[":
-            yield from _json_array(path, f)
+    if first == "[":
+        with _open_data(path, kind) as f:
+            items = _json_array(path, f)
+        if items is not None:
+            yield from items
             return
+    with _open_data(path, kind) as f:
         for n, raw in enumerate(f, start=1):
             where[0] = n
             # a BOM opens the file, or a line of files saved with one and joined (cat a.jsonl b.jsonl)
@@ -252,18 +256,22 @@ def _first_char(f) -> str:
     return ""
 
 
-def _json_array(path: str, f) -> Iterator[tuple]:
+def _json_array(path: str, f) -> Optional[list]:
+    """The ``(source, item)`` items of a JSON array, or None for JSONL whose first line is a list
+    (one line of JSON, more JSON on the next lines)."""
     text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
         items = json.loads(text)
         _check_depth(items)
         starts = _item_lines(text, len(items))
     except json.JSONDecodeError as err:
+        value = text[:err.pos].rstrip()
+        if err.msg == "Extra data" and "\n" not in value.strip() and "\n" in text[len(value):err.pos]:
+            return None
         raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
     except RecursionError:
         raise DataError(f"{path}: invalid JSON array: {TOO_DEEP}") from None
-    for i, item in enumerate(items):
-        yield f"{path}:{starts[i]}[{i}]", item
+    return [(f"{path}:{starts[i]}[{i}]", item) for i, item in enumerate(items)]
 
 
 def _reject_single_object(path: str, kind: Optional[str]) -> None:
