@@ -208,7 +208,7 @@ def test_a_byte_order_mark_opening_any_line_is_skipped(tmp_path):
 def test_json_array_item_lines_count_each_newline_once():
     """The line of each array item was counted from the top of the file for every item: a JSON array of
     tens of MB spent minutes (quadratic) before its first row was read. Item lines stay exact."""
-    from dtrain.data.jsonfile import _item_lines
+    from dtrain.data.jsonfile import _array_items
 
     class Counting(str):
         scanned = 0
@@ -222,7 +222,7 @@ def test_json_array_item_lines_count_each_newline_once():
     starts = [2]  # "[" alone on line 1
     for o in items[:-1]:
         starts.append(starts[-1] + json.dumps(o, indent=1).count("\n") + 1)
-    assert _item_lines(text, len(items)) == starts
+    assert [line for line, _ in _array_items(text, len(items))] == starts
     assert Counting.scanned <= len(text)
 
 
@@ -426,3 +426,19 @@ def test_a_jsonl_file_whose_first_row_is_a_list_is_read_line_by_line(tmp_path):
     rows, report = load_rows(str(path), DataConfig())
     assert [r.source for r in rows] == [f"{path}:2"]
     assert report.bad == [(f"{path}:1", "expected a JSON object, got list")]
+
+
+def test_a_key_given_twice_in_a_row_is_a_bad_row(tmp_path):
+    """``{"prompt": "a", "prompt": "b", ...}`` trained on "b" and said nothing (Python's json keeps the last);
+    a JSONL line and a JSON array item with a key twice, at any depth, are bad rows naming it."""
+    good = '{"prompt": "Q", "chosen": "a", "rejected": "b"}'
+    twice = '{"prompt": "a", "prompt": "b", "chosen": "a", "rejected": "b"}'
+    nested = '{"prompt": [{"role": "user", "role": "system", "content": "Q"}], "chosen": "a", "rejected": "b"}'
+    lines, array = tmp_path / "x.jsonl", tmp_path / "x.json"
+    lines.write_text("\n".join([good, twice, nested]) + "\n")
+    array.write_text("[\n" + ",\n".join([good, twice, nested]) + "\n]\n")
+    for path, sources in ((lines, ("1", "2", "3")), (array, ("2[0]", "3[1]", "4[2]"))):
+        rows, report = load_rows(str(path), DataConfig())
+        assert [r.source for r in rows] == [f"{path}:{sources[0]}"]
+        assert report.bad == [(f"{path}:{sources[1]}", "invalid JSON: key 'prompt' given twice in one object"),
+                              (f"{path}:{sources[2]}", "invalid JSON: key 'role' given twice in one object")]

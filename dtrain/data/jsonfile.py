@@ -55,6 +55,26 @@ MAX_DEPTH = 100
 TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
 
 
+class _DuplicateKey(Exception):
+    """A JSON object names a key more than once (RFC 8259 section 4: which value is meant is undefined)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+# Python's json keeps a repeated key's last value silently; a row with one is reported instead.
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
+
+
+def _twice(err: _DuplicateKey) -> str:
+    return f"invalid JSON: key {err.args[0]!r} given twice in one object"
+
+
 def compression(path: str) -> Optional[str]:
     """How a JSON/JSONL file is compressed: ``gzip``, ``bzip2``, ``xz``, ``zstd``, or None for plain text.
 
@@ -154,8 +174,8 @@ def json_items(path: str) -> Iterator[tuple]:
     ``[`` whose first line is a whole JSON value, with more lines after it, is JSONL).
 
     Compressed files (:func:`compression`) are decompressed as they stream; a
-    line that is not valid JSON or nests more than :data:`MAX_DEPTH` levels gives
-    a :class:`BadRow`; blank lines are skipped.
+    line (or array item) that is not valid JSON, nests more than :data:`MAX_DEPTH`
+    levels or gives a key twice in one object is a :class:`BadRow`; blank lines are skipped.
 
     Raises:
         DataError: an archive or compression that is not read; an empty file; UTF-16 or UTF-32 text;
@@ -204,11 +224,15 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
                 yield f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")
                 continue
             try:
-                obj = json.loads(line)
+                obj = _DECODER.decode(line)
                 _check_depth(obj)
             except RecursionError:
                 any_json = True  # JSON, too deep to read
                 yield f"{path}:{n}", BadRow(f"invalid JSON: {TOO_DEEP}")
+                continue
+            except _DuplicateKey as err:
+                any_json = True
+                yield f"{path}:{n}", BadRow(_twice(err))
                 continue
             except json.JSONDecodeError as err:
                 if n == 1:
@@ -261,9 +285,7 @@ def _json_array(path: str, f) -> Optional[list]:
     (one line of JSON, more JSON on the next lines)."""
     text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
-        items = json.loads(text)
-        _check_depth(items)
-        starts = _item_lines(text, len(items))
+        items = _array_items(text, _array_length(text))
     except json.JSONDecodeError as err:
         value = text[:err.pos].rstrip()
         if err.msg == "Extra data" and "\n" not in value.strip() and "\n" in text[len(value):err.pos]:
@@ -271,7 +293,7 @@ def _json_array(path: str, f) -> Optional[list]:
         raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
     except RecursionError:
         raise DataError(f"{path}: invalid JSON array: {TOO_DEEP}") from None
-    return [(f"{path}:{starts[i]}[{i}]", item) for i, item in enumerate(items)]
+    return [(f"{path}:{line}[{i}]", item) for i, (line, item) in enumerate(items)]
 
 
 def _reject_single_object(path: str, kind: Optional[str]) -> None:
@@ -285,14 +307,26 @@ def _reject_single_object(path: str, kind: Optional[str]) -> None:
                     "expected JSONL (one object per line) or a JSON array of objects")
 
 
-def _item_lines(text: str, count: int) -> list:
-    """1-based line where each top-level array item starts."""
-    dec, lines, pos = json.JSONDecoder(), [], text.index("[") + 1
+def _array_length(text: str) -> int:
+    """The item count of JSON array ``text``; raises as ``json.loads`` and :func:`_check_depth`."""
+    items = json.loads(text)
+    _check_depth(items)
+    return len(items)
+
+
+def _array_items(text: str, count: int) -> list:
+    """``(line, item)`` of each top-level item of a valid JSON array: the 1-based line where it starts, and the
+    item, or a :class:`BadRow` for one with a key given twice."""
+    plain, items, pos = json.JSONDecoder(), [], text.index("[") + 1
     ws = re.compile(r"[\s,]*")
     line, counted = 1, 0  # newlines are counted once each, from the previous item on
     for _ in range(count):
         pos = ws.match(text, pos).end()
         line, counted = line + text.count("\n", counted, pos), pos
-        lines.append(line)
-        _, pos = dec.raw_decode(text, pos)
-    return lines
+        try:
+            item, end = _DECODER.raw_decode(text, pos)
+        except _DuplicateKey as err:
+            item, (_, end) = BadRow(_twice(err)), plain.raw_decode(text, pos)
+        items.append((line, item))
+        pos = end
+    return items
