@@ -442,3 +442,21 @@ def test_a_key_given_twice_in_a_row_is_a_bad_row(tmp_path):
         assert [r.source for r in rows] == [f"{path}:{sources[0]}"]
         assert report.bad == [(f"{path}:{sources[1]}", "invalid JSON: key 'prompt' given twice in one object"),
                               (f"{path}:{sources[2]}", "invalid JSON: key 'role' given twice in one object")]
+
+
+def test_a_response_without_an_assistant_message_is_a_bad_row():
+    """A conversational ``chosen`` holding only a user message was trained as the model's response (an explicit
+    prompt, a prompt-completion row, ShareGPT's ``chosen`` from ``human``); the row is bad, naming the roles."""
+    u, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    items = [({"prompt": [u], "chosen": [{"role": "user", "content": "more"}], "rejected": [a]}, "conversational",
+              "'chosen' has no assistant message (roles: user): a response is the model's turn"),
+             ({"prompt": [u], "chosen": [a], "rejected": [u, {"role": "system", "content": "S"}]}, "conversational",
+              "'rejected' has no assistant message (roles: user, system): a response is the model's turn"),
+             ({"prompt": [u], "completion": [u]}, "prompt_completion",
+              "'completion' has no assistant message (roles: user): a response is the model's turn"),
+             ({"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "human", "value": "A"},
+               "rejected": {"from": "gpt", "value": "B"}}, "sharegpt",
+              "'chosen' has no assistant message (roles: user): a response is the model's turn")]
+    for obj, fmt, reason in items:
+        rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
+        assert rows == [] and report.bad == [("f.jsonl:1", reason)]

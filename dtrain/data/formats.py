@@ -325,9 +325,12 @@ def _text_parts(parts: list, label: str) -> str:
 
 
 def _response(msgs: list, label: str) -> Union[str, list]:
-    """A completion as text when it is one assistant message, else messages."""
+    """A completion as text when it is one assistant message, else messages (at least one the assistant's)."""
     if not msgs or not any(m["content"].strip() for m in msgs):
         raise BadRow(f"empty response in {label!r}")
+    if not any(m["role"] == "assistant" for m in msgs):
+        roles = ", ".join(dict.fromkeys(m["role"] for m in msgs))
+        raise BadRow(f"{label!r} has no assistant message (roles: {roles}): a response is the model's turn")
     if len(msgs) == 1 and msgs[0]["role"] == "assistant":
         return msgs[0]["content"]
     return msgs
