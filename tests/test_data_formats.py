@@ -460,3 +460,15 @@ def test_a_response_without_an_assistant_message_is_a_bad_row():
     for obj, fmt, reason in items:
         rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
         assert rows == [] and report.bad == [("f.jsonl:1", reason)]
+
+
+def test_an_openai_output_of_another_role_is_a_bad_row_naming_it():
+    """``preferred_output: [{"role": "user", ...}]`` read 'must hold exactly one assistant message, got 1
+    message(s)', which it seemed to; the reason names the role found, or the count when there are several."""
+    u, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    for out, reason in (([u], "field 'preferred_output' must hold one assistant message, got a 'user' message"),
+                        ([a, a], "field 'preferred_output' must hold one assistant message, got 2 messages"),
+                        ([], "field 'preferred_output' must hold one assistant message, got 0 messages")):
+        obj = {"input": {"messages": [u]}, "preferred_output": out, "non_preferred_output": [a]}
+        _, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format="openai"), "f.jsonl")
+        assert report.bad == [("f.jsonl:1", reason)]

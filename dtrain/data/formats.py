@@ -405,7 +405,8 @@ def _openai(obj: dict, fields=None) -> Row:
     for key in ("preferred_output", "non_preferred_output"):
         msgs = _messages(_get(obj, key, list), key)
         if len(msgs) != 1 or msgs[0]["role"] != "assistant":
-            raise BadRow(f"field {key!r} must hold exactly one assistant message, got {len(msgs)} message(s)")
+            got = f"a {msgs[0]['role']!r} message" if len(msgs) == 1 else f"{len(msgs)} messages"
+            raise BadRow(f"field {key!r} must hold one assistant message, got {got}")
         outs.append(_response(msgs, key))
     return Row(prompt, outs[0], outs[1], _system(obj))
 
