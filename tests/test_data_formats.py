@@ -472,3 +472,20 @@ def test_an_openai_output_of_another_role_is_a_bad_row_naming_it():
         obj = {"input": {"messages": [u]}, "preferred_output": out, "non_preferred_output": [a]}
         _, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format="openai"), "f.jsonl")
         assert report.bad == [("f.jsonl:1", reason)]
+
+
+def test_an_integer_too_long_for_python_is_a_bad_row(tmp_path):
+    """An integer of more than 4300 digits (Python's int/str limit) stopped the run with a ValueError traceback;
+    on a line it is a bad row, in a JSON array or an object spread over lines a one-line error."""
+    good = '{"prompt": "Q", "chosen": "a", "rejected": "b"}'
+    long = '{"prompt": "Q", "chosen": "a", "rejected": "b", "n": ' + "1" * 5000 + "}"
+    path = tmp_path / "x.jsonl"
+    path.write_text(good + "\n" + long + "\n")
+    rows, report = load_rows(str(path), DataConfig())
+    assert len(rows) == 1 and report.bad == [(f"{path}:2", "invalid JSON: an integer of more than 4300 digits")]
+    for text, message in (("[" + good + ",\n" + long + "]", "invalid JSON array: an integer of more than 4300 digits"),
+                          (long.replace(", ", ",\n"), "not a JSONL file or a JSON array: none of its 4 non-blank")):
+        path.write_text(text)
+        with pytest.raises(DataError) as err:
+            load_rows(str(path), DataConfig())
+        assert str(err.value).startswith(f"{path}: {message}")

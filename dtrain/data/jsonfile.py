@@ -15,6 +15,7 @@ import io
 import json
 import lzma
 import re
+import sys
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional
@@ -55,7 +56,7 @@ MAX_DEPTH = 100
 TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
 
 
-class _DuplicateKey(Exception):
+class _DuplicateKey(ValueError):
     """A JSON object names a key more than once (RFC 8259 section 4: which value is meant is undefined)."""
 
 
@@ -71,8 +72,13 @@ def _unique_keys(pairs: list) -> dict:
 _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
-def _twice(err: _DuplicateKey) -> str:
-    return f"invalid JSON: key {err.args[0]!r} given twice in one object"
+def _unread(err: Exception) -> str:
+    """Why JSON text is not read, for an error other than a syntax error."""
+    if isinstance(err, RecursionError):
+        return TOO_DEEP
+    if isinstance(err, _DuplicateKey):
+        return f"key {err.args[0]!r} given twice in one object"
+    return f"an integer of more than {sys.get_int_max_str_digits()} digits"  # int()'s limit (ValueError)
 
 
 def compression(path: str) -> Optional[str]:
@@ -226,20 +232,16 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
             try:
                 obj = _DECODER.decode(line)
                 _check_depth(obj)
-            except RecursionError:
-                any_json = True  # JSON, too deep to read
-                yield f"{path}:{n}", BadRow(f"invalid JSON: {TOO_DEEP}")
-                continue
-            except _DuplicateKey as err:
-                any_json = True
-                yield f"{path}:{n}", BadRow(_twice(err))
-                continue
             except json.JSONDecodeError as err:
                 if n == 1:
                     _reject_single_object(path, kind)
                 why = f"invalid JSON: {err.msg} (column {err.colno})"
                 first_bad = first_bad or (n, why)
                 yield f"{path}:{n}", BadRow(why)
+                continue
+            except (RecursionError, ValueError) as err:
+                any_json = True  # JSON, not read
+                yield f"{path}:{n}", BadRow(f"invalid JSON: {_unread(err)}")
                 continue
             any_json = True
             yield f"{path}:{n}", obj
@@ -291,8 +293,8 @@ def _json_array(path: str, f) -> Optional[list]:
         if err.msg == "Extra data" and "\n" not in value.strip() and "\n" in text[len(value):err.pos]:
             return None
         raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
-    except RecursionError:
-        raise DataError(f"{path}: invalid JSON array: {TOO_DEEP}") from None
+    except (RecursionError, ValueError) as err:
+        raise DataError(f"{path}: invalid JSON array: {_unread(err)}") from None
     return [(f"{path}:{line}[{i}]", item) for i, (line, item) in enumerate(items)]
 
 
@@ -301,7 +303,7 @@ def _reject_single_object(path: str, kind: Optional[str]) -> None:
         text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
         obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return
     raise DataError(f"{path}: one JSON {type(obj).__name__} spread over several lines; "
                     "expected JSONL (one object per line) or a JSON array of objects")
@@ -326,7 +328,7 @@ def _array_items(text: str, count: int) -> list:
         try:
             item, end = _DECODER.raw_decode(text, pos)
         except _DuplicateKey as err:
-            item, (_, end) = BadRow(_twice(err)), plain.raw_decode(text, pos)
+            item, (_, end) = BadRow(f"invalid JSON: {_unread(err)}"), plain.raw_decode(text, pos)
         items.append((line, item))
         pos = end
     return items
