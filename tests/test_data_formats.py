@@ -489,3 +489,13 @@ def test_an_integer_too_long_for_python_is_a_bad_row(tmp_path):
         with pytest.raises(DataError) as err:
             load_rows(str(path), DataConfig())
         assert str(err.value).startswith(f"{path}: {message}")
+
+
+def test_tools_text_that_cannot_be_read_is_a_bad_row():
+    """``tools`` kept as JSON text nested too deep, or holding an integer too long for Python, stopped the run
+    with a RecursionError or ValueError traceback; like any non-empty tools text it makes the row bad."""
+    u, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    for text in ("[" * 100_000, "[" + "1" * 5000 + "]", "[{not json"):
+        rows, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": text})], DataConfig(), "f.jsonl")
+        assert rows == [] and report.bad == [("f.jsonl:1", "'tools' (tool definitions): rows with tools are not "
+                                              "read (dtrain renders the messages' role and content only)")]

@@ -253,7 +253,7 @@ def _has_tools(value) -> bool:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an integer too long for int(), nested too deep
             return bool(value.strip())
     return bool(value)
 
