@@ -179,6 +179,21 @@ def test_non_json_column_types(tmp_path):
     assert report.bad == [(f"{tmp_path}/t.parquet:row 1", "text is not valid UTF-8 (undecodable byte 0xff)")]
 
 
+def test_a_column_name_given_twice_is_refused(tmp_path):
+    """A Parquet or Arrow file with two ``chosen`` columns trained on the last one and said nothing."""
+    import pyarrow.feather as feather
+
+    table = pa.table([pa.array(["Q"]), pa.array(["a"]), pa.array(["b"]), pa.array(["c"])],
+                     names=["prompt", "chosen", "rejected", "chosen"])
+    pq.write_table(table, tmp_path / "t.parquet")
+    feather.write_feather(table, tmp_path / "t.arrow")
+    for path in (tmp_path / "t.parquet", tmp_path / "t.arrow"):
+        with pytest.raises(DataError) as err:
+            load_rows(str(path), DataConfig())
+        assert str(err.value) == (f"{path}: column 'chosen' appears twice (columns: prompt, chosen, rejected, "
+                                  "chosen); rename or drop one")
+
+
 def test_jsonl_lines_split_at_newline_only(tmp_path):
     # json.dumps(ensure_ascii=False) leaves U+2028 and \x1c raw; both are inside strings, not line ends
     obj = {"prompt": "a\u2028b\x1cc\rd", "chosen": "x", "rejected": "y"}

@@ -290,7 +290,7 @@ def read_items(src: Source) -> Iterator[tuple]:
     """Yield ``(source, obj_or_BadRow)`` in row order, one record batch or line at a time.
 
     Raises:
-        DataError: an empty or unreadable file (as a whole).
+        DataError: an empty or unreadable file (as a whole); a table with a column name given twice.
     """
     if src.kind == "json":
         yield from json_items(str(src.files[0]))
@@ -327,9 +327,18 @@ def _arrow_batches(mm):
 
 
 def _table_items(batches, label: str, start: int = 0):
-    """Items of Arrow record batches (or tables); returns the next row number."""
+    """Items of Arrow record batches (or tables); returns the next row number.
+
+    Raises:
+        DataError: a column name given twice.
+    """
     n = start
     for batch in batches:
+        names = batch.schema.names
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:  # a row dict would keep the last column's value
+            raise DataError(f"{label}: column {twice!r} appears twice (columns: {', '.join(names)}); "
+                            "rename or drop one")
         plain = not all(_json_type(t) for t in batch.schema.types)
         for obj in batch.to_pylist():
             if plain:  # e.g. timestamp or binary columns: make the row JSON-able
