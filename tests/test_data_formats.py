@@ -191,7 +191,8 @@ BAD_ROWS = [
     ('{"prompt": "Q", "chosen": 3, "rejected": "b"}', "field 'chosen' must be a string, got int"),
     ('{"prompt": "Q", "chosen": "a", "rejected": " \\n "}', "empty response in 'rejected'"),
     ('{"prompt": "Q", "chosen": "a", "rejected": "b", "system": 1}', "field 'system' must be a string, got int"),
-    ('{"prompt": "Q", "chosen": "a", "rejected": "\\ud800"}', "text is not valid UTF-8 (lone surrogate escape)"),
+    ('{"prompt": "Q", "chosen": "a", "rejected": "\\ud800"}',
+     "text is not valid UTF-8 (lone surrogate escape \\ud800)"),
 ]
 
 
@@ -499,3 +500,17 @@ def test_tools_text_that_cannot_be_read_is_a_bad_row():
         rows, report = parse_rows([("f.jsonl:1", {"messages": [u, a], "tools": text})], DataConfig(), "f.jsonl")
         assert rows == [] and report.bad == [("f.jsonl:1", "'tools' (tool definitions): rows with tools are not "
                                               "read (dtrain renders the messages' role and content only)")]
+
+
+def test_a_surrogate_escape_is_not_called_an_undecodable_byte(tmp_path):
+    """The JSON escape ``\\udc80`` read as 'undecodable byte 0x80', the reason a raw byte 0x80 gets; each is
+    named for what it is, on JSONL lines and in JSON arrays."""
+    escaped = '{"prompt": "Q", "chosen": "a", "rejected": "\\udc80"}'.encode()
+    raw = '{"prompt": "Q", "chosen": "a", "rejected": "'.encode() + b'\x80"}'
+    lines, array = tmp_path / "x.jsonl", tmp_path / "x.json"
+    lines.write_bytes(escaped + b"\n" + raw + b"\n")
+    array.write_bytes(b"[" + escaped + b",\n" + raw + b"]")
+    for path, sources in ((lines, ("1", "2")), (array, ("1[0]", "2[1]"))):
+        assert load_rows(str(path), DataConfig())[1].bad == [
+            (f"{path}:{sources[0]}", "text is not valid UTF-8 (lone surrogate escape \\udc80)"),
+            (f"{path}:{sources[1]}", "text is not valid UTF-8 (undecodable byte 0x80)")]

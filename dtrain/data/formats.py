@@ -261,12 +261,19 @@ def _has_tools(value) -> bool:
 _SURROGATE = re.compile("[\ud800-\udfff]")  # searched in C: a per-character loop was most of the parse time
 
 
+def undecodable(text: str, pos: int = 0, endpos: Optional[int] = None) -> Optional[BadRow]:
+    """A bad row when ``text[pos:endpos]``, decoded with ``errors="surrogateescape"``, holds a byte that is not
+    UTF-8 (each one a surrogate U+DC80..U+DCFF), else None."""
+    found = _SURROGATE.search(text, pos, len(text) if endpos is None else endpos)
+    return None if found is None else BadRow(f"text is not valid UTF-8 (undecodable byte "
+                                             f"0x{ord(found.group()) - 0xDC00:02x})")
+
+
 def _check_utf8(obj) -> None:
+    """Surrogates left in a row are JSON escapes (``\\udc80``): the readers report undecodable bytes themselves."""
     found = _SURROGATE.search(json.dumps(obj, ensure_ascii=False))
     if found is not None:
-        bad = found.group()
-        detail = f"undecodable byte 0x{ord(bad) - 0xDC00:02x}" if ord(bad) >= 0xDC80 else "lone surrogate escape"
-        raise BadRow(f"text is not valid UTF-8 ({detail})")
+        raise BadRow(f"text is not valid UTF-8 (lone surrogate escape \\u{ord(found.group()):04x})")
 
 
 def _get(obj: dict, key: str, kind: type, label: Optional[str] = None):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import DataError
-from .formats import BadRow
+from .formats import BadRow, undecodable
 
 # A JSONL line longer than this is reported instead of parsed and tokenized:
 # ~500k tokens, far past any max_length, and slow to tokenize.
@@ -244,7 +244,7 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
                 yield f"{path}:{n}", BadRow(f"invalid JSON: {_unread(err)}")
                 continue
             any_json = True
-            yield f"{path}:{n}", obj
+            yield f"{path}:{n}", undecodable(line) or obj
     if not any_json:
         raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
                         f"({first_bad[0]}: {first_bad[1]})")
@@ -329,6 +329,6 @@ def _array_items(text: str, count: int) -> list:
             item, end = _DECODER.raw_decode(text, pos)
         except _DuplicateKey as err:
             item, (_, end) = BadRow(f"invalid JSON: {_unread(err)}"), plain.raw_decode(text, pos)
-        items.append((line, item))
+        items.append((line, undecodable(text, pos, end) or item))
         pos = end
     return items

@@ -45,7 +45,7 @@ from typing import Any, Iterator, Optional
 
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
-from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows
+from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows, undecodable
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -343,6 +343,7 @@ def _table_items(batches, label: str, start: int = 0):
         for obj in batch.to_pylist():
             if plain:  # e.g. timestamp or binary columns: make the row JSON-able
                 obj = {k: _plain(v) for k, v in obj.items()}
+                obj = undecodable(json.dumps(obj, ensure_ascii=False)) or obj
             yield f"{label}:row {n}", obj
             n += 1
     return n
