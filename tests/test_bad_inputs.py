@@ -40,7 +40,7 @@ DATA_CASES = [
     ("sharegpt_missing_value", jsonl({"conversations": [{"from": "human"}], "chosen": {"from": "gpt", "value": "a"},
                                       "rejected": {"from": "gpt", "value": "b"}}), ":1:"),
     ("unknown_format", jsonl({"question": "q", "answer": "a"}), "format"),
-    ("single_object", json.dumps(GOOD, indent=2), "one JSON dict spread over several lines"),
+    ("single_object", json.dumps(GOOD, indent=2), "one JSON object spread over several lines"),
     ("empty_file", "", "file is empty"),
     ("blank_lines_only", "\n\n  \n", "file is empty"),
     ("deep_row", jsonl(GOOD, '{"prompt": ' + "[" * 5000 + "]" * 5000 + ', "chosen": "a", "rejected": "b"}'),

@@ -152,7 +152,7 @@ def test_non_json_file_named_clearly(tmp_path):
                               "(1: invalid JSON: Expecting value (column 1))")
     lists = tmp_path / "lists.jsonl"
     lists.write_text('3\n"a"\n')
-    with pytest.raises(DataError, match=r"no row is a JSON object \(rows are: int, str\)"):
+    with pytest.raises(DataError, match=r"no row is a JSON object \(rows are: number, string\)"):
         load_rows(str(lists), DataConfig())
 
 

@@ -186,11 +186,11 @@ def test_json_array_detected_by_content_with_item_lines(tmp_path):
 
 BAD_ROWS = [
     ('{"prompt": "Q", "chosen": "a", "rejected": "b"', "invalid JSON: Expecting ',' delimiter (column 47)"),
-    ('[1, 2]', "expected a JSON object, got list"),
+    ('[1, 2]', "expected a JSON object, got array"),
     ('{"prompt": "Q", "chosen": "a"}', "missing field 'rejected'"),
-    ('{"prompt": "Q", "chosen": 3, "rejected": "b"}', "field 'chosen' must be a string, got int"),
+    ('{"prompt": "Q", "chosen": 3, "rejected": "b"}', "field 'chosen' must be a string, got number"),
     ('{"prompt": "Q", "chosen": "a", "rejected": " \\n "}', "empty response in 'rejected'"),
-    ('{"prompt": "Q", "chosen": "a", "rejected": "b", "system": 1}', "field 'system' must be a string, got int"),
+    ('{"prompt": "Q", "chosen": "a", "rejected": "b", "system": 1}', "field 'system' must be a string, got number"),
     ('{"prompt": "Q", "chosen": "a", "rejected": "\\ud800"}',
      "text is not valid UTF-8 (lone surrogate escape \\ud800)"),
 ]
@@ -245,7 +245,7 @@ def test_an_object_field_of_another_type_is_named_an_object():
     for obj, fmt, field in (({"input": "Q", "preferred_output": [], "non_preferred_output": []}, "openai", "input"),
                             ({"conversations": [], "chosen": "A", "rejected": "B"}, "sharegpt", "chosen")):
         _, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
-        assert report.bad == [("f.jsonl:1", f"field '{field}' must be an object, got str")]
+        assert report.bad == [("f.jsonl:1", f"field '{field}' must be an object, got string")]
 
 
 def test_conversational_bad_rows(tmp_path):
@@ -267,7 +267,7 @@ def test_conversational_bad_rows(tmp_path):
     (lambda p: p.write_text(" \n"), "file is empty"),
     (lambda p: p.write_text('{"question": "Q", "answer": "A"}\n'), "unknown row format (keys of the first row: ['answer', 'question'])"),
     (lambda p: p.write_text('[{"prompt": "Q",}]'), "1: invalid JSON array: Expecting property name enclosed in double quotes (column 17)"),
-    (lambda p: p.write_text('{\n "prompt": "Q", "chosen": "a", "rejected": "b"\n}\n'), "one JSON dict spread over several lines"),
+    (lambda p: p.write_text('{\n "prompt": "Q", "chosen": "a", "rejected": "b"\n}\n'), "one JSON object spread over several lines"),
 ])
 def test_file_level_errors(tmp_path, setup, message):
     path = tmp_path / "x.jsonl"
@@ -426,7 +426,7 @@ def test_a_jsonl_file_whose_first_row_is_a_list_is_read_line_by_line(tmp_path):
     path.write_text('[1, 2]\n{"prompt": "Q", "chosen": "a", "rejected": "b"}\n')
     rows, report = load_rows(str(path), DataConfig())
     assert [r.source for r in rows] == [f"{path}:2"]
-    assert report.bad == [(f"{path}:1", "expected a JSON object, got list")]
+    assert report.bad == [(f"{path}:1", "expected a JSON object, got array")]
 
 
 def test_a_key_given_twice_in_a_row_is_a_bad_row(tmp_path):
@@ -514,3 +514,24 @@ def test_a_surrogate_escape_is_not_called_an_undecodable_byte(tmp_path):
         assert load_rows(str(path), DataConfig())[1].bad == [
             (f"{path}:{sources[0]}", "text is not valid UTF-8 (lone surrogate escape \\udc80)"),
             (f"{path}:{sources[1]}", "text is not valid UTF-8 (undecodable byte 0x80)")]
+
+
+def test_rows_that_are_no_object_are_named_in_json_terms(tmp_path):
+    """A ``null`` line read 'expected a JSON object, got NoneType' and a file of such lines 'rows are: NoneType,
+    list'; a file whose every line is JSON that cannot be read said its rows were 'invalid JSON'. Python's type
+    names are JSON's, and a file of unreadable rows names the first one and why."""
+    path = tmp_path / "x.jsonl"
+    path.write_text('null\n[1]\n')
+    with pytest.raises(DataError) as err:
+        load_rows(str(path), DataConfig())
+    assert str(err.value).startswith(f"{path}: no row is a JSON object (rows are: array, null); expected")
+    path.write_text('null\n[1]\n{"prompt": "Q", "chosen": 1.5, "rejected": true}\n')
+    _, report = load_rows(str(path), DataConfig())
+    assert report.bad == [(f"{path}:1", "expected a JSON object, got null"),
+                          (f"{path}:2", "expected a JSON object, got array"),
+                          (f"{path}:3", "field 'chosen' must be a string, got number")]
+    path.write_text('{"prompt": "a", "prompt": "b"}\n{"a": ' + "1" * 5000 + "}\n")
+    with pytest.raises(DataError) as err:
+        load_rows(str(path), DataConfig())
+    assert str(err.value).startswith(f"{path}: no row can be read (first: {path}:1: invalid JSON: key 'prompt' "
+                                     "given twice in one object); expected")

@@ -220,7 +220,7 @@ def test_message_content_as_text_parts_is_read_as_its_text():
                                           {"role": "assistant", "content": "4"}]}])
     assert rows == [Row([{"role": "user", "content": Q}], "4", None, None, source="f.jsonl:1")]
     assert report.bad == [("f.jsonl:2", "messages[0] content[0] is not a text part ('image'); dtrain trains on text only"),
-                          ("f.jsonl:3", "messages[0] content[0] is not a text part ('str'); dtrain trains on text only")]
+                          ("f.jsonl:3", "messages[0] content[0] is not a text part ('string'); dtrain trains on text only")]
 
 
 @pytest.mark.parametrize("key", ["reasoning_content", "reasoning", "thinking"])

@@ -151,6 +151,17 @@ class BadRow(Exception):
     """Raised inside row parsing; caught and recorded with the row's source."""
 
 
+def json_kind(value) -> str:
+    """The JSON type of a parsed value, as messages name it: ``object``, ``array``, ``string``, ``number``,
+    ``boolean`` or ``null`` (a Python type name for anything else)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = ((dict, "object"), (list, "array"), (str, "string"), ((int, float), "number"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
 def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
     """The format whose keys ``obj`` has, or None (see module docstring)."""
     if fields:
@@ -184,9 +195,11 @@ def detect_items_format(items: list, fields: Optional[dict], where: str) -> str:
     """
     objs = [(src, o) for src, o in items if isinstance(o, dict)][:DETECT_ROWS]
     if not objs:
-        kinds = sorted({type(o).__name__ for _, o in items if not isinstance(o, BadRow)})
-        raise DataError(f"{where}: no row is a JSON object (rows are: {', '.join(kinds) or 'invalid JSON'}); "
-                        f"expected one object per line in one of the formats {', '.join(FORMATS)}")
+        kinds = sorted({json_kind(o) for _, o in items if not isinstance(o, BadRow)})
+        src, first = items[0]  # every row a bad row: JSON, but too deep, too long, a key twice, ...
+        what = f"no row is a JSON object (rows are: {', '.join(kinds)})" if kinds else \
+            f"no row can be read (first: {src}: {first})"
+        raise DataError(f"{where}: {what}; expected one object per line in one of the formats {', '.join(FORMATS)}")
     votes = Counter(f for f in (detect_format(o, fields) for _, o in objs) if f is not None)
     if not votes:
         src, first = objs[0]
@@ -231,7 +244,7 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
             if isinstance(obj, BadRow):
                 raise obj
             if not isinstance(obj, dict):
-                raise BadRow(f"expected a JSON object, got {type(obj).__name__}")
+                raise BadRow(f"expected a JSON object, got {json_kind(obj)}")
             _check_utf8(obj)
             inp = obj.get("input")
             if _has_tools(obj.get("tools")) or (isinstance(inp, dict) and _has_tools(inp.get("tools"))):
@@ -282,7 +295,7 @@ def _get(obj: dict, key: str, kind: type, label: Optional[str] = None):
         raise BadRow(f"missing field {label!r}")
     value = obj[key]
     if not isinstance(value, kind):
-        raise BadRow(f"field {label!r} must be {_KIND_NAMES[kind]}, got {type(value).__name__}")
+        raise BadRow(f"field {label!r} must be {_KIND_NAMES[kind]}, got {json_kind(value)}")
     return value
 
 
@@ -326,7 +339,7 @@ def _text_parts(parts: list, label: str) -> str:
     chat templates that take parts write them (back to back); any other part is a bad row."""
     for j, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else json_kind(part)
             raise BadRow(f"{label} content[{j}] is not a text part ({kind!r}); dtrain trains on text only")
     return "".join(part["text"] for part in parts)
 

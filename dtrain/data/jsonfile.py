@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import DataError
-from .formats import BadRow, undecodable
+from .formats import BadRow, json_kind, undecodable
 
 # A JSONL line longer than this is reported instead of parsed and tokenized:
 # ~500k tokens, far past any max_length, and slow to tokenize.
@@ -305,7 +305,7 @@ def _reject_single_object(path: str, kind: Optional[str]) -> None:
         obj = json.loads(text)
     except (ValueError, RecursionError):
         return
-    raise DataError(f"{path}: one JSON {type(obj).__name__} spread over several lines; "
+    raise DataError(f"{path}: one JSON {json_kind(obj)} spread over several lines; "
                     "expected JSONL (one object per line) or a JSON array of objects")
 
 
