@@ -535,3 +535,18 @@ def test_rows_that_are_no_object_are_named_in_json_terms(tmp_path):
         load_rows(str(path), DataConfig())
     assert str(err.value).startswith(f"{path}: no row can be read (first: {path}:1: invalid JSON: key 'prompt' "
                                      "given twice in one object); expected")
+
+
+def test_cr_only_line_endings_are_named(tmp_path):
+    """A JSONL file with old Mac line endings (CR only) is one line to a reader that splits at LF, and said
+    'invalid JSON: Extra data' or 'line has N characters' with no hint why; the reason names the CRs."""
+    row = '{"prompt": "Q", "chosen": "a", "rejected": "b"}\r'
+    hint = "; the line holds CR (\\r) line breaks, and JSONL lines end at \\n: convert them, e.g. tr '\\r' '\\n'"
+    path = tmp_path / "x.jsonl"
+    for count, reason in ((3, "(1: invalid JSON: Extra data (column 49)"),
+                          (50_000, f"(first: {path}:1: line has 2,399,999 characters; lines over 2,000,000 are not "
+                                   "read")):
+        path.write_bytes((row * count).encode())
+        with pytest.raises(DataError) as err:
+            load_rows(str(path), DataConfig())
+        assert f"{reason}{hint})" in str(err.value)

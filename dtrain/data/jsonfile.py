@@ -227,7 +227,8 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
             lines += 1
             if len(line) > MAX_LINE_CHARS:
                 any_json = True  # not judged: too long to parse
-                yield f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are not read")
+                yield f"{path}:{n}", BadRow(f"line has {len(line):,} characters; lines over {MAX_LINE_CHARS:,} are "
+                                            f"not read{_cr_hint(line)}")
                 continue
             try:
                 obj = _DECODER.decode(line)
@@ -235,7 +236,7 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
             except json.JSONDecodeError as err:
                 if n == 1:
                     _reject_single_object(path, kind)
-                why = f"invalid JSON: {err.msg} (column {err.colno})"
+                why = f"invalid JSON: {err.msg} (column {err.colno}){_cr_hint(line)}"
                 first_bad = first_bad or (n, why)
                 yield f"{path}:{n}", BadRow(why)
                 continue
@@ -248,6 +249,13 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
     if not any_json:
         raise DataError(f"{path}: not a JSONL file or a JSON array: none of its {lines} non-blank lines is JSON "
                         f"({first_bad[0]}: {first_bad[1]})")
+
+
+def _cr_hint(line: str) -> str:
+    """A hint for a line holding CRs (old Mac line endings): JSON escapes a CR inside a string, so a raw one
+    is most likely a line break that the reader, which splits at LF only, did not split at."""
+    return "; the line holds CR (\\r) line breaks, and JSONL lines end at \\n: convert them, e.g. tr '\\r' '\\n'" \
+        if "\r" in line else ""
 
 
 def _refuse_utf16(path: str, kind: Optional[str]) -> None:
