@@ -32,8 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
     dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of the data (overrides: "
-                                       "--data.key VALUE; exit status 1 when there are bad rows and "
-                                       "data.on_bad_row is error)")
+                                       "--data.key VALUE; exit status 1 where training would stop on the data: "
+                                       "no usable pair, fewer training pairs than train.global_batch_pairs, "
+                                       "bad rows under data.on_bad_row: error)")
     dc.add_argument("file", help="a JSONL/JSON/Parquet file, a data folder or a hub dataset id, read as data.train")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
     dc.add_argument("--show", type=int, default=0, metavar="N",
@@ -112,17 +113,23 @@ def _data_check(args, overrides) -> int:
     _setup_blas()
     from .data import check_file
     from .models import load_model
+    from .sampler import for_run
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad, n_usable = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
-                                         objective=cfg.objective.kind)
+    report, n_bad, train_pairs = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
+                                            objective=cfg.objective.kind, seed=cfg.train.seed)
     print(report)
     if n_bad and cfg.data.on_bad_row == "error":
         _error(f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
                "(training would stop; see the rows listed above)")
         return 1
-    if not n_usable:
+    if not train_pairs:
         _error(f"{args.file}: no usable pairs (training would stop; see the rows listed above)")
+        return 1
+    try:
+        for_run(cfg, train_pairs)  # the trainer's own refusal of fewer training pairs than a step takes
+    except UserError as err:
+        _error(f"{err} (training would stop)")
         return 1
     return 0
 

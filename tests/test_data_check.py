@@ -120,7 +120,8 @@ def model_dir(tmp_path_factory):
 
 def test_cli_show_and_on_bad_row_error_line(tmp_path, model_dir, capsys):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1] + ROWS[4:5])
-    status = main(["data", "check", path, "--model.path", str(model_dir), "--show", "1"])
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--show", "1", "--train.global_batch_pairs",
+                   "1"])
     out = capsys.readouterr()
     errors = lambda err: [line for line in err.splitlines() if line.startswith("dtrain: error:")]  # noqa: E731
     assert status == 0 and "pair 1: " in out.out and errors(out.err) == []
@@ -129,6 +130,20 @@ def test_cli_show_and_on_bad_row_error_line(tmp_path, model_dir, capsys):
     assert status == 1 and f"  {path}:2: missing field 'rejected'" in out.out
     assert errors(out.err) == [f"dtrain: error: {path}: 1 bad row(s) and data.on_bad_row is 'error' "
                                "(training would stop; see the rows listed above)"]
+
+
+def test_cli_fewer_training_pairs_than_a_step_fails_as_training_fails(tmp_path, model_dir, capsys):
+    """Three usable pairs, two after the held-out split, and train.global_batch_pairs 8: training stops
+    (sampler.for_run), and the check said nothing and exited 0; it exits 1, as where training stops on bad rows."""
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1] * 3)
+    status = main(["data", "check", path, "--model.path", str(model_dir)])
+    out = capsys.readouterr()
+    assert status == 1 and f"{path}: 3 rows, 3 usable, 0 bad, 0 dropped" in out.out
+    assert [line for line in out.err.splitlines() if line.startswith("dtrain: error:")] == [
+        f"dtrain: error: train.global_batch_pairs is 8 but {path} has 2 training pair(s) (after the held-out split, "
+        f"data.valid_fraction=0.1); a step would train a pair more than once: set train.global_batch_pairs to at "
+        f"most 2, or add data (training would stop)"]
+    assert main(["data", "check", path, "--model.path", str(model_dir), "--train.global_batch_pairs", "2"]) == 0
 
 
 def test_cli_no_usable_pair_fails_as_training_fails(tmp_path, model_dir, capsys):
@@ -271,7 +286,7 @@ def test_cli_file_is_read_by_its_name_as_given(tmp_path, model_dir, capsys, monk
     """The positional FILE is data.train as typed: not read as YAML (2024 an int, null none, yes true)."""
     monkeypatch.chdir(tmp_path)  # the bare name, as typed in the folder that holds it
     write_jsonl(tmp_path / name, ROWS[:1])
-    status = main(["data", "check", name, "--model.path", str(model_dir)])
+    status = main(["data", "check", name, "--model.path", str(model_dir), "--train.global_batch_pairs", "1"])
     out = capsys.readouterr()
     assert status == 0, out.err
     assert out.out.startswith(f"{name}: 1 rows, 1 usable, 0 bad, 0 dropped")
@@ -290,7 +305,8 @@ def test_cli_file_with_a_config_of_demo_pairs(tmp_path, model_dir, capsys):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data:\n  demo_pairs: 8\n  max_length: 40\n")
     path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
-    status = main(["data", "check", path, "-c", str(cfg), "--model.path", str(model_dir)])
+    status = main(["data", "check", path, "-c", str(cfg), "--model.path", str(model_dir), "--train.global_batch_pairs",
+                   "1"])
     out = capsys.readouterr()
     assert status == 0, out.err
     assert out.out.startswith(f"{path}: 1 rows, 1 usable") and "max_length=40" in out.out
@@ -311,7 +327,8 @@ def test_cli_sft_rows_under_a_pairwise_objective_are_refused_as_training_refuses
     assert out.err.splitlines()[-1] == (
         f"dtrain: error: {path}:1: a row with one completion (no rejected response) cannot train objective.kind "
         f"{kind}; set objective.kind: sft (configs/sft.yaml), or give preference rows (chosen and rejected)")
-    status = main(["data", "check", path, "--model.path", str(model_dir), "--objective.kind", "sft"])
+    status = main(["data", "check", path, "--model.path", str(model_dir), "--objective.kind", "sft",
+                   "--train.global_batch_pairs", "1"])
     out = capsys.readouterr()
     assert status == 0, out.err
     assert out.out.startswith(f"{path}: 2 rows, 2 usable, 0 bad, 0 dropped")

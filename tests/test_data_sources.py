@@ -658,7 +658,8 @@ def test_data_check_command_on_a_saved_dataset(tmp_path, capsys):
     model = make_model_folder(tmp_path / "model")
     objs = [{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": "Q", "chosen": "a"}]
     folder = save_dict_like(tmp_path / "dd", {"train": objs[:1], "test": objs})
-    assert main(["data", "check", folder, "--model.path", str(model), "--data.split", "test"]) == 0
+    assert main(["data", "check", folder, "--model.path", str(model), "--data.split", "test",
+                 "--train.global_batch_pairs", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{folder}: 2 rows, 1 usable, 1 bad, 0 dropped"
     assert f"  {folder}[test]:row 1: missing field 'rejected'" in out

@@ -188,7 +188,7 @@ def test_data_check_reads_a_gzip_file(tmp_path, capsys):
     objs = [{"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}, {"prompt": "Q", "chosen": "a", "rejected": "a"}]
     path = tmp_path / "pairs.jsonl.gz"
     path.write_bytes(gzip.compress("".join(json.dumps(o) + "\n" for o in objs).encode()))
-    assert main(["data", "check", str(path), "--model.path", str(model)]) == 0
+    assert main(["data", "check", str(path), "--model.path", str(model), "--train.global_batch_pairs", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{path}: 2 rows, 1 usable, 0 bad, 1 dropped"
     assert f"  {path}:2: same text: chosen and rejected are identical" in out

@@ -8,7 +8,7 @@ import math
 
 from ..types import refuse_single_completions
 from .render import tokenize_rows
-from .sources import read_rows, resolve
+from .sources import read_rows, resolve_pair
 from .templates import RAW_TEXT, renderers
 
 
@@ -58,9 +58,9 @@ def glued_rows(rows: list, tokenizer, cfg) -> list:
     return glued
 
 
-def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo") -> tuple[str, int, int]:
+def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo", seed: int = 0) -> tuple:
     """A text report on one data source (read as ``data.train`` reads it), its bad-row count and
-    its usable-pair count.
+    the usable pairs that training would train on: ``(str, int, list)``.
 
     Lists the bad rows and the dropped pairs (``file:line: reason``), the
     untruncated token lengths of prompt, chosen and rejected for the rows that
@@ -69,7 +69,9 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     response (:func:`glued_rows`), and with ``show > 0`` the first ``show`` usable
     pairs exactly as they are trained (see :func:`show_pair`). Rows go through
     the same :func:`tokenize_rows` as training. ``objective``: ``objective.kind``;
-    a pairwise one (all but ``sft``) cannot train rows with one completion.
+    a pairwise one (all but ``sft``) cannot train rows with one completion. Without held-out data of its
+    own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the rows, split with ``seed``
+    (``train.seed``); the pairs returned are the rest.
 
     Raises:
         DataError: the data cannot be read (missing, a folder of no known
@@ -77,7 +79,10 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
             tokenizer cannot render its rows, or a row with one completion under a pairwise
             ``objective`` (naming its ``file:line``, as training stops on it).
     """
-    rows, report = read_rows(resolve(path, cfg), cfg)
+    from . import split_rows  # the package imports this module
+
+    train, valid = resolve_pair(dataclasses.replace(cfg, train=path))
+    rows, report = read_rows(train, cfg)
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
     if objective != "sft":  # training's own check (engine.sft.fit_dataset)
@@ -106,4 +111,5 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
                      "the prompts with a space or newline, or set data.prompt_template: chat")
     for n, pair in enumerate(pairs[:show], start=1):
         lines += show_pair(pair, tokenizer, n)
-    return "\n".join(lines), len(report.bad), len(pairs)
+    held_out = set() if valid is not None else {r.source for r in split_rows(rows, cfg.valid_fraction, seed)[1]}
+    return "\n".join(lines), len(report.bad), [p for p in pairs if p.source not in held_out]
