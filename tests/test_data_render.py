@@ -316,3 +316,15 @@ def test_raw_prompt_ending_in_space_token_goes_to_the_response(tokenizer):
     pair = one_pair(tokenizer, Row("Answer: ", "Paris", "London"), prompt_template="raw")
     assert pair.prompt + pair.chosen == tokenizer.encode("Answer: Paris") + [2]
     assert pair.prompt + pair.rejected == tokenizer.encode("Answer: London") + [2]
+
+
+def test_a_system_field_beside_a_system_message(tokenizer):
+    """A ``system`` column was dropped silently when the prompt messages open with a system message; the same
+    text renders once, and two different system prompts make the row bad, naming both."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q}]
+    same = one_pair(tokenizer, Row(msgs, "4", "5", system="Be brief.", source="f:1"))
+    assert tokenizer.decode(same.prompt) == "<s><|im_start|>system\nBe brief.<|im_end|>\n" + CHAT_Q[3:]
+    pairs, report = tokenize_rows([Row(msgs, "4", "5", system="Be kind.", source="f:2")], tokenizer, DataConfig())
+    assert pairs == [] and report.bad == [
+        ("f:2", "the 'system' field ('Be kind.') and the prompt's system message ('Be brief.') differ; a prompt "
+                "has one system prompt: keep one of them")]

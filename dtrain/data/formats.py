@@ -23,7 +23,8 @@ one bad row):
   instruction, completion: output}``, or a ``messages`` or ``text`` column),
   then the row is read by its keys and the types of its values.
 
-Every format may carry an optional ``system`` string (empty or blank: none).
+Every format may carry an optional ``system`` string (empty or blank: none); beside prompt messages
+that open with a system message it must say the same (written once), else the row is bad.
 
 Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None):
 

@@ -93,9 +93,23 @@ def transcript_messages(text: str) -> list:
 
 
 def _with_system(msgs: list, system: Optional[str]) -> list:
-    if system is None or (msgs and msgs[0]["role"] == "system"):
+    """``msgs`` opened by the row's ``system`` text, unless they open with that system message already.
+
+    Raises:
+        BadRow: the messages open with a different system message (which one is meant is unknown).
+    """
+    if system is None:
+        return list(msgs)
+    if msgs and msgs[0]["role"] == "system":
+        if msgs[0]["content"].strip() != system.strip():
+            raise BadRow(f"the 'system' field ({_short(system)}) and the prompt's system message "
+                         f"({_short(msgs[0]['content'])}) differ; a prompt has one system prompt: keep one of them")
         return list(msgs)
     return [{"role": "system", "content": system}] + list(msgs)
+
+
+def _short(text: str, chars: int = 40) -> str:
+    return repr(text if len(text) <= chars else text[:chars] + "...")
 
 
 def row_messages(row: Row, chat: Optional[Renderer], text: Renderer) -> tuple:
