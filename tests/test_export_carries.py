@@ -187,6 +187,20 @@ def test_modelfile_without_a_convertible_template_says_so(tmp_path, tiny):
     assert "# TEMPLATE: the chat template's structure could not be read off its output; write one by hand" in text
 
 
+def test_modelfile_of_a_base_without_a_chat_template_says_so_and_sends_raw_prompts(tmp_path):
+    """A base without a chat template got the comment for a template that could not be read, and no TEMPLATE.
+    Training renders plain-text prompts as raw text (RAW_TEXT: the system text, a blank line, the prompt)."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, chat_template=None)
+    write_adapter(str(base), tmp_path / "adapters")
+    result = export_adapter(str(tmp_path / "adapters"), str(base), str(tmp_path / "out"), gguf_type="f16")
+    assert result.modelfile.read_text().splitlines()[2:] == [
+        "# the model has no chat template: prompts are sent as raw text, as dtrain trains them (the system "
+        "text and a blank line, then the prompt)",
+        'TEMPLATE """{{- if .System }}{{ .System }}{{ "\\n\\n" }}{{ end }}{{ .Prompt }}"""',
+        'PARAMETER stop "</s>"', 'PARAMETER stop "<|im_end|>"']  # the GGUF's end-of-generation tokens
+
+
 def test_export_leaves_out_a_system_text_ollama_cannot_read_back_with_one_notice(tmp_path, tiny, capsys):
     """Ollama's Modelfile parser drops U+2063 (not strconv.IsPrint), so SYSTEM would reach it without;
     the rest of the Modelfile is written."""

@@ -49,8 +49,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tokenizer_metadata(writer, hf_tok, pre: str = "gpt-2") -> None:
-    """gpt2-style vocabulary (tokens, merges, types) of a byte-level BPE tokenizer."""
+def tokenizer_metadata(writer, hf_tok, pre: str = "gpt-2", chat_template: str | None = CHATML) -> None:
+    """gpt2-style vocabulary (tokens, merges, types) of a byte-level BPE tokenizer (None: no chat template)."""
     spec = json.loads(hf_tok.backend_tokenizer.to_str())
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -64,7 +64,8 @@ def tokenizer_metadata(writer, hf_tok, pre: str = "gpt-2") -> None:
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
-    writer.add_chat_template(CHATML)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
 
 K_QUANT_SCALES = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of a block's float16 d (and dmin): ggml-common.h
@@ -79,13 +80,14 @@ def k_quant(shape: tuple, qtype, seed: int = 0) -> np.ndarray:
     return blocks.reshape(shape[0], -1)
 
 
-def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), alignment=None, **over) -> dict:
+def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), alignment=None, chat_template=CHATML,
+                     **over) -> dict:
     """A 4-layer llama GGUF; returns the HF-layout float32 weights it encodes.
 
     ``quant`` maps GGUF tensor names to a GGML type; those tensors are quantized
     and the returned reference holds their dequantized values. ``extra``:
     ``(writer method, key, value)`` triples for more metadata; ``alignment``:
-    ``general.alignment`` (None: the format's default 32).
+    ``general.alignment`` (None: the format's default 32); ``chat_template``: None for a base without one.
     """
     model = make_tiny_model("llama", seed=1, **over)
     args = model.args
@@ -101,7 +103,7 @@ def write_tiny_llama(path, quant: dict, rope_freqs=None, pre="gpt-2", extra=(), 
     w.add_head_count_kv(args.num_key_value_heads)
     w.add_layer_norm_rms_eps(args.rms_norm_eps)
     w.add_rope_freq_base(args.rope_theta)
-    tokenizer_metadata(w, make_tokenizer()._tokenizer, pre)
+    tokenizer_metadata(w, make_tokenizer()._tokenizer, pre, chat_template)
     for method, key, value in extra:
         getattr(w, method)(key, value)
     if rope_freqs is not None:

@@ -1,5 +1,7 @@
 """An Ollama Modelfile for an exported GGUF: ``FROM``, ``TEMPLATE`` from the chat template, ``PARAMETER stop``.
 
+A model without a chat template gets the raw prompt dtrain trained it on (:data:`RAW_PROMPT`).
+
 Ollama renders prompts with Go templates, not Jinja. We do not translate Jinja
 code; we read the template's structure off its output. The Jinja template is
 rendered on probe conversations whose contents are unique markers, which gives
@@ -168,11 +170,15 @@ def go_template(parts: ChatParts, drop_open: bool) -> str:
     return "\n".join(lines)
 
 
+# dtrain's RAW_TEXT (data/templates.py) in Ollama's terms: what a model without a chat template was trained on
+RAW_PROMPT = '{{- if .System }}{{ .System }}{{ "\\n\\n" }}{{ end }}{{ .Prompt }}'
+
+
 def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops: list, name: str,
-              report: Optional[Callable[[str], None]] = None) -> str:
+              report: Optional[Callable[[str], None]] = None, has_template: bool = True) -> str:
     """The Modelfile text: ``FROM ./gguf_name``, TEMPLATE and SYSTEM from ``parts`` (a comment when
-    None), one ``PARAMETER stop`` per end text. A value :func:`ollama_quote` cannot quote is left out:
-    a comment in its place and one line to ``report``."""
+    None; :data:`RAW_PROMPT` when not ``has_template``), one ``PARAMETER stop`` per end text. A value
+    :func:`ollama_quote` cannot quote is left out: a comment in its place and one line to ``report``."""
     out = [f"# {name}: `ollama create NAME -f Modelfile` in this folder", f"FROM ./{gguf_name}"]
 
     def add(command: str, label: str, text: str, quotes: tuple) -> None:
@@ -184,7 +190,11 @@ def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops
         if report is not None:
             report(f"Modelfile: {label} left out: {reason}")
 
-    if parts is None:
+    if not has_template:
+        out.append("# the model has no chat template: prompts are sent as raw text, as dtrain trains them (the "
+                   "system text and a blank line, then the prompt)")
+        add("TEMPLATE", "TEMPLATE", RAW_PROMPT, ('"""', '"'))
+    elif parts is None:
         out.append("# TEMPLATE: the chat template's structure could not be read off its output; write one by hand")
     else:
         add("TEMPLATE", "TEMPLATE", go_template(parts, drop_open), ('"""', '"'))
