@@ -113,6 +113,25 @@ def test_missing_path_is_a_model_error(tmp_path):
         load_model(str(tmp_path / "nope.gguf"))
 
 
+def test_a_missing_relative_file_path_is_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """models/llama.gguf is of a hub id's shape (owner/name): a mistyped local file was looked up on the hub.
+    A model file's suffix marks a file; a hub id with dots in its name is still one."""
+    import mlx_lm.utils
+
+    asked = []
+    monkeypatch.setattr(mlx_lm.utils, "load", lambda path, return_config=False: asked.append(path) or 1 / 0)
+    monkeypatch.chdir(tmp_path)
+    for path in ("models/llama.gguf", "models/Model.GGUF", "models/model.safetensors"):
+        with pytest.raises(ModelError) as err:
+            load_model(path)
+        assert str(err.value) == (f"{path}: no such file or directory (expected demo, a .gguf file, a model folder "
+                                  "or a hub id)")
+    assert asked == []
+    with pytest.raises(ModelError, match=r"^Qwen/Qwen2\.5-0\.5B-Instruct: mlx-lm could not load this hub model"):
+        load_model("Qwen/Qwen2.5-0.5B-Instruct")
+    assert asked == ["Qwen/Qwen2.5-0.5B-Instruct"]
+
+
 def test_folder_without_config_is_a_model_error(tmp_path):
     with pytest.raises(ModelError, match="folder has no config.json"):
         load_model(str(tmp_path))

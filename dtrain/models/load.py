@@ -24,6 +24,7 @@ from .demo import demo_model_path
 from .gguf import GROUP_SIZE, GGUFModel, gguf_to_mlx
 from .tokenizer import build_tokenizer, eos_token_ids
 
+MODEL_FILE_SUFFIXES = (".gguf", ".ggml", ".safetensors", ".bin", ".json", ".pt", ".pth")
 DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}  # model.dtype's values (besides auto) -> MLX dtypes
 
 
@@ -101,9 +102,16 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
         if not (p / "config.json").is_file():
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder")
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
-    if HUB_ID.fullmatch(path) and not path.startswith("."):
+    if is_hub_id(path):
         return _load_mlx_lm(path, keep_quantized, float_dtype)
     raise ModelError(f"{path}: no such file or directory (expected demo, a .gguf file, a model folder or a hub id)")
+
+
+def is_hub_id(path: str) -> bool:
+    """``path`` (naming nothing here) reads as a hub model id ``owner/name``: not ``./`` or ``../``, ``/``, ``~``,
+    and no model file suffix (``.gguf``, ``.safetensors`` ..., any case), which marks a missing file."""
+    return (bool(HUB_ID.fullmatch(path)) and not path.startswith(".")
+            and Path(path).suffix.lower() not in MODEL_FILE_SUFFIXES)
 
 
 def _load_gguf(path: Path, keep_quantized: bool, float_dtype, source: str) -> LoadedModel:
