@@ -262,6 +262,17 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf"]
 
 
+def test_export_gguf_onto_a_mistyped_base_path_says_no_such_file(tmp_path, llama, capsys):
+    """A mistyped --base with --gguf was told it "is not a GGUF file" and pointed at mlx_lm.fuse."""
+    _, adapter, _ = llama
+    missing = str(tmp_path / "bse.gguf")
+    assert main(["export", str(adapter), "--base", missing, "--out", str(tmp_path / "o"), "--gguf", "q8_0"]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: no such GGUF file: {missing}\n"
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ModelError, match=r"^--gguf needs a GGUF base model .*; some-org/some-model is not a GGUF"):
+        export_adapter(str(adapter), "some-org/some-model", str(tmp_path / "o"), gguf_type="f16")  # a hub id
+
+
 def refused_unless_allowed(argv: list, capsys, names: str) -> None:
     """``dtrain ARGV`` stops with the base-mismatch line starting ``names`` and writes nothing to ``--out``;
     with ``--allow-base-mismatch`` it exports."""

@@ -57,7 +57,7 @@ from ..files import storage
 from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
-from .load import DTYPES, LoadedModel, load_model
+from .load import DTYPES, LoadedModel, is_hub_id, load_model
 from .modelfile import chat_parts, modelfile
 from .vocab_attrs import token_attrs
 
@@ -332,7 +332,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     Raises:
         ModelError: a bad adapter folder, a base that does not fit or is not the
             recorded one, a non-empty ``out_dir``, an unknown type, or ``gguf_type``
-            with a non-GGUF base.
+            with a non-GGUF or missing base.
     """
     if gguf_type is not None and gguf_type.lower() not in GGUF_TYPES:
         raise ModelError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
@@ -342,6 +342,8 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     base_gguf = None
     if gguf_type is not None:
         base_gguf = demo_model_path() if base == "demo" else Path(base).expanduser()
+        if not base_gguf.exists() and not is_hub_id(base):  # a mistyped path: say so, not what a GGUF is for
+            raise ModelError(f"no such GGUF file: {base}")
         if not base_gguf.is_file():
             raise ModelError(f"--gguf needs a GGUF base model (its layout and metadata are copied); {base} is not "
                              "a GGUF file. For an mlx-lm base, `mlx_lm.fuse --export-gguf` writes F16 llama GGUFs")
