@@ -137,6 +137,24 @@ def test_a_failed_second_checkpoint_leaves_the_first_and_names_both(tmp_path, mo
     assert len(resumed.history) == 2
 
 
+def test_a_failed_adapters_last_write_is_one_line_naming_it(tmp_path, monkeypatch):
+    """train.keep_best writes the last step's adapter to adapters-last/ first; a failure there was a traceback."""
+    real = mx.save_safetensors
+
+    def save(path, *a, **k):
+        if "adapters-last" in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(mx, "save_safetensors", save)
+    with pytest.raises(StorageError) as err:
+        run(tmp_path, "train.steps=2", "train.eval_every=1", "train.keep_best=eval/loss")
+    assert str(err.value) == (f"could not write the adapter {tmp_path}/adapters-last: Permission denied; checkpoint "
+                              f"{tmp_path}/checkpoints/step-0000002 holds the same weights")
+    assert ckpt.validate(tmp_path / "checkpoints" / "step-0000002") is None
+    assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
+
+
 def test_storage_passes_other_errors_through():
     assert storage_reason(RuntimeError("[metal::malloc] Attempting to allocate 1 bytes")) is None
     assert storage_reason(RuntimeError("[load_safetensors] Failed to open file x")) == \

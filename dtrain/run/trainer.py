@@ -436,9 +436,10 @@ def finish(run: Run) -> None:
     step's, and the last step's to ``adapters-last/``)."""
     if run.group.is_main:
         t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
-        weights = keep_best.last_and_best(run, out.adapters_last)
-        with storage(f"write the adapter {out.adapters}", f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, step)} "
-                     f"holds the same weights"):
+        kept = f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, step)} holds the same weights"
+        with storage(f"write the adapter {out.adapters_last}", kept):
+            weights = keep_best.last_and_best(run, out.adapters_last)
+        with storage(f"write the adapter {out.adapters}", kept):
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
                                                   run.chat_template, weights)
         run.log.message(f"adapter written to {run.result.adapter_dir}"
