@@ -155,6 +155,26 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
     assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest.json" in seen[1]
 
 
+def test_only_step_folders_with_a_number_are_checkpoints_in_step_order(tmp_path):
+    """Names were compared as text: a copy (`step-0000001 copy`, `step-1.bak`) sorted after step-0000002 and
+    was resumed from, then pruned; step 10,000,000 sorted before step 9,999,999."""
+    from test_trainer import run
+
+    for name in ("step-12345678", "step-9999999", "step-0000010 copy", "step-x", "notes", "step-0000010"):
+        (tmp_path / "names" / name).mkdir(parents=True)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "names")] == ["step-0000010", "step-9999999",
+                                                                          "step-12345678"]
+    out = tmp_path / "run"
+    run(out, "train.steps=2", "train.save_every=1", "train.keep_last=5")
+    root = out / "checkpoints"
+    for copy in ("step-0000001 copy", "step-1.bak"):
+        shutil.copytree(root / "step-0000001", root / copy)
+    assert ckpt.find_latest(root).name == "step-0000002"
+    resumed, _ = run(out, "train.steps=3", "train.save_every=1", "train.keep_last=1", "train.resume=auto")
+    assert len(resumed.history) == 1  # step 3 only: continued from step 2
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000001 copy", "step-0000003", "step-1.bak"]
+
+
 def test_every_bit_flip_of_a_manifest_is_skipped_or_harmless(tmp_path):
     """A manifest whose entry lost a key ("sha256" -> "sha257": one bit) raised KeyError out of validate, so
     `--train.resume auto` (and the launcher's restart) ended in a traceback instead of using step 2."""

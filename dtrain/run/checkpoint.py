@@ -227,10 +227,11 @@ def run_id_of(path: Path) -> Optional[str]:
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint folders under ``root`` (valid or not), oldest step first."""
+    """Checkpoint folders under ``root`` (valid or not), oldest step first: ``step-`` and digits only, so a
+    copy (``step-0000010 copy``, ``step-10.bak``) is neither resumed from nor pruned."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) >= 0), key=step_of)
 
 
 def find_latest(root: Path, report=print) -> Optional[Path]:
@@ -379,8 +380,8 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
 
 def step_of(path: Path) -> int:
     """The step a checkpoint folder's name gives (``step-0000040`` -> 40); -1 for another name."""
-    digits = path.name.removeprefix(PREFIX)
-    return int(digits) if digits.isdigit() else -1
+    digits = path.name[len(PREFIX):] if path.name.startswith(PREFIX) else ""
+    return int(digits) if digits.isascii() and digits.isdigit() else -1
 
 
 def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) -> None:
