@@ -228,6 +228,24 @@ def test_disk_plan_of_keep_best_counts_both_adapter_folders(tmp_path, monkeypatc
     assert [p.adapters for p in plans] == [2, 1]
 
 
+def test_leftovers_that_cannot_be_removed_are_one_line_and_release_the_folder(tmp_path, monkeypatch):
+    """What a killed run left (data_cache/.tmp-*) is removed before the folder's checks; in a folder that is
+    not writable the removal was a PermissionError traceback."""
+    (tmp_path / "data_cache").mkdir()
+    (tmp_path / "data_cache" / ".tmp-123").write_text("")
+
+    def refused(self, missing_ok=False):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "unlink", refused)
+        with pytest.raises(StorageError) as err:
+            output.prepare_output(tmp_path, plan(), resuming=False)
+    assert str(err.value) == f"could not remove what a killed run left in {tmp_path}: Permission denied"
+    output.prepare_output(tmp_path, plan(), resuming=False).release()  # the lock was released
+    assert not (tmp_path / "data_cache" / ".tmp-123").exists()
+
+
 def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple

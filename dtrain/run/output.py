@@ -20,7 +20,7 @@ from typing import Optional
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
-from ..files import OutputDir, clear_set_aside, output_dir_problem
+from ..files import OutputDir, clear_set_aside, output_dir_problem, storage
 from ..lora import ADAPTER_CONFIG
 from .checkpoint import find_latest, list_checkpoints, step_of, validate
 
@@ -134,8 +134,9 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     Returns:
         The held lock; release it when the run ends.
     Raises:
-        UserError: ``out`` is an adapter folder; another run holds ``out``; not writable; too
-            little space; earlier checkpoints and not ``resuming``; an adapter folder and no checkpoint.
+        UserError: ``out`` is an adapter folder; another run holds ``out``; not writable (a killed run's
+            leftovers too); too little space; earlier checkpoints and not ``resuming``; an adapter folder
+            and no checkpoint.
     """
     # runs/demo/adapters given for runs/demo: checkpoints/, tb/ and data_cache/ would go into the adapter
     if (out / ADAPTER_CONFIG).is_file():
@@ -149,9 +150,10 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     try:
         # what a killed run left half-written (files.atomic_folder's adapter folders, new and set aside, the caches'
         # temporary files); under the lock no other run writes here
-        clear_set_aside(out, "adapters*")
-        for debris in OutputDir(out).data_cache.glob(".tmp-*"):
-            debris.unlink(missing_ok=True)
+        with storage(f"remove what a killed run left in {out}"):
+            clear_set_aside(out, "adapters*")
+            for debris in OutputDir(out).data_cache.glob(".tmp-*"):
+                debris.unlink(missing_ok=True)
         earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
