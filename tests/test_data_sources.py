@@ -403,6 +403,18 @@ def test_cache_equals_tokenizing_and_skips_it(tmp_path, tokenizer):
     assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected
 
 
+def test_cache_entries_follow_the_umask_like_other_outputs(tmp_path, tokenizer):
+    """Entries were written through mkstemp, whose files are 0600 whatever the umask."""
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 8, seed=6)), DataConfig())
+    old = os.umask(0o022)
+    try:
+        tokenize_cached(rows, tokenizer, DataConfig(), tmp_path / "cache")
+    finally:
+        os.umask(old)
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert oct(entry.stat().st_mode & 0o777) == oct(0o644)
+
+
 def _cache_entry(tmp_path, tokenizer) -> tuple:
     """``(entry path, rows, cfg, expected result)`` of one fresh cache entry."""
     rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 2, seed=12)), DataConfig())
