@@ -46,10 +46,13 @@ REFUSED = {
 }
 
 # Accepted keys that decide what is trained where another setting is on: refused then (and compared only
-# against checkpoints that recorded them, so runs saved before the rule continue).
+# against checkpoints that recorded them, so runs saved before the rule continue), the refusal saying why.
 REFUSED_WHEN = {
-    "train.eval_every": ("when λ changes (orpo.lambda_schedule: adaptive) and which steps train.keep_best compares",
+    "train.eval_every": ("with an adaptive λ schedule or train.keep_best it decides when λ changes and which steps "
+                         "are compared",
                          lambda r: r["train"]["keep_best"] is not None or r["orpo"]["lambda_schedule"] == "adaptive"),
+    "train.micro_batch_pairs": ("with lora.dropout above 0 it decides the dropout masks, drawn per micro-batch",
+                                lambda r: r["lora"]["dropout"] > 0),
 }
 
 # Compared by content, not by the text of the key: a moved file continues the run.
@@ -66,7 +69,7 @@ BY_CONTENT = {
 # How the run is computed, logged, kept or where it stops: a change is accepted.
 ACCEPTED = {
     "train.steps": "where the run stops; the schedule keeps the steps it was planned for (run/optimizer.py, learning_rate)",
-    "train.micro_batch_pairs": "accumulation gives the same normalised gradient",
+    "train.micro_batch_pairs": "accumulation gives the same normalised gradient (not the same dropout masks)",
     "train.compile_optimizer": "the same update, traced", "train.eval_every": "evaluation cadence",
     "train.save_every": "checkpoint cadence", "train.keep_last": "checkpoints kept",
     "train.output_dir": "where the run lives (a moved or copied folder continues)",

@@ -570,9 +570,28 @@ def test_eval_every_is_refused_where_it_decides_what_is_trained(tmp_path, overri
         with pytest.raises(UserError) as err:
             run(tmp_path, "train.steps=4", "train.resume=auto", "train.eval_every=1", *overrides)
         assert str(err.value) == (f"resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: "
-                                  f"train.eval_every: 2 in the checkpoint, 1 now. {ckpt.RESUME_HINT}")
+                                  f"train.eval_every: 2 in the checkpoint, 1 now (with an adaptive λ schedule or "
+                                  f"train.keep_best it decides when λ changes and which steps are compared). "
+                                  f"{ckpt.RESUME_HINT}")
     else:
         more, _ = run(tmp_path, "train.steps=4", "train.resume=auto", "train.eval_every=1", *overrides)
+        assert len(more.history) == 2
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_micro_batch_pairs_is_refused_with_lora_dropout(tmp_path, dropout):
+    """Dropout masks are drawn per micro-batch: with lora.dropout > 0 another train.micro_batch_pairs trains
+    another adapter, yet a resume accepted it."""
+    run(tmp_path, "train.steps=2", f"lora.dropout={dropout}")
+    args = ("train.steps=4", "train.resume=auto", f"lora.dropout={dropout}", "train.micro_batch_pairs=2")
+    if dropout:
+        with pytest.raises(UserError) as err:
+            run(tmp_path, *args)
+        assert str(err.value) == (f"resume: {tmp_path}/checkpoints/step-0000002 was made with different settings: "
+                                  f"train.micro_batch_pairs: 4 in the checkpoint, 2 now (with lora.dropout above 0 it "
+                                  f"decides the dropout masks, drawn per micro-batch). {ckpt.RESUME_HINT}")
+    else:
+        more, _ = run(tmp_path, *args)
         assert len(more.history) == 2
 
 

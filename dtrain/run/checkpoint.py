@@ -289,7 +289,8 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
     if saved.model in model_aliases:
         now["model.path"] = saved.model
     keys = [k for k in now if k in was or k not in REFUSED_WHEN] + [k for k in was if k not in now]
-    diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if k in current.settings and was.get(k) != now.get(k)]
+    diffs = [_differs(k, was.get(k), now.get(k)) + (f" ({REFUSED_WHEN[k][0]})" if k in REFUSED_WHEN else "")
+             for k in keys if k in current.settings and was.get(k) != now.get(k)]
     if not diffs:  # what the settings decide (pairs, shapes) differs only when they do, or the content does
         diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if was.get(k) != now.get(k)]
     if not diffs and saved.position.get("next_pairs") != next_pairs:
