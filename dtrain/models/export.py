@@ -414,8 +414,9 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
 
     ``meta`` (all optional): ``chat_template`` (replaces ``tokenizer.chat_template``, and the base's named
     templates when it is another one),
-    ``eos_token_ids`` (one not among llama.cpp's end-of-generation tokens becomes
-    ``tokenizer.ggml.eot_token_id`` when the file names none), ``adapter`` (its name in
+    ``eos_token_ids`` (the first not among llama.cpp's end-of-generation tokens becomes
+    ``tokenizer.ggml.eot_token_id`` when the file names none; a GGUF holds one, so the others stay
+    unknown to llama.cpp), ``adapter`` (its name in
     ``general.name``), ``updates`` (as :func:`merge_adapter` returns, for the
     quantization error).
 
