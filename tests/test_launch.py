@@ -281,6 +281,15 @@ def test_a_port_outside_tcps_range_is_one_line(option, port, job):
     assert r.stderr.strip().splitlines()[-1] == f"launch: error: {option} must be a TCP port, 1-65535; got {port}"
 
 
+@pytest.mark.parametrize("option, value", [("--restart-delay", "inf"), ("--restart-delay", "nan"),
+                                           ("--stop-timeout", "inf"), ("--stop-timeout", "nan")])
+def test_seconds_that_are_not_finite_are_one_line(option, value, tmp_path):
+    """--restart-delay inf ended in a traceback after the first failure, nan meant no delay at all."""
+    r = launch(option, value, tmp_path / "job.yaml", "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"launch: error: {option} must be a finite number of seconds; got {value}"
+
+
 def test_ring_ports_past_65535_are_one_line(job):
     r = launch("-n", 2, "--port", 65535, job["config"], "--dry-run")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import signal
 import socket
@@ -260,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError(f"-n must be at least 1; got {args.ranks}")
         if args.max_restarts < 0 or args.restart_delay < 0 or args.stop_timeout <= 0:
             raise LaunchError("--max-restarts and --restart-delay must be >= 0, --stop-timeout > 0")
+        for name, seconds in (("--restart-delay", args.restart_delay), ("--stop-timeout", args.stop_timeout)):
+            if not math.isfinite(seconds):  # inf overflows Event.wait, nan passes every bound above
+                raise LaunchError(f"{name} must be a finite number of seconds; got {seconds}")
         for name, port in (("--port", args.port), ("--tensorboard", args.tensorboard)):
             if port is not None and not 1 <= port <= 65535:  # else socket.bind raises OverflowError
                 raise LaunchError(f"{name} must be a TCP port, 1-65535; got {port}")
