@@ -89,6 +89,9 @@ def _host(i: int, raw, where: str) -> Host:
     if not isinstance(ips, list):
         raise LaunchError(f"{where}: host {i} ({ssh}): 'ips' must be a list of IP addresses, got {ips!r}")
     for ip in ips:
+        if not isinstance(ip, str):  # ipaddress reads a number as an address: 5 would be 0.0.0.5
+            raise LaunchError(f"{where}: host {i} ({ssh}): {json.dumps(ip)} in 'ips' is not a string; write each IP "
+                              f"address in quotes, e.g. \"192.168.1.2\"")
         if not _is_ip(ip):
             raise LaunchError(f"{where}: host {i} ({ssh}): {ip!r} in 'ips' is not an IP address (use e.g. 192.168.1.2, not a host name)")
     rdma = raw.get("rdma", [])
