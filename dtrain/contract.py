@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from typing import Mapping, Optional
 
+from .errors import UserError
+
 BACKENDS = ("ring", "jaccl", "mpi", "nccl")  # mx.distributed backends a launcher can start
 
 # After an abort (SIGUSR1) a rank's wrapper kills its trainer this many seconds later; the
@@ -61,14 +63,16 @@ def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
     ``NCCL_HOST_IP`` and ``MLX_WORLD_SIZE``; OpenMPI's ``mpirun`` sets
     ``OMPI_COMM_WORLD_SIZE`` (MPICH/Hydra: ``PMI_SIZE``). A size of 0 means
     "set by a launcher, size not known here".
+
+    Raises:
+        UserError: a size variable that is not a whole number.
     """
     if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi", int(env.get("OMPI_COMM_WORLD_SIZE") or env.get("PMI_SIZE") or 0)
+        return "mpi", _size(env, "OMPI_COMM_WORLD_SIZE") or _size(env, "PMI_SIZE")
     if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
         return "jaccl", 0
     if "NCCL_HOST_IP" in env and "MLX_RANK" in env:
-        size = env.get("MLX_WORLD_SIZE", "")
-        return "nccl", int(size) if size.isdigit() else 0
+        return "nccl", _size(env, "MLX_WORLD_SIZE")
     if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
         try:
             with open(env["MLX_HOSTFILE"], encoding="utf-8") as f:
@@ -76,6 +80,19 @@ def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
         except (OSError, ValueError):
             return "ring", 0
     return None, 1
+
+
+def _size(env: Mapping[str, str], var: str) -> int:
+    """The world size in ``env[var]``; 0 when unset or empty.
+
+    Raises:
+        UserError: the value is not a whole number.
+    """
+    text = env.get(var, "")
+    if text and not text.isdecimal():
+        raise UserError(f"{var}={text!r} in the environment is not a whole number of ranks; start every rank "
+                        f"with ./launch (or mpirun, mlx.launch), or unset {var} to train alone")
+    return int(text or 0)
 
 
 def ring_hostfile(ips_per_rank: list[list[str]], port: int) -> list[list[str]]:

@@ -37,6 +37,15 @@ def test_launcher_backend_reads_each_launchers_variables(tmp_path):
     assert launcher_backend({"MLX_JACCL_COORDINATOR": "10.0.0.1:5000", "MLX_RANK": "0"}) == ("jaccl", 0)
 
 
+@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_WORLD_SIZE"])
+def test_a_world_size_that_is_not_a_number_is_one_line(var):
+    """OMPI_COMM_WORLD_SIZE=x ended `dtrain train` in int()'s traceback."""
+    with pytest.raises(UserError) as err:
+        init_group("any", env={var: "x", "NCCL_HOST_IP": "127.0.0.1", "MLX_RANK": "0"})
+    assert str(err.value) == (f"{var}='x' in the environment is not a whole number of ranks; start every rank "
+                              f"with ./launch (or mpirun, mlx.launch), or unset {var} to train alone")
+
+
 def test_one_rank_needs_no_setup():
     for backend in ("any", "none"):
         g = init_group(backend, env={})
