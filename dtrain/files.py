@@ -77,11 +77,26 @@ def cache_dir() -> Path:
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
+def home_path(text: str | Path, key: str) -> Path:
+    """``text`` with a leading ``~`` or ``~user`` read as that home folder (YAML expands nothing).
+
+    Raises:
+        UserError: ``~user`` of no user here, naming ``key``.
+    """
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory."
+        raise UserError(f"{key} {text}: no home folder for {str(text).split('/')[0]}") from None
+
+
 @dataclass(frozen=True)
 class OutputDir:
-    """The parts of a run's ``train.output_dir``, named in this one place."""
+    """The parts of a run's ``train.output_dir``, named in this one place (a leading ``~`` is the home folder)."""
 
     root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", home_path(self.root, "train.output_dir"))  # frozen: set once, here
 
     @property
     def checkpoints(self) -> Path:  # step-NNNNNNN folders (dtrain.run.checkpoint)

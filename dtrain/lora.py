@@ -22,7 +22,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from .config import LoraConfig, checked
 from .errors import ConfigError
-from .files import atomic_folder, storage
+from .files import atomic_folder, home_path, storage
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -228,7 +228,7 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
         ConfigError: no such folder, no or unreadable ``adapter_config.json``, no weights
             file, or an adapter that is not LoRA.
     """
-    folder = Path(folder)
+    folder = home_path(folder, "train.init_adapter")
     where = f"train.init_adapter {folder}"
     if not (folder / ADAPTER_WEIGHTS).is_file():
         raise ConfigError(f"{where}: no {ADAPTER_WEIGHTS} (expected an mlx-lm adapter folder)")
@@ -269,7 +269,7 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
         ConfigError: the file's names or shapes differ from the model's LoRA parameters (named).
         StorageError: the file cannot be read (damaged, truncated, unreadable).
     """
-    path = Path(folder) / ADAPTER_WEIGHTS
+    path = home_path(folder, "train.init_adapter") / ADAPTER_WEIGHTS
     with storage(f"read train.init_adapter {path}"):  # a damaged file is MLX's RuntimeError
         weights = mx.load(str(path))
     mine = dict(tree_flatten(model.trainable_parameters()))

@@ -365,3 +365,32 @@ def test_dtrain_config_lists_another_objectives_keep_best_metrics_without_data(c
     assert line.endswith("[null | eval/loss | eval/nll_loss]")
     assert main(["train", "--objective.kind", "sft"]) == 2  # a run still needs its data
     assert "set 'data.train'" in capsys.readouterr().err
+
+
+def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """train.output_dir, train.resume and train.init_adapter '~/x' were read as a folder named '~' in the
+    working folder (data.train and model.path expand it)."""
+    from fixtures_launch import make_model_folder
+
+    model = make_model_folder(tmp_path / "model")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    common = ["train", "--model.path", str(model), "--model.dtype", "float32", "--lora.rank", "2",
+              "--data.demo_pairs", "8", "--data.max_length", "64", "--data.max_prompt_length", "32",
+              "--train.global_batch_pairs", "2", "--train.micro_batch_pairs", "2", "--train.progress", "false"]
+    assert main([*common, "--train.steps", "1", "--train.output_dir", "~/a"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main([*common, "--train.steps", "2", "--train.output_dir", "~/a",
+                 "--train.resume", "~/a/checkpoints/step-0000001"]) == 0
+    assert f"resumed from {tmp_path}/a/checkpoints/step-0000001 at step 2" in capsys.readouterr().err
+    assert main([*common, "--train.steps", "1", "--train.output_dir", "~/b",
+                 "--train.init_adapter", "~/a/adapters"]) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["step-0000001", "step-0000002"]
+    assert (tmp_path / "b" / "adapters" / "adapters.safetensors").is_file()
+    assert list((tmp_path / "cwd").iterdir()) == []
+    for key in ("output_dir", "resume", "init_adapter"):
+        assert main([*common, "--train.steps", "1", "--train.output_dir", "~/c", f"--train.{key}",
+                     "~nosuchuser-dtrain/x"]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"dtrain: error: train.{key} ~nosuchuser-dtrain/x: no home folder for ~nosuchuser-dtrain")

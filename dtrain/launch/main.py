@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 tb = start_tensorboard(logdir, args.tensorboard, Path(tmp) / "tensorboard.log")
                 say(f"launch: TensorBoard at http://127.0.0.1:{args.tensorboard}/ (logdir {logdir})", sys.stdout)
             try:
-                output_dir = Path(cfg.train.output_dir) if plan.local else None
+                output_dir = OutputDir(Path(cfg.train.output_dir)).root if plan.local else None
                 named = restart.named_checkpoint(cfg.train.resume) if output_dir else None
                 return run_job(plan_for, args.stop_timeout, args.max_restarts, args.restart_delay, output_dir, signals,
                                named)

@@ -44,7 +44,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from ..identity import BEFORE_KEY, REFUSED_WHEN
-from ..files import atomic_folder, clear_set_aside, sha256_file, storage, storage_reason
+from ..files import atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 
 STATE = "state.json"
@@ -347,7 +347,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
     found = None
     if group.is_main:
         try:
-            path = find_latest(root, report) if spec == "auto" else Path(spec)
+            path = find_latest(root, report) if spec == "auto" else home_path(spec, "train.resume")
             if path is None:  # a mistyped train.output_dir would otherwise start over without a word
                 report(f"train.resume auto: no checkpoint in {root}; this run starts at step 1")
             else:

@@ -34,7 +34,7 @@ from ..engine.dpo import REF_KEYS
 from ..engine.layout import batch_totals
 from ..engine.loss import upcast
 from ..engine.objective import PairLogps, Totals
-from ..files import sha256_file
+from ..files import home_path, sha256_file
 from ..lora import ADAPTER_WEIGHTS
 from ..sampler import micro_batches
 from ..types import TokenizedPair
@@ -191,4 +191,4 @@ def compute_dtype(model) -> str:
 def init_adapter_identity(cfg):
     """sha256 of ``train.init_adapter``'s weights file, or None without one."""
     folder = cfg.train.init_adapter
-    return sha256_file(Path(folder) / ADAPTER_WEIGHTS) if folder else None
+    return sha256_file(home_path(folder, "train.init_adapter") / ADAPTER_WEIGHTS) if folder else None
