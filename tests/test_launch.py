@@ -290,6 +290,19 @@ def test_seconds_that_are_not_finite_are_one_line(option, value, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == f"launch: error: {option} must be a finite number of seconds; got {value}"
 
 
+@pytest.mark.parametrize("args, named", [(["--backend", "ring"], "--backend ring"),
+                                         (["--distributed.backend", "mpi"], "distributed.backend mpi")])
+def test_one_rank_with_a_backend_is_refused_before_it_starts(args, named, tmp_path):
+    """The rank failed joining its group (exit 4, which --max-restarts restarted); --backend was dropped silently."""
+    config = tmp_path / "job.yaml"
+    config.write_text("data: {demo_pairs: 4}\n")
+    r = launch(*args, config, "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: {named} needs 2 or more ranks, and this launch starts one (MLX forms no group of one "
+        f"process); pass -n N or --hostfile HOSTS.json, or leave the backend out to train on one rank")
+
+
 def test_ring_ports_past_65535_are_one_line(job):
     r = launch("-n", 2, "--port", 65535, job["config"], "--dry-run")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

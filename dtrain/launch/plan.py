@@ -230,9 +230,10 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         port_locks: receives the locks on the ports of ranks on this machine
             (:func:`free_ports`); the caller closes them when the job ends.
     Raises:
-        LaunchError: a combination that cannot run (e.g. ``-n`` with a hostfile), a port in use.
+        LaunchError: a combination that cannot run (``-n`` with a hostfile, a backend for one rank), a port in use.
     """
     explicit, notes = base_env(hostfile.envs if hostfile else None)
+    named = f"--backend {backend}" if backend else f"distributed.backend {cfg.distributed.backend}"
     backend = backend or (hostfile.backend if hostfile else None)
     if backend is None and cfg.distributed.backend != "any":
         backend = cfg.distributed.backend
@@ -247,8 +248,11 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         backend = backend or "ring"
         if backend == "jaccl":
             raise LaunchError("the jaccl backend needs a hostfile with 'rdma' devices (--hostfile HOSTS.json)")
+    elif backend is not None:  # the rank would fail joining its group (exit 4, which a restart repeats)
+        raise LaunchError(f"{named} needs 2 or more ranks, and this launch starts one (MLX forms no group of one "
+                          f"process); pass -n N or --hostfile HOSTS.json, or leave the backend out to train on one rank")
     else:
-        hosts, backend = ["localhost"], None
+        hosts = ["localhost"]
     n = len(hosts)
     t = cfg.train
     common = dict(backend=backend or "none", world_size=n, hosts=hosts, explicit=explicit, notes=notes,
