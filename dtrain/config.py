@@ -359,10 +359,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     shown = f"{section}.{yaml_key(name)}"
     if key in ALIASES.values():  # the Python name of a key spelled otherwise: one spelling, so no silent repeat
         raise ConfigError(f"{source}: unknown key '{section}.{key}' (write '{shown}')")
+    _check_section(section, source)
     sections = {f.name for f in dataclasses.fields(Config)}
-    if section not in sections:
-        raise ConfigError(f"{source}: unknown section '{section}' ({_did_you_mean(section, sections)}known: "
-                          f"{', '.join(sorted(sections))})")
     sub = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(sub)}
     if name not in fields:
@@ -377,6 +375,29 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
                           f"completion/messages/text) to column names, got {value!r}; e.g. --data.fields "
                           f"'{{prompt: question, chosen: response_j, rejected: response_k}}'")
     setattr(sub, name, checked(type(sub), name, value, f"{source}: key '{shown}'"))
+
+
+def _check_section(section: str, source: str) -> None:
+    """Refuse an unknown section, naming the section meant, or the key meant (a flat YAML file's
+    ``learning_rate: 1e-4`` is the key ``train.learning_rate``).
+
+    Raises:
+        ConfigError: ``section`` is not a section of :class:`Config`.
+    """
+    sections = typing.get_type_hints(Config)
+    if section in sections:
+        return
+    dotted: dict = {}  # a key's YAML name -> its section.key names
+    for name, cls in sorted(sections.items()):
+        for f in dataclasses.fields(cls):
+            dotted.setdefault(yaml_key(f.name), []).append(f"{name}.{yaml_key(f.name)}")
+    close = difflib.get_close_matches(section, list(dotted), n=1, cutoff=0.75)
+    if section in dotted:
+        hint = f"it is the key {' or '.join(map(repr, dotted[section]))}: indent it under its section; "
+    else:
+        hint = _did_you_mean(section, sections) or (f"did you mean {' or '.join(map(repr, dotted[close[0]]))}? "
+                                                     if close else "")
+    raise ConfigError(f"{source}: unknown section '{section}' ({hint}known: {', '.join(sorted(sections))})")
 
 
 def _did_you_mean(word: str, known, prefix: str = "") -> str:
@@ -546,6 +567,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
         for section, keys in raw.items():
+            _check_section(str(section), path)  # before its value: a flat file's keys are not sections
             keys = {} if keys is None else keys  # a section whose keys are all commented out
             if not isinstance(keys, dict):
                 raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {keys!r}")

@@ -169,6 +169,28 @@ def test_a_misspelt_or_misplaced_key_names_the_one_meant(override, hint):
     assert hint in str(err.value)
 
 
+KNOWN = "known: data, distributed, engine, lora, model, objective, orpo, train)"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("learning_rate: 1.0e-4\n", "unknown section 'learning_rate' (it is the key 'train.learning_rate': indent it "
+                                "under its section; " + KNOWN),
+    ("lambda: 0.2\n", "unknown section 'lambda' (it is the key 'orpo.lambda': indent it under its section; " + KNOWN),
+    ("kind: dpo\n", "unknown section 'kind' (it is the key 'engine.kind' or 'objective.kind': indent it under its "
+                    "section; " + KNOWN),
+    ("learning_rat: 1.0e-4\n", "unknown section 'learning_rat' (did you mean 'train.learning_rate'? " + KNOWN),
+    ("trainer: 3\n", "unknown section 'trainer' (did you mean 'train'? " + KNOWN),
+    ("bogus: {a: 1}\n", "unknown section 'bogus' (" + KNOWN),
+])
+def test_a_key_at_the_top_level_of_a_yaml_file_names_its_section(tmp_path, text, message):
+    """A flat config (keys not under sections) was told "section 'learning_rate' must be a mapping of keys"."""
+    f = tmp_path / "flat.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert str(err.value) == f"{f}: {message}"
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
