@@ -557,6 +557,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
             raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError as err:
             raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        except OSError as err:  # no read permission, a disk error
+            raise ConfigError(f"{path}: cannot read the config file: {err.strerror or err}") from None
         except _RepeatedKey as err:
             raise ConfigError(f"{path}: {err}") from None
         except yaml.YAMLError as err:

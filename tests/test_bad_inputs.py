@@ -207,3 +207,16 @@ def test_a_path_under_an_unknown_users_home_is_one_line():
     with pytest.raises(DataError) as err:
         template_source("~nosuchuser-dtrain/chat.jinja")
     assert str(err.value).startswith("data.chat_template: '~nosuchuser-dtrain/chat.jinja' is neither a template name")
+
+
+def test_an_unreadable_config_file_is_one_line(tmp_path, monkeypatch, capsys):
+    """A config file this user may not read ended in PermissionError's traceback."""
+    from pathlib import Path
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text("data: {demo_pairs: 4}\n")
+    monkeypatch.setattr(Path, "read_text", lambda self, **_: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", str(self))))
+    assert main(["config", "-c", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"dtrain: error: {cfg}: cannot read the config file: Permission denied\n", err
