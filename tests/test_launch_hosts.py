@@ -93,6 +93,18 @@ def test_hostfile_missing_and_not_json(config, tmp_path):
     assert one_error(config, bad) == f"launch: error: {bad}:3:3: not valid JSON (Expecting ',' delimiter)"
 
 
+def test_an_unreadable_hostfile_is_one_line(tmp_path, monkeypatch):
+    """A hostfile this user may not read ended the launcher in PermissionError's traceback."""
+    from dtrain.launch.hosts import LaunchError, load_hostfile
+
+    f = write_hostfile(tmp_path / "hosts.json", TWO)
+    monkeypatch.setattr(Path, "read_text", lambda self, **_: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", str(self))))
+    with pytest.raises(LaunchError) as err:
+        load_hostfile(str(f))
+    assert str(err.value) == f"{f}: cannot read the hostfile: Permission denied"
+
+
 def test_backend_override_is_checked_against_hostfile(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", {"backend": "mpi", "hosts": [{"ssh": "mac1"}, {"ssh": "mac2"}]})
     assert one_error(config, f, "--backend", "ring") == (

@@ -176,7 +176,7 @@ def load_hostfile(path: str) -> Hostfile:
     """Read and validate ``path`` (see :func:`parse_hostfile`).
 
     Raises:
-        LaunchError: missing file, invalid JSON, or any structural problem.
+        LaunchError: missing or unreadable file, invalid JSON, or any structural problem.
     """
     p = Path(path)
     if not p.is_file():
@@ -188,6 +188,8 @@ def load_hostfile(path: str) -> Hostfile:
         raise LaunchError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
     except UnicodeDecodeError as err:
         raise LaunchError(f"{path}: not UTF-8 text ({err})") from None
+    except OSError as err:  # no read permission, a disk error
+        raise LaunchError(f"{path}: cannot read the hostfile: {err.strerror or err}") from None
     return parse_hostfile(data, path, host_lines(text))
 
 
