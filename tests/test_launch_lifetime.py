@@ -150,6 +150,32 @@ def test_free_ports_skip_ports_another_launcher_holds():
             os.close(fd)
 
 
+def test_a_port_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
+    """The lock file was opened for writing, which another user's file (mode 0644) refuses: a traceback.
+    Here os.open refuses write access to it as the kernel would (the tests run as root, whom it never refuses)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    lock = tmp_path / f"dtrain-port-{PORT_FLOOR}.lock"
+    lock.touch(mode=0o644)
+    real_open = os.open
+
+    def open_as_another_user(path, flags, *args):
+        if str(path) == str(lock) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_as_another_user)
+    fd = _port_lock(PORT_FLOOR)
+    try:
+        assert fd is not None and _port_lock(PORT_FLOOR) is None  # held: a second launcher is refused
+    finally:
+        os.close(fd)
+    fd = _port_lock(PORT_FLOOR)  # released: taken again
+    assert fd is not None
+    os.close(fd)
+
+
 def _port_free(port: int) -> bool:
     held = _port_lock(port)
     if held is None:
