@@ -370,6 +370,10 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         hint = (f"it is '{elsewhere[0]}'; " if elsewhere else
                 _did_you_mean(yaml_key(name), known, f"{section}."))
         raise ConfigError(f"{source}: unknown key '{shown}' ({hint}known in '{section}': {', '.join(known)})")
+    if value == "":  # YAML's '' as the command line's empty text: null where the key may be null, else refused
+        if type(None) not in typing.get_args(typing.get_type_hints(type(sub))[name]):
+            raise ConfigError(f"{source}: key '{shown}' is empty; give it a value")
+        value = None
     if (section, name) == ("data", "fields") and value is not None and not isinstance(value, dict):
         raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system (SFT: "
                           f"completion/messages/text) to column names, got {value!r}; e.g. --data.fields "
@@ -482,9 +486,10 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     """``"section.key=value"`` -> ``(section, key, value)``.
 
     A ``str`` key's value is the text as given, so a path keeps its ``#`` or ``: ``
-    and ``2024`` stays text; for an optional one, ``null``, ``~`` and the empty
-    text are None. Other values are read as YAML (``1e-4``, ``true``, ``[a, b]``,
-    ``{prompt: q}``), as they would be in a config file.
+    and ``2024`` stays text; for an optional one, ``null`` and ``~`` are None. Other
+    values are read as YAML (``1e-4``, ``true``, ``[a, b]``, ``{prompt: q}``), as
+    they would be in a config file. The empty text stays ``""``, which ``_apply``
+    reads as None where the key may be null and refuses elsewhere (as YAML's ``''``).
 
     Raises:
         ConfigError: ``item`` is not of that form.
@@ -495,10 +500,10 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     section, key = dotted.split(".", 1)
     tp = _field_type(section, key)
     if tp in (str, Optional[str]):
-        is_null = text == "" or (tp != str and text in ("null", "Null", "NULL", "~"))
-        return section, key, None if is_null else text  # a required str given "" is refused as None
+        is_null = tp != str and text in ("null", "Null", "NULL", "~")
+        return section, key, None if is_null else text
     try:
-        value = yaml.safe_load(text) if text != "" else None
+        value = yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
         value = text
     return section, key, value

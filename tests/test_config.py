@@ -343,8 +343,22 @@ def test_a_str_key_takes_the_override_text_as_given_and_other_keys_read_yaml(ove
 
 
 def test_an_empty_override_of_a_required_str_key_is_refused():
-    with pytest.raises(ConfigError, match=r"command line: key 'train.output_dir': expected str, got None"):
+    with pytest.raises(ConfigError, match=r"^command line: key 'train.output_dir' is empty; give it a value$"):
         load_config(None, ["data.demo_pairs=1", "train.output_dir="])
+    with pytest.raises(ConfigError, match=r"^command line: key 'train.steps' is empty; give it a value$"):
+        load_config(None, ["data.demo_pairs=1", "train.steps="])
+
+
+def test_an_empty_yaml_value_reads_as_an_empty_override(tmp_path):
+    """YAML's '' was taken as given: train.output_dir '' trained into the working folder."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  demo_pairs: 4\ntrain:\n  output_dir: ''\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert str(err.value) == f"{f}: key 'train.output_dir' is empty; give it a value"
+    f.write_text("data:\n  demo_pairs: 4\n  valid: ''\n  chat_template: ''\ntrain:\n  resume: ''\n")
+    cfg = load_config(str(f))  # null where the key may be null, as --data.valid '' is
+    assert (cfg.data.valid, cfg.data.chat_template, cfg.train.resume) == (None, None, None)
 
 
 @pytest.mark.parametrize("text, message", [
