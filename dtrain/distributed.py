@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
 from .memory import is_out_of_memory
-from .contract import (EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
+from .contract import (BACKENDS, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
                        launcher_backend, rank_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
@@ -257,7 +257,7 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
         timeout_s: watchdog for ``mx.distributed.init`` itself (0 = off).
         env: the environment to read (default ``os.environ``).
     Raises:
-        UserError: the backend could not start, the group's size differs
+        UserError: the backend is not in this MLX or could not start, the group's size differs
             from the world size the launcher announced, or the environment
             names a rank >= 1 or a world size > 1 but no group of several ranks was formed.
     """
@@ -270,6 +270,11 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
                           else "distributed.backend is none")
         return Group()
     name = found if backend == "any" else backend
+    if not mx.distributed.is_available(name):  # else init's error reads as a lost peer (exit 4, restarted)
+        have = [b for b in BACKENDS if mx.distributed.is_available(b)]
+        libmpi = "; MPI's also needs a libmpi MLX can load (./launch sets MLX_MPI_LIBNAME)" if name == "mpi" else ""
+        raise UserError(f"distributed backend '{name}' is not in this MLX {mx.__version__}; it has: "
+                        f"{', '.join(have) or 'none'} (dtrain doctor lists them){libmpi}")
     try:
         with Watchdog(rank, f"joining the '{name}' group", None, timeout_s):
             g = mx.distributed.init(strict=True, backend=name)

@@ -64,6 +64,16 @@ def test_explicit_backend_that_cannot_start_is_one_line():
     assert "ring" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_backend_this_mlx_lacks_is_a_user_error_naming_the_ones_it_has(monkeypatch):
+    """jaccl on Linux failed as a lost peer (exit 4, which ./launch --max-restarts restarted)."""
+    monkeypatch.setattr(mx.distributed, "is_available", lambda backend="any": backend in ("ring", "mpi"))
+    with pytest.raises(UserError) as err:
+        init_group("jaccl", env={"MLX_RANK": "0", "MLX_JACCL_COORDINATOR": "10.0.0.1:5000"})
+    assert err.value.__class__ is UserError  # exit status 2: a restart would repeat it
+    assert str(err.value) == (f"distributed backend 'jaccl' is not in this MLX {mx.__version__}; it has: ring, mpi "
+                              f"(dtrain doctor lists them)")
+
+
 def test_watchdog_turns_an_mlx_error_into_a_user_error():
     with pytest.raises(UserError, match=r"^rank 2: all_sum of metrics at step 7 failed: \[ring\] connection to a peer was lost$"):
         with Watchdog(2, "all_sum of metrics", 7, 30):
@@ -137,6 +147,7 @@ def test_a_group_whose_size_differs_from_the_announced_one_stops(monkeypatch, an
             return 0
 
     monkeypatch.setattr(mx.distributed, "init", lambda strict, backend: Formed())
+    monkeypatch.setattr(mx.distributed, "is_available", lambda backend="any": True)  # NCCL on a CPU build too
     env = {"MLX_RANK": "0", "NCCL_HOST_IP": "127.0.0.1", "MLX_WORLD_SIZE": str(announced)}
     with pytest.raises(UserError) as err:
         init_group("any", env=env)
