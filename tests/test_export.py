@@ -273,6 +273,19 @@ def test_export_gguf_onto_a_mistyped_base_path_says_no_such_file(tmp_path, llama
         export_adapter(str(adapter), "some-org/some-model", str(tmp_path / "o"), gguf_type="f16")  # a hub id
 
 
+def test_a_leading_tilde_in_the_adapter_and_out_is_the_home_folder(tmp_path, llama, monkeypatch, capsys):
+    """`dtrain export A --out=~/x` (where the shell expands no ~) wrote a folder named '~' in the working folder."""
+    base, _, _ = llama
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["export", "~/adapter", "--base", str(base), "--out=~/merged", "--gguf", "f32"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote mlx-lm model folder {tmp_path}/merged (bfloat16)" in out
+    assert f"wrote GGUF {tmp_path}/merged/model-F32.gguf" in out
+    assert (tmp_path / "merged" / "model-F32.gguf").is_file() and list((tmp_path / "cwd").iterdir()) == []
+
+
 def refused_unless_allowed(argv: list, capsys, names: str) -> None:
     """``dtrain ARGV`` stops with the base-mismatch line starting ``names`` and writes nothing to ``--out``;
     with ``--allow-base-mismatch`` it exports."""

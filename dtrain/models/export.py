@@ -42,6 +42,7 @@ the user decides, and a wider type is the remedy named in the warning.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -334,6 +335,8 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
             recorded one, a non-empty ``out_dir``, an unknown type, or ``gguf_type``
             with a non-GGUF or missing base.
     """
+    # ~ as base reads it (the shell expands none in --out=~/x); os.path's leaves ~user of no user as text
+    adapter_dir, out_dir = os.path.expanduser(adapter_dir), os.path.expanduser(out_dir)
     if gguf_type is not None and gguf_type.lower() not in GGUF_TYPES:
         raise ModelError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
     if dtype not in DTYPES:
