@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -555,7 +556,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
     """
     cfg = Config()
     if path is not None:
-        p = Path(path)
+        p = Path(os.path.expanduser(path))  # --config=~/x.yaml reaches here unexpanded; ~user of none stays text
         if not p.is_file():
             raise ConfigError(f"{path}: config file not found" + (" (it is a directory)" if p.is_dir() else ""))
         try:

@@ -403,6 +403,13 @@ def test_dtrain_config_lists_another_objectives_keep_best_metrics_without_data(c
     assert "set 'data.train'" in capsys.readouterr().err
 
 
+def test_a_config_path_under_tilde_is_read_from_the_home_folder(tmp_path, monkeypatch):
+    """`dtrain train --config=~/job.yaml` (where the shell expands no ~) said the file was not found."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "job.yaml").write_text("data: {demo_pairs: 4}\ntrain: {steps: 7}\n")
+    assert load_config("~/job.yaml").train.steps == 7
+
+
 def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch, capsys):
     """train.output_dir, train.resume and train.init_adapter '~/x' were read as a folder named '~' in the
     working folder (data.train and model.path expand it)."""

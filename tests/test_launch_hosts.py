@@ -105,6 +105,15 @@ def test_an_unreadable_hostfile_is_one_line(tmp_path, monkeypatch):
     assert str(err.value) == f"{f}: cannot read the hostfile: Permission denied"
 
 
+def test_a_hostfile_under_tilde_is_read_from_the_home_folder(config, tmp_path):
+    """--hostfile=~/hosts.json (no shell expansion) said "not found"."""
+    write_hostfile(tmp_path / "hosts.json", TWO)
+    cache = os.environ.get("DTRAIN_CACHE", os.path.expanduser("~/.cache/dtrain"))  # the BLAS probe's, kept
+    r = launch("--hostfile=~/hosts.json", "--dry-run", config, env={"HOME": str(tmp_path), "DTRAIN_CACHE": cache})
+    assert r.returncode == 0, r.stderr
+    assert f"--hostfile {tmp_path}/hosts.json" in r.stdout  # mlx.launch gets the path, not '~'
+
+
 def test_backend_override_is_checked_against_hostfile(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", {"backend": "mpi", "hosts": [{"ssh": "mac1"}, {"ssh": "mac2"}]})
     assert one_error(config, f, "--backend", "ring") == (

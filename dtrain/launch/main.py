@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             if port is not None and not 1 <= port <= 65535:  # else socket.bind raises OverflowError
                 raise LaunchError(f"{name} must be a TCP port, 1-65535; got {port}")
         cfg = load_config(args.config, overrides)
+        if args.hostfile:  # --hostfile=~/h.json reaches here unexpanded, and mlx.launch is given the path
+            args.hostfile = os.path.expanduser(args.hostfile)
         hostfile = load_hostfile(args.hostfile) if args.hostfile else None
         with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:
             def plan_for(resume: bool):
