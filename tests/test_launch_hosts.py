@@ -114,6 +114,11 @@ def test_a_hostfile_under_tilde_is_read_from_the_home_folder(config, tmp_path):
     assert f"--hostfile {tmp_path}/hosts.json" in r.stdout  # mlx.launch gets the path, not '~'
 
 
+def test_a_folder_given_as_the_hostfile_is_named_so(config, tmp_path):
+    """It said "hostfile not found"."""
+    assert one_error(config, tmp_path) == f"launch: error: {tmp_path}: is a directory, not a hostfile"
+
+
 def test_backend_override_is_checked_against_hostfile(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", {"backend": "mpi", "hosts": [{"ssh": "mac1"}, {"ssh": "mac2"}]})
     assert one_error(config, f, "--backend", "ring") == (

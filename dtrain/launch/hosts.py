@@ -179,6 +179,8 @@ def load_hostfile(path: str) -> Hostfile:
         LaunchError: missing or unreadable file, invalid JSON, or any structural problem.
     """
     p = Path(path)
+    if p.is_dir():
+        raise LaunchError(f"{path}: is a directory, not a hostfile")
     if not p.is_file():
         raise LaunchError(f"{path}: hostfile not found")
     try:
