@@ -303,6 +303,15 @@ def test_one_rank_with_a_backend_is_refused_before_it_starts(args, named, tmp_pa
         f"process); pass -n N or --hostfile HOSTS.json, or leave the backend out to train on one rank")
 
 
+@pytest.mark.parametrize("args", [["-c"], ["-c", "job.yaml"], ["--config=job.yaml"], ["-n", "2", "-c", "job.yaml"]])
+def test_a_config_given_with_dash_c_points_to_the_bare_form(args):
+    """`./launch -c job.yaml` (dtrain's form) said "unrecognized arguments: -c", `./launch -c` that config is required."""
+    r = launch(*args)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "launch: error: ./launch takes the config file bare, without -c/--config: ./launch [options] CONFIG"]
+
+
 def test_ring_ports_past_65535_are_one_line(job):
     r = launch("-n", 2, "--port", 65535, job["config"], "--dry-run")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

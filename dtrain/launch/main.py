@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     tb, port_locks = None, []
     try:
         options, overrides = split_argv(sys.argv[1:] if argv is None else argv)
+        if any(o in ("-c", "--config") or o.startswith(("-c=", "--config=")) for o in options):  # dtrain's form
+            raise LaunchError("./launch takes the config file bare, without -c/--config: ./launch [options] CONFIG")
         args = _parser().parse_args(options)
         if args.ranks < 1:
             raise LaunchError(f"-n must be at least 1; got {args.ranks}")
