@@ -9,6 +9,7 @@ key (and the file, when there is one).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import os
@@ -304,6 +305,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if isinstance(value, datetime.date):  # no key takes a date; text that looks like one is meant
+        raise ConfigError(f"{where}: expected {type_name(tp).replace(' or null', '')}, got the date {value} (YAML "
+                          f"reads an unquoted date as one); quote it: '{value}'")
     if origin is Literal:
         if value in typing.get_args(tp):
             return value

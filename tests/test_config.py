@@ -403,6 +403,16 @@ def test_dtrain_config_lists_another_objectives_keep_best_metrics_without_data(c
     assert "set 'data.train'" in capsys.readouterr().err
 
 
+def test_a_yaml_date_points_to_quoting_it(tmp_path):
+    """`output_dir: 2026-12-06` said "expected str, got datetime.date(2026, 12, 6)"."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data: {demo_pairs: 4, valid: 2026-12-06}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert str(err.value) == (f"{f}: key 'data.valid': expected str, got the date 2026-12-06 (YAML reads an "
+                              f"unquoted date as one); quote it: '2026-12-06'")
+
+
 def test_a_config_path_under_tilde_is_read_from_the_home_folder(tmp_path, monkeypatch):
     """`dtrain train --config=~/job.yaml` (where the shell expands no ~) said the file was not found."""
     monkeypatch.setenv("HOME", str(tmp_path))
