@@ -422,8 +422,11 @@ def checked(cls, name: str, value: Any, where: str) -> Any:
     Raises:
         ConfigError: starting with ``where``.
     """
-    value = _coerce(value, typing.get_type_hints(cls)[name], where)
-    _check_allowed(value, {f.name: f for f in dataclasses.fields(cls)}[name].metadata, where)
+    tp, meta = typing.get_type_hints(cls)[name], {f.name: f for f in dataclasses.fields(cls)}[name].metadata
+    if isinstance(value, bool) and str in (tp, *typing.get_args(tp)):  # YAML's false for null, or yes for a name
+        raise ConfigError(f"{where}: expected {type_name(tp)}, got {str(value).lower()} ({meta['help']})")
+    value = _coerce(value, tp, where)
+    _check_allowed(value, meta, where)
     return value
 
 

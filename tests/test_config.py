@@ -403,6 +403,16 @@ def test_dtrain_config_lists_another_objectives_keep_best_metrics_without_data(c
     assert "set 'data.train'" in capsys.readouterr().err
 
 
+def test_true_or_false_for_a_text_key_gives_the_keys_help(tmp_path):
+    """`resume: false` said only "expected str, got False"."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data: {demo_pairs: 4}\ntrain: {resume: false}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert str(err.value) == (f"{f}: key 'train.resume': expected str or null, got false (null: a new run; "
+                              "auto: the newest valid checkpoint in output_dir; or a checkpoint folder)")
+
+
 def test_a_yaml_date_points_to_quoting_it(tmp_path):
     """`output_dir: 2026-12-06` said "expected str, got datetime.date(2026, 12, 6)"."""
     f = tmp_path / "c.yaml"
