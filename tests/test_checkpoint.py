@@ -480,8 +480,10 @@ def test_resume_into_a_folder_with_another_runs_checkpoints_is_refused(tmp_path)
 
 
 def test_resume_path_must_be_a_valid_checkpoint(tmp_path):
-    with pytest.raises(UserError, match="does not exist"):
-        ckpt.load_checkpoint(tmp_path / "nope")
+    with pytest.raises(UserError) as err:  # --train.resume false: a folder named false (the command line's text)
+        ckpt.load_checkpoint(Path("false"))
+    assert str(err.value) == ("resume: checkpoint folder false does not exist; train.resume takes null (a new run), "
+                              "auto (the newest valid checkpoint in train.output_dir) or a checkpoint folder")
     (tmp_path / "step-0000001").mkdir()
     with pytest.raises(UserError, match="no manifest.json"):
         ckpt.load_checkpoint(tmp_path / "step-0000001")

@@ -255,7 +255,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if path.exists() and not path.is_dir():  # e.g. its adapters.safetensors named instead of the folder
         raise UserError(f"resume: {path} is a file; name a checkpoint folder (OUTPUT_DIR/checkpoints/step-N) or auto")
     if not path.is_dir():
-        raise UserError(f"resume: checkpoint folder {path} does not exist")
+        raise UserError(f"resume: checkpoint folder {path} does not exist; train.resume takes null (a new run), "
+                        "auto (the newest valid checkpoint in train.output_dir) or a checkpoint folder")
     problem = validate(path)
     if problem is not None:
         raise UserError(f"resume: {path} is not a valid checkpoint: {problem}")
