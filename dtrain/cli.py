@@ -200,17 +200,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args, extra = _parser().parse_known_args(argv)
     try:
-        overrides = split_overrides(extra, takes_config=args.command in ("train", "data", "config"))
+        if extra and args.command in ("convert", "export", "doctor"):
+            raise UserError(f"unexpected argument(s) {' '.join(extra)}: dtrain {args.command} takes no config "
+                            f"overrides; its options: dtrain {args.command} --help")
+        overrides = split_overrides(extra)
         if args.command == "train":
             return _train(args, overrides)
         if args.command == "data":
             return _data_check(args, overrides)
         if args.command == "config":
             return _config(args, overrides)
-        if args.command == "doctor" and not extra:
+        if args.command == "doctor":
             return _doctor(args)
-        if extra:
-            raise UserError(f"unexpected arguments {' '.join(extra)}")
         return _export(args) if args.command == "export" else _convert(args)
     except UserError as err:
         _error(str(err))

@@ -48,15 +48,15 @@ def take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     return others, overrides
 
 
-def split_overrides(argv: list[str], takes_config: bool = True) -> list[str]:
+def split_overrides(argv: list[str]) -> list[str]:
     """Overrides from ``argv`` (see :func:`take_overrides`), which must hold nothing else.
 
     Raises:
-        ConfigError: an argument that is not ``--section.key`` (a YAML file is pointed to ``-c``
-            when the command ``takes_config``), or one that lacks a value.
+        ConfigError: an argument that is not ``--section.key`` (a YAML file is pointed to ``-c``),
+            or one that lacks a value.
     """
     others, overrides = take_overrides(argv)
-    if others and takes_config and others[0].lower().endswith((".yaml", ".yml")):  # ./launch takes it bare
+    if others and others[0].lower().endswith((".yaml", ".yml")):  # ./launch takes it bare
         raise ConfigError(f"unexpected argument {others[0]!r}: a config file is given with -c "
                           f"(-c {others[0]})")
     if others:

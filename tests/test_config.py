@@ -268,6 +268,16 @@ def test_lora_scale_at_or_below_zero_is_refused(scale):
     assert largest_gradient(0.0) == 0.0 and largest_gradient(1.0) > 0.0
 
 
+@pytest.mark.parametrize("command, extra", [
+    (["doctor"], ["--bogus"]), (["doctor"], ["--train.steps", "3"]), (["export", "a", "--base", "b", "--out", "c"], ["--bogus"]),
+    (["convert", "a.gguf", "out"], ["--bogus"])])
+def test_an_unknown_option_of_a_command_without_overrides_points_to_its_help(command, extra, capsys):
+    """`dtrain doctor --bogus` said "overrides look like --section.key VALUE", which doctor does not take."""
+    assert main([*command, *extra]) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: unexpected argument(s) {' '.join(extra)}: dtrain {command[0]} "
+                                       f"takes no config overrides; its options: dtrain {command[0]} --help\n")
+
+
 @pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check", "pairs.jsonl"]])
 def test_a_bare_config_file_points_to_dash_c(command, capsys):
     """`./launch configs/demo.yaml` takes the config bare; `dtrain train configs/demo.yaml` said only
@@ -276,7 +286,8 @@ def test_a_bare_config_file_points_to_dash_c(command, capsys):
     assert capsys.readouterr().err == ("dtrain: error: unexpected argument 'configs/demo.yaml': a config file is "
                                        "given with -c (-c configs/demo.yaml)\n")
     assert main(["doctor", "x.yml"]) == 2  # doctor has no -c
-    assert capsys.readouterr().err == "dtrain: error: unexpected argument 'x.yml': overrides look like --section.key VALUE\n"
+    assert capsys.readouterr().err == ("dtrain: error: unexpected argument(s) x.yml: dtrain doctor takes no config "
+                                       "overrides; its options: dtrain doctor --help\n")
 
 
 @pytest.mark.parametrize("argv, fixed", [
