@@ -275,6 +275,10 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
         libmpi = "; MPI's also needs a libmpi MLX can load (./launch sets MLX_MPI_LIBNAME)" if name == "mpi" else ""
         raise UserError(f"distributed backend '{name}' is not in this MLX {mx.__version__}; it has: "
                         f"{', '.join(have) or 'none'} (dtrain doctor lists them){libmpi}")
+    if found is None and name in ("ring", "jaccl", "nccl"):  # MLX reads their peers from the launcher's variables
+        raise UserError(f"distributed.backend is {name}, but no launcher started this process (its environment "
+                        f"names no other ranks); start the ranks with ./launch -n N or ./launch --hostfile HOSTS.json, "
+                        f"or set distributed.backend any to train alone")
     try:
         with Watchdog(rank, f"joining the '{name}' group", None, timeout_s):
             g = mx.distributed.init(strict=True, backend=name)

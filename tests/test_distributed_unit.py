@@ -64,6 +64,18 @@ def test_explicit_backend_that_cannot_start_is_one_line():
     assert "ring" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("backend", ["ring", "nccl", "jaccl"])
+def test_a_backend_without_its_launcher_points_to_launch(backend, monkeypatch):
+    """`dtrain train --distributed.backend ring` alone failed as a lost peer (exit 4) with MLX's message."""
+    monkeypatch.setattr(mx.distributed, "is_available", lambda backend="any": True)
+    with pytest.raises(UserError) as err:
+        init_group(backend, env={})
+    assert err.value.__class__ is UserError  # exit status 2
+    assert str(err.value) == (f"distributed.backend is {backend}, but no launcher started this process (its "
+                              f"environment names no other ranks); start the ranks with ./launch -n N or ./launch "
+                              f"--hostfile HOSTS.json, or set distributed.backend any to train alone")
+
+
 def test_a_backend_this_mlx_lacks_is_a_user_error_naming_the_ones_it_has(monkeypatch):
     """jaccl on Linux failed as a lost peer (exit 4, which ./launch --max-restarts restarted)."""
     monkeypatch.setattr(mx.distributed, "is_available", lambda backend="any": backend in ("ring", "mpi"))
