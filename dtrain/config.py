@@ -306,7 +306,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     if isinstance(value, datetime.date):  # no key takes a date; text that looks like one is meant
-        raise ConfigError(f"{where}: expected {type_name(tp).replace(' or null', '')}, got the date {value} (YAML "
+        raise ConfigError(f"{where}: expected {type_name(tp)}, got the date {value} (YAML "
                           f"reads an unquoted date as one); quote it: '{value}'")
     if origin is Literal:
         if value in typing.get_args(tp):

@@ -181,8 +181,14 @@ KNOWN = "known: data, distributed, engine, lora, model, objective, orpo, train)"
     ("learning_rat: 1.0e-4\n", "unknown section 'learning_rat' (did you mean 'train.learning_rate'? " + KNOWN),
     ("trainer: 3\n", "unknown section 'trainer' (did you mean 'train'? " + KNOWN),
     ("bogus: {a: 1}\n", "unknown section 'bogus' (" + KNOWN),
+    ("data: {demo_pairs: 4}\ntrain: {resume: false}\n",  # it said only "got False"
+     "key 'train.resume': expected str or null, got false (null: a new run; auto: the newest valid checkpoint "
+     "in output_dir; or a checkpoint folder)"),
+    ("data: {demo_pairs: 4, valid: 2026-12-06}\n",  # it said "got datetime.date(2026, 12, 6)"
+     "key 'data.valid': expected str or null, got the date 2026-12-06 (YAML reads an unquoted date as one); "
+     "quote it: '2026-12-06'"),
 ])
-def test_a_key_at_the_top_level_of_a_yaml_file_names_its_section(tmp_path, text, message):
+def test_a_yaml_mistake_is_named_with_its_fix(tmp_path, text, message):
     """A flat config (keys not under sections) was told "section 'learning_rate' must be a mapping of keys"."""
     f = tmp_path / "flat.yaml"
     f.write_text(text)
@@ -269,7 +275,8 @@ def test_lora_scale_at_or_below_zero_is_refused(scale):
 
 
 @pytest.mark.parametrize("command, extra", [
-    (["doctor"], ["--bogus"]), (["doctor"], ["--train.steps", "3"]), (["export", "a", "--base", "b", "--out", "c"], ["--bogus"]),
+    (["doctor"], ["--bogus"]), (["doctor"], ["--train.steps", "3"]),
+    (["export", "a", "--base", "b", "--out", "c"], ["--bogus"]),
     (["convert", "a.gguf", "out"], ["--bogus"])])
 def test_an_unknown_option_of_a_command_without_overrides_points_to_its_help(command, extra, capsys):
     """`dtrain doctor --bogus` said "overrides look like --section.key VALUE", which doctor does not take."""
@@ -412,26 +419,6 @@ def test_dtrain_config_lists_another_objectives_keep_best_metrics_without_data(c
     assert line.endswith("[null | eval/loss | eval/nll_loss]")
     assert main(["train", "--objective.kind", "sft"]) == 2  # a run still needs its data
     assert "set 'data.train'" in capsys.readouterr().err
-
-
-def test_true_or_false_for_a_text_key_gives_the_keys_help(tmp_path):
-    """`resume: false` said only "expected str, got False"."""
-    f = tmp_path / "c.yaml"
-    f.write_text("data: {demo_pairs: 4}\ntrain: {resume: false}\n")
-    with pytest.raises(ConfigError) as err:
-        load_config(str(f))
-    assert str(err.value) == (f"{f}: key 'train.resume': expected str or null, got false (null: a new run; "
-                              "auto: the newest valid checkpoint in output_dir; or a checkpoint folder)")
-
-
-def test_a_yaml_date_points_to_quoting_it(tmp_path):
-    """`output_dir: 2026-12-06` said "expected str, got datetime.date(2026, 12, 6)"."""
-    f = tmp_path / "c.yaml"
-    f.write_text("data: {demo_pairs: 4, valid: 2026-12-06}\n")
-    with pytest.raises(ConfigError) as err:
-        load_config(str(f))
-    assert str(err.value) == (f"{f}: key 'data.valid': expected str, got the date 2026-12-06 (YAML reads an "
-                              f"unquoted date as one); quote it: '2026-12-06'")
 
 
 def test_a_config_path_under_tilde_is_read_from_the_home_folder(tmp_path, monkeypatch):

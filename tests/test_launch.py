@@ -287,7 +287,8 @@ def test_seconds_that_are_not_finite_are_one_line(option, value, tmp_path):
     """--restart-delay inf ended in a traceback after the first failure, nan meant no delay at all."""
     r = launch(option, value, tmp_path / "job.yaml", "--dry-run")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == f"launch: error: {option} must be a finite number of seconds; got {value}"
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: {option} must be a finite number of seconds; got {value}")
 
 
 @pytest.mark.parametrize("args, named", [(["--backend", "ring"], "--backend ring"),
@@ -305,7 +306,8 @@ def test_one_rank_with_a_backend_is_refused_before_it_starts(args, named, tmp_pa
 
 @pytest.mark.parametrize("args", [["-c"], ["-c", "job.yaml"], ["--config=job.yaml"], ["-n", "2", "-c", "job.yaml"]])
 def test_a_config_given_with_dash_c_points_to_the_bare_form(args):
-    """`./launch -c job.yaml` (dtrain's form) said "unrecognized arguments: -c", `./launch -c` that config is required."""
+    """`./launch -c job.yaml` (dtrain's form) said "unrecognized arguments: -c", `./launch -c` that a config
+    is required."""
     r = launch(*args)
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.strip().splitlines() == [

@@ -254,7 +254,8 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
             raise LaunchError("the jaccl backend needs a hostfile with 'rdma' devices (--hostfile HOSTS.json)")
     elif backend is not None:  # the rank would fail joining its group (exit 4, which a restart repeats)
         raise LaunchError(f"{named} needs 2 or more ranks, and this launch starts one (MLX forms no group of one "
-                          f"process); pass -n N or --hostfile HOSTS.json, or leave the backend out to train on one rank")
+                          f"process); pass -n N or --hostfile HOSTS.json, or leave the backend out to train on "
+                          f"one rank")
     else:
         hosts = ["localhost"]
     n = len(hosts)
