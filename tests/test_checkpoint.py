@@ -175,6 +175,21 @@ def test_only_step_folders_with_a_number_are_checkpoints_in_step_order(tmp_path)
     assert sorted(p.name for p in root.iterdir()) == ["step-0000001 copy", "step-0000003", "step-1.bak"]
 
 
+def test_pairs_sha256_covers_the_rejected_prompt_and_keeps_older_runs_hashes():
+    """Two pairs that differ only in the rejected side's prompt hashed alike (a resume onto other data passed)."""
+    import hashlib
+
+    import numpy as np
+
+    from dtrain.types import TokenizedPair
+    shared = TokenizedPair([1, 2], [3], [4, 5])
+    old = hashlib.sha256(b"".join(np.asarray(ids, np.int64).tobytes() + b"|" for ids in ([1, 2], [3], [4, 5])))
+    assert ckpt.pairs_sha256([shared]) == old.hexdigest()  # shared-prompt pairs: the hash checkpoints hold
+    two = [TokenizedPair([1, 2], [3], [4, 5], rejected_prompt=rp) for rp in ([1, 2, 9], [1, 2, 8], [])]
+    hashes = {ckpt.pairs_sha256([p]) for p in two} | {ckpt.pairs_sha256([shared])}
+    assert len(hashes) == 4
+
+
 def test_every_bit_flip_of_a_manifest_is_skipped_or_harmless(tmp_path):
     """A manifest whose entry lost a key ("sha256" -> "sha257": one bit) raised KeyError out of validate, so
     `--train.resume auto` (and the launcher's restart) ended in a traceback instead of using step 2."""

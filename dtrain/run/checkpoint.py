@@ -117,11 +117,16 @@ class RunState:
 
 
 def pairs_sha256(pairs: list) -> str:
-    """sha256 hex of the pairs' token ids (prompt, chosen, rejected), in order."""
+    """sha256 hex of the pairs' token ids (prompt, chosen, rejected, and a rejected prompt where one is set).
+
+    A pair without ``rejected_prompt`` hashes as before that part was added, so older checkpoints still match.
+    """
     digest = hashlib.sha256()
     for p in pairs:
         for ids in (p.prompt, p.chosen, p.rejected):
             digest.update(np.asarray(ids, np.int64).tobytes() + b"|")
+        if p.rejected_prompt is not None:
+            digest.update(b"rejected prompt|" + np.asarray(p.rejected_prompt, np.int64).tobytes() + b"|")
     return digest.hexdigest()
 
 
