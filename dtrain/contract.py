@@ -47,10 +47,18 @@ SIZE_VARS = ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # a world si
 
 
 def rank_from_env(env: Mapping[str, str]) -> int:
-    """This process's rank as its launcher set it (mlx.launch, OpenMPI, MPICH), 0 if none."""
+    """This process's rank as its launcher set it (mlx.launch, OpenMPI, MPICH), 0 if none.
+
+    Raises:
+        UserError: the first rank variable set is not a whole number.
+    """
     for key in RANK_VARS:
-        if env.get(key, "").isdigit():
-            return int(env[key])
+        text = env.get(key, "")
+        if text:
+            if not text.isdecimal():
+                raise UserError(f"{key}={text!r} in the environment is not a whole-number rank; start every rank "
+                                f"with ./launch (or mpirun, mlx.launch), or unset {key} to train alone")
+            return int(text)
     return 0
 
 

@@ -46,6 +46,16 @@ def test_a_world_size_that_is_not_a_number_is_one_line(var):
                               f"with ./launch (or mpirun, mlx.launch), or unset {var} to train alone")
 
 
+@pytest.mark.parametrize("var", ["MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"])
+@pytest.mark.parametrize("value", ["x", "\u00b2"])
+def test_a_rank_that_is_not_a_number_is_one_line(var, value):
+    """MLX_RANK=x trained alone as rank 0; MLX_RANK=\u00b2 ended in int()'s traceback."""
+    with pytest.raises(UserError) as err:
+        init_group("any", env={var: value})
+    assert str(err.value) == (f"{var}={value!r} in the environment is not a whole-number rank; start every rank "
+                              f"with ./launch (or mpirun, mlx.launch), or unset {var} to train alone")
+
+
 def test_one_rank_needs_no_setup():
     for backend in ("any", "none"):
         g = init_group(backend, env={})
