@@ -76,11 +76,11 @@ def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
         UserError: a size variable that is not a whole number.
     """
     if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
-        return "mpi", _size(env, "OMPI_COMM_WORLD_SIZE") or _size(env, "PMI_SIZE")
+        return "mpi", size_from_env(env, "OMPI_COMM_WORLD_SIZE") or size_from_env(env, "PMI_SIZE")
     if "MLX_JACCL_COORDINATOR" in env or "MLX_IBV_DEVICES" in env:
         return "jaccl", 0
     if "NCCL_HOST_IP" in env and "MLX_RANK" in env:
-        return "nccl", _size(env, "MLX_WORLD_SIZE")
+        return "nccl", size_from_env(env, "MLX_WORLD_SIZE")
     if "MLX_RANK" in env and env.get("MLX_HOSTFILE"):
         try:
             with open(env["MLX_HOSTFILE"], encoding="utf-8") as f:
@@ -90,7 +90,7 @@ def launcher_backend(env: Mapping[str, str]) -> tuple[Optional[str], int]:
     return None, 1
 
 
-def _size(env: Mapping[str, str], var: str) -> int:
+def size_from_env(env: Mapping[str, str], var: str) -> int:
     """The world size in ``env[var]``; 0 when unset or empty.
 
     Raises:

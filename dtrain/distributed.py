@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .errors import UserError
 from .memory import is_out_of_memory
 from .contract import (BACKENDS, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
-                       launcher_backend, rank_from_env)
+                       launcher_backend, rank_from_env, size_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
 
@@ -298,9 +298,10 @@ def _announced_size(env: Mapping[str, str], from_backend: int) -> int:
     size variable (:data:`SIZE_VARS`); 0 when none says.
 
     Raises:
-        UserError: two announcements disagree (e.g. ``MLX_WORLD_SIZE=3`` with a 2-rank ring hostfile).
+        UserError: a size variable is not a whole number, or two announcements disagree (e.g.
+            ``MLX_WORLD_SIZE=3`` with a 2-rank ring hostfile).
     """
-    sizes = {k: int(env[k]) for k in SIZE_VARS if env.get(k, "").isdigit()}
+    sizes = {k: size_from_env(env, k) for k in SIZE_VARS if env.get(k)}
     size = next(iter(sizes.values()), 0)
     if from_backend > 1 and size and size != from_backend:
         raise UserError(f"{_size_source(env)}, but the launcher's other variables name {from_backend} ranks "

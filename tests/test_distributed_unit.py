@@ -56,6 +56,15 @@ def test_a_rank_that_is_not_a_number_is_one_line(var, value):
                               f"with ./launch (or mpirun, mlx.launch), or unset {var} to train alone")
 
 
+@pytest.mark.parametrize("value", ["x", "\u00b2"])
+def test_a_world_size_that_is_not_a_number_is_one_line_without_a_launcher(value):
+    """MLX_WORLD_SIZE=x outside NCCL was ignored (a run of one); MLX_WORLD_SIZE=\u00b2 ended in a traceback."""
+    with pytest.raises(UserError) as err:
+        init_group("any", env={"MLX_WORLD_SIZE": value})
+    assert str(err.value) == (f"MLX_WORLD_SIZE={value!r} in the environment is not a whole number of ranks; start "
+                              f"every rank with ./launch (or mpirun, mlx.launch), or unset MLX_WORLD_SIZE to train alone")
+
+
 def test_one_rank_needs_no_setup():
     for backend in ("any", "none"):
         g = init_group(backend, env={})
