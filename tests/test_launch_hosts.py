@@ -125,6 +125,16 @@ def test_backend_override_is_checked_against_hostfile(config, tmp_path):
         f"launch: error: {f}:1: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses")
 
 
+@pytest.mark.parametrize("backend", ["ring", "mpi", "nccl", "jaccl"])
+def test_a_hostfile_of_one_host_is_refused_before_it_starts(config, tmp_path, backend):
+    """One host (one rank): the rank failed joining its group (exit 4, which --max-restarts restarted)."""
+    f = write_hostfile(tmp_path / "hosts.json", {"backend": backend, "hosts": [{**TWO[0], "rdma": [None]}]})
+    assert one_error(config, f) == (
+        f"launch: error: {f}: lists one host, and --hostfile starts one rank per host; the {backend} backend needs "
+        f"2 or more ranks (MLX forms no group of one process); list 2 or more hosts, or leave --hostfile out to "
+        f"train on one rank")
+
+
 def test_ranks_and_hostfile_together_is_an_error(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", TWO)
     assert one_error(config, f, "-n", "2") == (

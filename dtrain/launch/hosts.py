@@ -196,13 +196,17 @@ def load_hostfile(path: str) -> Hostfile:
 
 
 def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
-    """The per-backend rules: ring needs IPs on every host, NCCL/JACCL an IP on
-    host 0 (the coordinator), JACCL one ``rdma`` entry per host with null for itself.
+    """The per-backend rules: every backend needs 2 or more hosts (one rank each), ring IPs on every
+    host, NCCL/JACCL an IP on host 0 (the coordinator), JACCL one ``rdma`` entry per host with null for itself.
 
     Raises:
         LaunchError: naming the first host that breaks a rule.
     """
     hosts = hf.hosts
+    if len(hosts) == 1:  # the rank would fail joining its group (exit 4, which a restart repeats)
+        raise LaunchError(f"{where}: lists one host, and --hostfile starts one rank per host; the {backend} backend "
+                          f"needs 2 or more ranks (MLX forms no group of one process); list 2 or more hosts, or "
+                          f"leave --hostfile out to train on one rank")
     if backend == "ring":
         for i, h in enumerate(hosts):
             if not h.ips:
