@@ -273,6 +273,20 @@ def test_convert_and_export_name_a_file_where_the_folder_should_be(tmp_path, cap
     assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tiny.gguf"]
 
 
+def test_a_leading_tilde_in_the_gguf_and_out_of_convert_is_the_home_folder(tmp_path, monkeypatch, capsys):
+    """`dtrain convert '~/m.gguf' OUT` (quoted, or from a program: nothing expands the ~) said "no such GGUF
+    file"; an OUT of '~/x' would have written a folder named '~' in the working folder."""
+    from dtrain.cli import main
+
+    write_tiny_llama(tmp_path / "tiny.gguf", {})
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["convert", "~/tiny.gguf", "~/out"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote mlx-lm model folder {tmp_path}/out"
+    assert (tmp_path / "out" / "config.json").is_file() and list((tmp_path / "cwd").iterdir()) == []
+
+
 def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
     from mlx_lm import load
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +29,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     It is written into a temporary sibling folder and renamed into place.
 
     Args:
-        gguf_path: the GGUF file, or ``demo`` for the demo model.
+        gguf_path: the GGUF file, or ``demo`` for the demo model (a leading ``~`` here and in
+            ``out_dir`` is the home folder).
         out_dir: a folder that does not exist yet, or is empty.
         dequantize: store Q4_0/Q4_1/Q8_0 weights as float32 instead of keeping
             them as MLX affine-quantized layers (group size 32).
@@ -40,6 +42,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
         ModelError: a missing or unreadable GGUF file, an unsupported
             architecture or tokenizer, or an ``out_dir`` that is a file or not empty.
     """
+    # ~ as export reads it (a quoted '~/x' reaches here); os.path's leaves ~user of no user as text
+    gguf_path, out_dir = os.path.expanduser(gguf_path), os.path.expanduser(out_dir)
     src = demo_model_path() if gguf_path == "demo" else Path(gguf_path)
     if src.is_dir():
         raise ModelError(f"{gguf_path}: a folder, not a GGUF file (a model folder is already what convert writes)")
