@@ -564,8 +564,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
     cfg = Config()
     if path is not None:
         p = Path(os.path.expanduser(path))  # --config=~/x.yaml reaches here unexpanded; ~user of none stays text
+        if p.is_dir():
+            raise ConfigError(f"{path}: is a directory, not a config file")
         if not p.is_file():
-            raise ConfigError(f"{path}: config file not found" + (" (it is a directory)" if p.is_dir() else ""))
+            raise ConfigError(f"{path}: config file not found")
         try:
             raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except UnicodeDecodeError as err:

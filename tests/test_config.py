@@ -428,6 +428,18 @@ def test_a_config_path_under_tilde_is_read_from_the_home_folder(tmp_path, monkey
     assert load_config("~/job.yaml").train.steps == 7
 
 
+def test_a_folder_given_as_the_config_is_named_so(tmp_path, capsys):
+    """It said "config file not found (it is a directory)"; a missing file keeps "config file not found"."""
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tmp_path))
+    assert str(err.value) == f"{tmp_path}: is a directory, not a config file"
+    assert main(["train", "-c", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {tmp_path}: is a directory, not a config file\n"
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tmp_path / "job.yaml"))
+    assert str(err.value) == f"{tmp_path / 'job.yaml'}: config file not found"
+
+
 def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch, capsys):
     """train.output_dir, train.resume and train.init_adapter '~/x' were read as a folder named '~' in the
     working folder (data.train and model.path expand it)."""
