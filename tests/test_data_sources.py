@@ -179,6 +179,20 @@ def test_non_json_column_types(tmp_path):
     assert report.bad == [(f"{tmp_path}/t.parquet:row 1", "text is not valid UTF-8 (undecodable byte 0xff)")]
 
 
+def test_a_string_column_holding_bytes_that_are_not_utf8_makes_a_bad_row(tmp_path):
+    """pyarrow does not check a string column's UTF-8 on write; reading one ended in UnicodeDecodeError's traceback."""
+    import pyarrow.feather as feather
+
+    bad = lambda *values: pa.array(values, pa.binary()).view(pa.string())  # noqa: E731 -- no check, as a writer may
+    table = pa.table({"prompt": bad(b"Q1", b"\xff", b"Q3"), "chosen": ["a", "a", "a"], "rejected": ["b", "b", "b"]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    feather.write_feather(table, tmp_path / "t.arrow")
+    for path in (tmp_path / "t.parquet", tmp_path / "t.arrow"):
+        rows, report = load_rows(str(path), DataConfig())
+        assert [(r.source, r.prompt) for r in rows] == [(f"{path}:row 0", "Q1"), (f"{path}:row 2", "Q3")]
+        assert report.bad == [(f"{path}:row 1", "text is not valid UTF-8 (undecodable byte 0xff)")]
+
+
 def test_a_column_name_given_twice_is_refused(tmp_path):
     """A Parquet or Arrow file with two ``chosen`` columns trained on the last one and said nothing."""
     import pyarrow.feather as feather

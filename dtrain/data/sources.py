@@ -45,7 +45,7 @@ from typing import Any, Iterator, Optional
 
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
-from .formats import DETECT_ROWS, BadRowReport, detect_items_format, parse_rows, undecodable
+from .formats import DETECT_ROWS, BadRow, BadRowReport, detect_items_format, parse_rows, undecodable
 from .jsonfile import COMPRESSED_SUFFIXES, json_items
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -340,13 +340,25 @@ def _table_items(batches, label: str, start: int = 0):
             raise DataError(f"{label}: column {twice!r} appears twice (columns: {', '.join(names)}); "
                             "rename or drop one")
         plain = not all(_json_type(t) for t in batch.schema.types)
-        for obj in batch.to_pylist():
-            if plain:  # e.g. timestamp or binary columns: make the row JSON-able
+        try:
+            objs = batch.to_pylist()
+        except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8 (unchecked on write)
+            objs = [_row_or_bad(batch.slice(i, 1)) for i in range(batch.num_rows)]
+        for obj in objs:
+            if plain and not isinstance(obj, BadRow):  # e.g. timestamp or binary columns: make the row JSON-able
                 obj = {k: _plain(v) for k, v in obj.items()}
                 obj = undecodable(json.dumps(obj, ensure_ascii=False)) or obj
             yield f"{label}:row {n}", obj
             n += 1
     return n
+
+
+def _row_or_bad(row):
+    """The one row of ``row`` (a record batch or table), or a bad row naming its first byte that is not UTF-8."""
+    try:
+        return row.to_pylist()[0]
+    except UnicodeDecodeError as err:
+        return undecodable(err.object.decode("utf-8", errors="surrogateescape"))
 
 
 def _json_type(t) -> bool:
