@@ -208,6 +208,21 @@ def test_a_column_name_given_twice_is_refused(tmp_path):
                                   "chosen); rename or drop one")
 
 
+@pytest.mark.parametrize("name", ["state.json", "dataset_dict.json"])
+@pytest.mark.parametrize("text, why", [
+    ('{"x": ' + "1" * 5000 + "}", "an integer of more than 4300 digits"),
+    ("[" * 100_000 + "]" * 100_000, "nested more than 100 levels deep"),
+    ("[]", "expected a JSON object, got array"),
+])
+def test_a_saved_datasets_json_file_that_cannot_be_read_is_one_line(tmp_path, name, text, why):
+    """A too-long integer, too-deep nesting or an array in state.json / dataset_dict.json ended in a traceback."""
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / name).write_text(text)
+    with pytest.raises(DataError) as err:
+        load_rows(str(tmp_path / "ds"), DataConfig(split="train"))
+    assert str(err.value) == f"{tmp_path / 'ds' / name}: unreadable ({why})"
+
+
 def test_jsonl_lines_split_at_newline_only(tmp_path):
     # json.dumps(ensure_ascii=False) leaves U+2028 and \x1c raw; both are inside strings, not line ends
     obj = {"prompt": "a\u2028b\x1cc\rd", "chosen": "x", "rejected": "y"}

@@ -72,7 +72,7 @@ def _unique_keys(pairs: list) -> dict:
 _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)
 
 
-def _unread(err: Exception) -> str:
+def why_unread(err: Exception) -> str:
     """Why JSON text is not read, for an error other than a syntax error."""
     if isinstance(err, RecursionError):
         return TOO_DEEP
@@ -242,7 +242,7 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
                 continue
             except (RecursionError, ValueError) as err:
                 any_json = True  # JSON, not read
-                yield f"{path}:{n}", BadRow(f"invalid JSON: {_unread(err)}")
+                yield f"{path}:{n}", BadRow(f"invalid JSON: {why_unread(err)}")
                 continue
             any_json = True
             yield f"{path}:{n}", undecodable(line) or obj
@@ -302,7 +302,7 @@ def _json_array(path: str, f) -> Optional[list]:
             return None
         raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
     except (RecursionError, ValueError) as err:
-        raise DataError(f"{path}: invalid JSON array: {_unread(err)}") from None
+        raise DataError(f"{path}: invalid JSON array: {why_unread(err)}") from None
     return [(f"{path}:{line}[{i}]", item) for i, (line, item) in enumerate(items)]
 
 
@@ -336,7 +336,7 @@ def _array_items(text: str, count: int) -> list:
         try:
             item, end = _DECODER.raw_decode(text, pos)
         except _DuplicateKey as err:
-            item, (_, end) = BadRow(f"invalid JSON: {_unread(err)}"), plain.raw_decode(text, pos)
+            item, (_, end) = BadRow(f"invalid JSON: {why_unread(err)}"), plain.raw_decode(text, pos)
         items.append((line, undecodable(text, pos, end) or item))
         pos = end
     return items

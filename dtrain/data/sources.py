@@ -45,8 +45,8 @@ from typing import Any, Iterator, Optional
 
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
-from .formats import DETECT_ROWS, BadRow, BadRowReport, detect_items_format, parse_rows, undecodable
-from .jsonfile import COMPRESSED_SUFFIXES, json_items
+from .formats import DETECT_ROWS, BadRow, BadRowReport, detect_items_format, json_kind, parse_rows, undecodable
+from .jsonfile import COMPRESSED_SUFFIXES, json_items, why_unread
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes: IPC stream (continuation marker), IPC file
@@ -199,10 +199,20 @@ def _names_split(rel: Path, split: str) -> bool:
 
 
 def _json_file(path: Path) -> dict:
+    """A saved dataset's ``state.json`` or ``dataset_dict.json``.
+
+    Raises:
+        DataError: the file cannot be read, is not JSON, or holds no JSON object.
+    """
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(f"{path}: unreadable ({err})") from None
+    except (RecursionError, ValueError) as err:  # too deep for json, or a number too long for int()
+        raise DataError(f"{path}: unreadable ({why_unread(err)})") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: unreadable (expected a JSON object, got {json_kind(obj)})")
+    return obj
 
 
 def _arrow_files(folder: Path) -> tuple:
