@@ -208,6 +208,25 @@ def test_a_column_name_given_twice_is_refused(tmp_path):
                                   "chosen); rename or drop one")
 
 
+def test_a_field_name_given_twice_inside_a_struct_column_is_refused(tmp_path):
+    """A message struct with two ``content`` fields ended in pyarrow's ValueError traceback ("Converting to
+    Python dictionary is not supported when duplicate field names are present"); refused as a repeated column is."""
+    import pyarrow.feather as feather
+
+    message = pa.StructArray.from_arrays([pa.array(["assistant"]), pa.array(["a"]), pa.array(["b"])],
+                                         names=["role", "content", "content"])
+    nested = pa.StructArray.from_arrays([pa.ListArray.from_arrays([0, 1], message)], names=["messages"])
+    for column, value in [("chosen", pa.ListArray.from_arrays([0, 1], message)), ("chosen.messages", nested)]:
+        table = pa.table({"prompt": ["Q"], "chosen": value, "rejected": ["b"]})
+        pq.write_table(table, tmp_path / "t.parquet")
+        feather.write_feather(table, tmp_path / "t.arrow")
+        for path in (tmp_path / "t.parquet", tmp_path / "t.arrow"):
+            with pytest.raises(DataError) as err:
+                load_rows(str(path), DataConfig())
+            assert str(err.value) == (f"{path}: column {column!r} holds field 'content' twice (fields: role, "
+                                      "content, content); rename or drop one")
+
+
 @pytest.mark.parametrize("name", ["state.json", "dataset_dict.json"])
 @pytest.mark.parametrize("text, why", [
     ('{"x": ' + "1" * 5000 + "}", "an integer of more than 4300 digits"),

@@ -340,15 +340,20 @@ def _table_items(batches, label: str, start: int = 0):
     """Items of Arrow record batches (or tables); returns the next row number.
 
     Raises:
-        DataError: a column name given twice.
+        DataError: a column name given twice, or a field name twice in a struct column.
     """
     n = start
     for batch in batches:
         names = batch.schema.names
-        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        twice = _twice(names)
         if twice is not None:  # a row dict would keep the last column's value
             raise DataError(f"{label}: column {twice!r} appears twice (columns: {', '.join(names)}); "
                             "rename or drop one")
+        for name, t in zip(names, batch.schema.types):
+            if (found := _field_twice(name, t)) is not None:  # a row dict holds one (pyarrow 26: a ValueError)
+                column, field, fields = found
+                raise DataError(f"{label}: column {column!r} holds field {field!r} twice (fields: "
+                                f"{', '.join(fields)}); rename or drop one")
         plain = not all(_json_type(t) for t in batch.schema.types)
         try:
             objs = batch.to_pylist()
@@ -361,6 +366,30 @@ def _table_items(batches, label: str, start: int = 0):
             yield f"{label}:row {n}", obj
             n += 1
     return n
+
+
+def _twice(names: list) -> Optional[str]:
+    """The first name in ``names`` that an earlier one repeats, or None."""
+    return next((name for i, name in enumerate(names) if name in names[:i]), None)
+
+
+def _field_twice(column: str, t) -> Optional[tuple]:
+    """``(column, field, fields)`` of the first struct in Arrow type ``t`` (lists looked into) that names a
+    field twice; ``column`` is the dotted path to it, e.g. ``input.messages``."""
+    import pyarrow.types as pt
+
+    if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
+        return _field_twice(column, t.value_type)
+    if not pt.is_struct(t):
+        return None
+    fields = [t.field(i).name for i in range(t.num_fields)]
+    if (twice := _twice(fields)) is not None:
+        return column, twice, fields
+    for i, name in enumerate(fields):
+        found = _field_twice(f"{column}.{name}", t.field(i).type)
+        if found is not None:
+            return found
+    return None
 
 
 def _row_or_bad(row):
