@@ -93,6 +93,25 @@ def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(t
     assert "tokenizer.ggml.eot_token_id" not in fields  # llama.cpp ends at <|im_end|> by its text already
 
 
+def test_an_end_token_the_gguf_cannot_name_is_one_notice(tmp_path, capsys):
+    """A GGUF names one end-of-turn token (tokenizer.ggml.eot_token_id): a base that names one already got
+    none of the training template's, and nothing was said, so llama.cpp ran on past the turn's end."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {}, extra=[("add_uint32", "tokenizer.ggml.eot_token_id", 4)])
+    (tmp_path / "run").mkdir()
+    write_adapter(str(base), tmp_path / "run" / "adapters")
+    record_template(tmp_path / "run" / "adapters", CHATML.replace("<|im_end|>", "<pad>"))  # <pad>: no llama.cpp end
+    argv = ["export", str(tmp_path / "run" / "adapters"), "--base", str(base), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--gguf", "f16"]) == 0
+    assert capsys.readouterr().err == (
+        "model-F16.gguf: end token '<pad>' not marked: a GGUF names one end-of-turn token "
+        "(tokenizer.ggml.eot_token_id, here '<|im_end|>'), so llama.cpp will not stop at it; "
+        "the Modelfile's PARAMETER stop lines stop Ollama there\n")
+    assert gguf.GGUFReader(str(tmp_path / "out" / "model-F16.gguf")).fields["tokenizer.ggml.eot_token_id"].contents() == 4
+    assert 'PARAMETER stop "<pad>"' in (tmp_path / "out" / "Modelfile").read_text()
+    assert main([*argv[:-1], str(tmp_path / "out2")]) == 0 and capsys.readouterr().err == ""  # no GGUF: no notice
+
+
 def test_general_name_names_the_run_of_each_adapter_folder_a_run_writes(tmp_path):
     """adapters-last/ (train.keep_best's last step) was named without its run, unlike adapters/."""
     from dtrain.models.export import adapter_label

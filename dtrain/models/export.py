@@ -327,8 +327,9 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         dtype: float type of the mlx-lm folder's weights (float32, bfloat16, float16).
         allow_base_mismatch: merge onto ``base`` even when it is not the GGUF file or
             model folder the adapter recorded (:func:`check_base`).
-        report: told of a base that cannot be compared with the recorded one (:func:`check_base`) and
-            of each Modelfile value Ollama could not read back (left out), or None.
+        report: told of a base that cannot be compared with the recorded one (:func:`check_base`), of end
+            tokens the GGUF cannot mark (:func:`write_gguf`) and of each Modelfile value Ollama could not
+            read back (left out), or None.
 
     Raises:
         ModelError: a bad adapter folder, a base that does not fit or is not the
@@ -378,7 +379,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
             meta = {"chat_template": template, "eos_token_ids": config["eos_token_id"],
                     "adapter": adapter_label(adapter_dir), "updates": updates}
             result.tensor_types, result.f16_fallback, result.quant_error, model_name = write_gguf(
-                base_gguf, merged, gguf_type.lower(), tmp / name, meta)
+                base_gguf, merged, gguf_type.lower(), tmp / name, meta, report)
             result.gguf = Path(out_dir) / name
             result.modelfile = Path(out_dir) / "Modelfile"
             (tmp / "Modelfile").write_text(ollama_modelfile(loaded.tokenizer, template, name, config["eos_token_id"],
@@ -412,14 +413,15 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
     return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report, template is not None)
 
 
-def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None) -> tuple:
+def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None,
+               report: Callable[[str], None] | None = None) -> tuple:
     """Write ``merged`` (HF names, float32 numpy) in the layout and with the metadata of ``base_gguf``.
 
     ``meta`` (all optional): ``chat_template`` (replaces ``tokenizer.chat_template``, and the base's named
     templates when it is another one),
     ``eos_token_ids`` (the first not among llama.cpp's end-of-generation tokens becomes
     ``tokenizer.ggml.eot_token_id`` when the file names none; a GGUF holds one, so the others stay
-    unknown to llama.cpp), ``adapter`` (its name in
+    unknown to llama.cpp, and ``report`` is told so), ``adapter`` (its name in
     ``general.name``), ``updates`` (as :func:`merge_adapter` returns, for the
     quantization error).
 
@@ -465,8 +467,17 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
         writer.add_chat_template(meta["chat_template"])
     _, eog = token_attrs(md)
     missing = [i for i in meta.get("eos_token_ids", []) if i not in eog]
-    if missing and "tokenizer.ggml.eot_token_id" not in md:
-        writer.add_eot_token_id(missing[0])
+    eot = md.get("tokenizer.ggml.eot_token_id")
+    if missing and eot is None:
+        eot = missing.pop(0)
+        writer.add_eot_token_id(eot)
+    if missing and report is not None:  # Ollama reads the Modelfile's stops; llama.cpp only the GGUF
+        tokens = md.get("tokenizer.ggml.tokens") or []
+        text = lambda i: repr(tokens[i]) if 0 <= i < len(tokens) else f"id {i}"  # noqa: E731
+        them = "them" if len(missing) > 1 else "it"
+        report(f"{out_path.name}: end token{'s' * (len(missing) > 1)} {', '.join(map(text, missing))} not marked: "
+               f"a GGUF names one end-of-turn token (tokenizer.ggml.eot_token_id, here {text(int(eot))}), so "
+               f"llama.cpp will not stop at {them}; the Modelfile's PARAMETER stop lines stop Ollama there")
     writer.add_file_type(int(file_type))
     if qtype in (Q.Q8_0, Q.Q4_0):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
