@@ -197,6 +197,22 @@ def test_a_default_system_header_with_empty_content_is_written_by_the_go_templat
     assert not any(line.startswith("SYSTEM") for line in lines) and "<s>" not in "".join(lines)
 
 
+def test_a_template_that_trims_the_content_is_said_so_in_the_modelfile(tmp_path, tiny):
+    """Llama 3's template writes `message['content'] | trim`; Ollama's Go template writes .Content as it comes
+    (Go templates have no trim), and nothing in the Modelfile said that prompts with whitespace around a
+    message then differ from the trained ones."""
+    base, adapter = tiny
+    record_template(adapter, CHATML.replace("{{ m['content'] }}", "{{ m['content'] | trim }}"))
+    lines = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16").modelfile.read_text()
+    lines = lines.splitlines()
+    assert lines[2] == ("# the chat template trims each message's content (| trim) and this TEMPLATE cannot (Go "
+                        "templates have no trim): send messages without leading or trailing whitespace")
+    assert lines[3].startswith('TEMPLATE """')
+    record_template(adapter, CHATML)
+    assert "trim" not in export_adapter(str(adapter), str(base), str(tmp_path / "o2"),
+                                        gguf_type="f16").modelfile.read_text()
+
+
 def test_modelfile_without_a_convertible_template_says_so(tmp_path, tiny):
     base, adapter = tiny
     record_template(adapter, NUMBERED)

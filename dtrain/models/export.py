@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -410,7 +411,9 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
         parts = replace(parts, open=bos, before={**parts.before, "system": parts.before["system"][len(bos):]})
     drop_open = parts is not None and adds_bos and parts.open == bos
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
-    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report, template is not None)
+    trims = template is not None and re.search(r"\|\s*trim\b", template) is not None  # Jinja's trim filter
+    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report, template is not None,
+                     trims)
 
 
 def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, meta: dict | None = None,

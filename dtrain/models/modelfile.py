@@ -175,10 +175,11 @@ RAW_PROMPT = '{{- if .System }}{{ .System }}{{ "\\n\\n" }}{{ end }}{{ .Prompt }}
 
 
 def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops: list, name: str,
-              report: Optional[Callable[[str], None]] = None, has_template: bool = True) -> str:
+              report: Optional[Callable[[str], None]] = None, has_template: bool = True, trims: bool = False) -> str:
     """The Modelfile text: ``FROM ./gguf_name``, TEMPLATE and SYSTEM from ``parts`` (a comment when
     None; :data:`RAW_PROMPT` when not ``has_template``), one ``PARAMETER stop`` per end text. A value
-    :func:`ollama_quote` cannot quote is left out: a comment in its place and one line to ``report``."""
+    :func:`ollama_quote` cannot quote is left out: a comment in its place and one line to ``report``.
+    ``trims``: the chat template trims message content, which the TEMPLATE cannot (a comment says so)."""
     out = [f"# {name}: `ollama create NAME -f Modelfile` in this folder", f"FROM ./{gguf_name}"]
 
     def add(command: str, label: str, text: str, quotes: tuple) -> None:
@@ -197,6 +198,9 @@ def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops
     elif parts is None:
         out.append("# TEMPLATE: the chat template's structure could not be read off its output; write one by hand")
     else:
+        if trims:  # the probe contents have no whitespace to trim, so the pieces rebuild the template without it
+            out.append("# the chat template trims each message's content (| trim) and this TEMPLATE cannot (Go "
+                       "templates have no trim): send messages without leading or trailing whitespace")
         add("TEMPLATE", "TEMPLATE", go_template(parts, drop_open), ('"""', '"'))
         if parts.default_system:
             add("SYSTEM", f"SYSTEM {parts.default_system!r}", parts.default_system, ('"""', '"'))
