@@ -179,15 +179,20 @@ def test_non_json_column_types(tmp_path):
     assert report.bad == [(f"{tmp_path}/t.parquet:row 1", "text is not valid UTF-8 (undecodable byte 0xff)")]
 
 
-def test_a_string_column_holding_bytes_that_are_not_utf8_makes_a_bad_row(tmp_path):
-    """pyarrow does not check a string column's UTF-8 on write; reading one ended in UnicodeDecodeError's traceback."""
+def parquet_and_arrow(tmp_path, table) -> tuple:
+    """``table`` written as ``t.parquet`` and as ``t.arrow`` (Feather v2): the paths of both."""
     import pyarrow.feather as feather
 
-    bad = lambda *values: pa.array(values, pa.binary()).view(pa.string())  # noqa: E731 -- no check, as a writer may
-    table = pa.table({"prompt": bad(b"Q1", b"\xff", b"Q3"), "chosen": ["a", "a", "a"], "rejected": ["b", "b", "b"]})
     pq.write_table(table, tmp_path / "t.parquet")
     feather.write_feather(table, tmp_path / "t.arrow")
-    for path in (tmp_path / "t.parquet", tmp_path / "t.arrow"):
+    return tmp_path / "t.parquet", tmp_path / "t.arrow"
+
+
+def test_a_string_column_holding_bytes_that_are_not_utf8_makes_a_bad_row(tmp_path):
+    """pyarrow does not check a string column's UTF-8 on write; reading one ended in UnicodeDecodeError's traceback."""
+    bad = lambda *values: pa.array(values, pa.binary()).view(pa.string())  # noqa: E731 -- no check, as a writer may
+    table = pa.table({"prompt": bad(b"Q1", b"\xff", b"Q3"), "chosen": ["a", "a", "a"], "rejected": ["b", "b", "b"]})
+    for path in parquet_and_arrow(tmp_path, table):
         rows, report = load_rows(str(path), DataConfig())
         assert [(r.source, r.prompt) for r in rows] == [(f"{path}:row 0", "Q1"), (f"{path}:row 2", "Q3")]
         assert report.bad == [(f"{path}:row 1", "text is not valid UTF-8 (undecodable byte 0xff)")]
@@ -195,13 +200,9 @@ def test_a_string_column_holding_bytes_that_are_not_utf8_makes_a_bad_row(tmp_pat
 
 def test_a_column_name_given_twice_is_refused(tmp_path):
     """A Parquet or Arrow file with two ``chosen`` columns trained on the last one and said nothing."""
-    import pyarrow.feather as feather
-
     table = pa.table([pa.array(["Q"]), pa.array(["a"]), pa.array(["b"]), pa.array(["c"])],
                      names=["prompt", "chosen", "rejected", "chosen"])
-    pq.write_table(table, tmp_path / "t.parquet")
-    feather.write_feather(table, tmp_path / "t.arrow")
-    for path in (tmp_path / "t.parquet", tmp_path / "t.arrow"):
+    for path in parquet_and_arrow(tmp_path, table):
         with pytest.raises(DataError) as err:
             load_rows(str(path), DataConfig())
         assert str(err.value) == (f"{path}: column 'chosen' appears twice (columns: prompt, chosen, rejected, "
@@ -211,16 +212,12 @@ def test_a_column_name_given_twice_is_refused(tmp_path):
 def test_a_field_name_given_twice_inside_a_struct_column_is_refused(tmp_path):
     """A message struct with two ``content`` fields ended in pyarrow's ValueError traceback ("Converting to
     Python dictionary is not supported when duplicate field names are present"); refused as a repeated column is."""
-    import pyarrow.feather as feather
-
     message = pa.StructArray.from_arrays([pa.array(["assistant"]), pa.array(["a"]), pa.array(["b"])],
                                          names=["role", "content", "content"])
     nested = pa.StructArray.from_arrays([pa.ListArray.from_arrays([0, 1], message)], names=["messages"])
     for column, value in [("chosen", pa.ListArray.from_arrays([0, 1], message)), ("chosen.messages", nested)]:
         table = pa.table({"prompt": ["Q"], "chosen": value, "rejected": ["b"]})
-        pq.write_table(table, tmp_path / "t.parquet")
-        feather.write_feather(table, tmp_path / "t.arrow")
-        for path in (tmp_path / "t.parquet", tmp_path / "t.arrow"):
+        for path in parquet_and_arrow(tmp_path, table):
             with pytest.raises(DataError) as err:
                 load_rows(str(path), DataConfig())
             assert str(err.value) == (f"{path}: column {column!r} holds field 'content' twice (fields: role, "
