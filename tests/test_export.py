@@ -286,6 +286,19 @@ def test_a_leading_tilde_in_the_adapter_and_out_is_the_home_folder(tmp_path, lla
     assert (tmp_path / "merged" / "model-F32.gguf").is_file() and list((tmp_path / "cwd").iterdir()) == []
 
 
+def test_a_tilde_of_no_user_is_refused_in_one_line(tmp_path, llama, monkeypatch, capsys):
+    """--base ~nobody-here/b.gguf with --gguf ended in pathlib's RuntimeError traceback; --out=~nobody-here/x
+    wrote a folder named '~nobody-here' in the working folder."""
+    _, adapter, _ = llama
+    monkeypatch.chdir(tmp_path)
+    argv = ["export", str(adapter), "--base", "~nobody-here/b.gguf", "--out", str(tmp_path / "o"), "--gguf", "q8_0"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == "dtrain: error: --base ~nobody-here/b.gguf: no home folder for ~nobody-here\n"
+    assert main(["export", str(adapter), "--base", "demo", "--out=~nobody-here/x"]) == 2
+    assert capsys.readouterr().err == "dtrain: error: --out ~nobody-here/x: no home folder for ~nobody-here\n"
+    assert not (tmp_path / "o").exists() and not (tmp_path / "~nobody-here").exists()
+
+
 def refused_unless_allowed(argv: list, capsys, names: str) -> None:
     """``dtrain ARGV`` stops with the base-mismatch line starting ``names`` and writes nothing to ``--out``;
     with ``--allow-base-mismatch`` it exports."""

@@ -42,7 +42,6 @@ the user decides, and a wider type is the remedy named in the warning.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from collections import Counter
@@ -55,7 +54,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import DataError, ModelError
-from ..files import storage
+from ..files import home_path, storage
 from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
@@ -336,9 +335,10 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         ModelError: a bad adapter folder, a base that does not fit or is not the
             recorded one, a non-empty ``out_dir``, an unknown type, or ``gguf_type``
             with a non-GGUF or missing base.
+        UserError: a path opening ``~user`` of no user here.
     """
-    # ~ as base reads it (the shell expands none in --out=~/x); os.path's leaves ~user of no user as text
-    adapter_dir, out_dir = os.path.expanduser(adapter_dir), os.path.expanduser(out_dir)
+    # ~ as base reads it (the shell expands none in --out=~/x)
+    adapter_dir, out_dir = _home(adapter_dir, "adapter folder"), _home(out_dir, "--out")
     if gguf_type is not None and gguf_type.lower() not in GGUF_TYPES:
         raise ModelError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
     if dtype not in DTYPES:
@@ -346,7 +346,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     check_new_folder(out_dir)
     base_gguf = None
     if gguf_type is not None:
-        base_gguf = demo_model_path() if base == "demo" else Path(base).expanduser()
+        base_gguf = demo_model_path() if base == "demo" else home_path(base, "--base")
         if not base_gguf.exists() and not is_hub_id(base):  # a mistyped path: say so, not what a GGUF is for
             raise ModelError(f"no such GGUF file: {base}")
         if not base_gguf.is_file():
@@ -388,6 +388,11 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
 
     write_folder(out_dir, fill)
     return result
+
+
+def _home(text: str, key: str) -> str:
+    """``text`` with a leading ``~`` or ``~user`` read as that home folder (:func:`dtrain.files.home_path`)."""
+    return str(home_path(text, key)) if text.startswith("~") else text
 
 
 def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: list, model_name: str,
