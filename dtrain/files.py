@@ -89,6 +89,11 @@ def home_path(text: str | Path, key: str) -> Path:
         raise UserError(f"{key} {text}: no home folder for {str(text).split('/')[0]}") from None
 
 
+def home_text(text: str, key: str) -> str:
+    """:func:`home_path` as text, for a path opening ``~``; any other ``text`` as given (``''`` stays empty)."""
+    return str(home_path(text, key)) if text.startswith("~") else text
+
+
 @dataclass(frozen=True)
 class OutputDir:
     """The parts of a run's ``train.output_dir``, named in this one place (a leading ``~`` is the home folder)."""

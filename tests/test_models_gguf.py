@@ -273,20 +273,6 @@ def test_convert_and_export_name_a_file_where_the_folder_should_be(tmp_path, cap
     assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tiny.gguf"]
 
 
-def test_a_leading_tilde_in_the_gguf_and_out_of_convert_is_the_home_folder(tmp_path, monkeypatch, capsys):
-    """`dtrain convert '~/m.gguf' OUT` (quoted, or from a program: nothing expands the ~) said "no such GGUF
-    file"; an OUT of '~/x' would have written a folder named '~' in the working folder."""
-    from dtrain.cli import main
-
-    write_tiny_llama(tmp_path / "tiny.gguf", {})
-    monkeypatch.setenv("HOME", str(tmp_path))
-    (tmp_path / "cwd").mkdir()
-    monkeypatch.chdir(tmp_path / "cwd")
-    assert main(["convert", "~/tiny.gguf", "~/out"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == f"wrote mlx-lm model folder {tmp_path}/out"
-    assert (tmp_path / "out" / "config.json").is_file() and list((tmp_path / "cwd").iterdir()) == []
-
-
 def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
     from mlx_lm import load
 
@@ -581,3 +567,19 @@ def test_a_gguf_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ModelError) as err:
         load_model(str(path))
     assert str(err.value) == f"{path}: not a readable GGUF file (PermissionError: [Errno 13] Permission denied)"
+
+
+def test_convert_reads_a_leading_tilde_as_the_home_folder(tmp_path, monkeypatch, capsys):
+    """`dtrain convert '~/m.gguf' '~/out'` (a quoted ~, or a script's) said no such GGUF file, and a ~ out
+    folder was written as a folder named '~' in the working folder, where model.path and export read ~ as home."""
+    from dtrain.cli import main
+
+    write_tiny_llama(tmp_path / "m.gguf", {})
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["convert", "~/m.gguf", "~/out"]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote mlx-lm model folder {tmp_path}/out\n")
+    assert (tmp_path / "out" / "config.json").is_file() and list((tmp_path / "cwd").iterdir()) == []
+    assert main(["convert", "~/m.gguf", "~nobody-here/out"]) == 2
+    assert capsys.readouterr().err == "dtrain: error: out_dir ~nobody-here/out: no home folder for ~nobody-here\n"

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
 from mlx_lm.utils import save_config, save_model
 
 from ..errors import ModelError
-from ..files import atomic_folder, storage
+from ..files import atomic_folder, home_path, home_text, storage
 from .demo import demo_model_path
 from .gguf import gguf_to_mlx
 from .load import build_gguf_model
@@ -29,9 +28,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     It is written into a temporary sibling folder and renamed into place.
 
     Args:
-        gguf_path: the GGUF file, or ``demo`` for the demo model (a leading ``~`` here and in
-            ``out_dir`` is the home folder).
-        out_dir: a folder that does not exist yet, or is empty.
+        gguf_path: the GGUF file, or ``demo`` for the demo model (a leading ``~``: the home folder).
+        out_dir: a folder that does not exist yet, or is empty (a leading ``~``: the home folder).
         dequantize: store Q4_0/Q4_1/Q8_0 weights as float32 instead of keeping
             them as MLX affine-quantized layers (group size 32).
 
@@ -41,10 +39,10 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     Raises:
         ModelError: a missing or unreadable GGUF file, an unsupported
             architecture or tokenizer, or an ``out_dir`` that is a file or not empty.
+        UserError: a path opening ``~user`` of no user here.
     """
-    # ~ as export reads it (a quoted '~/x' reaches here); os.path's leaves ~user of no user as text
-    gguf_path, out_dir = os.path.expanduser(gguf_path), os.path.expanduser(out_dir)
-    src = demo_model_path() if gguf_path == "demo" else Path(gguf_path)
+    src = demo_model_path() if gguf_path == "demo" else home_path(gguf_path, "gguf_file")  # as model.path reads ~
+    out_dir = home_text(out_dir, "out_dir")
     if src.is_dir():
         raise ModelError(f"{gguf_path}: a folder, not a GGUF file (a model folder is already what convert writes)")
     if not src.is_file():

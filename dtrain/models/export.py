@@ -54,7 +54,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import DataError, ModelError
-from ..files import home_path, storage
+from ..files import home_path, home_text, storage
 from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
@@ -338,7 +338,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         UserError: a path opening ``~user`` of no user here.
     """
     # ~ as base reads it (the shell expands none in --out=~/x)
-    adapter_dir, out_dir = _home(adapter_dir, "adapter folder"), _home(out_dir, "--out")
+    adapter_dir, out_dir = home_text(adapter_dir, "adapter folder"), home_text(out_dir, "--out")
     if gguf_type is not None and gguf_type.lower() not in GGUF_TYPES:
         raise ModelError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
     if dtype not in DTYPES:
@@ -388,11 +388,6 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
 
     write_folder(out_dir, fill)
     return result
-
-
-def _home(text: str, key: str) -> str:
-    """``text`` with a leading ``~`` or ``~user`` read as that home folder (:func:`dtrain.files.home_path`)."""
-    return str(home_path(text, key)) if text.startswith("~") else text
 
 
 def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: list, model_name: str,
