@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 import os
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Iterator, Optional
@@ -148,6 +149,13 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def new_temp_file(parent: Path, suffix: str) -> tuple[int, Path]:
+    """``(fd, path)`` of a new file ``parent/.tmp-<pid>-<random><suffix>``, open for writing, whose mode follows
+    the umask as the run's other outputs do (``tempfile.mkstemp``'s files are 0600 whatever the umask)."""
+    tmp = parent / f".tmp-{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
 
 
 def fsync_path(path: Path) -> None:

@@ -248,6 +248,22 @@ def test_a_damaged_reference_cache_entry_is_absent_not_a_traceback(tmp_path):
         assert got is None or np.array_equal(got, values)
 
 
+def test_reference_cache_entries_follow_the_umask_like_other_outputs(tmp_path):
+    """Entries were written through mkstemp, whose files are 0600 whatever the umask (the tokenized pairs'
+    entries beside them follow the umask)."""
+    import os
+
+    from dtrain.run.reference import save
+
+    old = os.umask(0o022)
+    try:
+        save(tmp_path / "reference-k-train.npz", np.zeros((2, 2), dtype=np.float32))
+    finally:
+        os.umask(old)
+    assert [(p.name, oct(p.stat().st_mode & 0o777)) for p in tmp_path.iterdir()] == [("reference-k-train.npz",
+                                                                                      oct(0o644))]
+
+
 def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
     """SFT logs no reward accuracy: `dtrain train` printed the summary with a KeyError after the
     adapter was written (seen on the GPU, bench/objectives.py); it reports the held-out NLL."""

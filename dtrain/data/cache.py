@@ -16,11 +16,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import secrets
 import sys
 from pathlib import Path
 from typing import Optional
 
+from ..files import new_temp_file
 from ..types import TokenizedPair
 from .formats import BadRowReport
 from .render import tokenize_rows
@@ -149,9 +149,7 @@ def _save(path: Path, pairs: list, report: BadRowReport) -> None:
                           for t in part), dtype=np.int32)
     meta = {"sources": [p.source for p in pairs], "report": dataclasses.asdict(report)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    # not mkstemp, whose files are 0600: the entry's mode follows the umask, as the run's other outputs do
-    tmp = path.parent / f".tmp-{os.getpid()}-{secrets.token_hex(4)}.npz"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd, tmp = new_temp_file(path.parent, ".npz")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, tokens=tokens, lengths=lengths, meta=np.array(json.dumps(meta)))

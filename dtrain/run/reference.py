@@ -22,7 +22,6 @@ import dataclasses
 import hashlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +33,7 @@ from ..engine.dpo import REF_KEYS
 from ..engine.layout import batch_totals
 from ..engine.loss import upcast
 from ..engine.objective import PairLogps, Totals
-from ..files import home_path, sha256_file
+from ..files import home_path, new_temp_file, sha256_file
 from ..lora import ADAPTER_WEIGHTS
 from ..sampler import micro_batches
 from ..types import TokenizedPair
@@ -119,7 +118,7 @@ def load(path: Path, n: int) -> Optional[np.ndarray]:
 def save(path: Path, values: np.ndarray) -> None:
     """Write ``values`` to ``path`` atomically (a temporary file, then ``os.replace``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
+    fd, tmp = new_temp_file(path.parent, ".npz")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, values=values)
