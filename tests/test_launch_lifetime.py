@@ -15,6 +15,7 @@ import pytest
 
 from dtrain.files import OutputDir
 from dtrain.run.checkpoint import find_latest
+from dtrain.launch.main import release
 from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, _port_lock, ephemeral_ports, free_ports, spare_base
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
@@ -174,6 +175,34 @@ def test_a_port_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypa
     fd = _port_lock(PORT_FLOOR)  # released: taken again
     assert fd is not None
     os.close(fd)
+
+
+def test_a_port_lock_file_no_one_else_can_open_is_a_port_held(tmp_path, monkeypatch):
+    """Another user's lock file of mode 0600 (made under umask 077) refused even read access: a traceback from
+    every ./launch on the machine. Its port counts as held (another is taken), and a lock file this launcher
+    creates can be opened by every user whatever the umask."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    lock = tmp_path / f"dtrain-port-{DEFAULT_PORT}.lock"
+    lock.touch(mode=0o600)
+    real_open = os.open
+
+    def open_as_another_user(path, flags, *args):
+        if str(path) == str(lock):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_as_another_user)
+    assert _port_lock(DEFAULT_PORT) is None
+    locks, old = [], os.umask(0o077)
+    try:
+        port = free_ports(1, None, locks)
+        created = tmp_path / f"dtrain-port-{port}.lock"
+        assert port != DEFAULT_PORT and len(locks) == 1 and oct(created.stat().st_mode & 0o777) == oct(0o644)
+    finally:
+        os.umask(old)
+        release(locks)
 
 
 def _port_free(port: int) -> bool:

@@ -111,12 +111,16 @@ def command_with_env(plan: Plan, env: dict) -> list[str]:
 
 
 def _port_lock(port: int) -> Optional[int]:
-    """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it."""
+    """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it
+    (or its file, another user's, cannot be opened)."""
     path = os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock")
     try:  # read-only: flock needs no write access, so another user's lock file (0644) serves as well
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:  # O_CREAT only then: Linux's protected_regular refuses it on another user's file
         fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+        os.fchmod(fd, 0o644)  # readable by every user's launcher whatever this one's umask
+    except PermissionError:  # another user's file made under umask 077: its port is not this launcher's to take
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
