@@ -305,9 +305,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
-    if isinstance(value, datetime.date):  # no key takes a date; text that looks like one is meant
-        raise ConfigError(f"{where}: expected {type_name(tp)}, got the date {value} (YAML "
-                          f"reads an unquoted date as one); quote it: '{value}'")
+    if isinstance(value, datetime.date):  # no key takes a date; for a text key, text that looks like one is meant
+        quote = f"; quote it: '{value}'" if str in (tp, *typing.get_args(tp)) else ""
+        raise ConfigError(f"{where}: expected {type_name(tp)}, got the date {value} (YAML reads an unquoted date as "
+                          f"one){quote}")
     if origin is Literal:
         if value in typing.get_args(tp):
             return value

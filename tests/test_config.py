@@ -187,6 +187,8 @@ KNOWN = "known: data, distributed, engine, lora, model, objective, orpo, train)"
     ("data: {demo_pairs: 4, valid: 2026-12-06}\n",  # it said "got datetime.date(2026, 12, 6)"
      "key 'data.valid': expected str or null, got the date 2026-12-06 (YAML reads an unquoted date as one); "
      "quote it: '2026-12-06'"),
+    ("train: {steps: 2026-12-06}\n",  # quoting does not make a number of one
+     "key 'train.steps': expected int, got the date 2026-12-06 (YAML reads an unquoted date as one)"),
 ])
 def test_a_yaml_mistake_is_named_with_its_fix(tmp_path, text, message):
     """A flat config (keys not under sections) was told "section 'learning_rate' must be a mapping of keys"."""
