@@ -220,3 +220,19 @@ def test_an_unreadable_config_file_is_one_line(tmp_path, monkeypatch, capsys):
     assert main(["config", "-c", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert err == f"dtrain: error: {cfg}: cannot read the config file: Permission denied\n", err
+
+
+def test_an_unreadable_chat_template_file_is_one_line(tmp_path, monkeypatch):
+    """A data.chat_template Jinja file this user may not read ended in PermissionError's traceback."""
+    from pathlib import Path
+
+    from dtrain.data.templates import template_source
+    from dtrain.errors import DataError
+
+    jinja = tmp_path / "chat.jinja"
+    jinja.write_text("{{ messages }}")
+    monkeypatch.setattr(Path, "read_text", lambda self, **_: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", str(self))))
+    with pytest.raises(DataError) as err:
+        template_source(str(jinja))
+    assert str(err.value) == f"data.chat_template: {jinja}: cannot be read: Permission denied"

@@ -96,6 +96,8 @@ def template_source(value: str) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"data.chat_template: {value}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:  # no read permission, a disk error
+        raise DataError(f"data.chat_template: {value}: cannot be read: {err.strerror or err}") from None
 
 
 @dataclass(frozen=True)
