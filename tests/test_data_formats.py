@@ -379,6 +379,11 @@ def test_no_row_of_a_known_format_is_one_error_naming_the_first_row(tmp_path):
     assert str(err.value).startswith(f"{path}:2: unknown row format (keys of the first row: ['answer', 'question']);")
 
 
+def test_no_items_is_one_error_naming_where_not_an_index_error():
+    with pytest.raises(DataError, match=r"^mine\.jsonl: no rows$"):
+        parse_rows([], DataConfig(), "mine.jsonl")
+
+
 def test_a_pair_identical_as_written_is_dropped_not_bad(tmp_path):
     """Chosen == rejected reads well but carries no preference: a drop (``same text``), as the README lists
     drops; it was a bad row, which data.on_bad_row: error stopped a run for."""

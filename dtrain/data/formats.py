@@ -191,9 +191,11 @@ def detect_items_format(items: list, fields: Optional[dict], where: str) -> str:
     reported one by one as bad rows.
 
     Raises:
-        DataError: no item is an object, or none of those objects has a known format
+        DataError: no items, no item is an object, or none of those objects has a known format
             (naming the first one's ``file:line`` and keys).
     """
+    if not items:
+        raise DataError(f"{where}: no rows")
     objs = [(src, o) for src, o in items if isinstance(o, dict)][:DETECT_ROWS]
     if not objs:
         kinds = sorted({json_kind(o) for _, o in items if not isinstance(o, BadRow)})
