@@ -107,6 +107,8 @@ def _data_check(args, overrides) -> int:
 
     if args.show < 0:
         raise UserError(f"data check: --show N must be 0 or more (the first N usable pairs); got {args.show}")
+    if not args.file:  # else read as no data.train, which the config would be blamed for
+        raise UserError("data check: FILE is empty (''); give a data file, folder or hub dataset id")
     # the file named on the command line is the data, its name taken as it is (a file may be
     # called 2024 or null); a config's demo pairs do not apply
     cfg = load_config(args.config, overrides, values={"data.train": args.file, "data.demo_pairs": 0})

@@ -300,6 +300,17 @@ def test_cli_show_refuses_a_negative_count(tmp_path, model_dir, capsys):
     assert out.err == "dtrain: error: data check: --show N must be 0 or more (the first N usable pairs); got -2\n"
 
 
+def test_cli_an_empty_file_argument_is_named_not_the_config(tmp_path, model_dir, capsys):
+    """'' as FILE used to read as no data.train, which blamed the config for not setting it."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  max_length: 40\n")
+    status = main(["data", "check", "", "-c", str(cfg), "--model.path", str(model_dir)])
+    out = capsys.readouterr()
+    assert status == 2 and out.out == ""
+    assert out.err == ("dtrain: error: data check: FILE is empty ('');"
+                       " give a data file, folder or hub dataset id\n")
+
+
 def test_cli_file_with_a_config_of_demo_pairs(tmp_path, model_dir, capsys):
     """FILE replaces the config's data: its demo pairs do not apply, its other data keys do."""
     cfg = tmp_path / "c.yaml"
