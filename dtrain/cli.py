@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of the data (overrides: "
                                        "--data.key VALUE; exit status 1 where training would stop on the data: "
                                        "no usable pair, fewer training pairs than train.global_batch_pairs, "
+                                       "no held-out pair for train.keep_best or an adaptive lambda schedule, "
                                        "bad rows under data.on_bad_row: error)")
     dc.add_argument("file", help="a JSONL/JSON/Parquet file, a data folder or a hub dataset id, read as data.train")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
@@ -115,11 +116,12 @@ def _data_check(args, overrides) -> int:
     _setup_blas()
     from .data import check_file
     from .models import load_model
+    from .run.trainer import held_out_steering
     from .sampler import for_run
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
-    report, n_bad, train_pairs = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
-                                            objective=cfg.objective.kind, seed=cfg.train.seed)
+    report, n_bad, (train_pairs, held_out) = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
+                                                        objective=cfg.objective.kind, seed=cfg.train.seed)
     print(report)
     if n_bad and cfg.data.on_bad_row == "error":
         _error(f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
@@ -128,8 +130,10 @@ def _data_check(args, overrides) -> int:
     if not train_pairs:
         _error(f"{args.file}: no usable pairs (training would stop; see the rows listed above)")
         return 1
-    try:
-        for_run(cfg, train_pairs)  # the trainer's own refusal of fewer training pairs than a step takes
+    try:  # the trainer's own refusals: no held-out pairs to steer by, fewer training pairs than a step takes
+        if held_out is not None:  # else held out in data.valid (or the container's split), not read here
+            held_out_steering(cfg, len(train_pairs), len(held_out))
+        for_run(cfg, train_pairs)
     except UserError as err:
         _error(f"{err} (training would stop)")
         return 1

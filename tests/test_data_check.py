@@ -146,6 +146,21 @@ def test_cli_fewer_training_pairs_than_a_step_fails_as_training_fails(tmp_path, 
     assert main(["data", "check", path, "--model.path", str(model_dir), "--train.global_batch_pairs", "2"]) == 0
 
 
+def test_cli_keep_best_without_held_out_pairs_fails_as_training_fails(tmp_path, model_dir, capsys):
+    """One pair: data.valid_fraction holds out none, so train.keep_best has nothing to choose by and training
+    stops (the trainer's held_out_steering); the check exited 0. With data.valid set it passes (pairs held out)."""
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+    args = ["data", "check", path, "--model.path", str(model_dir), "--train.global_batch_pairs", "1",
+            "--train.keep_best", "eval/loss", "--train.eval_every", "1"]
+    status = main(args)
+    out = capsys.readouterr()
+    assert status == 1 and f"{path}: 1 rows, 1 usable, 0 bad, 0 dropped" in out.out
+    assert [line for line in out.err.splitlines() if line.startswith("dtrain: error:")] == [
+        "dtrain: error: train.keep_best needs held-out pairs, and this run has none: data.valid_fraction 0.1 of 1 "
+        "pairs gives none: set data.valid or add pairs (or turn it off) (training would stop)"]
+    assert main(args + ["--data.valid", path]) == 0
+
+
 def test_cli_no_usable_pair_fails_as_training_fails(tmp_path, model_dir, capsys):
     # every row lacks the mapped field: training stops ("no usable training pairs"), so the check
     # must not exit 0 (it did, printing "0 usable")

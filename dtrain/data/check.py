@@ -60,7 +60,7 @@ def glued_rows(rows: list, tokenizer, cfg) -> list:
 
 def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo", seed: int = 0) -> tuple:
     """A text report on one data source (read as ``data.train`` reads it), its bad-row count and
-    the usable pairs that training would train on: ``(str, int, list)``.
+    the usable pairs that training would train on and hold out: ``(str, int, (list, list or None))``.
 
     Lists the bad rows and the dropped pairs (``file:line: reason``), the
     untruncated token lengths of prompt, chosen and rejected for the rows that
@@ -71,7 +71,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     the same :func:`tokenize_rows` as training. ``objective``: ``objective.kind``;
     a pairwise one (all but ``sft``) cannot train rows with one completion. Without held-out data of its
     own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the rows, split with ``seed``
-    (``train.seed``); the pairs returned are the rest.
+    (``train.seed``): the pairs returned are the rest and those; with it, all of them and None.
 
     Raises:
         DataError: the data cannot be read (missing, a folder of no known
@@ -111,5 +111,8 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
                      "the prompts with a space or newline, or set data.prompt_template: chat")
     for n, pair in enumerate(pairs[:show], start=1):
         lines += show_pair(pair, tokenizer, n)
-    held_out = set() if valid is not None else {r.source for r in split_rows(rows, cfg.valid_fraction, seed)[1]}
-    return "\n".join(lines), len(report.bad), [p for p in pairs if p.source not in held_out]
+    if valid is not None:  # held out in a source of its own, not read here
+        return "\n".join(lines), len(report.bad), (pairs, None)
+    held_out = {r.source for r in split_rows(rows, cfg.valid_fraction, seed)[1]}
+    return "\n".join(lines), len(report.bad), ([p for p in pairs if p.source not in held_out],
+                                               [p for p in pairs if p.source in held_out])

@@ -289,15 +289,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cache_entries = dataset.cache_entries
     objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
-    steering = [k for k, on in (("train.keep_best", t.keep_best is not None),
-                                ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
-    if steering and not dataset.valid:
-        d = cfg.data  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
-        few = d.valid is None and d.valid_fraction > 0
-        fix = (f"data.valid_fraction {d.valid_fraction} of {len(dataset.train)} pairs gives none: set data.valid or "
-               f"add pairs" if few else "set data.valid or data.valid_fraction > 0")
-        raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
-                        f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
+    steering = held_out_steering(cfg, len(dataset.train), len(dataset.valid))
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora)
     if t.init_adapter:
@@ -381,6 +373,24 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                    resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks,
                    template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None, kept, lock)
+
+
+def held_out_steering(cfg: Config, train_pairs: int, held_out_pairs: int) -> list:
+    """The keys on that steer by the held-out metrics (``train.keep_best``, ``orpo.lambda_schedule: adaptive``).
+
+    Raises:
+        UserError: one is on and there are no held-out pairs (``train_pairs``: the training pairs, named).
+    """
+    steering = [k for k, on in (("train.keep_best", cfg.train.keep_best is not None),
+                                ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
+    if steering and not held_out_pairs:
+        d = cfg.data  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
+        few = d.valid is None and d.valid_fraction > 0
+        fix = (f"data.valid_fraction {d.valid_fraction} of {train_pairs} pairs gives none: set data.valid or "
+               f"add pairs" if few else "set data.valid or data.valid_fraction > 0")
+        raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
+                        f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
+    return steering
 
 
 def first_step_text(run: Run) -> str:
