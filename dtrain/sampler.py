@@ -163,7 +163,9 @@ def for_run(cfg, train_pairs: list) -> Sampler:
     if n == 0:
         raise UserError(f"no training pairs left after loading and filtering {where}")
     if b > n:
-        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s) (after the held-out "
-                        f"split, data.valid_fraction={cfg.data.valid_fraction}); a step would train a pair more than "
-                        f"once: set train.global_batch_pairs to at most {n}, or add data")
+        d = cfg.data  # held-out pairs of their own (data.valid, data.valid_split) took none of these
+        split = f" (after the held-out split, data.valid_fraction={d.valid_fraction})" \
+            if d.valid is None and d.valid_split is None else ""
+        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s){split}; a step would "
+                        f"train a pair more than once: set train.global_batch_pairs to at most {n}, or add data")
     return Sampler(n, b, cfg.train.seed)

@@ -86,3 +86,21 @@ def test_dealt_batches_cut_the_whole_list_then_deal_the_batches_to_ranks(n, worl
     assert [b for r in range(world) for b in got[r]] == [b for r in range(world) for b in whole[r::world]]
     assert sorted(x for batches in got for b in batches for x in b) == items  # each item once
     assert all(b in whole for batches in got for b in batches)  # the same batches at every world size
+
+
+@pytest.mark.parametrize("data,said", [
+    (["data.valid_fraction=0.2"], " (after the held-out split, data.valid_fraction=0.2)"),
+    (["data.valid=v.jsonl"], ""),
+    (["data.valid_split=test"], ""),
+])
+def test_fewer_pairs_than_a_step_names_the_fraction_only_where_it_split_them(data, said):
+    """The held-out pairs of data.valid (or data.valid_split) do not come from data.train's pairs."""
+    from dtrain.config import load_config
+    from dtrain.errors import UserError
+
+    cfg = load_config(None, ["data.train=t.jsonl", "train.global_batch_pairs=4", *data])
+    with pytest.raises(UserError) as err:
+        sampler.for_run(cfg, [object()] * 3)
+    assert str(err.value) == (f"train.global_batch_pairs is 4 but t.jsonl has 3 training pair(s){said}; a step "
+                              "would train a pair more than once: set train.global_batch_pairs to at most 3, or add "
+                              "data")
