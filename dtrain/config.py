@@ -309,6 +309,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         quote = f"; quote it: '{value}'" if str in (tp, *typing.get_args(tp)) else ""
         raise ConfigError(f"{where}: expected {type_name(tp)}, got the date {value} (YAML reads an unquoted date as "
                           f"one){quote}")
+    inner = _date_inside(value)
+    if inner is not None:  # lora.keys and data.fields hold names
+        raise ConfigError(f"{where}: expected text inside, got the date {inner} (YAML reads an unquoted date as one); "
+                          f"quote it: '{inner}'")
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
@@ -335,6 +339,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if not isinstance(value, origin or tp):
         raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
     return value
+
+
+def _date_inside(value: Any) -> Optional[datetime.date]:
+    """The first date inside a list or mapping (its keys too), at any depth, or None."""
+    inner = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
+    for item in inner:
+        found = item if isinstance(item, datetime.date) else _date_inside(item)
+        if found is not None:
+            return found
+    return None
 
 
 def _check_allowed(value: Any, meta: dict, where: str) -> None:

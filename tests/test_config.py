@@ -199,6 +199,17 @@ def test_a_yaml_mistake_is_named_with_its_fix(tmp_path, text, message):
     assert str(err.value) == f"{f}: {message}"
 
 
+@pytest.mark.parametrize("override, key", [("lora.keys=[self_attn.q_proj, 2026-12-06]", "lora.keys"),
+                                           ("data.fields={prompt: 2026-12-06}", "data.fields"),
+                                           ("data.fields={2026-12-06: question}", "data.fields")])
+def test_a_date_inside_a_list_or_mapping_is_named_as_one_at_the_top(override, key):
+    """Only a key's own value was checked for a date: one inside its list or mapping was kept as a date."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=1", override])
+    assert str(err.value) == (f"command line: key '{key}': expected text inside, got the date 2026-12-06 (YAML reads "
+                              f"an unquoted date as one); quote it: '2026-12-06'")
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
