@@ -15,6 +15,7 @@ import pytest
 
 from dtrain.files import OutputDir
 from dtrain.run.checkpoint import find_latest
+from dtrain.launch.hosts import LaunchError
 from dtrain.launch.main import release
 from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, _port_lock, ephemeral_ports, free_ports, spare_base
 from dtrain.launch.supervise import find_trainers
@@ -194,7 +195,6 @@ def test_a_port_lock_file_no_one_else_can_open_is_a_port_held(tmp_path, monkeypa
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", open_as_another_user)
-    assert _port_lock(DEFAULT_PORT) is None
     locks, old = [], os.umask(0o077)
     try:
         port = free_ports(1, None, locks)
@@ -203,6 +203,12 @@ def test_a_port_lock_file_no_one_else_can_open_is_a_port_held(tmp_path, monkeypa
     finally:
         os.umask(old)
         release(locks)
+    # --port names it: no ./launch job may hold it, so the message says what is known, the file
+    with pytest.raises(LaunchError) as err:
+        free_ports(1, DEFAULT_PORT, locks)
+    assert str(err.value) == (f"port {DEFAULT_PORT} is in use (its lock file {lock} cannot be opened: Permission "
+                              f"denied); pass another --port, or leave --port out to take free ones")
+    assert locks == []
 
 
 def _port_free(port: int) -> bool:

@@ -111,16 +111,17 @@ def command_with_env(plan: Plan, env: dict) -> list[str]:
 
 
 def _port_lock(port: int) -> Optional[int]:
-    """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it
-    (or its file, another user's, cannot be opened)."""
+    """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it.
+
+    Raises:
+        OSError: the file cannot be opened (another user's made under umask 077) or created.
+    """
     path = os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock")
     try:  # read-only: flock needs no write access, so another user's lock file (0644) serves as well
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:  # O_CREAT only then: Linux's protected_regular refuses it on another user's file
         fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
         os.fchmod(fd, 0o644)  # readable by every user's launcher whatever this one's umask
-    except PermissionError:  # another user's file made under umask 077: its port is not this launcher's to take
-        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
@@ -134,10 +135,12 @@ def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int,
     that each can be listened on; ``(port, why)`` of the first that cannot (its locks released)."""
     taken = []
     for port in range(base, base + count):
-        fd = _port_lock(port)
-        if fd is None:
-            problem = (port, "another ./launch job on this machine holds it")
-        else:
+        try:
+            fd = _port_lock(port)
+            problem = (port, "another ./launch job on this machine holds it")  # where fd is None
+        except OSError as err:  # not this launcher's to take, though no launcher may hold it
+            fd, problem = None, (port, f"its lock file {err.filename} cannot be opened: {err.strerror}")
+        if fd is not None:
             taken.append(fd)
             with socket.socket() as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring listens
