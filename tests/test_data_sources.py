@@ -239,6 +239,17 @@ def test_a_saved_datasets_json_file_that_cannot_be_read_is_one_line(tmp_path, na
     assert str(err.value) == f"{tmp_path / 'ds' / name}: unreadable ({why})"
 
 
+@pytest.mark.parametrize("files", [[1], "data.arrow", None, [{"filename": 3}], {"filename": "data.arrow"}])
+def test_a_state_json_whose_data_files_are_not_objects_is_one_line(tmp_path, files):
+    """'_data_files' of another shape than datasets writes ended in AttributeError's (or TypeError's) traceback."""
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "state.json").write_text(json.dumps({"_data_files": files}))
+    with pytest.raises(DataError) as err:
+        load_rows(str(tmp_path / "ds"), DataConfig())
+    assert str(err.value) == (f"{tmp_path / 'ds' / 'state.json'}: unreadable ('_data_files' must be a list of "
+                              f"objects with a 'filename' string)")
+
+
 def test_jsonl_lines_split_at_newline_only(tmp_path):
     # json.dumps(ensure_ascii=False) leaves U+2028 and \x1c raw; both are inside strings, not line ends
     obj = {"prompt": "a\u2028b\x1cc\rd", "chosen": "x", "rejected": "y"}

@@ -219,8 +219,12 @@ def _arrow_files(folder: Path) -> tuple:
     """The Arrow stream files of one saved Dataset, in row order (``state.json``)."""
     if not (folder / "state.json").is_file():
         raise DataError(f"{folder}: no state.json (not a datasets.save_to_disk folder)")
-    names = [f.get("filename") for f in _json_file(folder / "state.json").get("_data_files", [])]
-    files = tuple(folder / n for n in names if n)
+    entries = _json_file(folder / "state.json").get("_data_files", [])
+    if not isinstance(entries, list) or not all(isinstance(f, dict) and isinstance(f.get("filename"), str)
+                                                for f in entries):
+        raise DataError(f"{folder / 'state.json'}: unreadable ('_data_files' must be a list of objects with a "
+                        f"'filename' string)")
+    files = tuple(folder / f["filename"] for f in entries if f["filename"])
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
         raise DataError(f"{folder}: state.json names {'missing files ' + ', '.join(missing) if missing else 'no data files'}")
