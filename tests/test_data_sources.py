@@ -250,6 +250,17 @@ def test_a_state_json_whose_data_files_are_not_objects_is_one_line(tmp_path, fil
                               f"objects with a 'filename' string)")
 
 
+@pytest.mark.parametrize("splits", ["train", [1], {"train": 1}])
+def test_a_dataset_dict_json_whose_splits_are_not_names_is_one_line(tmp_path, splits):
+    """'splits' as text matched any part of it ("rain" read the train split); as numbers a traceback."""
+    folder = save_dict_like(tmp_path / "dd", {"train": gen_objs("standard", 2, seed=1)})
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": splits}))
+    with pytest.raises(DataError) as err:
+        load_rows(folder, DataConfig(split="rain"))
+    assert str(err.value) == (f"{tmp_path / 'dd' / 'dataset_dict.json'}: unreadable ('splits' must be a list of split "
+                              "names)")
+
+
 def test_jsonl_lines_split_at_newline_only(tmp_path):
     # json.dumps(ensure_ascii=False) leaves U+2028 and \x1c raw; both are inside strings, not line ends
     obj = {"prompt": "a\u2028b\x1cc\rd", "chosen": "x", "rejected": "y"}

@@ -146,6 +146,8 @@ def resolve_pair(cfg) -> tuple:
 def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split_key: str) -> Source:
     if (p / "dataset_dict.json").is_file():
         splits = _json_file(p / "dataset_dict.json").get("splits", [])
+        if not isinstance(splits, list) or not all(isinstance(s, str) for s in splits):  # text: "rain" in "train"
+            raise DataError(f"{p / 'dataset_dict.json'}: unreadable ('splits' must be a list of split names)")
         if split is None or split not in splits:
             what = f"has no split {split!r}" if split is not None else "is a DatasetDict"
             raise DataError(f"{spec}: {what} (splits: {', '.join(splits)}); set {split_key}")
