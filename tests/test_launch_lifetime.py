@@ -247,3 +247,21 @@ def test_spare_ports_lie_outside_the_ephemeral_range():
     finally:
         for fd in held + locks:
             os.close(fd)
+
+
+def test_find_trainers_skips_a_process_whose_rank_is_not_a_number(tmp_path):
+    """rank_from_env refuses a non-number MLX_RANK (a UserError): reading another process's environment, that
+    ended the search in its traceback."""
+    import subprocess
+
+    (tmp_path / "dtrain").mkdir()  # a stand-in `python -m dtrain train` that waits
+    (tmp_path / "dtrain" / "__main__.py").write_text("import time\ntime.sleep(60)\n")
+    marker = str(tmp_path / "out")
+    procs = [subprocess.Popen([sys.executable, "-m", "dtrain", "train", marker], cwd=tmp_path,
+                              env={**os.environ, "MLX_RANK": rank}) for rank in ("x", "1")]
+    try:
+        assert find_trainers(marker) == {1: procs[1].pid}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

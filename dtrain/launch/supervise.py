@@ -35,6 +35,7 @@ from typing import Optional
 
 from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
                         LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
+from ..errors import UserError
 from .plan import Plan, command_with_env
 from .rank import MARK, WRAPPER_SIGNALS, Report, alive, parse_report, say, write
 
@@ -342,7 +343,7 @@ def find_trainers(marker: str) -> dict:
             if args[1:4] != ["-m", "dtrain", "train"] or not any(marker in a for a in args):
                 continue
             env = dict(x.split("=", 1) for x in (p / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
-        except OSError:
+            found[rank_from_env(env)] = int(p.name)
+        except (OSError, UserError):  # gone, not ours to read, or a rank that is no number (it stops at its start)
             continue
-        found[rank_from_env(env)] = int(p.name)
     return found
