@@ -260,6 +260,9 @@ def test_find_trainers_skips_a_process_whose_rank_is_not_a_number(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-m", "dtrain", "train", marker], cwd=tmp_path,
                               env={**os.environ, "MLX_RANK": rank}) for rank in ("x", "1")]
     try:
+        started = [b"-m", b"dtrain", b"train"]  # under load /proc shows the new command line a moment late
+        wait_until(lambda: all(Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[1:4] == started
+                               for p in procs), "the stand-in trainers' command lines", limit=STOP_S)
         assert find_trainers(marker) == {1: procs[1].pid}
     finally:
         for p in procs:
