@@ -157,13 +157,15 @@ class Attempt:
             f"a rank that uses no CPU for {self.stop_timeout:g} s is killed (Ctrl-C again to kill now)")
         self._send(signal.SIGUSR2)
 
-    def abort(self, why: str) -> None:
-        """End every rank's trainer within seconds (a rank failed, or a second Ctrl-C)."""
+    def abort(self, why: str, announce: bool = True) -> None:
+        """End every rank's trainer within seconds (a rank failed, or a second Ctrl-C); ``why`` is printed
+        unless ``announce`` is off."""
         with self._lock:
             if self.aborted_at is not None:
                 return
             self.aborted_at = time.monotonic()
-        say(f"launch: {why}" + ("; stopping the other rank(s)" if self.plan.world_size > 1 else ""))
+        if announce:
+            say(f"launch: {why}" + ("; stopping the other rank(s)" if self.plan.world_size > 1 else ""))
         self._send(signal.SIGUSR1)
 
     def _send(self, sig: int) -> None:
@@ -202,7 +204,8 @@ class Attempt:
         self.reports[report.rank] = report
         self.order.append(report.rank)
         if report.code != 0 and self.stopped_by is None and report.killed is None:
-            self.abort(f"rank {report.rank} failed ({describe_status(report.code)})")
+            # one rank: nothing else to stop, and the summary names the failure
+            self.abort(f"rank {report.rank} failed ({describe_status(report.code)})", self.plan.world_size > 1)
 
     def _kill_leftovers(self) -> None:
         """Kill this machine's trainers whose wrapper died without reporting (e.g. killed by mpirun)."""
