@@ -309,11 +309,32 @@ def test_a_run_continued_from_an_older_checkpoint_drops_the_steps_it_left(tmp_pa
     capsys.readouterr()
     run(tmp_path, *args, f"train.resume={older}", "engine.kind=reference", hooks=Hooks(before_step=stop_in_5))
     assert ("resuming step-0000004: this run's later checkpoint(s) step-0000005, step-0000006 belong to the steps "
-            "it leaves and are removed at its first save (copy them elsewhere to keep them)") in capsys.readouterr().err
+            "it leaves and are removed at its first save or its end (copy them elsewhere to keep them)") in capsys.readouterr().err
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000004", "step-0000005"]
     resumed, _ = run(tmp_path, *args, "train.resume=auto", "engine.kind=reference")
     assert len(resumed.history) == 1  # step 6, on the new branch
     assert [s for s, _ in read_scalars(resumed.run_dir)["loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_run_continued_from_an_older_checkpoint_at_its_end_drops_the_steps_it_left(tmp_path, capsys):
+    """Resumed from step-0000004 with train.steps=4 (nothing left to train): the adapter was rewritten as step
+    4's, but with no save the left branch's step-0000005/6 stayed, and resume=auto then took step 6 and
+    stopped ("beyond train.steps=4"). The run's end removes them as a save would."""
+    import mlx.core as mx
+
+    from dtrain.lora import ADAPTER_WEIGHTS
+
+    args = ("train.eval_every=2", "train.save_every=1", "train.keep_last=3")  # step 4's evaluation in its checkpoint
+    run(tmp_path, "train.steps=6", *args)
+    older = tmp_path / "checkpoints" / "step-0000004"
+    capsys.readouterr()
+    run(tmp_path, "train.steps=4", *args, f"train.resume={older}")
+    assert "are removed at its first save or its end" in capsys.readouterr().err
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000004"]
+    written, kept = (mx.load(str(d / ADAPTER_WEIGHTS)) for d in (tmp_path / "adapters", older))
+    assert written.keys() == kept.keys() and all(mx.array_equal(written[k], kept[k]).item() for k in kept)
+    resumed, _ = run(tmp_path, "train.steps=4", *args, "train.resume=auto")
+    assert resumed.history == []
 
 
 def write_rows(path, n=12, salt=""):

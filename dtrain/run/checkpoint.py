@@ -367,7 +367,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
                         if run_id_of(p) == found.state.run_id and step_of(p) > found.state.step]
                 if left:  # prune removes them at the first save: said now, while they are still there
                     report(f"resuming {path.name}: this run's later checkpoint(s) {', '.join(left)} belong to the "
-                           f"steps it leaves and are removed at its first save (copy them elsewhere to keep them)")
+                           f"steps it leaves and are removed at its first save or its end (copy them elsewhere to keep them)")
                 decision = {"path": str(path), "state": dataclasses.asdict(found.state),
                             "adapter": _spec(found.adapter), "optimizer": _spec(found.optimizer)}
         except UserError as err:

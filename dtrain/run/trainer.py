@@ -443,9 +443,11 @@ def log_hparams(run: Run, step: int) -> None:
 
 def finish(run: Run) -> None:
     """Rank 0 writes the adapter (the same bytes when written again; with ``train.keep_best``: the best
-    step's, and the last step's to ``adapters-last/``)."""
+    step's, and the last step's to ``adapters-last/``), after removing the run's checkpoints past its last step
+    (a run continued from an older checkpoint at its end saves none, whose prune would remove them)."""
     if run.group.is_main:
         t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
+        ckpt.prune(run.checkpoints, max(t.keep_last, 1), run.state.run_id, step)
         kept = f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, step)} holds the same weights"
         with storage(f"write the adapter {out.adapters_last}", kept):
             weights = keep_best.last_and_best(run, out.adapters_last)
