@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -29,10 +28,9 @@ def job(tmp_path_factory):
     """The tiny job's config and its one-rank run (the reference for the others)."""
     tmp = tmp_path_factory.mktemp("launch")
     config = make_job(tmp)
-    t0 = time.time()
     r = launch(config)
     assert r.returncode == 0, r.stderr
-    return dict(config=config, tmp=tmp, one_rank=r, seconds=time.time() - t0)
+    return dict(config=config, tmp=tmp, one_rank=r)
 
 
 def adapter(path: Path) -> dict:
@@ -50,7 +48,7 @@ def test_one_rank_trains_without_distributed_setup(job):
     r = job["one_rank"]
     assert "world size 1" in r.stderr and "eval reward accuracy (chosen preferred over rejected): step 0" in r.stdout
     assert (job["tmp"] / "run" / ADAPTER).is_file()
-    assert "MLX_HOSTFILE" not in r.stderr and job["seconds"] < 30
+    assert "MLX_HOSTFILE" not in r.stderr
 
 
 def test_two_ranks_on_loopback_equal_one_rank(job, tmp_path):
