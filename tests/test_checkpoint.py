@@ -494,7 +494,8 @@ def test_resume_into_a_folder_with_another_runs_checkpoints_is_refused(tmp_path)
                               f"{root}/step-0000002 there would mix two runs: train into a new train.output_dir")
 
 
-def test_resume_path_must_be_a_valid_checkpoint(tmp_path):
+def test_resume_path_must_be_a_valid_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # 'false' is read in the working folder, which may hold one
     with pytest.raises(UserError) as err:  # --train.resume false: a folder named false (the command line's text)
         ckpt.load_checkpoint(Path("false"))
     assert str(err.value) == ("resume: checkpoint folder false does not exist; train.resume takes null (a new run), "
