@@ -206,8 +206,8 @@ def test_a_port_lock_file_no_one_else_can_open_is_a_port_held(tmp_path, monkeypa
     # --port names it: no ./launch job may hold it, so the message says what is known, the file
     with pytest.raises(LaunchError) as err:
         free_ports(1, DEFAULT_PORT, locks)
-    assert str(err.value) == (f"port {DEFAULT_PORT} is in use (its lock file {lock} cannot be opened: Permission "
-                              f"denied); pass another --port, or leave --port out to take free ones")
+    assert str(err.value) == (f"port {DEFAULT_PORT} is in use (its lock file {lock} cannot be opened or locked: "
+                              f"Permission denied); pass another --port, or leave --port out to take free ones")
     assert locks == []
 
 
@@ -268,3 +268,25 @@ def test_find_trainers_skips_a_process_whose_rank_is_not_a_number(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_port_lock_file_that_cannot_be_locked_is_named_and_closed(tmp_path, monkeypatch):
+    """flock failing otherwise than 'held' (ENOLCK: a file system without locks) leaked the opened fd, and the
+    message said 'its lock file None cannot be opened'. Now the fd is closed and the message names the file."""
+    import errno
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    before = set(os.listdir("/proc/self/fd"))
+    locks = []
+    with pytest.raises(LaunchError) as err:
+        free_ports(1, DEFAULT_PORT, locks)
+    lock = tmp_path / f"dtrain-port-{DEFAULT_PORT}.lock"
+    assert str(err.value) == (f"port {DEFAULT_PORT} is in use (its lock file {lock} cannot be opened or locked: "
+                              f"No locks available); pass another --port, or leave --port out to take free ones")
+    assert locks == [] and set(os.listdir("/proc/self/fd")) == before  # no fd left open

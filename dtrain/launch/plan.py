@@ -114,7 +114,8 @@ def _port_lock(port: int) -> Optional[int]:
     """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it.
 
     Raises:
-        OSError: the file cannot be opened (another user's made under umask 077) or created.
+        OSError: the file cannot be opened (another user's made under umask 077), created or locked (ENOLCK: a
+            file system without locks); its ``filename`` is the lock file, and no fd is left open.
     """
     path = os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock")
     try:  # read-only: flock needs no write access, so another user's lock file (0644) serves as well
@@ -128,6 +129,9 @@ def _port_lock(port: int) -> Optional[int]:
     except BlockingIOError:
         os.close(fd)
         return None
+    except OSError as err:  # flock's error names no file
+        os.close(fd)
+        raise OSError(err.errno, err.strerror, path) from None
 
 
 def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int, str]]:
@@ -139,7 +143,7 @@ def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int,
             fd = _port_lock(port)
             problem = (port, "another ./launch job on this machine holds it")  # where fd is None
         except OSError as err:  # not this launcher's to take, though no launcher may hold it
-            fd, problem = None, (port, f"its lock file {err.filename} cannot be opened: {err.strerror}")
+            fd, problem = None, (port, f"its lock file {err.filename} cannot be opened or locked: {err.strerror}")
         if fd is not None:
             taken.append(fd)
             with socket.socket() as s:
