@@ -437,3 +437,34 @@ def test_an_evaluation_that_raises_leaves_the_model_in_training_mode():
     with pytest.raises(RuntimeError, match="engine failed"):
         evaluation.evaluate(Failing(model, ORPO(0.1)), model, make_pairs(2), 1, Group(), 3)
     assert model.training
+
+
+def test_no_held_out_pairs_advice_names_where_they_came_from(tmp_path):
+    """A held-out source of its own that gave no usable pairs was told to 'set data.valid or data.valid_fraction > 0'
+    (data.valid set) or that data.valid_fraction gave none (valid_split, an mlx-lm folder's valid.jsonl)."""
+    from dtrain.run.trainer import held_out_steering
+
+    folder = tmp_path / "mlx"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("")
+    (folder / "valid.jsonl").write_text("")
+    base = ["train.keep_best=eval/loss", "train.eval_every=1"]
+    start = "train.keep_best needs held-out pairs, and this run has none: "
+    cases = [([f"data.train={folder}", f"data.valid={folder / 'valid.jsonl'}"],
+              f"data.valid {folder / 'valid.jsonl'} gives no usable pairs: fix its rows (dtrain data check lists "
+              f"them) or set data.valid to other pairs"),
+             ([f"data.train={tmp_path}", "data.valid_split=test"],
+              f"data.valid_split test of {tmp_path} gives no usable pairs: set data.valid_split to a split with "
+              f"pairs, or data.valid"),
+             ([f"data.train={folder}"],
+              f"{folder / 'valid.jsonl'} (an mlx-lm data folder's) gives no usable pairs: add pairs to it, or set "
+              f"data.valid"),
+             ([f"data.train={tmp_path}"], "data.valid_fraction 0.1 of 9 pairs gives none: set data.valid or add pairs"),
+             ([f"data.train={folder}", "data.valid_fraction=0.0"],
+              f"{folder / 'valid.jsonl'} (an mlx-lm data folder's) gives no usable pairs: add pairs to it, or set "
+              f"data.valid")]
+    for overrides, fix in cases:
+        cfg = load_config(None, base + overrides)
+        with pytest.raises(UserError) as err:
+            held_out_steering(cfg, 9, 0)
+        assert str(err.value) == f"{start}{fix} (or turn it off)", overrides

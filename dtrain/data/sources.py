@@ -137,10 +137,16 @@ def resolve_pair(cfg) -> tuple:
             raise DataError(f"data.valid_split ({cfg.valid_split}) needs data.train to have splits "
                             f"(a DatasetDict folder, a Parquet folder or a hub id); {cfg.train} has none")
         return train, resolve(cfg.train, cfg, "valid")
-    folder = Path(cfg.train).expanduser()
-    if train.kind == "json" and folder.is_dir() and (folder / "valid.jsonl").is_file():
-        return train, resolve(cfg.train, cfg, "valid")  # mlx-lm folder
+    if mlx_valid(cfg.train) is not None:
+        return train, resolve(cfg.train, cfg, "valid")
     return train, None
+
+
+def mlx_valid(spec: str) -> Optional[Path]:
+    """``valid.jsonl`` of ``spec`` when it names an mlx-lm data folder that has one (its held-out rows), else None."""
+    folder = Path(spec).expanduser()
+    saved = any((folder / name).is_file() for name in ("dataset_dict.json", "state.json"))  # read first by resolve
+    return folder / "valid.jsonl" if folder.is_dir() and not saved and (folder / "valid.jsonl").is_file() else None
 
 
 def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split_key: str) -> Source:

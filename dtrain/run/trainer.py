@@ -25,6 +25,7 @@ from . import checkpoint as ckpt, output
 from .. import sampler
 from ..blas import warn_if_slow
 from ..config import Config, to_dict
+from ..data.sources import mlx_valid
 from ..data.templates import template_source
 from ..device import resolve_auto
 from ..distributed import Group, check_in_sync, handshake
@@ -384,13 +385,27 @@ def held_out_steering(cfg: Config, train_pairs: int, held_out_pairs: int) -> lis
     steering = [k for k, on in (("train.keep_best", cfg.train.keep_best is not None),
                                 ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
     if steering and not held_out_pairs:
-        d = cfg.data  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
-        few = d.valid is None and d.valid_fraction > 0
-        fix = (f"data.valid_fraction {d.valid_fraction} of {train_pairs} pairs gives none: set data.valid or "
-               f"add pairs" if few else "set data.valid or data.valid_fraction > 0")
+        fix = _no_held_out_fix(cfg.data, train_pairs)
         raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
                         f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
     return steering
+
+
+def _no_held_out_fix(d, train_pairs: int) -> str:
+    """What to change when the held-out pairs' source (``d``: a DataConfig) gave none, as load_dataset reads it."""
+    own = d.demo_pairs <= 0 and d.train is not None  # demo pairs are split by the fraction whatever else is set
+    mlx = mlx_valid(d.train) if own else None
+    if own and d.valid is not None:
+        return (f"data.valid {d.valid} gives no usable pairs: fix its rows (dtrain data check lists them) or set "
+                f"data.valid to other pairs")
+    if own and d.valid_split is not None:
+        return (f"data.valid_split {d.valid_split} of {d.train} gives no usable pairs: set data.valid_split to a "
+                f"split with pairs, or data.valid")
+    if mlx is not None:
+        return f"{mlx} (an mlx-lm data folder's) gives no usable pairs: add pairs to it, or set data.valid"
+    if d.valid_fraction > 0:  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
+        return f"data.valid_fraction {d.valid_fraction} of {train_pairs} pairs gives none: set data.valid or add pairs"
+    return "set data.valid or data.valid_fraction > 0"
 
 
 def first_step_text(run: Run) -> str:
