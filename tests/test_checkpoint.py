@@ -247,7 +247,7 @@ def test_a_kill_between_an_adapter_folder_s_renames_leaves_no_old_copy_after_the
     for name in (".adapters.tmp-4242", ".adapters-last.tmp-4242", "data_cache/.tmp-abc.npz"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         ((out / name).mkdir() if "adapters" in name else (out / name).write_bytes(b"x"))
-    output.prepare_output(out, output.DiskPlan(0, (), 1), resuming=True).release()
+    output.prepare_output(out, output.DiskPlan(0, 0, 0, 1), resuming=True).release()
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".dtrain.lock", "data_cache"]
     for name in ("adapters", "adapters-last", ".adapters.old-4242", ".adapters-last.old-4242"):
         (out / name).mkdir()
@@ -272,7 +272,7 @@ def test_a_kill_between_the_two_renames_gets_the_folder_back(tmp_path):
         b"checkpoints/.step-0000004.old-4242")
     shutil.rmtree(out / "checkpoints")
     with pytest.raises(UserError, match="holds an earlier run's adapter"):
-        output.prepare_output(out, output.DiskPlan(0, (), 1), resuming=False)
+        output.prepare_output(out, output.DiskPlan(0, 0, 0, 1), resuming=False)
     assert sorted(p.name for p in out.iterdir()) == [".dtrain.lock", "adapters"]
     assert (out / "adapters" / "adapters.safetensors").read_bytes() == b".adapters.old-4242"
 
@@ -443,7 +443,7 @@ def test_a_folder_whose_file_system_cannot_lock_is_one_clear_line(tmp_path, monk
     monkeypatch.setattr(output.os, "open", lambda *a, **k: opened.append(real_open(*a, **k)) or opened[-1])
     monkeypatch.setattr(output.fcntl, "flock", refuse)
     with pytest.raises(UserError) as err:
-        output.prepare_output(tmp_path / "out", output.DiskPlan(0, (), 1), resuming=False)
+        output.prepare_output(tmp_path / "out", output.DiskPlan(0, 0, 0, 1), resuming=False)
     assert str(err.value) == (f"output folder {tmp_path / 'out'} cannot be locked ({os.strerror(getattr(errno, code))}): "
                               "its file system does not support locks (a network share?); choose a train.output_dir "
                               "on a local disk")

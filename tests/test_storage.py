@@ -199,8 +199,7 @@ def test_cli_exit_status_2_and_one_line_on_a_full_disk(tmp_path):
 
 
 def plan(keep_last=2, steps=8, save_every=2):
-    saves = tuple(s for s in range(1, steps + 1) if s == steps or s % save_every == 0)
-    return output.DiskPlan(4_000_000, saves, keep_last)
+    return output.DiskPlan(4_000_000, steps, save_every, keep_last)
 
 
 @pytest.mark.parametrize("kept, done, more", [
@@ -213,13 +212,28 @@ def test_disk_plan_counts_the_checkpoints_already_on_disk(kept, done, more):
     assert plan().need(kept, done) == (more * 4_000_000 + 1_000_000, more)
 
 
+def test_disk_plan_of_a_huge_train_steps_is_counted_not_listed(tmp_path, monkeypatch):
+    """train.steps=10**12 (a run meant to end by train.early_stop_evals) hung before its first line: the trainer
+    listed every step that saves a checkpoint to plan the free space."""
+    plans = []
+
+    def planned(out, p, resuming):
+        plans.append(p)
+        raise UserError("planned")
+
+    monkeypatch.setattr(output, "prepare_output", planned)
+    with pytest.raises(UserError, match="planned"):
+        run(tmp_path, f"train.steps={10**12}", "train.save_every=1", "train.warmup_steps=0")
+    assert plans[0].need(0, 0) == (3 * plans[0].checkpoint_bytes + plans[0].checkpoint_bytes // 4, 3)
+    assert plans[0].need(2, 10**12 - 1) == (plans[0].checkpoint_bytes * 5 // 4, 1)  # the last step's save ahead
+
+
 def test_disk_plan_of_keep_best_counts_both_adapter_folders(tmp_path, monkeypatch):
     """A checkpoint is 4 adapters' worth (its adapter, AdamW's two moments, the best step's copy); a
     train.keep_best run ends by writing two adapter folders (adapters/ and adapters-last/), each an
     adapter's worth, and the trainer plans for both."""
-    saves = (2, 4, 6, 8)
-    assert output.DiskPlan(4_000_000, saves, 2, adapters=2).need(2, 8) == (2_000_000, 0)
-    assert output.DiskPlan(4_000_000, saves, 2, adapters=2).need(0, 0) == (3 * 4_000_000 + 2_000_000, 3)
+    assert output.DiskPlan(4_000_000, 8, 2, 2, adapters=2).need(2, 8) == (2_000_000, 0)
+    assert output.DiskPlan(4_000_000, 8, 2, 2, adapters=2).need(0, 0) == (3 * 4_000_000 + 2_000_000, 3)
     plans = []
     real = output.prepare_output
     monkeypatch.setattr(output, "prepare_output", lambda out, p, resuming: plans.append(p) or real(out, p, resuming))
@@ -251,7 +265,7 @@ def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, m
     from collections import namedtuple
 
     run(tmp_path, "train.steps=4", "train.save_every=2")  # keep_last 2: step-2 and step-4 on disk
-    p = output.DiskPlan(4_000_000, (2, 4, 6), 2)
+    p = output.DiskPlan(4_000_000, 6, 2, 2)  # saves at steps 2, 4 and 6
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 5_000_000))
     output.prepare_output(tmp_path, p, resuming=True).release()  # 4 MB checkpoint + 1 MB adapter fit in 5 MB

@@ -35,14 +35,16 @@ class DiskPlan:
     """What a run will still write into its output folder, for the free-space check.
 
     ``checkpoint_bytes``: one checkpoint (:func:`estimate_bytes`).
-    ``save_steps``: the steps that save a checkpoint (``save_every`` multiples and the last step).
+    ``steps``, ``save_every``: ``train.steps`` and ``train.save_every``; the steps that save a checkpoint are
+    ``save_every``'s multiples and the last.
     ``keep_last``: ``train.keep_last``.
     ``adapters``: adapter folders written at the end (2 with ``train.keep_best``: ``adapters/`` and
     ``adapters-last/``).
     """
 
     checkpoint_bytes: int
-    save_steps: tuple
+    steps: int
+    save_every: int
     keep_last: int
     adapters: int = 1
 
@@ -56,7 +58,10 @@ class DiskPlan:
         quarter of a checkpoint (:func:`estimate_bytes`: the weights without
         AdamW's two moments and the best step's copy).
         """
-        ahead = sum(1 for s in self.save_steps if s > done_step)
+        every, last = self.save_every, self.steps
+        # counted, not listed: train.steps may be huge (a run ended by early_stop_evals)
+        multiples = last // every - done_step // every if every else 0
+        ahead = 0 if done_step >= last else multiples + (1 if not every or last % every else 0)
         more = max(min(self.keep_last + 1, kept + ahead) - kept, 0)
         return more * self.checkpoint_bytes + self.adapters * (self.checkpoint_bytes // 4), more
 

@@ -315,8 +315,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                           model=loaded.identity, lora_shapes=lora_shapes, init_adapter=init_adapter)
     out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
-        saves = tuple(s for s in range(1, t.steps + 1) if s == t.steps or (t.save_every and s % t.save_every == 0))
-        plan = output.DiskPlan(output.estimate_bytes(model), saves, max(t.keep_last, 1),
+        plan = output.DiskPlan(output.estimate_bytes(model), t.steps, t.save_every, max(t.keep_last, 1),
                                2 if t.keep_best is not None else 1)  # keep_best: adapters/ and adapters-last/
         lock = _main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None))
         if lock is not None:
