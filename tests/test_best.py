@@ -439,6 +439,19 @@ def test_an_evaluation_that_raises_leaves_the_model_in_training_mode():
     assert model.training
 
 
+def test_steering_with_no_evaluation_before_the_last_step_gets_a_notice(tmp_path, capsys):
+    """train.eval_every >= train.steps evaluates only step 0 and the last: keep_best wrote the last step to both
+    adapters/ and adapters-last/ and the adaptive lambda controller never moved lambda, silently. A run extended
+    by a resume does steer by the last step's evaluation, so it is a notice, not an error."""
+    run(tmp_path / "once", f"train.keep_best={ACC}", "orpo.lambda_schedule=adaptive", "train.eval_every=6")
+    want = ("train.keep_best and orpo.lambda_schedule: adaptive steer by evaluations during the run, and "
+            "train.eval_every 6 >= train.steps 6 evaluates only step 0 and the last: adapters/ holds the last step "
+            "and lambda stays orpo.lambda_min; set train.eval_every below train.steps")
+    assert capsys.readouterr().err.count(want) == 1
+    run(tmp_path / "twice", f"train.keep_best={ACC}", "train.eval_every=5")
+    assert "evaluates only step 0 and the last" not in capsys.readouterr().err
+
+
 def test_no_held_out_pairs_advice_names_where_they_came_from(tmp_path):
     """A held-out source of its own that gave no usable pairs was told to 'set data.valid or data.valid_fraction > 0'
     (data.valid set) or that data.valid_fraction gave none (valid_split, an mlx-lm folder's valid.jsonl)."""

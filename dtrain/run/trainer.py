@@ -309,6 +309,13 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                f"{len(valid)} pair(s): one pair moves eval/rewards/accuracies by {1 / len(valid):.2f}, so the "
                f"choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction"
                f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
+    # a notice, not an error: a run extended by a resume steers by the last evaluation of the run it continues
+    if steering and t.eval_every >= t.steps and t.resume is None and notice is not None:
+        what = {"train.keep_best": "adapters/ holds the last step",
+                "orpo.lambda_schedule: adaptive": "lambda stays orpo.lambda_min"}
+        notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by evaluations during the run, "
+               f"and train.eval_every {t.eval_every} >= train.steps {t.steps} evaluates only step 0 and the last: "
+               f"{' and '.join(what[k] for k in steering)}; set train.eval_every below train.steps")
     state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=settings(resolved),
                           schedule_steps=t.steps, world_size=group.size,
                           data=data,
