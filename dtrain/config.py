@@ -398,7 +398,13 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system (SFT: "
                           f"completion/messages/text) to column names, got {value!r}; e.g. --data.fields "
                           f"'{{prompt: question, chosen: response_j, rejected: response_k}}'")
-    setattr(sub, name, checked(type(sub), name, value, f"{source}: key '{shown}'"))
+    value = checked(type(sub), name, value, f"{source}: key '{shown}'")
+    # lora.keys of no text would match no layer, found only after the model loads
+    if (section, name) == ("lora", "keys") and value is not None and not (value and all(
+            k and isinstance(k, str) for k in value)):
+        raise ConfigError(f"{source}: key 'lora.keys' must list module paths inside a decoder layer, e.g. "
+                          f"[self_attn.q_proj, mlp.down_proj], or be null for every linear layer; got {value!r}")
+    setattr(sub, name, value)
 
 
 def _check_section(section: str, source: str) -> None:

@@ -210,6 +210,17 @@ def test_a_date_inside_a_list_or_mapping_is_named_as_one_at_the_top(override, ke
                               f"an unquoted date as one); quote it: '2026-12-06'")
 
 
+@pytest.mark.parametrize("value", ["[1, 2]", "[[self_attn.q_proj]]", "[]", "[self_attn.q_proj, '']"])
+def test_lora_keys_that_name_no_module_path_are_refused_at_once(value):
+    """lora.keys of numbers, nested lists or nothing passed the config and failed after the model loaded
+    ("matched no linear layer")."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=1", f"lora.keys={value}"])
+    assert str(err.value) == (f"command line: key 'lora.keys' must list module paths inside a decoder layer, e.g. "
+                              f"[self_attn.q_proj, mlp.down_proj], or be null for every linear layer; got "
+                              f"{yaml.safe_load(value)!r}")
+
+
 def test_ci_runs_the_readme_test_command_verbatim():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
