@@ -473,6 +473,11 @@ def _check(cfg: Config, source: str, need_data: bool = True) -> None:
     if cfg.data.train is not None and cfg.data.demo_pairs > 0:
         problems.append(f"both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
                         "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
+    for key in ("valid", "valid_split"):  # unread: load_dataset splits the generated pairs
+        if getattr(cfg.data, key) is not None and cfg.data.demo_pairs > 0:
+            problems.append(f"'data.{key}' ({getattr(cfg.data, key)}) is set but 'data.demo_pairs' "
+                            f"({cfg.data.demo_pairs}) generates the pairs, holding out data.valid_fraction of them; "
+                            f"remove data.{key}, or set data.demo_pairs 0 and data.train")
     if cfg.lora.num_layers == 0:  # mlx-lm's linear_to_lora_layers slices model.layers[-0:], i.e. every layer
         problems.append("'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it as all of them; "
                         "set -1 for every layer or N >= 1 for the last N")

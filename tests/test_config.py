@@ -239,6 +239,17 @@ def test_data_file_and_demo_pairs_together_is_an_error():
     assert load_config(str(ROOT / "configs" / "demo.yaml"), ["data.train=x.jsonl", "data.demo_pairs=0"]).data.train == "x.jsonl"
 
 
+@pytest.mark.parametrize("key, value", [("data.valid", "v.jsonl"), ("data.valid_split", "test")])
+def test_held_out_data_with_demo_pairs_is_an_error(key, value):
+    """configs/demo.yaml with --data.valid: the generated pairs were split by data.valid_fraction and the file
+    was never read, silently."""
+    with pytest.raises(ConfigError) as err:
+        load_config(str(ROOT / "configs" / "demo.yaml"), [f"{key}={value}"])
+    assert str(err.value) == (f"{ROOT / 'configs' / 'demo.yaml'}: '{key}' ({value}) is set but 'data.demo_pairs' "
+                              f"(600) generates the pairs, holding out data.valid_fraction of them; remove "
+                              f"{key}, or set data.demo_pairs 0 and data.train")
+
+
 def test_lora_num_layers_zero_is_refused_since_mlx_lm_would_adapt_every_layer():
     """0 passed the key's ">= -1" and trained every layer: mlx-lm slices model.layers[-0:]."""
     from conftest import make_tiny_model
