@@ -303,6 +303,20 @@ def test_one_rank_with_a_backend_is_refused_before_it_starts(args, named, tmp_pa
         f"process); pass -n N or --hostfile HOSTS.json, or leave the backend out to train on one rank")
 
 
+def test_tensorboard_on_a_ranks_port_is_refused_before_they_start(tmp_path):
+    """--tensorboard on a port of the ring (here --port P, 2 ranks: P and P+1) took it first, and rank 0 failed
+    joining its group with "[ring] Couldn't bind socket (error: 98)"."""
+    config = tmp_path / "job.yaml"
+    config.write_text(f"data: {{demo_pairs: 4}}\ntrain: {{output_dir: {tmp_path / 'out'}}}\n")
+    port = free_port(2)
+    r = launch("-n", 2, "--backend", "ring", "--port", port, "--tensorboard", port + 1, config)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: --tensorboard {port + 1} is one of the ranks' ports ({port}-{port + 1}); pass another "
+        f"--tensorboard, or another --port")
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
 @pytest.mark.parametrize("args", [["-c"], ["-c", "job.yaml"], ["--config=job.yaml"], ["-n", "2", "-c", "job.yaml"]])
 def test_a_config_given_with_dash_c_points_to_the_bare_form(args):
     """`./launch -c job.yaml` (dtrain's form) said "unrecognized arguments: -c", `./launch -c` that a config

@@ -282,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                                   port_locks=port_locks)
 
             plan = plan_for(False)
+            if args.tensorboard in plan.ports:  # else the rank that listens on it fails to join its group
+                span = f"{plan.ports[0]}" + (f"-{plan.ports[-1]}" if len(plan.ports) > 1 else "")
+                raise LaunchError(f"--tensorboard {args.tensorboard} is one of the ranks' ports ({span}); pass "
+                                  f"another --tensorboard, or another --port")
             if plan.local:
                 check_data(cfg)
             for line in plan.notes:

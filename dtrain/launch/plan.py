@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ..blas import CHILD_VARS, blas_env
@@ -40,6 +40,7 @@ class Plan:
     environment (what ``--dry-run`` prints). ``shards[r]``: pairs per step.
     ``files``: temporary files to write before starting (path -> content), in ``tmpdir``.
     ``local``: every rank runs on this machine (its files are the launcher's files).
+    ``ports``: the loopback TCP ports the ranks of a local plan listen on (none for one rank or MPI).
     ``direct``: the launcher starts ``command`` once per rank itself, rank ``r``
     with ``direct[r]`` added (``rank_env[r]`` with files' paths for their
     contents); empty: ``command`` starts every rank (mlx.launch, mpirun) or is the one rank.
@@ -59,6 +60,7 @@ class Plan:
     notes: list = field(default_factory=list)
     direct: list = field(default_factory=list)
     tmpdir: Optional[str] = None
+    ports: tuple = ()
 
 
 def shard_sizes(global_batch_pairs: int, world_size: int) -> list[int]:
@@ -280,8 +282,9 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
     if backend == "mpi":
         return _mpi_plan(hostfile, program, tmpdir, common)
     if hostfile is None:
-        port = free_ports(n if backend == "ring" else 1, port, [] if port_locks is None else port_locks)
-        return _direct_plan(backend, port, program, tmpdir, common)
+        count = n if backend == "ring" else 1
+        port = free_ports(count, port, [] if port_locks is None else port_locks)
+        return replace(_direct_plan(backend, port, program, tmpdir, common), ports=tuple(range(port, port + count)))
     return _mlx_launch_plan(hostfile, hostfile_path, backend, DEFAULT_PORT if port is None else port, program, common)
 
 
