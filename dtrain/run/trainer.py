@@ -399,12 +399,11 @@ def held_out_steering(cfg: Config, train_pairs: int, held_out_pairs: int) -> lis
 
 def _no_held_out_fix(d, train_pairs: int) -> str:
     """What to change when the held-out pairs' source (``d``: a DataConfig) gave none, as load_dataset reads it."""
-    own = d.demo_pairs <= 0 and d.train is not None  # demo pairs are split by the fraction whatever else is set
-    mlx = mlx_valid(d.train) if own else None
-    if own and d.valid is not None:
+    mlx = mlx_valid(d.train) if d.train is not None else None  # None with demo pairs (data.train unset)
+    if d.valid is not None:  # with demo pairs, it and valid_split are refused by the config
         return (f"data.valid {d.valid} gives no usable pairs: fix its rows (dtrain data check lists them) or set "
                 f"data.valid to other pairs")
-    if own and d.valid_split is not None:
+    if d.valid_split is not None:
         return (f"data.valid_split {d.valid_split} of {d.train} gives no usable pairs: set data.valid_split to a "
                 f"split with pairs, or data.valid")
     if mlx is not None:
