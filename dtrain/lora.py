@@ -230,6 +230,9 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
     """
     folder = home_path(folder, "train.init_adapter")
     where = f"train.init_adapter {folder}"
+    if not folder.is_dir():
+        what = "a file, not an adapter folder" if folder.exists() else "no such folder"
+        raise ConfigError(f"{where}: {what} (an mlx-lm adapter folder is expected)")
     if not (folder / ADAPTER_WEIGHTS).is_file():
         raise ConfigError(f"{where}: no {ADAPTER_WEIGHTS} (expected an mlx-lm adapter folder)")
     try:

@@ -156,8 +156,14 @@ def test_init_adapter_says_which_lora_keys_it_replaces(tmp_path, capsys):
 
 
 def test_init_adapter_config_errors_name_the_folder(tmp_path):
-    with pytest.raises(ConfigError, match=r"train.init_adapter .*nowhere: no adapters.safetensors"):
-        lora_from_adapter(LoraConfig(), tmp_path / "nowhere")
+    write_adapter(tmp_path / "a")
+    for name, what in (("nowhere", "no such folder"), ("a/adapters.safetensors", "a file, not an adapter folder")):
+        with pytest.raises(ConfigError) as err:  # a missing folder read "no adapters.safetensors"
+            lora_from_adapter(LoraConfig(), tmp_path / name)
+        assert str(err.value) == f"train.init_adapter {tmp_path / name}: {what} (an mlx-lm adapter folder is expected)"
+    (tmp_path / "a" / "adapters.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"train.init_adapter .*a: no adapters.safetensors"):
+        lora_from_adapter(LoraConfig(), tmp_path / "a")
     write_adapter(tmp_path / "a")
     (tmp_path / "a" / ADAPTER_CONFIG).write_text("{}")
     with pytest.raises(ConfigError, match=r"adapter_config.json has no readable lora_parameters"):
