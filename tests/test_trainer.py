@@ -475,3 +475,24 @@ def test_out_of_memory_under_the_default_budget_names_the_device_budget(tmp_path
     with pytest.raises(UserError) as err:
         run(tmp_path, hooks=Hooks(before_step=before_step))
     assert f"the default memory budget ({run_budget_bytes(0) / GIB:.1f} GiB on this cpu device) is more" in str(err.value)
+
+
+def test_a_warmup_as_long_as_the_run_gets_a_notice(tmp_path, capsys):
+    """train.warmup_steps >= train.steps (the default 10 in a short run): the rate never reached its peak nor
+    decayed, unsaid. The notice gives the peak it reaches; a warmup shorter than the run gets none."""
+    from dtrain.run.optimizer import learning_rate
+
+    lines = {}
+    for name, warmup in (("long", 10), ("equal", 4), ("short", 3)):
+        run(tmp_path / name, f"train.warmup_steps={warmup}")
+        lines[name] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train.warmup_steps")]
+    cfg = load_config(None, ["data.demo_pairs=1", "train.steps=4", "train.warmup_steps=10",
+                             "train.learning_rate=1e-2"]).train
+    assert learning_rate(4, cfg) == pytest.approx(1e-2 * 4 / 10)  # the peak the notice names
+    assert lines == {
+        "long": ["train.warmup_steps 10 >= train.steps 4: the learning rate warms up for the whole run, peaks at "
+                 "4/10 of train.learning_rate and never decays; set train.warmup_steps below train.steps"],
+        "equal": ["train.warmup_steps 4 >= train.steps 4: the learning rate warms up for the whole run, reaches "
+                  "train.learning_rate only at the last step and never decays; set train.warmup_steps below "
+                  "train.steps"],
+        "short": []}

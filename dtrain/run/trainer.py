@@ -309,6 +309,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                f"{len(valid)} pair(s): one pair moves eval/rewards/accuracies by {1 / len(valid):.2f}, so the "
                f"choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction"
                f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
+    if t.warmup_steps >= t.steps and t.resume is None and notice is not None:  # e.g. the default 10 in a short run
+        peak = "reaches train.learning_rate only at the last step" if t.warmup_steps == t.steps else \
+            f"peaks at {t.steps}/{t.warmup_steps} of train.learning_rate"
+        notice(f"train.warmup_steps {t.warmup_steps} >= train.steps {t.steps}: the learning rate warms up for the "
+               f"whole run, {peak} and never decays; set train.warmup_steps below train.steps")
     # a notice, not an error: a run extended by a resume steers by the last evaluation of the run it continues
     if steering and t.eval_every >= t.steps and t.resume is None and notice is not None:
         what = {"train.keep_best": "adapters/ holds the last step",
