@@ -59,6 +59,14 @@ def learning_rate(step: int, cfg: TrainConfig, schedule_steps: Optional[int] = N
     return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
+def warmup_notice(cfg: TrainConfig) -> str:
+    """What a new run whose ``warmup_steps`` is at least its ``steps`` does with the rate (:func:`learning_rate`)."""
+    peak = "reaches train.learning_rate only at the last step" if cfg.warmup_steps == cfg.steps else \
+        f"peaks at {cfg.steps}/{cfg.warmup_steps} of train.learning_rate"
+    return (f"train.warmup_steps {cfg.warmup_steps} >= train.steps {cfg.steps}: the learning rate warms up for the "
+            f"whole run, {peak} and never decays; set train.warmup_steps below train.steps")
+
+
 def extension_notice(step: int, cfg: TrainConfig, schedule_steps: int) -> str:
     """What a run resumed at ``step`` with ``cfg.steps`` past its planned ``schedule_steps`` does with the
     rate (:func:`learning_rate`): warmup, if unfinished, still runs to ``warmup_steps``; then it holds."""

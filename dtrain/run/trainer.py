@@ -38,7 +38,7 @@ from ..identity import settings
 from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, replaced_by_adapter, save_adapter
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
-from .optimizer import AdamWStep, extension_notice
+from .optimizer import AdamWStep, extension_notice, warmup_notice
 from .reference import ReferenceLogps, init_adapter_identity, reference_pass
 from .step import Step
 from .tracking import RunLogger, new_run_dir
@@ -309,11 +309,6 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                f"{len(valid)} pair(s): one pair moves eval/rewards/accuracies by {1 / len(valid):.2f}, so the "
                f"choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction"
                f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
-    if t.warmup_steps >= t.steps and t.resume is None and notice is not None:  # e.g. the default 10 in a short run
-        peak = "reaches train.learning_rate only at the last step" if t.warmup_steps == t.steps else \
-            f"peaks at {t.steps}/{t.warmup_steps} of train.learning_rate"
-        notice(f"train.warmup_steps {t.warmup_steps} >= train.steps {t.steps}: the learning rate warms up for the "
-               f"whole run, {peak} and never decays; set train.warmup_steps below train.steps")
     # a notice, not an error: a run extended by a resume steers by the last evaluation of the run it continues
     if steering and t.eval_every >= t.steps and t.resume is None and notice is not None:
         what = {"train.keep_best": "adapters/ holds the last step",
@@ -357,6 +352,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             optimizer.schedule_steps = state.schedule_steps
             if t.steps > max(state.schedule_steps, state.step) and notice is not None:  # steps left, past the plan
                 notice(extension_notice(state.step, t, state.schedule_steps))
+        elif t.warmup_steps >= t.steps and notice is not None:  # a new run (in the folder it holds) all warmup
+            notice(warmup_notice(t))
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
