@@ -620,7 +620,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
         _apply(cfg, *parse_override(item), "command line")
     for dotted, value in (values or {}).items():
         _apply(cfg, *dotted.split(".", 1), value, "command line")
-    _check(cfg, path or "command line", need_data)
+    given = overrides or values  # a rule between keys may be broken by an override: name both sources
+    _check(cfg, (f"{path} with the command line's overrides" if given else path) if path else "command line", need_data)
     return cfg
 
 

@@ -354,7 +354,7 @@ def test_a_config_for_another_objective_names_every_broken_rule_in_one_error():
     with pytest.raises(ConfigError) as err:
         load_config(str(ROOT / "configs" / "preference.yaml"), ["objective.kind=dpo", "data.train=x.jsonl"])
     lines = str(err.value).splitlines()
-    assert lines[0] == f"{ROOT / 'configs' / 'preference.yaml'}: 3 problems:"
+    assert lines[0] == f"{ROOT / 'configs' / 'preference.yaml'} with the command line's overrides: 3 problems:"
     assert [x.split("'")[1] for x in lines[1:]] == ["orpo.lambda_schedule", "train.keep_best", "train.keep_best_guard"]
     assert all(x.startswith("  - ") for x in lines[1:])
 

@@ -245,12 +245,12 @@ def test_held_out_data_with_demo_pairs_is_an_error(key, value):
     was never read, silently."""
     with pytest.raises(ConfigError) as err:
         load_config(str(ROOT / "configs" / "demo.yaml"), [f"{key}={value}"])
-    assert str(err.value) == (f"{ROOT / 'configs' / 'demo.yaml'}: '{key}' ({value}) is set but 'data.demo_pairs' "
-                              f"(600) generates the pairs, holding out data.valid_fraction of them; remove "
-                              f"{key}, or set data.demo_pairs 0 and data.train")
+    assert str(err.value) == (f"{ROOT / 'configs' / 'demo.yaml'} with the command line's overrides: '{key}' "
+                              f"({value}) is set but 'data.demo_pairs' (600) generates the pairs, holding out "
+                              f"data.valid_fraction of them; remove {key}, or set data.demo_pairs 0 and data.train")
 
 
-def test_lora_num_layers_zero_is_refused_since_mlx_lm_would_adapt_every_layer():
+def test_lora_num_layers_zero_is_refused_since_mlx_lm_would_adapt_every_layer(tmp_path):
     """0 passed the key's ">= -1" and trained every layer: mlx-lm slices model.layers[-0:]."""
     from conftest import make_tiny_model
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -260,11 +260,16 @@ def test_lora_num_layers_zero_is_refused_since_mlx_lm_would_adapt_every_layer():
     adapted = {re.search(r"layers\.(\d+)\.", name)[1] for name, module in model.named_modules()
                if type(module).__name__ == "LoRALinear"}
     assert adapted == {str(i) for i in range(len(model.layers))}  # why 0 is refused
-    demo = ROOT / "configs" / "demo.yaml"
-    with pytest.raises(ConfigError) as err:
-        load_config(str(demo), ["lora.num_layers=0"])
-    assert str(err.value) == (f"{demo}: 'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it "
-                              "as all of them; set -1 for every layer or N >= 1 for the last N")
+    demo, own = ROOT / "configs" / "demo.yaml", tmp_path / "own.yaml"
+    own.write_text((ROOT / "configs" / "demo.yaml").read_text().replace("num_layers: -1", "num_layers: 0"))
+    rule = ("'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it as all of them; set -1 for "
+            "every layer or N >= 1 for the last N")
+    # a rule broken by an override named the file alone, which holds no 0 (dtrain config -c FILE --key VALUE)
+    for path, overrides, where in ((demo, ["lora.num_layers=0"], f"{demo} with the command line's overrides"),
+                                   (own, [], f"{own}")):
+        with pytest.raises(ConfigError) as err:
+            load_config(str(path), overrides)
+        assert str(err.value) == f"{where}: {rule}"
     for n in (-1, 1):
         assert load_config(str(ROOT / "configs" / "demo.yaml"), [f"lora.num_layers={n}"]).lora.num_layers == n
 
