@@ -53,12 +53,9 @@ def rank_from_env(env: Mapping[str, str]) -> int:
         UserError: the first rank variable set is not a whole number.
     """
     for key in RANK_VARS:
-        text = env.get(key, "")
-        if text:
-            if not text.isdecimal():
-                raise UserError(f"{key}={text!r} in the environment is not a whole-number rank; start every rank "
-                                f"with ./launch (or mpirun, mlx.launch), or unset {key} to train alone")
-            return int(text)
+        rank = _whole_number(env, key, "a whole-number rank")
+        if rank is not None:
+            return rank
     return 0
 
 
@@ -96,11 +93,16 @@ def size_from_env(env: Mapping[str, str], var: str) -> int:
     Raises:
         UserError: the value is not a whole number.
     """
+    return _whole_number(env, var, "a whole number of ranks") or 0
+
+
+def _whole_number(env: Mapping[str, str], var: str, what: str) -> Optional[int]:
+    """``env[var]`` as a whole number, None when unset or empty; a UserError naming ``var`` and ``what`` else."""
     text = env.get(var, "")
-    if text and not text.isdecimal():
-        raise UserError(f"{var}={text!r} in the environment is not a whole number of ranks; start every rank "
-                        f"with ./launch (or mpirun, mlx.launch), or unset {var} to train alone")
-    return int(text or 0)
+    if text and not text.isdecimal():  # isdecimal, not isdigit: int() refuses '²'
+        raise UserError(f"{var}={text!r} in the environment is not {what}; start every rank with ./launch (or "
+                        f"mpirun, mlx.launch), or unset {var} to train alone")
+    return int(text) if text else None
 
 
 def ring_hostfile(ips_per_rank: list[list[str]], port: int) -> list[list[str]]:
