@@ -18,7 +18,7 @@ import re
 import sys
 import zlib
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 from ..errors import DataError
 from .formats import BadRow, json_kind, undecodable
@@ -60,11 +60,16 @@ class _DuplicateKey(ValueError):
     """A JSON object names a key more than once (RFC 8259 section 4: which value is meant is undefined)."""
 
 
+def first_repeat(names: Iterable) -> Optional[str]:
+    """The first of ``names`` that an earlier one repeats, or None (JSON keys, table columns, struct fields)."""
+    seen: set = set()
+    return next((name for name in names if name in seen or seen.add(name)), None)
+
+
 def _unique_keys(pairs: list) -> dict:
     obj = dict(pairs)
     if len(obj) != len(pairs):
-        seen: set = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+        raise _DuplicateKey(first_repeat(k for k, _ in pairs))
     return obj
 
 

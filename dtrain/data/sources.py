@@ -46,7 +46,7 @@ from typing import Any, Iterator, Optional
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
 from .formats import DETECT_ROWS, BadRow, BadRowReport, detect_items_format, json_kind, parse_rows, undecodable
-from .jsonfile import COMPRESSED_SUFFIXES, json_items, why_unread
+from .jsonfile import COMPRESSED_SUFFIXES, first_repeat, json_items, why_unread
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes: IPC stream (continuation marker), IPC file
@@ -357,7 +357,7 @@ def _table_items(batches, label: str, start: int = 0):
     n = start
     for batch in batches:
         names = batch.schema.names
-        twice = _twice(names)
+        twice = first_repeat(names)
         if twice is not None:  # a row dict would keep the last column's value
             raise DataError(f"{label}: column {twice!r} appears twice (columns: {', '.join(names)}); "
                             "rename or drop one")
@@ -380,11 +380,6 @@ def _table_items(batches, label: str, start: int = 0):
     return n
 
 
-def _twice(names: list) -> Optional[str]:
-    """The first name in ``names`` that an earlier one repeats, or None."""
-    return next((name for i, name in enumerate(names) if name in names[:i]), None)
-
-
 def _field_twice(column: str, t) -> Optional[tuple]:
     """``(column, field, fields)`` of the first struct in Arrow type ``t`` (lists looked into) that names a
     field twice; ``column`` is the dotted path to it, e.g. ``input.messages``."""
@@ -395,7 +390,7 @@ def _field_twice(column: str, t) -> Optional[tuple]:
     if not pt.is_struct(t):
         return None
     fields = [t.field(i).name for i in range(t.num_fields)]
-    if (twice := _twice(fields)) is not None:
+    if (twice := first_repeat(fields)) is not None:
         return column, twice, fields
     for i, name in enumerate(fields):
         found = _field_twice(f"{column}.{name}", t.field(i).type)
