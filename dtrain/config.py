@@ -1,17 +1,16 @@
 """Run configuration: the single source of defaults.
 
 A run is described by :class:`Config`, a tree of dataclasses. YAML files and
-command-line ``--section.key value`` pairs only override these defaults; an
-unknown key or a value of the wrong type raises :class:`ConfigError` naming the
-key (and the file, when there is one).
+command-line ``--section.key value`` pairs only override these defaults
+(:func:`load_config`); an unknown key or a value of the wrong type raises
+:class:`ConfigError` naming the key (and the file, when there is one). What a
+value and the whole config must satisfy is in ``config_checks``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import difflib
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -20,12 +19,13 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .config_checks import ALIASES, check_rules, checked, did_you_mean, yaml_key
 from .contract import BACKENDS
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import ConfigError
 from .models import DTYPE_NAMES
-from .run.best import DIRECTIONS, REPORTED
+from .run.best import DIRECTIONS
 from .run.lambda_control import LAWS
 
 
@@ -267,15 +267,6 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-# YAML spells some keys differently from Python identifiers.
-ALIASES = {"lambda": "lam"}
-
-
-def yaml_key(name: str) -> str:
-    """The YAML spelling of a field name (``lam`` -> ``lambda``)."""
-    return {v: k for k, v in ALIASES.items()}.get(name, name)
-
-
 def describe_fields(cls) -> list[tuple[str, Any, Any, dict]]:
     """``(yaml_key, type, default, metadata)`` of each field of a config section dataclass."""
     hints = typing.get_type_hints(cls)
@@ -284,93 +275,6 @@ def describe_fields(cls) -> list[tuple[str, Any, Any, dict]]:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         out.append((yaml_key(f.name), hints[f.name], default, dict(f.metadata)))
     return out
-
-
-def type_name(tp: Any) -> str:
-    """``int``, ``int or 'auto'``, ``str or null``: a field's type as the user writes it."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " or ".join(repr(a) for a in typing.get_args(tp))
-    if origin is Union:
-        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
-    return getattr(origin or tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints widen to floats.
-
-    Raises:
-        ConfigError: the value fits none of the annotation's types.
-    """
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if isinstance(value, datetime.date):  # no key takes a date; for a text key, text that looks like one is meant
-        quote = f"; quote it: '{value}'" if str in (tp, *typing.get_args(tp)) else ""
-        raise ConfigError(f"{where}: expected {type_name(tp)}, got the date {value} (YAML reads an unquoted date as "
-                          f"one){quote}")
-    inner = _date_inside(value)
-    if inner is not None:  # lora.keys and data.fields hold names
-        raise ConfigError(f"{where}: expected text inside, got the date {inner} (YAML reads an unquoted date as one); "
-                          f"quote it: '{inner}'")
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
-    if origin is Union:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: expected {type_name(tp).replace(' or null', '')}, got {value!r}")
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
-    if not isinstance(value, origin or tp):
-        raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
-    return value
-
-
-def _date_inside(value: Any) -> Optional[datetime.date]:
-    """The first date inside a list or mapping (its keys too), at any depth, or None."""
-    inner = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
-    for item in inner:
-        found = item if isinstance(item, datetime.date) else _date_inside(item)
-        if found is not None:
-            return found
-    return None
-
-
-def _check_allowed(value: Any, meta: dict, where: str) -> None:
-    """The field's own allowed values (``option(choices=, at_least=, below=)``)."""
-    choices = meta.get("choices")
-    if choices and value is not None and value not in choices:
-        raise ConfigError(f"{where} must be one of {', '.join(choices)}; got {value!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
-    if not math.isfinite(value):  # NaN fails every comparison below, so it would pass every bound
-        raise ConfigError(f"{where} must be a finite number; got {value}")
-    lo, above, hi, top = meta.get("at_least"), meta.get("above"), meta.get("below"), meta.get("at_most")
-    if lo is not None and hi is not None and not lo <= value < hi:
-        raise ConfigError(f"{where} must be in [{lo:g}, {hi:g}); got {value}")
-    if lo is not None and top is not None and not lo <= value <= top:
-        raise ConfigError(f"{where} must be in [{lo:g}, {top:g}]; got {value}")
-    if lo is not None and value < lo:
-        raise ConfigError(f"{where} must be >= {lo:g}; got {value}")
-    if above is not None and value <= above:
-        raise ConfigError(f"{where} must be > {above:g}; got {value}")
-    if hi is not None and value >= hi:
-        raise ConfigError(f"{where} must be < {hi:g}; got {value}")
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
@@ -388,7 +292,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         elsewhere = [f"{s}.{yaml_key(name)}" for s in sorted(sections)
                      if name in {f.name for f in dataclasses.fields(getattr(cfg, s))}]
         hint = (f"it is '{elsewhere[0]}'; " if elsewhere else
-                _did_you_mean(yaml_key(name), known, f"{section}."))
+                did_you_mean(yaml_key(name), known, f"{section}."))
         raise ConfigError(f"{source}: unknown key '{shown}' ({hint}known in '{section}': {', '.join(known)})")
     if value == "":  # YAML's '' as the command line's empty text: null where the key may be null, else refused
         if type(None) not in typing.get_args(typing.get_type_hints(type(sub))[name]):
@@ -425,95 +329,9 @@ def _check_section(section: str, source: str) -> None:
     if section in dotted:
         hint = f"it is the key {' or '.join(map(repr, dotted[section]))}: indent it under its section; "
     else:
-        hint = _did_you_mean(section, sections) or (f"did you mean {' or '.join(map(repr, dotted[close[0]]))}? "
+        hint = did_you_mean(section, sections) or (f"did you mean {' or '.join(map(repr, dotted[close[0]]))}? "
                                                      if close else "")
     raise ConfigError(f"{source}: unknown section '{section}' ({hint}known: {', '.join(sorted(sections))})")
-
-
-def _did_you_mean(word: str, known, prefix: str = "") -> str:
-    """``did you mean 'x'? `` for the known name closest to a misspelt one (difflib's ratio of at least
-    0.75: one or two letters off), else ``""``."""
-    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.75)
-    return f"did you mean '{prefix}{close[0]}'? " if close else ""
-
-
-def checked(cls, name: str, value: Any, where: str) -> Any:
-    """``value`` as the field ``name`` of the section class ``cls`` takes it: its type and allowed values.
-
-    Raises:
-        ConfigError: starting with ``where``.
-    """
-    tp, meta = typing.get_type_hints(cls)[name], {f.name: f for f in dataclasses.fields(cls)}[name].metadata
-    if isinstance(value, bool) and str in (tp, *typing.get_args(tp)):  # YAML's false for null, or yes for a name
-        raise ConfigError(f"{where}: expected {type_name(tp)}, got {str(value).lower()} ({meta['help']})")
-    value = _coerce(value, tp, where)
-    _check_allowed(value, meta, where)
-    return value
-
-
-# Which objective.kind reads each objective key (and the orpo section); a key set for another kind is an error.
-_OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_type"): ("dpo",),
-                   ("objective", "simpo_gamma"): ("simpo",), ("objective", "nll_weight"): ("simpo",),
-                   ("objective", "completion_only_loss"): ("sft",), ("orpo", "lam"): ("orpo",),
-                   ("orpo", "nll_scope"): ("orpo",),
-                   **{("orpo", f"lambda_{k}"): ("orpo",) for k in ("schedule", "min", "max", "step", "backoff",
-                                                                   "window", "epsilon", "stop_drop", "law", "kd")}}
-
-
-def _check(cfg: Config, source: str, need_data: bool = True) -> None:
-    """Rules across keys, checked once after every override is applied; every broken rule is
-    named in one ConfigError (a config written for one objective may break several). ``need_data``:
-    a run's config must name its pairs (``dtrain config`` prints one that need not)."""
-    kind, defaults, problems = cfg.objective.kind, Config(), []
-    for (section, name), kinds in _OBJECTIVE_KEYS.items():
-        value = getattr(getattr(cfg, section), name)
-        if kind not in kinds and value != getattr(getattr(defaults, section), name):
-            problems.append(f"'{section}.{yaml_key(name)}' is {value!r} but objective.kind {kind} does "
-                            f"not read it (it applies to {', '.join(kinds)}); remove it or change objective.kind")
-    if cfg.data.train is not None and cfg.data.demo_pairs > 0:
-        problems.append(f"both 'data.train' ({cfg.data.train}) and 'data.demo_pairs' ({cfg.data.demo_pairs}) are set; "
-                        "use one (configs/demo.yaml generates pairs: add --data.demo_pairs 0 to train on a file)")
-    for key in ("valid", "valid_split"):  # unread: load_dataset splits the generated pairs
-        if getattr(cfg.data, key) is not None and cfg.data.demo_pairs > 0:
-            problems.append(f"'data.{key}' ({getattr(cfg.data, key)}) is set but 'data.demo_pairs' "
-                            f"({cfg.data.demo_pairs}) generates the pairs, holding out data.valid_fraction of them; "
-                            f"remove data.{key}, or set data.demo_pairs 0 and data.train")
-    if cfg.lora.num_layers == 0:  # mlx-lm's linear_to_lora_layers slices model.layers[-0:], i.e. every layer
-        problems.append("'lora.num_layers' is 0, which would adapt no layer, yet mlx-lm reads it as all of them; "
-                        "set -1 for every layer or N >= 1 for the last N")
-    o, t = cfg.orpo, cfg.train
-    if kind == "orpo" and o.lambda_schedule == "adaptive" and o.lambda_min > o.lambda_max:
-        problems.append(f"'orpo.lambda_min' ({o.lambda_min}) is above 'orpo.lambda_max' ({o.lambda_max})")
-    for key, on in (("orpo.lambda_schedule: adaptive", kind == "orpo" and o.lambda_schedule == "adaptive"),
-                    (f"train.keep_best: {t.keep_best}", t.keep_best is not None)):
-        if on and t.eval_every == 0:
-            problems.append(f"'{key}' needs held-out evaluations during the run: set 'train.eval_every' "
-                            f"> 0 (it is 0)")
-    if t.keep_best is not None and t.keep_best not in REPORTED[kind]:
-        problems.append(f"'train.keep_best' is {t.keep_best} but objective.kind {kind} does not report "
-                        f"it; choose one of {', '.join(REPORTED[kind])}")
-    elif kind == "orpo" and o.lambda_schedule == "adaptive" and t.keep_best in ("eval/loss", "eval/rewards/margins"):
-        problems.append(f"'train.keep_best' is {t.keep_best}, which is weighted by lambda, and orpo.lambda_schedule "
-                        f"adaptive changes lambda between evaluations, so they do not compare; choose "
-                        f"eval/rewards/accuracies, eval/log_odds_ratio or eval/nll_loss")
-    # DPO's logps/chosen is a sum per response (TRL) except ipo's (engine.dpo.DPO.per_token_logps)
-    if t.keep_best_guard is not None and kind == "dpo" and cfg.objective.loss_type != "ipo":
-        problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) is in nats/token, but objective.kind dpo "
-                        f"with loss_type {cfg.objective.loss_type} logs eval/logps/chosen as a sum per response; "
-                        f"remove it")
-    if t.keep_best_guard is not None and t.keep_best is None:
-        problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) needs 'train.keep_best' (it is off): "
-                        f"the guard only filters the steps keep_best chooses from")
-    if t.early_stop_evals and t.keep_best is None:
-        problems.append(f"'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
-                        f"(it is off): the stop keeps the best step")
-    if need_data and cfg.data.train is None and cfg.data.demo_pairs <= 0:
-        problems.append("set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for "
-                        "generated pairs")
-    if len(problems) == 1:
-        raise ConfigError(f"{source}: {problems[0]}")
-    if problems:
-        raise ConfigError(f"{source}: {len(problems)} problems:\n" + "\n".join(f"  - {x}" for x in problems))
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
@@ -621,7 +439,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
     for dotted, value in (values or {}).items():
         _apply(cfg, *dotted.split(".", 1), value, "command line")
     given = overrides or values  # a rule between keys may be broken by an override: name both sources
-    _check(cfg, (f"{path} with the command line's overrides" if given else path) if path else "command line", need_data)
+    check_rules(cfg, (f"{path} with the command line's overrides" if given else path) if path else "command line", need_data)
     return cfg
 
 

@@ -11,7 +11,8 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from .config import ALIASES, Config, describe_fields, load_config, type_name
+from .config import Config, describe_fields, load_config
+from .config_checks import ALIASES, type_name
 from .errors import ConfigError
 from .run.best import REPORTED
 

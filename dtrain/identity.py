@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import Config, yaml_key
+from .config import Config
+from .config_checks import yaml_key
 
 # A change alters what is trained or what the run's eval/ metrics compare: refused.
 REFUSED = {

@@ -20,7 +20,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from .config import LoraConfig, checked
+from .config import LoraConfig
+from .config_checks import checked
 from .errors import ConfigError
 from .files import atomic_folder, home_path, storage
 

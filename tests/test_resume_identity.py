@@ -11,7 +11,8 @@ import pytest
 
 from dtrain.run import checkpoint as ckpt
 from dtrain import identity
-from dtrain.config import _OBJECTIVE_KEYS, Config, describe_fields, load_config, to_dict
+from dtrain.config import Config, describe_fields, load_config, to_dict
+from dtrain.config_checks import OBJECTIVE_KEYS
 from dtrain.errors import UserError
 from dtrain.run.optimizer import learning_rate
 from dtrain.run.tracking import read_events, read_scalars
@@ -81,7 +82,7 @@ def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, valu
     now = json.loads(json.dumps(base))
     section, name = key.split(".", 1)
     now[section][name] = value
-    kinds = _OBJECTIVE_KEYS.get((section, name.replace("lambda", "lam")))
+    kinds = OBJECTIVE_KEYS.get((section, name.replace("lambda", "lam")))
     reader = [f"objective.kind={kinds[0]}"] if kinds and "orpo" not in kinds else []  # a kind that reads the key
     reader += {"orpo.lambda_schedule": ["train.eval_every=1"], "train.keep_best": ["train.eval_every=1"],
                "train.early_stop_evals": ["train.eval_every=1", "train.keep_best=eval/loss"],
