@@ -9,7 +9,7 @@ from waiting import STOP_S, spawn, wait_exit, wait_for_line
 
 CHILD = """
 import ctypes, os, signal, threading
-from dtrain.run.trainer import StopRequest
+from dtrain.run.stop import StopRequest
 StopRequest().install()
 threading.Thread(target=threading.Event().wait, daemon=True).start()  # takes the signals, as MLX's threads do
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

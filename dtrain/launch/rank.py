@@ -24,7 +24,7 @@ Signals (the launcher's, or a hung-up ssh session's):
 - SIGUSR1: abort (another rank failed, or a second Ctrl-C): the child gets SIGINT and is
   killed ``ABORT_GRACE_S`` seconds later unless it ended by then, which a rank whose peer
   died usually does at once, through its own error path (closing its files); a child
-  already stopping gently ends at once (its second SIGINT, ``trainer.StopRequest``).
+  already stopping gently ends at once (its second SIGINT, ``stop.StopRequest``).
 
 The report says which happened (``stop``: the signal, ``killed``: why, ``aborted``: the
 abort came while the child ran, so its exit status is the launcher's doing). It

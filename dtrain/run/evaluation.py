@@ -16,7 +16,7 @@ ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen res
 def evaluate(engine, model, pairs: list[TokenizedPair], micro: int, group, step: int, bar=None,
              hyper: dict | None = None, stop=None) -> tuple[Optional[dict], bool]:
     """``eval/`` metrics over held-out ``pairs``, each rank taking its micro-batches, and whether a
-    rank was asked to stop meanwhile (``stop``: a ``trainer.StopRequest`` or None; agreed with the
+    rank was asked to stop meanwhile (``stop``: a ``stop.StopRequest`` or None; agreed with the
     metric sums, as a step agrees it). A rank asked to stop skips its remaining micro-batches, and
     a stopped evaluation gives no metrics (None): they would cover only part of the pairs.
 

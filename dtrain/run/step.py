@@ -88,7 +88,7 @@ class Step:
         self.hyper = self.hyper or self.objective.hyper()
 
     def __call__(self, step: int, stop=None) -> StepOutcome:
-        """Step ``step`` (1-based). ``stop`` (a ``trainer.StopRequest`` or None) is read after the
+        """Step ``step`` (1-based). ``stop`` (a ``stop.StopRequest`` or None) is read after the
         micro-batches and all-reduced with the gradients: a signal during them is agreed in this step."""
         t, group, objective = self.train, self.group, self.objective
         start = time.perf_counter()

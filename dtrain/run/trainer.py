@@ -9,11 +9,7 @@ record, and when to stop, check, evaluate and save.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
-import os
-import signal
-import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -33,7 +29,7 @@ from ..engine import fit_dataset, make_engine, make_objective
 from . import best as keep_best, lambda_control
 from .evaluation import ACCURACY, evaluate_and_log
 from ..errors import UserError
-from ..files import OutputDir, storage, to_devnull
+from ..files import OutputDir, storage
 from ..identity import settings
 from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, replaced_by_adapter, save_adapter
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
@@ -41,6 +37,7 @@ from ..notices import for_rank
 from .optimizer import AdamWStep, extension_notice, warmup_notice
 from .reference import ReferenceLogps, init_adapter_identity, reference_pass
 from .step import Step
+from .stop import StopRequest
 from .tracking import RunLogger, new_run_dir
 
 FEW_HELD_OUT = 40  # below this many held-out pairs, keep_best and the lambda controller get a notice
@@ -121,7 +118,7 @@ class Run:
     valid: list
     state: ckpt.RunState
     log: RunLogger
-    stop: "StopRequest"
+    stop: StopRequest
     resolved: dict
     base_model: dict
     result: TrainResult
@@ -509,63 +506,3 @@ def _main_rank_check(group: Group, check):
     if failed:
         raise UserError("rank 0 could not prepare the output folder; see its message")
     return value
-
-
-class StopRequest:
-    """SIGINT/SIGTERM/SIGHUP set ``requested``; the step in progress agrees on it and the loop saves after it.
-
-    The first also gives SIGINT and SIGTERM back their default action, so a second Ctrl-C
-    ends the process at once (killed by it), also inside a long MLX call, as a second
-    Ctrl-C to ``./launch`` does; a repeated SIGHUP (a closing terminal may send two) does not.
-    SIGHUP (the terminal closed) also points stdout and stderr at /dev/null: a write to a
-    hung-up terminal fails (EIO), which would end the run before its save.
-    Handlers are installed only in the main thread and restored on exit.
-    """
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-        self._wakeup: Optional[tuple] = None  # (the fd signal.set_wakeup_fd had, our pipe's write end)
-
-    def _handle(self, signum, _frame):
-        if signum == signal.SIGHUP:
-            to_devnull(1, 2)
-        self.requested = True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                self._old[sig] = signal.signal(sig, self._handle)
-            # Python runs _handle only when the main thread is back in Python, not inside a long MLX call;
-            # the wakeup fd gets each signal's number as it arrives, so a thread can act on the second
-            read, write = os.pipe()
-            os.set_blocking(write, False)
-            self._wakeup = (signal.set_wakeup_fd(write), write)
-            threading.Thread(target=self._watch, args=(read,), name="dtrain-stop", daemon=True).start()
-
-    def _watch(self, fd: int) -> None:
-        """A SIGINT or SIGTERM after an earlier stop signal ends the process by it at once, as the default
-        action _handle restores would, also while the main thread has not run _handle yet."""
-        stops = 0
-        try:
-            while data := os.read(fd, 64):
-                for signum in data:
-                    if stops and signum in (signal.SIGINT, signal.SIGTERM):
-                        libc = ctypes.CDLL(None)  # signal.signal works in the main thread only
-                        libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
-                        libc.signal(signum, None)  # SIG_DFL
-                        os.kill(os.getpid(), signum)
-                    stops += signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        finally:
-            os.close(fd)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old = {}
-        if self._wakeup is not None:
-            signal.set_wakeup_fd(self._wakeup[0])
-            os.close(self._wakeup[1])  # the watching thread reads the end of the pipe and closes it
-            self._wakeup = None

@@ -1,0 +1,72 @@
+"""A run's stop request: SIGINT, SIGTERM or SIGHUP asks the run to stop after the step in
+progress, which agrees on it across ranks (``step.Step``) before the loop saves."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+from typing import Optional
+
+from ..files import to_devnull
+
+
+class StopRequest:
+    """SIGINT/SIGTERM/SIGHUP set ``requested``; the step in progress agrees on it and the loop saves after it.
+
+    The first also gives SIGINT and SIGTERM back their default action, so a second Ctrl-C
+    ends the process at once (killed by it), also inside a long MLX call, as a second
+    Ctrl-C to ``./launch`` does; a repeated SIGHUP (a closing terminal may send two) does not.
+    SIGHUP (the terminal closed) also points stdout and stderr at /dev/null: a write to a
+    hung-up terminal fails (EIO), which would end the run before its save.
+    Handlers are installed only in the main thread and restored on exit.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+        self._wakeup: Optional[tuple] = None  # (the fd signal.set_wakeup_fd had, our pipe's write end)
+
+    def _handle(self, signum, _frame):
+        if signum == signal.SIGHUP:
+            to_devnull(1, 2)
+        self.requested = True
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                self._old[sig] = signal.signal(sig, self._handle)
+            # Python runs _handle only when the main thread is back in Python, not inside a long MLX call;
+            # the wakeup fd gets each signal's number as it arrives, so a thread can act on the second
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = (signal.set_wakeup_fd(write), write)
+            threading.Thread(target=self._watch, args=(read,), name="dtrain-stop", daemon=True).start()
+
+    def _watch(self, fd: int) -> None:
+        """A SIGINT or SIGTERM after an earlier stop signal ends the process by it at once, as the default
+        action _handle restores would, also while the main thread has not run _handle yet."""
+        stops = 0
+        try:
+            while data := os.read(fd, 64):
+                for signum in data:
+                    if stops and signum in (signal.SIGINT, signal.SIGTERM):
+                        libc = ctypes.CDLL(None)  # signal.signal works in the main thread only
+                        libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
+                        libc.signal(signum, None)  # SIG_DFL
+                        os.kill(os.getpid(), signum)
+                    stops += signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        finally:
+            os.close(fd)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._wakeup[0])
+            os.close(self._wakeup[1])  # the watching thread reads the end of the pipe and closes it
+            self._wakeup = None
