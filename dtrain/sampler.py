@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .data.sources import mlx_valid
 from .errors import UserError
 
 
@@ -163,9 +164,9 @@ def for_run(cfg, train_pairs: list) -> Sampler:
     if n == 0:
         raise UserError(f"no training pairs left after loading and filtering {where}")
     if b > n:
-        d = cfg.data  # held-out pairs of their own (data.valid, data.valid_split) took none of these
-        split = f" (after the held-out split, data.valid_fraction={d.valid_fraction})" \
-            if d.valid is None and d.valid_split is None else ""
+        d = cfg.data  # held-out pairs of their own (data.valid, data.valid_split, valid.jsonl) took none of these
+        own = d.valid is not None or d.valid_split is not None or (d.train is not None and mlx_valid(d.train))
+        split = "" if own else f" (after the held-out split, data.valid_fraction={d.valid_fraction})"
         raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s){split}; a step would "
                         f"train a pair more than once: set train.global_batch_pairs to at most {n}, or add data")
     return Sampler(n, b, cfg.train.seed)

@@ -104,3 +104,18 @@ def test_fewer_pairs_than_a_step_names_the_fraction_only_where_it_split_them(dat
     assert str(err.value) == (f"train.global_batch_pairs is 4 but t.jsonl has 3 training pair(s){said}; a step "
                               "would train a pair more than once: set train.global_batch_pairs to at most 3, or add "
                               "data")
+
+
+def test_fewer_pairs_than_a_step_in_an_mlx_lm_folder_does_not_name_the_fraction(tmp_path):
+    """An mlx-lm data folder's valid.jsonl holds the held-out pairs (data.sources.resolve_pair): the
+    training pairs are all of train.jsonl, and data.valid_fraction split none of them."""
+    from dtrain.config import load_config
+    from dtrain.errors import UserError
+
+    for name in ("train.jsonl", "valid.jsonl"):
+        (tmp_path / name).write_text("")
+    cfg = load_config(None, [f"data.train={tmp_path}", "train.global_batch_pairs=4"])
+    with pytest.raises(UserError) as err:
+        sampler.for_run(cfg, [object()] * 3)
+    assert str(err.value) == (f"train.global_batch_pairs is 4 but {tmp_path} has 3 training pair(s); a step would "
+                              "train a pair more than once: set train.global_batch_pairs to at most 3, or add data")
