@@ -93,6 +93,22 @@ def test_hostfile_missing_and_not_json(config, tmp_path):
     assert one_error(config, bad) == f"launch: error: {bad}:3:3: not valid JSON (Expecting ',' delimiter)"
 
 
+@pytest.mark.parametrize("text,key", [
+    ('{"hosts": [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}],\n'
+     ' "hosts": [{"ssh": "mac3", "ips": ["10.0.0.3"]}, {"ssh": "mac4", "ips": ["10.0.0.4"]}]}', "hosts"),
+    ('[{"ssh": "mac1", "ips": ["10.0.0.1"], "ssh": "mac9"}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]', "ssh"),
+    ('{"backend": "ring", "backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, '
+     '{"ssh": "b", "ips": ["10.0.0.2"]}]}', "backend"),
+])
+def test_a_key_given_twice_in_a_hostfile_is_refused(config, tmp_path, text, key):
+    """json.loads keeps a repeated key's last value: a second "hosts" list dropped the first one's machines
+    without a word (and mlx.launch reads it the same way)."""
+    bad = tmp_path / "hosts.json"
+    bad.write_text(text)
+    assert one_error(config, bad) == (f"launch: error: {bad}: key '{key}' given twice in one object (JSON would "
+                                      f"keep the last silently); keep one")
+
+
 def test_an_unreadable_hostfile_is_one_line(tmp_path, monkeypatch):
     """A hostfile this user may not read ended the launcher in PermissionError's traceback."""
     from dtrain.launch.hosts import LaunchError, load_hostfile

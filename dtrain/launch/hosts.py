@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..contract import BACKENDS
+from ..data.jsonfile import first_repeat
 from ..errors import UserError
 
 TOP_KEYS = ("backend", "envs", "hosts")
@@ -172,6 +173,14 @@ def host_lines(text: str) -> list[int]:
     return found
 
 
+def _unique_keys(pairs: list, path: str) -> dict:
+    """A JSON object of ``pairs``, refusing a key given twice (``json.loads`` keeps the last silently)."""
+    key = first_repeat(k for k, _ in pairs)
+    if key is not None:
+        raise LaunchError(f"{path}: key '{key}' given twice in one object (JSON would keep the last silently); keep one")
+    return dict(pairs)
+
+
 def load_hostfile(path: str) -> Hostfile:
     """Read and validate ``path`` (see :func:`parse_hostfile`).
 
@@ -185,7 +194,7 @@ def load_hostfile(path: str) -> Hostfile:
         raise LaunchError(f"{path}: hostfile not found")
     try:
         text = p.read_text(encoding="utf-8")
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
     except json.JSONDecodeError as err:
         raise LaunchError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg})") from None
     except UnicodeDecodeError as err:
