@@ -17,7 +17,10 @@ from dtrain.data.templates import PLAIN
 from dtrain.lora import adapter_config
 from dtrain.models import load_model
 from dtrain.models.export import QUANT_WARN_RATIO, export_adapter, training_template
-from dtrain.models.modelfile import chat_parts, go_template
+from dtrain.models.modelfile import chat_parts, go_template, trims_content
+
+TRIM_COMMENT = ("# the chat template trims the whitespace around message content and this TEMPLATE cannot (Go "
+                "templates have no trim): send messages without leading or trailing whitespace")
 
 @pytest.fixture
 def tiny(tmp_path):
@@ -205,12 +208,27 @@ def test_a_template_that_trims_the_content_is_said_so_in_the_modelfile(tmp_path,
     record_template(adapter, CHATML.replace("{{ m['content'] }}", "{{ m['content'] | trim }}"))
     lines = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16").modelfile.read_text()
     lines = lines.splitlines()
-    assert lines[2] == ("# the chat template trims each message's content (| trim) and this TEMPLATE cannot (Go "
-                        "templates have no trim): send messages without leading or trailing whitespace")
+    assert lines[2] == TRIM_COMMENT
     assert lines[3].startswith('TEMPLATE """')
     record_template(adapter, CHATML)
     assert "trim" not in export_adapter(str(adapter), str(base), str(tmp_path / "o2"),
                                         gguf_type="f16").modelfile.read_text()
+
+
+@pytest.mark.parametrize("content", ["m['content'].strip()", "m['content'].lstrip()", "m['content'].rstrip('\\n')"])
+def test_a_template_that_strips_the_content_with_a_python_method_is_said_so_too(tmp_path, tiny, content):
+    """Llama 2's template writes `content.strip()`, not `| trim`: the Modelfile said nothing about the whitespace
+    Ollama then keeps. The trimming is read off the template's output, whatever writes it."""
+    base, adapter = tiny
+    record_template(adapter, CHATML.replace("m['content']", content))
+    lines = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16").modelfile.read_text()
+    assert lines.splitlines()[2] == TRIM_COMMENT
+
+
+def test_chat_parts_reads_whether_the_template_trims_the_content():
+    assert trims_content(_jinja(LLAMA3)) and trims_content(_jinja(CHATML.replace("m['content']", "m.content.strip()")))
+    assert not trims_content(_jinja(SMOL)) and not trims_content(_jinja(CHATML))
+    assert not trims_content(lambda m, g: 1 / 0)  # a template that refuses the probe: nothing to say
 
 
 def test_modelfile_without_a_convertible_template_says_so(tmp_path, tiny):

@@ -42,7 +42,6 @@ the user decides, and a wider type is the remedy named in the warning.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -59,7 +58,7 @@ from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
 from .gguf import hf_name, permute_qk
 from .load import DTYPES, LoadedModel, is_hub_id, load_model
-from .modelfile import chat_parts, modelfile
+from .modelfile import chat_parts, modelfile, trims_content
 from .vocab_attrs import token_attrs
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -399,10 +398,11 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
     from ..data.templates import Renderer
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    parts = None
+    parts, trims = None, False
     if template is not None:
         renderer = Renderer(hf, template, name="export")
-        parts = chat_parts(lambda msgs, gen: renderer.render(msgs, add_generation_prompt=gen))
+        render = lambda msgs, gen: renderer.render(msgs, add_generation_prompt=gen)  # noqa: E731
+        parts, trims = chat_parts(render), trims_content(render)
     bos = hf.bos_token
     adds_bos = bool(bos) and hf("x")["input_ids"][:1] == [hf.convert_tokens_to_ids(bos)]
     if parts is not None and adds_bos and not parts.open and parts.default_system is not None \
@@ -411,7 +411,6 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
         parts = replace(parts, open=bos, before={**parts.before, "system": parts.before["system"][len(bos):]})
     drop_open = parts is not None and adds_bos and parts.open == bos
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
-    trims = template is not None and re.search(r"\|\s*trim\b", template) is not None  # Jinja's trim filter
     return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report, template is not None,
                      trims)
 

@@ -103,6 +103,22 @@ def chat_parts(render: Callable[[list, bool], str]) -> Optional[ChatParts]:
     return None
 
 
+def trims_content(render: Callable[[list, bool], str]) -> bool:
+    """Whether the template ``render(messages, add_generation_prompt)`` drops whitespace around some message's
+    content (Jinja's ``| trim``, Python's ``.strip()``, ``.lstrip('\\n')`` ...): read off its output for contents
+    padded with spaces and with line ends. False when it refuses the probe."""
+    for pad in (" ", "\n"):
+        msgs = [{"role": role, "content": pad + _MARK.format(f"{role}{n}") + pad}
+                for role, n in (("system", 1), ("user", 1), ("assistant", 1), ("user", 2))]
+        try:
+            text = render(msgs, False)
+        except Exception:  # jinja errors, raise_exception(): chat_parts gives no TEMPLATE then
+            return False
+        if any(m["content"] not in text for m in msgs):
+            return True
+    return False
+
+
 def _rebuilds(parts: ChatParts, render, msg) -> bool:
     convs = [[msg("user", 1)], [msg("system", 1), msg("user", 1)],
              [msg("user", 1), msg("assistant", 1), msg("user", 2), msg("assistant", 2), msg("user", 3)],
@@ -179,7 +195,8 @@ def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops
     """The Modelfile text: ``FROM ./gguf_name``, TEMPLATE and SYSTEM from ``parts`` (a comment when
     None; :data:`RAW_PROMPT` when not ``has_template``), one ``PARAMETER stop`` per end text. A value
     :func:`ollama_quote` cannot quote is left out: a comment in its place and one line to ``report``.
-    ``trims``: the chat template trims message content, which the TEMPLATE cannot (a comment says so)."""
+    ``trims``: the chat template trims message content (:func:`trims_content`), which the TEMPLATE cannot (a
+    comment says so)."""
     out = [f"# {name}: `ollama create NAME -f Modelfile` in this folder", f"FROM ./{gguf_name}"]
 
     def add(command: str, label: str, text: str, quotes: tuple) -> None:
@@ -199,7 +216,7 @@ def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops
         out.append("# TEMPLATE: the chat template's structure could not be read off its output; write one by hand")
     else:
         if trims:  # the probe contents have no whitespace to trim, so the pieces rebuild the template without it
-            out.append("# the chat template trims each message's content (| trim) and this TEMPLATE cannot (Go "
+            out.append("# the chat template trims the whitespace around message content and this TEMPLATE cannot (Go "
                        "templates have no trim): send messages without leading or trailing whitespace")
         add("TEMPLATE", "TEMPLATE", go_template(parts, drop_open), ('"""', '"'))
         if parts.default_system:
