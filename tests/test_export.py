@@ -104,6 +104,32 @@ def test_gguf_leaves_out_the_base_imatrix_record(tmp_path):
     assert fields["general.license"].contents() == "apache-2.0"
 
 
+def test_a_base_with_an_empty_metadata_array_exports_without_it(tmp_path, monkeypatch):
+    """llama.cpp's gguf.cpp writes empty arrays (a key with an item type and no items); gguf-py's writer refuses
+    them, and the export stopped with its bare ValueError ("Empty array") after merging."""
+    V = gguf.GGUFValueType
+    pack = gguf.GGUFWriter._pack_val
+
+    def as_gguf_cpp(self, val, vtype, add_vtype, sub_type=None):  # an empty array: its type, item type, count 0
+        if vtype == V.ARRAY and len(val) == 0:
+            return (self._pack("I", vtype) if add_vtype else b"") + self._pack("I", sub_type) + self._pack("Q", 0)
+        return pack(self, val, vtype, add_vtype, sub_type)
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf.GGUFWriter, "_pack_val", as_gguf_cpp)
+        m.setattr(gguf.GGUFWriter, "add_strings", lambda w, k, v: w.add_key_value(k, v, V.ARRAY, V.STRING),
+                  raising=False)
+        base = tmp_path / "base.gguf"
+        write_tiny_llama(base, {}, extra=[("add_strings", "general.tags", []),
+                                          ("add_strings", "general.languages", ["en"])])
+    assert gguf.GGUFReader(str(base)).fields["general.tags"].contents() == []
+    write_adapter(str(base), tmp_path / "adapter")
+    result = export_adapter(str(tmp_path / "adapter"), str(base), str(tmp_path / "out"), gguf_type="f16")
+    fields = gguf.GGUFReader(str(result.gguf)).fields
+    assert "general.tags" not in fields and fields["general.languages"].contents() == ["en"]
+    assert load_model(str(result.gguf)).config["model_type"] == "llama"
+
+
 def block_bound(w: np.ndarray, levels: float, steps: float) -> np.ndarray:
     """Per-value error bound of a 32-value block quant with step d = max|block| / levels.
 

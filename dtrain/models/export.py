@@ -425,7 +425,7 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
     ``tokenizer.ggml.eot_token_id`` when the file names none; a GGUF holds one, so the others stay
     unknown to llama.cpp, and ``report`` is told so), ``adapter`` (its name in
     ``general.name``), ``updates`` (as :func:`merge_adapter` returns, for the
-    quantization error).
+    quantization error). A base key holding an empty array is left out (gguf's writer cannot write one).
 
     Returns:
         ``(tensor_types, f16_fallback, quant_error, general_name)``, the first three as in :class:`ExportResult`.
@@ -458,6 +458,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
         if key.startswith("GGUF.") or key in replaced:
             continue
         array = value.types[0] == gguf.GGUFValueType.ARRAY
+        if array and not value.data:  # an empty array (llama.cpp writes them): gguf's writer refuses one, holds nothing
+            continue
         writer.add_key_value(key, value.contents(), value.types[0], value.types[-1] if array else None)
     if "general.alignment" in md:
         writer.add_custom_alignment(int(md["general.alignment"]))
