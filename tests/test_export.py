@@ -480,6 +480,10 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
      "lora_parameters has no dropout, which mlx-lm's LoRA layers take"),
     ('{"num_layers": 4, "lora_parameters": {"rank": 4, "alpha": 8, "dropout": 0.0}}',
      "lora_parameters has no scale, which mlx-lm's LoRA layers take (PEFT's alpha / rank is mlx-lm's scale)"),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": "self_attn.q_proj"}}',
+     'lora_parameters.keys is "self_attn.q_proj", not a list of module names'),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": [5]}}',
+     "lora_parameters.keys is [5], not a list of module names"),
 ])
 def test_an_unreadable_adapter_config_is_named_not_blamed_on_the_base(tmp_path, llama, capsys, text, problem):
     """mlx-lm's load_adapters parses the file itself; its JSON error or a mistyped value surfaced as 'this adapter

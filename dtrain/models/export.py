@@ -148,7 +148,8 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel,
 def check_adapter_config(path: Path) -> None:
     """Refuse an ``adapter_config.json`` that mlx-lm's ``load_adapters`` would misread as an adapter that does not
     fit the base: not a JSON object, ``num_layers`` / ``lora_parameters`` ``rank``, ``scale`` and ``dropout`` of another
-    type, or ``lora_parameters`` without ``rank``, ``scale`` or ``dropout``.
+    type, ``lora_parameters.keys`` that is not a list of module names, or ``lora_parameters`` without ``rank``,
+    ``scale`` or ``dropout``.
 
     Raises:
         ModelError: naming the file and the key.
@@ -169,6 +170,9 @@ def check_adapter_config(path: Path) -> None:
     for key, value, kind, what in values:
         if isinstance(value, bool) or not isinstance(value, kind):
             raise ModelError(f"{path}: {key} is {json.dumps(value)}, not {what}")
+    keys = params.get("keys")  # mlx-lm asks `name in keys`: a string would match its substrings
+    if keys is not None and not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise ModelError(f"{path}: lora_parameters.keys is {json.dumps(keys)}, not a list of module names")
     missing = [k for k in ("rank", "scale", "dropout") if "lora_parameters" in meta and k not in params]
     if missing:
         hint = " (PEFT's alpha / rank is mlx-lm's scale)" if "scale" in missing and "alpha" in params else ""
