@@ -277,6 +277,33 @@ def test_a_kill_between_the_two_renames_gets_the_folder_back(tmp_path):
     assert (out / "adapters" / "adapters.safetensors").read_bytes() == b".adapters.old-4242"
 
 
+def test_a_checkpoint_set_aside_by_a_kill_is_resumed_from(tmp_path, capsys):
+    """A run stopped in its last step saves before that step's evaluation; its resume saves step 4 again.
+    SIGKILL between that save's two renames left step-0000004 set aside. The name came back only at the next
+    run's first save, after resume auto had looked: it said "no checkpoint", trained from step 1 under a new
+    run id, and with train.save_every 2 stopped at its end ("step-0000004 is a checkpoint of another run")."""
+    from dtrain.run.trainer import Hooks
+    from test_trainer import run
+
+    def stop_in_4(step, run_):
+        if step == 4:
+            run_.stop.requested = True
+
+    args = ("train.keep_last=1", "train.save_every=2")
+    whole, _ = run(tmp_path / "whole", *args)
+    run(tmp_path / "cut", *args, hooks=Hooks(before_step=stop_in_4))
+    root = tmp_path / "cut" / "checkpoints"
+    assert [p.name for p in root.iterdir()] == ["step-0000004"]
+    (root / "step-0000004").rename(root / ".step-0000004.old-4242")
+    shutil.copytree(root / ".step-0000004.old-4242", root / ".step-0000004.tmp-4242")  # the new one, not renamed
+    capsys.readouterr()
+    resumed, _ = run(tmp_path / "cut", *args, "train.resume=auto")
+    assert "no checkpoint" not in capsys.readouterr().err
+    assert resumed.history == [] and resumed.evals == whole.evals
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000004"]
+    assert adapters_equal(tmp_path / "cut" / "adapters", tmp_path / "whole" / "adapters")
+
+
 def test_an_output_folder_removed_mid_run_stops_at_the_next_save_saying_so(tmp_path):
     """`rm -rf` of the output folder while step 3 runs (a folder of that name made again at once): the save
     after step 4 failed on the TensorBoard file and said "the checkpoints are intact", of checkpoints that

@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from ..errors import UserError
 from ..files import OutputDir, clear_set_aside, output_dir_problem, storage
 from ..lora import ADAPTER_CONFIG
-from .checkpoint import find_latest, list_checkpoints, step_of, validate
+from .checkpoint import PREFIX, find_latest, list_checkpoints, step_of, validate
 
 def estimate_bytes(model) -> int:
     """Bytes one checkpoint needs: adapter + two AdamW moments + the best adapter, plus 1 MiB of metadata."""
@@ -153,10 +153,13 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     except OSError as err:
         raise UserError(output_dir_problem(out, err)) from None
     try:
-        # what a killed run left half-written (files.atomic_folder's adapter folders, new and set aside, the caches'
-        # temporary files); under the lock no other run writes here
+        # what a killed run left half-written (files.atomic_folder's adapter and checkpoint folders, new and set
+        # aside, the caches' temporary files); under the lock no other run writes here. Before the checkpoints are
+        # looked at: a step-N/ set aside whose replacement never took its name is the one to resume from
         with storage(f"remove what a killed run left in {out}"):
             clear_set_aside(out, "adapters*")
+            if OutputDir(out).checkpoints.is_dir():
+                clear_set_aside(OutputDir(out).checkpoints, f"{PREFIX}*")
             for debris in OutputDir(out).data_cache.glob(".tmp-*"):
                 debris.unlink(missing_ok=True)
         earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
