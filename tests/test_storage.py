@@ -207,6 +207,7 @@ def plan(keep_last=2, steps=8, save_every=2):
     (2, 4, 1),  # a resume with keep_last on disk: one more, then the oldest is pruned
     (1, 6, 1),  # one kept, one save ahead
     (2, 8, 0),  # resume of the final step: nothing more but the adapter
+    (4, 4, 1),  # more on disk than keep_last (it was lowered): the first save still writes one before pruning
 ])
 def test_disk_plan_counts_the_checkpoints_already_on_disk(kept, done, more):
     assert plan().need(kept, done) == (more * 4_000_000 + 1_000_000, more)

@@ -54,15 +54,19 @@ class DiskPlan:
         Each save writes a new checkpoint before the oldest beyond ``keep_last``
         is pruned, so at the peak ``keep_last + 1`` coexist: the ``kept``
         checkpoints already on disk (a resume's, the one it will prune
-        included) count toward them. Each adapter folder at the end takes a
-        quarter of a checkpoint (:func:`estimate_bytes`: the weights without
-        AdamW's two moments and the best step's copy).
+        included) count toward them, and a save ahead adds one to however
+        many are there (more than ``keep_last`` after it was lowered). Each
+        adapter folder at the end takes a quarter of a checkpoint
+        (:func:`estimate_bytes`: the weights without AdamW's two moments and
+        the best step's copy).
         """
         every, last = self.save_every, self.steps
         # counted, not listed: train.steps may be huge (a run ended by early_stop_evals)
         multiples = last // every - done_step // every if every else 0
         ahead = 0 if done_step >= last else multiples + (1 if not every or last % every else 0)
-        more = max(min(self.keep_last + 1, kept + ahead) - kept, 0)
+        # the first save writes before it prunes, also when more than keep_last are on disk (keep_last lowered)
+        peak = max(min(self.keep_last + 1, kept + ahead), kept + min(ahead, 1))
+        more = peak - kept
         return more * self.checkpoint_bytes + self.adapters * (self.checkpoint_bytes // 4), more
 
 
