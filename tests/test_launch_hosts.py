@@ -356,6 +356,9 @@ def test_summarize_exit_status(capsys):
     out = summarize(2, *exit_reports((0, 0, [], None, None)), 0, None)  # rank 1 never reported
     assert (out.code, out.missing, out.restartable) == (1, [1], True)
     assert "rank(s) 1 did not report an exit status" in capsys.readouterr().err
+    out = summarize(2, *exit_reports((0, 0, [], None, None)), -9, None)  # rank 1's wrapper killed: its code -9
+    assert out.code == 137  # sys.exit(-9) made it 247
+    assert "rank(s) 1 did not report an exit status (killed by SIGKILL)" in capsys.readouterr().err
     assert summarize(2, *exit_reports((0, 0, [], "SIGUSR2", None), (1, 0, [], "SIGUSR2", None)), 0, 2).code == 130
 
 

@@ -265,15 +265,15 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
             f"({', '.join(describe_status(reports[r].code) for r in stopped)})")
     missing = [r for r in range(world_size) if r not in reports]
     if missing:
-        say(f"launch: rank(s) {', '.join(map(str, missing))} did not report an exit status "
-            f"(launcher exit code {launcher_code})")
+        say(f"launch: rank(s) {', '.join(map(str, missing))} did not report an exit status"
+            + (f" ({describe_status(launcher_code)})" if launcher_code else ""))
     if stopped_by:
         code = 128 + stopped_by
     elif failed:
         first = reports[failed[0]].code
         code = first if first > 0 else 128 - first
     elif aborted or on_abort or stopped or missing or launcher_code != 0:
-        code = launcher_code or 1
+        code = 128 - launcher_code if launcher_code < 0 else launcher_code or 1  # killed by a signal: 128 + N
     else:
         code = 0
     return Outcome(code, dict(reports), failed, missing, stopped_by)
