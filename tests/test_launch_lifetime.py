@@ -71,6 +71,29 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     wait_until(lambda: not list(tmp.glob("dtrain-launch-*")), "the launcher's temporary folder to go", limit=STOP_S)
 
 
+def test_a_rank_whose_wrapper_is_killed_stops_the_others(job, tmp_path):
+    """SIGKILL of rank 1's wrapper (python -m dtrain.launch.rank): its trainer, in a session of its own, trained on
+    with rank 0 to train.steps (no report came, so no abort), and was killed only once rank 0 had ended."""
+    out = tmp_path / "run"
+    proc = spawn([sys.executable, LAUNCH, "-n", 2, "--port", free_port(), job, "--train.steps", 5000,
+                  "--train.save_every", 0, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
+    try:
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
+        trainer = find_trainers(str(out))[1]
+        wrapper = int(Path(f"/proc/{trainer}/stat").read_text().rpartition(")")[2].split()[1])  # its parent
+        os.kill(wrapper, signal.SIGKILL)
+        code = wait_exit(proc, STOP_S)
+        wait_until(lambda: not find_trainers(str(out)), "every rank to end", limit=STOP_S)
+    finally:
+        kill_tree(proc)
+    assert code == 128 + signal.SIGKILL, proc.err()
+    assert "launch: rank 1's wrapper ended without reporting; stopping the other rank(s)" in proc.err()
+    assert "launch: rank(s) 1 did not report an exit status (killed by SIGKILL)" in proc.err()
+    assert not (out / ADAPTER).exists()  # stopped, not trained to step 5000
+    saved = find_latest(out / "checkpoints")  # rank 0 stopped after its step and saved
+    assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
+
+
 def test_tensorboard_ends_with_its_launcher_killed(job, tmp_path):
     """kill -9 of the launcher: its TensorBoard ends too (it was left serving, holding the port), as the ranks do."""
     out, port = tmp_path / "run", free_port(1)

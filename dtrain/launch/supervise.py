@@ -136,7 +136,9 @@ class Attempt:
             self._send(signal.SIGUSR2)
         # stdout comes through the launcher too: mpirun, handed a closed stdout (``| head`` ended),
         # can die of SIGPIPE while it shuts down after every rank saved; write() drops such output.
-        relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(),), daemon=True) for p in self.procs]
+        wrapped = range(len(self.procs)) if self.plan.direct else [None]  # rank r's wrapper is procs[r]
+        relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(), rank), daemon=True)
+                  for p, rank in zip(self.procs, wrapped)]
         relays += [threading.Thread(target=_copy_out, args=(p.stdout.fileno(),), daemon=True) for p in self.procs]
         for relay in relays:
             relay.start()
@@ -177,8 +179,9 @@ class Attempt:
             else:
                 _signal_group(p.pid, sig)
 
-    def _relay(self, fd: int) -> None:
-        """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure."""
+    def _relay(self, fd: int, rank: Optional[int] = None) -> None:
+        """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure. ``rank``: the
+        rank whose wrapper alone writes to ``fd`` (plan.direct), which failed when it ends without its report."""
         mark, buf = MARK.encode(), b""
         for chunk in iter(lambda: os.read(fd, 65536), b""):
             *lines, buf = (buf + chunk).split(b"\n")
@@ -196,6 +199,9 @@ class Attempt:
                 buf = b""
         if buf:
             write(buf)
+        if rank is not None and rank not in self.reports and self.stopped_by is None:
+            # the wrapper was killed: its trainer, in a session of its own, would train on with the others
+            self.abort(f"rank {rank}'s wrapper ended without reporting")
 
     def _on_report(self, report: Report) -> None:
         if report.event == "start":
