@@ -16,7 +16,7 @@ from dtrain.run.tracking import read_scalars
 from dtrain.run.trainer import train
 
 
-def run(tmp_path, *overrides, seed=0, n_train=9, data_seed=0, hooks=None):
+def run(tmp_path, *overrides, seed=0, n_train=9, data_seed=0, hooks=None, n_valid=3):
     cfg = load_config(None, [
         f"train.output_dir={tmp_path}", "data.demo_pairs=1", "train.steps=4", "train.global_batch_pairs=4",
         "train.micro_batch_pairs=4", "train.learning_rate=1e-2", "lora.rank=2", "train.progress=false",
@@ -24,7 +24,7 @@ def run(tmp_path, *overrides, seed=0, n_train=9, data_seed=0, hooks=None):
     ])
     loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=seed), tokenizer=None, identity="tiny", source="tiny-llama",
                              reference={"path": "tiny-llama"})
-    pairs = make_pairs(n_train + 3, seed=data_seed)
+    pairs = make_pairs(n_train + n_valid, seed=data_seed)
     dataset = SimpleNamespace(train=pairs[:n_train], valid=pairs[n_train:], fingerprint="fp")
     return train(cfg, loaded=loaded, dataset=dataset, **({"hooks": hooks} if hooks else {})), loaded.model
 
@@ -375,6 +375,17 @@ def test_resume_refuses_other_training_pairs(tmp_path):
                               f"training pairs sha256: {pairs_sha256(was[:9])!r} in the checkpoint, "
                               f"{pairs_sha256(now[:9])!r} now; held-out pairs sha256: {pairs_sha256(was[9:])!r} in "
                               f"the checkpoint, {pairs_sha256(now[9:])!r} now. {RESUME_HINT}")
+
+
+def test_a_resumed_run_without_held_out_pairs_saves_its_last_step(tmp_path):
+    """Steps 3-4 trained after a resume from step 2 end with checkpoint 4 and the HPARAMS record at step 4, as
+    an uninterrupted run's end (it read "no held-out pairs" as "already finished" and saved neither)."""
+    first, _ = run(tmp_path, "train.steps=2", n_valid=0)
+    resumed, _ = run(tmp_path, "train.resume=auto", n_valid=0)
+    assert len(resumed.history) == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
+    assert read_scalars(resumed.run_dir)["hparam/loss"] == [(2, pytest.approx(first.history[-1]["loss"], rel=1e-6)),
+                                                            (4, pytest.approx(resumed.history[-1]["loss"], rel=1e-6))]
 
 
 def test_resumed_run_reports_the_evaluations_of_the_whole_run(tmp_path):

@@ -174,6 +174,10 @@ def loop(run: Run) -> TrainResult:
             return end(run, run.state.step)
     elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
         return end_early(run, run.state.step, again=True)
+    # the end of a run is idempotent: a resume of its final checkpoint evaluates, saves and logs nothing again
+    # (decided before the loop: after it, a resumed run that trained its last steps is at train.steps too)
+    done = run.resumed_from is not None and run.state.step == t.steps and (
+        not run.valid or str(t.steps) in run.state.evals)
     if run.state.step < t.steps:
         run.log.doing(first_step_text(run))
     for step in range(run.state.step + 1, t.steps + 1):
@@ -195,9 +199,6 @@ def loop(run: Run) -> TrainResult:
                 return end(run, step)
         if _every(step, t.save_every) and step != t.steps:
             save(run, step)
-    # the end of a run is idempotent: a resume of its final checkpoint evaluates, saves and logs nothing again
-    done = run.resumed_from is not None and run.state.step == t.steps and (
-        not run.valid or str(t.steps) in run.state.evals)
     if run.valid and str(t.steps) not in run.state.evals:
         evaluate_and_steer(run, t.steps, may_stop=False)  # the run ends here anyway
     if not done:
