@@ -204,7 +204,19 @@ def test_resume_of_an_early_stopped_run_saves_and_logs_nothing_again(tmp_path, s
     assert {f: (tmp_path / f / "adapters.safetensors").read_bytes() for f in adapters} == adapters
     assert again.run_dir == first.run_dir
     tags = [v.tag for e in read_events(again.run_dir) for v in e.summary.value]
-    assert tags.count("_hparams_/experiment") == 1
+    assert tags.count("_hparams_/experiment") == 1 and tags.count("best/text_summary") == 1
+
+
+def test_resume_of_a_finished_run_writes_the_best_text_once(tmp_path, scripted):
+    """The `best` text entry goes with the run's final record: a resume of the last checkpoint adds none
+    (it wrote a second entry at step 6, beside the first, which the purge at step 7 keeps)."""
+    args = (f"train.keep_best={ACC}", "train.keep_best_guard=0.1")
+    first = run(tmp_path, *args)
+    again = run(tmp_path, *args, "train.resume=auto")
+    assert again.run_dir == first.run_dir and again.best.step == 2
+    texts = [(e.step, v.tensor.string_val[0].decode()) for e in read_events(again.run_dir) for v in e.summary.value
+             if v.tag.startswith("best") and v.HasField("tensor")]
+    assert texts == [(6, f"adapters/ holds step 2 ({ACC} 0.7000)")]
 
 
 def test_the_sft_summary_names_the_kept_step_and_the_early_stop():

@@ -141,5 +141,12 @@ def last_and_best(run, last_dir) -> Optional[dict]:
     if pick is None or pick.step is None:
         return None
     assert run.best.step == pick.step, (run.best.step, pick.step)  # kept when it was evaluated
-    run.log.text("best", f"adapters/ holds step {pick.step} ({t.keep_best} {pick.value:.4f})", run.state.step)
     return run.best.weights
+
+
+def log_kept(run, step: int) -> None:
+    """The ``best`` TensorBoard text naming the kept step, at the run's last ``step``: written with its final
+    record (``trainer.log_hparams``), so a resume of the finished run, which writes no record, adds none."""
+    pick = run.result.best
+    if pick is not None and pick.step is not None:
+        run.log.text("best", describe(pick, run.cfg.train.keep_best), step)
