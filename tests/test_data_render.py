@@ -328,3 +328,20 @@ def test_a_system_field_beside_a_system_message(tokenizer):
     assert pairs == [] and report.bad == [
         ("f:2", "the 'system' field ('Be kind.') and the prompt's system message ('Be brief.') differ; a prompt "
                 "has one system prompt: keep one of them")]
+
+
+def test_transcript_response_with_later_turns_is_rendered_as_those_turns(tokenizer):
+    """HH sides that part at an earlier Assistant turn hold the later turns in each response; they were one
+    assistant message with 'Human:' text inside, so the model was trained to write the user's next turn."""
+    row = Row("\n\nHuman: hi\n\nAssistant:", " A1\n\nHuman: q2\n\nAssistant: A2",
+              " B1\n\nHuman: q2\n\nAssistant: B2", transcript=True)  # as formats reads the two transcripts
+    pair = one_pair(tokenizer, row)
+    assert texts(tokenizer, pair) == (
+        "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "A1<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>",
+        "B1<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\nB2<|im_end|>")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "A2"}]
+    assert pair.prompt + pair.chosen == tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False)[:-1])
+    raw = one_pair(tokenizer, row, prompt_template="raw")  # raw text keeps the transcript as written
+    assert texts(tokenizer, raw)[1] == " A1\n\nHuman: q2\n\nAssistant: A2</s>"

@@ -117,7 +117,8 @@ def row_messages(row: Row, chat: Optional[Renderer], text: Renderer) -> tuple:
 
     Plain-text prompts become a user turn (transcripts: their turns; raw text:
     one message, the transcript markers kept). A text response is one
-    assistant message; a transcript's leading space goes when it becomes a turn.
+    assistant message; a transcript's leading space goes when it becomes a turn,
+    and a transcript response holding later ``Human:`` turns becomes those turns.
 
     Raises:
         DataError: a message row and no template to render it.
@@ -135,10 +136,12 @@ def row_messages(row: Row, chat: Optional[Renderer], text: Renderer) -> tuple:
     return text, [_with_system(msgs, row.system), None], [_response(r, strip) for r in (row.chosen, row.rejected)]
 
 
-def _response(response, lstrip: bool) -> list:
+def _response(response, transcript: bool) -> list:
     if isinstance(response, list):
         return list(response)
-    return [{"role": "assistant", "content": response.lstrip() if lstrip else response}]
+    if transcript and HUMAN_MARKER in response:  # sides that part at an earlier turn: the later turns, as TRL reads HH
+        return transcript_messages(ASSISTANT_MARKER + response)
+    return [{"role": "assistant", "content": response.lstrip() if transcript else response}]
 
 
 def _common_prefix(*seqs) -> int:
