@@ -86,3 +86,26 @@ def demo_tokenizer(path):
 
     md = read_gguf(path)[0]
     return TokenizerWrapper(build_tokenizer(md), eos_token_ids=eos_token_ids(md))
+
+
+@lru_cache(maxsize=None)
+def metaspace_tokenizer():
+    """A SentencePiece-style BPE whose pre-tokenizer is Metaspace with ``prepend_scheme: first`` (as in
+    Mistral v0.3's tokenizer.json: ``▁`` before a text's first fragment only), ChatML template and tokens."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    corpus = [*_CORPUS, "<|im_start|> <|im_end|> </s>"]
+    alphabet = sorted({c for line in corpus for c in line.replace(" ", "▁")})
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                        initial_alphabet=alphabet))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                 additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    hf.chat_template = CHATML
+    return TokenizerWrapper(hf)

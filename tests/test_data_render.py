@@ -345,3 +345,22 @@ def test_transcript_response_with_later_turns_is_rendered_as_those_turns(tokeniz
     assert pair.prompt + pair.chosen == tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False)[:-1])
     raw = one_pair(tokenizer, row, prompt_template="raw")  # raw text keeps the transcript as written
     assert texts(tokenizer, raw)[1] == " A1\n\nHuman: q2\n\nAssistant: A2</s>"
+
+
+def test_control_text_in_content_on_a_metaspace_first_tokenizer_keeps_the_template_ids():
+    """Each piece between the template's control tokens was encoded as a text of its own, so Metaspace's
+    prepend_scheme 'first' (Mistral v0.3) put a '▁' after every control token of a row with control text in
+    a message: '<|im_start|>', '▁', 'u', ... where the same row without it has '<|im_start|>', 'u', ..."""
+    from chat_fixtures import metaspace_tokenizer
+
+    tok = metaspace_tokenizer()
+    clean = one_pair(tok, Row("hello world", "yes ok", "no"))
+    pair = one_pair(tok, Row("hello <|im_end|> world", "yes <|im_start|> ok", "no"))
+    msgs = [{"role": "user", "content": "hello <|im_end|> world"}, {"role": "assistant", "content": "yes <|im_start|> ok"}]
+    assert tok.decode(pair.prompt + pair.chosen) == "<s>" + tok.apply_chat_template(msgs, tokenize=False)[:-1]
+    ids = tok.encode("<|im_start|>user\n")
+    assert pair.prompt[: len(ids)] == clean.prompt[: len(ids)] == ids  # BOS, '<|im_start|>', 'u', 's', 'er', '\n'
+    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert pair.prompt[-len(tail):] == clean.prompt[-len(tail):] == tail
+    assert pair.prompt.count(tail[0]) == 1  # the message's '<|im_end|>' is plain text
+    assert pair.rejected == clean.rejected

@@ -46,8 +46,10 @@ an empty prompt or response, no room for a response, a prompt too long to cut.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 from ..errors import DataError
@@ -144,6 +146,18 @@ def _response(response, transcript: bool) -> list:
     return [{"role": "assistant", "content": response.lstrip() if transcript else response}]
 
 
+def _prefix_first_only(node) -> bool:
+    """Turns each Metaspace ``prepend_scheme: first`` in a pre-tokenizer's JSON into ``never``; True if one was."""
+    if isinstance(node, list):
+        return any([_prefix_first_only(n) for n in node])
+    if not isinstance(node, dict):
+        return False
+    found = node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first"
+    if found:
+        node["prepend_scheme"] = "never"
+    return any([found] + [_prefix_first_only(v) for v in node.values()])
+
+
 def _common_prefix(*seqs) -> int:
     n = 0
     while all(n < len(s) for s in seqs) and all(s[n] == seqs[0][n] for s in seqs[1:]):
@@ -212,6 +226,23 @@ class RowTokenizer:
         return cls(tokenizer, cfg, chat, text, controls, pattern, ids,
                    tuple(sorted((m for m in marks if m), key=len, reverse=True)), cls.own_additions(tokenizer)[0])
 
+    @cached_property
+    def after_control(self):
+        """A copy of the tokenizer's backend that encodes text as the tokenizer does after a control token, or
+        None where that is how it encodes any text: Metaspace with ``prepend_scheme: first`` (Mistral v0.3's
+        tokenizer.json) prefixes ``▁`` to a text's first fragment only. Control text in a message is text."""
+        from tokenizers import Tokenizer
+
+        backend = getattr(hf_tokenizer(self.tokenizer), "backend_tokenizer", None)
+        pre = getattr(backend, "pre_tokenizer", None)
+        if pre is None or not _prefix_first_only(json.loads(pre.__getstate__())):
+            return None
+        state = json.loads(backend.to_str())
+        _prefix_first_only(state["pre_tokenizer"])
+        copy = Tokenizer.from_str(json.dumps(state))
+        copy.encode_special_tokens = True
+        return copy
+
     # -- text --------------------------------------------------------------
     def _strip_marks(self, content: str) -> str:
         """``"Yes<|im_end|>\\n"`` -> ``"Yes"``: end-of-turn text the data wrote itself."""
@@ -260,7 +291,8 @@ class RowTokenizer:
         ``add``: put the tokenizer's own prefix (BOS) first, false when the
         template wrote BOS itself. Control text at ``spans`` (typed in messages)
         is plain text: the pieces between the control tokens the template wrote
-        get the tokenizer's own ids with ``split_special_tokens``, so
+        get the tokenizer's own ids with ``split_special_tokens`` (as it encodes
+        them after a control token, :attr:`after_control`), so
         ``"string <|im_end|>"`` gives the ids the tokenizer gives that text.
         """
         prefix = list(self.prefix) if add else []
@@ -268,13 +300,18 @@ class RowTokenizer:
             return prefix + list(self.tokenizer.encode(text, add_special_tokens=False))
         hf = hf_tokenizer(self.tokenizer)
         enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        plain = lambda piece: hf(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # noqa: E731
+
+        def plain(start: int, end: int) -> list:  # a piece after a control token is not the text's start
+            if start == 0 or self.after_control is None:
+                return hf(text[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            return self.after_control.encode(text[start:end], add_special_tokens=False).ids
+
         out, pos = prefix, 0
         for tid, (start, end) in zip(enc["input_ids"], enc["offset_mapping"]):
             if tid in self.control_ids and (start, end) not in spans:  # written by the template
-                out += (plain(text[pos:start]) if start > pos else []) + [tid]
+                out += (plain(pos, start) if start > pos else []) + [tid]
                 pos = end
-        return out + (plain(text[pos:]) if pos < len(text) else [])
+        return out + (plain(pos, len(text)) if pos < len(text) else [])
 
     def _render(self, r: Renderer, msgs: list, generation: bool, response: bool = False) -> tuple:
         """``(ids, text, control text found)`` for ``msgs``; ``response``: end after the final assistant turn.
