@@ -109,3 +109,27 @@ def metaspace_tokenizer():
                                  additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     hf.chat_template = CHATML
     return TokenizerWrapper(hf)
+
+
+PHI3 = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+@lru_cache(maxsize=None)
+def rstrip_tokenizer():
+    """Byte-level BPE with Phi-3's chat tokens, added with ``rstrip`` as Phi-3's tokenizer.json has them (a
+    match takes in the whitespace after it: ``<|end|>\\n`` is one token), and its template."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=600, special_tokens=["<s>", "</s>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens([AddedToken(t, rstrip=True, special=True, normalized=False)
+                            for t in ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    hf.chat_template = PHI3
+    return TokenizerWrapper(hf)

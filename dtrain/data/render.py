@@ -306,9 +306,12 @@ class RowTokenizer:
                 return hf(text[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
             return self.after_control.encode(text[start:end], add_special_tokens=False).ids
 
+        def written(start: int, end: int) -> bool:  # an lstrip/rstrip token's offsets take in the spaces beside it
+            return not any(start <= s and e <= end for s, e in spans)
+
         out, pos = prefix, 0
         for tid, (start, end) in zip(enc["input_ids"], enc["offset_mapping"]):
-            if tid in self.control_ids and (start, end) not in spans:  # written by the template
+            if tid in self.control_ids and written(start, end):  # written by the template
                 out += (plain(pos, start) if start > pos else []) + [tid]
                 pos = end
         return out + (plain(pos, len(text)) if pos < len(text) else [])
