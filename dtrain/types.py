@@ -16,8 +16,9 @@ class TokenizedPair:
     Token ids are plain Python lists (lengths P, Rc, Rr). ``prompt`` carries the
     chat template and BOS (never doubled); ``chosen`` and ``rejected`` carry the
     response tokens including the end-of-turn token when ``append_eos`` is on.
-    Prompt and responses are tokenized separately, so no token straddles the
-    boundary. ``rejected_prompt`` is set only when the rejected side renders a
+    ``prompt + chosen`` are the tokenizer's ids of the whole rendered conversation
+    (``data.render``): a token that straddles the prompt/response text belongs to
+    the response. ``rejected_prompt`` is set only when the rejected side renders a
     different prompt (e.g. conversational rows whose histories differ); engines
     then run that pair as two separate sequences. ``source`` is ``file:line``.
     An empty ``rejected`` marks an SFT row (a prompt and one completion).
