@@ -537,6 +537,25 @@ def test_resume_path_must_be_a_valid_checkpoint(tmp_path, monkeypatch):
                               "folder (OUTPUT_DIR/checkpoints/step-N) or auto")
 
 
+def test_resume_naming_an_output_folder_or_its_checkpoints_folder_names_the_checkpoint_to_give(tmp_path):
+    """--train.resume runs/x (the run's folder, not one of its checkpoints) said only 'no manifest.json'."""
+    out = tmp_path / "runs" / "x"
+    for step in (2, 4):
+        folder = out / "checkpoints" / f"step-{step:07d}"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_text(json.dumps({"step": step, "files": {}}))
+    (out / "checkpoints" / "step-0000006").mkdir()  # a write that was interrupted: not named
+    newest = out / "checkpoints" / "step-0000004"
+    with pytest.raises(UserError) as err:
+        ckpt.load_checkpoint(out)
+    assert str(err.value) == (f"resume: {out} is a run's output folder, not a checkpoint; name one of its checkpoints "
+                              f"(the newest valid one: {newest}), or train.resume auto with train.output_dir {out}")
+    with pytest.raises(UserError) as err:
+        ckpt.load_checkpoint(out / "checkpoints")
+    assert str(err.value) == (f"resume: {out / 'checkpoints'} holds checkpoints, it is not one; name one of them (the "
+                              f"newest valid one: {newest}), or train.resume auto with train.output_dir {out}")
+
+
 def test_output_folder_checks(tmp_path):
     with pytest.raises(UserError, match="MB free"):
         output.check_output_dir(tmp_path, need_bytes=10**18)

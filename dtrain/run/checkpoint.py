@@ -44,7 +44,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import UserError
 from ..identity import BEFORE_KEY, REFUSED_WHEN
-from ..files import atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
+from ..files import OutputDir, atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 
 STATE = "state.json"
@@ -264,11 +264,23 @@ def load_checkpoint(path: Path) -> Checkpoint:
                         "auto (the newest valid checkpoint in train.output_dir) or a checkpoint folder")
     problem = validate(path)
     if problem is not None:
-        raise UserError(f"resume: {path} is not a valid checkpoint: {problem}")
+        raise UserError(f"resume: {path} {_checkpoints_within(path) or f'is not a valid checkpoint: {problem}'}")
     with storage(f"read checkpoint {path}"):
         state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
         best = mx.load(str(path / BEST)) if (path / BEST).is_file() else None
         return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)), best)
+
+
+def _checkpoints_within(path: Path) -> Optional[str]:
+    """What to name instead when ``path`` is a run's output folder or its checkpoints folder, or None."""
+    for root, what in ((OutputDir(path).checkpoints, "is a run's output folder, not a checkpoint; name one of its"),
+                       (path, "holds checkpoints, it is not one; name one of them")):
+        newest = find_latest(root, report=lambda _: None)
+        if newest is not None:
+            out = path if root != path else path.parent  # auto reads OUTPUT_DIR/checkpoints only
+            auto = f", or train.resume auto with train.output_dir {out}" if OutputDir(out).checkpoints == root else ""
+            return f"{what}{' checkpoints' if root != path else ''} (the newest valid one: {newest}){auto}"
+    return None
 
 
 def _differs(name: str, saved, now) -> str:
