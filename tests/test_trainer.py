@@ -388,6 +388,25 @@ def test_a_resumed_run_without_held_out_pairs_saves_its_last_step(tmp_path):
                                                             (4, pytest.approx(resumed.history[-1]["loss"], rel=1e-6))]
 
 
+def test_a_run_without_held_out_pairs_stopped_in_its_last_step_keeps_its_hparams_record(tmp_path):
+    """A signal in step 4 of 4 saves checkpoint 4, which its resume takes for a finished run (it trains and
+    saves nothing): the HPARAMS record of the run's end was never written. It is written with that save."""
+    from dtrain.run.trainer import Hooks
+
+    def stop_in_4(step, run_):
+        if step == 4:
+            run_.stop.requested = True
+
+    whole, _ = run(tmp_path / "whole", n_valid=0)
+    cut, _ = run(tmp_path / "cut", n_valid=0, hooks=Hooks(before_step=stop_in_4))
+    assert cut.stopped and cut.steps == 4
+    resumed, _ = run(tmp_path / "cut", "train.resume=auto", n_valid=0)
+    assert resumed.history == [] and (resumed.adapter_dir / ADAPTER_WEIGHTS).read_bytes() == (
+        whole.adapter_dir / ADAPTER_WEIGHTS).read_bytes()
+    assert read_scalars(cut.run_dir)["hparam/loss"] == read_scalars(whole.run_dir)["hparam/loss"] == [
+        (4, pytest.approx(whole.history[-1]["loss"], rel=1e-6))]
+
+
 def test_resumed_run_reports_the_evaluations_of_the_whole_run(tmp_path):
     args = ("train.schedule=constant", "train.save_every=2")
     whole, _ = run(tmp_path / "whole", *args)

@@ -234,7 +234,11 @@ def evaluate_and_steer(run: Run, step: int, may_stop: bool = True) -> Optional[C
 
 
 def end_stopped(run: Run, step: int) -> TrainResult:
-    """Checkpoint ``step`` of a run a signal stopped (after the step, or during its evaluation)."""
+    """Checkpoint ``step`` of a run a signal stopped (after the step, or during its evaluation). Stopped after
+    its last step with nothing to evaluate, it is done: its resume writes only the adapter, so the run's
+    HPARAMS record goes with this checkpoint, as at an uninterrupted run's end."""
+    if step == run.cfg.train.steps and not run.valid:
+        log_hparams(run, step)
     save(run, step)
     run.log.message(f"stopped by signal {f'after step {step}' if step else 'before step 1'}; checkpoint saved, "
                     f"continue with --train.resume auto")
