@@ -138,7 +138,9 @@ def test_ring_ranks_train_the_same_adapter_as_one_rank(tmp_path, one_rank, n):
 def test_mlx_launch_two_ranks(tmp_path, one_rank):
     if not MLX_LAUNCH.exists():
         pytest.skip(f"mlx.launch not found next to {sys.executable}")
-    done = run_cmd([str(MLX_LAUNCH), "-n", "2", "--python", sys.executable, "--", str(WORKER), str(tmp_path)])
+    # mlx.launch's own first port, 32323, is the launcher's default too: a job running beside the suite held it
+    done = run_cmd([str(MLX_LAUNCH), "-n", "2", "--starting-port", str(free_port(2)), "--python", sys.executable,
+                    "--", str(WORKER), str(tmp_path)])
     assert done.returncode == 0, done.stderr[-2000:]
     assert_same_as_one_rank(tmp_path, 2, one_rank, "ring")
 

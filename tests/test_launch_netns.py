@@ -32,9 +32,12 @@ def test_ranks_in_two_namespaces_equal_one_rank(tmp_path):
 
 
 def test_tbf_rate_limit_slows_the_all_reduce():
-    """9.77 MB through a 1 Gbit/s link needs at least 78 ms; unlimited veth is far faster."""
+    """9.77 MB through a 100 Mbit/s link needs at least 782 ms; unlimited veth takes a small part of that. Both
+    bounds hold on a loaded machine: it slowed the unlimited run to 64 ms beside 104 ms at 1 Gbit/s, which failed
+    the "twice as fast" this test asked before."""
     size = netns.SMOLLM2_LORA_PARAMS
-    limited = netns.all_sum_seconds(2, "1gbit", [size], iters=3, port=free_port())[size]
+    floor = size * 4 / (100e6 / 8)  # seconds: every byte of the sum crosses each rank's link once (2-rank ring)
+    limited = netns.all_sum_seconds(2, "100mbit", [size], iters=3, port=free_port())[size]
     free = netns.all_sum_seconds(2, None, [size], iters=3, port=free_port())[size]
-    assert limited >= size * 4 / (1e9 / 8) * 0.95, limited
-    assert free < limited / 2, (free, limited)
+    assert limited >= floor * 0.95, (limited, floor)
+    assert free < floor / 3, (free, floor)
