@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config_text import override_help, split_overrides
+from .config_text import override_help, split_overrides, take_overrides
 from .errors import UserError
 from .files import to_devnull
 
@@ -204,12 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     if command and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         _error(f"options go after the command: dtrain {' '.join(argv[command:] + argv[:command])}")
         return 2
-    args, extra = _parser().parse_known_args(argv)
     try:
+        # overrides out first, as ./launch takes them: argparse would read the VALUE of one that
+        # stands before `data check`'s FILE as FILE (`--data.valid held.jsonl pairs.jsonl`)
+        options, overrides = take_overrides(argv) if argv[:1] in (["train"], ["data"], ["config"]) else (argv, [])
+        args, extra = _parser().parse_known_args(options)
         if extra and args.command in ("convert", "export", "doctor"):
             raise UserError(f"unexpected argument(s) {' '.join(extra)}: dtrain {args.command} takes no config "
                             f"overrides; its options: dtrain {args.command} --help")
-        overrides = split_overrides(extra)
+        split_overrides(extra)  # what is left is neither an option nor an override: named
         if args.command == "train":
             return _train(args, overrides)
         if args.command == "data":

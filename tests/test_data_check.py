@@ -358,3 +358,19 @@ def test_cli_sft_rows_under_a_pairwise_objective_are_refused_as_training_refuses
     out = capsys.readouterr()
     assert status == 0, out.err
     assert out.out.startswith(f"{path}: 2 rows, 2 usable, 0 bad, 0 dropped")
+
+
+def test_cli_overrides_before_the_file_leave_the_file_to_it(tmp_path, model_dir, capsys):
+    """`dtrain data check --data.valid held.jsonl pairs.jsonl` took held.jsonl for FILE and pairs.jsonl for
+    data.valid (argparse read the override's value as the positional): it checked the wrong file and exited 0.
+    Overrides are taken out first, as ./launch does, wherever they stand."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", ROWS[:1] * 2)
+    held = write_jsonl(tmp_path / "held.jsonl", ROWS[:1])
+    status = main(["data", "check", "--data.valid", held, "--model.path", str(model_dir), pairs,
+                   "--train.global_batch_pairs", "1"])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert out.out.startswith(f"{pairs}: 2 rows, 2 usable, 0 bad, 0 dropped")
+    assert main(["data", "check", "--data.max_length", "64", pairs, "--model.path", str(model_dir),
+                 "--train.global_batch_pairs", "1"]) == 0
+    assert "max_length=64" in capsys.readouterr().out
