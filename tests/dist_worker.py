@@ -16,7 +16,8 @@ Fault injection, each ``STEP:RANK``: ``--kill-at`` (SIGKILL at the start of the
 step), ``--stall-at`` (SIGSTOP there), ``--drift-at`` (nudge the LoRA weights
 after the step); ``--rank-override RANK:section.key=value`` and
 ``--data-seed RANK:SEED`` give one rank a different config or data (``--raw-fingerprint``: with the
-raw data's fingerprint the same on every rank).
+raw data's fingerprint the same on every rank); ``--slow-save SECONDS`` makes rank 0's checkpoint saves
+take that much longer and touch ``OUT_DIR/saved-STEP`` when each is written.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def parse(argv):
     p.add_argument("--drift-at", default=None)
     p.add_argument("--rank-override", action="append", default=[])
     p.add_argument("--data-seed", action="append", default=[])
+    p.add_argument("--slow-save", type=float, default=None)
     p.add_argument("--raw-fingerprint", default=None, help="Dataset.fingerprint whatever the pairs (the raw data's, "
                    "which a chat template file that differs between machines leaves as it is)")
     p.add_argument("--allreduce-check", action="store_true")
@@ -113,10 +115,26 @@ def hooks_for(args, group, seen) -> trainer.Hooks:
     return trainer.Hooks(engine=Recording, before_step=before_step, after_step=after_step)
 
 
+def slow_saves(seconds: float, out: Path) -> None:
+    """Rank 0's ``save_checkpoint`` sleeps ``seconds`` first and touches ``out/saved-STEP`` once written."""
+    import time
+
+    real = trainer.ckpt.save_checkpoint
+
+    def save(folder, state, *rest, **kw):
+        time.sleep(seconds)
+        real(folder, state, *rest, **kw)
+        (out / f"saved-{state.step}").touch()
+
+    trainer.ckpt.save_checkpoint = save
+
+
 def run_training(args, overrides, group):
     from conftest import make_pairs, make_tiny_model
 
     out = Path(args.out)
+    if args.slow_save is not None and group.is_main:
+        slow_saves(args.slow_save, out)
     cfg = load_config(None, [*DEFAULTS, f"train.output_dir={out / 'run'}", *overrides,
                              *for_rank(args.rank_override, group.rank)])
     seed = int((for_rank(args.data_seed, group.rank) or [0])[0])

@@ -243,6 +243,22 @@ def test_weight_drift_is_detected_on_every_rank(tmp_path):
         assert rc == 2 and "dtrain: error: step 2: LoRA weights on rank(s) 1 differ from rank 0" in err, err[-1000:]
 
 
+def test_too_many_skipped_steps_stop_every_rank_after_rank_0_saved(tmp_path):
+    """train.max_skipped_steps: every rank stops with "saved a checkpoint and stopped", but ranks 1+ raised
+    at once while rank 0 was still writing it; under ./launch the first rank to exit (status 2) makes the
+    launcher abort the others, and a rank 0 still saving after ABORT_GRACE_S (3 s) was killed: no checkpoint,
+    though every rank had said it was saved."""
+    procs = start_ring(2, tmp_path, "--slow-save", "3", "train.learning_rate=1e30", "train.warmup_steps=0",
+                       "train.max_skipped_steps=2", "train.steps=8")
+    rc, err, _ = finish(procs[1:])[0]  # rank 1 first: it must not end before rank 0's checkpoint is written
+    assert rc == 2 and "saved a checkpoint and stopped" in err, err[-1000:]
+    saved = sorted(p.name for p in tmp_path.glob("saved-*"))
+    assert len(saved) == 1, saved
+    rc, err, _ = finish(procs[:1])[0]
+    assert rc == 2 and "saved a checkpoint and stopped" in err, err[-1000:]
+    assert (tmp_path / "run" / "checkpoints" / f"step-{int(saved[0][6:]):07d}").is_dir()
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_bucketed_all_sum_matches_mpi4py_allreduce(tmp_path, n):
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'dtrain[mpi]')")

@@ -186,7 +186,8 @@ def loop(run: Run) -> TrainResult:
         run.hooks.after_step(step, run)
         record(run, step, out.metrics, out.applied)
         if run.state.skipped_in_row >= t.max_skipped_steps:
-            save(run, step)
+            # every rank raises after rank 0 saved: one that exits first makes ./launch abort a rank 0 still saving
+            _main_rank_check(run.group, lambda: save(run, step), "save its checkpoint")
             sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
             raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
@@ -499,17 +500,18 @@ def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:
     return new_run_dir(OutputDir(out).tb)
 
 
-def _main_rank_check(group: Group, check):
-    """Run ``check`` on rank 0 and return its result there (None elsewhere); every rank raises when it failed."""
+def _main_rank_check(group: Group, check, what: str = "prepare the output folder"):
+    """Run ``check`` on rank 0 and return its result there (None elsewhere), every rank waiting for it; every rank
+    raises when it failed (``what`` it did, for the other ranks' message)."""
     message, value = "", None
     if group.is_main:
         try:
             value = check()
         except UserError as err:
             message = str(err)
-    failed = group.all_sum_scalars({"failed": float(bool(message))}, None, "all_sum of the output-folder check")["failed"] > 0
+    failed = group.all_sum_scalars({"failed": float(bool(message))}, None, f"all_sum after rank 0's attempt to {what}")["failed"] > 0
     if message:
         raise UserError(message)
     if failed:
-        raise UserError("rank 0 could not prepare the output folder; see its message")
+        raise UserError(f"rank 0 could not {what}; see its message")
     return value
