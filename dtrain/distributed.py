@@ -337,6 +337,14 @@ def _odd_ranks(values: list) -> list[int]:
     return [r for r, v in enumerate(values) if v != values[0]]
 
 
+def _dotted(tree: dict, prefix: str = "") -> dict:
+    """``{"section.key": value}`` of a nested dict (the resolved config)."""
+    out = {}
+    for k, v in tree.items():
+        out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {prefix + k: v})
+    return out
+
+
 def handshake(group: Group, facts: dict) -> None:
     """Stop every rank when the ranks belong to different jobs, or disagree on any of ``facts``.
 
@@ -345,11 +353,14 @@ def handshake(group: Group, facts: dict) -> None:
             model identity, LoRA shapes, the initial adapter's weights).
     Raises:
         ForeignRankError: ranks of different jobs (``Group.job``) met, on every rank.
-        UserError: on every rank, naming each fact that differs and the ranks.
+        UserError: on every rank, naming each fact that differs and the ranks; for the config,
+            its keys that differ (the same YAML file resolves ``auto`` values per machine).
     """
     if group.size == 1:
         return
-    mine = {"job": group.job, "facts": {k: fingerprint(v) for k, v in facts.items()}}
+    config = facts.get("config")
+    keyed = {k: fingerprint(v) for k, v in _dotted(config).items()} if isinstance(config, dict) else {}
+    mine = {"job": group.job, "facts": {k: fingerprint(v) for k, v in facts.items()}, "config": keyed}
     gathered = [json.loads(t) for t in group.all_gather_text(json.dumps(mine, sort_keys=True), None, "start-up handshake")]
     jobs = [g["job"] for g in gathered]
     odd = _odd_ranks(jobs)
@@ -363,7 +374,11 @@ def handshake(group: Group, facts: dict) -> None:
     for key in sorted(set().union(*everyone)):
         odd = _odd_ranks([e.get(key) for e in everyone])
         if odd:
-            problems.append(f"{key} differs on rank(s) {', '.join(map(str, odd))} from rank 0")
+            configs = [g["config"] for g in gathered]
+            keys = [k for k in sorted(set().union(*configs)) if key == "config"
+                    and any(configs[r].get(k) != configs[0].get(k) for r in odd)]
+            problems.append(f"{key} differs on rank(s) {', '.join(map(str, odd))} from rank 0"
+                            + (f" ({', '.join(keys)})" if keys else ""))
     if problems:
         raise UserError("ranks disagree before training: " + "; ".join(problems))
 

@@ -228,12 +228,14 @@ def test_a_gather_after_a_peer_died_fails_as_a_lost_peer(tmp_path, call, what):
 
 
 def test_handshake_names_what_differs_and_where(tmp_path):
+    """The config's keys that differ are named: "config differs" alone sent the user diffing config files
+    that can be the same (an ``auto`` value resolved otherwise on another machine)."""
     procs = start_ring(3, tmp_path, "--data-seed", "1:7", "--rank-override", "2:lora.rank=4")
     results = finish(procs)
     for rc, err, _ in results:  # every rank stops, each with the same one-line message
         assert rc == 2, err[-1000:]
         line = [x for x in err.splitlines() if x.startswith("dtrain: error:")]
-        assert line == ["dtrain: error: ranks disagree before training: config differs on rank(s) 2 from rank 0; "
+        assert line == ["dtrain: error: ranks disagree before training: config differs on rank(s) 2 from rank 0 (lora.rank); "
                         "data differs on rank(s) 1 from rank 0; lora shapes differs on rank(s) 2 from rank 0"]
 
 
