@@ -71,6 +71,22 @@ def test_a_steps_scalars_are_one_tensorboard_event(tmp_path):
     assert read_scalars(tmp_path) == {"loss": [(1, 0.5), (2, 0.25)], "grad_norm": [(1, 2.25), (2, 1.0)]}
 
 
+def test_a_skipped_steps_nan_scalars_are_logged_without_tensorboardx_warnings(tmp_path, caplog):
+    """A skipped step logs its non-finite metrics on purpose (its own line says it was skipped); tensorboardX's
+    check warned "NaN or Inf found in input tensor." once per such scalar, about ten lines per step."""
+    import math
+
+    from dtrain.run.tracking import RunLogger
+
+    log = RunLogger(tmp_path, total_steps=1, progress=False)
+    with caplog.at_level("WARNING"):
+        log.scalars(1, {"loss": math.nan, "grad_norm": math.inf, "learning_rate": 0.5})
+    log.close()
+    assert caplog.records == []
+    got = read_scalars(tmp_path)
+    assert math.isnan(got["loss"][0][1]) and got["grad_norm"] == [(1, math.inf)] and got["learning_rate"] == [(1, 0.5)]
+
+
 def test_two_runs_never_share_a_tensorboard_directory(tmp_path):
     from dtrain.run.tracking import new_run_dir
 

@@ -164,10 +164,11 @@ class RunLogger:
         if self.events is None:
             return
         from tensorboardX.proto.summary_pb2 import Summary
-        from tensorboardX.summary import scalar
 
-        self.events.summary(Summary(value=[v for key, value in values.items() for v in scalar(key, float(value)).value]),
-                            step)
+        # the Summary.Value tensorboardX.summary.scalar builds, without its check_nan: a skipped step's non-finite
+        # metrics are logged on purpose and would each print "NaN or Inf found in input tensor."
+        self.events.summary(Summary(value=[Summary.Value(tag=key, simple_value=float(value))
+                                           for key, value in values.items()]), step)
 
     def step_rate(self) -> Optional[float]:
         """Mean seconds per optimizer step so far in this process (evaluations excluded)."""
