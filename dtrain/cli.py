@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from .config_text import override_help, split_overrides, take_overrides
+from .contract import ERROR_PREFIX
 from .errors import UserError
 from .files import to_devnull
 
@@ -73,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 def _error(message: str) -> None:
     """``dtrain: error: MESSAGE`` on stderr in one write: under ./launch stderr is unbuffered, and
     print's two writes (text, then newline) let two ranks' errors run into one line."""
-    sys.stderr.write(f"dtrain: error: {message}\n")
+    sys.stderr.write(f"{ERROR_PREFIX}{message}\n")
     sys.stderr.flush()
 
 

@@ -35,6 +35,7 @@ GROUP_KILL_MARGIN_S = 7.0
 EXIT_USER_ERROR = 2  # bad config, data, model, output folder (dtrain.errors.UserError)
 EXIT_TIMEOUT = 3  # the collective watchdog fired: a peer stalled (distributed.Watchdog)
 EXIT_LOST_PEER = 4  # a collective failed: MLX reported a lost peer (distributed.CollectiveError)
+ERROR_PREFIX = "dtrain: error: "  # a rank's user error line; the launcher shows a line every rank printed once
 
 RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # first one set wins
 # mlx.launch writes these variables' values to temporary files and passes the file's path

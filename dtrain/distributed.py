@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
 from .memory import is_out_of_memory
-from .contract import (BACKENDS, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
+from .contract import (BACKENDS, ERROR_PREFIX, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
                        launcher_backend, rank_from_env, size_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
@@ -74,7 +74,7 @@ class Watchdog:
         return "at start-up" if self.step is None else f"at step {self.step}"
 
     def message(self) -> str:
-        return (f"dtrain: error: rank {self.rank}: {self.what} {self.where} did not complete within "
+        return (f"{ERROR_PREFIX}rank {self.rank}: {self.what} {self.where} did not complete within "
                 f"{self.timeout_s:g} s (distributed.collective_timeout_s); a peer rank died or stalled")
 
     def _fire(self) -> None:

@@ -119,6 +119,17 @@ def test_a_refused_resume_on_two_ranks_shows_rank_0s_reason_once(job, tmp_path):
     assert set(errors) - {reason} <= {"dtrain: error: rank 0 could not resume the run; see its message"}, r.stderr
 
 
+def test_an_error_every_rank_meets_is_shown_once(job, tmp_path):
+    """train.max_skipped_steps stops every rank with the same message (the same global batch, the same streak):
+    ./launch showed it once per rank."""
+    r = launch("-n", 2, "--port", free_port(), job["config"], "--train.output_dir", tmp_path / "run",
+               "--train.steps", 6, "--train.learning_rate", "1e38", "--train.grad_clip", 0, "--train.warmup_steps", 0,
+               "--train.max_skipped_steps", 2)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("dtrain: error:")]
+    assert len(errors) == 1 and "2 steps in a row had a non-finite loss or gradient" in errors[0], r.stderr
+
+
 def test_one_rank_failure_points_to_its_message(job, tmp_path):
     r = launch(job["config"], "--model.path", tmp_path / "missing")
     assert r.returncode == 2

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..contract import (ABORT_GRACE_S, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR, GROUP_KILL_MARGIN_S, JOB_VAR,
-                        LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
+from ..contract import (ABORT_GRACE_S, ERROR_PREFIX, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR,
+                        GROUP_KILL_MARGIN_S, JOB_VAR, LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from ..errors import UserError
 from .plan import Plan, command_with_env
 from .rank import MARK, WRAPPER_SIGNALS, Report, alive, parse_report, say, write
@@ -102,6 +102,7 @@ class Attempt:
         self.aborted_at: Optional[float] = None
         self.procs: list = []  # mlx.launch, mpirun or the one rank; or each rank's wrapper (plan.direct)
         self._lock = threading.Lock()
+        self._errors: set = set()  # the `dtrain: error:` lines shown: every rank may meet the same one
 
     def run(self) -> Outcome:
         """Start the ranks, wait for them (and any leftover trainer), summarize."""
@@ -182,13 +183,18 @@ class Attempt:
     def _relay(self, fd: int, rank: Optional[int] = None) -> None:
         """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure. ``rank``: the
         rank whose wrapper alone writes to ``fd`` (plan.direct), which failed when it ends without its report."""
-        mark, buf = MARK.encode(), b""
+        mark, buf, repeat = MARK.encode(), b"", False
         for chunk in iter(lambda: os.read(fd, 65536), b""):
             *lines, buf = (buf + chunk).split(b"\n")
             for line in lines:
                 report = parse_report(line.decode(errors="replace"))
+                if line.startswith(ERROR_PREFIX.encode()):  # its indented lines (a list of problems) go with it
+                    repeat = not self._first_error(line)
+                elif not line.startswith(b" "):
+                    repeat = False
                 if report is None:
-                    write(line + b"\n")
+                    if not repeat:
+                        write(line + b"\n")
                 else:
                     before = line[: line.index(mark)]  # another process's text ahead of the mark
                     if before.strip():
@@ -202,6 +208,13 @@ class Attempt:
         if rank is not None and rank not in self.reports and self.stopped_by is None:
             # the wrapper was killed: its trainer, in a session of its own, would train on with the others
             self.abort(f"rank {rank}'s wrapper ended without reporting")
+
+    def _first_error(self, line: bytes) -> bool:
+        """Whether no rank has shown the error ``line`` yet (the ranks' relays run in threads of their own)."""
+        with self._lock:
+            first = line not in self._errors
+            self._errors.add(line)
+            return first
 
     def _on_report(self, report: Report) -> None:
         if report.event == "start":
