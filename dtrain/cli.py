@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .config_text import override_help, split_overrides, take_overrides
 from .contract import ERROR_PREFIX
@@ -197,6 +198,18 @@ def _doctor(args) -> int:
     return 0
 
 
+def _gguf_before_adapter(argv: list[str]) -> list[str]:
+    """``export ... --gguf ADAPTER_DIR``: ``--gguf``'s TYPE is optional, so argparse gave it the adapter folder
+    that followed; a value that is no GGUF type but an existing path is that folder, moved before ``--gguf``
+    (a mistyped type is left to be named as one)."""
+    from .models.export import GGUF_TYPES
+
+    i = argv.index("--gguf") if "--gguf" in argv else -1
+    if 0 <= i < len(argv) - 1 and argv[i + 1].lower() not in GGUF_TYPES and Path(argv[i + 1]).expanduser().exists():
+        return argv[:i] + [argv[i + 1], "--gguf"] + argv[i + 2:]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -209,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         # overrides out first, as ./launch takes them: argparse would read the VALUE of one that
         # stands before `data check`'s FILE as FILE (`--data.valid held.jsonl pairs.jsonl`)
         options, overrides = take_overrides(argv) if argv[:1] in (["train"], ["data"], ["config"]) else (argv, [])
+        options = _gguf_before_adapter(options) if argv[:1] == ["export"] else options
         args, extra = _parser().parse_known_args(options)
         if extra and args.command in ("convert", "export", "doctor"):
             raise UserError(f"unexpected argument(s) {' '.join(extra)}: dtrain {args.command} takes no config "

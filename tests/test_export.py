@@ -245,6 +245,21 @@ def test_llama_rows_are_permuted_back_to_llama_cpp_order(tmp_path, llama):
     assert not np.array_equal(stored["blk.2.attn_q.weight"], q)
 
 
+def test_gguf_without_a_type_before_the_adapter_folder_leaves_the_folder_to_it(tmp_path, capsys):
+    """`dtrain export --base B --out O --gguf ADAPTER`: --gguf's optional TYPE took the adapter folder, and the
+    error said "required: adapter_dir" although one was given. A value that is no GGUF type but an existing
+    path is the adapter folder; a mistyped type is still named as one."""
+    base = tmp_path / "base.gguf"
+    write_tiny_llama(base, {})
+    write_adapter(str(base), tmp_path / "adapter")
+    out = tmp_path / "out"
+    assert main(["export", "--base", str(base), "--out", str(out), "--gguf", str(tmp_path / "adapter")]) == 0
+    assert f"wrote GGUF {out / 'model-F16.gguf'}" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "adapter"), "--base", str(base), "--out", str(tmp_path / "o2"),
+                 "--gguf", "q5_k"]) == 2
+    assert "GGUF type 'q5_k' is not one of f32, f16, bf16, q8_0, q4_0" in capsys.readouterr().err
+
+
 def test_rows_that_do_not_fill_a_block_fall_back_to_f16(tmp_path, capsys):
     base = tmp_path / "base.gguf"
     write_tiny_llama(base, {}, hidden_size=48)  # 48 columns: not a multiple of 32
