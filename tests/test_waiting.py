@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from waiting import SESSION_VAR, marked_processes, spawn, wait_exit, wait_for_line, wait_until
+import waiting
+from waiting import SESSION_VAR, leftovers, marked_processes, spawn, wait_exit, wait_for_line, wait_until
 
 PLANT = "DTRAIN_TEST_PLANT_ORPHAN"  # set only by test_leftover_check_fails_the_test_that_planted_an_orphan
 
@@ -63,6 +64,14 @@ def test_marked_processes_finds_children_in_their_own_session(tmp_path):
         proc.kill()
         proc.wait()
     assert proc.pid not in marked_processes(os.environ[SESSION_VAR])
+
+
+def test_the_leftover_check_finds_nothing_where_there_is_no_proc(tmp_path, monkeypatch):
+    """macOS has no /proc: the autouse leftover check (conftest) must not error every test there."""
+    real = waiting.Path
+    monkeypatch.setattr(waiting, "Path", lambda p: real(tmp_path / "no-proc" if str(p) == "/proc" else p))
+    assert marked_processes(os.environ[SESSION_VAR]) == {}
+    assert leftovers(os.environ[SESSION_VAR], grace=0) == {}
 
 
 @pytest.mark.skipif(PLANT not in os.environ, reason="run only by the test below, in a pytest of its own")
