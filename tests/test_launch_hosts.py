@@ -458,3 +458,29 @@ def test_the_rank_wrapper_passes_on_an_abort_that_came_while_it_started_its_chil
     reports = [r for r in map(parse_report, err.split("\n")) if r is not None and r.event == "exit"]
     assert [(r.code, r.killed, r.aborted) for r in reports] == [(-signal.SIGINT, None, True)], err
     assert code == 128 + signal.SIGINT
+
+
+def test_cpu_seconds_on_macos_reads_ps_whatever_the_locale(tmp_path, monkeypatch):
+    """macOS has no /proc: the time comes from ``ps -o time=``, whose decimal point follows the
+    locale there (``0:01,50`` under LANG=de_DE.UTF-8), which float() refuses."""
+    import builtins
+
+    from dtrain.launch import rank
+
+    ps = tmp_path / "ps"  # as macOS's ps: minutes:seconds, the locale's decimal point
+    ps.write_text('#!/bin/sh\ncase "${LC_ALL:-${LC_NUMERIC:-$LANG}}" in de_*) echo "  1:01,50";; '
+                  '*) echo "  1:01.50";; esac\n')
+    ps.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("LANG", "de_DE.UTF-8")
+    monkeypatch.delenv("LC_ALL", raising=False)
+    monkeypatch.delenv("LC_NUMERIC", raising=False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+
+    def no_proc(path, *args, **kw):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return builtins.open(path, *args, **kw)
+
+    monkeypatch.setattr(rank, "open", no_proc, raising=False)
+    assert rank.cpu_seconds(os.getpid()) == 61.5

@@ -106,7 +106,9 @@ def cpu_seconds(pid: int) -> Optional[float]:
             return None
     except (OSError, IndexError, ValueError):
         return None
-    out = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    # LC_ALL=C: macOS's ps writes the locale's decimal point (0:01,50 under de_DE), which float() refuses
+    out = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True,
+                         env={**os.environ, "LC_ALL": "C"}).stdout.strip()
     if not out:
         return None
     days, _, clock = out.rpartition("-")  # [[DD-]HH:]MM:SS[.ss]
