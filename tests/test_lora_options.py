@@ -142,6 +142,27 @@ def test_a_resume_compares_the_init_adapter_by_its_weights_not_its_path(tmp_path
     assert result.steps == 4 and len(result.history) == 2  # steps 3 and 4, after the checkpoint of step 2
 
 
+def test_a_dpo_run_again_with_the_init_adapters_scale_changed_does_not_read_the_stale_reference(tmp_path):
+    """The reference cache was keyed by the initial adapter's weights file only: a run that ended before its
+    first save, started again after adapter_config.json's scale changed (same weights), read the old
+    model's reference log-probs, so step 1's DPO loss was not ln 2 (0.69408 here)."""
+    write_adapter(tmp_path / "init", rank=4, scale=3.0)
+
+    def crash(step, run_):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(Exception, match="out of memory"):
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'init'}", "objective.kind=dpo",
+            hooks=Hooks(before_step=crash))
+    meta = json.loads((tmp_path / "init" / ADAPTER_CONFIG).read_text())
+    meta["lora_parameters"]["scale"] = 9.0
+    (tmp_path / "init" / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    result, _ = run(tmp_path / "out", f"train.init_adapter={tmp_path / 'init'}", "objective.kind=dpo")
+    assert result.history[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert result.history[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert len(list((tmp_path / "out" / "data_cache").glob("reference-*-train.npz"))) == 2
+
+
 def test_init_adapter_says_which_lora_keys_it_replaces(tmp_path, capsys):
     """--lora.rank 2 with an init adapter of rank 4 trained rank 4 without a word; now one notice
     names each key the config set that the adapter replaced (keys left at their defaults are not named)."""

@@ -10,7 +10,7 @@ same micro-batch whatever the world size; an all-sum in which each pair has one
 non-zero contribution gathers them bit for bit. The values go into
 ``OUT/data_cache/reference-<key>-train.npz`` and ``-valid.npz`` next to the tokenized pairs (zips,
 whose CRC catches a damaged file, as the tokenized pairs' entries are); ``key`` covers the model,
-the initial adapter, every pair's token ids, ``train.micro_batch_pairs`` and the engine
+the initial adapter (its weights and the LoRA layers they run in), every pair's token ids, ``train.micro_batch_pairs`` and the engine
 settings (the padding of a micro-batch and the plan change the rounding), so a resume or
 a restart with the same ones reads them instead of recomputing.
 """
@@ -161,7 +161,10 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
     :func:`init_adapter_identity` of ``cfg``, which the run's state holds too (hashed once)."""
     train, valid = list(dataset.train), list(dataset.valid)
     dtype = compute_dtype(model)  # decides the values too, as do the micro-batches' padding and the engine's plan
-    how = f"{dtype}|micro {cfg.train.micro_batch_pairs}|{sorted(dataclasses.asdict(cfg.engine).items())}"
+    # and the LoRA layers an initial adapter's weights run in: its adapter_config.json's scale (not in the
+    # weights' sha256), the product's dtype; dropout is off in evaluation mode
+    lora = {k: v for k, v in sorted(dataclasses.asdict(cfg.lora).items()) if k not in ("dropout", "plus_ratio")}
+    how = f"{dtype}|micro {cfg.train.micro_batch_pairs}|{sorted(dataclasses.asdict(cfg.engine).items())}|{lora}"
     key = cache_key(f"{model_identity}|{how}", init_adapter, train + valid)
     model.eval()
     try:  # valid cut from its own start, as evaluation cuts it: step 0's held-out rewards are exactly 0
