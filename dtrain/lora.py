@@ -64,7 +64,7 @@ class BranchLoRALinear(LoRALinear):
         return self.linear(x) + (self.dropout(x) @ self.lora_a.astype(x.dtype)) @ lora_b
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
+def apply_lora(model: nn.Module, cfg: LoraConfig, keys_from: str = "lora.keys") -> int:
     """Freeze ``model`` and wrap its linear layers in mlx-lm LoRA layers.
 
     Relies on ``linear_to_lora_layers``: LoRA on the last ``num_layers``
@@ -76,7 +76,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     Returns:
         The number of trainable parameters.
     Raises:
-        ConfigError: no module matched ``lora.keys``, or one that is not a linear layer.
+        ConfigError: no module matched ``lora.keys``, or one that is not a linear layer (named as
+            ``keys_from``: where the keys came from, e.g. an initial adapter's ``adapter_config.json``).
     """
     n_layers = len(model.layers)
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)
@@ -84,7 +85,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     try:
         linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
     except ValueError as err:  # mlx-lm's "Can't convert layer of type RMSNorm to LoRA"
-        raise ConfigError(f"lora.keys {cfg.keys!r}: {err}; name linear layers, e.g. [self_attn.q_proj, "
+        raise ConfigError(f"{keys_from} {cfg.keys!r}: {err}; name linear layers, e.g. [self_attn.q_proj, "
                           "mlp.down_proj]") from None
     if cfg.branch_dtype in ("auto", "bfloat16"):
         for _, module in model.named_modules():
@@ -92,7 +93,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
                 module.__class__ = BranchLoRALinear
     count = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     if count == 0:
-        raise ConfigError(f"lora.keys {cfg.keys!r} matched no linear layer of the model")
+        raise ConfigError(f"{keys_from} {cfg.keys!r} matched no linear layer of the model")
     return count
 
 
@@ -254,6 +255,12 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
                                           f"{'' if k == 'num_layers' else 'lora_parameters.'}{k}")
              for k, v in shape.items()}
     return dataclasses.replace(cfg, rslora=False, **shape)
+
+
+def adapter_keys_source(folder: str | Path) -> str:
+    """How a message names the keys an initial adapter (:func:`lora_from_adapter`) sets: the user never
+    wrote ``lora.keys``, its ``adapter_config.json`` did."""
+    return f"train.init_adapter {home_path(folder, 'train.init_adapter')}: {ADAPTER_CONFIG} lora_parameters.keys"
 
 
 def replaced_by_adapter(cfg: LoraConfig, adapted: LoraConfig) -> list:

@@ -213,6 +213,22 @@ def test_init_adapter_values_outside_the_lora_keys_bounds_are_refused_naming_the
     assert str(err.value) == f"train.init_adapter {tmp_path / 'a'}: {ADAPTER_CONFIG} {error}"
 
 
+@pytest.mark.parametrize("keys, error", [
+    ([], "[] matched no linear layer of the model"),
+    (["input_layernorm"], "['input_layernorm']: Can't convert layer of type RMSNorm to LoRA; name linear layers, "
+                          "e.g. [self_attn.q_proj, mlp.down_proj]"),
+])
+def test_init_adapter_keys_that_fit_no_linear_layer_are_named_as_the_adapters(tmp_path, keys, error):
+    """The adapter's lora_parameters.keys replace lora.keys, and the message blamed lora.keys (which the
+    user never set): it names the adapter's adapter_config.json."""
+    write_adapter(tmp_path / "a")
+    meta = {"fine_tune_type": "lora", "num_layers": 4, "lora_parameters": {"rank": 4, "scale": 3.0, "keys": keys}}
+    (tmp_path / "a" / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    with pytest.raises(ConfigError) as err:
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
+    assert str(err.value) == f"train.init_adapter {tmp_path / 'a'}: {ADAPTER_CONFIG} lora_parameters.keys {error}"
+
+
 def test_a_damaged_init_adapter_weights_file_is_one_line_naming_it(tmp_path, capsys):
     """A truncated adapters.safetensors raised MLX's RuntimeError (a traceback from `dtrain train`)."""
     write_adapter(tmp_path / "a")

@@ -31,7 +31,8 @@ from .evaluation import ACCURACY, evaluate_and_log
 from ..errors import UserError
 from ..files import OutputDir, storage
 from ..identity import settings
-from ..lora import apply_lora, load_adapter_weights, lora_from_adapter, replaced_by_adapter, save_adapter
+from ..lora import (adapter_keys_source, apply_lora, load_adapter_weights, lora_from_adapter, replaced_by_adapter,
+                    save_adapter)
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
 from .optimizer import AdamWStep, extension_notice, warmup_notice
@@ -295,7 +296,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     dataset = fit_dataset(objective, dataset)
     steering = held_out_steering(cfg, len(dataset.train), len(dataset.valid))
     pairs_sampler = sampler.for_run(cfg, dataset.train)
-    apply_lora(model, cfg.lora)
+    apply_lora(model, cfg.lora, adapter_keys_source(t.init_adapter) if t.init_adapter else "lora.keys")
     if t.init_adapter:
         load_adapter_weights(model, t.init_adapter)
     model.train()
