@@ -392,6 +392,17 @@ def test_steering_by_a_handful_of_held_out_pairs_gets_a_notice(tmp_path, capsys)
     assert "steers by the held-out metrics" not in capsys.readouterr().err  # nothing steers: nothing said
 
 
+def test_the_few_held_out_pairs_notice_of_an_sft_run_names_no_accuracy(tmp_path, capsys):
+    """SFT reports no eval/rewards/accuracies (no rejected side): the notice said one pair moves it by 0.33."""
+    from dtrain.run.trainer import FEW_HELD_OUT
+
+    run(tmp_path, "objective.kind=sft", "train.keep_best=eval/nll_loss")
+    err = capsys.readouterr().err
+    assert err.count(f"train.keep_best steers by the held-out metrics, here over 3 pair(s), so the choices follow "
+                     f"noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction)") == 1, err
+    assert "accuracies" not in err
+
+
 def test_the_notice_counts_the_pairs_evaluated_not_the_pairs_held_out(tmp_path, capsys):
     """train.eval_pairs limits the evaluation: 2 of the 3 held-out pairs are what keep_best reads."""
     run(tmp_path, f"train.keep_best={ACC}", "train.eval_pairs=2")

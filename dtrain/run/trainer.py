@@ -309,9 +309,12 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     handshake(group, {"config": resolved, "model": loaded.identity, "data": data, "lora shapes": lora_shapes,
                       "initial adapter": init_adapter})
     if steering and len(valid) < FEW_HELD_OUT and notice is not None:
+        # sft reports no accuracy (no rejected side) to show the step one pair makes
+        accuracy = ACCURACY in keep_best.REPORTED[cfg.objective.kind]
+        moves = f": one pair moves {ACCURACY} by {1 / len(valid):.2f}," if accuracy else ","
         notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by the held-out metrics, here over "
-               f"{len(valid)} pair(s): one pair moves eval/rewards/accuracies by {1 / len(valid):.2f}, so the "
-               f"choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction"
+               f"{len(valid)} pair(s){moves} so the choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs "
+               f"(data.valid or data.valid_fraction"
                f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
     # a notice, not an error: a run extended by a resume steers by the last evaluation of the run it continues
     if steering and t.eval_every >= t.steps and t.resume is None and notice is not None:
