@@ -374,3 +374,24 @@ def test_cli_overrides_before_the_file_leave_the_file_to_it(tmp_path, model_dir,
     assert main(["data", "check", "--data.max_length", "64", pairs, "--model.path", str(model_dir),
                  "--train.global_batch_pairs", "1"]) == 0
     assert "max_length=64" in capsys.readouterr().out
+
+
+def test_check_under_sft_keeps_preference_rows_a_pairwise_objective_drops(tmp_path, tokenizer):
+    """`data check` under objective.kind sft listed preference rows with identical sides (or sides cut to the
+    same ids, or an empty or missing rejected side) as dropped or bad, and training dropped them too: SFT
+    trains their chosen side. A pairwise objective reports them as before."""
+    from test_data_sft import CUT, PAIRWISE_ONLY
+
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRWISE_ONLY)
+    out, n_bad, (train, held_out) = check_file(path, CUT, tokenizer)
+    assert out.splitlines()[:7] == [
+        f"{path}: 5 rows, 1 usable, 2 bad, 2 dropped", "2 of 5 rows skipped (bad rows):",
+        f"  {path}:3: empty response in 'rejected'", f"  {path}:4: missing field 'rejected'",
+        "2 of 5 rows dropped (1 same text, 1 same ids):", f"  {path}:1: same text: chosen and rejected are identical",
+        f"  {path}:2: same ids: chosen and rejected are the same 5 tokens after truncation to data.max_length=23"]
+    assert (n_bad, len(train), held_out) == (2, 1, [])
+    out, n_bad, (train, held_out) = check_file(path, CUT, tokenizer, objective="sft")
+    assert out.splitlines()[:2] == [f"{path}: 5 rows, 5 usable, 0 bad, 0 dropped",
+                                    "1 pairs truncated to data.max_prompt_length / data.max_length"]
+    assert (n_bad, [p.source for p in train], held_out) == (0, [f"{path}:{i}" for i in range(1, 6)], [])
+    assert all(p.rejected == [] for p in train)

@@ -8,6 +8,7 @@ Ids for the fixture tokenizer (conftest.make_tokenizer: 1 <s>, 2 </s>,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -245,3 +246,85 @@ def test_data_fields_maps_one_column_of_an_sft_row():
     assert rows == [Row(Q, "4", None, None, source="f.jsonl:1")] and not report.bad
     rows, report = mapped([{"messages": msgs, "sys": "Be brief."}], {"system": "sys"})
     assert rows == [Row(msgs[:1], "4", None, "Be brief.", source="f.jsonl:1")] and not report.bad
+
+
+# Preference rows whose rejected side breaks a pairwise rule; SFT trains their chosen side only.
+PAIRWISE_ONLY = [
+    {"prompt": Q, "chosen": "4", "rejected": "4"},  # same text
+    {"prompt": Q, "chosen": FOX + " yes", "rejected": FOX + " no"},  # same ids once cut to max_length
+    {"prompt": Q, "chosen": "4", "rejected": ""},  # an empty rejected side
+    {"prompt": Q, "chosen": "4"},  # no rejected side
+    {"prompt": Q, "chosen": "4", "rejected": "5"},
+]
+CUT = DataConfig(max_length=23, max_prompt_length=20, valid_fraction=0.0)  # the 18-token prompt + 5 response tokens
+
+
+def write_rows(path, objs):
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(path)
+
+
+def test_sft_keeps_preference_rows_that_only_a_pairwise_objective_drops(tmp_path, tok):
+    """Under objective.kind sft a file of preference rows with identical sides ended with no rows to train
+    ('no usable training pairs'): the pairwise rules (same text, same ids, an empty or missing rejected side)
+    cost rows whose rejected side is never trained. SFT keeps them, trained as their chosen side alone."""
+    cfg = dataclasses.replace(CUT, train=write_rows(tmp_path / "p.jsonl", PAIRWISE_ONLY))
+    pairwise = load_dataset(cfg, tok, log=None)
+    src = f"{cfg.train}:"
+    assert [p.source for p in pairwise.train] == [src + "5"]
+    assert pairwise.report.bad == [(src + "3", "empty response in 'rejected'"), (src + "4", "missing field 'rejected'")]
+    assert pairwise.report.dropped == [
+        (src + "1", "same text: chosen and rejected are identical"),
+        (src + "2", "same ids: chosen and rejected are the same 5 tokens after truncation to data.max_length=23")]
+    sft = load_dataset(cfg, tok, log=None, pairwise=False)
+    assert [p.source for p in sft.train] == [src + str(i) for i in range(1, 6)] and sft.valid == []
+    assert (sft.report.bad, sft.report.dropped, sft.report.truncated) == ([], [], 1)
+    completions, _ = tokenize_rows(rows_of([{"prompt": Q, "completion": o["chosen"]} for o in PAIRWISE_ONLY])[0],
+                                   tok, CUT)
+    assert [(p.prompt, p.chosen, p.rejected, p.rejected_prompt) for p in sft.train] == [
+        (p.prompt, p.chosen, [], None) for p in completions]  # each the row's chosen side as a completion row
+
+
+def sides(fmt, chosen, rejected):
+    """One preference row of ``fmt`` whose responses are ``chosen`` and ``rejected`` (None: no rejected key)."""
+    user, say = [{"role": "user", "content": Q}], (lambda t: [{"role": "assistant", "content": t}])
+    obj = {"standard": lambda: {"prompt": Q, "chosen": chosen, "rejected": rejected},
+           "explicit": lambda: {"prompt": user, "chosen": say(chosen), "rejected": say(rejected)},
+           "implicit": lambda: {"chosen": user + say(chosen), "rejected": user + say(rejected)},
+           "transcript": lambda: {"chosen": f"\n\nHuman: {Q}\n\nAssistant: {chosen}",
+                                  "rejected": f"\n\nHuman: {Q}\n\nAssistant: {rejected}"},
+           "openai": lambda: {"input": {"messages": user}, "preferred_output": say(chosen),
+                              "non_preferred_output": say(rejected)},
+           "sharegpt": lambda: {"conversations": [{"from": "human", "value": Q}], "chosen": {"from": "gpt", "value": chosen},
+                                "rejected": {"from": "gpt", "value": rejected}}}[fmt]()
+    if rejected is None:
+        obj = {k: v for k, v in obj.items() if k not in ("rejected", "non_preferred_output")}
+    return obj
+
+
+@pytest.mark.parametrize("fmt", ["standard", "explicit", "implicit", "transcript", "openai", "sharegpt"])
+def test_every_preference_format_keeps_its_chosen_side_under_sft(fmt):
+    """Identical sides were dropped as 'same text' and an empty or missing rejected side was a bad row under
+    objective.kind sft too; a pairwise objective still refuses them as before."""
+    fmt_of = {"explicit": "conversational", "implicit": "conversational"}.get(fmt, fmt)
+    objs = [sides(fmt, "4", "4"), sides(fmt, "4", ""), sides(fmt, "4", None)]
+    items = [(f"f.jsonl:{i + 1}", o) for i, o in enumerate(objs)]
+    rows, report = parse_rows(items, DataConfig(format=fmt_of), "f.jsonl")
+    assert rows == [] and report.dropped == [("f.jsonl:1", "same text: chosen and rejected are identical")]
+    assert [src for src, _ in report.bad] == ["f.jsonl:2", "f.jsonl:3"]
+    rows, report = parse_rows(items, DataConfig(format=fmt_of), "f.jsonl", pairwise=False)
+    assert (report.bad, report.dropped) == ([], [])
+    assert [(r.source, r.chosen, r.rejected, r.rejected_prompt) for r in rows] == [
+        (f"f.jsonl:{i}", "4" if fmt != "transcript" else " 4", None, None) for i in (1, 2, 3)]
+    assert len({repr(r.prompt) for r in rows}) == 1  # the prompt as the pairwise read finds it
+
+
+def test_data_fields_under_sft_need_no_rejected_column():
+    """A mapped preference row without its rejected column was a bad row under objective.kind sft."""
+    items = [("f.jsonl:1", {"q": Q, "good": "4"}), ("f.jsonl:2", {"q": Q, "good": "4", "bad": "4"})]
+    cfg = DataConfig(fields={"prompt": "q", "chosen": "good", "rejected": "bad"})
+    rows, report = parse_rows(items, cfg, "f.jsonl")
+    assert rows == [] and report.bad == [("f.jsonl:1", "missing field 'bad' (data.fields.rejected; the row's "
+                                                       "columns: q, good)")]
+    rows, report = parse_rows(items, cfg, "f.jsonl", pairwise=False)
+    assert rows == [Row(Q, "4", None, source=f"f.jsonl:{i}") for i in (1, 2)] and not report.bad

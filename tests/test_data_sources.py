@@ -574,6 +574,26 @@ def test_load_dataset_caches_next_to_output(tmp_path, tokenizer):
     assert again == first and counting.calls == 0 and again.cache_entries == []
 
 
+def test_cache_keeps_an_sft_runs_rows_and_a_pairwise_runs_apart(tmp_path, tokenizer):
+    """SFT keeps preference rows a pairwise objective drops (same text, same ids, no rejected side): a run
+    of one kind must not read the other's entry, or it trains rows it must not (or misses rows it keeps)."""
+    from test_data_sft import CUT, PAIRWISE_ONLY
+
+    cfg = dataclasses.replace(CUT, train=write_jsonl(tmp_path / "p.jsonl", PAIRWISE_ONLY))
+    cache = tmp_path / "out/data_cache"
+    expected = {pw: load_dataset(cfg, tokenizer, log=None, pairwise=pw) for pw in (True, False)}
+    assert [len(expected[pw].train) for pw in (True, False)] == [1, 5]
+    for pw in (False, True):
+        first = load_dataset(cfg, tokenizer, log=None, cache_dir=cache, pairwise=pw)
+        assert first == expected[pw]
+        write_entries(first.cache_entries)
+    assert len(list(cache.iterdir())) == 2  # one entry each (no held-out rows)
+    counting = CountingTokenizer(tokenizer)
+    for pw in (True, False):
+        assert load_dataset(cfg, counting, log=None, cache_dir=cache, pairwise=pw) == expected[pw]
+    assert counting.calls == 0
+
+
 def _datasets():
     return pytest.importorskip("datasets")
 

@@ -358,3 +358,35 @@ def test_a_run_with_other_micro_batches_or_engine_does_not_read_the_last_runs_re
     again = run(tmp_path, "dpo", "train.micro_batch_pairs=3", changed)
     start = again.evals[0]
     assert start["eval/rewards/chosen"] == start["eval/rewards/rejected"] == start["eval/rewards/margins"] == 0.0
+
+
+def test_sft_trains_the_preference_rows_a_pairwise_objective_drops(tmp_path):
+    """A file of preference rows with identical sides (or sides cut to the same ids, or no rejected side)
+    stopped an SFT run with 'no usable training pairs': the data layer applied the pairwise rules. SFT
+    trains every row's chosen side; ORPO still drops them."""
+    from conftest import make_tokenizer
+    from test_data_sft import PAIRWISE_ONLY, write_rows
+    from dtrain.errors import DataError
+
+    path = write_rows(tmp_path / "p.jsonl", PAIRWISE_ONLY[:4])  # none a pairwise objective can train
+    stepped = []
+
+    def recording(engine):
+        class Recording:
+            name, objective = engine.name, engine.objective
+
+            def step(self, chunk, totals, key=None, hyper=None):
+                stepped.extend((p.source, p.rejected) for p in chunk)
+                return engine.step(chunk, totals, key, hyper)
+
+        return Recording()
+
+    over = [f"data.train={path}", "data.demo_pairs=0", "data.valid_fraction=0", "data.max_length=23",
+            "data.max_prompt_length=20", "train.global_batch_pairs=4", "train.micro_batch_pairs=4",
+            "train.steps=1", "train.eval_every=0"]
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=make_tokenizer(), identity="tiny",
+                             source="tiny-llama", reference={"path": "tiny-llama"})
+    train(config(tmp_path / "sft", "sft", *over), loaded=loaded, hooks=Hooks(engine=recording))
+    assert sorted(stepped) == [(f"{path}:{i}", []) for i in range(1, 5)]
+    with pytest.raises(DataError, match=r"no usable training pairs in .*p.jsonl \(2 bad rows, 2 dropped"):
+        train(config(tmp_path / "orpo", "orpo", *over), loaded=loaded)

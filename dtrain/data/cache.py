@@ -1,11 +1,12 @@
 """Tokenized pairs cached by content, so a resume or a second run does not tokenize again.
 
 An entry's name is the sha256 of everything its pairs depend on: the rows (every
-field, sources included), every ``data`` config key that decides how a row is
-tokenized (a ``chat_template`` file by its text; not :data:`ROW_KEYS`), the tokenizer (its full
-``tokenizer.json`` serialisation, chat template and special tokens), the source
-of the data package and types.py, and the versions of the libraries
-that render and tokenize. Entries are ``.npz`` files (no pickle) written
+field, sources included; an SFT run reads a preference row without its rejected side,
+``formats.parse_rows(pairwise=False)``, so it never shares a pairwise run's entry), every
+``data`` config key that decides how a row is tokenized (a ``chat_template`` file by its
+text; not :data:`ROW_KEYS`), the tokenizer (its full ``tokenizer.json`` serialisation, chat
+template and special tokens), the source of the data package and types.py, and the versions
+of the libraries that render and tokenize. Entries are ``.npz`` files (no pickle) written
 atomically; a damaged entry counts as absent and is written again. A tokenizer
 that cannot be serialised is never cached.
 """

@@ -82,13 +82,11 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     from . import split_rows  # the package imports this module
 
     train, valid = resolve_pair(dataclasses.replace(cfg, train=path))
-    rows, report = read_rows(train, cfg)
+    rows, report = read_rows(train, cfg, pairwise=objective != "sft")  # SFT reads preference rows' chosen side
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
     if objective != "sft":  # training's own check (engine.sft.fit_dataset)
         refuse_single_completions(pairs, objective, path)
-    else:  # as engine.sft.fit_dataset: SFT trains the chosen side of preference rows
-        pairs = [dataclasses.replace(p, rejected=[], rejected_prompt=None) for p in pairs]
     report = report.merge(dataclasses.replace(tok_report, rows_read=0))
     rendered = [r for r in results if r.lengths != (0, 0, 0)]
     lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "

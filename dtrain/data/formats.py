@@ -36,6 +36,11 @@ Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None)
   rows, ``prompt``/``completion`` strings or message lists.
 - ``text``: mlx-lm's ``text`` rows and TRL's language-modeling rows, ``{"text": ...}``:
   every token is a completion token (no template).
+
+``objective.kind: sft`` trains a preference row's chosen side only (``pairwise`` False in
+:func:`parse_rows`): the row becomes one completion, identical sides are kept, and a rejected
+side that makes the row bad (missing, empty, unreadable, sharing no prompt with the chosen side)
+costs nothing: the row is read with its chosen side in the rejected side's place.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ FORMATS = ("standard", "conversational", "transcript", "openai", "sharegpt", "ma
            "prompt_completion", "text")
 SFT_FORMATS = ("messages", "prompt_completion", "text")  # rows with one completion (Row.rejected None)
 FIELD_KEYS = ("prompt", "chosen", "rejected", "system")
+SIDE_KEYS = {"openai": ("preferred_output", "non_preferred_output")}  # (chosen, rejected) keys not so named
 SFT_FIELD_KEYS = ("completion", "messages", "text")  # data.fields for SFT rows (mlx-lm's prompt/completion_feature)
 DETECT_ROWS = 64  # format: auto votes over this many objects from the top of a file
 # Anthropic HH turn markers; a transcript prompt ends right after ASSISTANT_MARKER.
@@ -212,10 +218,12 @@ def detect_items_format(items: list, fields: Optional[dict], where: str) -> str:
     return votes.most_common(1)[0][0]  # most_common keeps first-seen order among equal counts
 
 
-def parse_rows(items: list, cfg, where: str) -> tuple:
+def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
     """Normalise parsed objects to rows; returns ``(rows, BadRowReport)``.
 
     ``items`` is ``[(source, obj_or_BadRow)]`` as from :func:`.sources.read_items`.
+    ``pairwise``: the objective trains both sides (every kind but ``sft``); False reads each
+    preference row as its chosen side (see the module docstring).
 
     Raises:
         DataError: ``format: auto`` and no known format (:func:`detect_items_format`),
@@ -254,14 +262,35 @@ def parse_rows(items: list, cfg, where: str) -> tuple:
                 raise BadRow(NO_TOOLS.format(what="'tools' (tool definitions)"))
             if fields and fmt != "mapped":
                 obj = _rename(obj, fields)
-            row = _PARSERS[fmt](obj, fields)
-            if row.chosen == row.rejected and row.rejected_prompt is None:  # read well, but no preference signal
+            row = _parse(obj, fmt, fields, pairwise)
+            if not pairwise:  # SFT: the rejected side is not trained
+                row = dataclasses.replace(row, rejected=None, rejected_prompt=None)
+            elif row.chosen == row.rejected and row.rejected_prompt is None:  # read well, but no preference signal
                 report.dropped.append((source, "same text: chosen and rejected are identical"))
                 continue
             rows.append(dataclasses.replace(row, source=source))
         except BadRow as err:
             report.bad.append((source, str(err)))
     return rows, report
+
+
+def _parse(obj: dict, fmt: str, fields: Optional[dict], pairwise: bool) -> Row:
+    """``obj`` read as ``fmt``; under SFT a bad row is read again with its chosen side as the rejected one
+    (the original error stands when that fails too: the chosen side or the prompt is at fault)."""
+    try:
+        return _PARSERS[fmt](obj, fields)
+    except BadRow as err:
+        if pairwise:
+            raise
+        chosen, rejected = SIDE_KEYS.get(fmt, ("chosen", "rejected"))
+        if fmt == "mapped" and fields:
+            chosen, rejected = fields.get(chosen, chosen), fields.get(rejected, rejected)
+        if chosen not in obj:  # an SFT row, or no chosen side
+            raise
+        try:
+            return _PARSERS[fmt]({**obj, rejected: obj[chosen]}, fields)
+        except BadRow:
+            raise err from None
 
 
 def _has_tools(value) -> bool:

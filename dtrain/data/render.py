@@ -41,6 +41,8 @@ the prompt.
 Pairs with no preference signal are dropped at load time with their
 ``file:line`` and a reason (``report.dropped``): same token ids on both sides,
 an empty prompt or response, no room for a response, a prompt too long to cut.
+A row with one completion (every row under ``objective.kind: sft``, see
+``formats.parse_rows``) has no rejected side to compare.
 """
 
 from __future__ import annotations

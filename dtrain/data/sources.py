@@ -432,8 +432,9 @@ def _plain(value):
     return str(value)
 
 
-def read_rows(src: Source, cfg) -> tuple:
-    """Read and normalise a source's rows: ``(list[Row], BadRowReport)``.
+def read_rows(src: Source, cfg, pairwise: bool = True) -> tuple:
+    """Read and normalise a source's rows: ``(list[Row], BadRowReport)``; ``pairwise`` False
+    (``objective.kind: sft``) reads preference rows as their chosen side (:func:`formats.parse_rows`).
 
     Items are parsed :data:`BATCH_ROWS` at a time, so only one batch of raw
     objects is alive besides the rows; ``format: auto`` is decided once, from the
@@ -459,7 +460,7 @@ def read_rows(src: Source, cfg) -> tuple:
     rows, report = [], BadRowReport()
     stream = itertools.chain(head, items)
     while chunk := list(itertools.islice(stream, BATCH_ROWS)):
-        part, part_report = parse_rows(chunk, chunk_cfg, src.label)
+        part, part_report = parse_rows(chunk, chunk_cfg, src.label, pairwise)
         rows += part
         report.rows_read += part_report.rows_read
         report.bad += part_report.bad

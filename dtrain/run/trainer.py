@@ -290,7 +290,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         from ..data import load_dataset
 
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
-                               cache_dir=OutputDir(Path(t.output_dir)).data_cache)
+                               cache_dir=OutputDir(Path(t.output_dir)).data_cache,
+                               pairwise=cfg.objective.kind != "sft")  # SFT trains preference rows' chosen side
         cache_entries = dataset.cache_entries
     objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
