@@ -54,6 +54,7 @@ def test_a_wait_past_its_limit_fails_naming_the_event(tmp_path):
         proc.wait()
 
 
+@waiting.needs_proc  # the leftover check reads environments from /proc; macOS has none (it finds nothing there)
 def test_marked_processes_finds_children_in_their_own_session(tmp_path):
     """The leftover check finds processes by the variable they inherit, whatever their session or parent."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
@@ -81,6 +82,7 @@ def test_plant_an_orphan():
     Path(os.environ[PLANT]).write_text(out.stdout.strip())
 
 
+@waiting.needs_proc  # see test_marked_processes_finds_children_in_their_own_session
 def test_leftover_check_fails_the_test_that_planted_an_orphan(tmp_path):
     pid_file = tmp_path / "orphan.pid"
     nodeid = "tests/test_waiting.py::test_plant_an_orphan"
@@ -95,3 +97,20 @@ def test_leftover_check_fails_the_test_that_planted_an_orphan(tmp_path):
     assert (f"left 1 process(es) running (now killed): pid {pid} (started in {nodeid}): sleep 600") in report, report
     wait_until(lambda: not Path(f"/proc/{pid}/environ").exists() or not Path(f"/proc/{pid}/environ").read_bytes(),
                "the orphan to be gone")
+
+
+def test_processes_gives_each_process_its_parent_and_command_line():
+    """From ``ps``, as on macOS: tests find a rank's processes and a trainer's wrapper with it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "marker-of-this-test"])
+
+    def row():
+        found = waiting.processes().get(proc.pid)
+        return found if found and "marker-of-this-test" in found[1] else None  # before its exec: pytest's command
+
+    try:
+        parent, command = wait_until(row, "the child in ps")
+        assert parent == os.getpid() and command.endswith(" -c import time; time.sleep(600) marker-of-this-test")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.pid not in waiting.processes()

@@ -199,3 +199,21 @@ def leftovers(session: str, grace: float = LEFTOVER_GRACE_S) -> dict:
         except ProcessLookupError:
             pass
     return found
+
+
+# Linux's /proc, which some tests read for what no portable tool shows: another process's environment
+# (dtrain.launch.supervise.find_trainers, the leftover check above), its caught signals, a library map.
+# macOS has none: those tests skip there, with this one reason.
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux's /proc (process "
+                                "environments, signal masks, library maps); macOS has none")
+
+
+def processes() -> dict:
+    """``{pid: (parent pid, command line)}`` of this machine's processes, from ``ps`` (Linux and macOS alike).
+
+    The command line is the arguments joined by spaces, as ``ps`` shows them (full width: ``-ww``).
+    """
+    out = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,command="], capture_output=True, text=True,
+                         check=True, env={**os.environ, "LC_ALL": "C"}).stdout
+    rows = [line.split(None, 2) for line in out.splitlines()]
+    return {int(r[0]): (int(r[1]), r[2] if len(r) > 2 else "") for r in rows if len(r) >= 2}
