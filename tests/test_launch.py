@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
-from waiting import STOP_S, kill_tree, spawn, wait_exit, wait_until
+from waiting import STOP_S, kill_tree, processes, spawn, wait_exit, wait_until
 
 ADAPTER = "adapters/adapters.safetensors"
 
@@ -361,16 +361,8 @@ def http_get(url: str) -> str:
 
 
 def rank_processes(marker: str) -> list[int]:
-    """Pids of live processes whose command line mentions ``marker``."""
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
+    """Pids of live processes whose command line mentions ``marker`` (from ``ps``: Linux and macOS)."""
+    return [pid for pid, (_, command) in processes().items() if marker in command]
 
 
 def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
