@@ -20,7 +20,7 @@ from dtrain.launch.main import release
 from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, _port_lock, ephemeral_ports, free_ports, spare_base
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
-from waiting import STOP_S, kill_tree, spawn, wait_exit, wait_until
+from waiting import STOP_S, kill_tree, needs_proc, processes, spawn, wait_exit, wait_until
 from test_launch import http_get, rank_processes, read_scalars_of
 
 ADAPTER = "adapters/adapters.safetensors"
@@ -43,6 +43,7 @@ def lock_is_free(out: Path) -> bool:
         os.close(fd)
 
 
+@needs_proc  # find_trainers reads each rank from its trainer's environment
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
                          ids=lambda s: signal.Signals(s).name)
 def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
@@ -71,6 +72,7 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     wait_until(lambda: not list(tmp.glob("dtrain-launch-*")), "the launcher's temporary folder to go", limit=STOP_S)
 
 
+@needs_proc  # find_trainers: rank 1's trainer
 def test_a_rank_whose_wrapper_is_killed_stops_the_others(job, tmp_path):
     """SIGKILL of rank 1's wrapper (python -m dtrain.launch.rank): its trainer, in a session of its own, trained on
     with rank 0 to train.steps (no report came, so no abort), and was killed only once rank 0 had ended."""
@@ -80,7 +82,7 @@ def test_a_rank_whose_wrapper_is_killed_stops_the_others(job, tmp_path):
     try:
         wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
         trainer = find_trainers(str(out))[1]
-        wrapper = int(Path(f"/proc/{trainer}/stat").read_text().rpartition(")")[2].split()[1])  # its parent
+        wrapper = processes()[trainer][0]  # its parent
         os.kill(wrapper, signal.SIGKILL)
         code = wait_exit(proc, STOP_S)
         wait_until(lambda: not find_trainers(str(out)), "every rank to end", limit=STOP_S)
@@ -108,7 +110,7 @@ def test_tensorboard_ends_with_its_launcher_killed(job, tmp_path):
         wait_until(lambda: not rank_processes(str(out / "tb")), "TensorBoard to end", limit=10)
         with pytest.raises(OSError):
             http_get(f"http://127.0.0.1:{port}/")
-        wait_until(lambda: not find_trainers(str(out)), "the rank to end", limit=STOP_S)
+        wait_until(lambda: not rank_processes(str(out)), "the rank to end", limit=STOP_S)
     finally:
         kill_tree(proc)
         for pid in rank_processes(str(out)):  # what the test started, left by a failure
@@ -272,6 +274,7 @@ def test_spare_ports_lie_outside_the_ephemeral_range():
             os.close(fd)
 
 
+@needs_proc  # find_trainers is Linux only
 def test_find_trainers_skips_a_process_whose_rank_is_not_a_number(tmp_path):
     """rank_from_env refuses a non-number MLX_RANK (a UserError): reading another process's environment, that
     ended the search in its traceback."""
@@ -305,11 +308,11 @@ def test_a_port_lock_file_that_cannot_be_locked_is_named_and_closed(tmp_path, mo
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    before = set(os.listdir("/proc/self/fd"))
+    before = set(os.listdir("/dev/fd"))  # this process's open fds (Linux: a link to /proc/self/fd; macOS too)
     locks = []
     with pytest.raises(LaunchError) as err:
         free_ports(1, DEFAULT_PORT, locks)
     lock = tmp_path / f"dtrain-port-{DEFAULT_PORT}.lock"
     assert str(err.value) == (f"port {DEFAULT_PORT} is in use (its lock file {lock} cannot be opened or locked: "
                               f"No locks available); pass another --port, or leave --port out to take free ones")
-    assert locks == [] and set(os.listdir("/proc/self/fd")) == before  # no fd left open
+    assert locks == [] and set(os.listdir("/dev/fd")) == before  # no fd left open
