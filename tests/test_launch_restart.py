@@ -19,7 +19,8 @@ import pytest
 from dtrain.run.tracking import read_events, read_scalars
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
-from waiting import STOP_S, Child, kill_tree, spawn, wait_exit, wait_for_line, wait_until
+from test_launch import rank_processes
+from waiting import STOP_S, Child, kill_tree, needs_proc, spawn, wait_exit, wait_for_line, wait_until
 
 ADAPTER = "adapters/adapters.safetensors"
 STEPS = 8
@@ -61,6 +62,7 @@ def text_events(run_dir: Path, tag: str) -> list[tuple[int, str]]:
             for v in event.summary.value if v.tag == f"{tag}/text_summary"]
 
 
+@needs_proc  # find_trainers: rank 1's trainer
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_a_rank_killed_once_restarts_and_equals_the_uninterrupted_run(job, tmp_path, backend):
     if backend == "mpi" and shutil.which("mpirun") is None:
@@ -121,9 +123,10 @@ def test_ctrl_c_during_the_restart_delay_stops_for_good(job, tmp_path):
         kill_tree(proc)
     text = proc.err()
     assert text.strip().splitlines()[-1] == "launch: SIGINT during the restart delay: not restarting"
-    assert text.count("launch: restart ") == 1 and not find_trainers(str(tmp_path / "run"))
+    assert text.count("launch: restart ") == 1 and not rank_processes(str(tmp_path / "run"))
 
 
+@needs_proc  # find_trainers: rank 1's trainer
 def test_ctrl_c_kills_a_stuck_rank_and_says_what_was_lost(job, tmp_path):
     """Rank 1 stopped by SIGSTOP uses no CPU: after --stop-timeout it is killed; rank 0 could not save."""
     out = tmp_path / "run"
@@ -205,6 +208,7 @@ def test_a_killed_leftover_trainer_has_closed_its_files_when_the_launcher_goes_o
     lock_after_the_launcher_met_a_leftover(tmp_path)
 
 
+@needs_proc  # an exiting process's empty command line is what /proc shows (_is_trainer reads it there)
 def test_a_leftover_trainer_already_exiting_is_waited_for_too(tmp_path):
     """The trainer was already exiting when the launcher looked (killed by someone else: its command line
     reads empty while it frees its memory, before it closes its files): the launcher did not count it as a
@@ -223,8 +227,7 @@ def test_a_leftover_trainer_already_exiting_is_waited_for_too(tmp_path):
 # on PYTHONPATH: rank 1's trainer exits 1 as it starts, once (the marker file says it did)
 DIES_ONCE = ("import os, sys\n"
              "marker = os.path.join(os.path.dirname(__file__), 'died')\n"
-             "args = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\n"
-             "if args[1:4] == [b'-m', b'dtrain', b'train'] and os.environ.get('MLX_RANK') == '1' "
+             "if sys.orig_argv[1:4] == ['-m', 'dtrain', 'train'] and os.environ.get('MLX_RANK') == '1' "
              "and not os.path.exists(marker):\n"
              "    open(marker, 'w').close()\n"
              "    os._exit(1)\n")
