@@ -21,7 +21,7 @@ import pytest
 from dtrain.run import checkpoint as ckpt, output
 from dtrain.errors import UserError
 from dtrain.run.tracking import read_scalars
-from waiting import finish as finish_proc, spawn, wait_for_path, wait_until
+from waiting import finish as finish_proc, needs_proc, spawn, wait_for_path, wait_until
 
 WORKER = Path(__file__).resolve().parent / "train_worker.py"
 TIMING = {"tokens_per_second", "pairs_per_second", "peak_memory_gb"}
@@ -352,7 +352,7 @@ def catches(pid: int, sig: int) -> bool:
     return bool(caught >> (sig - 1) & 1)
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads handlers from /proc")
+@needs_proc  # a process's caught signals (SigCgt)
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     """As under ./launch: the first SIGINT asks for a save after the step; the second ends the process at
     once, killed by SIGINT, inside the step (held there), with nothing saved."""
