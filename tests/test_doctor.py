@@ -64,7 +64,9 @@ def test_doctor_without_demo_on_this_machine():
     assert lines[0] == "dtrain doctor (paste all of it into a report)"
     assert lines[1].startswith(f"dtrain: 0.1.0; mlx: {mx.__version__}; mlx-lm: ")
     assert lines[2] == f"python: {platform.python_version()} ({sys.executable})"
-    assert lines[4] == "backend: cpu (default device Device(cpu, 0); metal available: False, cuda available: False)"
+    assert lines[4] == ("backend: metal (default device Device(gpu, 0); metal available: True, cuda available: False)"
+                        if mx.metal.is_available() else  # a Mac; else a machine without a GPU (CI, Linux)
+                        "backend: cpu (default device Device(cpu, 0); metal available: False, cuda available: False)")
     assert any(x.startswith("auto engine budget (engine.memory_budget_gb: 0): ") for x in lines)
     assert sum(x.startswith("BLAS: ") for x in lines) == (platform.system() == "Linux")
     assert lines[-1].startswith("distributed backends in this MLX: ring")
