@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -14,11 +15,14 @@ import numpy as np
 import pytest
 
 from dtrain import blas, blas_probe
+from waiting import needs_proc
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = blas.find_openblas() or blas.find_mkl()
 needs_fast = pytest.mark.skipif(not FAST, reason="no OpenBLAS or MKL installed")
 needs_openblas = pytest.mark.skipif(not blas.find_openblas(), reason="no OpenBLAS installed")
+chooses_a_blas = pytest.mark.skipif(platform.system() != "Linux",  # blas.setup(): MLX's own elsewhere, no probe
+                                    reason="dtrain chooses a BLAS on Linux only (macOS: MLX's own)")
 
 BASE = "fpu sse sse2 pni ssse3 fma sse4_1 sse4_2 avx avx2 "
 AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl "
@@ -201,6 +205,7 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
+@needs_proc  # the libraries loaded, from /proc/self/maps
 def test_import_dtrain_loads_no_blas():
     code = ("import os, dtrain, dtrain.cli, dtrain.config, dtrain.blas\n"
             "maps = open('/proc/self/maps').read()\n"
@@ -255,6 +260,7 @@ def test_launch_dry_run_shows_the_blas_line_and_the_rank_env():
     assert re.search(r"^  DTRAIN_BLAS=openblas,[\d.]+,Haswell,[\d.]+$", r.stdout, re.M), r.stdout
 
 
+@chooses_a_blas
 def test_dtrain_train_prints_the_blas_line_unless_a_launcher_did():
     args = [sys.executable, "-m", "dtrain", "train", "--data.demo_pairs", "4", "--model.path", "/nonexistent/model"]
     r = subprocess.run(args, env=_clean_env(), capture_output=True, text=True, timeout=300)
