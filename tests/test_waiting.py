@@ -5,6 +5,7 @@ output; a process a test leaves behind fails that test and is killed."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -99,18 +100,22 @@ def test_leftover_check_fails_the_test_that_planted_an_orphan(tmp_path):
                "the orphan to be gone")
 
 
-def test_processes_gives_each_process_its_parent_and_command_line():
-    """From ``ps``, as on macOS: tests find a rank's processes and a trainer's wrapper with it."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "marker-of-this-test"])
+@pytest.mark.parametrize("proc", [Path("/proc"), Path("/no-proc-here")], ids=["proc", "ps"])
+def test_processes_gives_each_process_its_parent_and_command_line(proc):
+    """From /proc, or from ``ps`` where there is none (macOS): tests find a rank's processes and a trainer's
+    wrapper with it."""
+    if not proc.is_dir() and shutil.which("ps") is None:
+        pytest.skip("no ps here (procps)")
+    proc_ = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "marker-of-this-test"])
 
     def row():
-        found = waiting.processes().get(proc.pid)
+        found = waiting.processes(proc).get(proc_.pid)
         return found if found and "marker-of-this-test" in found[1] else None  # before its exec: pytest's command
 
     try:
-        parent, command = wait_until(row, "the child in ps")
+        parent, command = wait_until(row, "the child listed")
         assert parent == os.getpid() and command.endswith(" -c import time; time.sleep(600) marker-of-this-test")
     finally:
-        proc.kill()
-        proc.wait()
-    assert proc.pid not in waiting.processes()
+        proc_.kill()
+        proc_.wait()
+    assert proc_.pid not in waiting.processes(proc)

@@ -208,12 +208,22 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="n
                                 "environments, signal masks, library maps); macOS has none")
 
 
-def processes() -> dict:
-    """``{pid: (parent pid, command line)}`` of this machine's processes, from ``ps`` (Linux and macOS alike).
-
-    The command line is the arguments joined by spaces, as ``ps`` shows them (full width: ``-ww``).
-    """
-    out = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,command="], capture_output=True, text=True,
-                         check=True, env={**os.environ, "LC_ALL": "C"}).stdout
-    rows = [line.split(None, 2) for line in out.splitlines()]
-    return {int(r[0]): (int(r[1]), r[2] if len(r) > 2 else "") for r in rows if len(r) >= 2}
+def processes(proc: Path = Path("/proc")) -> dict:
+    """``{pid: (parent pid, command line)}`` of this machine's processes: from ``proc`` (Linux), else from
+    ``ps`` (macOS, which has no /proc; a Linux without procps has no ``ps``). The command line is the arguments
+    joined by spaces, as ``ps`` shows them (full width: ``-ww``)."""
+    if not proc.is_dir():
+        out = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,command="], capture_output=True, text=True,
+                             check=True, env={**os.environ, "LC_ALL": "C"}).stdout
+        rows = [line.split(None, 2) for line in out.splitlines()]
+        return {int(r[0]): (int(r[1]), r[2] if len(r) > 2 else "") for r in rows if len(r) >= 2}
+    found = {}
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:  # stat's fourth field, after the command name in parentheses (which may hold spaces)
+                parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                args = (entry / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            except (OSError, IndexError, ValueError):  # ended while being read
+                continue
+            found[int(entry.name)] = (parent, " ".join(a.decode(errors="replace") for a in args))
+    return found
