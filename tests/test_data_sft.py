@@ -328,3 +328,16 @@ def test_data_fields_under_sft_need_no_rejected_column():
                                                        "columns: q, good)")]
     rows, report = parse_rows(items, cfg, "f.jsonl", pairwise=False)
     assert rows == [Row(Q, "4", None, source=f"f.jsonl:{i}") for i in (1, 2)] and not report.bad
+
+
+@pytest.mark.parametrize("fmt", ["auto", "standard"])
+def test_data_fields_under_sft_need_no_rejected_column_whatever_the_format(fmt):
+    """With data.format standard (not auto) data.fields renamed the row before the SFT read: a mapped row
+    without its rejected column was a bad row ("missing field 'bad'") where format auto read it."""
+    items = [("f.jsonl:1", {"q": Q, "good": "4"})]
+    cfg = DataConfig(format=fmt, fields={"prompt": "q", "chosen": "good", "rejected": "bad"})
+    rows, report = parse_rows(items, cfg, "f.jsonl", pairwise=False)
+    assert (rows, report.bad) == ([Row(Q, "4", None, source="f.jsonl:1")], [])
+    rows, report = parse_rows(items, cfg, "f.jsonl")
+    assert rows == [] and report.bad == [("f.jsonl:1", "missing field 'bad' (data.fields.rejected; the row's "
+                                                       "columns: q, good)")]

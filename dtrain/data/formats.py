@@ -260,8 +260,6 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
             inp = obj.get("input")
             if _has_tools(obj.get("tools")) or (isinstance(inp, dict) and _has_tools(inp.get("tools"))):
                 raise BadRow(NO_TOOLS.format(what="'tools' (tool definitions)"))
-            if fields and fmt != "mapped":
-                obj = _rename(obj, fields)
             row = _parse(obj, fmt, fields, pairwise)
             if not pairwise:  # SFT: the rejected side is not trained
                 row = dataclasses.replace(row, rejected=None, rejected_prompt=None)
@@ -275,20 +273,23 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
 
 
 def _parse(obj: dict, fmt: str, fields: Optional[dict], pairwise: bool) -> Row:
-    """``obj`` read as ``fmt``; under SFT a bad row is read again with its chosen side as the rejected one
-    (the original error stands when that fails too: the chosen side or the prompt is at fault)."""
+    """``obj`` read as ``fmt`` (its columns renamed by ``data.fields``); under SFT a bad row is read again with
+    its chosen side as the rejected one (the original error stands when that fails too: the chosen side or
+    the prompt is at fault). The re-read names the row's own columns: a missing rejected one is a bad row too."""
+    parse = (lambda o: _PARSERS[fmt](_rename(o, fields), fields)) if fields and fmt != "mapped" else (
+        lambda o: _PARSERS[fmt](o, fields))
     try:
-        return _PARSERS[fmt](obj, fields)
+        return parse(obj)
     except BadRow as err:
         if pairwise:
             raise
         chosen, rejected = SIDE_KEYS.get(fmt, ("chosen", "rejected"))
-        if fmt == "mapped" and fields:
+        if fields:
             chosen, rejected = fields.get(chosen, chosen), fields.get(rejected, rejected)
         if chosen not in obj:  # an SFT row, or no chosen side
             raise
         try:
-            return _PARSERS[fmt]({**obj, rejected: obj[chosen]}, fields)
+            return parse({**obj, rejected: obj[chosen]})
         except BadRow:
             raise err from None
 
