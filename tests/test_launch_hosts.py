@@ -484,3 +484,27 @@ def test_cpu_seconds_on_macos_reads_ps_whatever_the_locale(tmp_path, monkeypatch
 
     monkeypatch.setattr(rank, "open", no_proc, raising=False)
     assert rank.cpu_seconds(os.getpid()) == 61.5
+
+
+def relayed(capsys, *streams: bytes) -> str:
+    """What ./launch shows of each rank wrapper's stderr ``streams``, relayed one after the other."""
+    from dtrain.launch.supervise import Attempt
+
+    attempt = Attempt(None, stop_timeout=1)
+    for data in streams:
+        read, write = os.pipe()
+        os.write(write, data)
+        os.close(write)
+        attempt._relay(read)
+        os.close(read)
+    return capsys.readouterr().err
+
+
+def test_an_error_shown_once_keeps_a_ranks_own_problems(capsys):
+    """A 'dtrain: error:' line every rank printed was shown once, and its indented lines with it: a rank whose
+    first line was the same but whose listed problems differed (its host's copy of the config) lost them."""
+    head = b"dtrain: error: c.yaml: 2 problems:\n"
+    rank0, rank1 = head + b"  - lora.rank: 0\n  - train.steps: -1\n", head + b"  - lora.rank: 0\n  - data.x: 1\n"
+    assert relayed(capsys, rank0, rank0 + b"after\n", rank1) == (rank0 + b"after\n" + rank1).decode()
+    assert relayed(capsys, b"dtrain: error: same\n", b"dtrain: error: same\n  progress 3/4\n") == (
+        "dtrain: error: same\ndtrain: error: same\n  progress 3/4\n")

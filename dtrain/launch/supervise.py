@@ -102,7 +102,7 @@ class Attempt:
         self.aborted_at: Optional[float] = None
         self.procs: list = []  # mlx.launch, mpirun or the one rank; or each rank's wrapper (plan.direct)
         self._lock = threading.Lock()
-        self._errors: set = set()  # the `dtrain: error:` lines shown: every rank may meet the same one
+        self._errors: dict = {}  # a `dtrain: error:` line shown -> it and its indented lines: every rank may meet it
 
     def run(self) -> Outcome:
         """Start the ranks, wait for them (and any leftover trainer), summarize."""
@@ -183,38 +183,59 @@ class Attempt:
     def _relay(self, fd: int, rank: Optional[int] = None) -> None:
         """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure. ``rank``: the
         rank whose wrapper alone writes to ``fd`` (plan.direct), which failed when it ends without its report."""
-        mark, buf, repeat = MARK.encode(), b"", False
+        mark, buf = MARK.encode(), b""
+        # an error's lines so far (its first, then its indented lines: a list of problems); held: a rank showed
+        # its first line already, so the block is shown at its end only where it differs from that rank's
+        block, held = None, False
         for chunk in iter(lambda: os.read(fd, 65536), b""):
             *lines, buf = (buf + chunk).split(b"\n")
             for line in lines:
                 report = parse_report(line.decode(errors="replace"))
-                if line.startswith(ERROR_PREFIX.encode()):  # its indented lines (a list of problems) go with it
-                    repeat = not self._first_error(line)
-                elif not line.startswith(b" "):
-                    repeat = False
-                if report is None:
-                    if not repeat:
+                if report is None and block is not None and line.startswith(b" "):
+                    block.append(line)
+                    if not held:
                         write(line + b"\n")
+                    continue
+                if held:
+                    self._show_if_new(block)
+                block, held = None, False
+                if report is None and line.startswith(ERROR_PREFIX.encode()):
+                    block, held = self._error_block(line)
+                    if held:
+                        continue
+                if report is None:
+                    write(line + b"\n")
                 else:
                     before = line[: line.index(mark)]  # another process's text ahead of the mark
                     if before.strip():
                         write(before + b"\n")
                     self._on_report(report)
-            if buf and mark[:1] not in buf:  # progress bars end in \r, not \n: pass them on now
+            if buf and mark[:1] not in buf and not held:  # progress bars end in \r, not \n: pass them on now
                 write(buf)
                 buf = b""
+        if held:
+            self._show_if_new(block)
         if buf:
             write(buf)
         if rank is not None and rank not in self.reports and self.stopped_by is None:
             # the wrapper was killed: its trainer, in a session of its own, would train on with the others
             self.abort(f"rank {rank}'s wrapper ended without reporting")
 
-    def _first_error(self, line: bytes) -> bool:
-        """Whether no rank has shown the error ``line`` yet (the ranks' relays run in threads of their own)."""
+    def _error_block(self, line: bytes) -> tuple:
+        """``(lines, held)`` of the error block ``line`` starts: the list its relay fills, and whether a rank
+        showed the same first line already (the ranks' relays run in threads of their own)."""
         with self._lock:
-            first = line not in self._errors
-            self._errors.add(line)
-            return first
+            if line in self._errors:
+                return [line], True
+            self._errors[line] = [line]
+            return self._errors[line], False
+
+    def _show_if_new(self, block: list) -> None:
+        """Show a held error block unless it is the block shown under its first line (every line the same)."""
+        with self._lock:
+            same = block == self._errors.get(block[0])
+        if not same:
+            write(b"".join(line + b"\n" for line in block))
 
     def _on_report(self, report: Report) -> None:
         if report.event == "start":
