@@ -23,6 +23,7 @@ from .files import to_devnull
 
 
 COMMANDS = ("train", "data", "config", "convert", "export", "doctor")
+OPTIONS = ("-c", "--config", "--show", "-h", "--help")  # train's, data check's and config's: no override's value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # overrides out first, as ./launch takes them: argparse would read the VALUE of one that
         # stands before `data check`'s FILE as FILE (`--data.valid held.jsonl pairs.jsonl`)
-        options, overrides = take_overrides(argv) if argv[:1] in (["train"], ["data"], ["config"]) else (argv, [])
+        options, overrides = take_overrides(argv, OPTIONS) if argv[:1] in (["train"], ["data"], ["config"]) else (argv, [])
         options = _gguf_before_adapter(options) if argv[:1] == ["export"] else options
         args, extra = _parser().parse_known_args(options)
         if extra and args.command in ("convert", "export", "doctor"):

@@ -22,15 +22,16 @@ def is_override_flag(arg: str) -> bool:
     return arg.startswith("--") and "." in arg.split("=", 1)[0]
 
 
-def take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+def take_overrides(argv: list[str], options: tuple = ()) -> tuple[list[str], list[str]]:
     """Separate ``--section.key VALUE`` and ``--section.key=VALUE`` from other arguments.
 
     The one parser of the override grammar, for ``dtrain`` and ``./launch``.
     ``(["-n", "2", "--train.steps", "5", "--model.path=x"])`` gives
-    ``(["-n", "2"], ["train.steps=5", "model.path=x"])``.
+    ``(["-n", "2"], ["train.steps=5", "model.path=x"])``. ``options``: the command's own
+    option names, which an override's value never is (``--train.steps -c a.yaml`` lacks it).
 
     Raises:
-        ConfigError: an override flag at the end with no value.
+        ConfigError: an override flag at the end, or before one of ``options``, with no value.
     """
     others, overrides, i = [], [], 0
     while i < len(argv):
@@ -41,7 +42,7 @@ def take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
         elif "=" in arg:
             overrides.append(arg[2:])
             i += 1
-        elif i + 1 < len(argv):
+        elif i + 1 < len(argv) and argv[i + 1].split("=", 1)[0] not in options:
             overrides.append(f"{arg[2:]}={argv[i + 1]}")
             i += 2
         else:

@@ -507,3 +507,18 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch,
                      "~nosuchuser-dtrain/x"]) == 2
         assert capsys.readouterr().err.splitlines()[-1] == (
             f"dtrain: error: train.{key} ~nosuchuser-dtrain/x: no home folder for ~nosuchuser-dtrain")
+
+
+@pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check", "pairs.jsonl"]])
+@pytest.mark.parametrize("option", ["-c", "--config", "--config=a.yaml", "-h", "--help"])
+def test_an_override_without_its_value_before_an_option_is_named(command, option, capsys):
+    """Overrides are taken out before argparse: `dtrain train --train.steps -c a.yaml` gave train.steps the
+    value '-c' and said "unexpected argument 'a.yaml': a config file is given with -c (-c a.yaml)", to a user
+    who had given it with -c (before, as for the override at the end: "override --train.steps needs a value")."""
+    assert main([*command, "--train.steps", option, "a.yaml"]) == 2
+    assert capsys.readouterr().err == "dtrain: error: override --train.steps needs a value\n"
+    from dtrain.cli import OPTIONS, _parser
+
+    subs = _parser()._subparsers._group_actions[0].choices
+    parsers = [subs["train"], subs["config"], subs["data"]._subparsers._group_actions[0].choices["check"]]
+    assert {s for p in parsers for a in p._actions for s in a.option_strings} == set(OPTIONS)
