@@ -542,3 +542,19 @@ def test_a_warmup_as_long_as_the_run_gets_a_notice(tmp_path, capsys):
                   "train.learning_rate only at the last step and never decays; set train.warmup_steps below "
                   "train.steps"],
         "short": []}
+
+
+def test_a_run_without_held_out_pairs_stopped_by_skipped_steps_in_its_last_step_keeps_its_hparams_record(tmp_path):
+    """train.max_skipped_steps stopping step 3 of 3 saves checkpoint 3, which its resume takes for a finished run
+    (it trains, saves and records nothing): the HPARAMS record of the run's end was never written, as for a
+    signal in the last step. It is written with that save."""
+    from dtrain.errors import UserError
+
+    blow_up = ("train.steps=3", "train.max_skipped_steps=2", "train.learning_rate=1e38", "train.grad_clip=0",
+               "train.warmup_steps=0")  # step 1 trains, steps 2 and 3 are non-finite
+    with pytest.raises(UserError, match="step 3: 2 steps in a row had a non-finite loss"):
+        run(tmp_path, *blow_up, n_valid=0)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "step-0000003"
+    resumed, _ = run(tmp_path, "train.resume=auto", *blow_up, n_valid=0)
+    assert resumed.history == [] and resumed.steps == 3
+    assert [s for s, _ in read_scalars(resumed.run_dir)["hparam/loss"]] == [3]

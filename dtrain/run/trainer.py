@@ -187,6 +187,8 @@ def loop(run: Run) -> TrainResult:
         run.hooks.after_step(step, run)
         record(run, step, out.metrics, out.applied)
         if run.state.skipped_in_row >= t.max_skipped_steps:
+            if step == t.steps and not run.valid:  # its resume finds a finished run: the record goes with this save
+                log_hparams(run, step)
             # every rank raises after rank 0 saved: one that exits first makes ./launch abort a rank 0 still saving
             _main_rank_check(run.group, lambda: save(run, step), "save its checkpoint")
             sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
