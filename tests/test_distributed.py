@@ -261,6 +261,18 @@ def test_too_many_skipped_steps_stop_every_rank_after_rank_0_saved(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / f"step-{int(saved[0][6:]):07d}").is_dir()
 
 
+def test_a_save_past_the_collective_timeout_names_its_step(tmp_path):
+    """Rank 1's watchdog while rank 0 saves the skipped-steps checkpoint said "... at start-up did not complete"."""
+    procs = start_ring(2, tmp_path, "--slow-save", "6", "train.learning_rate=1e30", "train.warmup_steps=0",
+                       "train.max_skipped_steps=2", "train.steps=8", "distributed.collective_timeout_s=2")
+    rc, err, _ = finish(procs[1:])[0]
+    finish(procs[:1])
+    saved = sorted(p.name for p in tmp_path.glob("saved-*"))
+    assert rc == 3 and len(saved) == 1, (rc, saved, err[-1000:])
+    assert (f"dtrain: error: rank 1: all_sum after rank 0's attempt to save its checkpoint at step {saved[0][6:]} "
+            f"did not complete within 2 s") in err, err[-1000:]
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_bucketed_all_sum_matches_mpi4py_allreduce(tmp_path, n):
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install 'dtrain[mpi]')")

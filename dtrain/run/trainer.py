@@ -190,7 +190,7 @@ def loop(run: Run) -> TrainResult:
             if step == t.steps and not run.valid:  # its resume finds a finished run: the record goes with this save
                 log_hparams(run, step)
             # every rank raises after rank 0 saved: one that exits first makes ./launch abort a rank 0 still saving
-            _main_rank_check(run.group, lambda: save(run, step), "save its checkpoint")
+            _main_rank_check(run.group, lambda: save(run, step), "save its checkpoint", step)
             sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
             raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
@@ -507,16 +507,17 @@ def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:
     return new_run_dir(OutputDir(out).tb)
 
 
-def _main_rank_check(group: Group, check, what: str = "prepare the output folder"):
+def _main_rank_check(group: Group, check, what: str = "prepare the output folder", step: Optional[int] = None):
     """Run ``check`` on rank 0 and return its result there (None elsewhere), every rank waiting for it; every rank
-    raises when it failed (``what`` it did, for the other ranks' message)."""
+    raises when it failed (``what`` it did, for the other ranks' message; ``step``: the step it happens after,
+    None at start-up, for the watchdog's message)."""
     message, value = "", None
     if group.is_main:
         try:
             value = check()
         except UserError as err:
             message = str(err)
-    failed = group.all_sum_scalars({"failed": float(bool(message))}, None, f"all_sum after rank 0's attempt to {what}")["failed"] > 0
+    failed = group.all_sum_scalars({"failed": float(bool(message))}, step, f"all_sum after rank 0's attempt to {what}")["failed"] > 0
     if message:
         raise UserError(message)
     if failed:
