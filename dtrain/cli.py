@@ -201,12 +201,12 @@ def _doctor(args) -> int:
 
 def _gguf_before_adapter(argv: list[str]) -> list[str]:
     """``export ... --gguf ADAPTER_DIR``: ``--gguf``'s TYPE is optional, so argparse gave it the adapter folder
-    that followed; a value that is no GGUF type but an existing path is that folder, moved before ``--gguf``
+    that followed; a value that is no GGUF type but an existing folder is that folder, moved before ``--gguf``
     (a mistyped type is left to be named as one)."""
     from .models.export import GGUF_TYPES
 
     i = argv.index("--gguf") if "--gguf" in argv else -1
-    if 0 <= i < len(argv) - 1 and argv[i + 1].lower() not in GGUF_TYPES and Path(argv[i + 1]).expanduser().exists():
+    if 0 <= i < len(argv) - 1 and argv[i + 1].lower() not in GGUF_TYPES and Path(argv[i + 1]).expanduser().is_dir():
         return argv[:i] + [argv[i + 1], "--gguf"] + argv[i + 2:]
     return argv
 

@@ -258,6 +258,10 @@ def test_gguf_without_a_type_before_the_adapter_folder_leaves_the_folder_to_it(t
     assert main(["export", str(tmp_path / "adapter"), "--base", str(base), "--out", str(tmp_path / "o2"),
                  "--gguf", "q5_k"]) == 2
     assert "GGUF type 'q5_k' is not one of f32, f16, bf16, q8_0, q4_0" in capsys.readouterr().err
+    (tmp_path / "old.gguf").write_bytes(b"")  # a file is no adapter folder: still named as a wrong type
+    assert main(["export", str(tmp_path / "adapter"), "--base", str(base), "--out", str(tmp_path / "o3"),
+                 "--gguf", str(tmp_path / "old.gguf")]) == 2
+    assert f"GGUF type '{tmp_path / 'old.gguf'}' is not one of" in capsys.readouterr().err
 
 
 def test_rows_that_do_not_fill_a_block_fall_back_to_f16(tmp_path, capsys):
