@@ -556,6 +556,25 @@ def test_resume_naming_an_output_folder_or_its_checkpoints_folder_names_the_chec
                               f"newest valid one: {newest}), or train.resume auto with train.output_dir {out}")
 
 
+def test_resume_naming_an_unreadable_folder_is_one_line(tmp_path, monkeypatch):
+    """The hint that looks for checkpoints inside a folder named as one listed it, and a folder this user may not
+    list ended in PermissionError's traceback (root lists any folder, so the listing is refused here by hand)."""
+    folder = tmp_path / "locked"
+    (folder / "checkpoints").mkdir(parents=True)
+    real = Path.iterdir
+
+    def iterdir(self):
+        if self.is_relative_to(folder):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    with pytest.raises(UserError) as err:
+        ckpt.load_checkpoint(folder)
+    assert str(err.value) == (f"resume: {folder} is not a valid checkpoint: no manifest.json (not a checkpoint, or "
+                              f"its write was interrupted)")
+
+
 def test_output_folder_checks(tmp_path):
     with pytest.raises(UserError, match="MB free"):
         output.check_output_dir(tmp_path, need_bytes=10**18)

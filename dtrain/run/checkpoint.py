@@ -275,7 +275,10 @@ def _checkpoints_within(path: Path) -> Optional[str]:
     """What to name instead when ``path`` is a run's output folder or its checkpoints folder, or None."""
     for root, what in ((OutputDir(path).checkpoints, "is a run's output folder, not a checkpoint; name one of its"),
                        (path, "holds checkpoints, it is not one; name one of them")):
-        newest = find_latest(root, report=lambda _: None)
+        try:
+            newest = find_latest(root, report=lambda _: None)
+        except OSError:  # a folder this user may not list: no hint, the plain refusal stands
+            continue
         if newest is not None:
             out = path if root != path else path.parent  # auto reads OUTPUT_DIR/checkpoints only
             auto = f", or train.resume auto with train.output_dir {out}" if OutputDir(out).checkpoints == root else ""
