@@ -187,10 +187,8 @@ def loop(run: Run) -> TrainResult:
         run.hooks.after_step(step, run)
         record(run, step, out.metrics, out.applied)
         if run.state.skipped_in_row >= t.max_skipped_steps:
-            if step == t.steps and not run.valid:  # its resume finds a finished run: the record goes with this save
-                log_hparams(run, step)
             # every rank raises after rank 0 saved: one that exits first makes ./launch abort a rank 0 still saving
-            _main_rank_check(run.group, lambda: save(run, step), "save its checkpoint", step)
+            _main_rank_check(run.group, lambda: save_stopped(run, step), "save its checkpoint", step)
             sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
             raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
@@ -238,12 +236,8 @@ def evaluate_and_steer(run: Run, step: int, may_stop: bool = True) -> Optional[C
 
 
 def end_stopped(run: Run, step: int) -> TrainResult:
-    """Checkpoint ``step`` of a run a signal stopped (after the step, or during its evaluation). Stopped after
-    its last step with nothing to evaluate, it is done: its resume writes only the adapter, so the run's
-    HPARAMS record goes with this checkpoint, as at an uninterrupted run's end."""
-    if step == run.cfg.train.steps and not run.valid:
-        log_hparams(run, step)
-    save(run, step)
+    """Checkpoint ``step`` of a run a signal stopped (after the step, or during its evaluation)."""
+    save_stopped(run, step)
     run.log.message(f"stopped by signal {f'after step {step}' if step else 'before step 1'}; checkpoint saved, "
                     f"continue with --train.resume auto")
     run.result.steps, run.result.stopped = step, True
@@ -464,6 +458,15 @@ def save(run: Run, step: int) -> None:
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
                              run.base_model, run.chat_template, run.best.weights)
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id, step)
+
+
+def save_stopped(run: Run, step: int) -> None:
+    """Checkpoint ``step`` of a run stopped before its end (a signal, ``train.max_skipped_steps``). Stopped in
+    its last step with nothing to evaluate, it is done: its resume writes only the adapter, so the run's
+    HPARAMS record goes with this checkpoint, as at an uninterrupted run's end."""
+    if step == run.cfg.train.steps and not run.valid:
+        log_hparams(run, step)
+    save(run, step)
 
 
 def log_hparams(run: Run, step: int) -> None:
