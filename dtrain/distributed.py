@@ -369,14 +369,13 @@ def handshake(group: Group, facts: dict) -> None:
             f"rank(s) {', '.join(map(str, odd))} belong to another job (job {jobs[odd[0]] or '(none)'}; rank 0's is "
             f"{jobs[0] or '(none)'}): two jobs on this machine were given the same ports; give each its own --port, "
             "or leave --port out and ./launch takes free ones")
-    everyone = [g["facts"] for g in gathered]
+    everyone, configs = [g["facts"] for g in gathered], [g["config"] for g in gathered]
     problems = []
     for key in sorted(set().union(*everyone)):
         odd = _odd_ranks([e.get(key) for e in everyone])
         if odd:
-            configs = [g["config"] for g in gathered]
-            keys = [k for k in sorted(set().union(*configs)) if key == "config"
-                    and any(configs[r].get(k) != configs[0].get(k) for r in odd)]
+            keys = [k for k in sorted(set().union(*configs))
+                    if any(configs[r].get(k) != configs[0].get(k) for r in odd)] if key == "config" else []
             problems.append(f"{key} differs on rank(s) {', '.join(map(str, odd))} from rank 0"
                             + (f" ({', '.join(keys)})" if keys else ""))
     if problems:
