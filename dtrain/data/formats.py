@@ -276,8 +276,9 @@ def _parse(obj: dict, fmt: str, fields: Optional[dict], pairwise: bool) -> Row:
     """``obj`` read as ``fmt`` (its columns renamed by ``data.fields``); under SFT a bad row is read again with
     its chosen side as the rejected one (the original error stands when that fails too: the chosen side or
     the prompt is at fault). The re-read names the row's own columns: a missing rejected one is a bad row too."""
-    parse = (lambda o: _PARSERS[fmt](_rename(o, fields), fields)) if fields and fmt != "mapped" else (
-        lambda o: _PARSERS[fmt](o, fields))
+    def parse(o: dict) -> Row:
+        return _PARSERS[fmt](_rename(o, fields) if fields and fmt != "mapped" else o, fields)
+
     try:
         return parse(obj)
     except BadRow as err:
