@@ -44,9 +44,8 @@ def resume_point(output_dir: Path, named: Optional[Path] = None) -> Optional[Res
 
 def named_checkpoint(resume: Optional[str]) -> Optional[Path]:
     """The valid checkpoint folder ``train.resume`` names; None for none, ``auto`` or a folder the trainer refuses."""
-    from ..run.checkpoint import validate
-
     from ..files import home_path
+    from ..run.checkpoint import validate
 
     path = home_path(resume, "train.resume") if resume not in (None, "auto") else None
     return path if path is not None and path.is_dir() and validate(path) is None else None
