@@ -144,6 +144,41 @@ OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_t
                                                                    "window", "epsilon", "stop_drop", "law", "kd")}}
 
 
+# Keys another key's value leaves unread: (section, name) -> [(the setting that does, is it this config's)].
+_SEGMENTED_ONLY = ("segment_layers", "prefix_sharing", "head_chunk_tokens", "length_bucket", "pack",
+                   "attention_groups", "compile", "kernels")
+_CONTROLLER = ("min", "max", "step", "backoff", "window", "epsilon", "stop_drop", "law", "kd")
+UNREAD_WHEN = {
+    **{("engine", k): [("engine.kind reference", lambda c: c.engine.kind == "reference")] for k in _SEGMENTED_ONLY},
+    ("engine", "segment_layers"): [("engine.kind reference", lambda c: c.engine.kind == "reference"),
+                                   ("engine.kind auto (it sizes the ranges itself)", lambda c: c.engine.kind == "auto")],
+    **{("orpo", f"lambda_{k}"): [("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static")]
+       for k in _CONTROLLER},
+    ("orpo", "lambda_backoff"): [("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static"),
+                                 ("orpo.lambda_law pd", lambda c: c.orpo.lambda_law == "pd")],
+    ("orpo", "lambda_kd"): [("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static"),
+                            ("orpo.lambda_law aimd", lambda c: c.orpo.lambda_law == "aimd")],
+    ("orpo", "lam"): [("orpo.lambda_schedule adaptive (lambda starts at orpo.lambda_min)",
+                       lambda c: c.orpo.lambda_schedule == "adaptive")],
+}
+
+
+def unread_keys(cfg: Config) -> list:
+    """One line per key set away from its default that another key's value leaves unread
+    (``engine.head_chunk_tokens`` under ``engine.kind reference``, the controller's ``orpo.lambda_*``
+    under a static schedule, ...): a notice, not an error, so one override (``--engine.kind
+    reference``) can try another setting. Keys of another objective are errors (:func:`check_rules`)."""
+    defaults, lines = type(cfg)(), []
+    for (section, name), settings in UNREAD_WHEN.items():
+        if section == "orpo" and cfg.objective.kind != "orpo":
+            continue  # check_rules refuses these
+        value = getattr(getattr(cfg, section), name)
+        why = next((setting for setting, applies in settings if applies(cfg)), None)
+        if why is not None and value != getattr(getattr(defaults, section), name):
+            lines.append(f"'{section}.{yaml_key(name)}' is {value!r} but {why} does not read it")
+    return lines
+
+
 def check_rules(cfg: Config, source: str, need_data: bool = True) -> None:
     """Rules across keys, checked once after every override is applied; every broken rule is
     named in one ConfigError (a config written for one objective may break several). ``need_data``:

@@ -522,3 +522,41 @@ def test_an_override_without_its_value_before_an_option_is_named(command, option
     subs = _parser()._subparsers._group_actions[0].choices
     parsers = [subs["train"], subs["config"], subs["data"]._subparsers._group_actions[0].choices["check"]]
     assert {s for p in parsers for a in p._actions for s in a.option_strings} == set(OPTIONS)
+
+
+@pytest.mark.parametrize("overrides, lines", [
+    # the segmented engine's keys under the reference engine
+    (["engine.kind=reference", "engine.head_chunk_tokens=512", "engine.compile=true"],
+     ["'engine.head_chunk_tokens' is 512 but engine.kind reference does not read it",
+      "'engine.compile' is True but engine.kind reference does not read it"]),
+    # kind auto sizes the ranges itself; under kind segmented the key is read
+    (["engine.segment_layers=4"], ["'engine.segment_layers' is 4 but engine.kind auto (it sizes the ranges itself) "
+                                   "does not read it"]),
+    (["engine.kind=segmented", "engine.segment_layers=4", "engine.head_chunk_tokens=512"], []),
+    # the controller's keys under a static schedule, lambda under an adaptive one, each law's own key
+    (["orpo.lambda_max=0.3", "orpo.lambda_kd=1.0"],
+     ["'orpo.lambda_max' is 0.3 but orpo.lambda_schedule static does not read it",
+      "'orpo.lambda_kd' is 1.0 but orpo.lambda_schedule static does not read it"]),
+    (["orpo.lambda_schedule=adaptive", "train.eval_every=5", "orpo.lambda=0.2", "orpo.lambda_kd=1.0",
+      "orpo.lambda_max=0.3"],
+     ["'orpo.lambda_kd' is 1.0 but orpo.lambda_law aimd does not read it",
+      "'orpo.lambda' is 0.2 but orpo.lambda_schedule adaptive (lambda starts at orpo.lambda_min) does not read it"]),
+    (["orpo.lambda_schedule=adaptive", "train.eval_every=5", "orpo.lambda_law=pd", "orpo.lambda_backoff=0.7",
+      "orpo.lambda_kd=1.0"],
+     ["'orpo.lambda_backoff' is 0.7 but orpo.lambda_law pd does not read it"]),
+    # values equal to the defaults say nothing
+    (["engine.kind=reference", "engine.head_chunk_tokens=0", "orpo.lambda=0.1"], []),
+])
+def test_keys_another_key_leaves_unread_are_named(overrides, lines):
+    """A key set away from its default that another key's value makes unread was silently ignored:
+    engine.segment_layers 4 under the default engine.kind auto recomputed nothing the user asked for."""
+    from dtrain.config_checks import unread_keys
+
+    assert unread_keys(load_config(None, ["data.demo_pairs=1", *overrides])) == lines
+
+
+def test_shipped_configs_set_no_unread_key():
+    from dtrain.config_checks import unread_keys
+
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        assert unread_keys(load_config(str(path), ["data.train=x.jsonl", "data.demo_pairs=0"])) == [], path.name

@@ -544,6 +544,14 @@ def test_a_warmup_as_long_as_the_run_gets_a_notice(tmp_path, capsys):
         "short": []}
 
 
+def test_a_key_the_run_does_not_read_gets_a_notice(tmp_path, capsys):
+    """engine.segment_layers under the default engine.kind auto was ignored without a word."""
+    run(tmp_path, "train.steps=1", "engine.segment_layers=1")
+    assert [x for x in capsys.readouterr().err.splitlines() if x.startswith("'engine.")] == [
+        "'engine.segment_layers' is 1 but engine.kind auto (it sizes the ranges itself) does not read it: it has "
+        "no effect"]
+
+
 def test_a_run_without_held_out_pairs_stopped_by_skipped_steps_in_its_last_step_keeps_its_hparams_record(tmp_path):
     """train.max_skipped_steps stopping step 3 of 3 saves checkpoint 3, which its resume takes for a finished run
     (it trains, saves and records nothing): the HPARAMS record of the run's end was never written, as for a

@@ -21,6 +21,7 @@ from . import checkpoint as ckpt, output
 from .. import sampler
 from ..blas import warn_if_slow
 from ..config import Config, to_dict
+from ..config_checks import unread_keys
 from ..data.sources import mlx_valid
 from ..data.templates import template_source
 from ..device import resolve_auto
@@ -269,6 +270,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cfg = replace(cfg, lora=lora_from_adapter(cfg.lora, cfg.train.init_adapter))
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     notice = for_rank(group.is_main)  # the run's notices, rank 0's only (run.log.message once the logger exists)
+    for line in unread_keys(cfg) if notice else ():
+        notice(f"{line}: it has no effect")
     if notice and (replaced := replaced_by_adapter(own_lora, cfg.lora)):
         notice(f"train.init_adapter {cfg.train.init_adapter} sets the LoRA's shape: {', '.join(replaced)} "
                "(the adapter's values are trained, not the config's)")
