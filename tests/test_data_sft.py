@@ -16,7 +16,7 @@ import pytest
 from conftest import make_tokenizer
 
 from dtrain.config import DataConfig
-from dtrain.data import load_dataset, tokenize_rows
+from dtrain.data import check_file, load_dataset, tokenize_rows
 from dtrain.data.formats import Row, detect_format, parse_rows
 from dtrain.errors import DataError
 from dtrain.engine import DPO, ORPO, SFT, fit_dataset
@@ -341,3 +341,38 @@ def test_data_fields_under_sft_need_no_rejected_column_whatever_the_format(fmt):
     rows, report = parse_rows(items, cfg, "f.jsonl")
     assert rows == [] and report.bad == [("f.jsonl:1", "missing field 'bad' (data.fields.rejected; the row's "
                                                        "columns: q, good)")]
+
+
+# TRL's unpaired preference rows (KTOTrainer): one completion each, judged desirable (true) or not (false).
+KTO = [{"prompt": f"{Q} {i}", "completion": str(i), "label": i % 2 == 0} for i in range(6)]
+UNPAIRED = ("{}: unpaired preference rows (KTO-style: prompt, completion and a true/false 'label') cannot train a "
+            "pairwise objective (orpo, dpo, simpo), which needs a chosen and a rejected response per prompt; pair "
+            "the completions into chosen/rejected rows, or set objective.kind: sft to train the label true ones")
+
+
+@pytest.mark.parametrize("objs", [KTO, [{"prompt": [{"role": "user", "content": Q}],
+                                         "completion": [{"role": "assistant", "content": "4"}], "label": False}]])
+def test_unpaired_kto_rows_are_refused_by_a_pairwise_objective(tmp_path, tok, objs):
+    """KTO rows read as prompt/completion SFT rows with 'label' ignored: a pairwise objective named 'a row with one
+    completion', sft trained the undesirable completions too."""
+    cfg = DataConfig(train=write_rows(tmp_path / "kto.jsonl", objs))
+    with pytest.raises(DataError) as err:
+        load_dataset(cfg, tok, log=None)
+    assert str(err.value) == UNPAIRED.format(f"{cfg.train}:1")
+    with pytest.raises(DataError) as err:
+        check_file(cfg.train, cfg, tok, objective="dpo")
+    assert str(err.value) == UNPAIRED.format(f"{cfg.train}:1")
+
+
+def test_sft_drops_kto_rows_labelled_false_and_counts_them(tmp_path, tok):
+    cfg = DataConfig(train=write_rows(tmp_path / "kto.jsonl", KTO), valid_fraction=0.0)
+    logged = []
+    data = load_dataset(cfg, tok, log=logged.append, pairwise=False)
+    src = f"{cfg.train}:"
+    assert [p.source for p in data.train] == [src + str(i) for i in (1, 3, 5)]
+    why = "label false: an undesirable completion (KTO-style row); sft trains the label true ones"
+    assert data.report.dropped == [(src + str(i), why) for i in (2, 4, 6)] and data.report.bad == []
+    assert logged[0].splitlines()[:2] == ["3 of 6 rows dropped (3 label false):", f"  {src}2: {why}"]
+    out, _, _ = check_file(cfg.train, cfg, tok, objective="sft")
+    assert out.splitlines()[:2] == [f"{cfg.train}: 6 rows, 3 usable, 0 bad, 3 dropped",
+                                    "3 of 6 rows dropped (3 label false):"]

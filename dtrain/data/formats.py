@@ -33,7 +33,9 @@ Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None)
   turn), the prompt the messages before it (mlx-lm's ``mask_prompt`` split; none
   for a lone assistant message, which TRL's SFTTrainer trains too).
 - ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
-  rows, ``prompt``/``completion`` strings or message lists.
+  rows, ``prompt``/``completion`` strings or message lists. With a boolean ``label`` (TRL's
+  unpaired KTO rows) a ``false`` row is dropped (``label false``), and a pairwise objective
+  refuses the file (:data:`UNPAIRED`).
 - ``text``: mlx-lm's ``text`` rows and TRL's language-modeling rows, ``{"text": ...}``:
   every token is a completion token (no template).
 
@@ -70,6 +72,10 @@ FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rej
 # mlx-lm, TRL and OpenAI rows may carry tools, which templates render; dtrain renders messages' text only.
 NO_TOOLS = "{what}: rows with tools are not read (dtrain renders the messages' role and content only)"
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # a message's reasoning, apart from its content
+# TRL's unpaired preference rows (KTOTrainer): one completion judged desirable (label true) or not (false)
+UNPAIRED = ("{source}: unpaired preference rows (KTO-style: prompt, completion and a true/false 'label') cannot train "
+            "a pairwise objective (orpo, dpo, simpo), which needs a chosen and a rejected response per prompt; pair "
+            "the completions into chosen/rejected rows, or set objective.kind: sft to train the label true ones")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "chatgpt": "assistant", "model": "assistant", "system": "system"}
 
@@ -106,7 +112,7 @@ class BadRowReport:
     ``dropped``: pairs without preference signal or room, found after rendering
     and truncation; each reason starts with its kind (``"same ids: ..."``,
     ``"empty prompt: ..."``, ``"empty response: ..."``, ``"no room: ..."``,
-    ``"prompt too long: ..."``).
+    ``"prompt too long: ..."``; under SFT ``"label false: ..."``, a KTO row's undesirable completion).
     ``truncated``: pairs whose prompt or a response was shortened;
     ``prompt_cut_fits``: of those, prompts cut to ``max_prompt_length`` although
     prompt + response would fit ``max_length``.
@@ -228,7 +234,8 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
     Raises:
         DataError: ``format: auto`` and no known format (:func:`detect_items_format`),
             or ``data.fields`` with a key that is not one of :data:`FIELD_KEYS` and
-            :data:`SFT_FIELD_KEYS`, or mapping both a pair's and an SFT row's columns.
+            :data:`SFT_FIELD_KEYS`, or mapping both a pair's and an SFT row's columns; ``pairwise`` and
+            an unpaired (KTO) row (:data:`UNPAIRED`, naming its ``file:line``).
     """
     fields = cfg.fields or None
     if fields:
@@ -261,6 +268,13 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
             if _has_tools(obj.get("tools")) or (isinstance(inp, dict) and _has_tools(inp.get("tools"))):
                 raise BadRow(NO_TOOLS.format(what="'tools' (tool definitions)"))
             row = _parse(obj, fmt, fields, pairwise)
+            if row.rejected is None and row.prompt is not None and isinstance(obj.get("label"), bool):
+                if pairwise:  # read as SFT rows, a pairwise objective would only say 'one completion'
+                    raise DataError(UNPAIRED.format(source=source))
+                if not obj["label"]:  # an undesirable completion: SFT must not learn it
+                    report.dropped.append((source, "label false: an undesirable completion (KTO-style row); sft "
+                                                   "trains the label true ones"))
+                    continue
             if not pairwise:  # SFT: the rejected side is not trained
                 row = dataclasses.replace(row, rejected=None, rejected_prompt=None)
             elif row.chosen == row.rejected and row.rejected_prompt is None:  # read well, but no preference signal
