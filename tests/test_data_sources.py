@@ -367,6 +367,25 @@ def test_parquet_folder_of_several_configs_is_refused(tmp_path):
     assert resolve(f"{folder}/main", DataConfig()).files == (tmp_path / "hub/main/train-00000-of-00001.parquet",)
 
 
+def test_a_parquet_folder_copied_from_a_mac_skips_its_hidden_files(tmp_path, tokenizer):
+    """A folder copied from a Mac holds AppleDouble files (``._0000.parquet``, the resource fork, not Parquet):
+    the split's rglob picked them up and the run stopped, 'not a readable Parquet file'. Hidden files and
+    folders (``.Trash``, ``.ipynb_checkpoints``) are no data either."""
+    objs = gen_objs("standard", 10, seed=3)
+    write_parquet(tmp_path / "hub/default/train/0000.parquet", objs)
+    apple_double = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)
+    for name in ("default/train/._0000.parquet", "._default/train/0001.parquet", "default/.Trash/train.parquet",
+                 "default/train/.ipynb_checkpoints/0000-checkpoint.parquet"):
+        (tmp_path / "hub" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "hub" / name).write_bytes(apple_double)
+    src = resolve(str(tmp_path / "hub"), DataConfig())
+    assert src.files == (tmp_path / "hub/default/train/0000.parquet",)
+    out, n_bad, _ = check_file(str(tmp_path / "hub"), cfg_for("standard"), tokenizer)
+    one, _, _ = check_file(str(tmp_path / "hub/default/train/0000.parquet"), cfg_for("standard"), tokenizer)
+    assert out.splitlines()[0].split(": ", 1)[1] == one.splitlines()[0].split(": ", 1)[1] and n_bad == 0
+    assert out.startswith(f"{tmp_path / 'hub'}: 10 rows, ")
+
+
 def test_a_path_too_long_for_the_file_system_is_one_clear_error():
     """A data.train longer than a file name may be was a bare OSError traceback ('File name too long')."""
     for spec in ("q" * 300, "q" * 300 + "/name"):  # the launcher asks is_hub_id first

@@ -21,7 +21,7 @@
   (``test.jsonl`` is never read);
 - a folder of Parquet files, as ``hf download --repo-type dataset`` leaves it:
   the files whose name or folder is the split (``data/train-00000-of-00002.parquet``,
-  ``train.parquet``, ``default/train/0000.parquet``);
+  ``train.parquet``, ``default/train/0000.parquet``), hidden ones (``._0000.parquet``) skipped;
 - a hub dataset id ``owner/name`` that is no local path, loaded with
   ``datasets.load_dataset(id, split=...)`` (optional extra ``dtrain[hf]``);
   one not in the ``datasets`` cache is first asked of the hub once, so an
@@ -166,7 +166,9 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
         if not f.is_file():
             raise DataError(f"{spec}: mlx-lm data folder without {mlx[role]} ({key})")
         return _file_source(f, str(f))
-    parquet = sorted(q for q in p.rglob("*.parquet") if q.is_file())
+    # hidden names are no data: a Mac's AppleDouble files (._0000.parquet), .Trash, .ipynb_checkpoints
+    parquet = sorted(q for q in p.rglob("*.parquet") if q.is_file()
+                     and not any(part.startswith(".") for part in q.relative_to(p).parts))
     if parquet:
         if split is None:
             raise DataError(f"{spec}: a folder of Parquet files; set {split_key} to choose the files")
