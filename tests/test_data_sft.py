@@ -376,3 +376,28 @@ def test_sft_drops_kto_rows_labelled_false_and_counts_them(tmp_path, tok):
     out, _, _ = check_file(cfg.train, cfg, tok, objective="sft")
     assert out.splitlines()[:2] == [f"{cfg.train}: 6 rows, 3 usable, 0 bad, 3 dropped",
                                     "3 of 6 rows dropped (3 label false):"]
+
+
+@pytest.mark.parametrize("conv, why", [
+    ([{"role": "assistant", "content": "4"}], None),
+    ([{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "4"}], None),
+    ([{"role": "user", "content": Q}], "empty response in 'chosen': no assistant message after the shared prompt"),
+    ([{"role": "user", "content": Q}, {"role": "assistant", "content": " "}], "empty response in 'chosen'"),
+])
+def test_a_mapped_chosen_message_list_under_sft_reads_as_a_messages_row(tok, conv, why):
+    """A mapped row whose chosen column holds the whole conversation and that has no rejected column: a lone
+    assistant message (which a messages row trains) was a bad row, and a chosen side at fault was reported as
+    "missing field 'rejected'", which sft does not need."""
+    as_messages, _ = rows_of([{"messages": conv}])
+    items = [("f.jsonl:1", {"conv": conv}), ("f.jsonl:2", {"chosen": conv, "rejected": [
+        {"role": "assistant", "content": "5"}]})]  # unmapped, its rejected side sharing no prompt
+    for cfg, item in ((DataConfig(fields={"chosen": "conv"}), items[0]), (DataConfig(), items[1])):
+        rows, report = parse_rows([item], cfg, "f.jsonl", pairwise=False)
+        if why is None:
+            assert rows == [dataclasses.replace(as_messages[0], source=item[0])] and report.bad == []
+        else:
+            assert rows == [] and report.bad == [(item[0], why)]
+    if why is None:
+        single, _ = tokenize_rows(rows, tok, DataConfig())
+        expected, _ = tokenize_rows(as_messages, tok, DataConfig())
+        assert [(p.prompt, p.chosen) for p in single] == [(p.prompt, p.chosen) for p in expected]

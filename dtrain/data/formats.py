@@ -288,14 +288,15 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
 
 def _parse(obj: dict, fmt: str, fields: Optional[dict], pairwise: bool) -> Row:
     """``obj`` read as ``fmt`` (its columns renamed by ``data.fields``); under SFT a bad row is read again with
-    its chosen side as the rejected one (the original error stands when that fails too: the chosen side or
-    the prompt is at fault). The re-read names the row's own columns: a missing rejected one is a bad row too."""
+    its chosen side as the rejected one (when that fails too, its error stands: the chosen side or the prompt
+    is at fault, and the rejected side that sft does not need is not blamed). The re-read names the row's
+    own columns: a missing rejected one is a bad row too."""
     def parse(o: dict) -> Row:
         return _PARSERS[fmt](_rename(o, fields) if fields and fmt != "mapped" else o, fields)
 
     try:
         return parse(obj)
-    except BadRow as err:
+    except BadRow:
         if pairwise:
             raise
         chosen, rejected = SIDE_KEYS.get(fmt, ("chosen", "rejected"))
@@ -303,10 +304,7 @@ def _parse(obj: dict, fmt: str, fields: Optional[dict], pairwise: bool) -> Row:
             chosen, rejected = fields.get(chosen, chosen), fields.get(rejected, rejected)
         if chosen not in obj:  # an SFT row, or no chosen side
             raise
-        try:
-            return parse({**obj, rejected: obj[chosen]})
-        except BadRow:
-            raise err from None
+        return parse({**obj, rejected: obj[chosen]})
 
 
 def _has_tools(value) -> bool:
@@ -443,7 +441,7 @@ def _implicit_conversation(chosen: list, rejected: list, system: Optional[str]) 
             raise BadRow(f"empty response in {label!r}: no assistant message after the shared prompt")
         sides.append((msgs[:k], _response(msgs[k:], label)))
     (cp, c), (rp, r) = sides
-    if not cp:
+    if not cp and (cp, c) != (rp, r):  # one conversation twice (sft's chosen side) is a messages row
         raise BadRow("no shared prompt: 'chosen' and 'rejected' start with an assistant message")
     return Row(cp, c, r, system, rejected_prompt=None if rp == cp else rp)
 
