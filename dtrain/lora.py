@@ -162,8 +162,8 @@ def keyed_dropout(model: nn.Module) -> DropoutKeys | None:
 def adapter_config(cfg: LoraConfig, model: nn.Module, base_model: dict | None = None,
                    chat_template: str | None = None) -> dict:
     """``adapter_config.json``: mlx-lm's keys, plus ``base_model`` (where the base weights are) and
-    ``chat_template`` (the Jinja text of ``data.chat_template`` when training replaced the base's template;
-    ``dtrain export`` writes it into the exports).
+    ``chat_template`` (the Jinja text the training prompts were rendered with when it is not the base's own,
+    :func:`dtrain.data.templates.trained_template`; ``dtrain export`` writes it into the exports).
 
     ``base_model`` is what :class:`dtrain.models.LoadedModel` records: the path
     and sha256 of a GGUF file, the path and content fingerprint of a model folder,

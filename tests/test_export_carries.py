@@ -464,3 +464,49 @@ def test_the_rounding_warning_suggests_only_types_wider_than_the_one_written(tmp
     q4 = ExportResult(tmp_path, gguf=tmp_path / "model-Q4_0.gguf", quant_error=errors).quant_warning()
     assert q8.endswith("or export a wider type (f16)")
     assert q4.endswith("or export a wider type (q8_0, f16)")
+
+
+def _rows(kind: str) -> list:
+    if kind == "text":
+        return [{"prompt": f"What is {i} + 1?\n", "chosen": f"{i + 1}", "rejected": "the fox"} for i in range(4)]
+    return [{"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+             "chosen": [{"role": "assistant", "content": f"{i + 1}"}],
+             "rejected": [{"role": "assistant", "content": "the fox"}]} for i in range(4)]
+
+
+@pytest.mark.parametrize("base_template, rows, want", [
+    (CHATML, "text", "raw"),  # raw prompts on a ChatML base: ChatML was exported, the model never saw it
+    (None, "messages", PLAIN),  # message rows on a base without a template: the implicit plain, not exported
+    (CHATML, "messages", CHATML),  # message rows keep the model's template under raw
+    (None, "text", None),  # raw text on a base without a template: nothing to add
+])
+def test_a_raw_prompt_run_exports_the_template_its_prompts_were_rendered_with(tmp_path, base_template, rows, want):
+    """data.prompt_template: raw renders plain-text prompts as raw text and, on a base without a template,
+    message rows in the plain format: the export is prompted that way, as training was."""
+    from dtrain.data.templates import RAW_TEXT
+
+    want = RAW_TEXT if want == "raw" else want
+    base, data = tmp_path / "base.gguf", tmp_path / "pairs.jsonl"
+    write_tiny_llama(base, {}, chat_template=base_template)
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(rows)))
+    assert main(["train", "--model.path", str(base), "--data.train", str(data), "--data.prompt_template", "raw",
+                 "--data.valid_fraction", "0", "--train.steps", "1", "--train.global_batch_pairs", "2",
+                 "--train.micro_batch_pairs", "2", "--train.progress", "false", "--train.warmup_steps", "0",
+                 "--train.output_dir", str(tmp_path / "run")]) == 0
+    adapter = tmp_path / "run" / "adapters"
+    recorded = json.loads((adapter / "adapter_config.json").read_text()).get("chat_template")
+    assert recorded == (None if want in (None, base_template) else want)
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    assert result.chat_template == want
+    fields = gguf.GGUFReader(str(result.gguf)).fields
+    assert (fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in fields else None) == want
+    from dtrain.data import tokenize_rows
+    from dtrain.config import DataConfig
+    from dtrain.data.formats import parse_rows
+
+    trained, _ = tokenize_rows(parse_rows([("x", r) for r in _rows(rows)[:1]], DataConfig(), "x")[0],
+                               load_model(str(base)).tokenizer, DataConfig(prompt_template="raw"))
+    prompt = _rows(rows)[0]["prompt"]
+    messages = prompt if rows == "messages" else [{"role": "user", "content": prompt}]
+    if want is not None:  # mlx_lm.generate's prompt is the one training put before each response
+        assert mlx_lm_prompt(result.folder, messages) == trained[0].prompt

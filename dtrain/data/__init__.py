@@ -80,6 +80,8 @@ class Dataset:
     parameters. It changes whenever the input data changes.
     ``cache_entries``: tokenized pairs not yet in the cache, for
     :func:`write_entries` once the run owns its output folder.
+    ``messages``: most training prompts are message rows, not plain text (which
+    template rendered them: :func:`.templates.trained_template`).
     """
 
     train: list
@@ -87,6 +89,7 @@ class Dataset:
     report: BadRowReport = field(default_factory=BadRowReport)
     fingerprint: str = ""
     cache_entries: list = field(default_factory=list, repr=False, compare=False)
+    messages: bool = False
 
 
 def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], None]] = print,
@@ -140,4 +143,6 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     if not train:
         raise DataError(f"no usable training pairs in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
                         f"{len(report.dropped)} dropped: no preference signal or no room)")
-    return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending)
+    prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
+    return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,
+                   messages=2 * sum(prompts) > len(prompts))

@@ -176,6 +176,20 @@ def renderers(tokenizer, cfg) -> tuple:
     return chat, chat or raw
 
 
+def trained_template(tokenizer, cfg, messages: bool) -> Optional[str]:
+    """The Jinja text the training prompts were rendered with (:func:`renderers`) where it is not the model's own;
+    None where it is, or where it is raw text on a model without a template (prompted as raw text anyway).
+
+    ``messages``: most training prompts are message rows. ``adapter_config.json`` records it so
+    ``dtrain export`` prompts the merged model as it was trained.
+    """
+    own = template_source(cfg.chat_template) if cfg.chat_template is not None else None
+    templated = own is not None or has_chat_template(tokenizer)
+    if not messages and cfg.prompt_template == "raw":
+        return RAW_TEXT if templated else None
+    return PLAIN if messages and not templated else own
+
+
 def end_of_turn(tokenizer, renderer: Optional[Renderer] = None) -> tuple:
     """The token that closes an assistant turn: ``(text, [ids])``.
 

@@ -12,8 +12,9 @@ F32 as llama.cpp writes them; matrices take the requested type, and a matrix
 whose rows are not a multiple of the 32-value quantization block is written F16.
 
 Exports carry what training used. The chat template is the one recorded in
-``adapter_config.json`` (``chat_template``: the training run's
-``data.chat_template`` text; older adapters: ``data.chat_template`` of the
+``adapter_config.json`` (``chat_template``: the text of the template the
+training prompts were rendered with where it was not the base's own,
+``templates.trained_template``; older adapters: ``data.chat_template`` of the
 ``config.yaml`` beside them), else the base's own: it is the GGUF's
 ``tokenizer.chat_template`` and the folder's ``chat_template.jinja`` (there with
 BOS in front where the tokenizer adds it and the template writes none:

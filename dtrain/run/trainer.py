@@ -23,7 +23,7 @@ from ..blas import warn_if_slow
 from ..config import Config, to_dict
 from ..config_checks import unread_keys
 from ..data.sources import mlx_valid
-from ..data.templates import template_source
+from ..data.templates import trained_template
 from ..device import resolve_auto
 from ..distributed import Group, check_in_sync, handshake
 from ..engine import fit_dataset, make_engine, make_objective
@@ -128,7 +128,7 @@ class Run:
     resumed_from: Optional[Path] = None
     cleanup: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     hooks: Hooks = Hooks()
-    chat_template: Optional[str] = None  # data.chat_template's text, recorded in adapter_config.json
+    chat_template: Optional[str] = None  # the prompts' template, if not the model's (adapter_config.json)
     best: keep_best.BestAdapter = field(default_factory=keep_best.BestAdapter)  # train.keep_best: rank 0's copy
     lock: Optional[output.OutputLock] = None  # rank 0's hold on the output folder
 
@@ -388,7 +388,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         return Run(cfg, group, model, engine, optimizer, pairs_sampler, dataset.train, valid, state, log, stop,
                    resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks,
-                   template_source(cfg.data.chat_template) if cfg.data.chat_template is not None else None, kept, lock)
+                   trained_template(loaded.tokenizer, cfg.data, getattr(dataset, "messages", False)), kept, lock)
 
 
 def held_out_steering(cfg: Config, train_pairs: int, held_out_pairs: int) -> list:
