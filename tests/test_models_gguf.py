@@ -273,6 +273,25 @@ def test_convert_and_export_name_a_file_where_the_folder_should_be(tmp_path, cap
     assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tiny.gguf"]
 
 
+
+@pytest.mark.parametrize("out", [".", "../here"])
+def test_convert_and_export_into_the_empty_current_folder_are_refused_in_one_line(tmp_path, monkeypatch, capsys, out):
+    """`--out .` in an empty folder ended in "could not write .: Device or resource busy" once the merge was done,
+    and `--out ../here` from inside it replaced the folder the shell stood in (its shell then in a removed one)."""
+    from dtrain.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    message = f"{out} is the current folder, which the output would replace; name a new folder (e.g. {out}/merged)"
+    with pytest.raises(ModelError) as err:
+        convert_gguf(str(path), out)
+    assert str(err.value) == message
+    assert main(["export", str(tmp_path), "--base", str(path), "--out", out]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "tiny.gguf"] and not any((tmp_path / "here").iterdir())
+
 def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
     from mlx_lm import load
 

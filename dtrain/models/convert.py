@@ -96,7 +96,8 @@ def save_mlx_lm(folder: Path, model, config: dict, tokenizer) -> None:
 
 
 def check_new_folder(out_dir: str) -> None:
-    """Raises ModelError when ``out_dir`` is empty text, a file or under one, or a folder that is not empty."""
+    """Raises ModelError when ``out_dir`` is empty text, a file or under one, a folder that is not empty, or the
+    current folder (:func:`write_folder` replaces the folder it writes)."""
     if not out_dir:
         raise ModelError("the output folder is empty text; name a new folder")
     out = Path(out_dir)
@@ -106,6 +107,9 @@ def check_new_folder(out_dir: str) -> None:
         raise ModelError(f"{out_dir} {where}, not a folder; choose a new folder")
     if out.is_dir() and any(out.iterdir()):
         raise ModelError(f"{out_dir}: output folder already exists and is not empty; choose a new folder")
+    if out.is_dir() and out.resolve() == Path.cwd().resolve():  # renaming it away strands the shell standing in it
+        raise ModelError(f"{out_dir} is the current folder, which the output would replace; name a new folder "
+                         f"(e.g. {out_dir}/merged)")
 
 
 def write_folder(out_dir: str, fill: Callable[[Path], None]) -> Path:
