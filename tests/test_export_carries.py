@@ -285,6 +285,20 @@ def test_training_template_from_adapter_config_or_the_checkpoint_config(tmp_path
     assert "chat_template" not in adapter_config(LoraConfig(), model, None, None)
 
 
+
+@pytest.mark.parametrize("recorded, problem", [
+    ("{% for m in messages %}{{ m['content'] }", "Jinja syntax error on line 1: unexpected '}'"),
+    (["{{ m }}"], "a JSON array, not a Jinja template's text"),
+])
+def test_a_recorded_chat_template_that_cannot_render_is_named_not_exported(tmp_path, tiny, capsys, recorded, problem):
+    """A hand-edited adapter_config.json chat_template was written into the folder and the GGUF as it was (a syntax
+    error: mlx_lm.generate and llama.cpp --jinja fail on the export; a list: save_pretrained's traceback)."""
+    base, adapter = tiny
+    record_template(adapter, recorded)
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out"), "--gguf", "f16"]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {adapter / 'adapter_config.json'}: chat_template: {problem}\n"
+    assert not (tmp_path / "out").exists()
+
 def quant_error_by_hand(result, base, adapter_dir, gguf_type):
     """‖Q(W+ΔW) − (W+ΔW)‖ and ‖ΔW‖ of one matrix, recomputed from the files."""
     from mlx.utils import tree_flatten

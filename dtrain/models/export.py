@@ -238,32 +238,42 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     return loaded, updates
 
 
-def training_template(adapter_dir: str) -> str | None:
+def training_template(adapter_dir: str, tokenizer=None) -> str | None:
     """The chat template an adapter was trained with when it replaced the base's (None: the base's own).
 
     ``adapter_config.json``'s ``chat_template`` (written by dtrain's trainer), else
     ``data.chat_template`` of the ``config.yaml`` in the same folder (checkpoints).
+    With ``tokenizer``, the template is compiled as training compiled it (a hand-edited one may not).
 
     Raises:
-        ModelError: a recorded ``data.chat_template`` that is no longer readable.
+        ModelError: a recorded ``chat_template`` that is not text or not valid Jinja, or a recorded
+            ``data.chat_template`` that is no longer readable.
     """
     import yaml
 
-    from ..data.templates import template_source
+    from ..data.formats import json_kind
+    from ..data.templates import make_renderer, template_source
 
     folder = Path(adapter_dir)
-    recorded = json.loads((folder / "adapter_config.json").read_text()).get("chat_template")
-    if recorded is not None:
-        return recorded
+    where = f"{folder / 'adapter_config.json'}: chat_template"
+    text = json.loads((folder / "adapter_config.json").read_text()).get("chat_template")
+    if text is not None and not isinstance(text, str):
+        raise ModelError(f"{where}: a JSON {json_kind(text)}, not a Jinja template's text")
     config = folder / "config.yaml"
-    name = ((yaml.safe_load(config.read_text()) or {}).get("data") or {}).get("chat_template") if config.is_file() \
-        else None
-    if name is None:
-        return None
-    try:
-        return template_source(name)
-    except DataError as err:
-        raise ModelError(f"{config}: the run's {err}") from None
+    name = ((yaml.safe_load(config.read_text()) or {}).get("data") or {}).get("chat_template") \
+        if text is None and config.is_file() else None
+    if name is not None:
+        try:
+            text = template_source(name)
+        except DataError as err:
+            raise ModelError(f"{config}: the run's {err}") from None
+        where = f"{config}: the run's data.chat_template {name}"
+    if text is not None and tokenizer is not None:
+        try:
+            make_renderer(tokenizer, text, where)
+        except DataError as err:  # a Jinja syntax error, with its line
+            raise ModelError(str(err)) from None
+    return text
 
 
 def adapter_label(adapter_dir: str) -> str:
@@ -357,7 +367,7 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
             raise ModelError(f"--gguf needs a GGUF base model (its layout and metadata are copied); {base} is not "
                              "a GGUF file. For an mlx-lm base, `mlx_lm.fuse --export-gguf` writes F16 llama GGUFs")
     loaded, updates = merge_adapter(adapter_dir, base, allow_base_mismatch, report)  # checks the adapter folder first
-    trained_with = training_template(adapter_dir)
+    trained_with = training_template(adapter_dir, loaded.tokenizer)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
     hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
     own = hf.chat_template  # a dict for a base with named templates (transformers renders its "default")
