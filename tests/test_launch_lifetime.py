@@ -72,16 +72,18 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     wait_until(lambda: not list(tmp.glob("dtrain-launch-*")), "the launcher's temporary folder to go", limit=STOP_S)
 
 
-@needs_proc  # find_trainers: rank 1's trainer
-def test_a_rank_whose_wrapper_is_killed_stops_the_others(job, tmp_path):
-    """SIGKILL of rank 1's wrapper (python -m dtrain.launch.rank): its trainer, in a session of its own, trained on
-    with rank 0 to train.steps (no report came, so no abort), and was killed only once rank 0 had ended."""
+@needs_proc  # find_trainers: the rank's trainer
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_rank_whose_wrapper_is_killed_stops_the_job_and_rank_0_saves(job, tmp_path, ranks):
+    """SIGKILL of the last rank's wrapper (python -m dtrain.launch.rank): its trainer, in a session of its own,
+    trained on with rank 0 to train.steps (no report came, so no abort), and was killed only once rank 0 had ended;
+    with -n 1 the launcher then killed the one trainer at once, and nothing was saved."""
     out = tmp_path / "run"
-    proc = spawn([sys.executable, LAUNCH, "-n", 2, "--port", free_port(), job, "--train.steps", 5000,
+    proc = spawn([sys.executable, LAUNCH, "-n", ranks, "--port", free_port(), job, "--train.steps", 5000,
                   "--train.save_every", 0, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
     try:
         wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
-        trainer = find_trainers(str(out))[1]
+        trainer = find_trainers(str(out))[ranks - 1]
         wrapper = processes()[trainer][0]  # its parent
         os.kill(wrapper, signal.SIGKILL)
         code = wait_exit(proc, STOP_S)
@@ -89,8 +91,11 @@ def test_a_rank_whose_wrapper_is_killed_stops_the_others(job, tmp_path):
     finally:
         kill_tree(proc)
     assert code == 128 + signal.SIGKILL, proc.err()
-    assert "launch: rank 1's wrapper ended without reporting; stopping the other rank(s)" in proc.err()
-    assert "launch: rank(s) 1 did not report an exit status (killed by SIGKILL)" in proc.err()
+    others = "; stopping the other rank(s)" if ranks > 1 else ""
+    assert f"launch: rank {ranks - 1}'s wrapper ended without reporting{others}" in proc.err()
+    assert f"launch: rank(s) {ranks - 1} did not report an exit status (killed by SIGKILL)" in proc.err()
+    assert f"launch: asked rank {ranks - 1}'s trainer (pid {trainer}) to save after its step and stop" in proc.err()
+    assert "killed rank" not in proc.err()  # its trainer stopped after its step, within the abort's grace
     assert not (out / ADAPTER).exists()  # stopped, not trained to step 5000
     saved = find_latest(out / "checkpoints")  # rank 0 stopped after its step and saved
     assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()

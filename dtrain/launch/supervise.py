@@ -14,7 +14,9 @@ ended it, its ranks save and stop.
 
 The first rank that fails on its own makes the launcher abort the others
 (a survivor stuck in a collective with a dead peer would otherwise wait for
-its watchdog). Trainer processes on this machine that outlive their wrapper
+its watchdog); a wrapper the launcher started that ends without its report
+(killed) fails its rank, and its trainer is asked to save after its step, as
+the abort asks the others. Trainer processes on this machine that outlive their wrapper
 (mpirun kills wrappers when a rank fails) are killed before the attempt ends,
 so a restart never meets a rank of the previous attempt.
 """
@@ -101,6 +103,7 @@ class Attempt:
         self.stopped_by: Optional[int] = None
         self.aborted_at: Optional[float] = None
         self.procs: list = []  # mlx.launch, mpirun or the one rank; or each rank's wrapper (plan.direct)
+        self.orphaned: dict = {}  # rank -> when its wrapper ended without reporting (its trainer was told to stop)
         self._lock = threading.Lock()
         self._errors: dict = {}  # a `dtrain: error:` line shown -> it and its indented lines: every rank may meet it
 
@@ -137,7 +140,8 @@ class Attempt:
             self._send(signal.SIGUSR2)
         # stdout comes through the launcher too: mpirun, handed a closed stdout (``| head`` ended),
         # can die of SIGPIPE while it shuts down after every rank saved; write() drops such output.
-        wrapped = range(len(self.procs)) if self.plan.direct else [None]  # rank r's wrapper is procs[r]
+        # rank r's wrapper is procs[r]: each rank's (plan.direct), or the one rank's
+        wrapped = range(len(self.procs)) if self.plan.direct or self.plan.backend == "none" else [None]
         relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(), rank), daemon=True)
                   for p, rank in zip(self.procs, wrapped)]
         relays += [threading.Thread(target=_copy_out, args=(p.stdout.fileno(),), daemon=True) for p in self.procs]
@@ -220,6 +224,18 @@ class Attempt:
         if rank is not None and rank not in self.reports and self.stopped_by is None:
             # the wrapper was killed: its trainer, in a session of its own, would train on with the others
             self.abort(f"rank {rank}'s wrapper ended without reporting")
+            self._stop_orphan(rank)
+
+    def _stop_orphan(self, rank: int) -> None:
+        """Do for ``rank``'s trainer what its killed wrapper would on the abort: ask it to save after its step
+        (SIGHUP: its output has no reader now, and a trainer points it at /dev/null on that signal, so a write
+        there does not end it before its save); :meth:`_kill_leftovers` kills it ``ABORT_GRACE_S`` later."""
+        start = self.started.get(rank)
+        if start is not None and start.host == socket.gethostname() and _is_trainer(start.pid):
+            self.orphaned[rank] = time.monotonic()
+            _signal(start.pid, signal.SIGHUP)
+            say(f"launch: asked rank {rank}'s trainer (pid {start.pid}) to save after its step and stop "
+                f"(its own lines have no reader now)")
 
     def _error_block(self, line: bytes) -> tuple:
         """``(lines, held)`` of the error block ``line`` starts: the list its relay fills, and whether a rank
@@ -254,6 +270,7 @@ class Attempt:
         pids = {s.rank: s.pid for s in self.started.values()
                 if s.host == here and s.rank not in self.reports and (_is_trainer(s.pid) or _dying(s.pid))}
         end = time.monotonic() + (LEFTOVER_GRACE_S if self.stopped_by is not None and self.aborted_at is None else 0)
+        end = max([end, *(at + ABORT_GRACE_S for rank, at in self.orphaned.items() if rank in pids)])
         while any(_is_trainer(p) for p in pids.values()) and time.monotonic() < end:
             time.sleep(0.2)
         for rank, pid in sorted(pids.items()):
