@@ -2,6 +2,7 @@
 uninterrupted run bitwise; corrupt checkpoints are skipped; incompatible ones
 refused; TensorBoard continues without duplicated steps."""
 
+import errno
 import fcntl
 import json
 import os
@@ -244,7 +245,7 @@ def test_a_kill_between_an_adapter_folder_s_renames_leaves_no_old_copy_after_the
     from dtrain.files import clear_set_aside
 
     out = tmp_path / "out"
-    for name in (".adapters.tmp-4242", ".adapters-last.tmp-4242", "data_cache/.tmp-abc.npz"):
+    for name in (".adapters.tmp-4242", ".adapters-last.tmp-4242", "data_cache/.tmp-abc.npz", ".write-test-4242"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         ((out / name).mkdir() if "adapters" in name else (out / name).write_bytes(b"x"))
     output.prepare_output(out, output.DiskPlan(0, 0, 0, 1), resuming=True).release()
@@ -582,6 +583,18 @@ def test_output_folder_checks(tmp_path):
     blocker.write_text("x")
     with pytest.raises(UserError, match=f"^train.output_dir {blocker / 'out'} is under {blocker}, a file, not a folder"):
         output.check_output_dir(blocker / "out", need_bytes=1)
+
+
+def test_a_failed_write_test_leaves_no_probe_file(tmp_path, monkeypatch):
+    """A full disk fails the probe's write after its open created it: .write-test-PID stayed in the output folder."""
+    def write_bytes(path, data):
+        path.touch()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    with pytest.raises(UserError, match=f"^output folder {tmp_path} is not writable: No space left on device$"):
+        output.check_output_dir(tmp_path, need_bytes=1)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(tmp_path):

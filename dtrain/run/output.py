@@ -24,6 +24,9 @@ from ..files import OutputDir, clear_set_aside, output_dir_problem, storage
 from ..lora import ADAPTER_CONFIG
 from .checkpoint import PREFIX, find_latest, list_checkpoints, step_of, validate
 
+WRITE_TEST = ".write-test-"  # check_output_dir's probe file, then its pid
+
+
 def estimate_bytes(model) -> int:
     """Bytes one checkpoint needs: adapter + two AdamW moments + the best adapter, plus 1 MiB of metadata."""
     n = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
@@ -158,13 +161,14 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         raise UserError(output_dir_problem(out, err)) from None
     try:
         # what a killed run left half-written (files.atomic_folder's adapter and checkpoint folders, new and set
-        # aside, the caches' temporary files); under the lock no other run writes here. Before the checkpoints are
-        # looked at: a step-N/ set aside whose replacement never took its name is the one to resume from
+        # aside, the caches' temporary files, the write test's probe); under the lock no other run writes here.
+        # Before the checkpoints are looked at: a step-N/ set aside whose replacement never took its name is the
+        # one to resume from
         with storage(f"remove what a killed run left in {out}"):
             clear_set_aside(out, "adapters*")
             if OutputDir(out).checkpoints.is_dir():
                 clear_set_aside(OutputDir(out).checkpoints, f"{PREFIX}*")
-            for debris in OutputDir(out).data_cache.glob(".tmp-*"):
+            for debris in [*OutputDir(out).data_cache.glob(".tmp-*"), *out.glob(f"{WRITE_TEST}*")]:
                 debris.unlink(missing_ok=True)
         earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
@@ -196,11 +200,13 @@ def check_output_dir(out: Path, need_bytes: int, what: str = "a checkpoint") -> 
     Raises:
         UserError: naming the folder and the bytes needed/free.
     """
+    probe = out / f"{WRITE_TEST}{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        try:
+            probe.write_bytes(b"ok")
+        finally:
+            probe.unlink(missing_ok=True)  # also after a failed write: its open may have created the file
     except OSError as err:
         raise UserError(output_dir_problem(out, err)) from None
     free = shutil.disk_usage(out).free
