@@ -156,6 +156,23 @@ def test_corrupt_newest_checkpoint_is_reported_and_skipped(tmp_path):
     assert "checksum mismatch in adapters.safetensors" in seen[0] and "no manifest.json" in seen[1]
 
 
+def test_a_damaged_checkpoint_of_the_run_is_pruned_as_a_valid_one_would_be(tmp_path):
+    """keep_last counted only valid checkpoints: this run's damaged step-2 stayed beside the newest two for good,
+    said nowhere (find_latest stops at the newest valid one). One whose run cannot be read is left alone."""
+    from test_trainer import run
+
+    args = ("train.save_every=2", "train.keep_last=2")
+    run(tmp_path, "train.steps=4", *args)
+    root = tmp_path / "checkpoints"
+    weights = root / "step-0000002" / "adapters.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-7])
+    shutil.copytree(root / "step-0000002", root / "step-0000001")
+    (root / "step-0000001" / "state.json").write_text("{")  # whose run is unknown
+    resumed, _ = run(tmp_path, "train.steps=8", *args, "train.resume=auto")
+    assert len(resumed.history) == 4
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-0000001", "step-0000006", "step-0000008"]
+
+
 def test_only_step_folders_with_a_number_are_checkpoints_in_step_order(tmp_path):
     """Names were compared as text: a copy (`step-0000001 copy`, `step-1.bak`) sorted after step-0000002 and
     was resumed from, then pruned; step 10,000,000 sorted before step 9,999,999."""

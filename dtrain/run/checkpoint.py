@@ -407,7 +407,8 @@ def step_of(path: Path) -> int:
 
 
 def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) -> None:
-    """Delete all but the newest ``keep_last`` valid checkpoints of run ``run_id``, and stale temporaries.
+    """Delete all but the newest ``keep_last`` valid checkpoints of run ``run_id`` (its damaged ones older than
+    those kept go too), and stale temporaries.
 
     ``saved``: the step just saved; the run's checkpoints past it are of steps it left when it was
     continued from an older checkpoint (``train.resume`` naming one), and go first, so that
@@ -415,8 +416,18 @@ def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) 
     """
     if root.is_dir():
         clear_set_aside(root, f"{PREFIX}*")
-    done = [p for p in list_checkpoints(root) if run_id_of(p) == run_id]
-    left = [p for p in done if saved is not None and step_of(p) > saved]
-    done = [p for p in done if p not in left]
-    for p in left + done[: max(len(done) - keep_last, 0)]:
+    mine = [p for p in list_checkpoints(root) if _written_run_id(p) == run_id]  # damaged ones included
+    left = [p for p in mine if saved is not None and step_of(p) > saved]
+    kept = [p for p in mine if p not in left and validate(p) is None][-keep_last:]
+    # a damaged one (never resumed from) goes where a valid one would: past ``saved``, or older than those kept
+    old = [p for p in mine if kept and step_of(p) < step_of(kept[0])]
+    for p in left + old:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def _written_run_id(path: Path) -> Optional[str]:
+    """The run id ``state.json`` names, the manifest unchecked (a damaged checkpoint's too); None when unreadable."""
+    try:
+        return str(json.loads((path / STATE).read_text()).get("run_id", ""))
+    except (OSError, ValueError, AttributeError):
+        return None
