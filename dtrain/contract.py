@@ -35,6 +35,9 @@ GROUP_KILL_MARGIN_S = 7.0
 EXIT_USER_ERROR = 2  # bad config, data, model, output folder (dtrain.errors.UserError)
 EXIT_TIMEOUT = 3  # the collective watchdog fired: a peer stalled (distributed.Watchdog)
 EXIT_LOST_PEER = 4  # a collective failed: MLX reported a lost peer (distributed.CollectiveError)
+# a user error rank 0 met and showed; the other ranks end with this, pointing to its message
+# (distributed.AfterRank0Error): the launcher blames rank 0 and, like a user error, restarts nothing
+EXIT_AFTER_RANK0 = 5
 ERROR_PREFIX = "dtrain: error: "  # a rank's user error line; the launcher shows a line every rank printed once
 
 RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # first one set wins

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
 from .memory import is_out_of_memory
-from .contract import (BACKENDS, ERROR_PREFIX, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
+from .contract import (BACKENDS, ERROR_PREFIX, EXIT_AFTER_RANK0, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
                        launcher_backend, rank_from_env, size_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
@@ -38,6 +38,13 @@ class CollectiveError(UserError):
     which ``./launch --max-restarts`` treats as transient (unlike other user errors)."""
 
     exit_status = EXIT_LOST_PEER
+
+
+class AfterRank0Error(UserError):
+    """Rank 0 met a user error and shows it; another rank ends with ``EXIT_AFTER_RANK0`` and points to it
+    (``rank 0 could not ...; see its message``), so the launcher blames rank 0 whichever report comes first."""
+
+    exit_status = EXIT_AFTER_RANK0
 
 
 class ForeignRankError(UserError):

@@ -381,14 +381,22 @@ def test_a_user_error_is_not_restartable(capsys):
     assert out.user_error and not out.restartable and out.code == 2
 
 
-def test_a_rank_the_launcher_stopped_is_not_blamed(capsys):
-    """Two jobs into one folder: rank 1 fails first (2, "see its message"); the launcher's abort
-    reaches rank 0 while it exits with its own error, and SIGINT ends it. Rank 1 is named, not rank 0."""
-    out = summarize(2, *exit_reports((1, 2, ["dtrain: error: rank 0 could not prepare the output folder"], None, None),
-                                     (0, -2, ["dtrain: error: output folder run is in use"], None, None, True)), 0, None)
-    assert (out.code, out.failed, out.user_error, out.restartable) == (2, [1], True, False)
-    assert capsys.readouterr().err == ("launch: rank 1 failed with exit status 2 (user error); its message is above\n"
-                                       "launch: rank(s) 0 stopped by the launcher\n")
+def test_a_rank_pointing_to_rank_0s_error_is_not_blamed(capsys):
+    """Two jobs into one folder: rank 1's "rank 0 could not prepare the output folder; see its message" came
+    first, with exit status 2: the launcher named rank 1 and aborted rank 0 while it exited with its own error
+    (SIGINT ended it: "stopped by the launcher"). Rank 1's exit status 5 now says it points to rank 0."""
+    from dtrain.contract import EXIT_AFTER_RANK0
+
+    out = summarize(2, *exit_reports((1, EXIT_AFTER_RANK0, ["dtrain: error: rank 0 could not prepare the output "
+                                                            "folder; see its message"], None, None),
+                                     (0, 2, ["dtrain: error: output folder run is in use"], None, None)), 0, None)
+    assert (out.code, out.failed, out.user_error, out.restartable) == (2, [0, 1], True, False)
+    assert out.cause() == "rank 0 failed (exit status 2 (user error))"
+    assert capsys.readouterr().err == ("launch: rank 0 failed with exit status 2 (user error); its message is above\n"
+                                       "launch: rank 1 failed with exit status 5 (after rank 0's error); its message "
+                                       "is above\n")
+    out = summarize(2, *exit_reports((1, EXIT_AFTER_RANK0, [], None, None)), 0, None)  # rank 0's report never came
+    assert (out.code, out.failed, out.restartable) == (EXIT_AFTER_RANK0, [1], False)
 
 
 def test_the_rank_wrapper_reports_an_abort_that_came_while_its_child_ran(tmp_path):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..contract import (ABORT_GRACE_S, ERROR_PREFIX, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR,
+from ..contract import (ABORT_GRACE_S, ERROR_PREFIX, EXIT_AFTER_RANK0, EXIT_LOST_PEER, EXIT_TIMEOUT, EXIT_USER_ERROR,
                         GROUP_KILL_MARGIN_S, JOB_VAR, LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env)
 from ..errors import UserError
 from .plan import Plan, command_with_env
@@ -52,7 +52,7 @@ def describe_status(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     meaning = {EXIT_USER_ERROR: "user error", EXIT_TIMEOUT: "collective watchdog: a peer stalled",
-               EXIT_LOST_PEER: "lost a peer"}.get(code)
+               EXIT_LOST_PEER: "lost a peer", EXIT_AFTER_RANK0: "after rank 0's error"}.get(code)
     return f"exit status {code}" + (f" ({meaning})" if meaning else "")
 
 
@@ -75,15 +75,15 @@ class Outcome:
     @property
     def user_error(self) -> bool:
         """Some rank ended with a user error (bad input): a restart would only repeat it."""
-        return any(self.reports[r].code == EXIT_USER_ERROR for r in self.failed)
+        return any(self.reports[r].code in (EXIT_USER_ERROR, EXIT_AFTER_RANK0) for r in self.failed)
 
     @property
     def restartable(self) -> bool:
         return self.code != 0 and self.stopped_by is None and not self.user_error
 
     def cause(self) -> str:
-        """The failure in words: the first failed rank that is not a consequence (a lost peer)."""
-        roots = [r for r in self.failed if self.reports[r].code != EXIT_LOST_PEER] or self.failed
+        """The failure in words: the first failed rank that is not a consequence (a lost peer, a pointer to rank 0)."""
+        roots = [r for r in self.failed if self.reports[r].code not in (EXIT_LOST_PEER, EXIT_AFTER_RANK0)] or self.failed
         if roots:
             return f"rank {roots[0]} failed ({describe_status(self.reports[roots[0]].code)})"
         if self.missing:
@@ -259,7 +259,9 @@ class Attempt:
             return
         self.reports[report.rank] = report
         self.order.append(report.rank)
-        if report.code != 0 and self.stopped_by is None and report.killed is None:
+        # a rank pointing to rank 0's error: rank 0 ends with that error by itself, and an abort would
+        # reach it while it exits (reported as stopped by the launcher, not as the rank that failed)
+        if report.code not in (0, EXIT_AFTER_RANK0) and self.stopped_by is None and report.killed is None:
             # one rank: nothing else to stop, and the summary names the failure
             self.abort(f"rank {report.rank} failed ({describe_status(report.code)})", self.plan.world_size > 1)
 
@@ -298,11 +300,12 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
         stopped_by: the signal that stopped the job for good, or None.
     """
     ended = [r for r in order if reports[r].code != 0 and reports[r].killed is None and reports[r].stop is None]
-    failed = [r for r in ended if not reports[r].aborted]
+    # rank 0's own error ahead of the ranks pointing to it, whichever report came first
+    failed = sorted((r for r in ended if not reports[r].aborted), key=lambda r: reports[r].code == EXIT_AFTER_RANK0)
     for r in failed:
         rep = reports[r]
         what = ("failed with " if rep.code > 0 else "was ") + describe_status(rep.code)
-        if rep.code == EXIT_USER_ERROR:  # one line "dtrain: error: ...", relayed above as it came
+        if rep.code in (EXIT_USER_ERROR, EXIT_AFTER_RANK0):  # one line "dtrain: error: ...", relayed above as it came
             say(f"launch: rank {r} {what}; its message is above")
             continue
         say(f"launch: rank {r} {what}" + ("; its last lines:" if rep.tail else ""))

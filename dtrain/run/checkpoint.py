@@ -42,6 +42,7 @@ import numpy as np
 import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..distributed import AfterRank0Error
 from ..errors import UserError
 from ..identity import BEFORE_KEY, REFUSED_WHEN
 from ..files import OutputDir, atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
@@ -390,7 +391,9 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
     decision = json.loads(group.broadcast_text(json.dumps(decision), None, "resume decision of rank 0"))
     if "error" in decision:
         # rank 0 prints the reason; the others point to it, so the job shows it once (as the output-folder check)
-        raise UserError(decision["error"] if group.is_main else "rank 0 could not resume the run; see its message")
+        if not group.is_main:
+            raise AfterRank0Error("rank 0 could not resume the run; see its message")
+        raise UserError(decision["error"])
     if decision["path"] is None:
         return None
     adapter = group.broadcast_arrays(found.adapter if found else _zeros(decision["adapter"]), None,

@@ -25,7 +25,7 @@ from ..config_checks import unread_keys
 from ..data.sources import mlx_valid
 from ..data.templates import trained_template
 from ..device import resolve_auto
-from ..distributed import Group, check_in_sync, handshake
+from ..distributed import AfterRank0Error, Group, check_in_sync, handshake
 from ..engine import fit_dataset, make_engine, make_objective
 from . import best as keep_best, lambda_control
 from .evaluation import ACCURACY, evaluate_and_log
@@ -527,5 +527,5 @@ def _main_rank_check(group: Group, check, what: str = "prepare the output folder
     if message:
         raise UserError(message)
     if failed:
-        raise UserError(f"rank 0 could not {what}; see its message")
+        raise AfterRank0Error(f"rank 0 could not {what}; see its message")
     return value
