@@ -145,19 +145,16 @@ OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_t
 
 
 # Keys another key's value leaves unread: (section, name) -> [(the setting that does, is it this config's)].
-_SEGMENTED_ONLY = ("segment_layers", "prefix_sharing", "head_chunk_tokens", "length_bucket", "pack",
-                   "attention_groups", "compile", "kernels")
-_CONTROLLER = ("min", "max", "step", "backoff", "window", "epsilon", "stop_drop", "law", "kd")
+_REFERENCE = ("engine.kind reference", lambda c: c.engine.kind == "reference")
+_STATIC = ("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static")
 UNREAD_WHEN = {
-    **{("engine", k): [("engine.kind reference", lambda c: c.engine.kind == "reference")] for k in _SEGMENTED_ONLY},
-    ("engine", "segment_layers"): [("engine.kind reference", lambda c: c.engine.kind == "reference"),
-                                   ("engine.kind auto (it sizes the ranges itself)", lambda c: c.engine.kind == "auto")],
-    **{("orpo", f"lambda_{k}"): [("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static")]
-       for k in _CONTROLLER},
-    ("orpo", "lambda_backoff"): [("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static"),
-                                 ("orpo.lambda_law pd", lambda c: c.orpo.lambda_law == "pd")],
-    ("orpo", "lambda_kd"): [("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static"),
-                            ("orpo.lambda_law aimd", lambda c: c.orpo.lambda_law == "aimd")],
+    **{("engine", k): [_REFERENCE] for k in ("prefix_sharing", "head_chunk_tokens", "length_bucket", "pack",
+                                              "attention_groups", "compile", "kernels")},
+    ("engine", "segment_layers"): [_REFERENCE, ("engine.kind auto (it sizes the ranges itself)",
+                                                lambda c: c.engine.kind == "auto")],
+    **{("orpo", f"lambda_{k}"): [_STATIC] for k in ("min", "max", "step", "window", "epsilon", "stop_drop", "law")},
+    ("orpo", "lambda_backoff"): [_STATIC, ("orpo.lambda_law pd", lambda c: c.orpo.lambda_law == "pd")],
+    ("orpo", "lambda_kd"): [_STATIC, ("orpo.lambda_law aimd", lambda c: c.orpo.lambda_law == "aimd")],
     ("orpo", "lam"): [("orpo.lambda_schedule adaptive (lambda starts at orpo.lambda_min)",
                        lambda c: c.orpo.lambda_schedule == "adaptive")],
 }

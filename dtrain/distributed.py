@@ -27,8 +27,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import UserError
 from .memory import is_out_of_memory
-from .contract import (BACKENDS, ERROR_PREFIX, EXIT_AFTER_RANK0, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR, RANK_VARS, SIZE_VARS,  # the launcher contract
-                       launcher_backend, rank_from_env, size_from_env)
+from .contract import (BACKENDS, ERROR_PREFIX, EXIT_AFTER_RANK0, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR,  # the launcher contract
+                       RANK_VARS, SIZE_VARS, launcher_backend, rank_from_env, size_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
 
