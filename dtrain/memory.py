@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from typing import Callable, Iterator, Mapping, Optional
 
 import mlx.core as mx
@@ -45,8 +46,21 @@ def backend() -> str:
 
 
 def physical_memory() -> int:
-    """This machine's RAM in bytes (``sysconf``; Linux and macOS)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """This machine's RAM in bytes: ``sysconf``, else macOS's ``sysctl -n hw.memsize``, else MLX's
+    ``memory_size`` (Metal), else 0.
+
+    Some macOS Pythons lack the names ``SC_PAGE_SIZE``/``SC_PHYS_PAGES`` (ValueError), and some
+    OS X releases define them but fail the call (EINVAL).
+    """
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    try:
+        out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True, timeout=10).stdout
+        return int(out.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return int(mx.device_info().get("memory_size", 0))
 
 
 def budget_bytes(kind: str, info: Mapping, in_use: int, ram: int) -> float:

@@ -91,6 +91,35 @@ def test_cpu_budget_is_half_of_ram(monkeypatch):
     assert memory.budget_bytes("metal", CPU, 0, 8 * GIB) == memory.budget_bytes("cuda", CPU, 0, 8 * GIB) == 4 * GIB
 
 
+
+def test_physical_memory_without_sysconf_s_names_asks_sysctl_then_mlx(monkeypatch):
+    """Some macOS Pythons lack ``SC_PAGE_SIZE``/``SC_PHYS_PAGES`` (ValueError: unrecognized configuration name,
+    DataBiosphere/toil#587, con/duct#114), or the call fails (EINVAL on OS X 10.10, Tarsnap/scrypt#39):
+    the RAM comes from ``sysctl -n hw.memsize``, else from Metal's ``memory_size``."""
+    import subprocess
+
+    def no_name(name):
+        raise ValueError("unrecognized configuration name")
+
+    monkeypatch.setattr(memory.os, "sysconf", no_name)
+    asked = []
+
+    def sysctl(cmd, **kw):
+        asked.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="17179869184\n", stderr="")
+
+    monkeypatch.setattr(memory.subprocess, "run", sysctl)
+    assert memory.physical_memory() == 16 * GIB
+    assert asked == [["sysctl", "-n", "hw.memsize"]]
+
+    def gone(cmd, **kw):
+        raise FileNotFoundError(2, "No such file or directory", cmd[0])
+
+    monkeypatch.setattr(memory.subprocess, "run", gone)
+    stub_device(monkeypatch, "metal", MACS[24])
+    assert memory.physical_memory() == 24 * GIB
+    assert memory.default_budget_bytes() == MACS[24]["max_recommended_working_set_size"]
+
 # ---- the plan auto picks for real model shapes (weights bfloat16, LoRA r=8 float32 on every linear) ----
 
 SHAPES = {  # the models' config.json values
