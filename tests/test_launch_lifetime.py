@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -18,9 +19,10 @@ from dtrain.run.checkpoint import find_latest
 from dtrain.launch.hosts import LaunchError
 from dtrain.launch.main import release
 from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, _port_lock, ephemeral_ports, free_ports, spare_base
+from dtrain.launch import supervise
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
-from waiting import STOP_S, kill_tree, needs_proc, processes, spawn, wait_exit, wait_until
+from waiting import STOP_S, kill_tree, processes, spawn, wait_exit, wait_until
 from test_launch import http_get, rank_processes, read_scalars_of
 
 ADAPTER = "adapters/adapters.safetensors"
@@ -43,7 +45,6 @@ def lock_is_free(out: Path) -> bool:
         os.close(fd)
 
 
-@needs_proc  # find_trainers reads each rank from its trainer's environment
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
                          ids=lambda s: signal.Signals(s).name)
 def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
@@ -72,7 +73,6 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     wait_until(lambda: not list(tmp.glob("dtrain-launch-*")), "the launcher's temporary folder to go", limit=STOP_S)
 
 
-@needs_proc  # find_trainers: the rank's trainer
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_a_rank_whose_wrapper_is_killed_stops_the_job_and_rank_0_saves(job, tmp_path, ranks):
     """SIGKILL of the last rank's wrapper (python -m dtrain.launch.rank): its trainer, in a session of its own,
@@ -279,26 +279,36 @@ def test_spare_ports_lie_outside_the_ephemeral_range():
             os.close(fd)
 
 
-@needs_proc  # find_trainers is Linux only
-def test_find_trainers_skips_a_process_whose_rank_is_not_a_number(tmp_path):
+@pytest.mark.parametrize("proc", [Path("/proc"), Path("/no-proc-here")], ids=["proc", "ps"])
+def test_find_trainers_skips_a_process_whose_rank_is_not_a_number(tmp_path, monkeypatch, proc):
     """rank_from_env refuses a non-number MLX_RANK (a UserError): reading another process's environment, that
-    ended the search in its traceback."""
+    ended the search in its traceback. Where there is no /proc (macOS) the environments come from ``ps -E``;
+    here procps' ``e`` (the same output: the command line, then the environment) stands in for it."""
     import subprocess
 
+    if not proc.is_dir():
+        if shutil.which("ps") is None:
+            pytest.skip("no ps here (procps)")
+        run = subprocess.run
+        monkeypatch.setattr(supervise.subprocess, "run",
+                            lambda cmd, **kw: run(["e" if c == "-E" else c for c in cmd], **kw))
     (tmp_path / "dtrain").mkdir()  # a stand-in `python -m dtrain train` that waits
     (tmp_path / "dtrain" / "__main__.py").write_text("import time\ntime.sleep(60)\n")
     marker = str(tmp_path / "out")
     procs = [subprocess.Popen([sys.executable, "-m", "dtrain", "train", marker], cwd=tmp_path,
                               env={**os.environ, "MLX_RANK": rank}) for rank in ("x", "1")]
     try:
-        started = [b"-m", b"dtrain", b"train"]  # under load /proc shows the new command line a moment late
-        wait_until(lambda: all(Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[1:4] == started
-                               for p in procs), "the stand-in trainers' command lines", limit=STOP_S)
-        assert find_trainers(marker) == {1: procs[1].pid}
+        def started():  # under load the new command lines show a moment late
+            table = processes(proc)
+            return all(" -m dtrain train " in table.get(p.pid, (0, ""))[1] for p in procs)
+
+        wait_until(started, "the stand-in trainers' command lines", limit=STOP_S)
+        assert find_trainers(marker, proc) == {1: procs[1].pid}
     finally:
         for p in procs:
             p.kill()
             p.wait()
+    assert find_trainers(marker, proc) == {}
 
 
 def test_a_port_lock_file_that_cannot_be_locked_is_named_and_closed(tmp_path, monkeypatch):

@@ -62,7 +62,6 @@ def text_events(run_dir: Path, tag: str) -> list[tuple[int, str]]:
             for v in event.summary.value if v.tag == f"{tag}/text_summary"]
 
 
-@needs_proc  # find_trainers: rank 1's trainer
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 def test_a_rank_killed_once_restarts_and_equals_the_uninterrupted_run(job, tmp_path, backend):
     if backend == "mpi" and shutil.which("mpirun") is None:
@@ -126,7 +125,6 @@ def test_ctrl_c_during_the_restart_delay_stops_for_good(job, tmp_path):
     assert text.count("launch: restart ") == 1 and not rank_processes(str(tmp_path / "run"))
 
 
-@needs_proc  # find_trainers: rank 1's trainer
 def test_ctrl_c_kills_a_stuck_rank_and_says_what_was_lost(job, tmp_path):
     """Rank 1 stopped by SIGSTOP uses no CPU: after --stop-timeout it is killed; rank 0 could not save."""
     out = tmp_path / "run"

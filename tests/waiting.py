@@ -202,7 +202,7 @@ def leftovers(session: str, grace: float = LEFTOVER_GRACE_S) -> dict:
 
 
 # Linux's /proc, which some tests read for what no portable tool shows: another process's environment
-# (dtrain.launch.supervise.find_trainers, the leftover check above), its caught signals, a library map.
+# (the leftover check above), its caught signals, a library map.
 # macOS has none: those tests skip there, with this one reason.
 needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux's /proc (process "
                                 "environments, signal masks, library maps); macOS has none")

@@ -392,13 +392,16 @@ def _dying(pid: int) -> bool:
         return False
 
 
-def find_trainers(marker: str) -> dict:
+def find_trainers(marker: str, proc: Path = Path("/proc")) -> dict:
     """``{rank: pid}`` of this machine's live ``dtrain train`` processes (not their rank wrappers)
     whose command line mentions ``marker`` (e.g. the output folder); the rank is read from each
-    process's environment. Linux only (/proc): tests and bench/endurance.py use it to hurt one rank.
+    process's environment: from ``proc`` (Linux), else from ``ps -E`` (macOS, which has no /proc).
+    Tests and bench/endurance.py use it to hurt one rank.
     """
+    if not proc.is_dir():
+        return _trainers_from_ps(marker)
     found = {}
-    for p in Path("/proc").iterdir():
+    for p in proc.iterdir():
         if not p.name.isdigit():
             continue
         try:
@@ -408,5 +411,24 @@ def find_trainers(marker: str) -> dict:
             env = dict(x.split("=", 1) for x in (p / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
             found[rank_from_env(env)] = int(p.name)
         except (OSError, UserError):  # gone, not ours to read, or a rank that is no number (it stops at its start)
+            continue
+    return found
+
+
+def _trainers_from_ps(marker: str) -> dict:
+    """:func:`find_trainers` from ``ps -E`` (macOS): each command line followed by its environment, joined by
+    spaces; shown for this user's processes only, so others' are left out (their rank would read as 0)."""
+    out = subprocess.run(["ps", "-A", "-ww", "-E", "-o", "pid=,uid=,command="], capture_output=True, text=True,
+                         check=True, env={**os.environ, "LC_ALL": "C"}).stdout
+    found = {}
+    for line in out.splitlines():
+        pid, uid, *words = line.split()
+        # the first -m names the module: a rank wrapper's is dtrain.launch.rank, whose command holds its trainer's
+        module = words.index("-m") if "-m" in words else -1
+        if int(uid) != os.getuid() or words[module:module + 3] != ["-m", "dtrain", "train"] or marker not in line:
+            continue
+        try:
+            found[rank_from_env(dict(w.split("=", 1) for w in words if "=" in w))] = int(pid)
+        except UserError:  # a rank that is no number (it stops at its start)
             continue
     return found
