@@ -10,7 +10,7 @@ checkout's ``.venv`` python; ``--before CHECKOUT`` adds such a run of another
 checkout (e.g. one of main at 8d14721, before issue 29, with its own ``.venv``)
 ahead of each round. ``direct`` starts this checkout's N trainers itself, as
 ``./launch`` would start them but without the launcher and the rank wrappers
-(:func:`run_direct`). Every 0.5 s the process tree is read from /proc; the trainers
+(:func:`run_direct`). Every 0.5 s the process tree is read from /proc (macOS: ps); the trainers
 (``-m dtrain train``) and everything else (``./launch``, ``mlx.launch``, the
 rank wrappers, shells) are summed apart: their CPU seconds over the run's wall
 time is the share of a core each side used. Prints a line per run and whether
@@ -34,13 +34,21 @@ from pathlib import Path
 
 from prelude import RESULTS, ROOT, add_flags, write_results
 
+from dtrain.launch.rank import ps_seconds
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def proc_table() -> dict:
-    """``{pid: (ppid, cpu_seconds, cmdline)}`` of every readable process."""
+def proc_table(proc: Path = Path("/proc")) -> dict:
+    """``{pid: (ppid, cpu_seconds, cmdline)}`` of every readable process: from ``proc`` (Linux), else from
+    ``ps`` (macOS, which has no /proc; its CPU time in hundredths of a second, ``LC_ALL=C`` for the decimal point)."""
+    if not proc.is_dir():
+        rows = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,time=,command="], capture_output=True, text=True,
+                              check=True, env={**os.environ, "LC_ALL": "C"}).stdout.splitlines()
+        return {int(r[0]): (int(r[1]), ps_seconds(r[2]), r[3] if len(r) > 3 else "")
+                for r in (line.split(None, 3) for line in rows) if len(r) >= 3}
     out = {}
-    for p in Path("/proc").iterdir():
+    for p in proc.iterdir():
         if not p.name.isdigit():
             continue
         try:

@@ -84,3 +84,22 @@ def test_trl_peer_parses_its_arguments_without_torch():
     assert out.returncode == 2 and "--steps 1 leaves no step after --skip-first 1" in out.stderr
     out = bench("peer.py", "--only", "trl ORPOTrainer", "--trl-python", "")
     assert out.returncode == 2 and "'trl ORPOTrainer' needs --trl-python (or $TRL_PYTHON)" in out.stderr
+
+
+def test_launch_overhead_reads_the_processes_from_ps_where_there_is_no_proc(tmp_path):
+    """macOS has no /proc: the CPU time of the launcher's processes comes from ``ps`` there. The script runs
+    with /proc hidden from it (``Path('/proc')`` reads as missing), timing mlx.launch over ranks that sleep."""
+    code = ("import pathlib, runpy, sys\n"
+            "P, missing = pathlib.Path, lambda *_: (_ for _ in ()).throw(FileNotFoundError(2, 'absent', '/proc'))\n"
+            "is_dir, iterdir = P.is_dir, P.iterdir\n"
+            "P.is_dir = lambda self, *a, **k: str(self) != '/proc' and is_dir(self, *a, **k)\n"
+            "P.iterdir = lambda self: missing() if str(self) == '/proc' else iterdir(self)\n"
+            f"sys.path.insert(0, {str(ROOT / 'bench')!r})\n"
+            f"sys.argv = ['launch_overhead.py', '--modes', 'mlx-launch-idle', '--idle-s', '2', '--out', {str(tmp_path)!r}]\n"
+            f"runpy.run_path({str(ROOT / 'bench' / 'launch_overhead.py')!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row, = json.loads(next(tmp_path.glob("launch_overhead*.json")).read_text())["rows"]
+    assert row["exit"] == 0 and row["wall_s"] >= 2
+    assert any("mlx.launch" in cmd for _, cmd in row["launcher_processes"]), row
+    assert row["trainers_cpu_s"] == 0, row  # procps shows whole seconds: mlx.launch may show 0 here

@@ -109,9 +109,12 @@ def cpu_seconds(pid: int) -> Optional[float]:
     # LC_ALL=C: macOS's ps writes the locale's decimal point (0:01,50 under de_DE), which float() refuses
     out = subprocess.run(["ps", "-o", "time=", "-p", str(pid)], capture_output=True, text=True,
                          env={**os.environ, "LC_ALL": "C"}).stdout.strip()
-    if not out:
-        return None
-    days, _, clock = out.rpartition("-")  # [[DD-]HH:]MM:SS[.ss]
+    return ps_seconds(out) if out else None
+
+
+def ps_seconds(text: str) -> float:
+    """Seconds of a ``ps -o time=`` field, ``[[DD-]HH:]MM:SS[.ss]`` (procps, macOS under ``LC_ALL=C``)."""
+    days, _, clock = text.rpartition("-")
     seconds = 0.0
     for part in clock.split(":"):
         seconds = seconds * 60 + float(part)
