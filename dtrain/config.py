@@ -170,7 +170,8 @@ class EngineConfig:
     memory_budget_gb: float = option(0.0, "memory for the auto plans (weights included; a fixed plan over it gets a "
                                           "notice); 0 = Metal's recommended "
                                           "working set less what is in use, 85% of a CUDA GPU's memory, or 50% "
-                                          "of RAM on the CPU", at_least=0.0)
+                                          "of RAM on the CPU; ranks on one machine (launch -n N) divide the "
+                                          "Metal or CPU figure", at_least=0.0)
     prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
                                         "prompt encoded once")
     head_chunk_tokens: int = option(0, "LM head in chunks of this many target tokens; 0 = all at once (auto: "

@@ -48,6 +48,8 @@ LAUNCHER_VAR = "DTRAIN_LAUNCHER"  # launcher -> rank wrapper: "HOST:PID" of ./la
 LAUNCH_TMP_VAR = "DTRAIN_LAUNCH_TMP"  # launcher -> its local rank wrappers: its temporary folder (hostfiles)
 JOB_VAR = "DTRAIN_JOB"  # launcher -> ranks: the attempt's identity, compared in the start-up handshake
 SIZE_VARS = ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # a world size a launcher announced
+LOCAL_RANKS_VAR = "DTRAIN_LOCAL_RANKS"  # launcher -> its ranks on this machine (-n N): how many share its memory
+LOCAL_SIZE_VARS = (LOCAL_RANKS_VAR, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")  # first one set wins
 
 
 def rank_from_env(env: Mapping[str, str]) -> int:
@@ -98,6 +100,20 @@ def size_from_env(env: Mapping[str, str], var: str) -> int:
         UserError: the value is not a whole number.
     """
     return _whole_number(env, var, "a whole number of ranks") or 0
+
+
+def local_ranks_from_env(env: Mapping[str, str]) -> int:
+    """How many ranks of this job run on this machine, sharing its memory, as the launcher set it (``./launch
+    -n N``, OpenMPI, MPICH); 1 if none.
+
+    Raises:
+        UserError: the first variable set is not a whole number.
+    """
+    for key in LOCAL_SIZE_VARS:
+        count = _whole_number(env, key, "a whole number of ranks")
+        if count is not None:
+            return max(1, count)
+    return 1
 
 
 def _whole_number(env: Mapping[str, str], var: str, what: str) -> Optional[int]:

@@ -23,6 +23,8 @@ from typing import Callable, Iterator, Mapping, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .contract import local_ranks_from_env
+
 GIB = 1024**3
 CUDA_SHARE = 0.85  # of the GPU's total memory; ESTIMATE_MARGIN (engine/plan.py) was measured under it
 CPU_SHARE = 0.5  # of physical RAM (a quarter made auto recompute what fits: docs/benchmarks.md, 2026-12-01)
@@ -63,7 +65,7 @@ def physical_memory() -> int:
         return int(mx.device_info().get("memory_size", 0))
 
 
-def budget_bytes(kind: str, info: Mapping, in_use: int, ram: int) -> float:
+def budget_bytes(kind: str, info: Mapping, in_use: int, ram: int, local_ranks: int = 1) -> float:
     """The memory (bytes) the auto plans may fill, weights included.
 
     Args:
@@ -71,17 +73,19 @@ def budget_bytes(kind: str, info: Mapping, in_use: int, ram: int) -> float:
         info: ``mx.device_info()`` of the default device.
         in_use: bytes MLX already holds that the plan does not count itself.
         ram: physical memory in bytes (the CPU's budget, and a fallback).
+        local_ranks: ranks of the job on this machine; on Metal and the CPU they share
+            its memory, so each gets its share. CUDA ranks each have a GPU.
     Returns:
-        Metal: ``max_recommended_working_set_size`` less ``in_use`` (the most
-        Metal advises a process to keep resident; ``memory_size`` is the whole
-        unified RAM, shared with the OS). CUDA: 85% of ``total_memory``.
-        CPU: half of ``ram``.
+        Metal: ``max_recommended_working_set_size`` / ``local_ranks`` less
+        ``in_use`` (the most Metal advises a process to keep resident;
+        ``memory_size`` is the whole unified RAM, shared with the OS). CUDA:
+        85% of ``total_memory``. CPU: half of ``ram`` / ``local_ranks``.
     """
     if kind == "metal" and info.get("max_recommended_working_set_size"):
-        return float(max(0, int(info["max_recommended_working_set_size"]) - in_use))
+        return float(max(0, int(info["max_recommended_working_set_size"]) // local_ranks - in_use))
     if kind == "cuda" and info.get("total_memory"):
         return CUDA_SHARE * float(info["total_memory"])
-    return CPU_SHARE * float(ram)
+    return CPU_SHARE * float(ram) / local_ranks
 
 
 def default_budget_bytes(counted: int = 0) -> float:
@@ -92,7 +96,7 @@ def default_budget_bytes(counted: int = 0) -> float:
             (weights, LoRA); the rest of MLX's active memory is in use.
     """
     in_use = max(0, mx.get_active_memory() - counted)
-    return budget_bytes(backend(), mx.device_info(), in_use, physical_memory())
+    return budget_bytes(backend(), mx.device_info(), in_use, physical_memory(), local_ranks_from_env(os.environ))
 
 
 def run_budget_bytes(memory_budget_gb: float) -> float:
@@ -100,7 +104,7 @@ def run_budget_bytes(memory_budget_gb: float) -> float:
     ``engine.memory_budget_gb`` when set, else :func:`budget_bytes` of this device with nothing in use."""
     if memory_budget_gb:
         return memory_budget_gb * GIB
-    return budget_bytes(backend(), mx.device_info(), 0, physical_memory())
+    return budget_bytes(backend(), mx.device_info(), 0, physical_memory(), local_ranks_from_env(os.environ))
 
 
 def trim_cache(budget: float) -> bool:
@@ -148,7 +152,8 @@ def weight_bytes(model) -> int:
 
 @contextlib.contextmanager
 def wired_limit(model, report: Optional[Callable[[str], None]] = None) -> Iterator[Optional[int]]:
-    """On Metal, wire up to ``max_recommended_working_set_size`` while the block runs; restore it after.
+    """On Metal, wire up to ``max_recommended_working_set_size`` (this rank's share of it: several
+    ranks on one Mac) while the block runs; restore it after.
 
     Keeps the weights resident instead of paged out between steps
     (``mx.set_wired_limit``, as mlx-lm's trainer and ``generate.wired_limit``).
@@ -162,13 +167,16 @@ def wired_limit(model, report: Optional[Callable[[str], None]] = None) -> Iterat
     if not limit:
         yield None
         return
+    ranks = local_ranks_from_env(os.environ)
+    limit = int(limit) // ranks
     weights = weight_bytes(model)
     if weights > limit and report is not None:
-        report(f"the weights alone ({weights / GIB:.1f} GiB) exceed Metal's recommended working set "
+        share = "" if ranks == 1 else f"this rank's share (1 of {ranks} ranks on this Mac) of "
+        report(f"the weights alone ({weights / GIB:.1f} GiB) exceed {share}Metal's recommended working set "
                f"({limit / GIB:.1f} GiB): expect paging and slow steps; a smaller or quantized model fits")
-    previous = mx.set_wired_limit(int(limit))
+    previous = mx.set_wired_limit(limit)
     try:
-        yield int(limit)
+        yield limit
     finally:
         mx.synchronize()  # no kernel may still run when the limit changes (mlx-lm does the same)
         mx.set_wired_limit(previous)

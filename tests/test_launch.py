@@ -195,6 +195,7 @@ def test_dry_run_prints_ranks_env_and_shards(job):
         assert f"  MLX_RANK={rank}\n" in out
     assert out.count(f"  MLX_HOSTFILE=<temp file> {ring}\n") == 3
     assert out.count("  PYTHONUNBUFFERED=1\n") == 3
+    assert out.count("  DTRAIN_LOCAL_RANKS=3\n") == 3  # they share this machine's memory (dtrain.memory)
     assert "global batch: 5 pairs/step = 2 + 2 + 1 (micro batch 4 pairs per rank)" in out
 
 

@@ -15,6 +15,7 @@ from mlx_lm.models.llama import ModelArgs
 
 from conftest import make_tiny_model
 from dtrain import memory
+from dtrain.errors import UserError
 from dtrain.engine.plan import AUTO_HEAD_CHUNK, ESTIMATE_MARGIN, Plan, choose, estimate_step_bytes
 
 GIB = 1024**3
@@ -236,6 +237,47 @@ def test_plan_takes_the_device_budget_counting_its_weights_once(monkeypatch):
     assert plan.memory_budget == MACS[24]["max_recommended_working_set_size"] - 123
     assert Plan(model, 2, "auto", 0, 5.0 * GIB).memory_budget == 5 * GIB  # a configured budget wins
 
+
+
+@pytest.mark.parametrize("var", ["DTRAIN_LOCAL_RANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"])
+def test_ranks_on_one_mac_plan_within_their_share_of_it(monkeypatch, var):
+    """``./launch -n 2`` (DTRAIN_LOCAL_RANKS) or ``mpirun -np 2`` on one Mac: two processes share its unified
+    memory, so each plans within half of Metal's working set (half of half the RAM on the CPU) and wires half;
+    CUDA ranks each have a GPU of their own. One rank: unchanged."""
+    model = make_tiny_model()
+    weights = memory.weight_bytes(model)
+    ws = MACS[24]["max_recommended_working_set_size"]
+    monkeypatch.setenv(var, "2")
+    stub_device(monkeypatch, "metal", MACS[24], active=weights + 123)
+    assert memory.default_budget_bytes(counted=weights) == ws // 2 - 123
+    assert memory.run_budget_bytes(0) == ws // 2
+    assert Plan(model, 2, "auto", 0, 0.0).memory_budget == ws // 2 - 123
+    assert Plan(model, 2, "auto", 0, 5.0 * GIB).memory_budget == 5 * GIB  # a configured budget is each rank's
+    wired = []
+    stub_device(monkeypatch, "metal", MACS[24], wired=wired)
+    with memory.wired_limit(model) as limit:
+        assert limit == ws // 2 and wired == [ws // 2]
+    notices = []
+    stub_device(monkeypatch, "metal", dict(MACS[24], max_recommended_working_set_size=weights), wired=[])
+    with memory.wired_limit(model, notices.append):
+        pass
+    assert notices == [f"the weights alone ({weights / GIB:.1f} GiB) exceed this rank's share (1 of 2 ranks on this "
+                       f"Mac) of Metal's recommended working set ({weights // 2 / GIB:.1f} GiB): expect paging and "
+                       f"slow steps; a smaller or quantized model fits"]
+    stub_device(monkeypatch, "cpu", CPU)
+    assert memory.default_budget_bytes() == 0.25 * memory.physical_memory()
+    stub_device(monkeypatch, "cuda", H200)
+    assert memory.default_budget_bytes() == 0.85 * H200["total_memory"]
+    monkeypatch.setenv(var, "1")
+    stub_device(monkeypatch, "metal", MACS[24])
+    assert memory.default_budget_bytes() == ws
+
+
+def test_a_local_rank_count_that_is_no_number_is_named(monkeypatch):
+    monkeypatch.setenv("DTRAIN_LOCAL_RANKS", "two")
+    stub_device(monkeypatch, "metal", MACS[24])
+    with pytest.raises(UserError, match=r"DTRAIN_LOCAL_RANKS='two' in the environment is not a whole number"):
+        memory.default_budget_bytes()
 
 # ---- the wired limit ----
 

@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..blas import CHILD_VARS, blas_env
 from ..sampler import rank_shard
-from ..contract import FILE_VARS, rank_variables
+from ..contract import FILE_VARS, LOCAL_RANKS_VAR, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
 
 DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port or taken
@@ -291,9 +291,10 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
 def _direct_plan(backend, port, program, tmpdir, common) -> Plan:
     """Ranks on this machine, each started by the launcher with mlx.launch's variables for it."""
     n, explicit = common["world_size"], dict(common["explicit"])
+    explicit[LOCAL_RANKS_VAR] = str(n)  # they share this machine's memory: each plans within its share
     if backend == "nccl":
         explicit["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off: it hangs on some multi-GPU hosts
-        common["explicit"] = explicit
+    common["explicit"] = explicit
     rank_env = [{**explicit, **rank_variables(backend, r, [["127.0.0.1"]] * n, port)} for r in range(n)]
     files, direct = {}, []
     for env in rank_env:
