@@ -331,3 +331,29 @@ def test_a_port_lock_file_that_cannot_be_locked_is_named_and_closed(tmp_path, mo
     assert str(err.value) == (f"port {DEFAULT_PORT} is in use (its lock file {lock} cannot be opened or locked: "
                               f"No locks available); pass another --port, or leave --port out to take free ones")
     assert locks == [] and set(os.listdir("/dev/fd")) == before  # no fd left open
+
+
+def test_a_process_group_left_with_zombies_only_is_no_error(tmp_path, monkeypatch):
+    """macOS's killpg fails with EPERM (PermissionError) on a group whose processes all ended but are not
+    yet reaped (XNU's killpg1 skips zombies; Linux signals them): TensorBoard ending just before the launcher
+    stopped it, or mlx.launch ending as the launcher signalled its group, raised out of the launcher there."""
+    import subprocess
+
+    from dtrain.launch.main import stop_tensorboard
+
+    real = os.killpg
+
+    def darwin_killpg(pgid, sig):  # the group's processes end, then the call fails as XNU's does
+        real(pgid, signal.SIGKILL)
+        wait_until(lambda: processes().get(pgid) is None or not processes()[pgid][1], "the group to be zombies",
+                   limit=STOP_S)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "killpg", darwin_killpg)
+    tb = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE,
+                          start_new_session=True)
+    stop_tensorboard(tb, tmp_path / "tb.log")
+    assert tb.returncode == -signal.SIGKILL
+    group = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    supervise.signal_group(group.pid, signal.SIGUSR1)
+    assert group.wait(STOP_S) == -signal.SIGKILL

@@ -149,7 +149,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
     try:
         if os.getpgid(proc.pid) == proc.pid:
             os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone; macOS: EPERM for a group of unreaped processes only
         pass
     proc.kill()
     proc.wait()

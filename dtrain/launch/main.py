@@ -51,7 +51,7 @@ from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR
 from .hosts import LaunchError, load_hostfile
 from .plan import DEFAULT_PORT, build_plan, describe
 from .rank import say
-from .supervise import Attempt, Outcome
+from .supervise import Attempt, Outcome, signal_group
 
 TB_DEFAULT_PORT = 6006
 # TensorBoard under a watch on the launcher: its stdin is a pipe whose other end only the launcher
@@ -137,11 +137,11 @@ def stop_tensorboard(tb: subprocess.Popen, log_path: Path, timeout: float = 5.0)
         last = [x for x in log_path.read_text(errors="replace").splitlines() if x.strip()][-1:]
         say(f"launch: TensorBoard exited early (code {tb.returncode}): {' '.join(last)}")
         return
-    os.killpg(tb.pid, signal.SIGTERM)  # its own session: the server and anything it started
+    signal_group(tb.pid, signal.SIGTERM)  # its own session: the server and anything it started
     try:
         tb.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(tb.pid, signal.SIGKILL)
+        signal_group(tb.pid, signal.SIGKILL)
         tb.wait()
     tb.stdin.close()
 

@@ -150,7 +150,7 @@ class Attempt:
         while any(p.poll() is None for p in self.procs):
             if self.aborted_at is not None and time.monotonic() - self.aborted_at > ABORT_GRACE_S + GROUP_KILL_MARGIN_S:
                 for p in self.procs:
-                    _signal_group(p.pid, signal.SIGKILL)
+                    signal_group(p.pid, signal.SIGKILL)
             time.sleep(0.1)
         for relay in relays:
             relay.join(timeout=5)
@@ -182,7 +182,7 @@ class Attempt:
             if self.plan.backend == "mpi" or self.plan.direct:
                 _signal(p.pid, sig)
             else:
-                _signal_group(p.pid, sig)
+                signal_group(p.pid, sig)
 
     def _relay(self, fd: int, rank: Optional[int] = None) -> None:
         """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure. ``rank``: the
@@ -357,10 +357,12 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; a group gone, or left with unreaped processes only, is no error
+    (macOS fails killpg with EPERM there: XNU's ``killpg1`` skips zombies; Linux signals them)."""
     try:
         os.killpg(pgid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
 
 
