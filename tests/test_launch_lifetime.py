@@ -357,3 +357,26 @@ def test_a_process_group_left_with_zombies_only_is_no_error(tmp_path, monkeypatc
     group = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     supervise.signal_group(group.pid, signal.SIGUSR1)
     assert group.wait(STOP_S) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("proc", [Path("/proc"), Path("/no-proc-here")], ids=["proc", "ps"])
+def test_a_leftover_pid_is_killed_only_while_it_runs_dtrain(tmp_path, proc):
+    """A rank's trainer pid, once it ended, may be another program's: the launcher kills a leftover only while
+    its command line runs dtrain. Without /proc (macOS) that took every live pid for a trainer."""
+    import subprocess
+
+    if not proc.is_dir() and shutil.which("ps") is None:
+        pytest.skip("no ps here (procps)")
+    (tmp_path / "dtrain").mkdir()  # a stand-in `python -m dtrain train` that waits
+    (tmp_path / "dtrain" / "__main__.py").write_text("import time\ntime.sleep(60)\n")
+    trainer = subprocess.Popen([sys.executable, "-m", "dtrain", "train"], cwd=tmp_path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wait_until(lambda: " -m dtrain train" in processes(proc).get(trainer.pid, (0, ""))[1], "the stand-in trainer")
+        wait_until(lambda: "time.sleep" in processes(proc).get(other.pid, (0, ""))[1], "the other program")
+        assert supervise._is_trainer(trainer.pid, proc) and not supervise._is_trainer(other.pid, proc)
+    finally:
+        for p in (trainer, other):
+            p.kill()
+            p.wait()
+    assert not supervise._is_trainer(trainer.pid, proc)

@@ -366,16 +366,19 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _is_trainer(pid: int) -> bool:
-    """Process ``pid`` is alive and (where /proc tells) runs ``dtrain train``."""
+def _is_trainer(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Process ``pid`` is alive and (where its command line can be read: ``proc``, else ``ps``) runs dtrain:
+    a pid the trainer left may be another program's by now."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return False
+    if not proc.is_dir():  # macOS
+        return b"dtrain" in subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(pid)], capture_output=True).stdout
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        cmdline = (proc / str(pid) / "cmdline").read_bytes()
     except OSError:
         return True
     return b"dtrain" in cmdline
