@@ -362,7 +362,8 @@ def test_a_process_group_left_with_zombies_only_is_no_error(tmp_path, monkeypatc
 @pytest.mark.parametrize("proc", [Path("/proc"), Path("/no-proc-here")], ids=["proc", "ps"])
 def test_a_leftover_pid_is_killed_only_while_it_runs_dtrain(tmp_path, proc):
     """A rank's trainer pid, once it ended, may be another program's: the launcher kills a leftover only while
-    its command line runs dtrain. Without /proc (macOS) that took every live pid for a trainer."""
+    its command line runs dtrain train. Without /proc (macOS) that took every live pid for a trainer; with it,
+    any command line holding "dtrain" (a CI checkout in a folder named dtrain: every program's python path)."""
     import subprocess
 
     if not proc.is_dir() and shutil.which("ps") is None:
@@ -370,7 +371,9 @@ def test_a_leftover_pid_is_killed_only_while_it_runs_dtrain(tmp_path, proc):
     (tmp_path / "dtrain").mkdir()  # a stand-in `python -m dtrain train` that waits
     (tmp_path / "dtrain" / "__main__.py").write_text("import time\ntime.sleep(60)\n")
     trainer = subprocess.Popen([sys.executable, "-m", "dtrain", "train"], cwd=tmp_path)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # another program run from a checkout named dtrain: "dtrain" in its command line does not make it a trainer
+    (tmp_path / "dtrain" / "python").symlink_to(sys.executable)
+    other = subprocess.Popen([tmp_path / "dtrain" / "python", "-c", "import time; time.sleep(60)", "dtrain"])
     try:
         wait_until(lambda: " -m dtrain train" in processes(proc).get(trainer.pid, (0, ""))[1], "the stand-in trainer")
         wait_until(lambda: "time.sleep" in processes(proc).get(other.pid, (0, ""))[1], "the other program")

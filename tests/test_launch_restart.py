@@ -160,7 +160,7 @@ def test_data_files_are_checked_once_before_ranks_start(job, tmp_path, key, cont
     assert [x for x in r.stderr.splitlines() if not x.startswith("launch: using")] == [f"launch: error: {data}: {problem}"]
 
 
-# holds a lock on argv[1] and 1 GB of touched memory; "dtrain" in its command line makes it a trainer
+# holds a lock on argv[1] and 1 GB of touched memory; "dtrain train" in its command line makes it a trainer
 LEFTOVER = ("import fcntl, os, sys, time\n"
             "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
             "fcntl.flock(fd, fcntl.LOCK_EX)\n"
@@ -181,7 +181,7 @@ def lock_after_the_launcher_met_a_leftover(tmp_path: Path, first=lambda pid: Non
     from dtrain.launch.supervise import Attempt
 
     lock = tmp_path / ".dtrain.lock"
-    child = subprocess.Popen([sys.executable, "-c", LEFTOVER, str(lock), "dtrain"], stdout=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", LEFTOVER, str(lock), "dtrain", "train"], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline() == b"ready\n"
         first(child.pid)

@@ -376,12 +376,20 @@ def _is_trainer(pid: int, proc: Path = Path("/proc")) -> bool:
     except PermissionError:
         return False
     if not proc.is_dir():  # macOS
-        return b"dtrain" in subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(pid)], capture_output=True).stdout
+        out = subprocess.run(["ps", "-ww", "-o", "command=", "-p", str(pid)], capture_output=True)
+        return _runs_dtrain_train(out.stdout.decode(errors="replace").split())
     try:
         cmdline = (proc / str(pid) / "cmdline").read_bytes()
     except OSError:
         return True
-    return b"dtrain" in cmdline
+    return _runs_dtrain_train(cmdline.decode(errors="replace").split("\0"))
+
+
+def _runs_dtrain_train(args: list) -> bool:
+    """A command line's words run ``dtrain train`` (``python -m dtrain train``, or the ``dtrain`` script): not
+    any word that holds "dtrain", which a checkout's own path (``~/dtrain/.venv/bin/python``) would give every
+    program run from it."""
+    return any(a.rpartition("/")[2] == "dtrain" and b == "train" for a, b in zip(args, args[1:]))
 
 
 PF_EXITING = 0x4  # /proc/PID/stat's flags (field 9): the process has begun to exit
