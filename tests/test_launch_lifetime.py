@@ -293,6 +293,7 @@ def test_find_trainers_skips_a_process_whose_rank_is_not_a_number(tmp_path, monk
         monkeypatch.setattr(supervise.subprocess, "run",
                             lambda cmd, **kw: run(["e" if c == "-E" else c for c in cmd], **kw))
     (tmp_path / "dtrain").mkdir()  # a stand-in `python -m dtrain train` that waits
+    (tmp_path / "dtrain" / "__init__.py").write_text("")  # a regular package: a namespace one would lose to dtrain
     (tmp_path / "dtrain" / "__main__.py").write_text("import time\ntime.sleep(60)\n")
     marker = str(tmp_path / "out")
     procs = [subprocess.Popen([sys.executable, "-m", "dtrain", "train", marker], cwd=tmp_path,
@@ -369,6 +370,7 @@ def test_a_leftover_pid_is_killed_only_while_it_runs_dtrain(tmp_path, proc):
     if not proc.is_dir() and shutil.which("ps") is None:
         pytest.skip("no ps here (procps)")
     (tmp_path / "dtrain").mkdir()  # a stand-in `python -m dtrain train` that waits
+    (tmp_path / "dtrain" / "__init__.py").write_text("")  # a regular package: a namespace one would lose to dtrain
     (tmp_path / "dtrain" / "__main__.py").write_text("import time\ntime.sleep(60)\n")
     trainer = subprocess.Popen([sys.executable, "-m", "dtrain", "train"], cwd=tmp_path)
     # another program run from a checkout named dtrain: "dtrain" in its command line does not make it a trainer
