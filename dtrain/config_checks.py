@@ -166,14 +166,25 @@ def unread_keys(cfg: Config) -> list:
     under a static schedule, ...): a notice, not an error, so one override (``--engine.kind
     reference``) can try another setting. Keys of another objective are errors (:func:`check_rules`)."""
     defaults, lines = type(cfg)(), []
-    for (section, name), settings in UNREAD_WHEN.items():
+    for (section, name), why in unread(cfg).items():
         if section == "orpo" and cfg.objective.kind != "orpo":
             continue  # check_rules refuses these
         value = getattr(getattr(cfg, section), name)
-        why = next((setting for setting, applies in settings if applies(cfg)), None)
-        if why is not None and value != getattr(getattr(defaults, section), name):
+        if value != getattr(getattr(defaults, section), name):
             lines.append(f"'{section}.{yaml_key(name)}' is {value!r} but {why} does not read it")
     return lines
+
+
+def unread(cfg) -> dict:
+    """``{(section, name): the setting that leaves it unread}`` for the keys of :data:`UNREAD_WHEN` that
+    ``cfg``'s values leave unread, whatever their own value (``cfg``: a Config, or anything with its
+    attributes)."""
+    found = {}
+    for key, settings in UNREAD_WHEN.items():
+        why = next((setting for setting, applies in settings if applies(cfg)), None)
+        if why is not None:
+            found[key] = why
+    return found
 
 
 def check_rules(cfg: Config, source: str, need_data: bool = True) -> None:

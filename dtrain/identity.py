@@ -13,9 +13,10 @@ is in none of the three tables, so a key added later cannot be forgotten.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
-from .config import Config
-from .config_checks import yaml_key
+from .config import Config, to_dict
+from .config_checks import unread, yaml_key
 
 # A change alters what is trained or what the run's eval/ metrics compare: refused.
 REFUSED = {
@@ -104,8 +105,9 @@ BEFORE_KEY = {
 
 
 def settings(resolved: dict) -> dict:
-    """``{"section.key": value}`` of every :data:`REFUSED` key, and of each :data:`REFUSED_WHEN` key whose
-    condition holds, from the resolved config (``config.to_dict``).
+    """``{"section.key": value}`` of every :data:`REFUSED` key (its default where another key's value leaves it
+    unread: :data:`dtrain.config_checks.UNREAD_WHEN`), and of each :data:`REFUSED_WHEN` key whose condition
+    holds, from the resolved config (``config.to_dict``).
 
     Raises:
         RuntimeError: a config key is not classified (a programming error: add it to a table here).
@@ -113,6 +115,14 @@ def settings(resolved: dict) -> dict:
     missing = unclassified()
     if missing:
         raise RuntimeError(f"config keys not classified for resume in dtrain/identity.py: {', '.join(missing)}")
-    value = lambda key: resolved[key.split(".", 1)[0]][key.split(".", 1)[1]]  # noqa: E731
+    # a key another key leaves unread (orpo.lambda_max under a static schedule) decides nothing, as the run's
+    # notice says: its default is recorded, so a resume that drops or changes it continues
+    view = SimpleNamespace(**{section: SimpleNamespace(**keys) for section, keys in resolved.items()})
+    unread_names, defaults = {f"{section}.{yaml_key(name)}" for section, name in unread(view)}, to_dict(Config())
+
+    def value(key: str):
+        section, name = key.split(".", 1)
+        return (defaults if key in unread_names else resolved)[section][name]
+
     return {**{key: value(key) for key in REFUSED},
             **{key: value(key) for key, (_, when) in REFUSED_WHEN.items() if when(resolved)}}

@@ -12,7 +12,7 @@ import pytest
 from dtrain.run import checkpoint as ckpt
 from dtrain import identity
 from dtrain.config import Config, describe_fields, load_config, to_dict
-from dtrain.config_checks import OBJECTIVE_KEYS
+from dtrain.config_checks import OBJECTIVE_KEYS, unread, yaml_key
 from dtrain.errors import UserError
 from dtrain.run.optimizer import learning_rate
 from dtrain.run.tracking import read_events, read_scalars
@@ -89,11 +89,12 @@ def test_each_config_key_is_refused_or_accepted_by_its_class(tmp_path, key, valu
                "train.keep_best_guard": ["train.eval_every=1", "train.keep_best=eval/loss"]}.get(key, [])
     text = value if isinstance(value, str) else json.dumps(value)  # a str key's override is its text as given
     source = "data.train=pairs.jsonl" if key in ("data.valid", "data.valid_split") else "data.demo_pairs=1"
-    load_config(None, [f"{key}={text}", *reader, source]  # held-out data beside demo pairs is refused
-                if key not in ("data.train", "data.demo_pairs")
-                else [f"{key}={text}"])  # the generated value is one the config accepts
+    cfg = load_config(None, [f"{key}={text}", *reader, source]  # held-out data beside demo pairs is refused
+                      if key not in ("data.train", "data.demo_pairs")
+                      else [f"{key}={text}"])  # the generated value is one the config accepts
     saved, current = state_for(base), state_for(now)
-    if key in identity.REFUSED:
+    # a key the run leaves unread (the controller's under the default static schedule) decides nothing
+    if key in identity.REFUSED and key not in {f"{s}.{yaml_key(n)}" for s, n in unread(cfg)}:
         with pytest.raises(UserError) as err:
             ckpt.check_resumable(saved, current, [1, 2], tmp_path)
         old = base[section][name]
@@ -703,3 +704,28 @@ def test_a_signal_during_an_evaluation_stops_it_and_the_resume_matches(tmp_path,
     assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2, 4]
     a, b = ((tmp_path / r / "adapters" / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))
     assert a == b
+
+
+@pytest.mark.parametrize("first, then", [
+    (["orpo.lambda_max=0.3"], []),  # static: the controller's keys are unread
+    (["orpo.lambda_schedule=adaptive", "orpo.lambda=0.2"], ["orpo.lambda_schedule=adaptive"]),
+    (["orpo.lambda_schedule=adaptive", "orpo.lambda_kd=1.0"], ["orpo.lambda_schedule=adaptive"]),  # aimd
+])
+def test_a_key_the_run_does_not_read_may_change_on_resume(tmp_path, first, then):
+    """The first run's notice says the key has no effect ('orpo.lambda_max' is 0.3 but orpo.lambda_schedule static
+    does not read it); removed on the resume, it was refused as a setting that decides what is trained."""
+    run(tmp_path, "train.steps=2", *first)
+    more, _ = run(tmp_path, "train.steps=4", "train.resume=auto", *then)
+    assert len(more.history) == 2
+
+
+def test_a_checkpoint_that_recorded_an_unread_key_continues():
+    """Checkpoints written before unread keys were left out of the settings hold them (every orpo.lambda_* of a
+    static run): a resume, which records none of them, continues, and a key the run does read is still compared."""
+    resolved = to_dict(Config())
+    recorded = {key: resolved[key.split(".", 1)[0]][key.split(".", 1)[1]] for key in identity.REFUSED}
+    ckpt.check_resumable(dataclasses.replace(state_for(resolved), settings=recorded), state_for(resolved), [1, 2],
+                         "ckpt")
+    with pytest.raises(UserError, match=r"settings: orpo.lambda: 0.2 in the checkpoint, 0.1 now\. "):
+        ckpt.check_resumable(dataclasses.replace(state_for(resolved), settings={**recorded, "orpo.lambda": 0.2}),
+                             state_for(resolved), [1, 2], "ckpt")
