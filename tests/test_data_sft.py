@@ -378,6 +378,26 @@ def test_sft_drops_kto_rows_labelled_false_and_counts_them(tmp_path, tok):
                                     "3 of 6 rows dropped (3 label false):"]
 
 
+@pytest.mark.parametrize("label, shown", [("false", "'false'"), ("True", "'True'"), (0, "0"), (1.0, "1.0")])
+def test_a_kto_label_written_as_text_or_a_number_is_a_bad_row(tmp_path, tok, label, shown):
+    """A label written "false" or 0 was not a boolean, so the row read as a plain prompt/completion row: sft
+    trained the undesirable completion, said nowhere; a pairwise objective said only 'a row with one completion'."""
+    objs = [*KTO, {"prompt": Q, "completion": "4", "label": label}]
+    cfg = DataConfig(train=write_rows(tmp_path / "kto.jsonl", objs), valid_fraction=0.0)
+    data = load_dataset(cfg, tok, log=None, pairwise=False)
+    assert [p.source for p in data.train] == [f"{cfg.train}:{i}" for i in (1, 3, 5)]
+    assert data.report.bad == [(f"{cfg.train}:7", f"'label' is {shown}, not true or false: an unpaired (KTO-style) "
+                                                 f"row's label is a JSON boolean")]
+    with pytest.raises(DataError) as err:
+        load_dataset(dataclasses.replace(cfg, train=write_rows(tmp_path / "one.jsonl", objs[-1:])), tok, log=None)
+    assert str(err.value) == UNPAIRED.format(f"{tmp_path / 'one.jsonl'}:1")
+
+
+def test_a_label_that_is_no_truth_value_is_another_column(tok):
+    rows, report = rows_of([{"prompt": Q, "completion": "4", "label": "arithmetic"}])
+    assert report.bad == [] and [r.chosen for r in rows] == ["4"]
+
+
 @pytest.mark.parametrize("conv, why", [
     ([{"role": "assistant", "content": "4"}], None),
     ([{"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "4"}], None),
