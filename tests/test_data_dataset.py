@@ -85,8 +85,8 @@ def test_on_bad_row_error_stops_before_tokenizing(tmp_path):
 def test_no_usable_pairs_is_an_error(tmp_path, tokenizer):
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD[:3]), max_length=4, max_prompt_length=4)
     logged = []
-    with pytest.raises(DataError, match=r"no usable training pairs in .*t.jsonl \(0 bad rows, 3 dropped: no "
-                                        r"preference signal or no room\)"):
+    with pytest.raises(DataError, match=r"no usable training pairs in .*t.jsonl \(0 bad rows, 3 dropped: 3 prompt "
+                                        r"too long\)"):
         load_dataset(cfg, tokenizer, log=logged.append)
     assert logged[0].splitlines()[:2] == ["3 of 3 rows dropped (3 prompt too long):", (
         f"  {tmp_path / 't.jsonl'}:1: prompt too long: the system message and the template's structure need 9 tokens; "

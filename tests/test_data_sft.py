@@ -378,6 +378,14 @@ def test_sft_drops_kto_rows_labelled_false_and_counts_them(tmp_path, tok):
                                     "3 of 6 rows dropped (3 label false):"]
 
 
+def test_a_file_of_kto_rows_all_labelled_false_names_why_none_is_left(tmp_path, tok):
+    """The error said the 3 rows were dropped for 'no preference signal or no room'; they were labelled false."""
+    cfg = DataConfig(train=write_rows(tmp_path / "kto.jsonl", KTO[1::2]), valid_fraction=0.0)
+    with pytest.raises(DataError) as err:
+        load_dataset(cfg, tok, log=None, pairwise=False)
+    assert str(err.value) == f"no usable training pairs in {cfg.train} (0 bad rows, 3 dropped: 3 label false)"
+
+
 @pytest.mark.parametrize("label, shown", [("false", "'false'"), ("True", "'True'"), (0, "0"), (1.0, "1.0")])
 def test_a_kto_label_written_as_text_or_a_number_is_a_bad_row(tmp_path, tok, label, shown):
     """A label written "false" or 0 was not a boolean, so the row read as a plain prompt/completion row: sft

@@ -105,9 +105,9 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     here); a progress bar shows on stderr when ``log`` is set.
     With ``on_bad_row: skip`` the count and first few bad rows go to ``log``
     (None: silent); dropped pairs (no preference signal or no room, see
-    :mod:`dtrain.data.render`) are always only logged. ``pairwise``: the objective trains
-    both sides (every ``objective.kind`` but ``sft``); False reads preference rows as their
-    chosen side (:func:`load_rows`), so the cache entries of the two differ by their rows.
+    :mod:`dtrain.data.render`; under sft KTO rows labelled false) are always only logged.
+    ``pairwise``: the objective trains both sides (every ``objective.kind`` but ``sft``); False reads
+    preference rows as their chosen side (:func:`load_rows`), so the cache entries of the two differ by their rows.
 
     Raises:
         DataError: file-level problems (see :func:`load_rows`); any bad row with
@@ -141,8 +141,9 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     if (report.bad or report.dropped or report.truncated) and log is not None:
         log(report.summary())
     if not train:
+        why = f": {report.dropped_kinds()}" if report.dropped else ""
         raise DataError(f"no usable training pairs in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
-                        f"{len(report.dropped)} dropped: no preference signal or no room)")
+                        f"{len(report.dropped)} dropped{why})")
     prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,
                    messages=2 * sum(prompts) > len(prompts))

@@ -134,6 +134,11 @@ class BadRowReport:
                             self.truncated + other.truncated, self.prompt_cut_fits + other.prompt_cut_fits,
                             self.control_text + other.control_text)
 
+    def dropped_kinds(self) -> str:
+        """``"2 same ids, 1 label false"``: the dropped rows counted by kind, first seen first."""
+        kinds = Counter(reason.split(":", 1)[0] for _, reason in self.dropped)
+        return ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+
     def summary(self, limit: int = 5, bad: str = "skipped (bad rows)") -> str:
         """Readable lines: counts, then the first ``limit`` entries of each kind (``bad``: what bad rows
         are called; a run that stops at one skips none)."""
@@ -142,8 +147,7 @@ class BadRowReport:
             if not entries:
                 continue
             if entries is self.dropped:
-                kinds = Counter(reason.split(":", 1)[0] for _, reason in entries)
-                what += " (" + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")"
+                what += f" ({self.dropped_kinds()})"
             lines.append(f"{len(entries)} of {self.rows_read} rows {what}:")
             lines += [f"  {src}: {reason}" for src, reason in entries[:limit]]
             if len(entries) > limit:
