@@ -145,9 +145,13 @@ def _data_check(args, overrides) -> int:
 
 def _config(args, overrides) -> int:
     from .config import load_config
+    from .config_checks import unread_keys
     from .config_text import describe
+    from .notices import notice
 
     cfg = load_config(args.config, overrides, need_data=False) if args.config or overrides else None
+    for line in unread_keys(cfg) if cfg is not None else ():  # as the run's notices say it
+        notice(line)
     print("# dtrain config: key: value  # help [allowed values]; defaults live in dtrain/config.py")
     print(describe(cfg))
     return 0

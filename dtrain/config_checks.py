@@ -171,7 +171,7 @@ def unread_keys(cfg: Config) -> list:
             continue  # check_rules refuses these
         value = getattr(getattr(cfg, section), name)
         if value != getattr(getattr(defaults, section), name):
-            lines.append(f"'{section}.{yaml_key(name)}' is {value!r} but {why} does not read it")
+            lines.append(f"'{section}.{yaml_key(name)}' is {value!r} but {why} does not read it: it has no effect")
     return lines
 
 

@@ -107,6 +107,14 @@ def test_dtrain_config_resolves_a_file_and_overrides(capsys):
     assert resolved["engine"]["segment_layers"] == "auto" and resolved["data"]["demo_pairs"] == 600
 
 
+def test_dtrain_config_names_a_key_the_run_would_not_read(capsys):
+    """The command that checks a config said nothing of a key the run's notice says has no effect."""
+    assert main(["config", "--engine.segment_layers", "4", "--engine.kind", "auto"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "'engine.segment_layers' is 4 but engine.kind auto (it sizes the ranges itself) does not read it: it has no "
+        "effect"]
+
+
 def test_allowed_values_come_from_their_owners():
     from dtrain.data.formats import FORMATS
     from dtrain.contract import BACKENDS
@@ -552,7 +560,7 @@ def test_keys_another_key_leaves_unread_are_named(overrides, lines):
     engine.segment_layers 4 under the default engine.kind auto recomputed nothing the user asked for."""
     from dtrain.config_checks import unread_keys
 
-    assert unread_keys(load_config(None, ["data.demo_pairs=1", *overrides])) == lines
+    assert unread_keys(load_config(None, ["data.demo_pairs=1", *overrides])) == [f"{x}: it has no effect" for x in lines]
 
 
 def test_shipped_configs_set_no_unread_key():

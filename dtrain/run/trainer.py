@@ -271,7 +271,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     warn_if_slow()  # an API caller that imported MLX before dtrain.blas.setup() learns what it costs
     notice = for_rank(group.is_main)  # the run's notices, rank 0's only (run.log.message once the logger exists)
     for line in unread_keys(cfg) if notice else ():
-        notice(f"{line}: it has no effect")
+        notice(line)
     if notice and (replaced := replaced_by_adapter(own_lora, cfg.lora)):
         notice(f"train.init_adapter {cfg.train.init_adapter} sets the LoRA's shape: {', '.join(replaced)} "
                "(the adapter's values are trained, not the config's)")
