@@ -157,6 +157,7 @@ UNREAD_WHEN = {
     ("orpo", "lambda_kd"): [_STATIC, ("orpo.lambda_law aimd", lambda c: c.orpo.lambda_law == "aimd")],
     ("orpo", "lam"): [("orpo.lambda_schedule adaptive (lambda starts at orpo.lambda_min)",
                        lambda c: c.orpo.lambda_schedule == "adaptive")],
+    ("train", "min_lr_ratio"): [("train.schedule constant", lambda c: c.train.schedule == "constant")],
 }
 
 

@@ -555,6 +555,9 @@ def test_an_override_without_its_value_before_an_option_is_named(command, option
     (["orpo.lambda_schedule=adaptive", "train.eval_every=5", "orpo.lambda_law=pd", "orpo.lambda_backoff=0.7",
       "orpo.lambda_kd=1.0"],
      ["'orpo.lambda_backoff' is 0.7 but orpo.lambda_law pd does not read it"]),
+    # a constant learning rate decays to no floor
+    (["train.schedule=constant", "train.min_lr_ratio=0.5"],
+     ["'train.min_lr_ratio' is 0.5 but train.schedule constant does not read it"]),
     # values equal to the defaults say nothing
     (["engine.kind=reference", "engine.head_chunk_tokens=0", "orpo.lambda=0.1"], []),
 ])

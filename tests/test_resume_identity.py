@@ -708,6 +708,7 @@ def test_a_signal_during_an_evaluation_stops_it_and_the_resume_matches(tmp_path,
 
 @pytest.mark.parametrize("first, then", [
     (["orpo.lambda_max=0.3"], []),  # static: the controller's keys are unread
+    (["train.schedule=constant", "train.min_lr_ratio=0.5"], ["train.schedule=constant"]),
     (["orpo.lambda_schedule=adaptive", "orpo.lambda=0.2"], ["orpo.lambda_schedule=adaptive"]),
     (["orpo.lambda_schedule=adaptive", "orpo.lambda_kd=1.0"], ["orpo.lambda_schedule=adaptive"]),  # aimd
 ])
