@@ -148,8 +148,8 @@ OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_t
 _REFERENCE = ("engine.kind reference", lambda c: c.engine.kind == "reference")
 _STATIC = ("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static")
 UNREAD_WHEN = {
-    **{("engine", k): [_REFERENCE] for k in ("memory_budget_gb", "prefix_sharing", "head_chunk_tokens",
-                                              "length_bucket", "pack", "attention_groups", "compile", "kernels")},
+    **{("engine", k): [_REFERENCE] for k in ("prefix_sharing", "head_chunk_tokens", "length_bucket", "pack",
+                                              "attention_groups", "compile", "kernels")},
     ("engine", "segment_layers"): [_REFERENCE, ("engine.kind auto (it sizes the ranges itself)",
                                                 lambda c: c.engine.kind == "auto")],
     **{("orpo", f"lambda_{k}"): [_STATIC] for k in ("min", "max", "step", "window", "epsilon", "stop_drop", "law")},

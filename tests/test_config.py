@@ -537,9 +537,6 @@ def test_an_override_without_its_value_before_an_option_is_named(command, option
     (["engine.kind=reference", "engine.head_chunk_tokens=512", "engine.compile=true"],
      ["'engine.head_chunk_tokens' is 512 but engine.kind reference does not read it",
       "'engine.compile' is True but engine.kind reference does not read it"]),
-    # the memory budget sizes the segmented engine's plans; the reference engine has none
-    (["engine.kind=reference", "engine.memory_budget_gb=8"],
-     ["'engine.memory_budget_gb' is 8.0 but engine.kind reference does not read it"]),
     # kind auto sizes the ranges itself; under kind segmented the key is read
     (["engine.segment_layers=4"], ["'engine.segment_layers' is 4 but engine.kind auto (it sizes the ranges itself) "
                                    "does not read it"]),
