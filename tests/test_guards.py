@@ -31,6 +31,16 @@ def test_the_remedy_follows_the_objective():
     assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "orpo").endswith(tail + " or orpo.lambda")
 
 
+def test_under_the_adaptive_schedule_the_remedy_names_the_lambda_it_reads(tmp_path, capsys):
+    """orpo.lambda is not read under orpo.lambda_schedule: adaptive (the controller steers lambda up to
+    orpo.lambda_max): the warning named it, a change with no effect."""
+    tail = "try a lower train.learning_rate or orpo.lambda_max (orpo.lambda is not read under the adaptive schedule)"
+    assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "orpo", adaptive=True).endswith(tail)
+    run(tmp_path, 0.5, "orpo.lambda_schedule=adaptive", "orpo.lambda_min=5.0", "orpo.lambda_max=5.0")
+    logged = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: step")]
+    assert logged and all(line.endswith(tail) for line in logged)
+
+
 def test_only_the_latest_eval_is_judged():
     assert chosen_logps_drop(history(-1.66, -1.91, -1.60), 0.1) is None  # dipped, then recovered
     assert chosen_logps_drop(history(-1.66, -1.56), 0.1) is None  # rose: the healthy case

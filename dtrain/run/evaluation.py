@@ -68,8 +68,8 @@ def evaluate_and_log(run, step: int, may_stop: bool = True) -> bool:
     run.log.scalars(step, metrics)
     # the guard's margin is nats/token; DPO sigmoid/hinge log logps/chosen as a sum per response (TRL): not checked
     per_token = getattr(run.engine.objective, "per_token_logps", True)
-    drop = (guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn, run.cfg.objective.kind)
-            if per_token else None)
+    drop = (guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn, run.cfg.objective.kind,
+                                     run.cfg.orpo.lambda_schedule == "adaptive") if per_token else None)
     for warning in (drop, guards.non_finite_eval(metrics, step)):
         if warning:
             run.log.message(warning)

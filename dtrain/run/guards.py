@@ -17,9 +17,11 @@ REMEDIES = {  # objective.kind -> what the warning suggests besides a lower lear
     "orpo": " or orpo.lambda",
     "simpo": ", or a higher objective.nll_weight (the SFT term that holds the chosen answers up)",
 }
+# orpo.lambda_schedule: adaptive reads no orpo.lambda: the controller steers λ up to orpo.lambda_max
+ADAPTIVE_REMEDY = " or orpo.lambda_max (orpo.lambda is not read under the adaptive schedule)"
 
 
-def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo") -> Optional[str]:
+def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo", adaptive: bool = False) -> Optional[str]:
     """A warning when the held-out chosen log-probability fell below its step-0 value.
 
     ORPO can raise ``rewards/accuracies`` by lowering the likelihood of both
@@ -38,6 +40,7 @@ def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo") -> Optiona
             check off.
         kind: ``objective.kind``, which decides the remedy the text suggests
             (:data:`REMEDIES`; a lower learning rate for every kind).
+        adaptive: ``orpo.lambda_schedule: adaptive``, whose λ the remedy names by ``orpo.lambda_max``.
 
     Returns:
         The warning text for the latest evaluated step, or None.
@@ -49,9 +52,10 @@ def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo") -> Optiona
     base, now = evals[0].get(CHOSEN_LOGPS), evals[step].get(CHOSEN_LOGPS)
     if base is None or now is None or not now < base - margin:
         return None
+    remedy = ADAPTIVE_REMEDY if adaptive else REMEDIES.get(kind, "")
     return (f"warning: step {step}: held-out {CHOSEN_LOGPS} is {now:.4f}, {base - now:.4f} nats/token below "
             f"its step-0 value {base:.4f} (train.chosen_logps_drop_warn: {margin:g}); the model is making the "
-            f"chosen answers less likely too; try a lower train.learning_rate{REMEDIES.get(kind, '')}")
+            f"chosen answers less likely too; try a lower train.learning_rate{remedy}")
 
 
 def non_finite_eval(metrics: dict, step: int) -> Optional[str]:
