@@ -13,7 +13,7 @@ import pytest
 
 from conftest import make_pairs, make_tiny_model
 from dtrain.run import evaluation
-from dtrain.run.best import DIRECTIONS, REPORTED, pick_best
+from dtrain.run.best import DIRECTIONS, REPORTED, Pick, pick_best
 from dtrain.config import load_config
 from dtrain.errors import ConfigError, UserError
 from dtrain.run.tracking import read_events, read_scalars
@@ -72,6 +72,13 @@ def test_the_shipped_rule_log_odds_with_guard_0():
 def test_non_finite_values_never_count():
     p = pick_best(series({0: 0.1, 1: math.nan, 2: 0.3, 3: math.inf * 0}), ACC)
     assert (p.step, p.since) == (2, 1)
+
+
+def test_a_non_finite_step_0_chosen_logps_turns_the_guard_off():
+    """Nothing is "G below" a NaN base: every step was guarded, so no step qualified and early_stop_evals
+    stopped a run whose later steps improved (since 2 here), as if the guard had excluded them."""
+    evals = series({0: 0.2, 1: 0.5, 2: 0.7}, {0: math.nan, 1: -1.0, 2: -1.1})
+    assert pick_best(evals, ACC, 0.0) == pick_best(evals, ACC) == Pick(2, 0.7, 0, ())
 
 
 @pytest.mark.parametrize("metric", sorted(DIRECTIONS))

@@ -54,13 +54,14 @@ def pick_best(evals: dict, metric: str, guard: Optional[float] = None) -> Pick:
         evals: step (int or str, as checkpoints keep it) -> eval metrics.
         metric: a key of :data:`DIRECTIONS`.
         guard: the allowed drop of the held-out chosen log-prob below step 0's;
-            None: no guard (also when step 0 was not evaluated).
+            None: no guard (also when step 0 was not evaluated, or its value is not finite).
     Raises:
         KeyError: ``metric`` is not in :data:`DIRECTIONS`.
     """
     sign = DIRECTIONS[metric]
     evals = {int(k): v for k, v in evals.items()}
     base = evals.get(0, {}).get(CHOSEN_LOGPS)
+    base = base if base is not None and math.isfinite(base) else None  # nothing is "G below" a NaN: no guard
     best_step, best_value, since, guarded = None, None, 0, []
     for step in sorted(s for s in evals if s > 0):
         value, chosen = evals[step].get(metric, math.nan), evals[step].get(CHOSEN_LOGPS, math.nan)
