@@ -273,6 +273,14 @@ def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
     assert result.summary() == f"eval NLL of the completions: step 0 {first:.3f} -> step 4 {last:.3f}"
 
 
+def test_the_summary_of_an_sft_run_with_completion_only_loss_false_names_the_prompts_too(tmp_path):
+    """Its eval/nll_loss counts the prompt tokens after the first as well: the summary called it the NLL
+    of the completions."""
+    result = run(tmp_path, "sft", "objective.completion_only_loss=false")
+    first, last = result.evals[0]["eval/nll_loss"], result.evals[4]["eval/nll_loss"]
+    assert result.summary() == f"eval NLL of the prompts and completions: step 0 {first:.3f} -> step 4 {last:.3f}"
+
+
 def test_reference_cache_key_tells_a_quantized_model_s_float_types_apart(tmp_path):
     """A quantized model's first parameter is its packed uint32 weights: the key named the dtype 'uint32' in
     bfloat16 and float16 alike, so a float16 run read a bfloat16 run's reference log-probs from the cache."""

@@ -59,6 +59,7 @@ class TrainResult:
     best: Optional[keep_best.Pick] = None  # train.keep_best: the kept step
     best_metric: Optional[str] = None
     early_stopped: bool = False  # train.early_stop_evals ended the run
+    nll_of: str = "the completions"  # what eval/nll_loss counts (objective.nll_scope full: the prompts too)
 
     def summary(self) -> Optional[str]:
         """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation (sft: the
@@ -67,7 +68,7 @@ class TrainResult:
             return None
         first, last = min(self.evals), max(self.evals)
         if ACCURACY not in self.evals[first]:  # sft: no rejected responses, no accuracy
-            line = (f"eval NLL of the completions: step {first} {self.evals[first]['eval/nll_loss']:.3f} -> "
+            line = (f"eval NLL of {self.nll_of}: step {first} {self.evals[first]['eval/nll_loss']:.3f} -> "
                     f"step {last} {self.evals[last]['eval/nll_loss']:.3f}")
         else:
             start = self.evals[first]
@@ -372,7 +373,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cleanup.callback(stop.uninstall)
         cleanup.enter_context(wired_limit(model, report=notice))  # Metal only
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
-                             evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best)
+                             evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best,
+                             nll_of=f"the {'prompts and ' if objective.nll_scope == 'full' else ''}completions")
         if t.keep_best is not None and state.evals:
             result.best = keep_best.pick_best(state.evals, t.keep_best, t.keep_best_guard)
         log.config(resolved, auto)
