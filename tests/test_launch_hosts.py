@@ -77,6 +77,17 @@ CASES = [
      "{f}:1: host 0 (mac1): rdma[0] must be null (a host has no RDMA link to itself)"),
     ({"backend": "nccl", "hosts": [{"ssh": "gpu1"}, {"ssh": "gpu2"}]},
      "{f}:1: host 0 (gpu1) needs 'ips': the nccl coordinator must be reachable by IP"),
+    # a Thunderbolt Bridge's self-assigned IPv6 (ifconfig bridge0): MLX 0.32 splits "ip:port" at the first
+    # colon and opens IPv4 sockets, so every rank failed at start-up ("Can't parse address"), exit 4, restarted
+    ([TWO[0], {"ssh": "mac2", "ips": ["fe80::1%bridge0"]}],
+     "{f}:1: host 1 (mac2): 'fe80::1%bridge0' in 'ips' is an IPv6 address; MLX's ring backend connects over "
+     "IPv4 only: use the host's IPv4 address (e.g. 192.168.10.2; on a Thunderbolt Bridge without one, "
+     "its self-assigned 169.254.x.x)"),
+    ({"backend": "jaccl", "hosts": [{"ssh": "mac1", "ips": ["::1"], "rdma": [None, "rdma_en2"]},
+                                    {"ssh": "mac2", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", None]}]},
+     "{f}:1: host 0 (mac1): '::1' in 'ips' is an IPv6 address; MLX's jaccl coordinator connects over "
+     "IPv4 only: use the host's IPv4 address (e.g. 192.168.10.2; on a Thunderbolt Bridge without one, "
+     "its self-assigned 169.254.x.x)"),
 ]
 
 

@@ -210,7 +210,8 @@ def load_hostfile(path: str) -> Hostfile:
 
 def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
     """The per-backend rules: every backend needs 2 or more hosts (one rank each), ring IPs on every
-    host, NCCL/JACCL an IP on host 0 (the coordinator), JACCL one ``rdma`` entry per host with null for itself.
+    host, NCCL/JACCL an IP on host 0 (the coordinator), IPv4 addresses where MLX connects, JACCL one ``rdma``
+    entry per host with null for itself.
 
     Raises:
         LaunchError: naming the first host that breaks a rule.
@@ -226,6 +227,16 @@ def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
                 raise LaunchError(f"{hf.where(where, i)}: host {i} ({h.ssh}) has no 'ips'; the ring backend connects to IP addresses")
     if backend in ("jaccl", "nccl") and not hosts[0].ips:
         raise LaunchError(f"{hf.where(where, 0)}: host 0 ({hosts[0].ssh}) needs 'ips': the {backend} coordinator must be reachable by IP")
+    # MLX 0.32 splits "ip:port" at its first colon and opens AF_INET sockets (distributed/utils.cpp): an IPv6
+    # address failed every rank at start-up as a lost peer (exit 4), which --max-restarts repeated
+    used = [(i, ip) for i, h in enumerate(hosts) for ip in h.ips] if backend == "ring" else \
+        [(0, hosts[0].ips[0])] if backend in ("jaccl", "nccl") else []  # the coordinator's
+    for i, ip in used:
+        if ipaddress.ip_address(ip).version == 6:
+            what = "ring backend" if backend == "ring" else f"{backend} coordinator"
+            raise LaunchError(f"{hf.where(where, i)}: host {i} ({hosts[i].ssh}): {ip!r} in 'ips' is an IPv6 address; "
+                              f"MLX's {what} connects over IPv4 only: use the host's IPv4 address (e.g. "
+                              f"192.168.10.2; on a Thunderbolt Bridge without one, its self-assigned 169.254.x.x)")
     if backend == "jaccl":
         for i, h in enumerate(hosts):
             at = hf.where(where, i)
