@@ -185,6 +185,21 @@ def test_ring_hostfile_plan(config, tmp_path):
     assert "rank 1 on mac2: shard 2 pairs/step" in r.stdout
 
 
+def test_a_hostfile_written_by_mlx_distributed_config_for_hosts_given_by_ip(config, tmp_path):
+    """``mlx.distributed_config --hosts 10.0.0.1,10.0.0.2 --over ethernet`` lists each host's IP twice (the name
+    given, then ``ipconfig getifaddr en0``); mlx.launch runs it (two ring connections over that IP), and dtrain
+    refused it as "host 0 repeats ip '10.0.0.1' of host 0; list each machine once"."""
+    from mlx._distributed_utils.common import Host, Hostfile
+
+    hosts = [Host(i, ip, [ip, ip], []) for i, ip in enumerate(["10.0.0.1", "10.0.0.2"])]
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps(Hostfile(hosts, "", []).to_json(), indent=4))  # as its save_hostfile writes it
+    r = launch("--hostfile", f, "--port", 5000, "--dry-run", config)
+    assert r.returncode == 0, r.stderr
+    ring = json.dumps([["10.0.0.1:5000", "10.0.0.1:5001"], ["10.0.0.2:5002", "10.0.0.2:5003"]])
+    assert r.stdout.count(f"  MLX_HOSTFILE=<temp file> {ring}\n") == 2
+
+
 def test_mpi_hostfile_plan(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1"}, {"ssh": "mac2"}, {"ssh": "mac3"}])
     r = launch("--hostfile", f, "--backend", "mpi", "--dry-run", config)

@@ -136,7 +136,8 @@ def parse_hostfile(data, where: str = "hostfile", lines: Optional[list] = None) 
     seen: dict = {}
     for i, h in enumerate(hf.hosts):
         for key in [("ssh", h.ssh)] + [("ip", ip) for ip in h.ips]:
-            if key in seen:
+            # one host may list an IP twice (mlx.distributed_config does for hosts given by IP): two connections
+            if seen.get(key, i) != i:
                 raise LaunchError(f"{hf.where(where, i)}: host {i} repeats {key[0]} {key[1]!r} of host {seen[key]}; "
                                   f"list each machine once")
             seen[key] = i
