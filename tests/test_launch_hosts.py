@@ -18,7 +18,7 @@ import pytest
 from dtrain.launch.hosts import parse_hostfile
 from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
 from dtrain.launch.supervise import summarize
-from fixtures_launch import launch, make_job, write_hostfile
+from fixtures_launch import free_port, launch, make_job, write_hostfile
 from waiting import finish, spawn
 
 TWO = [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
@@ -207,6 +207,35 @@ def test_mpi_hostfile_plan(config, tmp_path):
     assert " -np 3 " in r.stdout and "--hostfile " in r.stdout and "--oversubscribe" not in r.stdout
     assert "'mac1 slots=1\\nmac2 slots=1\\nmac3 slots=1'" in r.stdout
     assert "global batch: 4 pairs/step = 2 + 1 + 1" in r.stdout
+
+
+# ssh as `ssh -tt HOST CMD` behaves for mlx.launch: CMD runs on a pseudo-terminal, so its stdout and stderr
+# both come back on the client's stdout, lines ending in \r\n (here HOST is this machine)
+PTY_SSH = """#!{python}
+import os, pty, sys
+args = sys.argv[1:]
+while args[0].startswith("-"):
+    args = args[2:] if args[0] == "-o" else args[1:]
+sys.exit(os.waitstatus_to_exitcode(pty.spawn(["/bin/bash", "-c", args[1]])))
+"""
+
+
+def test_ranks_reached_over_ssh_report_through_its_terminal(tmp_path):
+    """Every real hostfile run ended "rank(s) 0, 1 did not report an exit status" with exit status 1 (and
+    --max-restarts restarted a finished job): ssh -tt merges a rank's stderr, its report lines included, into
+    its stdout, where the launcher only copied them (the shims of the other tests keep stderr apart)."""
+    shim = tmp_path / "bin" / "ssh"
+    shim.parent.mkdir()
+    shim.write_text(PTY_SSH.format(python=os.path.realpath(sys.executable)))
+    shim.chmod(0o755)
+    config = make_job(tmp_path)
+    f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1", "ips": ["127.0.0.1"]},
+                                                 {"ssh": "mac2", "ips": ["127.0.0.2"]}])
+    r = launch("--hostfile", f, "--port", free_port(2), config,
+               env={"PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stderr
+    assert "did not report" not in r.stderr and "dtrain-rank" not in r.stdout + r.stderr
+    assert "world size 2" in r.stdout + r.stderr
 
 
 def fake_tool(path: Path, body: str) -> None:

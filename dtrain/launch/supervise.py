@@ -144,7 +144,11 @@ class Attempt:
         wrapped = range(len(self.procs)) if self.plan.direct or self.plan.backend == "none" else [None]
         relays = [threading.Thread(target=self._relay, args=(p.stderr.fileno(), rank), daemon=True)
                   for p, rank in zip(self.procs, wrapped)]
-        relays += [threading.Thread(target=_copy_out, args=(p.stdout.fileno(),), daemon=True) for p in self.procs]
+        # mlx.launch reaches a host over `ssh -tt`: the rank's pseudo-terminal sends its stderr, reports
+        # included, to the client's stdout, so reports are read there too
+        out = _copy_out if self.plan.direct or self.plan.backend in ("mpi", "none") else \
+            lambda fd: self._relay(fd, None, sys.stdout)
+        relays += [threading.Thread(target=out, args=(p.stdout.fileno(),), daemon=True) for p in self.procs]
         for relay in relays:
             relay.start()
         while any(p.poll() is None for p in self.procs):
@@ -184,9 +188,10 @@ class Attempt:
             else:
                 signal_group(p.pid, sig)
 
-    def _relay(self, fd: int, rank: Optional[int] = None) -> None:
-        """Copy the ranks' stderr to ours, taking out report lines; abort on the first failure. ``rank``: the
-        rank whose wrapper alone writes to ``fd`` (plan.direct), which failed when it ends without its report."""
+    def _relay(self, fd: int, rank: Optional[int] = None, stream=None) -> None:
+        """Copy the ranks' stderr to ours (or ``fd`` to ``stream``), taking out report lines; abort on the first
+        failure. ``rank``: the rank whose wrapper alone writes to ``fd`` (plan.direct), which failed when it ends
+        without its report."""
         mark, buf = MARK.encode(), b""
         # an error's lines so far (its first, then its indented lines: a list of problems); held: a rank showed
         # its first line already, so the block is shown at its end only where it differs from that rank's
@@ -198,29 +203,29 @@ class Attempt:
                 if report is None and block is not None and line.startswith(b" "):
                     block.append(line)
                     if not held:
-                        write(line + b"\n")
+                        write(line + b"\n", stream)
                     continue
                 if held:
-                    self._show_if_new(block)
+                    self._show_if_new(block, stream)
                 block, held = None, False
                 if report is None and line.startswith(ERROR_PREFIX.encode()):
                     block, held = self._error_block(line)
                     if held:
                         continue
                 if report is None:
-                    write(line + b"\n")
+                    write(line + b"\n", stream)
                 else:
                     before = line[: line.index(mark)]  # another process's text ahead of the mark
                     if before.strip():
-                        write(before + b"\n")
+                        write(before + b"\n", stream)
                     self._on_report(report)
             if buf and mark[:1] not in buf and not held:  # progress bars end in \r, not \n: pass them on now
-                write(buf)
+                write(buf, stream)
                 buf = b""
         if held:
-            self._show_if_new(block)
+            self._show_if_new(block, stream)
         if buf:
-            write(buf)
+            write(buf, stream)
         if rank is not None and rank not in self.reports and self.stopped_by is None:
             # the wrapper was killed: its trainer, in a session of its own, would train on with the others
             self.abort(f"rank {rank}'s wrapper ended without reporting")
@@ -246,12 +251,12 @@ class Attempt:
             self._errors[line] = [line]
             return self._errors[line], False
 
-    def _show_if_new(self, block: list) -> None:
+    def _show_if_new(self, block: list, stream=None) -> None:
         """Show a held error block unless it is the block shown under its first line (every line the same)."""
         with self._lock:
             same = block == self._errors.get(block[0])
         if not same:
-            write(b"".join(line + b"\n" for line in block))
+            write(b"".join(line + b"\n" for line in block), stream)
 
     def _on_report(self, report: Report) -> None:
         if report.event == "start":
