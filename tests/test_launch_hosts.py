@@ -238,6 +238,37 @@ def test_ranks_reached_over_ssh_report_through_its_terminal(tmp_path):
     assert "world size 2" in r.stdout + r.stderr
 
 
+def test_ctrl_c_reaches_ranks_started_over_ssh_and_rank_0_saves(tmp_path):
+    """The launcher's stop (SIGUSR2 to mlx.launch's process group) never reached a rank on another host: ssh,
+    which keeps the stop signals ignored as mlx.launch's shield left them, runs it in a session of its own;
+    the job trained on. Through mlx.launch's stdin relay, a Ctrl-C byte reaches each rank's terminal."""
+    from dtrain.run.checkpoint import find_latest
+    from test_launch import read_scalars_of
+    from waiting import STOP_S, kill_tree, wait_exit, wait_until
+
+    shim = tmp_path / "bin" / "ssh"
+    shim.parent.mkdir()
+    shim.write_text(PTY_SSH.format(python=os.path.realpath(sys.executable)))
+    shim.chmod(0o755)
+    config, out = make_job(tmp_path), tmp_path / "stopped"
+    f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1", "ips": ["127.0.0.1"]},
+                                                 {"ssh": "mac2", "ips": ["127.0.0.2"]}])
+    proc = spawn([sys.executable, Path(__file__).parents[1] / "launch", "--hostfile", f, "--port", free_port(2),
+                  config, "--train.steps", 5000, "--train.save_every", 0, "--train.output_dir", out], tmp_path,
+                 "launch", start_new_session=True,
+                 env={**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"})
+    try:
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = wait_exit(proc, STOP_S)
+    finally:
+        kill_tree(proc)
+    assert code == 128 + signal.SIGINT, proc.err()
+    saved = find_latest(out / "checkpoints")  # save_every 0: only the stop saved one
+    assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
+    assert "did not report" not in proc.err()
+
+
 def fake_tool(path: Path, body: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/bin/sh\n" + body + "\n")

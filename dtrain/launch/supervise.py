@@ -7,7 +7,8 @@ a checkpoint after their step), SIGUSR1 makes them end their trainers within
 ``contract.ABORT_GRACE_S`` seconds.
 Ranks on this machine are started by the launcher itself, each wrapper in its
 own session, and get the signals one by one; under mlx.launch they go to the
-whole process group (mlx.launch itself ignores them); mpirun forwards both to
+whole process group (mlx.launch itself ignores them), and ranks it started over
+ssh get a Ctrl-C byte on their terminal instead (a stop); mpirun forwards both to
 its ranks, so under MPI they go to mpirun only. Every wrapper also watches the
 launcher (:data:`dtrain.contract.LAUNCHER_VAR`): when the launcher is gone, whatever
 ended it, its ranks save and stop.
@@ -129,8 +130,10 @@ class Attempt:
         else:
             # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
             # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
+            # mlx.launch's stdin is a pipe: it copies what comes there to every rank (_send).
             shield = self.plan.backend not in ("mpi", "none")
-            self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env=env, stdin=subprocess.DEVNULL,
+            self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env=env,
+                                           stdin=subprocess.PIPE if shield else subprocess.DEVNULL,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                            preexec_fn=_ignore_signals if shield else None)]
         # a stop or abort that came while the ranks were being started found no process to tell
@@ -158,6 +161,9 @@ class Attempt:
             time.sleep(0.1)
         for relay in relays:
             relay.join(timeout=5)
+        for p in self.procs:
+            if p.stdin is not None:
+                p.stdin.close()
         self._kill_leftovers()
         return self._summarize()
 
@@ -185,8 +191,16 @@ class Attempt:
                 continue
             if self.plan.backend == "mpi" or self.plan.direct:
                 _signal(p.pid, sig)
-            else:
-                signal_group(p.pid, sig)
+                continue
+            signal_group(p.pid, sig)  # its ranks on this machine (ssh name 127.0.0.1)
+            # A rank on a host reached over ssh is in a session there, which no signal from here reaches (and
+            # ssh keeps the SIG_IGN it inherited). mlx.launch runs it on `ssh -tt`'s terminal and copies its
+            # stdin there: a Ctrl-C byte is SIGINT to the rank's wrapper, a stop after its step (an abort too).
+            try:
+                p.stdin.write(b"\x03")
+                p.stdin.flush()
+            except (OSError, ValueError):  # mlx.launch gone, or its stdin closed
+                pass
 
     def _relay(self, fd: int, rank: Optional[int] = None, stream=None) -> None:
         """Copy the ranks' stderr to ours (or ``fd`` to ``stream``), taking out report lines; abort on the first
