@@ -220,19 +220,23 @@ sys.exit(os.waitstatus_to_exitcode(pty.spawn(["/bin/bash", "-c", args[1]])))
 """
 
 
-def test_ranks_reached_over_ssh_report_through_its_terminal(tmp_path):
-    """Every real hostfile run ended "rank(s) 0, 1 did not report an exit status" with exit status 1 (and
-    --max-restarts restarted a finished job): ssh -tt merges a rank's stderr, its report lines included, into
-    its stdout, where the launcher only copied them (the shims of the other tests keep stderr apart)."""
+def pty_ssh(tmp_path: Path) -> dict:
+    """The environment with :data:`PTY_SSH` as ``ssh``, for hosts named mac1 and mac2 (127.0.0.1, .2 here)."""
     shim = tmp_path / "bin" / "ssh"
     shim.parent.mkdir()
     shim.write_text(PTY_SSH.format(python=os.path.realpath(sys.executable)))
     shim.chmod(0o755)
+    return {"PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_ranks_reached_over_ssh_report_through_its_terminal(tmp_path):
+    """Every real hostfile run ended "rank(s) 0, 1 did not report an exit status" with exit status 1 (and
+    --max-restarts restarted a finished job): ssh -tt merges a rank's stderr, its report lines included, into
+    its stdout, where the launcher only copied them (the shims of the other tests keep stderr apart)."""
     config = make_job(tmp_path)
     f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1", "ips": ["127.0.0.1"]},
                                                  {"ssh": "mac2", "ips": ["127.0.0.2"]}])
-    r = launch("--hostfile", f, "--port", free_port(2), config,
-               env={"PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"})
+    r = launch("--hostfile", f, "--port", free_port(2), config, env=pty_ssh(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "did not report" not in r.stderr and "dtrain-rank" not in r.stdout + r.stderr
     assert "world size 2" in r.stdout + r.stderr
@@ -246,17 +250,12 @@ def test_ctrl_c_reaches_ranks_started_over_ssh_and_rank_0_saves(tmp_path):
     from test_launch import read_scalars_of
     from waiting import STOP_S, kill_tree, wait_exit, wait_until
 
-    shim = tmp_path / "bin" / "ssh"
-    shim.parent.mkdir()
-    shim.write_text(PTY_SSH.format(python=os.path.realpath(sys.executable)))
-    shim.chmod(0o755)
     config, out = make_job(tmp_path), tmp_path / "stopped"
     f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1", "ips": ["127.0.0.1"]},
                                                  {"ssh": "mac2", "ips": ["127.0.0.2"]}])
     proc = spawn([sys.executable, Path(__file__).parents[1] / "launch", "--hostfile", f, "--port", free_port(2),
                   config, "--train.steps", 5000, "--train.save_every", 0, "--train.output_dir", out], tmp_path,
-                 "launch", start_new_session=True,
-                 env={**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}"})
+                 "launch", start_new_session=True, env={**os.environ, **pty_ssh(tmp_path)})
     try:
         wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
         os.killpg(proc.pid, signal.SIGINT)
