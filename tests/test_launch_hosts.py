@@ -18,8 +18,8 @@ import pytest
 from dtrain.launch.hosts import parse_hostfile
 from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
 from dtrain.launch.supervise import summarize
-from fixtures_launch import free_port, launch, make_job, write_hostfile
-from waiting import finish, spawn
+from fixtures_launch import ROOT, free_port, launch, make_job, write_hostfile
+from waiting import STOP_S, finish, spawn
 
 TWO = [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
 
@@ -266,6 +266,28 @@ def test_ctrl_c_reaches_ranks_started_over_ssh_and_rank_0_saves(tmp_path):
     saved = find_latest(out / "checkpoints")  # save_every 0: only the stop saved one
     assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
     assert "did not report" not in proc.err()
+
+
+def test_a_host_ssh_cannot_reach_ends_the_job_without_waiting_for_the_watchdog(tmp_path):
+    """mac2 unreachable (ssh exits 255 at once): mlx.launch stops the other ranks with SIGTERM to their ssh
+    clients, which ignored it as mlx.launch's shield left them (bash keeps an ignore it was started with),
+    so mlx.launch waited on them and the job hung until distributed.collective_timeout_s. The shield
+    ignores only the launcher's own signals, SIGUSR1/2: the job ends at once, saying what to check."""
+    config = make_job(tmp_path)
+    f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1", "ips": ["127.0.0.1"]},
+                                                 {"ssh": "mac2", "ips": ["127.0.0.2"]}])
+    env = pty_ssh(tmp_path)
+    shim = tmp_path / "bin" / "ssh"
+    shim.write_text(shim.read_text().replace(
+        "args = sys.argv[1:]\n", "args = sys.argv[1:]\nif 'mac2' in args:\n"
+        "    sys.stderr.write('ssh: connect to host mac2 port 22: Connection refused\\n')\n    sys.exit(255)\n", 1))
+    r = launch("--hostfile", f, "--port", free_port(2), config, "--distributed.collective_timeout_s", 3600,
+               "--train.steps", 5000, limit=STOP_S, env=env)
+    assert r.returncode != 0
+    assert "launch: rank(s) 0, 1 did not report an exit status" in r.stderr  # mlx.launch dropped ssh's own line
+    assert (f"launch: no report from mac1, mac2: where ssh could not start a rank (mlx.launch hides its error), "
+            f"check that `ssh HOST` logs in from here without a password and that {sys.executable} and {ROOT} "
+            f"exist there") in r.stderr
 
 
 def fake_tool(path: Path, body: str) -> None:

@@ -129,7 +129,7 @@ class Attempt:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         else:
             # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
-            # stop signals (inherited SIG_IGN); mpirun handles them and forwards SIGUSR1/2.
+            # launcher's stop signals (inherited SIG_IGN, _ignore_signals); mpirun handles them and forwards SIGUSR1/2.
             # mlx.launch's stdin is a pipe: it copies what comes there to every rank (_send).
             shield = self.plan.backend not in ("mpi", "none")
             self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env=env,
@@ -307,7 +307,13 @@ class Attempt:
 
     def _summarize(self) -> Outcome:
         code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
-        return summarize(self.plan.world_size, self.reports, self.order, code, self.stopped_by)
+        outcome = summarize(self.plan.world_size, self.reports, self.order, code, self.stopped_by)
+        remote = sorted({self.plan.hosts[r] for r in outcome.missing} - {"127.0.0.1", "localhost"})
+        if remote and self.plan.backend != "mpi":  # mlx.launch hides ssh's own error (LogLevel=QUIET)
+            say(f"launch: no report from {', '.join(remote)}: where ssh could not start a rank (mlx.launch hides its "
+                f"error), check that `ssh HOST` logs in from here without a password and that {sys.executable} and "
+                f"{os.getcwd()} exist there")
+        return outcome
 
 
 def summarize(world_size: int, reports: dict, order: list, launcher_code: int, stopped_by: Optional[int]) -> Outcome:
@@ -365,7 +371,11 @@ def _copy_out(fd: int) -> None:
 
 
 def _ignore_signals() -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    """mlx.launch's shield: the launcher's stop and abort (SIGUSR2, SIGUSR1 to its process group) are for the
+    ranks; it and its ssh clients keep them ignored. Not SIGTERM: mlx.launch ends a failed job's other ranks
+    with it, and an ssh client (or the bash that runs it, which cannot undo an ignore it started with) that
+    ignores it leaves mlx.launch waiting on it until the collective watchdog fires."""
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
 
 
