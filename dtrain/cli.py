@@ -134,8 +134,7 @@ def _data_check(args, overrides) -> int:
         _error(f"{args.file}: no usable pairs (training would stop; see the rows listed above)")
         return 1
     try:  # the trainer's own refusals: no held-out pairs to steer by, fewer training pairs than a step takes
-        if held_out is not None:  # else held out in data.valid (or the container's split), not read here
-            held_out_steering(cfg, len(train_pairs), len(held_out))
+        held_out_steering(cfg, len(train_pairs), len(held_out))
         for_run(cfg, train_pairs)
     except UserError as err:
         _error(f"{err} (training would stop)")

@@ -395,3 +395,30 @@ def test_check_under_sft_keeps_preference_rows_a_pairwise_objective_drops(tmp_pa
                                     "1 pairs truncated to data.max_prompt_length / data.max_length"]
     assert (n_bad, [p.source for p in train], held_out) == (0, [f"{path}:{i}" for i in range(1, 6)], [])
     assert all(p.rejected == [] for p in train)
+
+
+def test_cli_held_out_source_is_checked_as_training_reads_it(tmp_path, model_dir, capsys):
+    """An mlx-lm data folder's valid.jsonl is the run's held-out data, but the check read only train.jsonl:
+    with every held-out pair dropped (same text) and train.keep_best on, it exited 0 and training stopped;
+    a bad held-out row was listed nowhere. The held-out source is read and reported too."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", ROWS[:1] * 2)
+    valid = write_jsonl(folder / "valid.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "a"}, ROWS[4]])
+    args = ["data", "check", str(folder), "--model.path", str(model_dir), "--train.global_batch_pairs", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"{folder}: 2 rows, 2 usable, 0 bad, 0 dropped"
+    assert (f"held out: {valid}: 2 rows, 0 usable, 1 bad, 1 dropped\n"
+            "1 of 2 rows skipped (bad rows):\n"
+            f"  {valid}:2: missing field 'rejected'\n"
+            "1 of 2 rows dropped (1 same text):\n"
+            f"  {valid}:1: same text: chosen and rejected are identical") in out
+    assert main(args + ["--train.keep_best", "eval/loss", "--train.eval_every", "1"]) == 1
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("dtrain: error:")] == [
+        f"dtrain: error: train.keep_best needs held-out pairs, and this run has none: {valid} (an mlx-lm data "
+        "folder's) gives no usable pairs: add pairs to it, or set data.valid (or turn it off) (training would stop)"]
+    assert main(args + ["--data.on_bad_row", "error"]) == 1
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("dtrain: error:")] == [
+        f"dtrain: error: {folder}: 1 bad row(s) and data.on_bad_row is 'error' "
+        "(training would stop; see the rows listed above)"]

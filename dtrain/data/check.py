@@ -60,7 +60,7 @@ def glued_rows(rows: list, tokenizer, cfg) -> list:
 
 def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo", seed: int = 0) -> tuple:
     """A text report on one data source (read as ``data.train`` reads it), its bad-row count and
-    the usable pairs that training would train on and hold out: ``(str, int, (list, list or None))``.
+    the usable pairs that training would train on and hold out: ``(str, int, (list, list))``.
 
     Lists the bad rows and the dropped pairs (``file:line: reason``), the
     untruncated token lengths of prompt, chosen and rejected for the rows that
@@ -71,10 +71,11 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     the same :func:`tokenize_rows` as training. ``objective``: ``objective.kind``;
     a pairwise one (all but ``sft``) cannot train rows with one completion. Without held-out data of its
     own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the rows, split with ``seed``
-    (``train.seed``): the pairs returned are the rest and those; with it, all of them and None.
+    (``train.seed``): the pairs returned are the rest and those; with it, all of them and the pairs of
+    that source, whose counts and bad and dropped rows follow the report's as ``held out: SOURCE: ...``.
 
     Raises:
-        DataError: the data cannot be read (missing, a folder of no known
+        DataError: the data or its held-out source cannot be read (missing, a folder of no known
             layout, empty, not JSON, unknown format, invalid JSON array), or the data config or
             tokenizer cannot render its rows, or a row with one completion under a pairwise
             ``objective`` (naming its ``file:line``, as training stops on it).
@@ -109,8 +110,18 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
                      "the prompts with a space or newline, or set data.prompt_template: chat")
     for n, pair in enumerate(pairs[:show], start=1):
         lines += show_pair(pair, tokenizer, n)
-    if valid is not None:  # held out in a source of its own, not read here
-        return "\n".join(lines), len(report.bad), (pairs, None)
+    if valid is not None:  # held out in a source of its own (data.valid, valid.jsonl, a split): training reads it too
+        held_rows, held_report = read_rows(valid, cfg, pairwise=objective != "sft")
+        held, held_tok = tokenize_rows(held_rows, tokenizer, cfg)
+        if objective != "sft":
+            refuse_single_completions(held, objective, valid.label)
+        held_report = held_report.merge(dataclasses.replace(held_tok, rows_read=0))
+        lines.append(f"held out: {valid.label}: {held_report.rows_read} rows, {len(held)} usable, "
+                     f"{len(held_report.bad)} bad, {len(held_report.dropped)} dropped")
+        summary = held_report.summary(limit=20)
+        if summary:
+            lines.append(summary)
+        return "\n".join(lines), len(report.bad) + len(held_report.bad), (pairs, held)
     held_out = {r.source for r in split_rows(rows, cfg.valid_fraction, seed)[1]}
     return "\n".join(lines), len(report.bad), ([p for p in pairs if p.source not in held_out],
                                                [p for p in pairs if p.source in held_out])
