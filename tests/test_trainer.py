@@ -566,3 +566,31 @@ def test_a_run_without_held_out_pairs_stopped_by_skipped_steps_in_its_last_step_
     resumed, _ = run(tmp_path, "train.resume=auto", *blow_up, n_valid=0)
     assert resumed.history == [] and resumed.steps == 3
     assert [s for s, _ in read_scalars(resumed.run_dir)["hparam/loss"]] == [3]
+
+
+def test_progress_false_draws_no_tokenizing_bar(tmp_path, monkeypatch):
+    """train.progress false still drew a first run's 'tokenizing train' bar (load_dataset showed one whenever it
+    logged), on output meant to have none; the step and DPO reference bars follow the key, and so does it."""
+    import tqdm
+
+    from conftest import make_tokenizer
+
+    bars = []
+
+    class Recorded(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            bars.append((kwargs.get("desc"), kwargs.get("disable", False)))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", Recorded)
+    for progress in ("false", "true"):
+        bars.clear()
+        cfg = load_config(None, [f"train.output_dir={tmp_path / progress}", "data.demo_pairs=12", "train.steps=1",
+                                 "train.global_batch_pairs=2", "train.micro_batch_pairs=2", "lora.rank=2",
+                                 "train.eval_pairs=1", f"train.progress={progress}"])
+        loaded = SimpleNamespace(aliases=(), model=make_tiny_model(), tokenizer=make_tokenizer(), identity="tiny",
+                                 source="tiny-llama", reference={"path": "tiny-llama"})
+        train(cfg, loaded=loaded)
+        off = progress == "false"
+        assert [bar for bar in bars if (bar[0] or "").startswith("tokenizing")] == [("tokenizing train", off),
+                                                                                   ("tokenizing valid", off)]

@@ -291,7 +291,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
                                cache_dir=OutputDir(Path(t.output_dir)).data_cache,
-                               pairwise=cfg.objective.kind != "sft")  # SFT trains preference rows' chosen side
+                               pairwise=cfg.objective.kind != "sft",  # SFT trains preference rows' chosen side
+                               progress=t.progress)
         cache_entries = dataset.cache_entries
     objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
