@@ -43,13 +43,15 @@ CASES = [
     ({"hosts": TWO, "backnd": "ring"},
      "{f}: unknown key(s) 'backnd' (known: backend, envs, hosts)"),
     ([{"ssh": "mac1", "ips": ["10.0.0.1"], "ip": "x"}, TWO[1]],
-     "{f}:1: host 0: unknown key(s) 'ip' (known: ssh, ips, rdma)"),
+     "{f}:1: host 0 (mac1): unknown key(s) 'ip' (known: ssh, ips, rdma)"),
+    ([TWO[0], {"ssh": 7, "ip": "x"}],  # no usable name: the unknown key first, then 'ssh'
+     "{f}:1: host 1: unknown key(s) 'ip' (known: ssh, ips, rdma)"),
     ([{"ssh": "mac1"}, TWO[1]],
-     "{f}:1: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses"),
+     "{f}:1: host 0 (mac1): no 'ips'; the ring backend connects to IP addresses"),
     ([TWO[0], {"ssh": "mac1", "ips": ["10.0.0.2"]}],
-     "{f}:1: host 1 repeats ssh 'mac1' of host 0; list each machine once"),
+     "{f}:1: host 1 (mac1): repeats ssh 'mac1' of host 0; list each machine once"),
     ([TWO[0], {"ssh": "mac2", "ips": ["10.0.0.1"]}],
-     "{f}:1: host 1 repeats ip '10.0.0.1' of host 0; list each machine once"),
+     "{f}:1: host 1 (mac2): repeats ip '10.0.0.1' of host 0; list each machine once"),
     ([TWO[0], {"ssh": "mac2", "ips": ["mac2.local"]}],
      "{f}:1: host 1 (mac2): 'mac2.local' in 'ips' is not an IP address (use e.g. 192.168.1.2, not a host name)"),
     ([TWO[0], {"ssh": "mac2", "ips": [167772162]}],
@@ -76,7 +78,7 @@ CASES = [
     ({"backend": "jaccl", "hosts": [{**TWO[0], "rdma": ["rdma_en2", None]}, {**TWO[1], "rdma": ["rdma_en2", None]}]},
      "{f}:1: host 0 (mac1): rdma[0] must be null (a host has no RDMA link to itself)"),
     ({"backend": "nccl", "hosts": [{"ssh": "gpu1"}, {"ssh": "gpu2"}]},
-     "{f}:1: host 0 (gpu1) needs 'ips': the nccl coordinator must be reachable by IP"),
+     "{f}:1: host 0 (gpu1): no 'ips'; the nccl coordinator must be reachable by IP"),
     # a Thunderbolt Bridge's self-assigned IPv6 (ifconfig bridge0): MLX 0.32 splits "ip:port" at the first
     # colon and opens IPv4 sockets, so every rank failed at start-up ("Can't parse address"), exit 4, restarted
     ([TWO[0], {"ssh": "mac2", "ips": ["fe80::1%bridge0"]}],
@@ -152,7 +154,7 @@ def test_a_folder_given_as_the_hostfile_is_named_so(config, tmp_path):
 def test_backend_override_is_checked_against_hostfile(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", {"backend": "mpi", "hosts": [{"ssh": "mac1"}, {"ssh": "mac2"}]})
     assert one_error(config, f, "--backend", "ring") == (
-        f"launch: error: {f}:1: host 0 (mac1) has no 'ips'; the ring backend connects to IP addresses")
+        f"launch: error: {f}:1: host 0 (mac1): no 'ips'; the ring backend connects to IP addresses")
 
 
 @pytest.mark.parametrize("backend", ["ring", "mpi", "nccl", "jaccl"])
@@ -380,7 +382,7 @@ JACCL_TWO_MACS = """{
 @pytest.mark.parametrize("entry,message", [
     ('"rdma_en5"', None),
     ('["rdma_en5", "rdma_en6"]', None),  # two Thunderbolt links, as mlx.distributed_config writes them
-    ("null", "{f}:5: host 1 (mac2.local) has no RDMA device to host(s) 0"),
+    ("null", "{f}:5: host 1 (mac2.local): no RDMA device to host(s) 0"),
     ("5", '{f}:5: host 1 (mac2.local): rdma[0] must be a device name such as "rdma_en2", a list of them, or null; got 5'),
     ("[]", '{f}:5: host 1 (mac2.local): rdma[0] must be a device name such as "rdma_en2", a list of them, or null; got []'),
     ('""', '{f}:5: host 1 (mac2.local): rdma[0] must be a device name such as "rdma_en2", a list of them, or null; got \'\''),

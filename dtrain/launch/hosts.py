@@ -80,10 +80,12 @@ def _device(d) -> bool:
 def _host(i: int, raw, where: str) -> Host:
     if not isinstance(raw, dict):
         raise LaunchError(f"{where}: host {i} must be an object like {{\"ssh\": \"mac1\", \"ips\": [\"10.0.0.1\"]}}, got {raw!r}")
+    ssh = raw.get("ssh")
     unknown = sorted(set(raw) - set(HOST_KEYS))
     if unknown:
-        raise LaunchError(f"{where}: host {i}: unknown key(s) {', '.join(map(repr, unknown))} (known: {', '.join(HOST_KEYS)})")
-    ssh = raw.get("ssh")
+        name = f" ({ssh})" if isinstance(ssh, str) and ssh.strip() else ""
+        raise LaunchError(f"{where}: host {i}{name}: unknown key(s) {', '.join(map(repr, unknown))} "
+                          f"(known: {', '.join(HOST_KEYS)})")
     if not isinstance(ssh, str) or not ssh.strip():
         raise LaunchError(f"{where}: host {i}: 'ssh' must be a non-empty host name, got {ssh!r}")
     ips = raw.get("ips", [])
@@ -138,7 +140,7 @@ def parse_hostfile(data, where: str = "hostfile", lines: Optional[list] = None) 
         for key in [("ssh", h.ssh)] + [("ip", ip) for ip in h.ips]:
             # one host may list an IP twice (mlx.distributed_config does for hosts given by IP): two connections
             if seen.get(key, i) != i:
-                raise LaunchError(f"{hf.where(where, i)}: host {i} repeats {key[0]} {key[1]!r} of host {seen[key]}; "
+                raise LaunchError(f"{hf.where(where, i)}: host {i} ({h.ssh}): repeats {key[0]} {key[1]!r} of host {seen[key]}; "
                                   f"list each machine once")
             seen[key] = i
     return hf
@@ -225,9 +227,9 @@ def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
     if backend == "ring":
         for i, h in enumerate(hosts):
             if not h.ips:
-                raise LaunchError(f"{hf.where(where, i)}: host {i} ({h.ssh}) has no 'ips'; the ring backend connects to IP addresses")
+                raise LaunchError(f"{hf.where(where, i)}: host {i} ({h.ssh}): no 'ips'; the ring backend connects to IP addresses")
     if backend in ("jaccl", "nccl") and not hosts[0].ips:
-        raise LaunchError(f"{hf.where(where, 0)}: host 0 ({hosts[0].ssh}) needs 'ips': the {backend} coordinator must be reachable by IP")
+        raise LaunchError(f"{hf.where(where, 0)}: host 0 ({hosts[0].ssh}): no 'ips'; the {backend} coordinator must be reachable by IP")
     # MLX 0.32 splits "ip:port" at its first colon and opens AF_INET sockets (distributed/utils.cpp): an IPv6
     # address failed every rank at start-up as a lost peer (exit 4), which --max-restarts repeated
     used = [(i, ip) for i, h in enumerate(hosts) for ip in h.ips] if backend == "ring" else \
@@ -247,4 +249,4 @@ def check_backend(hf: Hostfile, backend: str, where: str = "hostfile") -> None:
                 raise LaunchError(f"{at}: host {i} ({h.ssh}): rdma[{i}] must be null (a host has no RDMA link to itself)")
             missing = [j for j, d in enumerate(h.rdma) if j != i and d is None]
             if missing:
-                raise LaunchError(f"{at}: host {i} ({h.ssh}) has no RDMA device to host(s) {', '.join(map(str, missing))}")
+                raise LaunchError(f"{at}: host {i} ({h.ssh}): no RDMA device to host(s) {', '.join(map(str, missing))}")
