@@ -368,6 +368,43 @@ def test_ranks_on_other_hosts_get_the_attempts_variables_by_name(tmp_path, monke
         assert before[before.index(value) - 1] == flag, cmd
 
 
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_hostfiles_envs_reach_the_ranks_not_the_launchers_own_command(tmp_path, monkeypatch, backend):
+    """mlx.launch 0.32 exports a hostfile's envs in each rank's start script (mpirun: -x) and leaves its own
+    environment alone; ./launch also set them on mlx.launch's (mpirun's) process, so a PATH or PYTHONHOME
+    meant for the other Macs could break the launcher's own command on this one."""
+    from dtrain.config import load_config
+    from dtrain.launch import supervise
+    from dtrain.launch.plan import build_plan
+
+    if backend == "mpi" and shutil.which("mpirun") is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    monkeypatch.delenv("DTRAIN_TEST_HOSTFILE_ENV", raising=False)
+    hostfile = parse_hostfile({"envs": ["DTRAIN_TEST_HOSTFILE_ENV=mac", "PYTHONHOME=/opt/remote/python"],
+                               "hosts": TWO})
+    plan = build_plan("job.yaml", [], load_config(overrides=["data.demo_pairs=8"]), backend=backend, hostfile=hostfile,
+                      hostfile_path=str(tmp_path / "hosts.json"), tmpdir=str(tmp_path))
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(cmd, env=None, **kwargs):  # record the command and its environment; run one that ends at once
+        started.append((cmd, env))
+        return real_popen([sys.executable, "-c", ""], **kwargs)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen)
+    supervise.Attempt(plan, stop_timeout=42).run()
+    cmd, env = started[0]
+    assert "DTRAIN_TEST_HOSTFILE_ENV" not in env and env.get("PYTHONHOME") == os.environ.get("PYTHONHOME")
+    before = cmd[: cmd.index("--")]
+    if backend == "mpi":  # mpirun gives them to the ranks by name, as mlx.launch's launch_mpi does
+        assert before[before.index("DTRAIN_TEST_HOSTFILE_ENV=mac") - 1] == "-x"
+        assert before[before.index("PYTHONHOME=/opt/remote/python") - 1] == "-x"
+    else:  # mlx.launch reads them from the hostfile itself
+        assert not any("DTRAIN_TEST_HOSTFILE_ENV" in x or "PYTHONHOME" in x for x in before)
+    for rank_env in plan.rank_env:  # what --dry-run shows each rank
+        assert rank_env["DTRAIN_TEST_HOSTFILE_ENV"] == "mac" and rank_env["PYTHONHOME"] == "/opt/remote/python"
+
+
 JACCL_TWO_MACS = """{
   "backend": "jaccl",
   "hosts": [

@@ -37,7 +37,8 @@ class Plan:
     """A launch: ``command`` run in a new session with ``env`` (os.environ + ``explicit``).
 
     ``rank_env[r]``: the variables rank ``r`` receives beyond the inherited
-    environment (what ``--dry-run`` prints). ``shards[r]``: pairs per step.
+    environment (what ``--dry-run`` prints): ``explicit``, a hostfile's ``envs``
+    (given to the ranks only, as mlx.launch does) and the backend's. ``shards[r]``: pairs per step.
     ``files``: temporary files to write before starting (path -> content), in ``tmpdir``.
     ``local``: every rank runs on this machine (its files are the launcher's files).
     ``ports``: the loopback TCP ports the ranks of a local plan listen on (none for one rank or MPI).
@@ -69,16 +70,19 @@ def shard_sizes(global_batch_pairs: int, world_size: int) -> list[int]:
     return [len(rank_shard(batch, r, world_size)) for r in range(world_size)]
 
 
-def base_env(extra: Optional[list] = None) -> tuple[dict, list[str]]:
+def base_env() -> tuple[dict, list[str]]:
     """Variables every rank gets explicitly, and log lines: the chosen BLAS
-    (Linux, ``dtrain.blas.blas_env``), unbuffered output, hostfile ``envs``."""
+    (Linux, ``dtrain.blas.blas_env``), unbuffered output."""
     env, message = blas_env()
     explicit = {k: env[k] for k in CHILD_VARS if k in env}
     explicit["PYTHONUNBUFFERED"] = "1"
-    for item in extra or []:
-        key, value = item.split("=", 1)
-        explicit[key] = value
     return explicit, [message] if message else []
+
+
+def hostfile_env(hostfile: Optional[Hostfile]) -> dict:
+    """A hostfile's ``envs`` as a dict. mlx.launch 0.32 exports them in each rank's start script (``mpirun
+    -x`` for MPI) and not in its own environment, so a PATH meant for the hosts cannot break it here."""
+    return dict(e.split("=", 1) for e in (hostfile.envs if hostfile else []))
 
 
 def rank_program(config: str, overrides: list[str], backend: Optional[str]) -> list[str]:
@@ -249,7 +253,7 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
     Raises:
         LaunchError: a combination that cannot run (``-n`` with a hostfile, a backend for one rank), a port in use.
     """
-    explicit, notes = base_env(hostfile.envs if hostfile else None)
+    explicit, notes = base_env()
     named = f"--backend {backend}" if backend else f"distributed.backend {cfg.distributed.backend}"
     backend = backend or (hostfile.backend if hostfile else None)
     if backend is None and cfg.distributed.backend != "any":
@@ -315,11 +319,12 @@ def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) ->
         common["explicit"] = explicit
     where = ["--hostfile", hostfile_path]
     port_flag = ["--nccl-port", str(port)] if backend == "nccl" else ["--starting-port", str(port)]
-    hostfile_env = {k: v for k, v in (e.split("=", 1) for e in (hostfile.envs if hostfile else []))}
-    passed = {k: v for k, v in explicit.items() if k not in hostfile_env}  # mlx.launch adds the hostfile's own
+    envs = hostfile_env(hostfile)
+    passed = {k: v for k, v in explicit.items() if k not in envs}  # mlx.launch adds the hostfile's own
     command = [mlx_launch_path(), *where, "--backend", backend, *port_flag, *_env_flags("--env", passed), "--", *program]
     ips, rdma = [h.ips for h in hostfile.hosts], [h.rdma for h in hostfile.hosts]
-    rank_env = [{**explicit, **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=True)} for r in range(n)]
+    rank_env = [{**explicit, **envs, **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=True)}
+                for r in range(n)]
     return Plan(command=command, rank_env=rank_env, **common)
 
 
@@ -377,9 +382,10 @@ def _mpi_plan(hostfile, program, tmpdir, common) -> Plan:
         flags += ["--hostfile", path]
     elif n > (os.cpu_count() or 1):
         flags.append("--oversubscribe")  # more ranks than cores on this machine
-    command = [mpirun, *flags, *_env_flags("-x", explicit), "--", *program]
+    passed = {**explicit, **hostfile_env(hostfile)}  # mpirun's own environment keeps the hostfile's out
+    command = [mpirun, *flags, *_env_flags("-x", passed), "--", *program]
     ips = [[h] for h in common["hosts"]]
-    rank_env = [{**explicit, **rank_variables("mpi", r, ips, 0)} for r in range(n)]
+    rank_env = [{**passed, **rank_variables("mpi", r, ips, 0)} for r in range(n)]
     return Plan(command=command, rank_env=rank_env, files=files, **common)
 
 
