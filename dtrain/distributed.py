@@ -278,10 +278,15 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
         return Group()
     name = found if backend == "any" else backend
     if not mx.distributed.is_available(name):  # else init's error reads as a lost peer (exit 4, restarted)
-        have = [b for b in BACKENDS if mx.distributed.is_available(b)]
+        have = f"{', '.join(b for b in BACKENDS if mx.distributed.is_available(b)) or 'none'} (dtrain doctor lists them)"
+        if name == "jaccl":  # MLX builds it for macOS 26.2+ only, where it loads librdma.dylib (mlx/distributed/jaccl)
+            raise UserError(f"distributed backend 'jaccl' is not available to MLX {mx.__version__} here: MLX's JACCL "
+                            f"(RDMA over Thunderbolt 5) needs macOS 26.2 or later with RDMA enabled (once, in macOS "
+                            f"Recovery: rdma_ctl enable) and an MLX built for macOS 26.2 or later; this MLX has: "
+                            f"{have}; the ring backend runs over Thunderbolt too (--backend ring, with the Macs' "
+                            f"Thunderbolt Bridge IPs)")
         libmpi = "; MPI's also needs a libmpi MLX can load (./launch sets MLX_MPI_LIBNAME)" if name == "mpi" else ""
-        raise UserError(f"distributed backend '{name}' is not in this MLX {mx.__version__}; it has: "
-                        f"{', '.join(have) or 'none'} (dtrain doctor lists them){libmpi}")
+        raise UserError(f"distributed backend '{name}' is not in this MLX {mx.__version__}; it has: {have}{libmpi}")
     if found is None and name in ("ring", "jaccl", "nccl"):  # MLX reads their peers from the launcher's variables
         raise UserError(f"distributed.backend is {name}, but no launcher started this process (its environment "
                         f"names no other ranks); start the ranks with ./launch -n N or ./launch --hostfile HOSTS.json, "

@@ -96,13 +96,28 @@ def test_a_backend_without_its_launcher_points_to_launch(backend, monkeypatch):
 
 
 def test_a_backend_this_mlx_lacks_is_a_user_error_naming_the_ones_it_has(monkeypatch):
-    """jaccl on Linux failed as a lost peer (exit 4, which ./launch --max-restarts restarted)."""
+    """nccl without CUDA failed as a lost peer (exit 4, which ./launch --max-restarts restarted)."""
     monkeypatch.setattr(mx.distributed, "is_available", lambda backend="any": backend in ("ring", "mpi"))
     with pytest.raises(UserError) as err:
-        init_group("jaccl", env={"MLX_RANK": "0", "MLX_JACCL_COORDINATOR": "10.0.0.1:5000"})
+        init_group("nccl", env={"MLX_RANK": "0", "NCCL_HOST_IP": "10.0.0.1", "MLX_WORLD_SIZE": "2"})
     assert err.value.__class__ is UserError  # exit status 2: a restart would repeat it
-    assert str(err.value) == (f"distributed backend 'jaccl' is not in this MLX {mx.__version__}; it has: ring, mpi "
+    assert str(err.value) == (f"distributed backend 'nccl' is not in this MLX {mx.__version__}; it has: ring, mpi "
                               f"(dtrain doctor lists them)")
+
+
+def test_jaccl_missing_names_what_it_needs_and_the_ring(monkeypatch):
+    """A JACCL rank on macOS before 26.2 (no librdma.dylib, or an MLX built without JACCL) read "backend 'jaccl'
+    is not in this MLX", pointing at the MLX install; MLX builds JACCL for macOS 26.2+ only and loads macOS's
+    librdma.dylib (mlx/distributed/jaccl: CMakeLists.txt, utils.cpp), which needs RDMA enabled to find devices."""
+    monkeypatch.setattr(mx.distributed, "is_available", lambda backend="any": backend in ("ring", "mpi"))
+    with pytest.raises(UserError) as err:
+        init_group("any", env={"MLX_RANK": "0", "MLX_JACCL_COORDINATOR": "10.0.0.1:5000"})
+    assert err.value.__class__ is UserError  # exit status 2: a restart would repeat it
+    assert str(err.value) == (
+        f"distributed backend 'jaccl' is not available to MLX {mx.__version__} here: MLX's JACCL (RDMA over "
+        f"Thunderbolt 5) needs macOS 26.2 or later with RDMA enabled (once, in macOS Recovery: rdma_ctl enable) "
+        f"and an MLX built for macOS 26.2 or later; this MLX has: ring, mpi (dtrain doctor lists them); the ring "
+        f"backend runs over Thunderbolt too (--backend ring, with the Macs' Thunderbolt Bridge IPs)")
 
 
 def test_watchdog_turns_an_mlx_error_into_a_user_error():
