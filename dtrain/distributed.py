@@ -379,8 +379,9 @@ def handshake(group: Group, facts: dict) -> None:
     if odd:
         raise ForeignRankError(
             f"rank(s) {', '.join(map(str, odd))} belong to another job (job {jobs[odd[0]] or '(none)'}; rank 0's is "
-            f"{jobs[0] or '(none)'}): two jobs on this machine were given the same ports; give each its own --port, "
-            "or leave --port out and ./launch takes free ones")
+            f"{jobs[0] or '(none)'}): two jobs were given the same ports; give each its own --port (./launch -n N "
+            "without --port takes free ones on its machine, but cannot check the ports of other machines: every "
+            "--hostfile job starts at the same default port)")
     everyone, configs = [g["facts"] for g in gathered], [g["config"] for g in gathered]
     problems = []
     for key in sorted(set().union(*everyone)):

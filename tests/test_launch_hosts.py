@@ -405,6 +405,53 @@ def test_a_hostfiles_envs_reach_the_ranks_not_the_launchers_own_command(tmp_path
         assert rank_env["DTRAIN_TEST_HOSTFILE_ENV"] == "mac" and rank_env["PYTHONHOME"] == "/opt/remote/python"
 
 
+def test_a_hostfile_restart_without_port_moves_to_other_ports(tmp_path):
+    """Every attempt of a hostfile job used port 32323: the launcher cannot check the other Macs' ports, and a
+    rank of the failed attempt still running there (or a second job) met the restart on the same ports. A restart
+    without --port takes a random first port outside the ephemeral range, as the local path does when 32323 is
+    taken; the first attempt (and --dry-run) keeps 32323, and a --port given is kept on every attempt."""
+    from dtrain.config import load_config
+    from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, build_plan, ephemeral_ports
+
+    hostfile = parse_hostfile([{"ssh": "mac1", "ips": ["10.0.0.1", "10.0.1.1"], "rdma": [None, "rdma_en2"]},
+                               {"ssh": "mac2", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", None]}])
+    cfg = load_config(overrides=["data.demo_pairs=8"])
+
+    def first_port(backend, port=None, restart=False):
+        plan = build_plan("job.yaml", [], cfg, backend=backend, port=port, hostfile=hostfile,
+                          hostfile_path=str(tmp_path / "hosts.json"), tmpdir=str(tmp_path), restart=restart)
+        flag = plan.command.index("--nccl-port" if backend == "nccl" else "--starting-port")
+        return int(plan.command[flag + 1])
+
+    first, last = ephemeral_ports()
+    for backend, count in (("ring", 3), ("jaccl", 1), ("nccl", 1)):
+        assert first_port(backend) == DEFAULT_PORT and first_port(backend, 5000, restart=True) == 5000
+        moved = {first_port(backend, restart=True) for _ in range(20)}
+        assert len(moved) > 1 and DEFAULT_PORT not in moved, moved
+        assert all(PORT_FLOOR <= p and (p + count - 1 < first or p > last) and p + count - 1 <= 65535 for p in moved)
+
+
+def test_run_job_tells_plan_for_which_attempt_is_a_restart(monkeypatch):
+    """``run_job`` asks ``plan_for(resume, restart)``: the first attempt plans as --dry-run showed, a restart
+    may move a hostfile job's ports."""
+    from dtrain.launch import main
+    from dtrain.launch.supervise import Outcome
+
+    outcomes = [Outcome(4, failed=[]), Outcome(4, failed=[]), Outcome(0)]
+
+    class FakeAttempt:
+        def __init__(self, plan, stop_timeout):
+            self.plan = plan
+
+        def run(self):
+            return outcomes.pop(0)
+
+    monkeypatch.setattr(main, "Attempt", FakeAttempt)
+    asked = []
+    code = main.run_job(lambda resume, restart: asked.append((resume, restart)), 60, 5, 0, None, main.StopSignals())
+    assert code == 0 and asked == [(False, False), (True, True), (True, True)]
+
+
 JACCL_TWO_MACS = """{
   "backend": "jaccl",
   "hosts": [

@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hostfile", help="mlx.launch JSON hostfile: one rank per host")
     p.add_argument("--backend", choices=BACKENDS, help="default: the hostfile's, then the config's, then ring")
     p.add_argument("--port", type=int, help=f"first ring/JACCL port, or the NCCL port (default: {DEFAULT_PORT}, "
-                   "or free ports for ranks on this machine when it is taken)")
+                   "or free ports for ranks on this machine when it is taken; a --hostfile job's restart: random ones)")
     p.add_argument("--tensorboard", type=int, nargs="?", const=TB_DEFAULT_PORT, metavar="PORT",
                    help=f"serve TensorBoard on 127.0.0.1:PORT (default {TB_DEFAULT_PORT}) while the run lasts")
     p.add_argument("--stop-timeout", type=float, default=60.0,
@@ -196,7 +196,8 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
     """Run attempts of the job until it succeeds, is stopped, fails for good or runs out of restarts.
 
     Args:
-        plan_for: ``plan_for(resume)`` -> the :class:`~.plan.Plan`; ``resume=True`` adds ``train.resume=auto``.
+        plan_for: ``plan_for(resume, restart)`` -> the :class:`~.plan.Plan`; ``resume=True`` adds
+            ``train.resume=auto``; ``restart``: not the first attempt (a hostfile job's ports may move).
         output_dir: the run's output folder when it is on this machine, else None.
         named: the checkpoint folder ``train.resume`` names (not ``auto``), with ``output_dir``: a restart
             continues it again until the run has saved a checkpoint (the newest one until then is of
@@ -207,7 +208,7 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
     restarts, auto = 0, False
     at_launch = restart.newest_manifest(output_dir) if named is not None else None
     while True:
-        attempt = Attempt(plan_for(auto), stop_timeout)
+        attempt = Attempt(plan_for(auto, restarts > 0), stop_timeout)
         signals.attempt = attempt
         if signals.received:
             return 128 + signals.received[0]
@@ -274,12 +275,12 @@ def main(argv: list[str] | None = None) -> int:
             args.hostfile = os.path.expanduser(args.hostfile)
         hostfile = load_hostfile(args.hostfile) if args.hostfile else None
         with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:
-            def plan_for(resume: bool):
+            def plan_for(resume: bool, again: bool = False):
                 extra = ["train.resume=auto"] if resume else []
                 release(port_locks)  # the previous attempt's ports: its ranks have ended
                 return build_plan(args.config, [*overrides, *extra], cfg, ranks=args.ranks, backend=args.backend,
                                   port=args.port, hostfile=hostfile, hostfile_path=args.hostfile, tmpdir=tmp,
-                                  port_locks=port_locks)
+                                  port_locks=port_locks, restart=again)
 
             plan = plan_for(False)
             if args.tensorboard in plan.ports:  # else the rank that listens on it fails to join its group

@@ -28,7 +28,7 @@ from ..sampler import rank_shard
 from ..contract import FILE_VARS, LOCAL_RANKS_VAR, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
 
-DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port or taken
+DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port, taken, or a hostfile job's restart
 PORT_FLOOR = 20000  # spare ports are drawn from here up to the system's ephemeral range
 
 
@@ -235,7 +235,7 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
 
 def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backend: Optional[str] = None,
                port: Optional[int] = None, hostfile: Optional[Hostfile] = None, hostfile_path: Optional[str] = None,
-               tmpdir: Optional[str] = None, port_locks: Optional[list] = None) -> Plan:
+               tmpdir: Optional[str] = None, port_locks: Optional[list] = None, restart: bool = False) -> Plan:
     """The plan for ``config`` + ``overrides`` on ``ranks`` local ranks or one rank per ``hostfile`` host.
 
     Args:
@@ -245,11 +245,14 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         ranks: ranks on this machine (1 without a hostfile: no distributed setup).
         backend: ``--backend``; None takes the hostfile's, then the config's, then ring.
         port: the first ring/JACCL port, or the NCCL port; None: free ones for
-            ranks on this machine (:func:`free_ports`), else :data:`DEFAULT_PORT`.
+            ranks on this machine (:func:`free_ports`), else :data:`DEFAULT_PORT`
+            (on a ``restart``, a :func:`spare_base`).
         hostfile: a validated hostfile (``hostfile_path`` names it), or None.
         tmpdir: where MPI's host list and the ring's MLX_HOSTFILE are written.
         port_locks: receives the locks on the ports of ranks on this machine
             (:func:`free_ports`); the caller closes them when the job ends.
+        restart: a restart of the job: a hostfile job without ``port`` moves to random ports, since the
+            launcher cannot check the other hosts' ports, where a rank of the failed attempt may still hold its own.
     Raises:
         LaunchError: a combination that cannot run (``-n`` with a hostfile, a backend for one rank), a port in use.
     """
@@ -289,7 +292,10 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         count = n if backend == "ring" else 1
         port = free_ports(count, port, [] if port_locks is None else port_locks)
         return replace(_direct_plan(backend, port, program, tmpdir, common), ports=tuple(range(port, port + count)))
-    return _mlx_launch_plan(hostfile, hostfile_path, backend, DEFAULT_PORT if port is None else port, program, common)
+    if port is None:
+        count = sum(len(h.ips) for h in hostfile.hosts) if backend == "ring" else 1
+        port = spare_base(count, random.SystemRandom(), ephemeral_ports()) if restart else DEFAULT_PORT
+    return _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common)
 
 
 def _direct_plan(backend, port, program, tmpdir, common) -> Plan:
