@@ -405,6 +405,18 @@ def test_a_hostfiles_envs_reach_the_ranks_not_the_launchers_own_command(tmp_path
         assert rank_env["DTRAIN_TEST_HOSTFILE_ENV"] == "mac" and rank_env["PYTHONHOME"] == "/opt/remote/python"
 
 
+def test_hostfile_ports_past_65535_are_one_line(config, tmp_path):
+    """A ring hostfile of 3 IPs with --port 65534 gave its last IP port 65536 ("10.0.0.2:65536" in MLX_HOSTFILE):
+    every rank failed at start-up as a lost peer (exit 4, which --max-restarts repeated)."""
+    f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "mac1", "ips": ["10.0.0.1", "10.0.1.1"]},
+                                                 {"ssh": "mac2", "ips": ["10.0.0.2"]}])
+    assert one_error(config, f, "--port", 65534) == (
+        "launch: error: --port 65534: the job needs 3 consecutive ports from it, past the last TCP port 65535; "
+        "pass --port 65533 or lower")
+    r = launch("--hostfile", f, "--port", 65533, "--dry-run", config)
+    assert r.returncode == 0 and '["10.0.0.2:65535"]' in r.stdout, r.stderr
+
+
 def test_a_hostfile_restart_without_port_moves_to_other_ports(tmp_path):
     """Every attempt of a hostfile job used port 32323: the launcher cannot check the other Macs' ports, and a
     rank of the failed attempt still running there (or a second job) met the restart on the same ports. A restart

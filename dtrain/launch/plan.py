@@ -202,6 +202,17 @@ def spare_base(count: int, rng: random.Random, ephemeral: tuple[int, int]) -> in
     return rng.randrange(*rng.choice(spans))
 
 
+def check_span(first: int, count: int) -> None:
+    """The ``count`` consecutive ports from the user's ``--port first`` end at 65535 or before.
+
+    Raises:
+        LaunchError: they run past it (MLX would be given port 65536 and up, and every rank fail to join).
+    """
+    if first + count - 1 > 65535:
+        raise LaunchError(f"--port {first}: the job needs {count} consecutive ports from it, past the last "
+                          f"TCP port 65535; pass --port {65536 - count} or lower")
+
+
 def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0.0.1") -> int:
     """The first of ``count`` consecutive TCP ports on ``host`` for this job's ranks.
 
@@ -217,9 +228,7 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
         LaunchError: ``first`` (or one of the ports after it) is in use, or they run past port 65535.
     """
     if first is not None:
-        if first + count - 1 > 65535:
-            raise LaunchError(f"--port {first}: the job needs {count} consecutive ports from it, past the last "
-                              f"TCP port 65535; pass --port {65536 - count} or lower")
+        check_span(first, count)
         problem = _claim(first, count, host, locks)
         if problem is not None:
             raise LaunchError(f"port {problem[0]} is in use ({problem[1]}); pass another --port, "
@@ -292,9 +301,10 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         count = n if backend == "ring" else 1
         port = free_ports(count, port, [] if port_locks is None else port_locks)
         return replace(_direct_plan(backend, port, program, tmpdir, common), ports=tuple(range(port, port + count)))
+    count = sum(len(h.ips) for h in hostfile.hosts) if backend == "ring" else 1  # one ring port per IP
     if port is None:
-        count = sum(len(h.ips) for h in hostfile.hosts) if backend == "ring" else 1
         port = spare_base(count, random.SystemRandom(), ephemeral_ports()) if restart else DEFAULT_PORT
+    check_span(port, count)
     return _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common)
 
 
