@@ -464,6 +464,28 @@ def test_run_job_tells_plan_for_which_attempt_is_a_restart(monkeypatch):
     assert code == 0 and asked == [(False, False), (True, True), (True, True)]
 
 
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_this_machines_blas_choice_is_not_given_to_ranks_on_other_hosts(tmp_path, monkeypatch, backend):
+    """On Linux the launcher passed its own BLAS choice (LD_PRELOAD of its OpenBLAS, OPENBLAS_CORETYPE forced
+    from its CPU's flags, DTRAIN_BLAS) to every rank by name: a host with another CPU (no AVX-512 for a
+    Cooperlake core) or without that library was made to use it. Ranks on other hosts choose their own when
+    they start (dtrain.blas.setup); those on this machine (ssh 127.0.0.1) still get this one."""
+    from dtrain.config import load_config
+    from dtrain.launch import plan as plan_module
+
+    if backend == "mpi" and shutil.which("mpirun") is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    mine = {"LD_PRELOAD": "/usr/lib/libopenblas.so.0", "OPENBLAS_CORETYPE": "Cooperlake",
+            "DTRAIN_BLAS": "openblas,0.3.21,Cooperlake,120.0"}
+    monkeypatch.setattr(plan_module, "blas_env", lambda: ({**os.environ, **mine}, "launch: using OpenBLAS"))
+    hostfile = parse_hostfile([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "gpu2", "ips": ["10.0.0.2"]}])
+    plan = plan_module.build_plan("job.yaml", [], load_config(overrides=["data.demo_pairs=8"]), backend=backend,
+                                  hostfile=hostfile, hostfile_path=str(tmp_path / "hosts.json"), tmpdir=str(tmp_path))
+    assert not any(k in x for k in mine for x in plan.command)  # not passed by name (--env, -x)
+    assert all(plan.explicit[k] == v for k, v in mine.items())  # the launched command's own: ranks on this machine
+    assert all(plan.rank_env[0][k] == v for k, v in mine.items()) and not set(mine) & set(plan.rank_env[1])
+
+
 JACCL_TWO_MACS = """{
   "backend": "jaccl",
   "hosts": [

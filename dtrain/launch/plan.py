@@ -106,6 +106,13 @@ def _env_flags(flag: str, env: dict) -> list[str]:
     return [x for k, v in env.items() for x in (flag, f"{k}={v}")]
 
 
+def _for_ranks(env: dict, here: bool) -> dict:
+    """``env`` for ranks on this machine (``here``), else without this machine's BLAS choice
+    (``dtrain.blas.CHILD_VARS``: a library path, a core type forced from this CPU's flags): a rank on
+    another host chooses its own when it starts (``dtrain.blas.setup``)."""
+    return env if here else {k: v for k, v in env.items() if k not in CHILD_VARS}
+
+
 def command_with_env(plan: Plan, env: dict) -> list[str]:
     """``plan.command`` passing ``env`` to every rank by name (mlx.launch ``--env``, mpirun ``-x``):
     ranks started over ssh, or by mpirun's daemons on other hosts, get no other environment
@@ -336,11 +343,13 @@ def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) ->
     where = ["--hostfile", hostfile_path]
     port_flag = ["--nccl-port", str(port)] if backend == "nccl" else ["--starting-port", str(port)]
     envs = hostfile_env(hostfile)
-    passed = {k: v for k, v in explicit.items() if k not in envs}  # mlx.launch adds the hostfile's own
+    # mlx.launch adds the hostfile's own; ranks on this machine inherit the rest from mlx.launch
+    passed = {k: v for k, v in _for_ranks(explicit, False).items() if k not in envs}
     command = [mlx_launch_path(), *where, "--backend", backend, *port_flag, *_env_flags("--env", passed), "--", *program]
     ips, rdma = [h.ips for h in hostfile.hosts], [h.rdma for h in hostfile.hosts]
-    rank_env = [{**explicit, **envs, **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=True)}
-                for r in range(n)]
+    rank_env = [{**_for_ranks(explicit, h.ssh == "127.0.0.1"), **envs,  # mlx.launch starts 127.0.0.1's itself
+                 **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=True)}
+                for r, h in enumerate(hostfile.hosts)]
     return Plan(command=command, rank_env=rank_env, **common)
 
 
@@ -398,10 +407,12 @@ def _mpi_plan(hostfile, program, tmpdir, common) -> Plan:
         flags += ["--hostfile", path]
     elif n > (os.cpu_count() or 1):
         flags.append("--oversubscribe")  # more ranks than cores on this machine
-    passed = {**explicit, **hostfile_env(hostfile)}  # mpirun's own environment keeps the hostfile's out
-    command = [mpirun, *flags, *_env_flags("-x", passed), "--", *program]
+    # mpirun's own environment keeps the hostfile's out; its ranks on this machine inherit the rest from it
+    envs = hostfile_env(hostfile)
+    command = [mpirun, *flags, *_env_flags("-x", {**_for_ranks(explicit, hostfile is None), **envs}), "--", *program]
     ips = [[h] for h in common["hosts"]]
-    rank_env = [{**passed, **rank_variables("mpi", r, ips, 0)} for r in range(n)]
+    rank_env = [{**_for_ranks(explicit, h == "127.0.0.1"), **envs, **rank_variables("mpi", r, ips, 0)}
+                for r, h in enumerate(common["hosts"])]
     return Plan(command=command, rank_env=rank_env, files=files, **common)
 
 
