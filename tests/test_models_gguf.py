@@ -462,6 +462,20 @@ def test_corrupt_gguf_is_a_model_error(tmp_path):
         load_model(str(path))
 
 
+@pytest.mark.parametrize("field, at", [("tensor count", 8), ("metadata count", 16)])
+def test_a_gguf_header_count_past_its_entries_is_a_model_error(tmp_path, field, at):
+    """A damaged header whose tensor or metadata count runs past its entries read a length from the data
+    that followed as a key's or name's: f.read(2**60) ended in MemoryError's traceback."""
+    import struct
+
+    path = tmp_path / "damaged.gguf"
+    write_tiny_llama(path, {})
+    data = path.read_bytes()
+    path.write_bytes(data[:at] + struct.pack("<Q", 1 << 60) + data[at + 8:])
+    with pytest.raises(ModelError, match=r"damaged\.gguf: not a readable GGUF file"):
+        load_model(str(path))
+
+
 def test_unsupported_gguf_architecture_is_a_model_error(tmp_path):
     path = tmp_path / "phi.gguf"
     w = gguf.GGUFWriter(str(path), "phi3")

@@ -29,6 +29,15 @@ def _u(f, fmt: str):
     return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
 
 
+def _text(f, size: int) -> bytes:
+    """A GGUF string's bytes; a length past the file's end (a damaged header) is refused before
+    ``f.read`` tries to allocate it (MemoryError)."""
+    n = _u(f, "Q")
+    if n > size - f.tell():
+        raise ValueError(f"a string of {n} bytes at offset {f.tell() - 8}, past the end of the file")
+    return f.read(n)
+
+
 def _skip_value(f, vtype: int) -> None:
     if vtype in _FIXED:
         f.seek(_FIXED[vtype], 1)
@@ -66,15 +75,16 @@ def tensor_infos(path: Path) -> tuple:
     first; type: the ``GGMLQuantizationType`` number).
 
     Raises:
-        ValueError: not a GGUF v2/v3 file.
+        ValueError: not a GGUF v2/v3 file, or a damaged header.
     """
+    size = Path(path).stat().st_size
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF" or _u(f, "I") not in (2, 3):
             raise ValueError(f"{path}: not a GGUF v2/v3 file")
         n_tensors, n_kv = _u(f, "Q"), _u(f, "Q")
         alignment = 32
         for _ in range(n_kv):
-            key = f.read(_u(f, "Q")).decode("utf-8", "replace")
+            key = _text(f, size).decode("utf-8", "replace")
             vtype = _u(f, "I")
             if key == "general.alignment" and vtype == _UINT32:
                 alignment = _u(f, "I")
@@ -82,7 +92,7 @@ def tensor_infos(path: Path) -> tuple:
                 _skip_value(f, vtype)
         infos = []
         for _ in range(n_tensors):
-            name = f.read(_u(f, "Q")).decode("utf-8")
+            name = _text(f, size).decode("utf-8")
             dims = [_u(f, "Q") for _ in range(_u(f, "I"))]
             ttype, offset = _u(f, "I"), _u(f, "Q")
             infos.append((name, tuple(reversed(dims)), ttype, offset))
