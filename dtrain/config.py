@@ -214,7 +214,7 @@ class TrainConfig:
     compile_optimizer: Union[bool, Literal["auto"]] = option(
         "auto", "mx.compile clipping + AdamW + the non-finite skip into one function, traced once per run (the "
                 "same update); auto: on a GPU, off on the CPU (its first run on a machine builds C++ kernels)")
-    seed: int = option(0, "data order and per-step RNG: the same seed gives the same run")
+    seed: int = option(0, "data order and per-step RNG: the same seed gives the same run", at_least=0)
     eval_every: int = option(0, "eval/ metrics every N steps; 0 = only at step 0 and at the end", at_least=0)
     eval_pairs: int = option(0, "held-out pairs per evaluation; 0 = all", at_least=0)
     save_every: int = option(0, "checkpoint every N steps; 0 = only at the end (and on a stop signal)", at_least=0)

@@ -293,6 +293,22 @@ def test_min_lr_ratio_above_one_is_refused(ratio, message):
     assert allowed(float, field.metadata) == "in [0, 1]"
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.save_every=99999999999999999999", "key 'train.save_every' must fit in 64 bits (below 2**63); "
+                                              "got 99999999999999999999"),
+    ("data.demo_seed=-99999999999999999999", "key 'data.demo_seed' must fit in 64 bits (below 2**63); "
+                                             "got -99999999999999999999"),
+    ("train.seed=-1", "key 'train.seed' must be >= 0; got -1"),
+])
+def test_an_integer_numpy_and_mlx_cannot_hold_is_refused(override, message):
+    """train.seed -1 and an integer of 2**63 or more passed the config and ended the run in a traceback: MLX's
+    seed takes an unsigned 64-bit value, TensorBoard's hparams record runs np.isnan on every number."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=8", override])
+    assert str(err.value) == f"command line: {message}"
+    assert load_config(None, ["data.demo_pairs=8", f"train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
+
+
 @pytest.mark.parametrize("scale", [0, -2.5])
 def test_lora_scale_at_or_below_zero_is_refused(scale):
     """Scale 0 makes every LoRA layer's update 0 and its gradient 0 (shown below): the run trained nothing."""
