@@ -303,6 +303,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         raise ConfigError(f"{source}: key 'data.fields' must map prompt/chosen/rejected/system (SFT: "
                           f"completion/messages/text) to column names, got {value!r}; e.g. --data.fields "
                           f"'{{prompt: question, chosen: response_j, rejected: response_k}}'")
+    if _deeper_than(value, MAX_DEPTH):  # a recursive alias (&a [*a]) nests without end
+        raise ConfigError(f"{source}: key '{shown}' nests lists or mappings more than {MAX_DEPTH} levels deep "
+                          "(a recursive YAML alias?)")
     value = checked(type(sub), name, value, f"{source}: key '{shown}'")
     # lora.keys of no text would match no layer, found only after the model loads
     if (section, name) == ("lora", "keys") and value is not None and not (value and all(
@@ -310,6 +313,12 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         raise ConfigError(f"{source}: key 'lora.keys' must list module paths inside a decoder layer, e.g. "
                           f"[self_attn.q_proj, mlp.down_proj], or be null for every linear layer; got {value!r}")
     setattr(sub, name, value)
+
+
+def _deeper_than(value: Any, depth: int) -> bool:
+    """Whether ``value`` nests lists or mappings more than ``depth`` levels deep."""
+    children = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return bool(children) and (depth == 0 or any(_deeper_than(c, depth - 1) for c in children))
 
 
 def _check_section(section: str, source: str) -> None:
@@ -356,7 +365,11 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         is_null = tp != str and text in ("null", "Null", "NULL", "~")
         return section, key, None if is_null else text
     try:
-        value = yaml.safe_load(text) if text != "" else ""
+        value = yaml.load(text, Loader=_ValueLoader) if text != "" else ""
+    except yaml.constructor.ConstructorError as err:  # YAML, but of a value Python cannot build
+        raise ConfigError(f"command line: key '{dotted}': invalid YAML: {err.problem}") from None
+    except RecursionError:
+        raise ConfigError(f"command line: key '{dotted}': invalid YAML: {TOO_DEEP}") from None
     except yaml.YAMLError:
         value = text
     return section, key, value
@@ -368,6 +381,11 @@ def _field_type(section: str, key: str) -> Any:
     return typing.get_type_hints(cls).get(ALIASES.get(key, key)) if cls else None
 
 
+# A config value is text, a number, or a list or mapping of those (data.fields): deeper nesting is a mistake
+MAX_DEPTH = 10
+TOO_DEEP = "nested too deep for Python's recursion limit"
+
+
 class _RepeatedKey(yaml.YAMLError):
     """A mapping key given twice; the message names both lines (1-based)."""
 
@@ -375,7 +393,20 @@ class _RepeatedKey(yaml.YAMLError):
         super().__init__(f"line {line}: key '{key}' repeated (first at line {first})")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _ValueLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` whose scalars Python cannot build (PyYAML's ``int()`` of more than 4300 digits,
+    ``date(2024, 2, 30)``) are a ``ConstructorError`` naming the line, not a bare ValueError."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except ValueError as err:
+            problem = ("an integer of more than 4300 digits" if node.tag.endswith(":int")
+                       else f"{node.value}: {err}")
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+
+class _UniqueKeyLoader(_ValueLoader):
     """``yaml.SafeLoader`` that refuses a key repeated in one mapping (PyYAML keeps the last
     silently, so a second ``train:`` section would drop the first one's keys)."""
 
@@ -421,6 +452,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
             raise ConfigError(f"{path}: cannot read the config file: {err.strerror or err}") from None
         except _RepeatedKey as err:
             raise ConfigError(f"{path}: {err}") from None
+        except RecursionError:  # flow lists or mappings nested some hundreds deep
+            raise ConfigError(f"{path}: invalid YAML: {TOO_DEEP}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""

@@ -309,6 +309,41 @@ def test_an_integer_numpy_and_mlx_cannot_hold_is_refused(override, message):
     assert load_config(None, ["data.demo_pairs=8", f"train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
 
 
+DEEP = "[" * 3000 + "]" * 3000
+BIG = "1" + "0" * 5000
+
+
+@pytest.mark.parametrize("text, message", [
+    (f"train:\n  steps: {BIG}\n", "line 2 invalid YAML: an integer of more than 4300 digits"),
+    ("data:\n  demo_pairs: 4\n  valid: 2024-02-30\n", "line 3 invalid YAML: 2024-02-30: day is out of range for month"),
+    (f"lora:\n  keys: {DEEP}\n", "invalid YAML: nested too deep for Python's recursion limit"),
+    ("lora: &a\n  keys: [*a]\n", "key 'lora.keys' nests lists or mappings more than 10 levels deep "
+                                   "(a recursive YAML alias?)"),
+    ("data: {fields: &f {prompt: *f}}\n", "key 'data.fields' nests lists or mappings more than 10 levels deep "
+                                          "(a recursive YAML alias?)"),
+])
+def test_yaml_python_cannot_build_is_one_error(tmp_path, text, message):
+    """A 5000-digit integer and 2024-02-30 (PyYAML's int() and date() raise ValueError), flow lists nested
+    thousands deep (RecursionError in PyYAML's parser) and a recursive alias (RecursionError in the check
+    for dates inside a value) ended in tracebacks."""
+    f = tmp_path / "job.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f), need_data=False)
+    assert str(err.value) == f"{f}: {message}"
+
+
+@pytest.mark.parametrize("override, message", [
+    (f"train.steps={BIG}", "key 'train.steps': invalid YAML: an integer of more than 4300 digits"),
+    (f"lora.keys={DEEP}", "key 'lora.keys': invalid YAML: nested too deep for Python's recursion limit"),
+    ("lora.keys=&a [*a]", "key 'lora.keys' nests lists or mappings more than 10 levels deep (a recursive YAML alias?)"),
+])
+def test_an_override_python_cannot_build_is_one_error(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override], need_data=False)
+    assert str(err.value) == f"command line: {message}"
+
+
 @pytest.mark.parametrize("scale", [0, -2.5])
 def test_lora_scale_at_or_below_zero_is_refused(scale):
     """Scale 0 makes every LoRA layer's update 0 and its gradient 0 (shown below): the run trained nothing."""
