@@ -286,6 +286,22 @@ def test_training_template_from_adapter_config_or_the_checkpoint_config(tmp_path
 
 
 
+@pytest.mark.parametrize("text, problem", [
+    ("data: [\n", "line 2 invalid YAML: expected the node content, but found '<stream end>'"),
+    ("- 1\n", "data.chat_template unreadable: not a mapping of config sections"),
+    ("data: 5\n", "data.chat_template unreadable: section 'data' is 5, not a mapping"),
+    ("data: {chat_template: 5}\n", "data.chat_template is 5, not a template name or Jinja file"),
+])
+def test_a_checkpoint_config_that_cannot_be_read_is_named_not_a_traceback(tmp_path, tiny, capsys, text, problem):
+    """Exporting a checkpoint folder whose config.yaml was damaged or hand-edited ended in yaml's ParserError,
+    AttributeError or TypeError traceback."""
+    base, adapter = tiny
+    (adapter / "config.yaml").write_text(text)
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {adapter / 'config.yaml'}: {problem}\n"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("recorded, problem", [
     ("{% for m in messages %}{{ m['content'] }", "Jinja syntax error on line 1: unexpected '}'"),
     (["{{ m }}"], "a JSON array, not a Jinja template's text"),

@@ -249,8 +249,6 @@ def training_template(adapter_dir: str, tokenizer=None) -> str | None:
         ModelError: a recorded ``chat_template`` that is not text or not valid Jinja, or a recorded
             ``data.chat_template`` that is no longer readable.
     """
-    import yaml
-
     from ..data.formats import json_kind
     from ..data.templates import make_renderer, template_source
 
@@ -260,8 +258,7 @@ def training_template(adapter_dir: str, tokenizer=None) -> str | None:
     if text is not None and not isinstance(text, str):
         raise ModelError(f"{where}: a JSON {json_kind(text)}, not a Jinja template's text")
     config = folder / "config.yaml"
-    name = ((yaml.safe_load(config.read_text()) or {}).get("data") or {}).get("chat_template") \
-        if text is None and config.is_file() else None
+    name = _run_chat_template(config) if text is None and config.is_file() else None
     if name is not None:
         try:
             text = template_source(name)
@@ -274,6 +271,33 @@ def training_template(adapter_dir: str, tokenizer=None) -> str | None:
         except DataError as err:  # a Jinja syntax error, with its line
             raise ModelError(str(err)) from None
     return text
+
+
+def _run_chat_template(config: Path) -> str | None:
+    """``data.chat_template`` of a checkpoint's ``config.yaml`` (None: unset); read by hand, not as a config,
+    so that a key an older dtrain wrote does not stop the export.
+
+    Raises:
+        ModelError: the file is not YAML, not a config's sections, or the key is not text.
+    """
+    import yaml
+
+    try:
+        raw = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        raise ModelError(f"{config}:{f' line {mark.line + 1}' if mark else ''} invalid YAML: "
+                         f"{getattr(err, 'problem', err)}") from None
+    except ValueError as err:  # not UTF-8, a scalar Python cannot build
+        raise ModelError(f"{config}: invalid YAML: {err}") from None
+    data = (raw.get("data") or {}) if isinstance(raw, dict) else None
+    if not isinstance(data, dict):
+        what = "not a mapping of config sections" if data is None else f"section 'data' is {data!r}, not a mapping"
+        raise ModelError(f"{config}: data.chat_template unreadable: {what}")
+    name = data.get("chat_template")
+    if name is not None and not isinstance(name, str):
+        raise ModelError(f"{config}: data.chat_template is {name!r}, not a template name or Jinja file")
+    return name
 
 
 def adapter_label(adapter_dir: str) -> str:
