@@ -137,6 +137,22 @@ def test_an_unreadable_hostfile_is_one_line(tmp_path, monkeypatch):
     assert str(err.value) == f"{f}: cannot read the hostfile: Permission denied"
 
 
+@pytest.mark.parametrize("text, problem", [
+    ("[" * 5000 + "]" * 5000, "not valid JSON (nested too deep for Python's recursion limit)"),
+    ('{"hosts": [{"ssh": "a", "ips": [1' + "0" * 5000 + ']}]}', "not valid JSON (an integer of more than 4300 digits)"),
+])
+def test_json_python_cannot_build_is_one_line(tmp_path, text, problem):
+    """Lists nested thousands deep (RecursionError) and an integer of 5000 digits (ValueError from int()) ended
+    the launcher in a traceback."""
+    from dtrain.launch.hosts import LaunchError, load_hostfile
+
+    f = tmp_path / "hosts.json"
+    f.write_text(text)
+    with pytest.raises(LaunchError) as err:
+        load_hostfile(str(f))
+    assert str(err.value) == f"{f}: {problem}"
+
+
 def test_a_hostfile_under_tilde_is_read_from_the_home_folder(config, tmp_path):
     """--hostfile=~/hosts.json (no shell expansion) said "not found"."""
     write_hostfile(tmp_path / "hosts.json", TWO)

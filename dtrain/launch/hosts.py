@@ -208,6 +208,10 @@ def load_hostfile(path: str) -> Hostfile:
         raise LaunchError(f"{path}: not UTF-8 text ({err})") from None
     except OSError as err:  # no read permission, a disk error
         raise LaunchError(f"{path}: cannot read the hostfile: {err.strerror or err}") from None
+    except RecursionError:
+        raise LaunchError(f"{path}: not valid JSON (nested too deep for Python's recursion limit)") from None
+    except ValueError:  # int() of more than 4300 digits, json's one ValueError that is no JSONDecodeError
+        raise LaunchError(f"{path}: not valid JSON (an integer of more than 4300 digits)") from None
     return parse_hostfile(data, path, host_lines(text))
 
 
