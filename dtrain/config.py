@@ -23,7 +23,7 @@ from .config_checks import ALIASES, check_rules, checked, did_you_mean, yaml_key
 from .contract import BACKENDS
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
-from .errors import ConfigError
+from .errors import TOO_DEEP, ConfigError
 from .models import DTYPE_NAMES
 from .run.best import DIRECTIONS
 from .run.lambda_control import LAWS
@@ -383,7 +383,6 @@ def _field_type(section: str, key: str) -> Any:
 
 # A config value is text, a number, or a list or mapping of those (data.fields): deeper nesting is a mistake
 MAX_DEPTH = 10
-TOO_DEEP = "nested too deep for Python's recursion limit"
 
 
 class _RepeatedKey(yaml.YAMLError):

@@ -1,5 +1,8 @@
 """User-facing errors: one clear message each, never a bare traceback."""
 
+# What a user is told of JSON or YAML nested deeper than Python's recursion limit (RecursionError)
+TOO_DEEP = "nested too deep for Python's recursion limit"
+
 
 class UserError(Exception):
     """A problem with the user's input (config, data, model path, environment).

@@ -22,7 +22,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 
 from .config import LoraConfig
 from .config_checks import checked
-from .errors import ConfigError
+from .errors import TOO_DEEP, ConfigError
 from .files import atomic_folder, home_path, storage
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
@@ -246,8 +246,9 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
         raise ConfigError(f"{where}: no {ADAPTER_CONFIG}") from None
     except OSError as err:  # a folder of that name, no permission, an I/O error
         raise ConfigError(f"{where}: cannot read {ADAPTER_CONFIG} ({err.strerror or err})") from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{where}: {ADAPTER_CONFIG} has no readable lora_parameters rank and scale ({err!r})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
+        why = TOO_DEEP if isinstance(err, RecursionError) else repr(err)
+        raise ConfigError(f"{where}: {ADAPTER_CONFIG} has no readable lora_parameters rank and scale ({why})") from None
     if meta.get("fine_tune_type", "lora") != "lora":
         raise ConfigError(f"{where}: fine_tune_type {meta['fine_tune_type']!r}; only lora adapters can be trained on")
     # the bounds of the lora keys they replace: a scale of 0 would train nothing, a rank of 0 build no LoRA

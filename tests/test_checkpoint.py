@@ -173,6 +173,22 @@ def test_a_damaged_checkpoint_of_the_run_is_pruned_as_a_valid_one_would_be(tmp_p
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-0000001", "step-0000006", "step-0000008"]
 
 
+def test_a_manifest_or_state_nested_too_deep_is_a_damaged_checkpoint(tmp_path):
+    """A manifest.json or state.json of lists nested thousands deep ended the run in RecursionError's traceback
+    (train.resume auto: while choosing the checkpoint, and while naming the run of the damaged one), where a
+    damaged checkpoint is skipped, or refused when named."""
+    folder = tmp_path / "checkpoints" / "step-0000002"
+    folder.mkdir(parents=True)
+    deep = "[" * 5000 + "]" * 5000
+    (folder / "manifest.json").write_text(deep)
+    (folder / "state.json").write_text(deep)
+    assert ckpt.validate(folder) == "unreadable manifest (nested too deep for Python's recursion limit)"
+    assert ckpt.find_latest(folder.parent, report=lambda _: None) is None
+    assert ckpt._written_run_id(folder) is None
+    with pytest.raises(UserError, match="is not a valid checkpoint: unreadable manifest"):
+        ckpt.load_checkpoint(folder)
+
+
 def test_only_step_folders_with_a_number_are_checkpoints_in_step_order(tmp_path):
     """Names were compared as text: a copy (`step-0000001 copy`, `step-1.bak`) sorted after step-0000002 and
     was resumed from, then pruned; step 10,000,000 sorted before step 9,999,999."""

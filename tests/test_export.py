@@ -488,6 +488,7 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
 @pytest.mark.parametrize("text, problem", [
     ("{", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("[]", "not a JSON object"),
+    ("[" * 5000 + "]" * 5000, "not valid JSON (nested too deep for Python's recursion limit)"),
     ('{"fine_tune_type": "lora", "num_layers": null, "lora_parameters": {"rank": 4, "scale": 2.0}}',
      "num_layers is null, not an integer"),
     ('{"num_layers": 4, "lora_parameters": {"rank": "4", "scale": 2.0}}',

@@ -189,6 +189,11 @@ def test_init_adapter_config_errors_name_the_folder(tmp_path):
     (tmp_path / "a" / ADAPTER_CONFIG).write_text("{}")
     with pytest.raises(ConfigError, match=r"adapter_config.json has no readable lora_parameters"):
         lora_from_adapter(LoraConfig(), tmp_path / "a")
+    (tmp_path / "a" / ADAPTER_CONFIG).write_text("[" * 5000 + "]" * 5000)  # RecursionError's traceback
+    with pytest.raises(ConfigError) as err:
+        lora_from_adapter(LoraConfig(), tmp_path / "a")
+    assert str(err.value) == (f"train.init_adapter {tmp_path / 'a'}: {ADAPTER_CONFIG} has no readable lora_parameters "
+                              "rank and scale (nested too deep for Python's recursion limit)")
     (tmp_path / "a" / ADAPTER_CONFIG).unlink()
     (tmp_path / "a" / ADAPTER_CONFIG).mkdir()  # an OSError other than a missing file was a traceback
     with pytest.raises(ConfigError) as err:

@@ -31,7 +31,7 @@ from typing import Optional
 
 from ..contract import BACKENDS
 from ..data.jsonfile import first_repeat
-from ..errors import UserError
+from ..errors import TOO_DEEP, UserError
 
 TOP_KEYS = ("backend", "envs", "hosts")
 HOST_KEYS = ("ssh", "ips", "rdma")
@@ -209,7 +209,7 @@ def load_hostfile(path: str) -> Hostfile:
     except OSError as err:  # no read permission, a disk error
         raise LaunchError(f"{path}: cannot read the hostfile: {err.strerror or err}") from None
     except RecursionError:
-        raise LaunchError(f"{path}: not valid JSON (nested too deep for Python's recursion limit)") from None
+        raise LaunchError(f"{path}: not valid JSON ({TOO_DEEP})") from None
     except ValueError:  # int() of more than 4300 digits, json's one ValueError that is no JSONDecodeError
         raise LaunchError(f"{path}: not valid JSON (an integer of more than 4300 digits)") from None
     return parse_hostfile(data, path, host_lines(text))

@@ -53,7 +53,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import DataError, ModelError
+from ..errors import TOO_DEEP, DataError, ModelError
 from ..files import home_path, home_text, storage
 from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
@@ -159,6 +159,8 @@ def check_adapter_config(path: Path) -> None:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise ModelError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise ModelError(f"{path}: not valid JSON ({TOO_DEEP})") from None
     if not isinstance(meta, dict):
         raise ModelError(f"{path}: not a JSON object")
     params = meta.get("lora_parameters", {})
@@ -345,7 +347,7 @@ def base_generation_config(folder: Path | None) -> dict:
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError):
+    except (ValueError, OSError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -43,7 +43,7 @@ import yaml
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..distributed import AfterRank0Error
-from ..errors import UserError
+from ..errors import TOO_DEEP, UserError
 from ..identity import BEFORE_KEY, REFUSED_WHEN
 from ..files import OutputDir, atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
@@ -213,6 +213,8 @@ def validate(path: Path) -> Optional[str]:
         files = {name: (meta["bytes"], meta["sha256"]) for name, meta in listed.items()}
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as err:
         return f"unreadable manifest ({err})"
+    except RecursionError:
+        return f"unreadable manifest ({TOO_DEEP})"
     for name, (size, digest) in files.items():
         p = path / name
         if not p.is_file():
@@ -432,5 +434,5 @@ def _written_run_id(path: Path) -> Optional[str]:
     """The run id ``state.json`` names, the manifest unchecked (a damaged checkpoint's too); None when unreadable."""
     try:
         return str(json.loads((path / STATE).read_text()).get("run_id", ""))
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
