@@ -73,6 +73,13 @@ CASES = [
      "{f}: expected a non-empty list of hosts, got []"),
     ([{"ips": ["10.0.0.1"]}],
      "{f}:1: host 0: 'ssh' must be a non-empty host name, got None"),
+    # ssh reads a leading '-' as its options (-oProxyCommand=... runs a command), and a space splits the name
+    ([{"ssh": "-oProxyCommand=touch /tmp/x", "ips": ["10.0.0.1"]}, TWO[1]],
+     "{f}:1: host 0: 'ssh' must be one host name (as `ssh NAME` takes it, or a Host of ~/.ssh/config), not options "
+     "or words, got '-oProxyCommand=touch /tmp/x'"),
+    ([TWO[0], {"ssh": "mac2 rm", "ips": ["10.0.0.2"]}],
+     "{f}:1: host 1: 'ssh' must be one host name (as `ssh NAME` takes it, or a Host of ~/.ssh/config), not options "
+     "or words, got 'mac2 rm'"),
     ({"backend": "jaccl", "hosts": [{**TWO[0], "rdma": [None]}, {**TWO[1], "rdma": ["rdma_en2", None]}]},
      "{f}:1: host 0 (mac1): 'rdma' lists 1 devices; jaccl needs one per host (2), null for itself"),
     ({"backend": "jaccl", "hosts": [{**TWO[0], "rdma": ["rdma_en2", None]}, {**TWO[1], "rdma": ["rdma_en2", None]}]},

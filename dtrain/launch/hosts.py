@@ -88,6 +88,9 @@ def _host(i: int, raw, where: str) -> Host:
                           f"(known: {', '.join(HOST_KEYS)})")
     if not isinstance(ssh, str) or not ssh.strip():
         raise LaunchError(f"{where}: host {i}: 'ssh' must be a non-empty host name, got {ssh!r}")
+    if ssh.startswith("-") or any(c.isspace() for c in ssh):  # ssh would read it as options, or as a command
+        raise LaunchError(f"{where}: host {i}: 'ssh' must be one host name (as `ssh NAME` takes it, or a Host of "
+                          f"~/.ssh/config), not options or words, got {ssh!r}")
     ips = raw.get("ips", [])
     if not isinstance(ips, list):
         raise LaunchError(f"{where}: host {i} ({ssh}): 'ips' must be a list of IP addresses, got {ips!r}")
