@@ -18,7 +18,7 @@ import pytest
 from dtrain.config import Config
 from dtrain.engine import ORPO, Totals, make_engine
 from dtrain.engine import kernels
-from dtrain.engine.arch import adapter_for, fused_causal
+from dtrain.engine.arch import fused_causal
 from dtrain.engine.segmented import SegmentedEngine
 from mlx.utils import tree_flatten
 

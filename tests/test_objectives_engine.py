@@ -13,7 +13,6 @@ from dtrain.engine import ReferenceEngine, batch_totals
 from dtrain.engine.arch import adapter_for
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.engine import DPO, ORPO, SFT, SimPO
-from dtrain.types import TokenizedPair
 
 from test_engine_reference import PAIRS, central_difference, lora_model as fd_model
 from test_engine_segmented import lora_model, make_pairs, rel

@@ -336,7 +336,7 @@ def _direct_plan(backend, port, program, tmpdir, common) -> Plan:
 
 
 def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) -> Plan:
-    n, explicit = common["world_size"], dict(common["explicit"])
+    explicit = dict(common["explicit"])
     if backend == "nccl":
         explicit["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast off: it hangs on some multi-GPU hosts
         common["explicit"] = explicit
