@@ -578,6 +578,7 @@ def test_resume_naming_an_output_folder_or_its_checkpoints_folder_names_the_chec
         folder = out / "checkpoints" / f"step-{step:07d}"
         folder.mkdir(parents=True)
         (folder / "manifest.json").write_text(json.dumps({"step": step, "files": {}}))
+        (folder / "state.json").write_text("{}")
     (out / "checkpoints" / "step-0000006").mkdir()  # a write that was interrupted: not named
     newest = out / "checkpoints" / "step-0000004"
     with pytest.raises(UserError) as err:
@@ -715,3 +716,64 @@ def test_atomic_folder_replaces_whole_or_not_at_all(tmp_path):
     with pytest.raises(FileExistsError):
         with atomic_folder(final, replace=False):
             pass
+
+
+def _edit_state(folder: Path, text: str = None, **fields) -> None:
+    """Rewrite ``state.json`` as ``text``, or with ``fields`` changed (``...``: removed), and its manifest to match,
+    as a hand edit or a tool that rewrote both would."""
+    from dtrain.files import sha256_file
+
+    if text is None:
+        state = {**json.loads((folder / "state.json").read_text()), **fields}
+        text = json.dumps({k: v for k, v in state.items() if v is not ...})
+    (folder / "state.json").write_text(text)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {"sha256": sha256_file(folder / "state.json"),
+                                       "bytes": (folder / "state.json").stat().st_size}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("key, value, why", [
+    ("step", "2", "step is '2', not a whole number"), ("step", 0, "step is 0, below 1"),
+    ("step", True, "step is True, not a whole number"), ("settings", [], "settings is [], not a mapping"),
+    ("data", "fp", "data is 'fp', not a mapping"), ("schedule_steps", "4", "schedule_steps is '4', not a whole number"),
+    ("best_step", "x", "best_step is 'x', not a whole number or null"), ("run_id", 7, "run_id is 7, not text"),
+    ("evals", {"two": {}}, "evals has the key 'two', not a step"), ("evals", {"2": 1.0}, "evals['2'] is 1.0, not a mapping")])
+def test_a_state_json_of_wrongly_typed_fields_is_a_damaged_checkpoint(tmp_path, key, value, why):
+    """A state.json whose manifest checksums match (a hand edit, or a tool that rewrote both) with `step` as text,
+    `settings` as a list... ended the resume in a traceback (TypeError, AttributeError) where a damaged checkpoint
+    is skipped by train.resume auto and refused, in one line naming state.json and the key, when named."""
+    from test_trainer import run
+
+    run(tmp_path, "train.steps=2", "train.save_every=1", "train.keep_last=2")
+    root = tmp_path / "checkpoints"
+    _edit_state(root / "step-0000002", **{key: value})
+    seen = []
+    assert ckpt.find_latest(root, report=seen.append).name == "step-0000001"
+    assert seen == [f"skipping checkpoint {root / 'step-0000002'}: state.json: {why}"]
+    with pytest.raises(UserError) as err:
+        ckpt.load_checkpoint(root / "step-0000002")
+    assert str(err.value) == f"resume: {root / 'step-0000002'} is not a valid checkpoint: state.json: {why}"
+    if key == "step" and value == "2":  # the run itself continues from step 1
+        resumed, _ = run(tmp_path, "train.steps=3", "train.save_every=1", "train.keep_last=2", "train.resume=auto")
+        assert len(resumed.history) == 2
+
+
+def test_a_state_json_that_is_not_an_object_or_lacks_a_field_is_one_line(tmp_path):
+    """A state.json of a list or not JSON (checksums matching) ended in AttributeError or JSONDecodeError; one
+    lacking a field is refused as one of an older dtrain, by name."""
+    from test_trainer import run
+
+    run(tmp_path, "train.steps=2", "train.save_every=1", "train.keep_last=2")
+    root = tmp_path / "checkpoints"
+    _edit_state(root / "step-0000002", step=...)
+    with pytest.raises(UserError) as err:
+        ckpt.load_checkpoint(root / "step-0000002")
+    assert str(err.value) == (f"resume: {root / 'step-0000002' / 'state.json'} lacks step (written by an older "
+                              f"dtrain?); it cannot be resumed by this version")
+    folder = root / "step-0000001"
+    _edit_state(folder, "[1]")
+    assert ckpt.validate(folder) == "state.json: [1] is not a JSON object"
+    assert ckpt.run_id_of(folder) is None
+    _edit_state(folder, "{")
+    assert ckpt.validate(folder).startswith("unreadable state.json (Expecting property name")

@@ -33,6 +33,7 @@ import secrets
 import shutil
 import socket
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -107,6 +108,8 @@ class RunState:
             UserError: naming the fields an older or foreign ``state.json`` lacks.
         """
         raw = json.loads(text)
+        if (problem := state_problem(raw)) is not None:  # validate() refuses these first; a caller may not have
+            raise UserError(f"resume: {where}: {problem}")
         names = [f.name for f in dataclasses.fields(cls)]
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
                     and f.default_factory is dataclasses.MISSING]
@@ -115,6 +118,31 @@ class RunState:
             raise UserError(f"resume: {where} lacks {', '.join(missing)} (written by an older dtrain?); "
                             f"it cannot be resumed by this version")
         return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+_AT_LEAST = {"step": 1, "schedule_steps": 1, "world_size": 1, "best_step": 1}  # other whole numbers: 0
+_KINDS = {int: "a whole number", str: "text", dict: "a mapping"}
+
+
+def state_problem(raw) -> Optional[str]:
+    """What is wrong with the fields ``state.json`` holds (their types and ranges), or None; a missing field is
+    :meth:`RunState.from_json`'s to name. Its manifest may match a hand edit, so its content is checked too."""
+    if not isinstance(raw, dict):
+        return f"{str(raw)[:40]} is not a JSON object"
+    hints = typing.get_type_hints(RunState)
+    for name in (f.name for f in dataclasses.fields(RunState) if f.name in raw):
+        value, kinds = raw[name], typing.get_args(hints[name]) or (hints[name],)
+        if isinstance(value, bool) or not isinstance(value, kinds):  # JSON's true is no step count
+            return (f"{name} is {value!r:.40}, not {_KINDS[kinds[0]]}"
+                    + (" or null" if type(None) in kinds else ""))
+        if isinstance(value, int) and value < _AT_LEAST.get(name, 0):
+            return f"{name} is {value}, below {_AT_LEAST.get(name, 0)}"
+    for key, metrics in raw.get("evals", {}).items():  # "step" -> that evaluation's metrics
+        if not (key.isascii() and key.isdigit()):
+            return f"evals has the key {key!r:.40}, not a step"
+        if not isinstance(metrics, dict):
+            return f"evals[{key!r}] is {metrics!r:.40}, not a mapping"
+    return None
 
 
 def pairs_sha256(pairs: list) -> str:
@@ -224,7 +252,13 @@ def validate(path: Path) -> Optional[str]:
                 return f"checksum mismatch in {name}"
         except OSError as err:
             return f"unreadable {name} ({storage_reason(err)})"
-    return None
+    try:
+        problem = state_problem(json.loads((path / STATE).read_text()))
+    except (ValueError, OSError) as err:  # a manifest that does not list it leaves it unchecked
+        return f"unreadable {STATE} ({storage_reason(err) if isinstance(err, OSError) else err})"
+    except RecursionError:
+        return f"unreadable {STATE} ({TOO_DEEP})"
+    return None if problem is None else f"{STATE}: {problem}"
 
 
 def run_id_of(path: Path) -> Optional[str]:
