@@ -251,11 +251,19 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
         raise ConfigError(f"{where}: {ADAPTER_CONFIG} has no readable lora_parameters rank and scale ({why})") from None
     if meta.get("fine_tune_type", "lora") != "lora":
         raise ConfigError(f"{where}: fine_tune_type {meta['fine_tune_type']!r}; only lora adapters can be trained on")
-    # the bounds of the lora keys they replace: a scale of 0 would train nothing, a rank of 0 build no LoRA
-    shape = {k: checked(LoraConfig, k, v, f"{where}: {ADAPTER_CONFIG} "
-                                          f"{'' if k == 'num_layers' else 'lora_parameters.'}{k}")
-             for k, v in shape.items()}
+    shape = {k: checked_adapter_value(k, v, f"{where}: {ADAPTER_CONFIG}") for k, v in shape.items()}
     return dataclasses.replace(cfg, rslora=False, **shape)
+
+
+def checked_adapter_value(key: str, value, where: str):
+    """An ``adapter_config.json`` value (``num_layers``, ``lora_parameters`` ``rank``, ``scale``, ``keys``) within the
+    bounds of the lora key it stands for, as training and ``dtrain export`` read it: a scale of 0 would train or merge
+    nothing, a rank of 0 build no LoRA, and mlx-lm slices ``model.layers[-num_layers:]``, a part of them for -5.
+
+    Raises:
+        ConfigError: starting with ``where`` and the key.
+    """
+    return checked(LoraConfig, key, value, f"{where} {'' if key == 'num_layers' else 'lora_parameters.'}{key}")
 
 
 def adapter_keys_source(folder: str | Path) -> str:

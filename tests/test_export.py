@@ -504,6 +504,13 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
      'lora_parameters.keys is "self_attn.q_proj", not a list of module names'),
     ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0, "keys": [5]}}',
      "lora_parameters.keys is [5], not a list of module names"),
+    # the bounds train.init_adapter reads them with: mlx-lm slices model.layers[5:] for -5, a part of the layers
+    ('{"num_layers": -5, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 0.0}}',
+     "num_layers must be >= -1; got -5"),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 0.0, "dropout": 0.0}}',
+     "lora_parameters.scale must be > 0; got 0.0"),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 0, "scale": 2.0, "dropout": 0.0}}',
+     "lora_parameters.rank must be > 0; got 0"),
 ])
 def test_an_unreadable_adapter_config_is_named_not_blamed_on_the_base(tmp_path, llama, capsys, text, problem):
     """mlx-lm's load_adapters parses the file itself; its JSON error or a mistyped value surfaced as 'this adapter

@@ -53,7 +53,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import TOO_DEEP, DataError, ModelError
+from ..errors import TOO_DEEP, ConfigError, DataError, ModelError
+from ..lora import checked_adapter_value
 from ..files import home_path, home_text, storage
 from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
@@ -181,6 +182,13 @@ def check_adapter_config(path: Path) -> None:
         hint = " (PEFT's alpha / rank is mlx-lm's scale)" if "scale" in missing and "alpha" in params else ""
         raise ModelError(f"{path}: lora_parameters has no {', '.join(missing)}, which mlx-lm's LoRA layers "
                          f"take{hint}")
+    try:  # the bounds train.init_adapter reads them with
+        for key, value in (("num_layers", meta.get("num_layers")), ("rank", params.get("rank")),
+                           ("scale", params.get("scale"))):
+            if value is not None:
+                checked_adapter_value(key, value, f"{path}:")
+    except ConfigError as err:
+        raise ModelError(str(err)) from None
 
 
 def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False,
