@@ -376,6 +376,30 @@ def test_export_onto_another_base_is_refused_naming_both_unless_allowed(tmp_path
     assert rel_err(on_other(TOKENS), on_base(TOKENS)) > 1e-3  # the other base's weights, as asked
 
 
+@pytest.mark.parametrize("recorded, problem", [
+    ("base.gguf", 'base_model is "base.gguf", not an object'), (["base.gguf"], 'base_model is ["base.gguf"], not an object'),
+    ({"path": "base.gguf", "sha256": 5}, "base_model.sha256 is 5, not text"),
+    ({"path": "base.gguf", "fingerprint": None}, "base_model.fingerprint is null, not text")])
+def test_a_wrongly_typed_base_model_is_refused_naming_it_unless_allowed(tmp_path, llama, capsys, recorded, problem):
+    """A base_model of text or a list (dtrain records an object; mlx-lm none), or a sha256 that is not text, skipped
+    the base check without a word: an adapter exported onto any base."""
+    _, adapter, _ = llama
+    edited = tmp_path / "edited"
+    shutil.copytree(adapter, edited)
+    config = json.loads((edited / "adapter_config.json").read_text())
+    (edited / "adapter_config.json").write_text(json.dumps({**config, "base_model": recorded}))
+    other = tmp_path / "other.gguf"
+    write_tiny_llama(other, {"blk.0.attn_q.weight": Q.Q4_1})
+    argv = ["export", str(edited), "--base", str(other), "--out", str(tmp_path / "o"), "--dtype", "float32"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"dtrain: error: {edited / 'adapter_config.json'}: {problem} (dtrain records the training base's path and "
+        "its sha256 or content fingerprint there); correct or remove it, or pass --allow-base-mismatch to merge "
+        "without the check\n")
+    assert not (tmp_path / "o").exists()
+    assert main(argv + ["--allow-base-mismatch"]) == 0
+
+
 def test_export_onto_a_base_that_cannot_be_compared_says_so(tmp_path, llama):
     """An adapter trained on a GGUF records its sha256; a model folder as --base (`dtrain convert`'s, or
     an earlier export with the adapter already merged) was merged without a word."""

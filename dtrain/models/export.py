@@ -129,18 +129,26 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel,
     would get the adapter twice).
 
     Raises:
-        ModelError: the two sha256 or fingerprints differ (names both).
+        ModelError: the two sha256 or fingerprints differ (names both), or ``base_model`` is not an object
+            with text in these keys (the check would be skipped unsaid).
     """
     config = Path(adapter_dir) / "adapter_config.json"
-    recorded = json.loads(config.read_text()).get("base_model")
-    recorded = recorded if isinstance(recorded, dict) else {}
+    recorded = json.loads(config.read_text()).get("base_model", {})
+    odd = ("base_model", recorded) if not isinstance(recorded, dict) else next(
+        ((f"base_model.{key}", recorded[key]) for key, _, _ in BASE_IDENTITIES
+         if key in recorded and not isinstance(recorded[key], str)), None)
+    if odd is not None:
+        raise ModelError(f"{config}: {odd[0]} is {json.dumps(odd[1])[:60]}, not "
+                         f"{'an object' if odd[0] == 'base_model' else 'text'} (dtrain records the training base's "
+                         "path and its sha256 or content fingerprint there); correct or remove it, or pass "
+                         "--allow-base-mismatch to merge without the check")
     for key, label, kind in BASE_IDENTITIES:
         want, got = recorded.get(key), loaded.reference.get(key)
-        if isinstance(want, str) and got is not None and want != got:
+        if want is not None and got is not None and want != got:
             raise ModelError(f"{config}: the adapter was trained on {recorded.get('path', '?')} ({label} "
                              f"{want[:16]}...), but --base {base} is another {kind} ({label} {got[:16]}...); export "
                              "onto the base it was trained on, or pass --allow-base-mismatch to merge it anyway")
-    recorded_by = [(key, label) for key, label, _ in BASE_IDENTITIES if isinstance(recorded.get(key), str)]
+    recorded_by = [(key, label) for key, label, _ in BASE_IDENTITIES if key in recorded]
     if report is not None and recorded_by and all(loaded.reference.get(key) is None for key, _ in recorded_by):
         report(f"{config}: the adapter was trained on {recorded.get('path', '?')} (recorded by its "
                f"{recorded_by[0][1]}); --base {base} cannot be compared with it: make sure it is that model (not an "
