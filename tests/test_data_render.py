@@ -382,3 +382,39 @@ def test_control_text_in_content_before_a_space_on_rstrip_tokens_stays_text():
                           split_special_tokens=True)["input_ids"]
     assert pair.prompt == [user] + text + tok.encode("<|end|>\n<|assistant|>\n", add_special_tokens=False)
     assert report.control_text == [("f:1", "<|end|>")]
+
+
+BROKEN = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
+
+
+@pytest.mark.parametrize("stored_in", ["chat_template.jinja", "tokenizer_config.json", "gguf"])
+def test_a_broken_model_chat_template_is_named_by_the_file_it_came_from(tmp_path, stored_in):
+    """A model's template with a Jinja syntax error was reported as "the model's chat template", not naming the
+    tokenizer_config.json, chat_template.jinja or GGUF key it came from (the file to fix)."""
+    import json
+
+    from transformers import AutoTokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from dtrain.data.templates import renderers
+    from dtrain.errors import DataError
+
+    if stored_in == "gguf":
+        from test_models_gguf import write_tiny_llama
+
+        from dtrain.models import load_model
+
+        path = tmp_path / "base.gguf"
+        write_tiny_llama(path, {}, chat_template=BROKEN)
+        tokenizer, where = load_model(str(path), dtype="float32").tokenizer, f"{path}: tokenizer.chat_template"
+    else:
+        make_tokenizer(BROKEN)._tokenizer.save_pretrained(tmp_path)
+        if stored_in == "tokenizer_config.json":  # as transformers before 4.43 wrote it
+            config = json.loads((tmp_path / stored_in).read_text())
+            (tmp_path / stored_in).write_text(json.dumps({**config, "chat_template": BROKEN}))
+            (tmp_path / "chat_template.jinja").unlink()
+        tokenizer = TokenizerWrapper(AutoTokenizer.from_pretrained(str(tmp_path)))
+        where = tmp_path / stored_in if stored_in.endswith("jinja") else f"{tmp_path / stored_in}: chat_template"
+    with pytest.raises(DataError) as err:
+        renderers(tokenizer, DataConfig())
+    assert str(err.value) == f"the model's chat template ({where}): Jinja syntax error on line 2: unexpected '}}'"

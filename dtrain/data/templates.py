@@ -54,6 +54,25 @@ def hf_tokenizer(tokenizer):
     return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
+def model_template_name(tokenizer) -> str:
+    """How messages name the tokenizer's own chat template, with where it was read: a GGUF's
+    ``tokenizer.chat_template``, a folder's ``chat_template.jinja`` (transformers prefers it) or
+    ``tokenizer_config.json``'s ``chat_template`` (``name_or_path``: the file or folder it was loaded from)."""
+    name = getattr(hf_tokenizer(tokenizer), "name_or_path", None)
+    loaded_from = Path(name) if isinstance(name, str) and name else None  # "": built in memory, not the cwd
+    if loaded_from is None:
+        return "the model's chat template"
+    if loaded_from.is_file():
+        where = f"{loaded_from}: tokenizer.chat_template"
+    elif (loaded_from / "chat_template.jinja").is_file():
+        where = str(loaded_from / "chat_template.jinja")
+    elif (loaded_from / "tokenizer_config.json").is_file():
+        where = f"{loaded_from / 'tokenizer_config.json'}: chat_template"
+    else:  # a hub id
+        return "the model's chat template"
+    return f"the model's chat template ({where})"
+
+
 def has_chat_template(tokenizer) -> bool:
     """True when ``tokenizer`` (HF or mlx-lm ``TokenizerWrapper``) has a chat template."""
     flag = getattr(tokenizer, "has_chat_template", None)
@@ -167,7 +186,7 @@ def renderers(tokenizer, cfg) -> tuple:
     if cfg.chat_template is not None:
         chat = make_renderer(tokenizer, template_source(cfg.chat_template), f"data.chat_template {cfg.chat_template}")
     elif has_chat_template(tokenizer):
-        chat = make_renderer(tokenizer, None, "the model's chat template")
+        chat = make_renderer(tokenizer, None, model_template_name(tokenizer))
     else:
         chat = None
     raw = make_renderer(tokenizer, RAW_TEXT, "raw text")
@@ -201,7 +220,7 @@ def end_of_turn(tokenizer, renderer: Optional[Renderer] = None) -> tuple:
         DataError: neither such a control token nor an EOS token exists.
     """
     if renderer is None and has_chat_template(tokenizer):
-        renderer = make_renderer(tokenizer, None, "the model's chat template")
+        renderer = make_renderer(tokenizer, None, model_template_name(tokenizer))
     tail = renderer.closing.lstrip(" ") if renderer is not None else ""
     tok = next((t for t in control_strings(tokenizer) if tail.startswith(t)), None)
     if tok is not None:

@@ -120,6 +120,7 @@ def _load_gguf(path: Path, keep_quantized: bool, float_dtype, source: str) -> Lo
         hf = build_tokenizer(gm.metadata)
     except (ValueError, KeyError) as err:
         raise ModelError(f"{path}: cannot build the tokenizer from GGUF metadata: {err}") from None
+    hf.name_or_path = str(path)  # where its chat template came from (templates.model_template_name)
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     tokenizer = TokenizerWrapper(hf, eos_token_ids=eos_token_ids(gm.metadata))
