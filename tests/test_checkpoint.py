@@ -738,7 +738,11 @@ def _edit_state(folder: Path, text: str = None, **fields) -> None:
     ("step", True, "step is True, not a whole number"), ("settings", [], "settings is [], not a mapping"),
     ("data", "fp", "data is 'fp', not a mapping"), ("schedule_steps", "4", "schedule_steps is '4', not a whole number"),
     ("best_step", "x", "best_step is 'x', not a whole number or null"), ("run_id", 7, "run_id is 7, not text"),
-    ("evals", {"two": {}}, "evals has the key 'two', not a step"), ("evals", {"2": 1.0}, "evals['2'] is 1.0, not a mapping")])
+    ("evals", {"two": {}}, "evals has the key 'two', not a step"), ("evals", {"2": 1.0}, "evals['2'] is 1.0, not a mapping"),
+    # the adaptive λ controller's state (lambda_control.LambdaState): read at the resumed run's first step
+    ("lambda_control", {"lam": "0.1"}, "lambda_control.lam is '0.1', not a number"),
+    ("lambda_control", {"lam": 0.1, "lamb": 0.2}, "lambda_control has the key 'lamb', not one of the λ controller's"),
+    ("lambda_control", {"phase": "hold"}, "lambda_control lacks lam")])
 def test_a_state_json_of_wrongly_typed_fields_is_a_damaged_checkpoint(tmp_path, key, value, why):
     """A state.json whose manifest checksums match (a hand edit, or a tool that rewrote both) with `step` as text,
     `settings` as a list... ended the resume in a traceback (TypeError, AttributeError) where a damaged checkpoint

@@ -12,8 +12,9 @@ A checkpoint is a folder ``OUTPUT_DIR/checkpoints/step-NNNNNNN`` holding
 
 It is written with :func:`dtrain.files.atomic_folder`, so a crash leaves the
 previous checkpoint or the new one, never a half-written folder that looks
-valid. A folder is valid only when its manifest exists and every checksum
-matches.
+valid. A folder is valid only when its manifest exists, every checksum
+matches and its ``state.json`` fields have their types (a hand edit may match
+a rewritten manifest).
 
 One run owns its output folder for its whole life (``dtrain.run.output``), so a
 checkpoint of another run is never replaced.
@@ -48,6 +49,7 @@ from ..errors import TOO_DEEP, UserError
 from ..identity import BEFORE_KEY, REFUSED_WHEN
 from ..files import OutputDir, atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
+from .lambda_control import LambdaState
 
 STATE = "state.json"
 OPTIMIZER = "optimizer.safetensors"
@@ -121,7 +123,21 @@ class RunState:
 
 
 _AT_LEAST = {"step": 1, "schedule_steps": 1, "world_size": 1, "best_step": 1}  # other whole numbers: 0
-_KINDS = {int: "a whole number", str: "text", dict: "a mapping"}
+_KINDS = {int: "a whole number", float: "a number", str: "text", dict: "a mapping", list: "a list"}
+
+
+def _fields_problem(cls, raw: dict, prefix: str = "") -> Optional[str]:
+    """The first field of dataclass ``cls`` in ``raw`` of another type (JSON's true is no count, an int is a
+    float) or below its range, named ``prefix`` + its name; None when all fit."""
+    hints = typing.get_type_hints(cls)
+    for name in (f.name for f in dataclasses.fields(cls) if f.name in raw):
+        value, kinds = raw[name], typing.get_args(hints[name]) or (hints[name],)
+        if isinstance(value, bool) or not isinstance(value, kinds + ((int,) if float in kinds else ())):
+            return (f"{prefix}{name} is {value!r:.40}, not {_KINDS[kinds[0]]}"
+                    + (" or null" if type(None) in kinds else ""))
+        if isinstance(value, int) and value < _AT_LEAST.get(name, 0):
+            return f"{prefix}{name} is {value}, below {_AT_LEAST.get(name, 0)}"
+    return None
 
 
 def state_problem(raw) -> Optional[str]:
@@ -129,20 +145,20 @@ def state_problem(raw) -> Optional[str]:
     :meth:`RunState.from_json`'s to name. Its manifest may match a hand edit, so its content is checked too."""
     if not isinstance(raw, dict):
         return f"{str(raw)[:40]} is not a JSON object"
-    hints = typing.get_type_hints(RunState)
-    for name in (f.name for f in dataclasses.fields(RunState) if f.name in raw):
-        value, kinds = raw[name], typing.get_args(hints[name]) or (hints[name],)
-        if isinstance(value, bool) or not isinstance(value, kinds):  # JSON's true is no step count
-            return (f"{name} is {value!r:.40}, not {_KINDS[kinds[0]]}"
-                    + (" or null" if type(None) in kinds else ""))
-        if isinstance(value, int) and value < _AT_LEAST.get(name, 0):
-            return f"{name} is {value}, below {_AT_LEAST.get(name, 0)}"
+    if (problem := _fields_problem(RunState, raw)) is not None:
+        return problem
     for key, metrics in raw.get("evals", {}).items():  # "step" -> that evaluation's metrics
         if not (key.isascii() and key.isdigit()):
             return f"evals has the key {key!r:.40}, not a step"
         if not isinstance(metrics, dict):
             return f"evals[{key!r}] is {metrics!r:.40}, not a mapping"
-    return None
+    control = raw.get("lambda_control", {})  # {} for a static run; LambdaState.from_dict reads the rest
+    known = {f.name for f in dataclasses.fields(LambdaState)}
+    if odd := next((k for k in control if k not in known), None):
+        return f"lambda_control has the key {odd!r:.40}, not one of the λ controller's"
+    if control and "lam" not in control:
+        return "lambda_control lacks lam"
+    return _fields_problem(LambdaState, control, "lambda_control.")
 
 
 def pairs_sha256(pairs: list) -> str:
