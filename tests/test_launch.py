@@ -243,6 +243,24 @@ def test_sigint_stops_every_rank(job, tmp_path, backend):
     assert not rank_processes(str(out))
 
 
+def test_sigint_stops_one_rank(job, tmp_path):
+    """``./launch CONFIG`` then Ctrl-C (the plainest run) ended the launcher in AttributeError's traceback:
+    the stop wrote mlx.launch's Ctrl-C byte to the one rank's stdin, which the launcher does not hold."""
+    out = tmp_path / "run"
+    proc = spawn([sys.executable, LAUNCH, job["config"], "--train.steps", 5000, "--train.output_dir", out],
+                 tmp_path, "launch", cwd=ROOT)
+    try:
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss in TensorBoard", proc)
+        proc.send_signal(signal.SIGINT)
+        code = wait_exit(proc, STOP_S)
+    finally:
+        kill_tree(proc)
+    err = proc.err()
+    assert code == 130 and "Traceback" not in err, err
+    assert "launch: SIGINT: stopping 1 rank(s)" in err and "checkpoint saved" in err
+    assert "did not save" not in err and not rank_processes(str(out))
+
+
 def read_scalars_of(tb: Path) -> dict:
     """The scalars of the one TensorBoard run under ``tb`` ({} before it exists)."""
     from dtrain.run.tracking import read_scalars

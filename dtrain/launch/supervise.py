@@ -192,7 +192,9 @@ class Attempt:
             if self.plan.backend == "mpi" or self.plan.direct:
                 _signal(p.pid, sig)
                 continue
-            signal_group(p.pid, sig)  # its ranks on this machine (ssh name 127.0.0.1)
+            signal_group(p.pid, sig)  # its ranks on this machine (ssh name 127.0.0.1), or the one rank's wrapper
+            if p.stdin is None:  # the one rank: no mlx.launch, no ssh terminal
+                continue
             # A rank on a host reached over ssh is in a session there, which no signal from here reaches (and
             # ssh keeps the SIG_IGN it inherited). mlx.launch runs it on `ssh -tt`'s terminal and copies its
             # stdin there: a Ctrl-C byte is SIGINT to the rank's wrapper, a stop after its step (an abort too).
