@@ -316,7 +316,10 @@ class Attempt:
     def _summarize(self) -> Outcome:
         code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
         outcome = summarize(self.plan.world_size, self.reports, self.order, code, self.stopped_by)
-        remote = sorted({self.plan.hosts[r] for r in outcome.missing} - {"127.0.0.1", "localhost"})
+        # a rank that sent its start report was started by ssh: its exit report is lost when mlx.launch ends its
+        # ssh session (it does as soon as another rank fails)
+        remote = sorted({self.plan.hosts[r] for r in outcome.missing if r not in self.started}
+                        - {"127.0.0.1", "localhost"})
         if remote and self.plan.backend != "mpi":  # mlx.launch hides ssh's own error (LogLevel=QUIET)
             say(f"launch: no report from {', '.join(remote)}: where ssh could not start a rank (mlx.launch hides its "
                 f"error), check that `ssh HOST` logs in from here without a password and that {sys.executable} and "
