@@ -788,3 +788,10 @@ def test_no_report_hint_names_only_hosts_whose_rank_never_started(capsys):
         err = capsys.readouterr().err
         assert "launch: rank(s) 1, 2 did not report an exit status" in err
         assert ("no report from" not in err) if hint is None else (hint in err), err
+
+
+def test_an_error_a_rank_over_ssh_met_too_is_shown_once(capsys):
+    """A hostfile job with a rank on 127.0.0.1 and one over ssh showed every error both met twice: the one
+    over ssh comes through its terminal, lines ending in \\r\\n, so its line differed by the \\r."""
+    problems = b"dtrain: error: c.yaml: 2 problems:\n  - lora.rank: 0\n  - train.steps: -1\n"
+    assert relayed(capsys, problems, problems.replace(b"\n", b"\r\n")) == problems.decode()

@@ -215,6 +215,7 @@ class Attempt:
         for chunk in iter(lambda: os.read(fd, 65536), b""):
             *lines, buf = (buf + chunk).split(b"\n")
             for line in lines:
+                line = line.removesuffix(b"\r")  # a rank over ssh -tt: its terminal ends lines in \r\n
                 report = parse_report(line.decode(errors="replace"))
                 if report is None and block is not None and line.startswith(b" "):
                     block.append(line)
