@@ -291,7 +291,7 @@ def test_ctrl_c_reaches_ranks_started_over_ssh_and_rank_0_saves(tmp_path):
     assert code == 128 + signal.SIGINT, proc.err()
     saved = find_latest(out / "checkpoints")  # save_every 0: only the stop saved one
     assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
-    assert "did not report" not in proc.err()
+    assert "did not report" not in proc.err(), proc.err()
 
 
 def test_a_host_ssh_cannot_reach_ends_the_job_without_waiting_for_the_watchdog(tmp_path):
