@@ -13,6 +13,7 @@ User errors print one line ``dtrain: error: ...`` and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def _train(args, overrides) -> int:
 
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
+    if result.stopped:  # this rank's own stop signal may still be on its way: it must not end the exit (130)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
     if group.is_main:
         # a stopped run has said how to continue (trainer.loop); a finished one shows its evaluations (a resume's too)
         if not result.stopped and (summary := result.summary()):

@@ -25,6 +25,7 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.agreed = False  # the run stopped by the ranks' agreement (another rank's signal may have come first)
         self._old = {}
         self._wakeup: Optional[tuple] = None  # (the fd signal.set_wakeup_fd had, our pipe's write end)
 
@@ -63,9 +64,18 @@ class StopRequest:
             os.close(fd)
 
     def uninstall(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old = {}
+        """Restore the handlers the run found. A run stopped by the ranks' agreement before this rank's own
+        signal came (a stop sent to every rank reaches them at different times) keeps one late stop signal
+        from ending the process as it exits: it is swallowed, then the old handlers are back."""
+        old, self._old = self._old, {}
+        late = self.agreed and not self.requested
+
+        def swallow(_signum, _frame):
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+        for sig, handler in old.items():
+            signal.signal(sig, swallow if late else handler)
         if self._wakeup is not None:
             signal.set_wakeup_fd(self._wakeup[0])
             os.close(self._wakeup[1])  # the watching thread reads the end of the pipe and closes it

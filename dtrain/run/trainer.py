@@ -195,6 +195,7 @@ def loop(run: Run) -> TrainResult:
             raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
         if out.stop:
+            run.stop.agreed = True
             return end_stopped(run, step)
         if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
