@@ -409,3 +409,28 @@ def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
     # the wrapper asked its child to stop (SIGINT), rather than sleeping out 20 s or dying of SIGUSR2
     assert [p.returncode for p in attempt.procs] == [128 + signal.SIGINT]
     assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]
+
+
+def test_a_stop_before_mlx_launchs_ranks_have_their_handlers_reaches_them(monkeypatch):
+    """A hostfile job stopped while mlx.launch started its ranks trained on to its end (then exit 130): the
+    stop reached a rank on 127.0.0.1 while its bash or Python still ignored SIGUSR2 (mlx.launch's shield), and
+    the Ctrl-C byte reached ssh before the rank's terminal was its own. Here a stand-in for mlx.launch starts
+    the one rank's wrapper a second after the stop; the stop is sent again when its start report comes."""
+    import subprocess
+
+    from dtrain.launch import supervise
+    from dtrain.launch.plan import Plan
+
+    mlx_launch = ["bash", "-c", f"sleep 1; exec {sys.executable} -m dtrain.launch.rank -- sleep 20", "--"]
+    plan = Plan("ring", 1, ["127.0.0.1"], mlx_launch, {}, [], [], 0, 0, local=False)
+    attempt = supervise.Attempt(plan, 5.0)
+    real_popen = subprocess.Popen
+
+    def popen_after_a_stop(*args, **kwargs):
+        if attempt.stopped_by is None:
+            attempt.stop(signal.SIGINT)
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen_after_a_stop)
+    attempt.run()
+    assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]

@@ -278,6 +278,12 @@ class Attempt:
     def _on_report(self, report: Report) -> None:
         if report.event == "start":
             self.started[report.rank] = report
+            # its handlers are in place now: a stop or abort sent before may have been lost (under mlx.launch a
+            # wrapper starts with SIGUSR1/2 ignored, and a Ctrl-C byte before ssh's terminal is the rank's)
+            if self.aborted_at is not None:
+                self._send(signal.SIGUSR1)
+            elif self.stopped_by is not None:
+                self._send(signal.SIGUSR2)
             return
         self.reports[report.rank] = report
         self.order.append(report.rank)
