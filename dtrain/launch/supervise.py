@@ -163,7 +163,10 @@ class Attempt:
             relay.join(timeout=5)
         for p in self.procs:
             if p.stdin is not None:
-                p.stdin.close()
+                try:
+                    p.stdin.close()
+                except OSError:  # a Ctrl-C byte still buffered for an mlx.launch that is gone (EPIPE)
+                    pass
         self._kill_leftovers()
         return self._summarize()
 
