@@ -217,14 +217,17 @@ def test_dry_run_mpi_and_nccl_environment(job):
             assert f"  {line}\n" in block + "\n", (rank, line)
 
 
-@pytest.mark.parametrize("backend", ["ring", "mpi"])
-def test_sigint_stops_every_rank(job, tmp_path, backend):
-    """Ctrl-C reaches both ranks, which save a checkpoint and exit; no process is left."""
+@pytest.mark.parametrize("ranks, backend", [(2, "ring"), (2, "mpi"), (1, None)])
+def test_sigint_stops_every_rank(job, tmp_path, ranks, backend):
+    """Ctrl-C reaches every rank, which save a checkpoint and exit; no process is left. One rank (``./launch
+    CONFIG``, the plainest run) ended the launcher in AttributeError's traceback: the stop wrote mlx.launch's
+    Ctrl-C byte to the one rank's stdin, which the launcher does not hold."""
     if backend == "mpi" and shutil.which("mpirun") is None:
         pytest.skip("OpenMPI's mpirun is not installed")
     out = tmp_path / "run"
-    proc = spawn([sys.executable, LAUNCH, "-n", 2, "--backend", backend, "--port", free_port(), job["config"],
-                  "--train.steps", 5000, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
+    several = ["-n", ranks, "--backend", backend, "--port", free_port()] if ranks > 1 else []
+    proc = spawn([sys.executable, LAUNCH, *several, job["config"], "--train.steps", 5000, "--train.output_dir", out],
+                 tmp_path, "launch", cwd=ROOT)
     try:
         # a loss logged: every rank is past its first step (a stop before it would be a different test)
         wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss in TensorBoard", proc)
@@ -233,32 +236,14 @@ def test_sigint_stops_every_rank(job, tmp_path, backend):
     finally:
         kill_tree(proc)
     err = proc.err()
-    assert code == 130, err
-    assert "launch: SIGINT: stopping 2 rank(s)" in err
+    assert code == 130 and "Traceback" not in err, err
+    assert f"launch: SIGINT: stopping {ranks} rank(s)" in err
     assert "checkpoint saved" in err and (out / "checkpoints").is_dir()
     # every rank saved and exited 0 (dtrain.contract): none is reported as stopped by a signal or unsaved
     assert "stopped by a signal" not in err and "did not save" not in err, err
     if backend == "mpi":  # mpirun exits before its ranks finish saving (see the launcher's docstring)
         wait_until(lambda: not rank_processes(str(out)), "the MPI ranks to end", limit=STOP_S)
     assert not rank_processes(str(out))
-
-
-def test_sigint_stops_one_rank(job, tmp_path):
-    """``./launch CONFIG`` then Ctrl-C (the plainest run) ended the launcher in AttributeError's traceback:
-    the stop wrote mlx.launch's Ctrl-C byte to the one rank's stdin, which the launcher does not hold."""
-    out = tmp_path / "run"
-    proc = spawn([sys.executable, LAUNCH, job["config"], "--train.steps", 5000, "--train.output_dir", out],
-                 tmp_path, "launch", cwd=ROOT)
-    try:
-        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss in TensorBoard", proc)
-        proc.send_signal(signal.SIGINT)
-        code = wait_exit(proc, STOP_S)
-    finally:
-        kill_tree(proc)
-    err = proc.err()
-    assert code == 130 and "Traceback" not in err, err
-    assert "launch: SIGINT: stopping 1 rank(s)" in err and "checkpoint saved" in err
-    assert "did not save" not in err and not rank_processes(str(out))
 
 
 def read_scalars_of(tb: Path) -> dict:
@@ -384,18 +369,12 @@ def rank_processes(marker: str) -> list[int]:
     return [pid for pid, (_, command) in processes().items() if marker in command]
 
 
-def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
-    """Ctrl-C while the launcher was starting its ranks (before it held their processes) set the stop
-    but told no rank: the job ran on to its end. Here the stop comes just before the one rank starts;
-    the launcher passes it on at once, while the wrapper's Python is still starting: it waits (blocked)
-    until the wrapper's handlers are in place, where it killed the wrapper before."""
+def run_stopped_as_it_starts(plan, monkeypatch):
+    """Run ``plan``'s :class:`Attempt` with a Ctrl-C (its stop) just before it starts the ranks; return it."""
     import subprocess
 
     from dtrain.launch import supervise
-    from dtrain.launch.plan import Plan
 
-    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", "sleep", "20"]
-    plan = Plan("ring", 1, [], wrapper, {}, [], [], 0, 0, direct=[{}])
     attempt = supervise.Attempt(plan, 5.0)
     real_popen = subprocess.Popen
 
@@ -406,6 +385,18 @@ def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
 
     monkeypatch.setattr(supervise.subprocess, "Popen", popen_after_a_stop)
     attempt.run()
+    return attempt
+
+
+def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
+    """Ctrl-C while the launcher was starting its ranks (before it held their processes) set the stop
+    but told no rank: the job ran on to its end. Here the stop comes just before the one rank starts;
+    the launcher passes it on at once, while the wrapper's Python is still starting: it waits (blocked)
+    until the wrapper's handlers are in place, where it killed the wrapper before."""
+    from dtrain.launch.plan import Plan
+
+    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", "sleep", "20"]
+    attempt = run_stopped_as_it_starts(Plan("ring", 1, [], wrapper, {}, [], [], 0, 0, direct=[{}]), monkeypatch)
     # the wrapper asked its child to stop (SIGINT), rather than sleeping out 20 s or dying of SIGUSR2
     assert [p.returncode for p in attempt.procs] == [128 + signal.SIGINT]
     assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]
@@ -416,21 +407,9 @@ def test_a_stop_before_mlx_launchs_ranks_have_their_handlers_reaches_them(monkey
     stop reached a rank on 127.0.0.1 while its bash or Python still ignored SIGUSR2 (mlx.launch's shield), and
     the Ctrl-C byte reached ssh before the rank's terminal was its own. Here a stand-in for mlx.launch starts
     the one rank's wrapper a second after the stop; the stop is sent again when its start report comes."""
-    import subprocess
-
-    from dtrain.launch import supervise
     from dtrain.launch.plan import Plan
 
     mlx_launch = ["bash", "-c", f"sleep 1; exec {sys.executable} -m dtrain.launch.rank -- sleep 20", "--"]
-    plan = Plan("ring", 1, ["127.0.0.1"], mlx_launch, {}, [], [], 0, 0, local=False)
-    attempt = supervise.Attempt(plan, 5.0)
-    real_popen = subprocess.Popen
-
-    def popen_after_a_stop(*args, **kwargs):
-        if attempt.stopped_by is None:
-            attempt.stop(signal.SIGINT)
-        return real_popen(*args, **kwargs)
-
-    monkeypatch.setattr(supervise.subprocess, "Popen", popen_after_a_stop)
-    attempt.run()
+    attempt = run_stopped_as_it_starts(Plan("ring", 1, ["127.0.0.1"], mlx_launch, {}, [], [], 0, 0, local=False),
+                                       monkeypatch)
     assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]
