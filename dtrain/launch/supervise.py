@@ -463,13 +463,20 @@ def find_trainers(marker: str, proc: Path = Path("/proc")) -> dict:
             continue
         try:
             args = (p / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            if args[1:4] != ["-m", "dtrain", "train"] or not any(marker in a for a in args):
+            if not _trainer_words(args) or not any(marker in a for a in args):
                 continue
             env = dict(x.split("=", 1) for x in (p / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in x)
             found[rank_from_env(env)] = int(p.name)
         except (OSError, UserError):  # gone, not ours to read, or a rank that is no number (it stops at its start)
             continue
     return found
+
+
+def _trainer_words(words: list) -> bool:
+    """A command line's words are a trainer's, ``python -m dtrain train ...``: its first ``-m`` names the module
+    (a rank wrapper's is dtrain.launch.rank, whose command holds its trainer's words after it)."""
+    module = words.index("-m") if "-m" in words else -1
+    return words[module:module + 3] == ["-m", "dtrain", "train"]
 
 
 def _trainers_from_ps(marker: str) -> dict:
@@ -480,9 +487,7 @@ def _trainers_from_ps(marker: str) -> dict:
     found = {}
     for line in out.splitlines():
         pid, uid, *words = line.split()
-        # the first -m names the module: a rank wrapper's is dtrain.launch.rank, whose command holds its trainer's
-        module = words.index("-m") if "-m" in words else -1
-        if int(uid) != os.getuid() or words[module:module + 3] != ["-m", "dtrain", "train"] or marker not in line:
+        if int(uid) != os.getuid() or not _trainer_words(words) or marker not in line:
             continue
         try:
             found[rank_from_env(dict(w.split("=", 1) for w in words if "=" in w))] = int(pid)

@@ -281,7 +281,7 @@ def run_id_of(path: Path) -> Optional[str]:
     """The run id of a valid checkpoint folder (``""`` for an older one without), None when not valid."""
     if not path.is_dir() or validate(path) is not None:
         return None
-    return str(json.loads((path / STATE).read_text()).get("run_id", ""))
+    return _written_run_id(path)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
