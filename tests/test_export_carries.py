@@ -16,7 +16,8 @@ from dtrain.cli import main
 from dtrain.data.templates import PLAIN
 from dtrain.lora import adapter_config
 from dtrain.models import load_model
-from dtrain.models.export import QUANT_WARN_RATIO, export_adapter, training_template
+from dtrain.models.export import QUANT_WARN_RATIO, export_adapter
+from dtrain.models.merge import training_template
 from dtrain.models.modelfile import chat_parts, go_template, trims_content
 
 TRIM_COMMENT = ("# the chat template trims the whitespace around message content and this TEMPLATE cannot (Go "
