@@ -196,6 +196,22 @@ def test_demo_tokenizer_think_template(demo_tok):
         demo_tok._tokenizer.chat_template = own
 
 
+def test_max_prompt_length_limits_the_prompt_as_trained_not_the_generation_prompt():
+    """The think template's generation prompt ends ``<think>\\n``, which responses without reasoning do not share:
+    the prompt as trained (the ids both sides and the generation prompt share) is what the limit and
+    ``data check``'s lengths count, so a prompt of exactly max_prompt_length tokens is not cut."""
+    tok = style_tokenizer("think")
+    row = Row(FOX, "yes", "no")
+    whole = one_pair(tok, row)
+    assert tok.decode(whole.prompt) == f"<|im_start|>user\n{FOX}<|im_end|>\n<|im_start|>assistant\n"
+    results = []
+    pairs, report = tokenize_rows([row], tok, DataConfig(max_prompt_length=len(whole.prompt)), results)
+    assert pairs == [whole] and report.truncated == 0
+    assert results[0].lengths == (len(whole.prompt), len(whole.chosen), len(whole.rejected))
+    cut = one_pair(tok, row, max_prompt_length=len(whole.prompt) - 1)
+    assert len(cut.prompt) == len(whole.prompt) - 1 and tok.decode(cut.prompt).startswith("<|im_start|>user\n quick")
+
+
 # -- truncation keeps the template's structure (§1, third example) --------------------------------
 
 LONG = Row("word " * 100 + "END", "ok", "no", system="You are terse.", source="f.jsonl:1")

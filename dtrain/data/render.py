@@ -353,17 +353,25 @@ class RowTokenizer:
         return a[:_common_prefix(a, b)]
 
     # -- truncation --------------------------------------------------------
-    def _fit_prompt(self, r: Renderer, msgs: list) -> tuple:
-        """``(messages, ids, untruncated length)``: content cut from the left until the prompt fits.
+    def _split(self, r: Renderer, msgs: list, responses: list) -> tuple:
+        """``(generation prompt ids, [(ids, text, control text)] of msgs + each response, prompt length)``: the
+        prompt as trained is the ids the generation prompt and every whole rendering share."""
+        gen = self._render(r, msgs, True)[0] if msgs else self._reply_opening(r)
+        fulls = [self._render(r, msgs + resp, False, response=True) for resp in responses]
+        return gen, fulls, _common_prefix(gen, *(ids for ids, _, _ in fulls))
+
+    def _fit_prompt(self, r: Renderer, msgs: list, responses: list) -> tuple:
+        """``(messages, *split, untruncated length)`` (:meth:`_split`): content cut from the left until the
+        prompt as trained fits (a generation prompt's ``<think>`` that no response shares is not counted).
 
         Raises:
             Drop: the system message and the template's structure alone do not fit.
         """
         limit = self.cfg.max_prompt_length
-        ids = self._render(r, msgs, True)[0] if msgs else self._reply_opening(r)
-        full = len(ids)
+        split = self._split(r, msgs, responses)
+        full = split[2]
         if full <= limit:
-            return msgs, ids, full
+            return (msgs, *split, full)
         msgs = [dict(m) for m in msgs]
         hf = hf_tokenizer(self.tokenizer)
         for i, m in enumerate(msgs):
@@ -376,17 +384,17 @@ class RowTokenizer:
 
             def cut(j):
                 msgs[i]["content"] = content[starts[j]:]
-                return self._render(r, msgs, True)[0]
+                return self._split(r, msgs, responses)
 
             lo, hi = 0, len(starts) - 1
-            ids = cut(hi)
-            if len(ids) > limit:
+            split = cut(hi)
+            if split[2] > limit:
                 continue  # this message emptied; go on with the next one
             while lo < hi:  # the fewest leading content tokens to remove
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if len(cut(mid)) <= limit else (mid + 1, hi)
-            return msgs, cut(hi), full
-        raise Drop(f"prompt too long: the system message and the template's structure need {len(ids)} tokens; "
+                lo, hi = (lo, mid) if cut(mid)[2] <= limit else (mid + 1, hi)
+            return (msgs, *cut(hi), full)
+        raise Drop(f"prompt too long: the system message and the template's structure need {split[2]} tokens; "
                    f"data.max_prompt_length={limit}")
 
     # -- one row -----------------------------------------------------------
@@ -408,24 +416,22 @@ class RowTokenizer:
             if not any(self._strip_marks(m["content"]).strip() for m in resp):
                 out.drop = f"empty response: {label!r} has no text besides end-of-turn marks"
                 return out
-        try:
-            fitted = [self._fit_prompt(r, p) for p in (prompts[:1] if shared else prompts)] * (2 if shared else 1)
+        try:  # each fit: (prompt messages, generation prompt ids, whole renderings, prompt length, untruncated)
+            fits = ([self._fit_prompt(r, prompts[0], responses)] * 2 if shared else
+                    [self._fit_prompt(r, p, [resp]) for p, resp in zip(prompts, responses)])
         except Drop as why:
             out.drop = str(why)
             return out
-        fulls = [self._render(r, pm + resp, False, response=True) for (pm, _, _), resp in zip(fitted, responses)]
+        fulls = fits[0][2] if shared else [f[2][0] for f in fits]
         out.control_text = fulls[0][2] or fulls[1][2]
-        if shared:
-            cuts = [_common_prefix(fitted[0][1], fulls[0][0], fulls[1][0])] * 2
-        else:
-            cuts = [_common_prefix(g, f[0]) for (_, g, _), f in zip(fitted, fulls)]
-        for (pm, g, _), (_, text, _), n in zip(fitted, fulls, cuts):
+        cuts = [n for _, _, _, n, _ in fits]
+        for (pm, g, _, n, _), (_, text, _) in zip(fits, fulls):
             if pm and n < len(g) and not text.startswith(self._render(r, pm, False)[1]):
                 raise BadRow(f"the chat template ({r.name}) renders the prompt messages differently once a "
                              "response follows them, so prompt and response cannot be split")
         (fc, _, _), (fr, _, _) = fulls
         prompt, rprompt, full_c, full_r = fc[: cuts[0]], fr[: cuts[1]], fc[cuts[0]:], fr[cuts[1]:]
-        untruncated_prompt = max(n for _, _, n in fitted)
+        untruncated_prompt = max(full for *_, full in fits)
         out.lengths = (untruncated_prompt, len(full_c), len(full_r))
         limit = self.cfg.max_length
         c, rj = full_c[: max(limit - len(prompt), 0)], full_r[: max(limit - len(rprompt), 0)]
