@@ -555,3 +555,27 @@ def test_cr_only_line_endings_are_named(tmp_path):
         with pytest.raises(DataError) as err:
             load_rows(str(path), DataConfig())
         assert f"{reason}{hint})" in str(err.value)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_row_too_long_to_read_is_a_bad_row_in_a_json_array_as_in_jsonl(tmp_path, compress):
+    """A JSONL line over MAX_LINE_CHARS is a bad row; the same row as a JSON array item was read and tokenized,
+    so one file's rows gave other pairs (and another train/valid split) as JSONL and as a JSON array."""
+    import gzip
+
+    from dtrain.data import split_rows
+    from dtrain.data.jsonfile import MAX_LINE_CHARS
+
+    good = [{"prompt": f"Q{i}", "chosen": "a", "rejected": "b"} for i in range(6)]
+    objs = good[:2] + [{**good[0], "chosen": "x" * MAX_LINE_CHARS}] + good[2:]
+    lines = [json.dumps(o) for o in objs]
+    out = {}
+    for name, text in (("d.jsonl", "\n".join(lines) + "\n"), ("d.json", "[\n" + ",\n".join(lines) + "\n]\n")):
+        path = tmp_path / (name + ".gz" if compress else name)
+        path.write_bytes(gzip.compress(text.encode()) if compress else text.encode())
+        rows, report = load_rows(str(path), DataConfig())
+        out[name] = [(r.prompt, r.chosen) for r in rows], [r.prompt for r in split_rows(rows, 0.3, 0)[1]]
+        assert [src for src, _ in report.bad] == [f"{path}:3" if name == "d.jsonl" else f"{path}:4[2]"]
+        assert report.bad[0][1] == (f"{'line' if name == 'd.jsonl' else 'item'} has {len(lines[2]):,} characters; "
+                                    f"{'lines' if name == 'd.jsonl' else 'items'} over {MAX_LINE_CHARS:,} are not read")
+    assert out["d.json"] == out["d.jsonl"] and len(out["d.json"][0]) == 6

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Optional
 from ..errors import DataError
 from .formats import BadRow, json_kind, undecodable
 
-# A JSONL line longer than this is reported instead of parsed and tokenized:
+# A JSONL line (or JSON array item) longer than this is reported instead of tokenized:
 # ~500k tokens, far past any max_length, and slow to tokenize.
 MAX_LINE_CHARS = 2_000_000
 # Compressions read as a stream: name -> (magic bytes, opener of a binary file object).
@@ -331,7 +331,8 @@ def _array_length(text: str) -> int:
 
 def _array_items(text: str, count: int) -> list:
     """``(line, item)`` of each top-level item of a valid JSON array: the 1-based line where it starts, and the
-    item, or a :class:`BadRow` for one with a key given twice."""
+    item, or a :class:`BadRow` for one with a key given twice or longer than :data:`MAX_LINE_CHARS` (as a JSONL
+    line of it would be)."""
     plain, items, pos = json.JSONDecoder(), [], text.index("[") + 1
     ws = re.compile(r"[\s,]*")
     line, counted = 1, 0  # newlines are counted once each, from the previous item on
@@ -342,6 +343,9 @@ def _array_items(text: str, count: int) -> list:
             item, end = _DECODER.raw_decode(text, pos)
         except _DuplicateKey as err:
             item, (_, end) = BadRow(f"invalid JSON: {why_unread(err)}"), plain.raw_decode(text, pos)
-        items.append((line, undecodable(text, pos, end) or item))
+        too_long = end - pos > MAX_LINE_CHARS  # judged first, as a JSONL line is
+        bad = BadRow(f"item has {end - pos:,} characters; items over {MAX_LINE_CHARS:,} are not read") if too_long \
+            else undecodable(text, pos, end)
+        items.append((line, bad or item))
         pos = end
     return items
