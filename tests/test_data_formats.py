@@ -141,6 +141,29 @@ def test_rows_with_tools_are_bad_rows_saying_so():
         "'tools' (tool definitions): rows with tools are not read (dtrain renders the messages' role and content only)"]
 
 
+
+def test_rows_with_openais_legacy_functions_are_bad_rows_as_tools_are():
+    """OpenAI's chat fine-tuning format before tools: a ``functions`` column and an assistant message's
+    ``function_call``. They were dropped silently: the call's text-less turn trained as an empty answer, or the
+    text beside it as the whole answer, and the function definitions never reached the template."""
+    u, a = {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}
+    call = {"role": "assistant", "content": "Let me look.", "function_call": {"name": "w", "arguments": "{}"}}
+    functions = [{"name": "w", "parameters": {}}]
+    items = [({"messages": [u, a], "functions": functions}, "'functions' (function definitions)"),
+             ({"messages": [u, call]}, "messages[1] 'function_call'"),
+             ({"messages": [u, call, {"role": "function", "name": "w", "content": "sun"}, a]},
+              "messages[1] 'function_call'"),
+             ({"input": {"messages": [u], "functions": functions}, "preferred_output": [a],
+               "non_preferred_output": [{"role": "assistant", "content": "Rain."}]}, "'functions' (function definitions)")]
+    for obj, what in items:
+        rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(), "f.jsonl", pairwise="messages" not in obj)
+        assert rows == [] and report.bad == [
+            ("f.jsonl:1", f"{what}: rows with tools are not read (dtrain renders the messages' role and content only)")]
+    for functions in ([], "[]", ["parse", "main"], "parse, main"):  # none, or a code dataset's column of names
+        rows, report = parse_rows([("f.jsonl:1", {"messages": [u, {**a, "function_call": None}], "functions": functions})],
+                                  DataConfig(), "f.jsonl", pairwise=False)
+        assert report.bad == [] and len(rows) == 1
+
 def test_openai_format(tmp_path):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
     row = one_row(tmp_path, {"input": {"messages": msgs},

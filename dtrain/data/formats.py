@@ -71,6 +71,8 @@ FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rej
                  "on the command line, or the same mapping under data: fields: in YAML")
 # mlx-lm, TRL and OpenAI rows may carry tools, which templates render; dtrain renders messages' text only.
 NO_TOOLS = "{what}: rows with tools are not read (dtrain renders the messages' role and content only)"
+TOOL_KEYS = {"tools": "tool", "functions": "function"}  # tool definitions (functions: OpenAI's older name)
+TOOL_CALL_KEYS = ("tool_calls", "function_call")  # a message's calls (function_call: OpenAI's older one)
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # a message's reasoning, apart from its content
 # TRL's unpaired preference rows (KTOTrainer): one completion judged desirable (label true) or not (false)
 UNPAIRED = ("{source}: unpaired preference rows (KTO-style: prompt, completion and a true/false 'label') cannot train "
@@ -269,8 +271,9 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
                 raise BadRow(f"expected a JSON object, got {json_kind(obj)}")
             _check_utf8(obj)
             inp = obj.get("input")
-            if _has_tools(obj.get("tools")) or (isinstance(inp, dict) and _has_tools(inp.get("tools"))):
-                raise BadRow(NO_TOOLS.format(what="'tools' (tool definitions)"))
+            for key, what in TOOL_KEYS.items():
+                if _has_tools(obj.get(key), key) or (isinstance(inp, dict) and _has_tools(inp.get(key), key)):
+                    raise BadRow(NO_TOOLS.format(what=f"{key!r} ({what} definitions)"))
             row = _parse(obj, fmt, fields, pairwise)
             if row.rejected is None and row.prompt is not None and _is_label(obj.get("label")):
                 if pairwise:  # read as SFT rows, a pairwise objective would only say 'one completion'
@@ -321,13 +324,16 @@ def _parse(obj: dict, fmt: str, fields: Optional[dict], pairwise: bool) -> Row:
         return parse({**obj, rejected: obj[chosen]})
 
 
-def _has_tools(value) -> bool:
-    """A non-empty tools or tool_calls value; some hub datasets keep it as JSON text (``"[]"`` is none)."""
+def _has_tools(value, key: str = "tools") -> bool:
+    """A non-empty tools or tool_calls value; some hub datasets keep it as JSON text (``"[]"`` is none). A
+    ``functions`` column counts only as OpenAI writes it, a list of objects (a code dataset's may list names)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except (ValueError, RecursionError):  # not JSON, an integer too long for int(), nested too deep
-            return bool(value.strip())
+            return bool(value.strip()) and key != "functions"
+    if key == "functions":
+        return isinstance(value, list) and any(isinstance(v, dict) for v in value)
     return bool(value)
 
 
@@ -379,8 +385,9 @@ def _text_response(value: str, label: str) -> str:
 def _messages(value: list, label: str) -> list:
     out = []
     for i, m in enumerate(value):
-        if isinstance(m, dict) and _has_tools(m.get("tool_calls")):
-            raise BadRow(NO_TOOLS.format(what=f"{label}[{i}] 'tool_calls'"))
+        call = next((k for k in TOOL_CALL_KEYS if isinstance(m, dict) and _has_tools(m.get(k))), None)
+        if call is not None:
+            raise BadRow(NO_TOOLS.format(what=f"{label}[{i}] {call!r}"))
         reasoning = next((k for k in REASONING_KEYS if isinstance(m, dict) and m.get(k)), None)
         if reasoning is not None:  # templates such as Qwen3's render it as a <think> block; dropped, it would not train
             raise BadRow(f"{label}[{i}] {reasoning!r}: messages with a separate reasoning field are not read (dtrain "
