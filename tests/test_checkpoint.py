@@ -734,7 +734,7 @@ def _edit_state(folder: Path, text: str = None, **fields) -> None:
 
 
 @pytest.mark.parametrize("key, value, why", [
-    ("step", "2", "step is '2', not a whole number"), ("step", 0, "step is 0, below 1"),
+    ("step", "2", "step is '2', not a whole number"), ("step", -1, "step is -1, below 0"),
     ("step", True, "step is True, not a whole number"), ("settings", [], "settings is [], not a mapping"),
     ("data", "fp", "data is 'fp', not a mapping"), ("schedule_steps", "4", "schedule_steps is '4', not a whole number"),
     ("best_step", "x", "best_step is 'x', not a whole number or null"), ("run_id", 7, "run_id is 7, not text"),

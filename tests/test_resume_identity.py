@@ -667,10 +667,12 @@ def test_resuming_a_run_extended_to_its_end_names_no_steps_to_come(tmp_path, cap
 
 
 @pytest.mark.parametrize("during", [0, 2])
-def test_a_signal_during_an_evaluation_stops_it_and_the_resume_matches(tmp_path, during):
+def test_a_signal_during_an_evaluation_stops_it_and_the_resume_matches(tmp_path, capsys, during):
     """Ctrl-C during the evaluation at step ``during`` cuts it short (its first of 3 micro-batches run), keeps
     none of it and saves, without training another step (it finished the evaluation and trained one more
-    step: on a CPU, minutes); the resume evaluates that step first and gives the uninterrupted run's adapter."""
+    step: on a CPU, minutes); the resume evaluates that step first and gives the uninterrupted run's adapter.
+    Stopped in step 0's evaluation, its checkpoint step-0000000 was refused as damaged ("step is 0, below 1"):
+    the resume skipped it and started another run, in a second TensorBoard run."""
     import os
     import signal
 
@@ -699,7 +701,10 @@ def test_a_signal_during_an_evaluation_stops_it_and_the_resume_matches(tmp_path,
     assert stopped.stopped and stopped.steps == during and len(stopped.history) == during
     assert sorted(stopped.evals) == list(range(0, during, 2))
     assert ckpt.list_checkpoints(tmp_path / "cut" / "checkpoints")[-1].name == f"step-{during:07d}"
+    capsys.readouterr()
     resumed, _ = run(tmp_path / "cut", *micro, "train.resume=auto")
+    assert "skipping checkpoint" not in capsys.readouterr().err
+    assert resumed.run_dir == stopped.run_dir and len(list((tmp_path / "cut" / "tb").iterdir())) == 1
     assert len(resumed.history) == 4 - during and resumed.evals == whole.evals
     assert [s for s, _ in read_scalars(resumed.run_dir)["eval/loss"]] == [0, 2, 4]
     a, b = ((tmp_path / r / "adapters" / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))

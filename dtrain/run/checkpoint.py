@@ -122,7 +122,7 @@ class RunState:
         return cls(**{k: v for k, v in raw.items() if k in names})
 
 
-_AT_LEAST = {"step": 1, "schedule_steps": 1, "world_size": 1, "best_step": 1}  # other whole numbers: 0
+_AT_LEAST = {"schedule_steps": 1, "world_size": 1, "best_step": 1}  # other whole numbers (step: a stop before step 1): 0
 _KINDS = {int: "a whole number", float: "a number", str: "text", dict: "a mapping", list: "a list"}
 
 
