@@ -182,6 +182,29 @@ def test_resume_after_the_best_step_still_writes_it(tmp_path, scripted):
     assert state["best_step"] == 2
 
 
+def test_a_failed_adapters_write_names_where_the_best_steps_weights_are(tmp_path, scripted, monkeypatch):
+    """adapters/ holds step 2, the best; its write failing said "checkpoint step-0000006 holds the same weights",
+    whose adapters.safetensors are step 6's: the best step's copy there is its best.safetensors."""
+    import errno
+
+    from dtrain.files import StorageError
+
+    real = mx.save_safetensors
+
+    def save(path, *a, **k):
+        if Path(path).parent.name.startswith(".adapters.tmp-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(mx, "save_safetensors", save)
+    with pytest.raises(StorageError) as err:
+        run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1")
+    last = tmp_path / "checkpoints" / "step-0000006"
+    assert str(err.value) == (f"could not write the adapter {tmp_path}/adapters: No space left on device; checkpoint "
+                              f"{last} holds step 2's weights in best.safetensors")
+    assert same(mx.load(str(last / "best.safetensors")), weights(tmp_path / "checkpoints" / "step-0000002"))
+
+
 def test_early_stop_after_n_evaluations_without_a_new_best(tmp_path, scripted):
     """Best at step 2; step 3 ties and step 4 is guarded: 2 evaluations without a new best."""
     result = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1", "train.early_stop_evals=2")

@@ -495,6 +495,9 @@ def finish(run: Run) -> None:
         kept = f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, step)} holds the same weights"
         with storage(f"write the adapter {out.adapters_last}", kept):
             weights = keep_best.last_and_best(run, out.adapters_last)
+        if weights is not None:  # the best step's weights: the last checkpoint's adapter is the last step's
+            kept = (f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, step)} holds step {run.best.step}'s "
+                    f"weights in {ckpt.BEST}")
         with storage(f"write the adapter {out.adapters}", kept):
             run.result.adapter_dir = save_adapter(run.model, run.cfg.lora, out.adapters, run.base_model,
                                                   run.chat_template, weights)
