@@ -513,6 +513,23 @@ def test_a_folder_whose_file_system_cannot_lock_is_one_clear_line(tmp_path, monk
         os.fstat(opened[0])
 
 
+def test_a_full_disk_when_the_lock_names_its_holder_releases_the_folder(tmp_path, monkeypatch):
+    """Writing the holder's name into .dtrain.lock failing (disk full) left the lock held by a descriptor
+    nobody closed: the next run in this process, once there was room, was refused as "in use by another
+    dtrain run"."""
+    import errno
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as mp:
+        mp.setattr(output.os, "pwrite", full)
+        with pytest.raises(UserError) as err:
+            output.prepare_output(tmp_path / "out", output.DiskPlan(0, 0, 0, 1), resuming=False)
+    assert str(err.value) == f"output folder {tmp_path / 'out'} is not writable: {os.strerror(errno.ENOSPC)}"
+    output.prepare_output(tmp_path / "out", output.DiskPlan(0, 0, 0, 1), resuming=False).release()
+
+
 def test_a_checkpoint_of_another_run_is_never_replaced(tmp_path):
     import dataclasses
 

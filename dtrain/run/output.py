@@ -100,9 +100,13 @@ class OutputLock:
             raise UserError(f"output folder {out} cannot be locked ({err.strerror or err}): its file system does not "
                             f"support locks (a network share?); choose a train.output_dir on a local disk") from None
         name = f"pid {os.getpid()} on {socket.gethostname()}".encode()
-        # padded over what a longer earlier name left, then cut: a reader sees one whole name, never none
-        os.pwrite(self._fd, name.ljust(os.fstat(self._fd).st_size), 0)
-        os.ftruncate(self._fd, len(name))
+        try:
+            # padded over what a longer earlier name left, then cut: a reader sees one whole name, never none
+            os.pwrite(self._fd, name.ljust(os.fstat(self._fd).st_size), 0)
+            os.ftruncate(self._fd, len(name))
+        except OSError:  # a full disk: the caller names it; the lock goes with the descriptor
+            self.release()
+            raise
 
     def _holder(self, wait_s: float = 2.0) -> str:
         """The holder's name; a holder that has just locked a new file may not have written it yet."""
