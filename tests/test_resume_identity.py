@@ -319,6 +319,29 @@ def test_a_run_continued_from_an_older_checkpoint_drops_the_steps_it_left(tmp_pa
     assert [s for s, _ in read_scalars(resumed.run_dir)["loss"]] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_branch_killed_right_after_its_first_save_is_the_one_resumed(tmp_path, monkeypatch):
+    """Resumed from step-0000004 beside the left branch's step-0000005/6: killed after its first save (step 5)
+    and before the prune that removes the left step 6, resume=auto took that step 6 and ended there, on the
+    branch it had left. The steps left go before the save, so a kill anywhere leaves this branch newest."""
+    from dtrain.run import trainer
+
+    args = ("train.steps=6", "train.eval_every=0", "train.save_every=1", "train.keep_last=3")
+    run(tmp_path, *args)
+    older = tmp_path / "checkpoints" / "step-0000004"
+
+    def killed(*_a, **_k):
+        raise KeyboardInterrupt("killed")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer.ckpt, "prune", killed)
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path, *args, f"train.resume={older}", "engine.kind=reference")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000004", "step-0000005"]
+    resumed, _ = run(tmp_path, *args, "train.resume=auto", "engine.kind=reference")
+    assert len(resumed.history) == 1  # step 6, on the new branch
+    assert [s for s, _ in read_scalars(resumed.run_dir)["loss"]] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_run_continued_from_an_older_checkpoint_at_its_end_drops_the_steps_it_left(tmp_path, capsys):
     """Resumed from step-0000004 with train.steps=4 (nothing left to train): the adapter was rewritten as step
     4's, but with no save the left branch's step-0000005/6 stayed, and resume=auto then took step 6 and

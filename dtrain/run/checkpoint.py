@@ -461,22 +461,31 @@ def step_of(path: Path) -> int:
     return int(digits) if digits.isascii() and digits.isdigit() else -1
 
 
+def drop_left(root: Path, run_id: str, step: int) -> None:
+    """Delete run ``run_id``'s checkpoints past ``step`` (damaged ones too): of the steps it left when it was
+    continued from an older checkpoint (``train.resume`` naming one). Called before ``step`` is saved, so
+    that ``resume: auto`` continues this branch, not the one left, whenever the run is killed."""
+    for p in list_checkpoints(root):
+        if step_of(p) > step and _written_run_id(p) == run_id:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) -> None:
     """Delete all but the newest ``keep_last`` valid checkpoints of run ``run_id`` (its damaged ones older than
     those kept go too), and stale temporaries.
 
-    ``saved``: the step just saved; the run's checkpoints past it are of steps it left when it was
-    continued from an older checkpoint (``train.resume`` naming one), and go first, so that
-    ``resume: auto`` continues this branch, not the one left.
+    ``saved``: the step just saved (or the step a run ends at without a save); the run's checkpoints
+    past it go first (:func:`drop_left`).
     """
     if root.is_dir():
         clear_set_aside(root, f"{PREFIX}*")
+    if saved is not None:
+        drop_left(root, run_id, saved)
     mine = [p for p in list_checkpoints(root) if _written_run_id(p) == run_id]  # damaged ones included
-    left = [p for p in mine if saved is not None and step_of(p) > saved]
-    kept = [p for p in mine if p not in left and validate(p) is None][-keep_last:]
-    # a damaged one (never resumed from) goes where a valid one would: past ``saved``, or older than those kept
+    kept = [p for p in mine if validate(p) is None][-keep_last:]
+    # a damaged one (never resumed from) goes where a valid one would: older than those kept
     old = [p for p in mine if kept and step_of(p) < step_of(kept[0])]
-    for p in left + old:
+    for p in old:
         shutil.rmtree(p, ignore_errors=True)
 
 

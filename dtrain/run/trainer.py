@@ -462,6 +462,7 @@ def save(run: Run, step: int) -> None:
                             f"checkpoints and TensorBoard events written before went with the old folder")
         state = replace(run.state, step=step, position=run.sampler.position(step))
         run.log.flush()
+        ckpt.drop_left(run.checkpoints, state.run_id, step)  # before the save: a kill after it keeps no step left
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
                              run.base_model, run.chat_template, run.best.weights)
         ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id, step)
