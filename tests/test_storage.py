@@ -261,6 +261,27 @@ def test_leftovers_that_cannot_be_removed_are_one_line_and_release_the_folder(tm
     assert not (tmp_path / "data_cache" / ".tmp-123").exists()
 
 
+@pytest.mark.parametrize("resuming", [True, False])
+def test_a_checkpoints_folder_that_cannot_be_listed_is_one_line_and_releases_the_folder(tmp_path, monkeypatch,
+                                                                                      resuming):
+    """A checkpoints/ this user may not list (made by another user, chmod 000) was a PermissionError traceback
+    from the check for earlier checkpoints, fresh run or resume."""
+    run(tmp_path, "train.steps=2")
+    real = Path.iterdir
+
+    def refused(self):
+        if self.name == "checkpoints":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Path, "iterdir", refused)
+        with pytest.raises(StorageError) as err:
+            output.prepare_output(tmp_path, plan(), resuming=resuming)
+    assert str(err.value) == f"could not read the checkpoints in {tmp_path / 'checkpoints'}: Permission denied"
+    output.prepare_output(tmp_path, plan(), resuming=True).release()  # the lock was released
+
+
 def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple

@@ -174,7 +174,8 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
                 clear_set_aside(OutputDir(out).checkpoints, f"{PREFIX}*")
             for debris in [*OutputDir(out).data_cache.glob(".tmp-*"), *out.glob(f"{WRITE_TEST}*")]:
                 debris.unlink(missing_ok=True)
-        earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
+        with storage(f"read the checkpoints in {OutputDir(out).checkpoints}"):  # another user's, chmod 000
+            earlier = find_latest(OutputDir(out).checkpoints, report=lambda _: None)
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
                             f"continue it with --train.resume auto, or choose another train.output_dir")
