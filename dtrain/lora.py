@@ -256,9 +256,10 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
 
 
 def checked_adapter_value(key: str, value, where: str):
-    """An ``adapter_config.json`` value (``num_layers``, ``lora_parameters`` ``rank``, ``scale``, ``keys``) within the
-    bounds of the lora key it stands for, as training and ``dtrain export`` read it: a scale of 0 would train or merge
-    nothing, a rank of 0 build no LoRA, and mlx-lm slices ``model.layers[-num_layers:]``, a part of them for -5.
+    """An ``adapter_config.json`` value (``num_layers``, ``lora_parameters`` ``rank``, ``scale``, ``dropout``, ``keys``)
+    within the bounds of the lora key it stands for, as training and ``dtrain export`` read it: a scale of 0 would train
+    or merge nothing, a rank of 0 build no LoRA, mlx-lm slices ``model.layers[-num_layers:]``, a part of them for -5,
+    and its dropout layer refuses a probability outside [0, 1).
 
     Raises:
         ConfigError: starting with ``where`` and the key.

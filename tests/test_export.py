@@ -535,6 +535,11 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
      "lora_parameters.scale must be > 0; got 0.0"),
     ('{"num_layers": 4, "lora_parameters": {"rank": 0, "scale": 2.0, "dropout": 0.0}}',
      "lora_parameters.rank must be > 0; got 0"),
+    # nn.Dropout's "The dropout probability 5 is not in [0, 1)" was blamed on the base
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": 5}}',
+     "lora_parameters.dropout must be in [0, 1); got 5.0"),
+    ('{"num_layers": 4, "lora_parameters": {"rank": 4, "scale": 2.0, "dropout": -0.1}}',
+     "lora_parameters.dropout must be in [0, 1); got -0.1"),
 ])
 def test_an_unreadable_adapter_config_is_named_not_blamed_on_the_base(tmp_path, llama, capsys, text, problem):
     """mlx-lm's load_adapters parses the file itself; its JSON error or a mistyped value surfaced as 'this adapter

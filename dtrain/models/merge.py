@@ -70,8 +70,8 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel,
 def check_adapter_config(path: Path) -> None:
     """Refuse an ``adapter_config.json`` that mlx-lm's ``load_adapters`` would misread as an adapter that does not
     fit the base: not a JSON object, ``num_layers`` / ``lora_parameters`` ``rank``, ``scale`` and ``dropout`` of another
-    type, ``lora_parameters.keys`` that is not a list of module names, or ``lora_parameters`` without ``rank``,
-    ``scale`` or ``dropout``.
+    type or out of the bounds training takes them in, ``lora_parameters.keys`` that is not a list of module names, or
+    ``lora_parameters`` without ``rank``, ``scale`` or ``dropout``.
 
     Raises:
         ModelError: naming the file and the key.
@@ -104,7 +104,7 @@ def check_adapter_config(path: Path) -> None:
                          f"take{hint}")
     try:  # the bounds train.init_adapter reads them with
         for key, value in (("num_layers", meta.get("num_layers")), ("rank", params.get("rank")),
-                           ("scale", params.get("scale"))):
+                           ("scale", params.get("scale")), ("dropout", params.get("dropout"))):
             if value is not None:
                 checked_adapter_value(key, value, f"{path}:")
     except ConfigError as err:
