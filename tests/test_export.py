@@ -509,6 +509,21 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+def test_an_adapter_with_nan_or_inf_values_is_refused_naming_the_tensors(tmp_path, llama, capsys):
+    """A NaN lora_b was fused into its weight and the export written with exit 0: a model whose logits are all NaN."""
+    base, adapter, _ = llama
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    weights["model.layers.1.self_attn.v_proj.lora_b"][0, 0] = float("nan")
+    weights["model.layers.3.mlp.up_proj.lora_a"][2, 1] = float("inf")
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), weights)
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out"), "--gguf", "f16"]) == 2
+    assert capsys.readouterr().err == (
+        f"dtrain: error: {adapter / 'adapters.safetensors'} holds NaN or infinite values in 2 LoRA tensors "
+        "(model.layers.1.self_attn.v_proj.lora_b, model.layers.3.mlp.up_proj.lora_a), which merged weights would "
+        "carry; the adapter is damaged or from a run that diverged\n")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("text, problem", [
     ("{", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
     ("[]", "not a JSON object"),

@@ -124,7 +124,8 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
 
     Raises:
         ModelError: missing adapter files, an adapter whose layers or shapes
-            do not fit the base (names the adapter and the base), or another base.
+            do not fit the base (names the adapter and the base), LoRA tensors missing
+            or holding NaN or inf (named), or another base.
     """
     from mlx_lm.tuner.utils import load_adapters
 
@@ -152,12 +153,19 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     # initialisation (lora_a) or zero (lora_b) and be fused as if it were trained
     expected = {k for k, _ in tree_flatten(loaded.model.parameters())
                 if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b", "m")}  # mlx-lm's adapter leaves (DoRA: m)
-    missing = sorted(expected - set(mx.load(str(folder / "adapters.safetensors"))))
+    saved = mx.load(str(folder / "adapters.safetensors"))
+    missing = sorted(expected - set(saved))
     if missing:
         raise ModelError(f"{folder / 'adapters.safetensors'} lacks {len(missing)} of the {len(expected)} LoRA tensors "
                          f"its adapter_config.json sets up on {base} ({', '.join(missing[:3])}"
                          f"{' ...' if len(missing) > 3 else ''}); the adapter is incomplete or its config is not "
                          "the one it was trained with")
+    # fused, one NaN spreads through every weight row it touches: the export would be written and run NaN
+    broken = sorted(k for k in expected if not mx.isfinite(saved[k]).all().item())
+    if broken:
+        raise ModelError(f"{folder / 'adapters.safetensors'} holds NaN or infinite values in {len(broken)} LoRA "
+                         f"tensor{'s' * (len(broken) > 1)} ({', '.join(broken[:3])}{' ...' if len(broken) > 3 else ''}),"
+                         " which merged weights would carry; the adapter is damaged or from a run that diverged")
     fused = [(name, module.fuse()) for name, module in lora]
     # what the merge changes: scale * B^T A^T for LoRA, DoRA's magnitude rescaling included
     base_weight = lambda m: (m.linear if hasattr(m, "linear") else m.embedding).weight  # noqa: E731
