@@ -179,7 +179,7 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
     (``rename(2)`` is atomic within one filesystem; POSIX.)
 
     Args:
-        final: the folder to create or replace.
+        final: the folder to create or replace (a symlink: the folder it names).
         replace: when False, an existing ``final`` raises ``FileExistsError``
             before anything is written.
     Raises:
@@ -187,6 +187,8 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
         OSError: from the filesystem (disk full, permissions).
     """
     final = Path(final)
+    # a link (to a folder on another disk): renaming would replace the link, not the folder it names
+    final = final.resolve() if final.is_symlink() else final
     if final.exists() and not replace:
         raise FileExistsError(f"{final} already exists")
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -292,6 +292,19 @@ def test_convert_and_export_into_the_empty_current_folder_are_refused_in_one_lin
     assert capsys.readouterr().err == f"dtrain: error: {message}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "tiny.gguf"] and not any((tmp_path / "here").iterdir())
 
+
+def test_convert_into_a_link_to_an_empty_folder_writes_the_folder_it_names(tmp_path):
+    """An --out that is a symlink to an empty folder (on another disk) was replaced by a new folder beside it, the
+    link set aside as a hidden .out.old-PID and the folder it names left empty."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "disk")
+    convert_gguf(str(path), str(tmp_path / "out"))
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "disk" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out", "tiny.gguf"]
+
+
 def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
     from mlx_lm import load
 
