@@ -517,6 +517,35 @@ def test_model_metadata_we_do_not_reproduce_is_refused_by_name(tmp_path, extra, 
         load_model(str(path))
 
 
+@pytest.mark.parametrize("method, value, message", [
+    ("add_block_count", "four", "GGUF key 'llama.block_count' = 'four' is not supported (expected a number above 0)"),
+    ("add_head_count_kv", [2, 2, 2, 2],  # per-layer values, which llama.cpp's get_key_or_arr also reads
+     "GGUF key 'llama.attention.head_count_kv' = [2, 2, 2, 2] is not supported (expected a number above 0)"),
+    ("add_head_count", 0, "GGUF key 'llama.attention.head_count' = 0 is not supported (expected a number above 0)"),
+    ("add_layer_norm_rms_eps", "1e-5",
+     "GGUF key 'llama.attention.layer_norm_rms_epsilon' = '1e-5' is not supported (expected a number above 0)"),
+    ("add_head_count", 3, "GGUF key 'llama.attention.head_count' = 3 does not fit "
+     "model.layers.0.self_attn.q_proj.weight: its 32 rows are not 3 heads of an even size"),
+], ids=["text", "per_layer_list", "zero_heads", "text_eps", "heads_not_dividing_rows"])
+def test_a_model_key_of_another_kind_or_size_is_one_line_naming_it(tmp_path, monkeypatch, capsys, method, value,
+                                                                     message):
+    """int()'s ValueError or TypeError, a ZeroDivisionError or MLX's reshape error ended convert and load in a
+    traceback."""
+    from dtrain.cli import main
+
+    key = {"add_block_count": "llama.block_count", "add_head_count": "llama.attention.head_count",
+           "add_head_count_kv": "llama.attention.head_count_kv",
+           "add_layer_norm_rms_eps": "llama.attention.layer_norm_rms_epsilon"}[method]
+    kind = gguf.GGUFValueType.get_type(value)
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, _: self.add_key_value(
+        key, value, kind, gguf.GGUFValueType.UINT32 if isinstance(value, list) else None))
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path, {})
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {path}: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_known_harmless_model_keys_are_accepted(tmp_path):
     path = tmp_path / "tiny.gguf"
     extra = [("add_uint32", "llama.rope.dimension_count", 8), ("add_uint32", "llama.vocab_size", 512),

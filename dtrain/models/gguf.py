@@ -124,7 +124,8 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
     """Load a llama or gemma3 GGUF file as mlx-lm config and HF-named weights.
 
     Raises:
-        ModelError: unreadable file, or an architecture other than llama/gemma3.
+        ModelError: unreadable file, an architecture other than llama/gemma3, or model keys it cannot
+            read as llama.cpp does (text, per-layer lists, 0, head counts that do not divide the rows).
     """
     metadata, tensors = read_gguf(path)
     arch = metadata.get("general.architecture")
@@ -137,12 +138,13 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
         config = _config(arch, metadata, tensors)
         _check_model_keys(arch, metadata, config)
         weights = _rename(arch, tensors)
+        if arch == "llama":
+            _unpermute_qk(weights, config)
     except KeyError as err:
         raise ModelError(f"{path}: GGUF file lacks {err.args[0]!r}, which a {arch} model needs") from None
     except ModelError as err:
         raise ModelError(f"{path}: {err}") from None
     if arch == "llama":
-        _unpermute_qk(weights, config)
         _fill_biases(weights, config)
     else:
         for name in [n for n in weights if n.endswith("norm.weight")]:
@@ -197,14 +199,21 @@ def _unpermute_qk(weights: dict, config: dict) -> None:
     llama.cpp: ``w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2)``;
     the inverse reshapes to ``(n_head, rows // n_head // 2, 2, ...)`` and swaps
     back. Rows of quantized triplets move the same way (groups run along columns).
+
+    Raises:
+        ModelError: rows that are not the head count's heads of an even size (naming the key).
     """
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    for name in list(weights):
+    for name in sorted(weights):  # the first layer named when the rows do not fit
         proj = name.split(".")[-2]
         if proj in heads:
             w = weights[name]
             n = heads[proj]
             rows = w.shape[0]
+            if rows % (2 * n):
+                key = "llama.attention.head_count" + ("_kv" if proj == "k_proj" else "")
+                raise ModelError(f"GGUF key '{key}' = {n} does not fit {name}: its {rows} rows are not {n} heads "
+                                 "of an even size")
             weights[name] = w.reshape(n, rows // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -264,6 +273,10 @@ _MODEL_KEYS = {
 _GEMMA3_KEYS = {"rope.freq_base_swa", "attention.sliding_window", "attention.sliding_window_pattern"}
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_model_keys(arch: str, md: dict, config: dict) -> None:
     """Refuse metadata that changes the model in a way the mlx-lm config does not express.
 
@@ -285,7 +298,7 @@ def _check_model_keys(arch: str, md: dict, config: dict) -> None:
     }
     for name, value in expected.items():
         got = md.get(f"{arch}.{name}")
-        if got is not None and int(got) != value:
+        if got is not None and (not _is_number(got) or int(got) != value):
             raise ModelError(f"GGUF key '{arch}.{name}' = {got} is not supported (expected {value})")
     if int(md.get("split.count", 1)) > 1:
         raise ModelError(f"split GGUF files (split.count = {md['split.count']}) are not supported; merge them first")
@@ -298,6 +311,9 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
         value = md.get(f"{arch}.{name}", default)
         if value is None:
             raise KeyError(f"{arch}.{name}")
+        # counts, sizes, rope bases and epsilon: a text, a per-layer list or 0 would end in int()'s or a reshape's error
+        if not _is_number(value) or value <= 0:
+            raise ModelError(f"GGUF key '{arch}.{name}' = {value!r} is not supported (expected a number above 0)")
         return value
 
     embed = tensors.get("token_embd.weight")
