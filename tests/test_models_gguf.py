@@ -546,6 +546,28 @@ def test_a_model_key_of_another_kind_or_size_is_one_line_naming_it(tmp_path, mon
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("method, value, problem", [
+    ("add_token_types", [1, 1, 3], "tokenizer.ggml.token_type has 3 entries for 361 tokens"),
+    ("add_token_merges", ["Ġt he"], "tokenizer.ggml.merges do not fit tokenizer.ggml.tokens (Error while "
+                                    "initializing BPE: Token `Ġt` out of vocabulary)"),
+    ("add_token_merges", ["Ġthe"], "tokenizer.ggml.merges do not fit tokenizer.ggml.tokens (merge 'Ġthe' is not two "
+                                   "pieces with a space between)"),
+], ids=["short_token_types", "merge_of_unknown_pieces", "merge_without_space"])
+def test_tokenizer_lists_that_do_not_fit_the_tokens_are_one_line(tmp_path, monkeypatch, capsys, method, value,
+                                                                   problem):
+    """vocab_attrs' IndexError, tokenizers' TypeError or bare Exception ended convert and load in a traceback."""
+    from dtrain.cli import main
+
+    write = getattr(gguf.GGUFWriter, method)
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, _: write(self, value))
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path, {})
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: {path}: cannot build the tokenizer from GGUF metadata: "
+                                       f"{problem}\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_known_harmless_model_keys_are_accepted(tmp_path):
     path = tmp_path / "tiny.gguf"
     extra = [("add_uint32", "llama.rope.dimension_count", 8), ("add_uint32", "llama.vocab_size", 512),

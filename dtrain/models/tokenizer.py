@@ -96,8 +96,9 @@ def build_tokenizer(md: dict):
     Raises:
         ValueError: no vocabulary, a ``tokenizer.ggml.model`` other than
             ``gpt2``/``llama``, an unimplemented ``tokenizer.ggml.pre``, an
-            unknown ``tokenizer.*`` key, or a BOS/EOS flag without its token id;
-            each message names the key and value.
+            unknown ``tokenizer.*`` key, a BOS/EOS flag without its token id,
+            ``token_type`` or ``scores`` of another length than ``tokens``, or
+            ``merges`` that do not fit the tokens; each message names the key.
     """
     # as mlx_lm/__init__.py does: without it, a transformers imported before mlx_lm prints that
     # PyTorch is missing and "Models won't be available" (dtrain data check on a GGUF model)
@@ -109,6 +110,10 @@ def build_tokenizer(md: dict):
     tokens = md.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("the GGUF file has no tokenizer.ggml.tokens")
+    for key in ("token_type", "scores"):  # one entry per token, read by index
+        values = md.get(f"tokenizer.ggml.{key}")
+        if values and len(values) != len(tokens):
+            raise ValueError(f"tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
     types = md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
 
@@ -119,7 +124,14 @@ def build_tokenizer(md: dict):
     if kind == "gpt2":
         pre = lookup(md.get("tokenizer.ggml.pre"))
         merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+        where = "tokenizer.ggml.merges do not fit tokenizer.ggml.tokens"
+        odd = next((m for m, pair in zip(md["tokenizer.ggml.merges"], merges) if len(pair) != 2), None)
+        if odd is not None:
+            raise ValueError(f"{where} (merge {odd!r} is not two pieces with a space between)")
+        try:
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+        except Exception as err:  # tokenizers raises a bare Exception for a merge of pieces not in the vocabulary
+            raise ValueError(f"{where} ({err})") from None
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [split_pre_tokenizer(pre), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
