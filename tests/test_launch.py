@@ -413,3 +413,24 @@ def test_a_stop_before_mlx_launchs_ranks_have_their_handlers_reaches_them(monkey
     attempt = run_stopped_as_it_starts(Plan("ring", 1, ["127.0.0.1"], mlx_launch, {}, [], [], 0, 0, local=False),
                                        monkeypatch)
     assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: signal.Signals(s).name)
+def test_a_stop_before_the_ranks_start_says_so(tmp_path, monkeypatch, capsys, sig):
+    """Ctrl-C while the launcher read the config (before it started any rank) ended it with 130 and not a
+    word: no line said the job was stopped, nor that nothing had started."""
+    from dtrain.launch import main as launcher
+
+    config = tmp_path / "job.yaml"
+    config.write_text(f"data: {{demo_pairs: 4}}\ntrain: {{output_dir: {tmp_path / 'out'}}}\n")
+    real_load = launcher.load_config
+
+    def load_then_stop(*args, **kwargs):
+        os.kill(os.getpid(), sig)  # the launcher's own handler takes it: no rank holds the stop yet
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(launcher, "load_config", load_then_stop)
+    assert launcher.main([str(config)]) == 128 + sig
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"launch: {signal.Signals(sig).name}: stopped before any rank started", err
+    assert not (tmp_path / "out").exists()

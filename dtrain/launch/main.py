@@ -210,7 +210,10 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
     while True:
         attempt = Attempt(plan_for(auto, restarts > 0), stop_timeout)
         signals.attempt = attempt
-        if signals.received:
+        if signals.received:  # it came before this attempt's ranks started (config, plan; a restart's delay)
+            name = signal.Signals(signals.received[0]).name
+            say(f"launch: {name} during the restart delay: not restarting" if restarts else
+                f"launch: {name}: stopped before any rank started")
             return 128 + signals.received[0]
         try:
             outcome = attempt.run()
