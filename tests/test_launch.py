@@ -434,3 +434,30 @@ def test_a_stop_before_the_ranks_start_says_so(tmp_path, monkeypatch, capsys, si
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"launch: {signal.Signals(sig).name}: stopped before any rank started", err
     assert not (tmp_path / "out").exists()
+
+
+STOP_AT_IMPORT = """import os, runpy, signal, sys
+sig = int(sys.argv[1])
+class StopAt:  # the stop signal comes as the launcher imports yaml (its config reader), before main() runs
+    def find_spec(self, name, path=None, target=None):
+        if name == "yaml":
+            os.kill(os.getpid(), sig)
+sys.meta_path.insert(0, StopAt())
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: signal.Signals(s).name)
+def test_a_stop_while_the_launcher_loads_is_one_line(tmp_path, sig):
+    """Ctrl-C while ./launch imported its modules (yaml, numpy: a second on a busy machine) ended it in a
+    KeyboardInterrupt traceback; SIGTERM and SIGHUP killed it without a word."""
+    import subprocess
+
+    config = tmp_path / "job.yaml"
+    config.write_text(f"data: {{demo_pairs: 4}}\ntrain: {{output_dir: {tmp_path / 'out'}}}\n")
+    r = subprocess.run([sys.executable, "-c", STOP_AT_IMPORT, str(int(sig)), str(LAUNCH), str(config)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=STOP_S)
+    assert r.returncode == 128 + sig and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == f"launch: {signal.Signals(sig).name}: stopped before any rank started"
+    assert not (tmp_path / "out").exists()

@@ -54,6 +54,7 @@ from .rank import say
 from .supervise import Attempt, Outcome, signal_group
 
 TB_DEFAULT_PORT = 6006
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the job for good (StopSignals)
 # TensorBoard under a watch on the launcher: its stdin is a pipe whose other end only the launcher
 # holds (Popen's pipes are not inherited), so EOF there means the launcher is gone, SIGKILL included;
 # it then ends its session (the server and its data server), as a rank stops when its launcher is gone.
@@ -188,7 +189,7 @@ class StopSignals:
             self.attempt.abort(f"{signal.Signals(signum).name} again: ending the ranks now (killed within 3 s)")
 
     def install(self) -> dict:
-        return {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        return {s: signal.signal(s, self) for s in STOP_SIGNALS}
 
 
 def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: float, output_dir: Optional[Path],
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``./launch``; returns the exit status."""
     signals = StopSignals()
     previous = signals.install()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # ./launch blocks them while its modules load
     tb, port_locks = None, []
     try:
         options, overrides = split_argv(sys.argv[1:] if argv is None else argv)
