@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from .config_text import override_help, split_overrides, take_overrides
-from .contract import ERROR_PREFIX
+from .contract import ERROR_PREFIX, STOP_SIGNALS
 from .errors import UserError
 from .files import to_devnull
 
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(f"options go after the command: dtrain {' '.join(argv[command:] + argv[:command])}")
         return 2
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a rank wrapper starts us with them blocked
         # overrides out first, as ./launch takes them: argparse would read the VALUE of one that
         # stands before `data check`'s FILE as FILE (`--data.valid held.jsonl pairs.jsonl`)
         options, overrides = take_overrides(argv, OPTIONS) if argv[:1] in (["train"], ["data"], ["config"]) else (argv, [])

@@ -16,6 +16,7 @@ Pure Python (no MLX): the launcher and the rank wrapper import it cheaply.
 from __future__ import annotations
 
 import json
+import signal
 from typing import Mapping, Optional
 
 from .errors import UserError
@@ -40,6 +41,9 @@ EXIT_LOST_PEER = 4  # a collective failed: MLX reported a lost peer (distributed
 EXIT_AFTER_RANK0 = 5
 ERROR_PREFIX = "dtrain: error: "  # a rank's user error line; the launcher shows a line every rank printed once
 
+# a rank's stop request (dtrain.run.stop); a rank wrapper starts its trainer with them blocked, and dtrain's
+# main() unblocks them where a KeyboardInterrupt is one line: a stop during the trainer's start-up is no traceback
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # first one set wins
 # mlx.launch writes these variables' values to temporary files and passes the file's path
 FILE_VARS = ("MLX_HOSTFILE", "MLX_IBV_DEVICES")

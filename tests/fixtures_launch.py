@@ -53,6 +53,14 @@ def make_job(tmp: Path, steps: int = 2, global_batch_pairs: int = 4) -> Path:
     return config
 
 
+# a stand-in for a rank's trainer that a SIGINT ends (killed by it) once it unblocks the stop signals, as
+# dtrain's main() does: a rank wrapper starts its child with them blocked (dtrain.contract.STOP_SIGNALS)
+TRAINER_STAND_IN = [sys.executable, "-c", "import signal, time\n"
+                    "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+                    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])\n"
+                    "time.sleep(20)\n"]
+
+
 def free_port(count: int = 4) -> int:
     """The first of ``count`` consecutive loopback ports free right now (the base of a ring's
     ports, or one port), drawn outside the system's ephemeral range as the launcher draws its

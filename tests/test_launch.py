@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
+from fixtures_launch import LAUNCH, ROOT, TRAINER_STAND_IN, free_port, launch, make_job
 from waiting import STOP_S, kill_tree, processes, spawn, wait_exit, wait_until
 
 ADAPTER = "adapters/adapters.safetensors"
@@ -395,7 +395,7 @@ def test_a_stop_while_the_ranks_start_reaches_them(monkeypatch):
     until the wrapper's handlers are in place, where it killed the wrapper before."""
     from dtrain.launch.plan import Plan
 
-    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", "sleep", "20"]
+    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", *TRAINER_STAND_IN]
     attempt = run_stopped_as_it_starts(Plan("ring", 1, [], wrapper, {}, [], [], 0, 0, direct=[{}]), monkeypatch)
     # the wrapper asked its child to stop (SIGINT), rather than sleeping out 20 s or dying of SIGUSR2
     assert [p.returncode for p in attempt.procs] == [128 + signal.SIGINT]
@@ -409,7 +409,10 @@ def test_a_stop_before_mlx_launchs_ranks_have_their_handlers_reaches_them(monkey
     the one rank's wrapper a second after the stop; the stop is sent again when its start report comes."""
     from dtrain.launch.plan import Plan
 
-    mlx_launch = ["bash", "-c", f"sleep 1; exec {sys.executable} -m dtrain.launch.rank -- sleep 20", "--"]
+    import shlex
+
+    rank = shlex.join([sys.executable, "-m", "dtrain.launch.rank", "--", *TRAINER_STAND_IN])
+    mlx_launch = ["bash", "-c", f"sleep 1; exec {rank}", "--"]
     attempt = run_stopped_as_it_starts(Plan("ring", 1, ["127.0.0.1"], mlx_launch, {}, [], [], 0, 0, local=False),
                                        monkeypatch)
     assert [(r.code, r.stop) for r in attempt.reports.values()] == [(-signal.SIGINT, "SIGUSR2")]
@@ -461,3 +464,15 @@ def test_a_stop_while_the_launcher_loads_is_one_line(tmp_path, sig):
     assert r.returncode == 128 + sig and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1] == f"launch: {signal.Signals(sig).name}: stopped before any rank started"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stop_while_the_trainer_starts_ends_it_in_one_line(monkeypatch, tmp_path):
+    """A stop that reached a rank's trainer while its Python started or imported dtrain (a second or more under
+    load) ended it in a KeyboardInterrupt traceback, or 'Fatal Python error: init_import_site'. Here the stop
+    comes before the wrapper starts, so its SIGINT reaches the trainer at once: it waits for dtrain's handling."""
+    from dtrain.launch.plan import Plan
+
+    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", sys.executable, "-m", "dtrain", "train",
+               "-c", str(tmp_path / "job.yaml")]
+    attempt = run_stopped_as_it_starts(Plan("ring", 1, [], wrapper, {}, [], [], 0, 0, direct=[{}]), monkeypatch)
+    assert [(r.code, r.stop, r.tail) for r in attempt.reports.values()] == [(130, "SIGUSR2", ["dtrain: interrupted"])]

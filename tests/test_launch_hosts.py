@@ -19,7 +19,7 @@ import pytest
 from dtrain.launch.hosts import parse_hostfile
 from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
 from dtrain.launch.supervise import summarize
-from fixtures_launch import ROOT, free_port, launch, make_job, write_hostfile
+from fixtures_launch import ROOT, TRAINER_STAND_IN, free_port, launch, make_job, write_hostfile
 from waiting import STOP_S, finish, spawn
 
 TWO = [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]
@@ -712,7 +712,7 @@ def test_the_rank_wrapper_passes_on_an_abort_that_came_while_it_started_its_chil
               "    os.kill(os.getpid(), signal.SIGUSR1)\n"
               "    return real(*args, **kwargs)\n"
               "rank.subprocess.Popen = popen\n"
-              "sys.exit(rank.run(['sleep', '20']))\n")
+              f"sys.exit(rank.run({TRAINER_STAND_IN!r}))\n")
     wrapper = spawn([sys.executable, "-c", script], tmp_path, "rank")
     code, _, err = finish(wrapper)
     reports = [r for r in map(parse_report, err.split("\n")) if r is not None and r.event == "exit"]

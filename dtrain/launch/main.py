@@ -47,14 +47,13 @@ from ..config_text import take_overrides
 from ..errors import UserError
 from ..files import OutputDir, output_dir_problem
 from . import restart
-from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR
+from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR
 from .hosts import LaunchError, load_hostfile
 from .plan import DEFAULT_PORT, build_plan, describe
 from .rank import say
 from .supervise import Attempt, Outcome, signal_group
 
 TB_DEFAULT_PORT = 6006
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the job for good (StopSignals)
 # TensorBoard under a watch on the launcher: its stdin is a pipe whose other end only the launcher
 # holds (Popen's pipes are not inherited), so EOF there means the launcher is gone, SIGKILL included;
 # it then ends its session (the server and its data server), as a rank stops when its launcher is gone.

@@ -1,6 +1,7 @@
 """The process every rank runs in: ``python -m dtrain.launch.rank -- CMD ...``.
 
-It runs ``CMD`` (``dtrain train ...``) as a child in its own session (where
+It runs ``CMD`` (``dtrain train ...``, which unblocks :data:`dtrain.contract.STOP_SIGNALS`: the child
+starts with them blocked, so a stop during its start-up is no traceback) as a child in its own session (where
 Linux groups the scheduler by session, ``sched_autogroup``, each rank then gets
 a session's share of the CPU, not a share of its launcher's), copies
 its stdout and stderr through (keeping stderr's last lines; a closed terminal
@@ -49,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..contract import ABORT_GRACE_S, LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_TIMEOUT_VAR, rank_from_env
+from ..contract import ABORT_GRACE_S, LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR, rank_from_env
 from ..files import to_devnull
 
 MARK = "\x1edtrain-rank "
@@ -189,7 +190,13 @@ def run(cmd: list) -> int:
         signal.signal(sig, on_signal)
     # the launcher starts its local wrappers with these blocked: one that came meanwhile is handled now
     signal.pthread_sigmask(signal.SIG_UNBLOCK, WRAPPER_SIGNALS)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # the child starts with the stop signals blocked (a mask survives exec) and dtrain's main() unblocks them:
+    # our SIGINT while its Python starts or imports waits there, rather than ending it in a traceback
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     started.append(proc)
     write(report_line(Report("start", rank, pid=proc.pid, host=socket.gethostname())).encode())
     if watch.stop is not None or watch.abort_at is not None:  # a signal came while starting
