@@ -476,3 +476,17 @@ def test_a_stop_while_the_trainer_starts_ends_it_in_one_line(monkeypatch, tmp_pa
                "-c", str(tmp_path / "job.yaml")]
     attempt = run_stopped_as_it_starts(Plan("ring", 1, [], wrapper, {}, [], [], 0, 0, direct=[{}]), monkeypatch)
     assert [(r.code, r.stop, r.tail) for r in attempt.reports.values()] == [(130, "SIGUSR2", ["dtrain: interrupted"])]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
+def test_a_stop_while_mpirun_starts_the_ranks_stops_each_wrapper(monkeypatch):
+    """Under MPI the stop goes to mpirun, which forwards it (SIGUSR2) to every rank's wrapper: sent as mpirun
+    started them, it killed a wrapper whose Python had no handler yet ('mpirun noticed that process rank 0 ...
+    exited on signal 12'), its rank reported nothing. It waits now until every rank reported its start."""
+    from dtrain.launch.plan import Plan
+
+    flags = ["-np", "2", "--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    mpirun = [shutil.which("mpirun"), *flags, "--", sys.executable, "-m", "dtrain.launch.rank", "--", *TRAINER_STAND_IN]
+    attempt = run_stopped_as_it_starts(Plan("mpi", 2, ["127.0.0.1"] * 2, mpirun, {}, [], [], 0, 0), monkeypatch)
+    assert sorted((rank, r.code, r.stop) for rank, r in attempt.reports.items()) == [
+        (0, -signal.SIGINT, "SIGUSR2"), (1, -signal.SIGINT, "SIGUSR2")]

@@ -9,7 +9,8 @@ Ranks on this machine are started by the launcher itself, each wrapper in its
 own session, and get the signals one by one; under mlx.launch they go to the
 whole process group (mlx.launch itself ignores them), and ranks it started over
 ssh get a Ctrl-C byte on their terminal instead (a stop); mpirun forwards both to
-its ranks, so under MPI they go to mpirun only. Every wrapper also watches the
+its ranks, so under MPI they go to mpirun only, once every rank reported its start
+(a wrapper without its handlers dies of them). Every wrapper also watches the
 launcher (:data:`dtrain.contract.LAUNCHER_VAR`): when the launcher is gone, whatever
 ended it, its ranks save and stop.
 
@@ -189,6 +190,10 @@ class Attempt:
         self._send(signal.SIGUSR1)
 
     def _send(self, sig: int) -> None:
+        if self.plan.backend == "mpi" and len(self.started) < self.plan.world_size:
+            # mpirun forwards it to every rank's wrapper, and kills the job when one whose handlers are not in
+            # place yet dies of it: it is sent when the last start report comes (_on_report)
+            return
         for p in self.procs:
             if p.poll() is not None:
                 continue
