@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         _error(str(err))
         return getattr(err, "exit_status", 2)  # distributed.CollectiveError: 4 (a restart may succeed)
     except KeyboardInterrupt:
-        print("dtrain: interrupted", file=sys.stderr)
+        sys.stderr.write("dtrain: interrupted\n")  # one write, as _error's
+        sys.stderr.flush()
         return 130
     except BrokenPipeError:  # stdout closed early (``dtrain config | head``): not an error of dtrain's
         to_devnull(sys.stdout.fileno())  # so the exit's flush does not raise again

@@ -194,6 +194,21 @@ def test_the_error_line_is_one_write(monkeypatch):
                             "engine, lora, model, objective, orpo, train)\n"]
 
 
+def test_an_interrupted_line_is_one_write(monkeypatch):
+    """Two ranks stopped during start-up each print 'dtrain: interrupted'; print's separate writes of the text
+    and the newline ran them into one line under ./launch ("dtrain: interrupteddtrain: interrupted")."""
+    from dtrain import cli
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    stderr = Writes()
+    monkeypatch.setattr(cli, "_train", interrupted)
+    monkeypatch.setattr("sys.stderr", stderr)
+    assert main(["train", "-c", "job.yaml"]) == 130
+    assert stderr.calls == ["dtrain: interrupted\n"]
+
+
 def test_a_path_under_an_unknown_users_home_is_one_line():
     """model.path and data.chat_template under ~nosuchuser/ ended in pathlib's RuntimeError traceback."""
     from dtrain.data.templates import template_source
