@@ -100,9 +100,10 @@ def _train(args, overrides) -> int:
 
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
-    if result.stopped:  # this rank's own stop signal may still be on its way: it must not end the exit (130)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+    # the run is over, stopped or finished: a stop signal now (this rank's own, still on its way after the
+    # ranks agreed on a stop; or one sent as the run ended) has nothing left to stop, and must not end the exit
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     if group.is_main:
         # a stopped run has said how to continue (trainer.loop); a finished one shows its evaluations (a resume's too)
         if not result.stopped and (summary := result.summary()):

@@ -52,3 +52,31 @@ def test_a_late_stop_signal_after_a_stop_the_ranks_agreed_on_is_swallowed_once()
     own.agreed = own.requested = True
     own.uninstall()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+FINISHED_THEN_STOPPED = """
+import os, signal, sys, types
+from dtrain import cli
+# stand-ins (MLX is not imported): one rank whose run trained every step
+sys.modules["dtrain.distributed"] = types.SimpleNamespace(init_group=lambda *a: types.SimpleNamespace(is_main=True))
+sys.modules["dtrain.run.trainer"] = types.SimpleNamespace(
+    train=lambda cfg, group: types.SimpleNamespace(stopped=False, summary=lambda: ""))
+status = cli.main(["train", "-c", sys.argv[1]])
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher's stop, come as the rank exits
+os.kill(os.getpid(), signal.SIGINT)
+sys.exit(status)
+"""
+
+
+def test_a_stop_signal_after_a_finished_run_changes_nothing(tmp_path):
+    """A stop that reached a rank after its run had trained every step and written its adapter, as it exited,
+    killed it (or showed 'Exception ignored in atexit callback' with KeyboardInterrupt's traceback), and the
+    launcher said 'rank 0 did not save: the work after step 12 ... is lost' of a finished run. Once the run
+    has ended nothing is left to stop: the rank exits 0."""
+    import subprocess
+
+    config = tmp_path / "job.yaml"
+    config.write_text(f"data: {{demo_pairs: 4}}\ntrain: {{output_dir: {tmp_path / 'out'}}}\n")
+    r = subprocess.run([sys.executable, "-c", FINISHED_THEN_STOPPED, str(config)], capture_output=True, text=True,
+                       timeout=STOP_S)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, (r.returncode, r.stderr)
