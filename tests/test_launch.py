@@ -490,3 +490,31 @@ def test_a_stop_while_mpirun_starts_the_ranks_stops_each_wrapper(monkeypatch):
     attempt = run_stopped_as_it_starts(Plan("mpi", 2, ["127.0.0.1"] * 2, mpirun, {}, [], [], 0, 0), monkeypatch)
     assert sorted((rank, r.code, r.stop) for rank, r in attempt.reports.items()) == [
         (0, -signal.SIGINT, "SIGUSR2"), (1, -signal.SIGINT, "SIGUSR2")]
+
+
+@pytest.mark.parametrize("backend", ["ring", "mpi"])
+def test_a_stop_at_any_moment_of_start_up_ends_cleanly(job, tmp_path, backend):
+    """Ctrl-C swept over a 2-rank job's start-up (the launcher's imports, its plan, the ranks' Python, their
+    imports and model load, the first step): whatever it meets, the launcher exits 130 with no traceback
+    (KeyboardInterrupt's, from the launcher, a wrapper or a trainer), no wrapper killed by mpirun's forward, and
+    no process left."""
+    if backend == "mpi" and shutil.which("mpirun") is None:
+        pytest.skip("OpenMPI's mpirun is not installed")
+    import time
+
+    for i, delay in enumerate((0.2, 0.6, 1.0, 1.5, 2.2)):
+        out = tmp_path / f"run{i}"
+        proc = spawn([sys.executable, LAUNCH, "-n", 2, "--backend", backend, "--port", free_port(), job["config"],
+                      "--train.steps", 5000, "--train.output_dir", out], tmp_path, f"launch{i}", cwd=ROOT)
+        try:
+            time.sleep(delay)
+            proc.send_signal(signal.SIGINT)
+            code = wait_exit(proc, STOP_S)
+            wait_until(lambda: not rank_processes(str(out)), "every rank to end", limit=STOP_S)
+        finally:
+            kill_tree(proc)
+        err = proc.err()
+        assert code == 130, (delay, err)
+        for sign in ("Traceback", "KeyboardInterrupt", "Fatal Python error", "exited on signal"):
+            assert sign not in err, (delay, err)
+        assert err.splitlines()[-1].startswith("launch: "), (delay, err)
