@@ -30,6 +30,18 @@ def test_split_is_deterministic_disjoint_and_complete():
     assert len(split_rows(rows[:3], 0.1, seed=0)[1]) == 1  # at least one held-out row
 
 
+def test_a_split_never_holds_out_every_row(tmp_path, tokenizer):
+    """One row at valid_fraction 0.6 rounded to one held-out row of one: the run stopped with "no usable
+    training pairs in FILE (0 bad rows, 0 dropped)", about a usable row that the split had taken."""
+    for n in range(1, 6):
+        for fraction in (0.5, 0.6, 0.9, 0.99):
+            train, valid = split_rows(list(range(n)), fraction, seed=0)
+            assert len(train) >= 1 and sorted(train + valid) == list(range(n)), (n, fraction)
+    ds = load_dataset(DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD[:1]), valid_fraction=0.6), tokenizer,
+                      seed=0, log=None)
+    assert (len(ds.train), len(ds.valid)) == (1, 0)
+
+
 def test_load_dataset_valid_fraction(tmp_path, tokenizer):
     cfg = DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD), valid_fraction=0.25)
     ds = load_dataset(cfg, tokenizer, seed=0, log=None)

@@ -52,12 +52,12 @@ def split_rows(rows: list, valid_fraction: float, seed: int) -> tuple:
     """Deterministic ``(train, valid)`` split; both keep file order.
 
     ``round(len(rows) * valid_fraction)`` rows (at least 1 when the fraction is
-    > 0 and there are 2+ rows) go to valid, picked by ``random.Random(seed)``,
-    so the same rows, fraction and seed give the same split on every run.
+    > 0 and there are 2+ rows, never all of them) go to valid, picked by
+    ``random.Random(seed)``, so the same rows, fraction and seed give the same split on every run.
     """
-    n_valid = round(len(rows) * valid_fraction)
+    n_valid = min(round(len(rows) * valid_fraction), max(len(rows) - 1, 0))  # a row is left to train on
     if valid_fraction > 0 and len(rows) >= 2:
-        n_valid = min(max(n_valid, 1), len(rows) - 1)
+        n_valid = max(n_valid, 1)
     picked = set(random.Random(seed).sample(range(len(rows)), n_valid))
     train = [r for i, r in enumerate(rows) if i not in picked]
     return train, [r for i, r in enumerate(rows) if i in picked]
