@@ -594,3 +594,31 @@ def test_progress_false_draws_no_tokenizing_bar(tmp_path, monkeypatch):
         off = progress == "false"
         assert [bar for bar in bars if (bar[0] or "").startswith("tokenizing")] == [("tokenizing train", off),
                                                                                    ("tokenizing valid", off)]
+
+
+@pytest.mark.parametrize("where", ["RunLogger.close", "OutputLock.release"])
+def test_a_stop_signal_while_a_finished_run_closes_its_log_or_lock_changes_nothing(tmp_path, monkeypatch, where):
+    """A stop that came after the last step, while the run closed its event file or released its
+    output folder, found the handlers already restored: a KeyboardInterrupt out of ``train`` (the rank
+    exited 130 and ``./launch`` said the work after the last step was lost). The stop handlers stay in
+    place until the run's clean-up is done: the finished run returns its result."""
+    import os
+    import signal
+
+    from dtrain.run import output, tracking
+
+    cls, name = where.split(".")
+    owner = {"RunLogger": tracking.RunLogger, "OutputLock": output.OutputLock}[cls]
+    original, sent = getattr(owner, name), []
+
+    def stopping(self, *args, **kwargs):
+        sent.append(where)
+        os.kill(os.getpid(), signal.SIGINT)  # handled before the next bytecode: a stop in the clean-up
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, stopping)
+    before = signal.getsignal(signal.SIGINT)
+    result, _ = run(tmp_path)
+    assert sent == [where]
+    assert not result.stopped and (tmp_path / "adapters" / ADAPTER_WEIGHTS).is_file()
+    assert signal.getsignal(signal.SIGINT) is before

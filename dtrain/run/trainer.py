@@ -332,6 +332,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                           model=loaded.identity, lora_shapes=lora_shapes, init_adapter=init_adapter)
     out = OutputDir(Path(t.output_dir))
     with contextlib.ExitStack() as cleanup:
+        stop = StopRequest()  # installed below; restored last, so a stop while the log closes is no traceback
+        cleanup.callback(stop.uninstall)
         plan = output.DiskPlan(output.estimate_bytes(model), t.steps, t.save_every, max(t.keep_last, 1),
                                2 if t.keep_best is not None else 1)  # keep_best: adapters/ and adapters-last/
         lock = _main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None))
@@ -370,9 +372,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
         cleanup.push(lambda failed, *_: log.close(quiet=failed is not None))  # a failing run keeps its own error
-        stop = StopRequest()
         stop.install()
-        cleanup.callback(stop.uninstall)
         cleanup.enter_context(wired_limit(model, report=notice))  # Metal only
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best,
