@@ -256,3 +256,13 @@ def test_a_restart_before_the_first_save_resumes_the_checkpoint_named(job, tmp_p
     a, b = weights(plain / ADAPTER), weights(out / ADAPTER)
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)  # bitwise
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{s:07d}" for s in range(1, STEPS + 1)]
+
+
+def test_what_a_job_without_a_checkpoint_lost_claims_no_steps(tmp_path):
+    """A stop during start-up ends a job before its first step: the launcher said 'all of this run's steps are
+    lost' of a job that trained none. Without a checkpoint it says what it knows: no save, and where to start."""
+    from dtrain.launch.restart import describe_loss
+
+    (tmp_path / "checkpoints").mkdir()
+    assert describe_loss(tmp_path) == (f"no checkpoint was saved in {tmp_path / 'checkpoints'}: the steps it "
+                                       "trained, if any, are lost; run it again to start from step 0")

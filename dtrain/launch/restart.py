@@ -67,7 +67,9 @@ def describe_loss(output_dir: Optional[Path], named: Optional[Path] = None) -> s
         return "the work after rank 0's newest checkpoint is lost; continue from it with --train.resume auto"
     point = resume_point(output_dir, named)
     if point is None:
-        return f"no checkpoint was saved in {Path(output_dir) / 'checkpoints'}: all of this run's steps are lost"
+        # a stop during start-up ends a job before any step: "its steps are lost" would say it trained some
+        return (f"no checkpoint was saved in {Path(output_dir) / 'checkpoints'}: the steps it trained, if any, are "
+                "lost; run it again to start from step 0")
     how = f"--train.resume {named}" if named is not None else "--train.resume auto"
     return f"the work after step {point.step} ({point.path}) is lost; continue from there with {how}"
 
