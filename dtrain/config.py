@@ -132,7 +132,7 @@ class OrpoConfig:
                                          "the slope >= -epsilon, back off below; 2 sd of the measured noise of a "
                                          "3-point slope of held-out eval/logps/chosen (docs/defaults.md)", above=0.0)
     lambda_stop_drop: float = option(0.1, "adaptive: freeze lambda at lambda_min for good when eval/logps/chosen "
-                                          "falls this far (nats/token) below its first value", above=0.0)
+                                          "falls more than this (nats/token) below its first value", above=0.0)
     lambda_law: str = option("aimd", "adaptive: aimd (add lambda_step, multiply by lambda_backoff) or pd (a PD "
                                      "law on the slope error)", LAWS)
     lambda_kd: float = option(0.5, "adaptive, pd: the derivative gain", at_least=0.0)
