@@ -57,9 +57,8 @@ def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int 
             compiled one); default: ``mx.vjp`` of :func:`target_logps`.
         logsumexp: as in :func:`target_logps`.
     Returns:
-        ``(logps (N,), J (N, D) or None)``, both scheduled for evaluation chunk
-        by chunk (``mx.async_eval``): at most a ``(chunk, V)`` logits array
-        (and its gradient) exists at any time.
+        ``(logps (N,), J (N, D) or None)``, evaluated chunk by chunk: at most a
+        ``(chunk, V)`` logits array (and its gradient) exists at any time.
     """
     logps, jac = [], []
     for lo, hi in _chunks(h_rows.shape[0], chunk):
@@ -69,11 +68,13 @@ def token_logps(head: Callable, h_rows: mx.array, targets: mx.array, chunk: int 
                 (lp,), (j,) = mx.vjp(target_logps(head, t_c, logsumexp), [h_c], [mx.ones((hi - lo,), mx.float32)])
             else:
                 lp, j = vjp_fn(h_c, t_c)
-            mx.async_eval(lp, j)
+            # done before the next chunk starts: only scheduled (mx.async_eval), a chunk's
+            # (n, V) arrays were still alive while the next one's were made (twice the peak)
+            mx.eval(lp, j)
             jac.append(j)
         else:
             lp = target_logps(head, t_c, logsumexp)(h_c)
-            mx.async_eval(lp)
+            mx.eval(lp)
         logps.append(lp)
     cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs)  # noqa: E731
     return cat(logps), (cat(jac) if with_jacobian else None)
