@@ -124,6 +124,9 @@ def test_layer_and_step_estimates_worked_numbers():
     # ranges of 2 layers, chunks of 8 rows: 2 layers alive, (3 + 3) boundaries, the jacobian rows
     assert estimate_step_bytes(args, 4, shape, 2, 8, fused=True) == \
         2 * 30 * 4608 + 8 * 512 * 16 + 6 * 30 * 32 * 4 + 20 * 32 * 4
+    # chunks of 1,024 rows over 20 targets: one chunk of 20 rows runs (head.token_logps), not 1,024
+    assert estimate_step_bytes(args, 4, shape, 2, 1024, fused=True) == \
+        2 * 30 * 4608 + 20 * 512 * 16 + 6 * 30 * 32 * 4 + 20 * 32 * 4
 
 
 def test_auto_plan_single_pass_when_it_fits_else_recompute():

@@ -209,6 +209,17 @@ def test_auto_plan_on_a_16gb_mac_before_and_after():
     assert after == (5, AUTO_HEAD_CHUNK) and round(est * ESTIMATE_MARGIN / GIB, 2) == 9.80
 
 
+
+def test_auto_plan_counts_the_head_rows_a_short_pair_has_not_a_whole_chunk():
+    """1B at 256 tokens (192 targets, one head chunk of 192 rows) within 4 GiB: ranges of 9 layers fit
+    (3.94 GiB with the margin). Counting 1,024 head rows estimated every plan at 4.88 GiB or more, so
+    auto said none fits and took ranges of one layer."""
+    a = model_args("Llama-3.2-1B")
+    plan, est = choose(a, 16, 2, False, pair_shape(a, 256), fixed_bytes(a), 4 * GIB, AUTO_HEAD_CHUNK)
+    assert plan == (9, AUTO_HEAD_CHUNK) and round(est * ESTIMATE_MARGIN / GIB, 2) == 3.94
+    assert checked_choice(a, 256, 4 * GIB, fused=False) == plan
+
+
 # (H200 under CUDA, fused attention; a 64 GiB Linux CPU), per length 1,024 .. 8,192
 PLANS_CUDA_CPU = {
     "SmolLM2-135M": [((30, 0), (30, 0)), ((30, 0), (30, 0)), ((30, 0), (30, 0)), ((30, 0), (11, 1024))],

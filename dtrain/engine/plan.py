@@ -65,7 +65,8 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     slots = sum(rows * (length - start) * length for rows, length, start in ((*a, 0)[:3] for a in shape["attention"]))
     scores = 0.0 if fused else 2.0 * slots * shape["heads"] * itemsize
     layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
-    head = (chunk if chunk > 0 else N) * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
+    rows = min(chunk, N) if chunk > 0 else N  # fewer targets than a chunk: one chunk of N rows runs
+    head = rows * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
     if size >= n and chunk <= 0:  # the single pass: nothing else kept
         return layers + head
     boundaries = (math.ceil(n / size) + 3) * T * D * itemsize  # + dL/dh, the cotangent, the jacobian rows
