@@ -20,9 +20,10 @@ from mlx.utils import tree_flatten
 from dtrain.config import Config, load_config
 from dtrain.engine import Totals, make_engine
 from dtrain.engine.layout import bucket_length
-from dtrain.engine.plan import estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.plan import GIB, Plan, estimate_step_bytes, layer_bytes_per_token
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.errors import ConfigError
+from dtrain.types import TokenizedPair
 from dtrain.engine import ORPO
 
 from test_engine_segmented import NORM, assert_parity, engine_for, lora_model, make_pairs, rel
@@ -149,8 +150,28 @@ def test_auto_plan_single_pass_when_it_fits_else_recompute():
     rs, chunk = tight.plan_of(tight.layout(pairs))
     assert chunk == 1024 and len(rs.ranges) > 1
     assert "ranges of" in notices[-1]
-    assert notices[-1].endswith("x 1.25 over the 0.00 GiB budget: no plan fits it, this one has the smallest estimate)")
+    fixed = tight.plan.fixed_bytes  # the weights alone are over this budget: a smaller model, or more memory
+    assert notices[-1].endswith(f"x 1.25 over the 0.00 GiB budget: no plan fits it, this one has the smallest estimate; "
+                                f"the weights, the LoRA, its gradients and AdamW's moments alone take "
+                                f"{fixed / GIB:.2f} GiB: raise engine.memory_budget_gb or use a smaller model)")
     mx.eval(out.loss)
+
+
+def test_auto_over_budget_says_what_to_change():
+    """The weights fit but no plan's activations do: the notice names the estimate, the budget and the
+    keys that shrink a step (it used to stop at 'this one has the smallest estimate')."""
+    notices, model = [], lora_model("llama")
+    fixed = Plan(model, 5, "auto", 0, 1.0).fixed_bytes
+    budget_gb = 1.3 * fixed / GIB  # room for the weights and a sliver of activations
+    engine = make_engine(load_config(overrides=[f"engine.memory_budget_gb={budget_gb}", "data.demo_pairs=1"]).engine,
+                         model, ORPO(0.1), report=notices.append)
+    pairs = [TokenizedPair(list(range(5, 305)), list(range(5, 205)), list(range(5, 205)), "long")]
+    rs, chunk = engine.plan_of(engine.layout(pairs))
+    assert len(notices) == 1 and (len(rs.ranges), chunk) == (5, 1024)
+    assert notices[0].startswith(f"engine plan for 1 x 700 tokens (699 targets): ranges of 1 layer, head chunks of 1024 "
+                                 f"(estimated peak ")
+    assert notices[0].endswith(f"GiB budget: no plan fits it, this one has the smallest estimate; lower "
+                               f"train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb)")
 
 
 def test_a_fixed_plan_over_the_budget_is_reported_once_and_not_changed():

@@ -153,7 +153,8 @@ class Plan:
         chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
         choice, est = choose(self.args, self.n_layers, self.dtype.size, fused_attention(self.dtype), shape,
                              self.fixed_bytes, self.memory_budget, chunk)
-        what = "single pass" if choice == (self.n_layers, 0) else f"ranges of {choice[0]} layers, head chunks of {chunk}"
+        layers = f"{choice[0]} layer{'s' if choice[0] != 1 else ''}"
+        what = "single pass" if choice == (self.n_layers, 0) else f"ranges of {layers}, head chunks of {chunk}"
         if choice != self._reported:  # a notice when the plan changes, not per shape (exact shapes: every step)
             self._reported = choice
             fits = est * ESTIMATE_MARGIN <= self.memory_budget
@@ -161,8 +162,15 @@ class Plan:
                         f"{est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} "
                         + (f"within a {self.memory_budget / GIB:.1f} GiB budget)" if fits else
                            f"over the {self.memory_budget / GIB:.2f} GiB budget: no plan fits it, this one has the "
-                           f"smallest estimate)"))
+                           f"smallest estimate; {self._what_to_change()})"))
         return choice
+
+    def _what_to_change(self) -> str:
+        """The advice of a shape no plan fits: the model when its fixed bytes alone are over the budget, else the step."""
+        if self.fixed_bytes * ESTIMATE_MARGIN > self.memory_budget:
+            return (f"the weights, the LoRA, its gradients and AdamW's moments alone take {self.fixed_bytes / GIB:.2f} "
+                    f"GiB: raise engine.memory_budget_gb or use a smaller model")
+        return "lower train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb"
 
 
 def choose(args, n_layers: int, itemsize: int, fused: bool, shape: dict, fixed_bytes: float, memory_budget: float,
