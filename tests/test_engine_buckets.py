@@ -211,3 +211,22 @@ def test_auto_is_the_default_and_bucket_keys_are_checked():
         load_config(overrides=["engine.length_bucket=-1", "data.demo_pairs=1"])
     with pytest.raises(ConfigError, match="key 'engine.kind' must be one of auto, reference, segmented"):
         load_config(overrides=["engine.kind=fast", "data.demo_pairs=1"])
+
+
+def test_engine_doc_describes_the_plan_plan_py_makes():
+    """docs/engine.md's account of the auto plan names plan.py's estimate and its per-token formula, and
+    says how auto chooses (it named an ``estimate_range_bytes`` that no longer exists, ``6D + 3I``
+    floats per token, a worst-case micro-batch of ``data.max_length`` tokens and ~sqrt(layers) ranges)."""
+    import re
+    from pathlib import Path
+
+    from dtrain.engine import plan
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "engine.md").read_text()
+    auto = text[text.index("`segment_layers: auto` ("):].split("\n\n")[0]
+    for name in re.findall(r"`plan\.(\w+)`|`(estimate_\w+)`", auto):
+        assert hasattr(plan, "".join(name)), name
+    formula = re.search(r"``(16 D[^`]+)``", plan.layer_bytes_per_token.__doc__).group(1)
+    assert formula.replace(" ", "") in auto.replace(" ", "")
+    assert "estimate_step_bytes" in auto and "per layout shape" in auto and "ranges of one layer" in auto
+    assert "estimate_range_bytes" not in text and "(≈ √layers)" not in text
