@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ from .contract import local_ranks_from_env
 
 GIB = 1024**3
 CUDA_SHARE = 0.85  # of the GPU's total memory; ESTIMATE_MARGIN (engine/plan.py) was measured under it
-CPU_SHARE = 0.5  # of physical RAM (a quarter made auto recompute what fits: docs/benchmarks.md, 2026-12-01)
+CPU_SHARE = 0.5  # of RAM, or of a container's limit (a quarter made auto recompute what fits: docs/benchmarks.md, 2026-12-01)
 # Lower-cased pieces of the errors MLX 0.32 raises when a device allocation fails: Metal's
 # ("[metal::malloc] Attempting to allocate N bytes which is greater than the maximum allowed buffer
 # size", "Insufficient Memory (...kIOGPUCommandBufferCallbackErrorOutOfMemory)"), CUDA's runtime calls
@@ -35,6 +36,8 @@ CPU_SHARE = 0.5  # of physical RAM (a quarter made auto recompute what fits: doc
 # the CPU allocator's ("[malloc] Unable to allocate N bytes").
 OUT_OF_MEMORY = ("out of memory", "insufficient memory", "outofmemory", "unable to allocate",
                  "maximum allowed buffer size")
+# a Linux container's memory limit, as its own cgroup namespace shows it: cgroup v2, then v1
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 
 
 def backend() -> str:
@@ -48,6 +51,25 @@ def backend() -> str:
 
 
 def physical_memory() -> int:
+    """The RAM this process may use in bytes: the machine's (:func:`machine_memory`), or its
+    container's limit (:func:`cgroup_limit`) when lower; 0 when neither is known."""
+    return min((b for b in (machine_memory(), cgroup_limit()) if b > 0), default=0)
+
+
+def cgroup_limit() -> int:
+    """This process's container memory limit in bytes (``docker run --memory``, a Kubernetes limit):
+    :data:`CGROUP_LIMITS` (cgroup v2's, else v1's file); 0 when unset ("max") or absent.
+    v1 writes "no limit" as a number above any RAM. A limit of an enclosing cgroup is not read."""
+    for path in CGROUP_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() else 0
+    return 0
+
+
+def machine_memory() -> int:
     """This machine's RAM in bytes: ``sysconf``, else macOS's ``sysctl -n hw.memsize``, else MLX's
     ``memory_size`` (Metal), else 0.
 
@@ -72,7 +94,7 @@ def budget_bytes(kind: str, info: Mapping, in_use: int, ram: int, local_ranks: i
         kind: ``metal | cuda | cpu`` (:func:`backend`).
         info: ``mx.device_info()`` of the default device.
         in_use: bytes MLX already holds that the plan does not count itself.
-        ram: physical memory in bytes (the CPU's budget, and a fallback).
+        ram: the RAM this process may use in bytes (:func:`physical_memory`; the CPU's budget, and a fallback).
         local_ranks: ranks of the job on this machine; on Metal and the CPU they share
             its memory, so each gets its share. CUDA ranks each have a GPU.
     Returns:

@@ -1,6 +1,5 @@
 """The device-dependent ``auto`` values, decided once (dtrain/device.py), and the output folder's parts."""
 
-import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -9,12 +8,13 @@ import pytest
 from dtrain.config import Config, load_config
 from dtrain.device import GIB, resolve_auto
 from dtrain.files import OutputDir
+from dtrain.memory import physical_memory
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU's choices")
 def test_cpu_auto_choices_are_resolved_once_and_named():
     cfg, choices = resolve_auto(Config())
-    ram = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ram = 0.5 * physical_memory()  # the machine's RAM, or a container's limit
     assert choices == {"model.dtype": "float32", "engine.length_bucket": 0,
                        "engine.memory_budget_gb": round(ram / GIB, 1), "train.compile_optimizer": False,
                        "engine.kernels": "dtrain", "engine.attention_groups": 4, "lora.branch_dtype": "float32"}

@@ -103,6 +103,7 @@ def test_physical_memory_without_sysconf_s_names_asks_sysctl_then_mlx(monkeypatc
         raise ValueError("unrecognized configuration name")
 
     monkeypatch.setattr(memory.os, "sysconf", no_name)
+    monkeypatch.setattr(memory, "CGROUP_LIMITS", ())  # the machine's RAM, whatever container runs the test
     asked = []
 
     def sysctl(cmd, **kw):
@@ -120,6 +121,27 @@ def test_physical_memory_without_sysconf_s_names_asks_sysctl_then_mlx(monkeypatc
     stub_device(monkeypatch, "metal", MACS[24])
     assert memory.physical_memory() == 24 * GIB
     assert memory.default_budget_bytes() == MACS[24]["max_recommended_working_set_size"]
+
+
+def test_a_container_s_memory_limit_caps_the_cpu_budget(monkeypatch, tmp_path):
+    """Linux in a container (``docker run --memory``, a Kubernetes limit): the process may use its cgroup's
+    limit, not the host's RAM. Half of a 256 GiB host's RAM under an 8 GiB limit was a 128 GiB budget,
+    whose single pass the kernel's OOM killer ends without a word; now it is half of 8 GiB."""
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(memory, "CGROUP_LIMITS", (v2, v1))
+    monkeypatch.setattr(memory.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 64 * 2**20}[name])
+    stub_device(monkeypatch, "cpu", CPU)
+    assert memory.physical_memory() == 256 * GIB  # no cgroup files: not Linux, or no container
+    v2.write_text("8589934592\n")  # cgroup v2
+    assert memory.physical_memory() == 8 * GIB and memory.default_budget_bytes() == 4 * GIB
+    assert memory.run_budget_bytes(0) == 4 * GIB
+    v2.write_text("max\n")  # no limit
+    assert memory.physical_memory() == 256 * GIB
+    v2.unlink()
+    v1.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
+    assert memory.physical_memory() == 256 * GIB
+    v1.write_text(f"{2 * GIB}\n")
+    assert memory.physical_memory() == 2 * GIB
 
 # ---- the plan auto picks for real model shapes (weights bfloat16, LoRA r=8 float32 on every linear) ----
 
