@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import settings
 
 from dtrain.blas import setup
+from dtrain.contract import STOP_SIGNALS
 from waiting import SESSION_VAR, TEST_VAR, leftovers
 
 BLAS = setup()  # before any test module imports MLX: the fastest correct BLAS (dtrain/blas.py)
@@ -50,6 +52,17 @@ def no_leftover_processes(request, monkeypatch):
     if left:
         listed = "; ".join(f"pid {pid} (started in {test}): {cmd[:200]}" for pid, (test, cmd) in sorted(left.items()))
         pytest.fail(f"left {len(left)} process(es) running (now killed): {listed}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def stop_signal_handlers_restored():
+    """Each test starts with the stop signals' handlers the run found: ``dtrain train`` ignores them once its
+    run is over (cli.py), which, called in-process, would leave this pytest deaf to Ctrl-C and the next
+    signal test reading ``SIG_IGN`` as the handler to restore."""
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 def make_tokenizer(chat_template: str | None = CHATML, add_bos: bool = True):
