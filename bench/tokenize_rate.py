@@ -118,7 +118,7 @@ def main() -> None:
                          ("hit", "cache hit (resume, second run)")):
         print(f"| {label} | {times[stage]:.2f} | {n / times[stage]:,.0f} | {rss[stage]:.2f} |")
     info = machine()
-    print(f"\nmachine: {info['cpu']}, {info['cores']} cores, BLAS: {info['blas'] or 'none loaded'}")
+    print(f"\nmachine: {info['cpu']}, {info['cores']} cores, {info['blas']}")  # Blas.line(): 'BLAS: ...'
     out = write_results("tokenize-rate", {"rows": args.rows, "format": args.format, "parquet": args.parquet,
                                           "file_mb": size_mb, "pairs": len(pairs), "tokens": tokens,
                                           "truncated": tok_report.truncated, "seconds": times, "peak_rss_gb": rss,

@@ -5,6 +5,7 @@
   pair that carried no signal) is recorded without a time instead of dividing by zero, and the
   summary leaves it out of the figures and counts it.
 - ``trl_peer.py`` (TRL's ORPOTrainer, for a CUDA machine) parses its arguments without torch.
+- ``tokenize_rate.py`` names the BLAS once in its machine line.
 """
 
 from __future__ import annotations
@@ -103,3 +104,15 @@ def test_launch_overhead_reads_the_processes_from_ps_where_there_is_no_proc(tmp_
     assert row["exit"] == 0 and row["wall_s"] >= 2
     assert any("mlx.launch" in cmd for _, cmd in row["launcher_processes"]), row
     assert row["trainers_cpu_s"] == 0, row  # procps shows whole seconds: mlx.launch may show 0 here
+
+
+def test_tokenize_rate_names_the_blas_once():
+    """The summary's machine line ends with the BLAS line as dtrain prints it (``BLAS: OpenBLAS ...``),
+    not with a second ``BLAS:`` in front of it."""
+    out = bench("tokenize_rate.py", "--rows", "20")
+    assert out.returncode == 0, out.stderr[-3000:]
+    written = [line.split(" ", 1)[1] for line in out.stdout.splitlines() if line.startswith("wrote ")]
+    for path in written:
+        Path(path).unlink()
+    line, = [line for line in out.stdout.splitlines() if line.startswith("machine: ")]
+    assert line.count("BLAS:") == 1 and ", BLAS: " in line, line
