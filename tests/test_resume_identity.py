@@ -479,6 +479,43 @@ def test_the_extension_notice_says_what_the_rate_does():
                                               "for: steps 13-24 hold its final learning rate 2e-05")
 
 
+def test_the_notices_of_a_resume_that_changes_train_steps_by_one_step_or_to_fewer_steps():
+    """One step past the plan is 'step 21 holds', not 'steps 21-21 hold'; a resume that ends before the
+    planned steps (Ctrl-C at step 8 of 30, then train.steps 10) ended at the schedule's rate of step 10 without
+    a word: it says so, with that rate and the planned final one (learning_rate at 10 and at 30)."""
+    from dtrain.config import TrainConfig
+    from dtrain.run.optimizer import extension_notice, learning_rate, shortened_notice
+
+    one = TrainConfig(steps=21, learning_rate=2e-4, warmup_steps=0, schedule="constant")
+    assert extension_notice(20, one, 20) == ("train.steps 21 is past the 20 steps this run's schedule was planned "
+                                             "for: step 21 holds its final learning rate 0.0002")
+    cfg = TrainConfig(steps=10, learning_rate=2e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.1)
+    assert learning_rate(10, cfg, 30) == pytest.approx(1.4e-4)
+    assert shortened_notice(cfg, 30) == ("train.steps 10 ends this run before the 30 steps its schedule was planned "
+                                         "for: its last step trains at learning rate 0.00014, not the final 2e-05")
+    assert shortened_notice(TrainConfig(steps=10, learning_rate=2e-4, schedule="constant"), 30) is None
+
+
+def test_a_resume_to_fewer_steps_than_planned_says_where_the_rate_ends(tmp_path, capsys):
+    """Stopped in step 3 of 8 (linear decay), resumed with train.steps 5: the notice names step 5's rate."""
+    from dtrain.run.optimizer import learning_rate
+    from dtrain.run.trainer import Hooks
+
+    def stop_in_3(step, run_):
+        if step == 3:
+            run_.stop.requested = True
+
+    args = ("train.steps=8", "train.eval_every=0", "train.schedule=linear", "train.warmup_steps=0",
+            "train.learning_rate=1e-2")
+    run(tmp_path, *args, hooks=Hooks(before_step=stop_in_3))
+    capsys.readouterr()
+    resumed, _ = run(tmp_path, *args, "train.steps=5", "train.resume=auto")
+    assert len(resumed.history) == 2  # steps 4 and 5
+    rate = learning_rate(5, load_config(None, ["data.demo_pairs=1", *args]).train, 8)
+    assert (f"train.steps 5 ends this run before the 8 steps its schedule was planned for: its last step trains "
+            f"at learning rate {rate:.3g}") in capsys.readouterr().err
+
+
 def test_a_stop_during_an_evaluation_step_is_evaluated_on_resume(tmp_path):
     """A stop in step 4 (eval_every 2) saves before step 4's evaluation; the resume evaluates it first, so
     the adaptive λ and keep_best see the same evaluations as an uninterrupted run: the same adapters."""

@@ -79,7 +79,18 @@ def extension_notice(step: int, cfg: TrainConfig, schedule_steps: int) -> str:
     if held_from >= first:
         return head + (f"warmup continues to step {held_from}, then steps {held_from + 1}-{cfg.steps} hold "
                        f"its final learning rate {final:.3g}")
-    return head + f"steps {first}-{cfg.steps} hold its final learning rate {final:.3g}"
+    steps = f"step {first} holds" if first == cfg.steps else f"steps {first}-{cfg.steps} hold"
+    return head + f"{steps} its final learning rate {final:.3g}"
+
+
+def shortened_notice(cfg: TrainConfig, schedule_steps: int) -> str | None:
+    """What a run resumed with ``cfg.steps`` short of its planned ``schedule_steps`` ends at: the rate of its last
+    step (:func:`learning_rate`), not the schedule's final one (None: the two are equal, a constant rate)."""
+    last, final = learning_rate(cfg.steps, cfg, schedule_steps), learning_rate(schedule_steps, cfg, schedule_steps)
+    if last == final:
+        return None
+    return (f"train.steps {cfg.steps} ends this run before the {schedule_steps} steps its schedule was planned for: "
+            f"its last step trains at learning rate {last:.3g}, not the final {final:.3g}")
 
 
 class AdamWStep:

@@ -36,7 +36,7 @@ from ..lora import (adapter_keys_source, apply_lora, load_adapter_weights, lora_
                     save_adapter)
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
-from .optimizer import AdamWStep, extension_notice, warmup_notice
+from .optimizer import AdamWStep, extension_notice, shortened_notice, warmup_notice
 from .reference import ReferenceLogps, init_adapter_identity, reference_pass
 from .step import Step
 from .stop import StopRequest
@@ -364,6 +364,9 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             optimizer.schedule_steps = state.schedule_steps
             if t.steps > max(state.schedule_steps, state.step) and notice is not None:  # steps left, past the plan
                 notice(extension_notice(state.step, t, state.schedule_steps))
+            elif state.step < t.steps < state.schedule_steps and notice is not None:  # ends before the plan does
+                if (short := shortened_notice(t, state.schedule_steps)) is not None:
+                    notice(short)
         elif t.warmup_steps >= t.steps and notice is not None:  # a new run (in the folder it holds) all warmup
             notice(warmup_notice(t))
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
