@@ -129,7 +129,8 @@ def demo_lines(steps: int = 2, max_length: int = 128, pairs: int = 4, model: str
         start = time.perf_counter()
         train(cfg, hooks=Hooks(before_step=before, after_step=after))
         total = time.perf_counter() - start
-    lines = [f"demo run: model {model}, {steps} steps of {pairs} pairs (<= {max_length} tokens per side), "
+    lines = [f"demo run: model {model}, {steps} step{'s' * (steps > 1)} of {pairs} pair{'s' * (pairs > 1)} "
+             f"(<= {max_length} tokens per side), "
              f"engine {cfg.engine.kind} ({''.join(engine)}); {total:.1f} s in all (loading, data, evaluation, saving included)"]
     for i, (s, p) in enumerate(zip(times, peaks), 1):
         lines.append(f"  step {i}: {s:.2f} s, peak MLX memory {_gib(p)}" + (" (includes warm-up)" if i == 1 else ""))

@@ -48,13 +48,13 @@ def test_check_reports_every_dropped_kind_with_line_and_reason(tmp_path, tokeniz
         f"  {path}:3: empty response: 'chosen' has no text besides end-of-turn marks",
         f"  {path}:4: prompt too long: the system message and the template's structure need 28 tokens; "
         "data.max_prompt_length=27",
-        "1 pairs truncated to data.max_prompt_length / data.max_length",
+        "1 pair truncated to data.max_prompt_length / data.max_length",
         "1 of them had the prompt cut to data.max_prompt_length although prompt + response fit data.max_length "
         "(raise data.max_prompt_length to keep them whole)",
         "token lengths (untruncated, 4 pairs): min / median / p95 / max",
         "  prompt   9 / 17 / 63 / 63",  # rows 1, 2, 6, 7 (an empty prompt is a user turn here)
     ]
-    assert lines[-1] == ("limits: max_prompt_length=27, max_length=80: 1 pairs truncated, "
+    assert lines[-1] == ("limits: max_prompt_length=27, max_length=80: 1 pair truncated, "
                          "1 of them only because of max_prompt_length")
     assert n_bad == 1
 
@@ -105,7 +105,7 @@ def test_check_under_sft_shows_the_chosen_side_only(tmp_path, tokenizer, row):
     path = write_jsonl(tmp_path / "d.jsonl", [row])
     out, _, _ = check_file(path, DataConfig(), tokenizer, show=1, objective="sft")
     lines = out.splitlines()
-    assert lines[1:4] == ["token lengths (untruncated, 1 pairs): min / median / p95 / max",
+    assert lines[1:4] == ["token lengths (untruncated, 1 pair): min / median / p95 / max",
                           "  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2"]
     assert lines[-2:] == ['  chosen       2 tokens  "4<|im_end|>"', "            ids [24, 4]"]
     assert "rejected" not in out
@@ -392,7 +392,7 @@ def test_check_under_sft_keeps_preference_rows_a_pairwise_objective_drops(tmp_pa
     assert (n_bad, len(train), held_out) == (2, 1, [])
     out, n_bad, (train, held_out) = check_file(path, CUT, tokenizer, objective="sft")
     assert out.splitlines()[:2] == [f"{path}: 5 rows, 5 usable, 0 bad, 0 dropped",
-                                    "1 pairs truncated to data.max_prompt_length / data.max_length"]
+                                    "1 pair truncated to data.max_prompt_length / data.max_length"]
     assert (n_bad, [p.source for p in train], held_out) == (0, [f"{path}:{i}" for i in range(1, 6)], [])
     assert all(p.rejected == [] for p in train)
 

@@ -95,14 +95,15 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     summary = report.summary(limit=20)
     if summary:
         lines.append(summary)
-    lines.append(f"token lengths (untruncated, {len(rendered)} pairs): min / median / p95 / max")
+    lines.append(f"token lengths (untruncated, {len(rendered)} pair{'s' * (len(rendered) != 1)}): min / median / p95 / "
+                 "max")
     sides = ("prompt", "chosen", "rejected") if objective != "sft" and any(r.lengths[2] for r in rendered) \
         else ("prompt", "chosen")
     for i, key in enumerate(sides):  # SFT rows have no rejected side
         lines.append(f"  {key:<9}{_stats([r.lengths[i] for r in rendered])}")
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
-                 f"{report.truncated} pairs truncated, {report.prompt_cut_fits} of them only because of "
-                 f"max_prompt_length")
+                 f"{report.truncated} pair{'s' * (report.truncated != 1)} truncated, {report.prompt_cut_fits} of them "
+                 "only because of max_prompt_length")
     glued = glued_rows(rows, tokenizer, cfg)
     if glued:
         lines.append(f"warning: {len(glued)} of {len(rows)} rows glue a raw prompt to its response with no "

@@ -155,14 +155,16 @@ class BadRowReport:
             if len(entries) > limit:
                 lines.append(f"  ... and {len(entries) - limit} more")
         if self.truncated:
-            lines.append(f"{self.truncated} pairs truncated to data.max_prompt_length / data.max_length")
+            lines.append(f"{self.truncated} pair{'s' * (self.truncated > 1)} truncated to data.max_prompt_length / "
+                         "data.max_length")
         if self.prompt_cut_fits:
             lines.append(f"{self.prompt_cut_fits} of them had the prompt cut to data.max_prompt_length although "
                          "prompt + response fit data.max_length (raise data.max_prompt_length to keep them whole)")
         if self.control_text:
             src, text = self.control_text[0]
-            lines.append(f"{len(self.control_text)} pairs have control-token text in a message, tokenized as plain "
-                         f"text (first: {src}: {text!r})")
+            many = len(self.control_text) > 1
+            lines.append(f"{len(self.control_text)} pair{'s have' if many else ' has'} control-token text in a message, "
+                         f"tokenized as plain text (first: {src}: {text!r})")
         return "\n".join(lines)
 
 
