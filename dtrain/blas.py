@@ -298,7 +298,7 @@ def _openblas_candidates(path: str, env: dict, notes: list) -> list[Blas]:
             break  # the library's own choice is at least as good as any core left to try
         forced = probe(path, core, env=env)
         if (forced.get("core") or "").lower() != core.lower():
-            continue  # this OpenBLAS does not accept that core type (0.3.21: Cooperlake): the next one
+            continue  # this OpenBLAS does not accept that core type here (0.3.21 without AVX512-BF16: Cooperlake): the next one
         if forced["ok"]:
             why = f"set by dtrain; the library's own choice, core {own['core']}, gave {own.get('gflops') or 0:.1f} GFLOP/s"
             out.append(_openblas(path, forced, core, (why,)))
