@@ -35,11 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    dc = dsub.add_parser("check", help="report bad and dropped rows and token lengths of the data (overrides: "
-                                       "--data.key VALUE; exit status 1 where training would stop on the data: "
-                                       "no usable pair, fewer training pairs than train.global_batch_pairs, "
-                                       "no held-out pair for train.keep_best or an adaptive lambda schedule, "
-                                       "bad rows under data.on_bad_row: error)")
+    what = ("report bad and dropped rows and token lengths of the data (overrides: --data.key VALUE; exit status "
+            "1 where training would stop on the data: no usable pair, fewer training pairs than "
+            "train.global_batch_pairs, no held-out pair for train.keep_best or an adaptive lambda schedule, bad rows "
+            "under data.on_bad_row: error)")
+    dc = dsub.add_parser("check", help=what, description=what,
+                         usage="dtrain data check [-h] [-c CONFIG] [--show N] [--section.key VALUE ...] file")
     dc.add_argument("file", help="a JSONL/JSON/Parquet file, a data folder or a hub dataset id, read as data.train")
     dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
     dc.add_argument("--show", type=int, default=0, metavar="N",

@@ -422,3 +422,14 @@ def test_cli_held_out_source_is_checked_as_training_reads_it(tmp_path, model_dir
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("dtrain: error:")] == [
         f"dtrain: error: {folder}: 1 bad row(s) and data.on_bad_row is 'error' "
         "(training would stop; see the rows listed above)"]
+
+
+def test_data_check_help_says_it_takes_overrides_and_when_it_exits_1(capsys):
+    """`dtrain data check --help` showed only -c and --show: the overrides it takes and its exit statuses
+    were in `dtrain data --help` alone."""
+    with pytest.raises(SystemExit) as done:
+        main(["data", "check", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert done.value.code == 0
+    assert out.startswith("usage: dtrain data check [-h] [-c CONFIG] [--show N] [--section.key VALUE ...] file")
+    assert "(overrides: --data.key VALUE; exit status 1 where training would stop on the data:" in out
