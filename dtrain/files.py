@@ -187,8 +187,11 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
         OSError: from the filesystem (disk full, permissions).
     """
     final = Path(final)
-    # a link (to a folder on another disk): renaming would replace the link, not the folder it names
-    final = final.resolve() if final.is_symlink() else final
+    if final.is_symlink():  # a link (to a folder on another disk): renaming would replace it, not the folder it names
+        try:  # a loop: its OSError (ELOOP), not Path.resolve's RuntimeError (Python < 3.13)
+            final = Path(os.path.realpath(final, strict=True))
+        except FileNotFoundError:  # a dangling link: the folder it names is made
+            final = Path(os.path.realpath(final))
     if final.exists() and not replace:
         raise FileExistsError(f"{final} already exists")
     final.parent.mkdir(parents=True, exist_ok=True)

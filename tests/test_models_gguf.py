@@ -305,6 +305,19 @@ def test_convert_into_a_link_to_an_empty_folder_writes_the_folder_it_names(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "out", "tiny.gguf"]
 
 
+def test_convert_into_a_symlink_loop_is_one_line(tmp_path, capsys):
+    """An --out that is a symlink loop ended convert in pathlib's 'RuntimeError: Symlink loop' traceback."""
+    from dtrain.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {})
+    (tmp_path / "out").symlink_to("out")
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: could not write {tmp_path / 'out'}: Too many levels of "
+                                       "symbolic links; nothing was left there\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
+
+
 def test_convert_tiny_llama_loads_in_mlx_lm_with_same_logits(tmp_path):
     from mlx_lm import load
 
