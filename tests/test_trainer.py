@@ -166,6 +166,17 @@ def test_a_run_into_a_folder_with_an_adapter_and_no_checkpoint_is_refused(tmp_pa
     assert again.steps == 2 and (tmp_path / "notes.txt").read_text() == "an unrelated file is kept"
 
 
+def test_a_fresh_run_writes_its_adapter_through_a_link_to_an_empty_folder(tmp_path):
+    """adapters/ made beforehand as a link to an empty folder on another disk (files.atomic_folder writes
+    through it): the run was refused as 'holds an earlier run's adapter (adapters/)', which held nothing."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "adapters").symlink_to(tmp_path / "disk")
+    result, _ = run(tmp_path / "out", "train.steps=1")
+    assert result.steps == 1 and (tmp_path / "out" / "adapters").is_symlink()
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+
+
 def test_same_seed_same_losses_and_adapter(tmp_path):
     a, _ = run(tmp_path / "a")
     b, _ = run(tmp_path / "b")

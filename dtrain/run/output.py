@@ -179,7 +179,7 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         if not resuming and earlier is not None:
             raise UserError(f"{out} already holds checkpoints of an earlier run (newest {earlier.name}); "
                             f"continue it with --train.resume auto, or choose another train.output_dir")
-        made = [p for p in (OutputDir(out).adapters, OutputDir(out).adapters_last) if p.exists()]
+        made = [p for p in (OutputDir(out).adapters, OutputDir(out).adapters_last) if _holds_something(p)]
         if earlier is None and made:
             # a damaged checkpoint is named: "no checkpoint" beside one would send the user looking elsewhere
             damaged = [f"{p.name}: {validate(p)}" for p in reversed(list_checkpoints(OutputDir(out).checkpoints))]
@@ -197,6 +197,15 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         lock.release()
         raise
     return lock
+
+
+def _holds_something(path: Path) -> bool:
+    """``path`` exists and is not an empty folder (an empty one, or a link to one on another disk, is where a
+    run's adapter goes, as files.atomic_folder writes through a link); an unreadable folder counts as full."""
+    try:
+        return path.exists() and (not path.is_dir() or any(path.iterdir()))
+    except OSError:
+        return True
 
 
 def check_output_dir(out: Path, need_bytes: int, what: str = "a checkpoint") -> None:
