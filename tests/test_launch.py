@@ -439,6 +439,25 @@ def test_a_stop_before_the_ranks_start_says_so(tmp_path, monkeypatch, capsys, si
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stop_during_a_dry_run_says_so(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while ./launch --dry-run read the config was taken by the launcher's handler and forgotten: the
+    plan was printed and the launcher exited 0, as if nothing had stopped it."""
+    from dtrain.launch import main as launcher
+
+    config = tmp_path / "job.yaml"
+    config.write_text(f"data: {{demo_pairs: 4}}\ntrain: {{output_dir: {tmp_path / 'out'}}}\n")
+    real_load = launcher.load_config
+
+    def load_then_stop(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(launcher, "load_config", load_then_stop)
+    assert launcher.main([str(config), "--dry-run"]) == 128 + signal.SIGINT
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == "launch: SIGINT: stopped before any rank started", err
+
+
 STOP_AT_IMPORT = """import os, runpy, signal, sys
 sig = int(sys.argv[1])
 class StopAt:  # the stop signal comes as the launcher imports yaml (its config reader), before main() runs

@@ -211,10 +211,7 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
         attempt = Attempt(plan_for(auto, restarts > 0), stop_timeout)
         signals.attempt = attempt
         if signals.received:  # it came before this attempt's ranks started (config, plan; a restart's delay)
-            name = signal.Signals(signals.received[0]).name
-            say(f"launch: {name} during the restart delay: not restarting" if restarts else
-                f"launch: {name}: stopped before any rank started")
-            return 128 + signals.received[0]
+            return _stopped_before_start(signals, restarts)
         try:
             outcome = attempt.run()
         finally:
@@ -241,9 +238,15 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
         say(f"launch: {text}; starting again in {restart_delay:g} s")
         restart.record(point, text)
         if signals.wake.wait(restart_delay):
-            name = signal.Signals(signals.received[0]).name
-            say(f"launch: {name} during the restart delay: not restarting")
-            return 128 + signals.received[0]
+            return _stopped_before_start(signals, restarts)
+
+
+def _stopped_before_start(signals: StopSignals, restarts: int = 0) -> int:
+    """Say that a stop came before any rank started (during the restart delay after ``restarts``); the exit status."""
+    name = signal.Signals(signals.received[0]).name
+    say(f"launch: {name} during the restart delay: not restarting" if restarts else
+        f"launch: {name}: stopped before any rank started")
+    return 128 + signals.received[0]
 
 
 def _say_what_was_lost(outcome: Outcome, output_dir: Optional[Path], named: Optional[Path]) -> None:
@@ -295,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_data(cfg)
             for line in plan.notes:
                 say(f"launch: {line}")
+            if signals.received:  # it came while the config was read or the job planned: no plan shown, no TensorBoard
+                return _stopped_before_start(signals)
             if args.dry_run:
                 say(describe(plan, {STOP_TIMEOUT_VAR: str(args.stop_timeout),  # as supervise.Attempt passes them
                                     LAUNCHER_VAR: f"{socket.gethostname()}:<launcher-pid>", JOB_VAR: "<job-id>"}),
