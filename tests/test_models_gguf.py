@@ -539,7 +539,11 @@ def test_model_metadata_we_do_not_reproduce_is_refused_by_name(tmp_path, extra, 
      "GGUF key 'llama.attention.layer_norm_rms_epsilon' = '1e-5' is not supported (expected a number above 0)"),
     ("add_head_count", 3, "GGUF key 'llama.attention.head_count' = 3 does not fit "
      "model.layers.0.self_attn.q_proj.weight: its 32 rows are not 3 heads of an even size"),
-], ids=["text", "per_layer_list", "zero_heads", "text_eps", "heads_not_dividing_rows"])
+    # a float32 NaN or inf: written with exit 0 as a model whose logits are NaN, or int()'s OverflowError
+    ("add_layer_norm_rms_eps", float("nan"),
+     "GGUF key 'llama.attention.layer_norm_rms_epsilon' = nan is not supported (expected a number above 0)"),
+    ("add_block_count", float("inf"), "GGUF key 'llama.block_count' = inf is not supported (expected a number above 0)"),
+], ids=["text", "per_layer_list", "zero_heads", "text_eps", "heads_not_dividing_rows", "nan_eps", "inf_count"])
 def test_a_model_key_of_another_kind_or_size_is_one_line_naming_it(tmp_path, monkeypatch, capsys, method, value,
                                                                      message):
     """int()'s ValueError or TypeError, a ZeroDivisionError or MLX's reshape error ended convert and load in a

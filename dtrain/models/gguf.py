@@ -23,6 +23,7 @@ result is the plain Hugging Face layout that mlx-lm expects (and that
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -274,7 +275,8 @@ _GEMMA3_KEYS = {"rope.freq_base_swa", "attention.sliding_window", "attention.sli
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (a float32 NaN or inf key would make a NaN model, or fail in int())."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_model_keys(arch: str, md: dict, config: dict) -> None:
