@@ -194,7 +194,8 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
             final = Path(os.path.realpath(final))
     if final.exists() and not replace:
         raise FileExistsError(f"{final} already exists")
-    final.parent.mkdir(parents=True, exist_ok=True)
+    # through a link too (checkpoints/ naming a folder on another disk not made yet): a link's mkdir is EEXIST
+    Path(os.path.realpath(final.parent)).mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash of a process with this pid

@@ -177,6 +177,17 @@ def test_a_fresh_run_writes_its_adapter_through_a_link_to_an_empty_folder(tmp_pa
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
 
+def test_a_run_makes_the_folder_a_dangling_checkpoints_link_names(tmp_path):
+    """checkpoints/ made beforehand as a link to a folder not made yet on another disk: the run trained to its
+    first save and ended there, 'could not write checkpoint OUT/checkpoints/step-0000001: File exists' (mkdir of
+    the link). The folder it names is made, as for an adapters/ link."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoints").symlink_to(tmp_path / "disk" / "checkpoints")
+    result, _ = run(tmp_path / "out", "train.steps=2", "train.save_every=1")
+    assert result.steps == 2 and (tmp_path / "out" / "checkpoints").is_symlink()
+    assert sorted(p.name for p in (tmp_path / "disk" / "checkpoints").iterdir()) == ["step-0000001", "step-0000002"]
+
+
 def test_same_seed_same_losses_and_adapter(tmp_path):
     a, _ = run(tmp_path / "a")
     b, _ = run(tmp_path / "b")
