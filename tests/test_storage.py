@@ -243,7 +243,7 @@ def test_disk_plan_of_keep_best_counts_both_adapter_folders(tmp_path, monkeypatc
     assert [p.adapters for p in plans] == [2, 1]
 
 
-def test_leftovers_that_cannot_be_removed_are_one_line_and_release_the_folder(tmp_path, monkeypatch):
+def test_leftovers_that_cannot_be_removed_are_one_line_and_release_the_folder(tmp_path):
     """What a killed run left (data_cache/.tmp-*) is removed before the folder's checks; in a folder that is
     not writable the removal was a PermissionError traceback."""
     (tmp_path / "data_cache").mkdir()
@@ -252,18 +252,13 @@ def test_leftovers_that_cannot_be_removed_are_one_line_and_release_the_folder(tm
     def refused(self, missing_ok=False):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    with monkeypatch.context() as mp:
-        mp.setattr(Path, "unlink", refused)
-        with pytest.raises(StorageError) as err:
-            output.prepare_output(tmp_path, plan(), resuming=False)
-    assert str(err.value) == f"could not remove what a killed run left in {tmp_path}: Permission denied"
-    output.prepare_output(tmp_path, plan(), resuming=False).release()  # the lock was released
+    assert prepare_refused(tmp_path, "unlink", refused) == (f"could not remove what a killed run left in {tmp_path}: "
+                                                            "Permission denied")
     assert not (tmp_path / "data_cache" / ".tmp-123").exists()
 
 
 @pytest.mark.parametrize("resuming", [True, False])
-def test_a_checkpoints_folder_that_cannot_be_listed_is_one_line_and_releases_the_folder(tmp_path, monkeypatch,
-                                                                                      resuming):
+def test_a_checkpoints_folder_that_cannot_be_listed_is_one_line_and_releases_the_folder(tmp_path, resuming):
     """A checkpoints/ this user may not list (made by another user, chmod 000) was a PermissionError traceback
     from the check for earlier checkpoints, fresh run or resume."""
     run(tmp_path, "train.steps=2")
@@ -274,12 +269,19 @@ def test_a_checkpoints_folder_that_cannot_be_listed_is_one_line_and_releases_the
             raise PermissionError(errno.EACCES, "Permission denied", str(self))
         return real(self)
 
-    with monkeypatch.context() as mp:
-        mp.setattr(Path, "iterdir", refused)
+    assert prepare_refused(tmp_path, "iterdir", refused, resuming) == (
+        f"could not read the checkpoints in {tmp_path / 'checkpoints'}: Permission denied")
+
+
+def prepare_refused(out: Path, method: str, refused, resuming: bool = False) -> str:
+    """``prepare_output``'s StorageError text while ``Path.<method>`` is ``refused``; the folder's lock is then
+    free (a second prepare takes it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, method, refused)
         with pytest.raises(StorageError) as err:
-            output.prepare_output(tmp_path, plan(), resuming=resuming)
-    assert str(err.value) == f"could not read the checkpoints in {tmp_path / 'checkpoints'}: Permission denied"
-    output.prepare_output(tmp_path, plan(), resuming=True).release()  # the lock was released
+            output.prepare_output(out, plan(), resuming=resuming)
+    output.prepare_output(out, plan(), resuming=True).release()
+    return str(err.value)
 
 
 def test_resume_free_space_check_counts_the_checkpoint_it_will_prune(tmp_path, monkeypatch):
