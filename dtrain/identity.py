@@ -60,7 +60,7 @@ REFUSED_WHEN = {
 # Compared by content, not by the text of the key: a moved file continues the run.
 BY_CONTENT = {
     "model.path": "the model's identity (a GGUF's sha256; a folder's config.json and weight files: "
-                  "sizes, headers, sampled bytes; a hub id's id and config)",
+                  "sizes, headers, sampled bytes; a hub id's download as that folder)",
     "data.train": "the data files' sha256 and the training pairs' token ids",
     "data.valid": "the data files' sha256 and the held-out pairs' token ids",
     # its weights are the step-0 LoRA and, for dpo, the reference a resume recomputes; its adapter_config.json

@@ -243,3 +243,25 @@ def test_folder_fingerprint_of_a_large_file_reads_its_header_and_samples(tmp_pat
 
     assert len({fingerprint_with(at) for at in (0, 30, start, start + 10, 377, 999)}) == 6
     assert fingerprint_with(start + 100) == fingerprint_with(start + 200)  # between the samples: missed
+
+
+def test_a_hub_model_is_known_by_its_downloaded_weights_not_only_its_id(tmp_path, monkeypatch):
+    """A hub id's identity was its id and config: a repository re-uploaded with other weights of the same
+    shapes kept it, so a resume continued on the new weights and DPO's cached reference log-probs (of the old
+    weights) were trained against. It is the downloaded snapshot's content, as a folder's, so a copy made with
+    ``hf download --local-dir`` continues the run; checkpoints that recorded the id and config continue."""
+    import hashlib
+
+    import mlx_lm.utils
+    from fixtures_launch import make_model_folder
+    from mlx_lm.utils import save_model
+
+    snapshot = make_model_folder(tmp_path / "snapshot")
+    monkeypatch.setattr(mlx_lm.utils, "snapshot_download", lambda repo, **kw: str(snapshot))  # the hub cache
+    before = load_model("some-org/some-model", "float32")
+    assert before.identity == load_model(str(snapshot), "float32").identity
+    config_hash = hashlib.sha256(repr(sorted(before.config.items())).encode()).hexdigest()[:16]
+    assert before.aliases == (f"mlx-lm:some-org/some-model:{config_hash}",)
+    assert before.reference == {"hub_id": "some-org/some-model"}
+    save_model(snapshot, make_tiny_model(seed=7, num_hidden_layers=2))  # re-uploaded: same names and shapes
+    assert load_model("some-org/some-model", "float32").identity != before.identity

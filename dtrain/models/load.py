@@ -37,8 +37,8 @@ class LoadedModel:
     ``tokenizer``: ``mlx_lm.tokenizer_utils.TokenizerWrapper``.
     ``config``: the mlx-lm config dict (``model_type``, ``hidden_size``, ...).
     ``identity``: short string that changes when the weights change, not when
-    they move (GGUF: ``gguf-sha256:<hex>``; folder: ``mlx-lm-folder:<hex>`` of
-    :func:`folder_fingerprint`; hub id: ``mlx-lm:<id>:<hash of the config>``).
+    they move (GGUF: ``gguf-sha256:<hex>``; folder, or a hub id's download in the hub
+    cache: ``mlx-lm-folder:<hex>`` of :func:`folder_fingerprint`).
     ``source``: human-readable description.
     ``reference``: where the weights are, for an adapter's ``base_model``:
     ``{"path", "sha256"}`` of a GGUF file (absolute; the demo's cached file
@@ -46,7 +46,8 @@ class LoadedModel:
     or ``{"hub_id"}``; ``dtrain export`` compares the sha256 or fingerprint.
     ``aliases``: identities checkpoints of earlier dtrain versions recorded for the
     same model (a folder: ``mlx-lm:<resolved path>:<hash of the config>``, before
-    2026-12-04), which a resume accepts as this one.
+    2026-12-04; a hub id: ``mlx-lm:<id>:<hash of the config>``, before 2026-12-07), which a
+    resume accepts as this one.
     """
 
     model: nn.Module
@@ -187,7 +188,7 @@ def dequantize_weights(weights: dict, quantization: dict) -> dict:
 
 def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
     from huggingface_hub.errors import LocalEntryNotFoundError
-    from mlx_lm.utils import dequantize_model, load
+    from mlx_lm.utils import dequantize_model, hf_repo_to_path, load
 
     try:
         model, tokenizer, config = load(path, return_config=True)
@@ -205,13 +206,15 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
     model.set_dtype(float_dtype)
     mx.eval(model.parameters())
     config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
-    aliases = ()
     if Path(path).is_dir():
         location, fingerprint = str(Path(path).resolve()), folder_fingerprint(Path(path))
-        identity, reference = f"mlx-lm-folder:{fingerprint}", {"path": location, "fingerprint": fingerprint}
+        reference = {"path": location, "fingerprint": fingerprint}
         aliases = (f"mlx-lm:{location}:{config_hash}",)  # what checkpoints before 2026-12-04 hold
-    else:  # a hub id: by its id and config (the download is mlx-lm's, in the hub cache)
-        identity, reference = f"mlx-lm:{path}:{config_hash}", {"hub_id": path}
+    else:  # a hub id: by its download's content (mlx-lm's, in the hub cache): a re-upload is another model
+        fingerprint = folder_fingerprint(hf_repo_to_path(path))
+        reference = {"hub_id": path}
+        aliases = (f"mlx-lm:{path}:{config_hash}",)  # what checkpoints before 2026-12-07 hold: the id and config
+    identity = f"mlx-lm-folder:{fingerprint}"
     return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference, aliases)
 
 
