@@ -819,3 +819,15 @@ def test_the_shipped_configs_placeholder_says_what_to_pass(tmp_path):
     with pytest.raises(DataError) as err:
         resolve("PATH/TO/valid.jsonl", DataConfig(), role="valid")
     assert str(err.value).endswith("pass the data with --data.valid")
+
+
+def test_cache_key_changes_with_the_jinja2_that_renders_the_templates(tmp_path, tokenizer, monkeypatch):
+    """The key named the versions of tokenizers, transformers and mlx-lm but not of jinja2, which renders every
+    chat template (transformers' apply_chat_template): after an upgrade the pairs rendered by the old one were
+    read back."""
+    import jinja2
+
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 4, seed=7)), DataConfig())
+    key = cache_key(rows, tokenizer, DataConfig())
+    monkeypatch.setattr(jinja2, "__version__", jinja2.__version__ + ".post1")
+    assert cache_key(rows, tokenizer, DataConfig()) != key

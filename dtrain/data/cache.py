@@ -6,9 +6,9 @@ field, sources included; an SFT run reads a preference row without its rejected 
 ``data`` config key that decides how a row is tokenized (a ``chat_template`` file by its
 text; not :data:`ROW_KEYS`), the tokenizer (its full ``tokenizer.json`` serialisation, chat
 template and special tokens), the source of the data package and types.py, and the versions
-of the libraries that render and tokenize. Entries are ``.npz`` files (no pickle) written
-atomically; a damaged entry counts as absent and is written again. A tokenizer
-that cannot be serialised is never cached.
+of the libraries that render and tokenize (jinja2, transformers, tokenizers, mlx-lm). Entries
+are ``.npz`` files (no pickle) written atomically; a damaged entry counts as absent and is
+written again. A tokenizer that cannot be serialised is never cached.
 """
 
 from __future__ import annotations
@@ -53,12 +53,14 @@ def tokenizer_identity(tokenizer) -> Optional[str]:
 
 
 def _code_identity() -> str:
+    import jinja2  # renders every chat template (transformers' apply_chat_template)
     import mlx_lm
     import tokenizers
     import transformers
 
     here = Path(__file__).resolve().parent
-    parts = [f"v{CACHE_VERSION}", tokenizers.__version__, transformers.__version__, mlx_lm.__version__]
+    parts = [f"v{CACHE_VERSION}", tokenizers.__version__, transformers.__version__, mlx_lm.__version__,
+             jinja2.__version__]
     # every module of the data package (render.py, templates.py, ...) and the pair type
     parts += [hashlib.sha256(p.read_bytes()).hexdigest() for p in [*sorted(here.glob("*.py")), here.parent / "types.py"]]
     return " ".join(parts)
