@@ -831,3 +831,27 @@ def test_cache_key_changes_with_the_jinja2_that_renders_the_templates(tmp_path, 
     key = cache_key(rows, tokenizer, DataConfig())
     monkeypatch.setattr(jinja2, "__version__", jinja2.__version__ + ".post1")
     assert cache_key(rows, tokenizer, DataConfig()) != key
+
+
+def _bracket_renderer(messages, add_generation_prompt=False, **kwargs):
+    """A chat renderer in Python, as mlx-lm's ``chat_template_type`` modules are (``mlx_lm.chat_templates``)."""
+    text = "".join(f"[{m['role']}] {m['content']}\n" for m in messages)
+    return text + ("[assistant] " if add_generation_prompt else "")
+
+
+def test_cache_key_changes_with_mlx_lms_own_chat_renderer(tmp_path):
+    """mlx-lm's tokenizer renders with a Python module instead of the Jinja template where the tokenizer names one
+    (tokenizer_config.json's ``chat_template_type``); the key covered the Jinja template only, so the same
+    tokenizer with and without that renderer shared one entry, and a run read the other's pairs."""
+    from conftest import make_tokenizer
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = make_tokenizer()._tokenizer
+    own = TokenizerWrapper(hf, chat_template=_bracket_renderer)
+    path = write_jsonl(tmp_path / "d.jsonl", gen_objs("conversational", 4, seed=7))
+    rows, _ = load_rows(path, DataConfig())
+    cfg, cache = DataConfig(), tmp_path / "cache"
+    tokenize_cached(rows, TokenizerWrapper(hf), cfg, cache)  # the tokenizer's Jinja template: an entry
+    assert cache_key(rows, own, cfg) != cache_key(rows, TokenizerWrapper(hf), cfg)
+    assert tokenize_cached(rows, own, cfg, cache) == tokenize_rows(rows, own, cfg)
+    assert cache_key(rows, own, cfg) == cache_key(rows, TokenizerWrapper(hf, chat_template=_bracket_renderer), cfg)
