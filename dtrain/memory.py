@@ -145,12 +145,20 @@ def trim_cache(budget: float) -> bool:
 
 
 def is_out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is MLX's report of a failed device allocation (any backend, :data:`OUT_OF_MEMORY`)."""
-    return isinstance(err, (RuntimeError, MemoryError)) and any(t in str(err).lower() for t in OUT_OF_MEMORY)
+    """Whether ``err`` is MLX's report of a failed device allocation (any backend, :data:`OUT_OF_MEMORY`), or of
+    Metal's limit on live buffers (:func:`is_buffer_limit`)."""
+    return isinstance(err, (RuntimeError, MemoryError)) and (
+        any(t in str(err).lower() for t in OUT_OF_MEMORY) or is_buffer_limit(err))
+
+
+def is_buffer_limit(err: BaseException) -> bool:
+    """MLX's Metal allocator refusing a buffer because the process holds as many as macOS allows
+    (``iogpu.rsrc_limit``; "[metal::malloc] Resource limit (N) exceeded.", mlx PR 1718): a count, not bytes."""
+    return "resource limit" in str(err).lower() and "exceeded" in str(err).lower()
 
 
 def out_of_memory_text(where: str, budget_gb: float, err: BaseException) -> str:
-    """One message for a run that ran out of device memory ``where``; the default budget is the
+    """One message for a run that ran out of device memory (or Metal's buffers) ``where``; the default budget is the
     one :func:`trim_cache` keeps to (:func:`run_budget_bytes`), not what is left after the arrays in use.
 
     Args:
@@ -158,13 +166,16 @@ def out_of_memory_text(where: str, budget_gb: float, err: BaseException) -> str:
         budget_gb: ``engine.memory_budget_gb`` as configured (0 = this device's default).
         err: MLX's error, quoted on its first line.
     """
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    kept = "checkpoints already written are intact and --train.resume auto continues from the latest"
+    if is_buffer_limit(err):
+        return (f"Metal's limit on live buffers reached {where} ({first}): MLX held more arrays at once than macOS "
+                f"allows a process (iogpu.rsrc_limit), a count, not the memory budget; {kept}")
     budget = (f"engine.memory_budget_gb {budget_gb:g}" if budget_gb else
               f"the default memory budget ({run_budget_bytes(0) / GIB:.1f} GiB on this {backend()} device)")
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (f"out of memory {where} ({first}; peak {mx.get_peak_memory() / GIB:.1f} GiB held by MLX): "
             f"{budget} is more than this device gives the run. Lower engine.memory_budget_gb (engine.kind auto then "
-            f"recomputes layer ranges), train.micro_batch_pairs or data.max_length; checkpoints already written are "
-            f"intact and --train.resume auto continues from the latest")
+            f"recomputes layer ranges), train.micro_batch_pairs or data.max_length; {kept}")
 
 
 def weight_bytes(model) -> int:

@@ -510,6 +510,27 @@ def test_out_of_memory_is_one_message_and_the_checkpoints_stay(tmp_path, text):
     assert ckpt.validate(saved[0]) is None  # complete: a resume can take it
 
 
+def test_metals_live_buffer_limit_is_one_message_that_does_not_blame_the_budget(tmp_path):
+    """MLX's Metal allocator also refuses an allocation when the count of live buffers reaches macOS's
+    resource limit (iogpu.rsrc_limit, mlx PR 1718), whatever their size: that ended the run in a traceback.
+    It is one line now, which says it is a count and not the memory budget, and where the checkpoints are."""
+    from dtrain.errors import UserError
+    from dtrain.run import checkpoint as ckpt
+    from dtrain.run.trainer import Hooks
+
+    def before_step(step, run_):
+        if step == 3:
+            raise RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
+
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.save_every=2", hooks=Hooks(before_step=before_step))
+    assert str(err.value) == (
+        "Metal's limit on live buffers reached after step 2 of 4 ([metal::malloc] Resource limit (499000) exceeded.): "
+        "MLX held more arrays at once than macOS allows a process (iogpu.rsrc_limit), a count, not the memory "
+        "budget; checkpoints already written are intact and --train.resume auto continues from the latest")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "checkpoints")] == ["step-0000002"]
+
+
 def test_other_runtime_errors_are_not_reported_as_out_of_memory(tmp_path):
     from dtrain.run.trainer import Hooks
 
