@@ -332,6 +332,24 @@ def test_tensorboard_on_a_ranks_port_is_refused_before_they_start(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+@pytest.mark.parametrize("args, named", [(["--train.output_dir", "--dry-run"], "--train.output_dir"),
+                                         (["--train.steps", "-n", "2", "--dry-run"], "--train.steps"),
+                                         (["--train.steps", "--port=32323", "--dry-run"], "--train.steps"),
+                                         (["--dry-run", "--train.seed", "-h"], "--train.seed")])
+def test_an_override_without_its_value_before_a_launcher_option_is_named(args, named, tmp_path):
+    """`./launch --train.output_dir --dry-run job.yaml` gave train.output_dir the value '--dry-run' and started
+    the job, to train into a folder named --dry-run; `--train.steps -n 2` said "unrecognized arguments: job.yaml"."""
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model: {{path: {tmp_path / 'no-model'}}}\ndata: {{demo_pairs: 4}}\n")
+    r = launch(*args, config)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [f"launch: error: override {named} needs a value"]
+    assert not (ROOT / "--dry-run").exists()
+    from dtrain.launch.main import OPTIONS, _parser
+
+    assert set(OPTIONS) == {s for a in _parser()._actions for s in a.option_strings} | {"-c", "--config"}
+
+
 @pytest.mark.parametrize("args", [["-c"], ["-c", "job.yaml"], ["--config=job.yaml"], ["-n", "2", "-c", "job.yaml"]])
 def test_a_config_given_with_dash_c_points_to_the_bare_form(args):
     """`./launch -c job.yaml` (dtrain's form) said "unrecognized arguments: -c", `./launch -c` that a config

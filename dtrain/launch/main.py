@@ -53,6 +53,10 @@ from .plan import DEFAULT_PORT, build_plan, describe
 from .rank import say
 from .supervise import Attempt, Outcome, signal_group
 
+# the launcher's own options (and dtrain's -c, refused by name), which an override's value never is:
+# `--train.output_dir --dry-run CONFIG` lacks the value, and must not start a job training into ./--dry-run
+OPTIONS = ("-h", "--help", "-n", "--ranks", "--hostfile", "--backend", "--port", "--tensorboard", "--stop-timeout",
+           "--max-restarts", "--restart-delay", "--dry-run", "-c", "--config")
 TB_DEFAULT_PORT = 6006
 # TensorBoard under a watch on the launcher: its stdin is a pipe whose other end only the launcher
 # holds (Popen's pipes are not inherited), so EOF there means the launcher is gone, SIGKILL included;
@@ -98,9 +102,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     default port, so ``--tensorboard CONFIG`` reads as meant.
 
     Raises:
-        ConfigError: an override with no value.
+        ConfigError: an override with no value (at the end, or before one of :data:`OPTIONS`).
     """
-    options, overrides = take_overrides(argv)
+    options, overrides = take_overrides(argv, OPTIONS)
     for i, arg in enumerate(options):
         if arg == "--tensorboard" and not (i + 1 < len(options) and options[i + 1].isdigit()):
             options[i] = f"--tensorboard={TB_DEFAULT_PORT}"
