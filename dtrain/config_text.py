@@ -28,10 +28,11 @@ def take_overrides(argv: list[str], options: tuple = ()) -> tuple[list[str], lis
     The one parser of the override grammar, for ``dtrain`` and ``./launch``.
     ``(["-n", "2", "--train.steps", "5", "--model.path=x"])`` gives
     ``(["-n", "2"], ["train.steps=5", "model.path=x"])``. ``options``: the command's own
-    option names, which an override's value never is (``--train.steps -c a.yaml`` lacks it).
+    option names, which an override's value never is (``--train.steps -c a.yaml`` lacks it), nor is
+    another override (``--train.output_dir --train.steps=3``; a value that looks like one: ``--key=--a.b``).
 
     Raises:
-        ConfigError: an override flag at the end, or before one of ``options``, with no value.
+        ConfigError: an override flag at the end, or before one of ``options`` or another override, with no value.
     """
     others, overrides, i = [], [], 0
     while i < len(argv):
@@ -42,7 +43,7 @@ def take_overrides(argv: list[str], options: tuple = ()) -> tuple[list[str], lis
         elif "=" in arg:
             overrides.append(arg[2:])
             i += 1
-        elif i + 1 < len(argv) and argv[i + 1].split("=", 1)[0] not in options:
+        elif i + 1 < len(argv) and argv[i + 1].split("=", 1)[0] not in options and not is_override_flag(argv[i + 1]):
             overrides.append(f"{arg[2:]}={argv[i + 1]}")
             i += 2
         else:

@@ -583,6 +583,19 @@ def test_an_override_without_its_value_before_an_option_is_named(command, option
     assert {s for p in parsers for a in p._actions for s in a.option_strings} == set(OPTIONS)
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["config", "--train.output_dir", "--train.steps=3"], "--train.output_dir"),
+    (["config", "--train.output_dir", "--train.steps", "3"], "--train.output_dir"),
+    (["train", "--train.steps", "--train.output_dir=runs/x", "-c", "a.yaml"], "--train.steps"),
+    (["data", "check", "p.jsonl", "--data.valid", "--data.split", "test"], "--data.valid"),
+])
+def test_an_override_without_its_value_before_another_override_is_named(argv, named, capsys):
+    """`dtrain config --train.output_dir --train.steps=3` printed train.output_dir '--train.steps=3' and
+    train.steps 100: the next override was taken as the value, and its own setting dropped silently."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"dtrain: error: override {named} needs a value\n"
+
+
 @pytest.mark.parametrize("overrides, lines", [
     # the segmented engine's keys under the reference engine
     (["engine.kind=reference", "engine.head_chunk_tokens=512", "engine.compile=true"],
