@@ -439,9 +439,13 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
     cfg = Config()
     if path is not None:
         p = Path(os.path.expanduser(path))  # --config=~/x.yaml reaches here unexpanded; ~user of none stays text
-        if p.is_dir():
+        try:
+            is_dir, is_file = p.is_dir(), p.is_file()
+        except OSError as err:  # a name too long for the file system
+            raise ConfigError(f"{path[:80]}...: not a usable config file path: {err.strerror}") from None
+        if is_dir:
             raise ConfigError(f"{path}: is a directory, not a config file")
-        if not p.is_file():
+        if not is_file:
             raise ConfigError(f"{path}: config file not found")
         try:
             raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)

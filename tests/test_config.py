@@ -539,6 +539,20 @@ def test_a_folder_given_as_the_config_is_named_so(tmp_path, capsys):
     assert str(err.value) == f"{tmp_path / 'job.yaml'}: config file not found"
 
 
+LONG = "x" * 300  # a file name past the file system's 255 bytes: stat() fails with ENAMETOOLONG
+
+
+@pytest.mark.parametrize("argv", [["train", "-c", LONG], ["config", f"--config={LONG}"],
+                                  ["data", "check", "p.jsonl", "-c", LONG], ["launch", "--dry-run", LONG]])
+def test_a_config_path_too_long_for_the_file_system_is_one_line(argv, capsys):
+    """`dtrain train -c <300 characters>` ended in OSError's traceback ("File name too long")."""
+    from dtrain.launch.main import main as launch
+
+    assert (launch(argv[1:]) if argv[0] == "launch" else main(argv)) == 2
+    prefix = "launch" if argv[0] == "launch" else "dtrain"
+    assert capsys.readouterr().err == f"{prefix}: error: {LONG[:80]}...: not a usable config file path: File name too long\n"
+
+
 def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch, capsys):
     """train.output_dir, train.resume and train.init_adapter '~/x' were read as a folder named '~' in the
     working folder (data.train and model.path expand it)."""
