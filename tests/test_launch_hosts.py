@@ -175,6 +175,16 @@ def test_a_folder_given_as_the_hostfile_is_named_so(config, tmp_path):
     assert one_error(config, tmp_path) == f"launch: error: {tmp_path}: is a directory, not a hostfile"
 
 
+@pytest.mark.parametrize("path", ["h" * 300, "/tmp/" + "h" * 300 + "/hosts.json"])
+def test_a_hostfile_path_too_long_for_the_file_system_is_one_line(path):
+    """`./launch --hostfile <300 characters> job.yaml` ended in OSError's traceback ("File name too long")."""
+    from dtrain.launch.hosts import LaunchError, load_hostfile
+
+    with pytest.raises(LaunchError) as err:
+        load_hostfile(path)
+    assert str(err.value) == f"{path[:80]}...: not a usable hostfile path: File name too long"
+
+
 def test_backend_override_is_checked_against_hostfile(config, tmp_path):
     f = write_hostfile(tmp_path / "hosts.json", {"backend": "mpi", "hosts": [{"ssh": "mac1"}, {"ssh": "mac2"}]})
     assert one_error(config, f, "--backend", "ring") == (

@@ -198,9 +198,13 @@ def load_hostfile(path: str) -> Hostfile:
         LaunchError: missing or unreadable file, invalid JSON, or any structural problem.
     """
     p = Path(path)
-    if p.is_dir():
+    try:
+        is_dir, is_file = p.is_dir(), p.is_file()
+    except OSError as err:  # a name too long for the file system
+        raise LaunchError(f"{path[:80]}...: not a usable hostfile path: {err.strerror}") from None
+    if is_dir:
         raise LaunchError(f"{path}: is a directory, not a hostfile")
-    if not p.is_file():
+    if not is_file:
         raise LaunchError(f"{path}: hostfile not found")
     try:
         text = p.read_text(encoding="utf-8")
