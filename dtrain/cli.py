@@ -154,7 +154,7 @@ def _config(args, overrides) -> int:
     from .config_text import describe
     from .notices import notice
 
-    cfg = load_config(args.config, overrides, need_data=False) if args.config or overrides else None
+    cfg = load_config(args.config, overrides, need_data=False) if args.config is not None or overrides else None
     for line in unread_keys(cfg) if cfg is not None else ():  # as the run's notices say it
         notice(line)
     print("# dtrain config: key: value  # help [allowed values]; defaults live in dtrain/config.py")

@@ -433,10 +433,12 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
         need_data: refuse a config without ``data.train`` or ``data.demo_pairs`` (False: ``dtrain config``).
 
     Raises:
-        ConfigError: unreadable or malformed YAML, a repeated section or key, an
+        ConfigError: an empty path, unreadable or malformed YAML, a repeated section or key, an
             unknown section or key, a value of the wrong type or outside its choices.
     """
     cfg = Config()
+    if path == "":  # else read as the working folder: "is a directory"
+        raise ConfigError("the config file path is empty (''); give a YAML file")
     if path is not None:
         p = Path(os.path.expanduser(path))  # --config=~/x.yaml reaches here unexpanded; ~user of none stays text
         try:

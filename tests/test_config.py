@@ -539,6 +539,19 @@ def test_a_folder_given_as_the_config_is_named_so(tmp_path, capsys):
     assert str(err.value) == f"{tmp_path / 'job.yaml'}: config file not found"
 
 
+@pytest.mark.parametrize("argv", [["config", "-c", ""], ["config", "--config="], ["train", "-c", ""],
+                                  ["data", "check", "p.jsonl", "--config="], ["launch", "--dry-run", ""]])
+def test_an_empty_config_path_is_named_so(argv, capsys):
+    """`dtrain config -c ''` printed the defaults as if no -c were given, while `dtrain train -c ''` said
+    ": is a directory, not a config file" (the empty path is the working folder)."""
+    from dtrain.launch.main import main as launch
+
+    assert (launch(argv[1:]) if argv[0] == "launch" else main(argv)) == 2
+    captured = capsys.readouterr()
+    prefix = "launch" if argv[0] == "launch" else "dtrain"
+    assert (captured.out, captured.err) == ("", f"{prefix}: error: the config file path is empty (''); give a YAML file\n")
+
+
 LONG = "x" * 300  # a file name past the file system's 255 bytes: stat() fails with ENAMETOOLONG
 
 
