@@ -288,8 +288,9 @@ def test_tensorboard_port_in_use_is_one_line(job):
 
 
 @pytest.mark.parametrize("option, port", [("--port", 99999), ("--port", 0), ("--port", -1),
-                                          ("--tensorboard", 70000), ("--tensorboard", 0)])
+                                          ("--tensorboard", 70000), ("--tensorboard", 0), ("--tensorboard", -1)])
 def test_a_port_outside_tcps_range_is_one_line(option, port, job):
+    """`--tensorboard -1 CONFIG` took the default port and -1 as the config: "unrecognized arguments: CONFIG"."""
     r = launch(option, port, job["config"], "--dry-run")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"launch: error: {option} must be a TCP port, 1-65535; got {port}"

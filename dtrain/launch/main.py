@@ -98,15 +98,16 @@ def _parser() -> argparse.ArgumentParser:
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Launcher options and ``section.key=value`` overrides (grammar: ``dtrain.config_text.take_overrides``).
 
-    ``--tensorboard`` followed by something other than a port number takes the
-    default port, so ``--tensorboard CONFIG`` reads as meant.
+    ``--tensorboard`` followed by something other than a whole number takes the
+    default port, so ``--tensorboard CONFIG`` reads as meant (``--tensorboard -1``
+    is a port, refused as one).
 
     Raises:
         ConfigError: an override with no value (at the end, or before one of :data:`OPTIONS`).
     """
     options, overrides = take_overrides(argv, OPTIONS)
     for i, arg in enumerate(options):
-        if arg == "--tensorboard" and not (i + 1 < len(options) and options[i + 1].isdigit()):
+        if arg == "--tensorboard" and not (i + 1 < len(options) and options[i + 1].lstrip("+-").isdigit()):
             options[i] = f"--tensorboard={TB_DEFAULT_PORT}"
     return options, overrides
 
