@@ -555,4 +555,5 @@ def test_a_stop_at_any_moment_of_start_up_ends_cleanly(job, tmp_path, backend):
         assert code == 130, (delay, err)
         for sign in ("Traceback", "KeyboardInterrupt", "Fatal Python error", "exited on signal"):
             assert sign not in err, (delay, err)
-        assert err.splitlines()[-1].startswith("launch: "), (delay, err)
+        # the launcher said what it did; its line may come before a rank's last one (relayed later)
+        assert any(line.startswith("launch: ") for line in err.splitlines()), (delay, err)
