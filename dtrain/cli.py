@@ -13,6 +13,7 @@ User errors print one line ``dtrain: error: ...`` and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import sys
 from pathlib import Path
@@ -258,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout closed early (``dtrain config | head``): not an error of dtrain's
         to_devnull(sys.stdout.fileno())  # so the exit's flush does not raise again
         return 0
+    except OSError as err:  # a path given longer than a file name may be, wherever it is first looked at
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        _error(f"{str(err.filename)[:80]}...: not a usable path: {err.strerror}")
+        return 2
 
 
 if __name__ == "__main__":

@@ -157,6 +157,22 @@ def test_bad_model_path(tmp_path, capsys):
     check(capsys, status, out, "no-model")
 
 
+@pytest.mark.parametrize("command", ["train", "convert", "export"])
+def test_a_path_too_long_for_the_file_system_is_one_line(tmp_path, model_dir, capsys, command):
+    """A model, GGUF or adapter path with a name longer than the file system allows ended the command in
+    OSError's traceback (File name too long), where the config and hostfile paths said so in one line."""
+    long = str(tmp_path / ("x" * 300))
+    data = tmp_path / "good.jsonl"
+    data.write_text(jsonl(GOOD))
+    out = tmp_path / "out"
+    if command == "train":
+        status, out = run(tmp_path, long, "--data.train", str(data))
+    else:
+        status = main({"convert": ["convert", long + ".gguf", str(out)],
+                       "export": ["export", long, "--base", str(model_dir), "--out", str(out)]}[command])
+    check(capsys, status, out, "xxxxxxxxxx...: not a usable path: File name too long")
+
+
 def test_chat_template_syntax_error_is_one_error_naming_file_and_line(tmp_path, model_dir, capsys):
     data = tmp_path / "good.jsonl"
     data.write_text(jsonl(GOOD, {**GOOD, "prompt": "other"}))
