@@ -697,3 +697,22 @@ def test_convert_reads_a_leading_tilde_as_the_home_folder(tmp_path, monkeypatch,
     assert (tmp_path / "out" / "config.json").is_file() and list((tmp_path / "cwd").iterdir()) == []
     assert main(["convert", "~/m.gguf", "~nobody-here/out"]) == 2
     assert capsys.readouterr().err == "dtrain: error: out_dir ~nobody-here/out: no home folder for ~nobody-here\n"
+
+
+@pytest.mark.parametrize("value, shown", [(float("nan"), "nan"), (float("inf"), "inf"), (0, "0"), ("six", "'six'"),
+                                          (-1, "-1")], ids=["nan", "inf", "zero", "text", "negative"])
+def test_a_gemma3_sliding_window_pattern_of_another_kind_is_one_line(tmp_path, monkeypatch, capsys, value, shown):
+    """gemma3.attention.sliding_window_pattern was read past the checks of the other keys: a NaN, an inf or a text
+    ended convert in int()'s traceback, a 0 in a ZeroDivisionError and a -1 was converted into a model whose layers
+    all slide."""
+    from dtrain.cli import main
+
+    add_sliding_window = gguf.GGUFWriter.add_sliding_window
+    monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window", lambda self, v: (add_sliding_window(self, v), (
+        self.add_key_value("gemma3.attention.sliding_window_pattern", value, gguf.GGUFValueType.get_type(value)))))
+    path = tmp_path / "gemma.gguf"
+    write_tiny_gemma3(path)
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: {path}: GGUF key 'gemma3.attention.sliding_window_pattern' = "
+                                       f"{shown} is not supported (expected a number above 0)\n")
+    assert not (tmp_path / "out").exists()

@@ -355,6 +355,7 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
         return config
     head_dim = int(key("attention.key_length", 256))
     layers = config["num_hidden_layers"]
+    pattern = md.get("gemma3.attention.sliding_window_pattern")
     config.update(
         model_type="gemma3_text",
         head_dim=head_dim,
@@ -364,7 +365,8 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
         sliding_window=int(key("attention.sliding_window", 512)),
         # llama.cpp hard-codes a 5:1 local:global pattern for gemma3 and, like HF,
         # scales queries by hidden/heads only for the 27B model (62 layers).
-        sliding_window_pattern=_swa_pattern(md.get("gemma3.attention.sliding_window_pattern", 6)),
+        sliding_window_pattern=_swa_pattern(pattern if isinstance(pattern, list) else  # one bool per layer
+                                            key("attention.sliding_window_pattern", 6)),
         query_pre_attn_scalar=config["hidden_size"] // heads if layers == 62 else head_dim,
     )
     return config
