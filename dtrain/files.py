@@ -195,7 +195,11 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
     if final.exists() and not replace:
         raise FileExistsError(f"{final} already exists")
     # through a link too (checkpoints/ naming a folder on another disk not made yet): a link's mkdir is EEXIST
-    Path(os.path.realpath(final.parent)).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(os.path.realpath(final.parent)).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        os.stat(final.parent)  # a link loop: its ELOOP, not mkdir's "File exists"
+        raise
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     old = final.parent / f".{final.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an earlier crash of a process with this pid

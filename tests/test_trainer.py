@@ -188,6 +188,19 @@ def test_a_run_makes_the_folder_a_dangling_checkpoints_link_names(tmp_path):
     assert sorted(p.name for p in (tmp_path / "disk" / "checkpoints").iterdir()) == ["step-0000001", "step-0000002"]
 
 
+def test_a_checkpoints_link_loop_is_named_as_one(tmp_path):
+    """checkpoints/ a link loop (a link made to itself): the run ended at its first save in 'could not write
+    checkpoint ...: File exists' (mkdir of the link), which sent the user looking for a file; the loop is named."""
+    from dtrain.errors import UserError
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoints").symlink_to("checkpoints")
+    with pytest.raises(UserError) as err:
+        run(tmp_path / "out", "train.steps=2", "train.save_every=1")
+    assert str(err.value) == (f"could not write checkpoint {tmp_path / 'out' / 'checkpoints' / 'step-0000001'}: Too "
+                              f"many levels of symbolic links; the previous checkpoints are intact")
+
+
 def test_same_seed_same_losses_and_adapter(tmp_path):
     a, _ = run(tmp_path / "a")
     b, _ = run(tmp_path / "b")
