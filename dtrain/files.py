@@ -8,6 +8,7 @@ sibling, are fsynced, and the folder is renamed into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 from dataclasses import dataclass
 import os
@@ -137,6 +138,11 @@ def output_dir_problem(out: Path, err: OSError) -> str:
     """
     file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if file is None:
+        if err.errno == errno.EEXIST:  # no file: a link loop, whose own error names it
+            try:
+                os.stat(out)
+            except OSError as loop:
+                err = loop
         return f"output folder {out} is not writable: {err.strerror or err}"
     where = "is a file" if file == out else f"is under {file}, a file"
     return f"train.output_dir {out} {where}, not a folder; choose another train.output_dir"

@@ -201,6 +201,17 @@ def test_a_checkpoints_link_loop_is_named_as_one(tmp_path):
                               f"many levels of symbolic links; the previous checkpoints are intact")
 
 
+def test_an_output_dir_link_loop_is_named_as_one(tmp_path):
+    """train.output_dir a link loop: 'output folder OUT is not writable: File exists' (mkdir of the link), where
+    no file is; the loop is named."""
+    from dtrain.errors import UserError
+
+    (tmp_path / "out").symlink_to("out")
+    with pytest.raises(UserError) as err:
+        run(tmp_path / "out", "train.steps=1")
+    assert str(err.value) == f"output folder {tmp_path / 'out'} is not writable: Too many levels of symbolic links"
+
+
 def test_same_seed_same_losses_and_adapter(tmp_path):
     a, _ = run(tmp_path / "a")
     b, _ = run(tmp_path / "b")
