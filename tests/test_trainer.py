@@ -177,6 +177,27 @@ def test_a_fresh_run_writes_its_adapter_through_a_link_to_an_empty_folder(tmp_pa
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
 
 
+def test_an_adapters_link_to_a_mounted_disk_s_root_is_refused_before_training(tmp_path, monkeypatch):
+    """adapters/ a link to an empty disk's root (its mount point): files.atomic_folder replaces the folder it
+    names by a rename, which a mount point refuses, so the run trained to its end and failed there, 'could not
+    write the adapter OUT/adapters: Device or resource busy'. It is refused before the first step."""
+    from dtrain.errors import UserError
+    from dtrain.run.trainer import Hooks
+
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "adapters").symlink_to(tmp_path / "disk")
+    monkeypatch.setattr("os.path.ismount", lambda p: str(p) == str(tmp_path / "disk"))
+    steps = []
+    with pytest.raises(UserError) as err:
+        run(tmp_path / "out", "train.steps=1", hooks=Hooks(before_step=lambda step, _: steps.append(step)))
+    assert str(err.value) == (
+        f"{tmp_path / 'out' / 'adapters'} names {tmp_path / 'disk'}, the root of a mounted disk, which the run's "
+        f"adapter cannot replace (it is written beside it and renamed into its place); link adapters to a folder "
+        f"on that disk instead")
+    assert steps == [] and list((tmp_path / "disk").iterdir()) == []
+
+
 def test_a_run_makes_the_folder_a_dangling_checkpoints_link_names(tmp_path):
     """checkpoints/ made beforehand as a link to a folder not made yet on another disk: the run trained to its
     first save and ended there, 'could not write checkpoint OUT/checkpoints/step-0000001: File exists' (mkdir of

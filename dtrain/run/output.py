@@ -152,7 +152,7 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     Raises:
         UserError: ``out`` is an adapter folder; another run holds ``out``; not writable (a killed run's
             leftovers too); too little space; earlier checkpoints and not ``resuming``; an adapter folder
-            and no checkpoint.
+            and no checkpoint; an adapter folder that is a mounted disk's root.
     """
     # runs/demo/adapters given for runs/demo: checkpoints/, tb/ and data_cache/ would go into the adapter
     if (out / ADAPTER_CONFIG).is_file():
@@ -187,6 +187,11 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
             raise UserError(f"{out} holds an earlier run's adapter ({made[0].name}/) and {why} to continue "
                             f"that run from, so this run would replace it; choose another train.output_dir, or "
                             f"remove {made[0]} to train anew here")
+        for p in (OutputDir(out).adapters, OutputDir(out).adapters_last):  # else EBUSY at the run's end
+            if os.path.ismount(os.path.realpath(p)):  # files.atomic_folder renames the folder a link names
+                raise UserError(f"{p} names {os.path.realpath(p)}, the root of a mounted disk, which the run's adapter "
+                                f"cannot replace (it is written beside it and renamed into its place); link {p.name} "
+                                f"to a folder on that disk instead")
         kept = [p for p in list_checkpoints(OutputDir(out).checkpoints) if validate(p) is None] if earlier else []
         need, more = plan.need(len(kept), step_of(earlier) if earlier else 0)
         check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
