@@ -716,3 +716,17 @@ def test_a_gemma3_sliding_window_pattern_of_another_kind_is_one_line(tmp_path, m
     assert capsys.readouterr().err == (f"dtrain: error: {path}: GGUF key 'gemma3.attention.sliding_window_pattern' = "
                                        f"{shown} is not supported (expected a number above 0)\n")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), "two"], ids=["nan", "text"])
+def test_a_split_count_of_another_kind_is_one_line(tmp_path, capsys, value):
+    """split.count holding a float32 NaN or a text ended convert in int()'s ValueError traceback."""
+    from dtrain.cli import main
+
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path, {}, extra=[("add_float32" if isinstance(value, float) else "add_string", "split.count",
+                                       value)])
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: {path}: GGUF key 'split.count' = {value!r} is not supported "
+                                       f"(expected 1)\n")
+    assert not (tmp_path / "out").exists()

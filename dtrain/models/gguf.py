@@ -302,8 +302,11 @@ def _check_model_keys(arch: str, md: dict, config: dict) -> None:
         got = md.get(f"{arch}.{name}")
         if got is not None and (not _is_number(got) or int(got) != value):
             raise ModelError(f"GGUF key '{arch}.{name}' = {got} is not supported (expected {value})")
-    if int(md.get("split.count", 1)) > 1:
-        raise ModelError(f"split GGUF files (split.count = {md['split.count']}) are not supported; merge them first")
+    split = md.get("split.count", 1)
+    if not _is_number(split):  # else int()'s traceback
+        raise ModelError(f"GGUF key 'split.count' = {split!r} is not supported (expected 1)")
+    if int(split) > 1:
+        raise ModelError(f"split GGUF files (split.count = {split}) are not supported; merge them first")
 
 
 def _config(arch: str, md: dict, tensors: dict) -> dict:
