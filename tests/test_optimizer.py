@@ -176,3 +176,19 @@ def test_resume_of_a_compiled_run_is_bitwise_uninterrupted(tmp_path):
         a, b = mx.load(str(tmp_path / "whole" / name)), mx.load(str(tmp_path / "part" / name))
         assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]).item() and a[k].dtype == b[k].dtype
                                             for k in a), name
+
+
+def test_a_shortened_run_ending_at_the_rate_shown_for_the_final_one_gets_no_notice():
+    """train.steps 9999 of a cosine schedule planned for 10000: the notice read 'its last step trains at learning
+    rate 5e-05, not the final 5e-05', two rates it shows as one; it comes where the rates differ as shown."""
+    from dtrain.run.optimizer import shortened_notice
+
+    cfg = load_config(None, ["data.demo_pairs=1", "train.steps=9999", "train.schedule=cosine",
+                             "train.min_lr_ratio=0.1"]).train
+    assert learning_rate(9999, cfg, 10000) != learning_rate(10000, cfg, 10000)
+    assert shortened_notice(cfg, 10000) is None
+    cfg = load_config(None, ["data.demo_pairs=1", "train.steps=9000", "train.schedule=cosine",
+                             "train.min_lr_ratio=0.1"]).train
+    assert shortened_notice(cfg, 10000) == ("train.steps 9000 ends this run before the 10000 steps its schedule was "
+                                            "planned for: its last step trains at learning rate 6.1e-05, not the "
+                                            "final 5e-05")

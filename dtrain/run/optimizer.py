@@ -85,12 +85,14 @@ def extension_notice(step: int, cfg: TrainConfig, schedule_steps: int) -> str:
 
 def shortened_notice(cfg: TrainConfig, schedule_steps: int) -> str | None:
     """What a run resumed with ``cfg.steps`` short of its planned ``schedule_steps`` ends at: the rate of its last
-    step (:func:`learning_rate`), not the schedule's final one (None: the two are equal, a constant rate)."""
-    last, final = learning_rate(cfg.steps, cfg, schedule_steps), learning_rate(schedule_steps, cfg, schedule_steps)
+    step (:func:`learning_rate`), not the schedule's final one (None: the two are equal as shown, a constant rate
+    or a step short of the end of a long decay)."""
+    last = f"{learning_rate(cfg.steps, cfg, schedule_steps):.3g}"
+    final = f"{learning_rate(schedule_steps, cfg, schedule_steps):.3g}"
     if last == final:
         return None
     return (f"train.steps {cfg.steps} ends this run before the {schedule_steps} steps its schedule was planned for: "
-            f"its last step trains at learning rate {last:.3g}, not the final {final:.3g}")
+            f"its last step trains at learning rate {last}, not the final {final}")
 
 
 class AdamWStep:
