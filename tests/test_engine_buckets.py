@@ -168,10 +168,10 @@ def test_auto_over_budget_says_what_to_change():
     pairs = [TokenizedPair(list(range(5, 305)), list(range(5, 205)), list(range(5, 205)), "long")]
     rs, chunk = engine.plan_of(engine.layout(pairs))
     assert len(notices) == 1 and (len(rs.ranges), chunk) == (5, 1024)
-    assert notices[0].startswith(f"engine plan for 1 x 700 tokens (699 targets): ranges of 1 layer, head chunks of 1024 "
-                                 f"(estimated peak ")
-    assert notices[0].endswith(f"GiB budget: no plan fits it, this one has the smallest estimate; lower "
-                               f"train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb)")
+    assert notices[0].startswith("engine plan for 1 x 700 tokens (699 targets): ranges of 1 layer, head chunks of 1024 "
+                                 "(estimated peak ")
+    assert notices[0].endswith("GiB budget: no plan fits it, this one has the smallest estimate; lower "
+                               "train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb)")
 
 
 def test_a_fixed_plan_over_the_budget_is_reported_once_and_not_changed():

@@ -262,7 +262,7 @@ def hand_metrics(model, pairs, obj) -> dict:
         return (np.array([logp[t, prompt[t + 1]] for t in range(P - 1)]),
                 np.array([logp[P - 1 + t, x] for t, x in enumerate(response)]))
 
-    n, nll, nll_tokens, rows = len(pairs), 0.0, 0, []
+    nll, nll_tokens, rows = 0.0, 0, []
     for p in pairs:
         prompt_lp, c = side(p.prompt, p.chosen)
         full = obj.nll_scope == "full"
