@@ -188,6 +188,27 @@ def parquet_and_arrow(tmp_path, table) -> tuple:
     return tmp_path / "t.parquet", tmp_path / "t.arrow"
 
 
+def test_a_feather_v1_file_reads_as_the_jsonl(tmp_path, recwarn):
+    """A Feather V1 file (``FEA1``, older pandas' ``to_feather``) was read as JSONL: 'not a JSONL file or a JSON
+    array: none of its N non-blank lines is JSON', though the README reads ``pairs.feather``."""
+    import pyarrow.feather as feather
+
+    objs = gen_objs("standard", 40, seed=6)  # V1 holds no nested types
+    ref_rows, ref = load_rows(write_jsonl(tmp_path / "d.jsonl", objs), DataConfig())
+    path = tmp_path / "v1.feather"
+    with pytest.warns(DeprecationWarning):  # pyarrow still writes and reads V1, deprecated
+        feather.write_feather(pa.Table.from_pylist(objs), str(path), version=1)
+    recwarn.clear()
+    rows, report = load_rows(str(path), DataConfig())
+    assert plain(rows) == plain(ref_rows) and report.bad == [(f"{path}:row {int(src.rsplit(':', 1)[1]) - 1}", why)
+                                                            for src, why in ref.bad]
+    assert rows[0].source == f"{path}:row {int(ref_rows[0].source.rsplit(':', 1)[1]) - 1}"
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]  # read quietly
+    path.write_bytes(path.read_bytes()[:200])  # cut short
+    with pytest.raises(DataError, match=f"^{path}: not a readable Arrow file: "):
+        load_rows(str(path), DataConfig())
+
+
 def test_a_string_column_holding_bytes_that_are_not_utf8_makes_a_bad_row(tmp_path):
     """pyarrow does not check a string column's UTF-8 on write; reading one ended in UnicodeDecodeError's traceback."""
     bad = lambda *values: pa.array(values, pa.binary()).view(pa.string())  # noqa: E731 -- no check, as a writer may

@@ -6,7 +6,8 @@
   in record batches with pyarrow; a row's source is ``file.parquet:row N``
   (N 0-based, the row index as in ``ds[N]``);
 - an Arrow file (told by its first bytes): an IPC stream, as ``datasets`` writes its
-  ``*.arrow`` files, or an IPC file (``ARROW1``, Feather v2); sources ``file:row N``;
+  ``*.arrow`` files, an IPC file (``ARROW1``, Feather v2) or a Feather v1 file (``FEA1``);
+  sources ``file:row N``;
 - any other file: JSONL, streamed line by line (``file:line``), or a JSON array,
   read whole (``file:line[index]``); gzip, bzip2, xz and zstd files (told by
   their first bytes, whatever their name) are decompressed as they stream, line
@@ -50,6 +51,7 @@ from .jsonfile import COMPRESSED_SUFFIXES, first_repeat, json_items, why_unread
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes: IPC stream (continuation marker), IPC file
+FEATHER_V1 = b"FEA1"  # first bytes of a Feather V1 file (older pandas to_feather), which is no IPC file
 HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
@@ -189,8 +191,8 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
 
 def _file_source(path: Path, label: str) -> Source:
     """One file: Parquet when it starts with Parquet's magic ``PAR1`` or is named ``.parquet``/``.pq`` (any case),
-    Arrow when it starts as an Arrow IPC stream (``datasets``' ``*.arrow`` files) or file (``ARROW1``, Feather v2),
-    else JSON/JSONL."""
+    Arrow when it starts as an Arrow IPC stream (``datasets``' ``*.arrow`` files) or file (``ARROW1``, Feather v2)
+    or as Feather v1 (``FEA1``), else JSON/JSONL."""
     try:
         with open(path, "rb") as f:
             head = f.read(6)
@@ -198,7 +200,7 @@ def _file_source(path: Path, label: str) -> Source:
         raise DataError(f"{label}: cannot be read: {err.strerror or err}") from None
     if head[:4] == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES:
         return Source("parquet", (path,), label)
-    if head[:4] == ARROW_STREAM or head == ARROW_FILE:
+    if head[:4] in (ARROW_STREAM, FEATHER_V1) or head == ARROW_FILE:
         return Source("arrow", (path,), label)
     return Source("json", (path,), label)
 
@@ -340,10 +342,18 @@ def read_items(src: Source) -> Iterator[tuple]:
 
 
 def _arrow_batches(mm):
-    """Record batches of an Arrow IPC stream, or of an Arrow IPC file (``ARROW1``: Feather v2)."""
-    import pyarrow as pa
+    """Record batches of an Arrow IPC stream, of an Arrow IPC file (``ARROW1``: Feather v2), or of a Feather v1 file."""
+    import warnings
 
-    if mm.read(6) != ARROW_FILE:
+    import pyarrow as pa
+    import pyarrow.feather as feather
+
+    head = mm.read(6)
+    if head[:4] == FEATHER_V1:
+        with warnings.catch_warnings():  # pyarrow 25 deprecated V1; while it reads it, the data is the user's to keep
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return feather.read_table(mm).to_batches(BATCH_ROWS)
+    if head != ARROW_FILE:
         mm.seek(0)
         return pa.ipc.open_stream(mm)
     reader = pa.ipc.open_file(mm)
