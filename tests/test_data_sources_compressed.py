@@ -181,6 +181,35 @@ def test_parquet_is_told_by_its_magic_whatever_the_suffix(tmp_path, name):
         load_rows(str(junk), DataConfig())
 
 
+@pytest.mark.parametrize("suffix", list(COMPRESS))
+@pytest.mark.parametrize("name", ["pairs.parquet", "pairs.feather", "data-00000-of-00001.arrow", "pairs.jsonl"])
+def test_a_compressed_parquet_or_arrow_file_is_refused_as_one(tmp_path, suffix, name):
+    """``pairs.parquet.gz`` was read as JSONL: 'not a JSONL file or a JSON array: none of its 13 non-blank lines is
+    JSON (...; the line holds CR (\\r) line breaks ...)'."""
+    import pyarrow as pa
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    table, plain_path = pa.Table.from_pylist([{"prompt": "Q", "chosen": "a", "rejected": "b"}]), tmp_path / name
+    if name == "pairs.parquet":
+        pq.write_table(table, plain_path)
+        what = "Parquet"
+    elif name == "pairs.feather":
+        feather.write_feather(table, str(plain_path))
+        what = "Arrow"
+    else:  # a datasets Arrow stream file, or one misnamed
+        with pa.OSFile(str(plain_path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        what = "Arrow"
+    path = tmp_path / f"{name}{suffix}"
+    path.write_bytes(COMPRESS[suffix](plain_path.read_bytes()))
+    with pytest.raises(DataError) as err:
+        load_rows(str(path), DataConfig())
+    assert str(err.value) == (f"{path}: a {KIND[suffix]}-compressed {what} file, which dtrain does not read; Parquet "
+                              "and Arrow files are read as they are (their columns are compressed inside them): "
+                              "decompress it first")
+
+
 def test_data_check_reads_a_gzip_file(tmp_path, capsys):
     from fixtures_launch import make_model_folder
 

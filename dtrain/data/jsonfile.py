@@ -3,8 +3,8 @@
 A JSONL file is streamed line by line (``file:line``), a JSON array read whole
 (``file:line[index]``); gzip, bzip2, xz and zstd files, told by their first
 bytes whatever their name, are decompressed as they stream, line numbers
-counting lines of the decompressed text; other archives and compressions are
-refused by name. :mod:`.sources` picks the container; this module reads one file.
+counting lines of the decompressed text; other archives and compressions, and
+compressed Parquet or Arrow files, are refused by name. :mod:`.sources` picks the container; this module reads one file.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ _REFUSED_SUFFIX = {
     ".tgz": "a tar archive",
 }
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+# First bytes of the table files that sources.py reads as they are: Parquet, an Arrow IPC stream (continuation
+# marker) and file, Feather v1 (older pandas to_feather), which is no IPC file
+PARQUET_MAGIC, ARROW_STREAM, ARROW_FILE, FEATHER_V1 = b"PAR1", b"\xff\xff\xff\xff", b"ARROW1", b"FEA1"
+_TABLE_MAGIC = {PARQUET_MAGIC: "Parquet", ARROW_STREAM: "Arrow", ARROW_FILE: "Arrow", FEATHER_V1: "Arrow"}
 # Text that is not UTF-8: byte order marks (UTF-32's first), and the NUL bytes of its first four bytes.
 _WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xff\xfe", "UTF-16LE"),
               (b"\xfe\xff", "UTF-16BE"))
@@ -94,14 +98,20 @@ def compression(path: str) -> Optional[str]:
 
     Raises:
         DataError: an archive or a compression that is not read (zip, 7z, lz4,
-            tar, RAR, brotli, ...), named, with what is read instead.
+            tar, RAR, brotli, ...), named, with what is read instead; a compressed
+            Parquet or Arrow file.
     """
     with open(path, "rb") as f:
         head = f.read(512)
     name = Path(path).name.lower()
     kind = next((kind for kind, (magic, _) in _STREAMED.items() if head.startswith(magic)), None)
+    inner = _decompressed_head(path, kind) if kind is not None else b""
+    table = next((t for magic, t in _TABLE_MAGIC.items() if inner.startswith(magic)), None)
+    if table is not None:  # its bytes would read as lines of binary text, none of them JSON
+        raise DataError(f"{path}: a {kind}-compressed {table} file, which dtrain does not read; Parquet and Arrow "
+                        "files are read as they are (their columns are compressed inside them): decompress it first")
     what = next((w for magic, w in _REFUSED_MAGIC.items() if head.startswith(magic)), None)
-    if (_is_tar(head) or (kind is not None and _is_tar(_decompressed_head(path, kind)))
+    if (_is_tar(head) or _is_tar(inner)
             or name.endswith(tuple(f".tar{s}" for s in COMPRESSED_SUFFIXES))):
         what = "a tar archive"
     what = what or _REFUSED_SUFFIX.get(Path(path).suffix.lower())

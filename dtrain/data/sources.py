@@ -47,11 +47,10 @@ from typing import Any, Iterator, Optional
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file
 from .formats import DETECT_ROWS, BadRow, BadRowReport, detect_items_format, json_kind, parse_rows, undecodable
-from .jsonfile import COMPRESSED_SUFFIXES, first_repeat, json_items, why_unread
+from .jsonfile import (ARROW_FILE, ARROW_STREAM, COMPRESSED_SUFFIXES, FEATHER_V1, PARQUET_MAGIC, first_repeat,
+                       json_items, why_unread)
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-ARROW_STREAM, ARROW_FILE = b"\xff\xff\xff\xff", b"ARROW1"  # first bytes: IPC stream (continuation marker), IPC file
-FEATHER_V1 = b"FEA1"  # first bytes of a Feather V1 file (older pandas to_feather), which is no IPC file
 HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
@@ -198,7 +197,7 @@ def _file_source(path: Path, label: str) -> Source:
             head = f.read(6)
     except OSError as err:  # no read permission, a file on a disconnected share
         raise DataError(f"{label}: cannot be read: {err.strerror or err}") from None
-    if head[:4] == b"PAR1" or path.suffix.lower() in PARQUET_SUFFIXES:
+    if head[:4] == PARQUET_MAGIC or path.suffix.lower() in PARQUET_SUFFIXES:
         return Source("parquet", (path,), label)
     if head[:4] in (ARROW_STREAM, FEATHER_V1) or head == ARROW_FILE:
         return Source("arrow", (path,), label)
