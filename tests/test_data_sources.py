@@ -388,6 +388,25 @@ def test_parquet_folder_of_several_configs_is_refused(tmp_path):
     assert resolve(f"{folder}/main", DataConfig()).files == (tmp_path / "hub/main/train-00000-of-00001.parquet",)
 
 
+@pytest.mark.parametrize("other", ["data/train-00001-of-00002.jsonl", "data/train-00001-of-00002.json.gz",
+                                   "train/0001.arrow", "train.csv"])
+def test_a_parquet_folder_with_data_files_of_another_type_is_refused(tmp_path, other):
+    """A split's rows in Parquet and in another file type (``train-00001-of-00002.jsonl`` beside
+    ``train-00000-of-00002.parquet``): the Parquet rows were trained alone, the others dropped without a word."""
+    objs = gen_objs("standard", 10, seed=3)
+    write_parquet(tmp_path / "hub/data/train-00000-of-00002.parquet", objs)
+    write_jsonl(tmp_path / "hub/data/test-00000-of-00001.jsonl", objs)  # of another split: not read, no matter
+    (tmp_path / "hub/README.md").write_text("# card\n")
+    folder = str(tmp_path / "hub")
+    assert resolve(folder, DataConfig()).files == (tmp_path / "hub/data/train-00000-of-00002.parquet",)
+    write_jsonl(tmp_path / "hub" / other, objs)
+    with pytest.raises(DataError) as err:
+        resolve(folder, DataConfig())
+    assert str(err.value) == (f"{folder}: Parquet files of split 'train' beside other data files of it ({other}), "
+                              "and only the Parquet files would be read; move the others out of the folder, or set "
+                              "data.train to one file")
+
+
 def test_a_parquet_folder_copied_from_a_mac_skips_its_hidden_files(tmp_path, tokenizer):
     """A folder copied from a Mac holds AppleDouble files (``._0000.parquet``, the resource fork, not Parquet):
     the split's rglob picked them up and the run stopped, 'not a readable Parquet file'. Hidden files and

@@ -23,6 +23,7 @@
 - a folder of Parquet files, as ``hf download --repo-type dataset`` leaves it:
   the files whose name or folder is the split (``data/train-00000-of-00002.parquet``,
   ``train.parquet``, ``default/train/0000.parquet``), hidden ones (``._0000.parquet``) skipped;
+  a folder holding files of the split in another type too (``train.jsonl``) is refused;
 - a hub dataset id ``owner/name`` that is no local path, loaded with
   ``datasets.load_dataset(id, split=...)`` (optional extra ``dtrain[hf]``);
   one not in the ``datasets`` cache is first asked of the hub once, so an
@@ -168,8 +169,9 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
             raise DataError(f"{spec}: mlx-lm data folder without {mlx[role]} ({key})")
         return _file_source(f, str(f))
     # hidden names are no data: a Mac's AppleDouble files (._0000.parquet), .Trash, .ipynb_checkpoints
-    parquet = sorted(q for q in p.rglob("*.parquet") if q.is_file()
-                     and not any(part.startswith(".") for part in q.relative_to(p).parts))
+    files = sorted(q for q in p.rglob("*") if q.is_file()
+                   and not any(part.startswith(".") for part in q.relative_to(p).parts))
+    parquet = [q for q in files if q.suffix == ".parquet"]
     if parquet:
         if split is None:
             raise DataError(f"{spec}: a folder of Parquet files; set {split_key} to choose the files")
@@ -182,6 +184,11 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
             raise DataError(f"{spec}: Parquet files of split {split!r} in {len(folders)} folders "
                             f"({', '.join(folders)}), one per dataset config as the hub lays them out; set {key} "
                             "to one of them")
+        others = [str(q.relative_to(p)) for q in files if _other_data(q.relative_to(p), split)]
+        if others:  # the split's rows in two file types: reading the Parquet ones alone would drop the rest unsaid
+            raise DataError(f"{spec}: Parquet files of split {split!r} beside other data files of it "
+                            f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}), and only the Parquet "
+                            f"files would be read; move the others out of the folder, or set {key} to one file")
         return Source("parquet", chosen, f"{spec}[{split}]", split)
     raise DataError(f"{spec}: is a directory but no data folder ({key}); expected a JSONL/JSON/Parquet file, or a "
                     "folder holding train.jsonl/valid.jsonl (mlx-lm), a datasets.save_to_disk folder (state.json "
@@ -207,6 +214,16 @@ def _file_source(path: Path, label: str) -> Source:
 def _names_split(rel: Path, split: str) -> bool:
     """``train.parquet``, ``train-00000-of-00002.parquet`` or ``train/...`` (hub layouts)."""
     return split in rel.parts[:-1] or rel.stem == split or rel.stem.startswith(split + "-")
+
+
+def _other_data(rel: Path, split: str) -> bool:
+    """``rel`` names a data file of ``split`` that a Parquet folder does not read: JSON/JSONL (compressed too), Arrow,
+    CSV, or Parquet compressed or not named ``.parquet``."""
+    name = rel.name.lower()
+    for suffix in COMPRESSED_SUFFIXES:
+        name = name.removesuffix(suffix)
+    data = Path(name).suffix in (".jsonl", ".json", ".arrow", ".feather", ".csv", ".tsv", *PARQUET_SUFFIXES)
+    return rel.suffix != ".parquet" and data and _names_split(rel.with_name(rel.name.split(".")[0]), split)
 
 
 def _json_file(path: Path) -> dict:
