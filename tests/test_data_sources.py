@@ -209,6 +209,21 @@ def test_a_feather_v1_file_reads_as_the_jsonl(tmp_path, recwarn):
         load_rows(str(path), DataConfig())
 
 
+@pytest.mark.parametrize("name", ["pairs.arrow", "pairs.FEATHER", "data-00000-of-00001.arrow"])
+def test_a_file_named_arrow_that_is_no_arrow_file_is_named_as_one(tmp_path, name):
+    """A ``.arrow`` or ``.feather`` file that does not start as one (a NumPy array saved under that name) was
+    'not a JSONL file or a JSON array: none of its 3 non-blank lines is JSON', as a Parquet name is read as Parquet."""
+    path = tmp_path / name
+    path.write_bytes(b"\x93NUMPY\x01\x00v\x00{'descr': '<i8', 'fortran_order': False, 'shape': (100,), }\n" + bytes(80))
+    with pytest.raises(DataError) as err:
+        load_rows(str(path), DataConfig())
+    assert str(err.value) == (f"{path}: not a readable Arrow file: it does not start as one (an Arrow IPC stream or "
+                              "file, or Feather)")
+    path.write_bytes(b"")
+    with pytest.raises(DataError, match=f"^{path}: file is empty$"):
+        load_rows(str(path), DataConfig())
+
+
 def test_a_string_column_holding_bytes_that_are_not_utf8_makes_a_bad_row(tmp_path):
     """pyarrow does not check a string column's UTF-8 on write; reading one ended in UnicodeDecodeError's traceback."""
     bad = lambda *values: pa.array(values, pa.binary()).view(pa.string())  # noqa: E731 -- no check, as a writer may

@@ -52,6 +52,7 @@ from .jsonfile import (ARROW_FILE, ARROW_STREAM, COMPRESSED_SUFFIXES, FEATHER_V1
                        json_items, why_unread)
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+ARROW_SUFFIXES = (".arrow", ".feather")
 HUB_PROBE_TIMEOUT_S = 10.0  # one request asking the hub whether a dataset id exists
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 _ROLE_KEYS = {"train": ("data.train", "split", "data.split"), "valid": ("data.valid", "valid_split", "data.valid_split")}
@@ -198,7 +199,11 @@ def _folder(p: Path, spec: str, role: str, split: Optional[str], key: str, split
 def _file_source(path: Path, label: str) -> Source:
     """One file: Parquet when it starts with Parquet's magic ``PAR1`` or is named ``.parquet``/``.pq`` (any case),
     Arrow when it starts as an Arrow IPC stream (``datasets``' ``*.arrow`` files) or file (``ARROW1``, Feather v2)
-    or as Feather v1 (``FEA1``), else JSON/JSONL."""
+    or as Feather v1 (``FEA1``), else JSON/JSONL.
+
+    Raises:
+        DataError: the file cannot be read; one named ``.arrow``/``.feather`` (any case) that does not start as one.
+    """
     try:
         with open(path, "rb") as f:
             head = f.read(6)
@@ -208,6 +213,9 @@ def _file_source(path: Path, label: str) -> Source:
         return Source("parquet", (path,), label)
     if head[:4] in (ARROW_STREAM, FEATHER_V1) or head == ARROW_FILE:
         return Source("arrow", (path,), label)
+    if head and path.suffix.lower() in ARROW_SUFFIXES:  # else read as JSONL and called 'not a JSONL file'
+        raise DataError(f"{label}: not a readable Arrow file: it does not start as one (an Arrow IPC stream or file, "
+                        "or Feather)")
     return Source("json", (path,), label)
 
 
