@@ -792,7 +792,7 @@ def test_hub_id_without_datasets_library():
 
 
 @pytest.mark.parametrize("spec", ["data/pairs.JSONL", "data/pairs.Json", "data/pairs.PARQUET", "data/pairs.JSONL.GZ",
-                                  "data/pairs.Pq"])
+                                  "data/pairs.Pq", "data/pairs.arrow", "data/pairs.Feather"])
 def test_missing_path_with_an_upper_case_suffix_is_not_a_hub_id(spec):
     assert not is_hub_id(spec)
     with pytest.raises(DataError, match=f"^{spec}: data file not found \\(data.train\\)$"):

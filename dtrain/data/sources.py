@@ -110,7 +110,8 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
 def is_hub_id(spec: str) -> bool:
     """``spec`` names no local file or folder and reads as a hub dataset id ``owner/name``.
 
-    A data-file suffix (``.jsonl``, ``.JSON``, ``.parquet``, ``.gz`` ..., any case) marks a missing file, not an id.
+    A data-file suffix (``.jsonl``, ``.JSON``, ``.parquet``, ``.arrow``, ``.gz`` ..., any case) marks a missing file,
+    not an id.
     """
     p = Path(spec)
     try:
@@ -118,7 +119,7 @@ def is_hub_id(spec: str) -> bool:
     except OSError:  # a name too long for the file system, and for a hub id
         return False
     return (not exists and bool(HUB_ID.fullmatch(spec))
-            and p.suffix.lower() not in (".json", ".jsonl", *PARQUET_SUFFIXES, *COMPRESSED_SUFFIXES))
+            and p.suffix.lower() not in (".json", ".jsonl", *PARQUET_SUFFIXES, *ARROW_SUFFIXES, *COMPRESSED_SUFFIXES))
 
 
 def resolve_pair(cfg) -> tuple:
