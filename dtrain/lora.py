@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.tuner.lora import LoRALinear
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
@@ -76,11 +77,13 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, keys_from: str = "lora.keys") 
     Returns:
         The number of trainable parameters.
     Raises:
-        ConfigError: no module matched ``lora.keys``, or one that is not a linear layer (named as
-            ``keys_from``: where the keys came from, e.g. an initial adapter's ``adapter_config.json``).
+        ConfigError: a key that names no module of the model, no module matched ``lora.keys``, or one
+            that is not a linear layer (named as ``keys_from``: where the keys came from, e.g. an initial
+            adapter's ``adapter_config.json``).
     """
     n_layers = len(model.layers)
     num_layers = n_layers if cfg.num_layers < 0 else min(cfg.num_layers, n_layers)
+    check_keys(model, cfg.keys, keys_from)
     model.freeze()
     try:
         linear_to_lora_layers(model, num_layers, lora_parameters(cfg))
@@ -95,6 +98,22 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, keys_from: str = "lora.keys") 
     if count == 0:
         raise ConfigError(f"{keys_from} {cfg.keys!r} matched no linear layer of the model")
     return count
+
+
+def check_keys(model: nn.Module, keys: list | None, keys_from: str) -> None:
+    """Refuse ``keys`` that name no module of a decoder layer nor of the model (mlx-lm matches keys against
+    both and drops a key that matches nothing without a word, so a typo would train the other keys only).
+
+    Raises:
+        ConfigError: naming the unknown keys and the decoder layers' linear layers.
+    """
+    names = {k for layer in model.layers for k, _ in layer.named_modules()} | {k for k, _ in model.named_modules()}
+    unknown = [k for k in keys or () if not isinstance(k, str) or k not in names]  # an adapter's keys may be anything
+    if unknown:
+        linear = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear)
+        known = sorted({k for layer in model.layers for k, m in layer.named_modules() if isinstance(m, linear)})
+        raise ConfigError(f"{keys_from} {keys!r}: no module named {', '.join(map(repr, unknown))}; the decoder "
+                          f"layers' linear layers are {', '.join(known)}")
 
 
 class DropoutKeys:

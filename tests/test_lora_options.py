@@ -222,6 +222,10 @@ def test_init_adapter_values_outside_the_lora_keys_bounds_are_refused_naming_the
     ([], "[] matched no linear layer of the model"),
     (["input_layernorm"], "['input_layernorm']: Can't convert layer of type RMSNorm to LoRA; name linear layers, "
                           "e.g. [self_attn.q_proj, mlp.down_proj]"),
+    ([["self_attn.q_proj"], "mlp.up"], "[['self_attn.q_proj'], 'mlp.up']: no module named ['self_attn.q_proj'], "
+                                       "'mlp.up'; the decoder layers' linear layers are mlp.down_proj, mlp.gate_proj, "
+                                       "mlp.up_proj, self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, "
+                                       "self_attn.v_proj"),
 ])
 def test_init_adapter_keys_that_fit_no_linear_layer_are_named_as_the_adapters(tmp_path, keys, error):
     """The adapter's lora_parameters.keys replace lora.keys, and the message blamed lora.keys (which the
@@ -251,6 +255,27 @@ def test_lora_keys_naming_a_module_that_is_not_linear_is_one_line():
         apply_lora(make_tiny_model(seed=0), LoraConfig(keys=["self_attn.q_proj", "input_layernorm"]))
     assert str(err.value) == ("lora.keys ['self_attn.q_proj', 'input_layernorm']: Can't convert layer of type RMSNorm "
                               "to LoRA; name linear layers, e.g. [self_attn.q_proj, mlp.down_proj]")
+
+
+def test_lora_keys_naming_no_module_of_the_model_are_refused_naming_them():
+    """A key that names no module (a typo beside valid keys) was dropped without a word: [self_attn.q_prj,
+    self_attn.v_proj] trained v_proj only. A key of some decoder layers only (Gemma 4's k_proj, absent from its
+    KV-shared layers) or of the model itself (lm_head, as mlx-lm reads keys) is a module of the model."""
+    with pytest.raises(ConfigError) as err:
+        apply_lora(make_tiny_model(seed=0), LoraConfig(keys=["self_attn.q_prj", "self_attn.v_proj", "mlp.up"]))
+    assert str(err.value) == ("lora.keys ['self_attn.q_prj', 'self_attn.v_proj', 'mlp.up']: no module named "
+                              "'self_attn.q_prj', 'mlp.up'; the decoder layers' linear layers are mlp.down_proj, "
+                              "mlp.gate_proj, mlp.up_proj, self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, "
+                              "self_attn.v_proj")
+    from test_engine_gemma4 import GEMMA4
+
+    gemma4 = make_tiny_model("gemma4_text", seed=0, **GEMMA4)
+    apply_lora(gemma4, LoraConfig(rank=2, keys=["self_attn.k_proj"]))
+    adapted = [i for i, layer in enumerate(gemma4.layers) if isinstance(layer.self_attn.get("k_proj"), LoRALinear)]
+    assert adapted == [0, 1, 2, 3]
+    untied = make_tiny_model(seed=0, tie_word_embeddings=False)
+    apply_lora(untied, LoraConfig(rank=2, keys=["self_attn.q_proj", "lm_head"]))
+    assert isinstance(untied.lm_head, LoRALinear) and len(lora_layers(untied)) == 5
 
 
 def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
