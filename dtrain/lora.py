@@ -96,7 +96,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, keys_from: str = "lora.keys") 
                 module.__class__ = BranchLoRALinear
     count = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     if count == 0:
-        raise ConfigError(f"{keys_from} {cfg.keys!r} matched no linear layer of the model")
+        where = "the model" if num_layers >= n_layers else \
+            f"the last {num_layers} of the model's {n_layers} decoder layers (num_layers {num_layers})"
+        raise ConfigError(f"{keys_from} {cfg.keys!r} matched no linear layer of {where}")
     return count
 
 

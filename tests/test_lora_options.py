@@ -278,6 +278,18 @@ def test_lora_keys_naming_no_module_of_the_model_are_refused_naming_them():
     assert isinstance(untied.lm_head, LoRALinear) and len(lora_layers(untied)) == 5
 
 
+def test_lora_keys_of_no_adapted_layer_name_the_layers_num_layers_adapts():
+    """Gemma 4's KV-shared layers have no k_proj: k_proj on its last 2 layers matched nothing, and the message
+    said "matched no linear layer of the model", which has four; it names the layers adapted."""
+    from test_engine_gemma4 import GEMMA4
+
+    with pytest.raises(ConfigError) as err:
+        apply_lora(make_tiny_model("gemma4_text", seed=0, **GEMMA4),
+                   LoraConfig(keys=["self_attn.k_proj"], num_layers=2))
+    assert str(err.value) == ("lora.keys ['self_attn.k_proj'] matched no linear layer of the last 2 of the model's 6 "
+                              "decoder layers (num_layers 2)")
+
+
 def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
     write_adapter(tmp_path / "a")
     w = mx.load(str(tmp_path / "a" / ADAPTER_WEIGHTS))
