@@ -39,7 +39,8 @@ class Engine(Protocol):
 
     ``totals`` are the global counts of the step (``objective.Totals``); ``key`` is
     an ``mx.random.key`` for LoRA dropout (``dtrain.lora.DropoutKeys``; None
-    without dropout): the same key gives the same masks, in either engine;
+    without dropout): the same key gives the same masks, in either engine (placed on other tokens in MoE
+    layers that sort tokens by expert: docs/architecture.md);
     ``hyper``: the objective's hyper-parameters as float32 scalars (None: its own,
     ``objective.hyper()``).
     """
