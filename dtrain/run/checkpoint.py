@@ -464,23 +464,18 @@ def step_of(path: Path) -> int:
 def drop_left(root: Path, run_id: str, step: int) -> None:
     """Delete run ``run_id``'s checkpoints past ``step`` (damaged ones too): of the steps it left when it was
     continued from an older checkpoint (``train.resume`` naming one). Called before ``step`` is saved, so
-    that ``resume: auto`` continues this branch, not the one left, whenever the run is killed."""
+    that ``resume: auto`` continues this branch, not the one left, whenever the run is killed, and at the
+    run's end (one continued at its end saves nothing)."""
     for p in list_checkpoints(root):
         if step_of(p) > step and _written_run_id(p) == run_id:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def prune(root: Path, keep_last: int, run_id: str, saved: Optional[int] = None) -> None:
+def prune(root: Path, keep_last: int, run_id: str) -> None:
     """Delete all but the newest ``keep_last`` valid checkpoints of run ``run_id`` (its damaged ones older than
-    those kept go too), and stale temporaries.
-
-    ``saved``: the step just saved (or the step a run ends at without a save); the run's checkpoints
-    past it go first (:func:`drop_left`).
-    """
+    those kept go too), and stale temporaries. The steps a continued run left go first, by :func:`drop_left`."""
     if root.is_dir():
         clear_set_aside(root, f"{PREFIX}*")
-    if saved is not None:
-        drop_left(root, run_id, saved)
     mine = [p for p in list_checkpoints(root) if _written_run_id(p) == run_id]  # damaged ones included
     kept = [p for p in mine if validate(p) is None][-keep_last:]
     # a damaged one (never resumed from) goes where a valid one would: older than those kept

@@ -468,7 +468,7 @@ def save(run: Run, step: int) -> None:
         ckpt.drop_left(run.checkpoints, state.run_id, step)  # before the save: a kill after it keeps no step left
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
                              run.base_model, run.chat_template, run.best.weights)
-        ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id, step)
+        ckpt.prune(run.checkpoints, max(run.cfg.train.keep_last, 1), state.run_id)
 
 
 def save_stopped(run: Run, step: int) -> None:
@@ -492,10 +492,11 @@ def log_hparams(run: Run, step: int) -> None:
 def finish(run: Run) -> None:
     """Rank 0 writes the adapter (the same bytes when written again; with ``train.keep_best``: the best
     step's, and the last step's to ``adapters-last/``), after removing the run's checkpoints past its last step
-    (a run continued from an older checkpoint at its end saves none, whose prune would remove them)."""
+    (a run continued from an older checkpoint at its end saves none, whose save would remove them)."""
     if run.group.is_main:
         t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
-        ckpt.prune(run.checkpoints, max(t.keep_last, 1), run.state.run_id, step)
+        ckpt.drop_left(run.checkpoints, run.state.run_id, step)
+        ckpt.prune(run.checkpoints, max(t.keep_last, 1), run.state.run_id)
         kept = f"; checkpoint {ckpt.checkpoint_dir(run.checkpoints, step)} holds the same weights"
         with storage(f"write the adapter {out.adapters_last}", kept):
             weights = keep_best.last_and_best(run, out.adapters_last)
