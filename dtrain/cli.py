@@ -21,7 +21,7 @@ from pathlib import Path
 from .config_text import override_help, split_overrides, take_overrides
 from .contract import ERROR_PREFIX, STOP_SIGNALS
 from .errors import UserError
-from .files import to_devnull
+from .files import to_devnull, unusable_path
 
 
 COMMANDS = ("train", "data", "config", "convert", "export", "doctor")
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a path given longer than a file name may be, wherever it is first looked at
         if err.errno != errno.ENAMETOOLONG:
             raise
-        _error(f"{str(err.filename)[:80]}...: not a usable path: {err.strerror}")
+        _error(unusable_path(str(err.filename), err))
         return 2
 
 

@@ -24,6 +24,7 @@ from .contract import BACKENDS
 from .data.formats import FORMATS
 from .data.templates import NAMED_TEMPLATES
 from .errors import TOO_DEEP, ConfigError
+from .files import unusable_path
 from .models import DTYPE_NAMES
 from .run.best import DIRECTIONS
 from .run.lambda_control import LAWS
@@ -444,7 +445,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
         try:
             is_dir, is_file = p.is_dir(), p.is_file()
         except OSError as err:  # a name too long for the file system
-            raise ConfigError(f"{path[:80]}...: not a usable config file path: {err.strerror}") from None
+            raise ConfigError(unusable_path(path, err, "config file path")) from None
         if is_dir:
             raise ConfigError(f"{path}: is a directory, not a config file")
         if not is_file:

@@ -130,6 +130,12 @@ class OutputDir:
         return self.root / ".dtrain.lock"
 
 
+def unusable_path(path: str, err: OSError, what: str = "path") -> str:
+    """The one line for a path the file system cannot look up (a name longer than it allows): its first 80
+    characters and ``err``'s reason; ``what``: what the path is for (``config file path`` ...)."""
+    return f"{path[:80]}...: not a usable {what}: {err.strerror}"
+
+
 def output_dir_problem(out: Path, err: OSError) -> str:
     """Why ``train.output_dir`` ``out`` could not be created or written (``err``), in words.
 

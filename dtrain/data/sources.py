@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..errors import DataError
-from ..files import HUB_ID, sha256_file
+from ..files import HUB_ID, sha256_file, unusable_path
 from .formats import DETECT_ROWS, BadRow, BadRowReport, detect_items_format, json_kind, parse_rows, undecodable
 from .jsonfile import (ARROW_FILE, ARROW_STREAM, COMPRESSED_SUFFIXES, FEATHER_V1, PARQUET_MAGIC, first_repeat,
                        json_items, why_unread)
@@ -93,7 +93,7 @@ def resolve(spec: str, cfg, role: str = "train") -> Source:
     except RuntimeError:  # ~user of no user here
         raise DataError(f"{spec}: data file not found ({key}): no home folder for {spec.split('/')[0]}") from None
     except OSError as err:  # a name too long for the file system
-        raise DataError(f"{spec[:80]}...: not a usable path: {err.strerror} ({key})") from None
+        raise DataError(f"{unusable_path(spec, err)} ({key})") from None
     if is_file:
         return _file_source(p, spec)
     if is_dir:

@@ -32,6 +32,7 @@ from typing import Optional
 from ..contract import BACKENDS
 from ..data.jsonfile import first_repeat
 from ..errors import TOO_DEEP, UserError
+from ..files import unusable_path
 
 TOP_KEYS = ("backend", "envs", "hosts")
 HOST_KEYS = ("ssh", "ips", "rdma")
@@ -201,7 +202,7 @@ def load_hostfile(path: str) -> Hostfile:
     try:
         is_dir, is_file = p.is_dir(), p.is_file()
     except OSError as err:  # a name too long for the file system
-        raise LaunchError(f"{path[:80]}...: not a usable hostfile path: {err.strerror}") from None
+        raise LaunchError(unusable_path(path, err, "hostfile path")) from None
     if is_dir:
         raise LaunchError(f"{path}: is a directory, not a hostfile")
     if not is_file:
