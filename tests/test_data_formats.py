@@ -155,11 +155,14 @@ def test_rows_with_openais_legacy_functions_are_bad_rows_as_tools_are():
               "messages[1] 'function_call'"),
              ({"input": {"messages": [u], "functions": functions}, "preferred_output": [a],
                "non_preferred_output": [{"role": "assistant", "content": "Rain."}]}, "'functions' (function definitions)")]
+    one = {"name": "w", "description": "The weather.", "parameters": {"type": "object"}}  # one definition, not in a list
+    items += [({"messages": [u, a], "functions": one}, "'functions' (function definitions)"),
+              ({"messages": [u, a], "functions": json.dumps(one)}, "'functions' (function definitions)")]
     for obj, what in items:
         rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(), "f.jsonl", pairwise="messages" not in obj)
         assert rows == [] and report.bad == [
             ("f.jsonl:1", f"{what}: rows with tools are not read (dtrain renders the messages' role and content only)")]
-    for functions in ([], "[]", ["parse", "main"], "parse, main"):  # none, or a code dataset's column of names
+    for functions in ([], "[]", ["parse", "main"], "parse, main", {}, {"main": "def main(): pass"}):  # none, or a code dataset's column of names
         rows, report = parse_rows([("f.jsonl:1", {"messages": [u, {**a, "function_call": None}], "functions": functions})],
                                   DataConfig(), "f.jsonl", pairwise=False)
         assert report.bad == [] and len(rows) == 1

@@ -328,14 +328,16 @@ def _parse(obj: dict, fmt: str, fields: Optional[dict], pairwise: bool) -> Row:
 
 def _has_tools(value, key: str = "tools") -> bool:
     """A non-empty tools or tool_calls value; some hub datasets keep it as JSON text (``"[]"`` is none). A
-    ``functions`` column counts only as OpenAI writes it, a list of objects (a code dataset's may list names)."""
+    ``functions`` column counts only as OpenAI writes it, a list of objects or one object with a ``name`` (a
+    code dataset's may list names, or map names to code)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except (ValueError, RecursionError):  # not JSON, an integer too long for int(), nested too deep
             return bool(value.strip()) and key != "functions"
     if key == "functions":
-        return isinstance(value, list) and any(isinstance(v, dict) for v in value)
+        return (isinstance(value, list) and any(isinstance(v, dict) for v in value)
+                or isinstance(value, dict) and isinstance(value.get("name"), str))
     return bool(value)
 
 
