@@ -201,6 +201,17 @@ def test_a_default_system_header_with_empty_content_is_written_by_the_go_templat
     assert not any(line.startswith("SYSTEM") for line in lines) and "<s>" not in "".join(lines)
 
 
+def test_a_bos_followed_by_more_opening_text_is_left_to_the_tokenizer(tmp_path, tiny):
+    """A template opening with BOS and then a fixed preamble: the TEMPLATE wrote `{{ "<s>Chat log\\n" }}`, and
+    Ollama, whose tokenizer adds BOS as this GGUF's does, sent the model <s><s> where training had one."""
+    base, adapter = tiny
+    record_template(adapter, "{{ bos_token }}{{ 'Chat log\n' }}" + CHATML)
+    result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="f16")
+    lines = result.modelfile.read_text().splitlines()
+    assert lines[2:4] == ['TEMPLATE """{{ "Chat log\\n" }}', "{{- range $i, $_ := .Messages }}"]
+    assert "<s>" not in "".join(lines[2:-2])  # the stop lines name </s>
+
+
 def test_a_template_that_trims_the_content_is_said_so_in_the_modelfile(tmp_path, tiny):
     """Llama 3's template writes `message['content'] | trim`; Ollama's Go template writes .Content as it comes
     (Go templates have no trim), and nothing in the Modelfile said that prompts with whitespace around a

@@ -248,7 +248,10 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
             and parts.before["system"].startswith(bos):
         # every prompt opens with the system header then, so its BOS is the opening text the tokenizer adds
         parts = replace(parts, open=bos, before={**parts.before, "system": parts.before["system"][len(bos):]})
-    drop_open = parts is not None and adds_bos and parts.open == bos
+    if parts is not None and adds_bos and parts.open.startswith(bos):
+        # the tokenizer adds the BOS the template opens with (training kept one, data/render.py): a "<s>" in the
+        # TEMPLATE would be a second; any opening text after it stays
+        parts = replace(parts, open=parts.open[len(bos):])
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
-    return modelfile(gguf_name, parts, drop_open, [s for s in stops if s], model_name, report, template is not None,
+    return modelfile(gguf_name, parts, False, [s for s in stops if s], model_name, report, template is not None,
                      trims)
