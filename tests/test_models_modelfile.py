@@ -173,3 +173,11 @@ def test_a_quote_ending_a_line_needs_the_other_quoting_or_leaves_the_stop_out(st
     else:
         assert f"PARAMETER stop {written}\n" in text and not notes
     assert ollama_read(text)[1:] == ([] if written is None else [("stop", stop)])
+
+
+def test_a_name_with_line_breaks_stays_in_its_comment():
+    """The first line comments the model's name (the base GGUF's general.name + the adapter folder): a line break
+    in it ended the comment, and Ollama read the rest as a command ('+' is no command; 'FROM x' a second FROM)."""
+    text = modelfile("m.gguf", None, False, ["</s>"], "Base\r\nFROM x + run/adapters")
+    assert ollama_read(text) == [("from", "./m.gguf"), ("stop", "</s>")]
+    assert text.splitlines()[0] == "# Base  FROM x + run/adapters: `ollama create NAME -f Modelfile` in this folder"

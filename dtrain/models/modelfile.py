@@ -197,6 +197,7 @@ def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops
     :func:`ollama_quote` cannot quote is left out: a comment in its place and one line to ``report``.
     ``trims``: the chat template trims message content (:func:`trims_content`), which the TEMPLATE cannot (a
     comment says so)."""
+    name = name.replace("\r", " ").replace("\n", " ")  # a line break would end the comment: Ollama reads on as commands
     out = [f"# {name}: `ollama create NAME -f Modelfile` in this folder", f"FROM ./{gguf_name}"]
 
     def add(command: str, label: str, text: str, quotes: tuple) -> None:
