@@ -4,6 +4,7 @@ dtrain/models/modelfile.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -173,8 +174,8 @@ def test_chat_parts_of_known_template_shapes():
     llama3 = chat_parts(_jinja(LLAMA3))
     assert llama3.open == "<s>" and llama3.default_system is None
     assert llama3.before["user"] == "<|start_header_id|>user<|end_header_id|>\n\n"
-    assert '{{ "<s>" }}' not in go_template(llama3, drop_open=True)
-    assert go_template(llama3, drop_open=False).startswith('{{ "<s>" }}')
+    assert go_template(llama3).startswith('{{ "<s>" }}')  # export cuts a BOS the tokenizer adds first
+    assert '{{ "<s>" }}' not in go_template(dataclasses.replace(llama3, open=""))
     assert chat_parts(_jinja(NUMBERED)) is None  # numbers its turns: no literal pieces rebuild it
     assert chat_parts(lambda m, g: 1 / 0) is None
 

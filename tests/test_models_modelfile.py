@@ -99,7 +99,7 @@ def test_the_parser_model_reads_what_ollama_documents():
 def test_stop_texts_with_quotes_and_backslashes_reach_ollama_as_they_are():
     """JSON escapes were written (``"a\\"b\\\\c"``), which Ollama reads with the backslashes in."""
     notes = []
-    text = modelfile("m.gguf", None, False, ['a"b\\c', "</s>", 'x"\ny', "\u2063"], "n", notes.append)
+    text = modelfile("m.gguf", None, ['a"b\\c', "</s>", 'x"\ny', "\u2063"], "n", notes.append)
     assert ollama_read(text) == [("from", "./m.gguf"), ("stop", 'a"b\\c'), ("stop", "</s>"), ("stop", 'x"\ny')]
     assert 'PARAMETER stop "a"b\\c"\n' in text and 'PARAMETER stop """x"\ny"""\n' in text
     assert notes == ["Modelfile: PARAMETER stop '\\u2063' left out: Ollama's Modelfile parser drops the character "
@@ -115,7 +115,7 @@ STOP_CHARS = st.sampled_from(['"', "\\", "\n", "\r", "\t", " ", "a", "<", "|", "
 @given(st.lists(st.text(STOP_CHARS, min_size=1, max_size=8), min_size=1, max_size=4))
 def test_every_stop_is_read_back_exactly_or_left_out_with_a_notice(stops):
     notes = []
-    text = modelfile("m.gguf", None, False, stops, "n", notes.append)
+    text = modelfile("m.gguf", None, stops, "n", notes.append)
     kept = [v for k, v in ollama_read(text) if k == "stop"]
     left_out = [s for s in stops if s not in kept]
     assert kept == [s for s in stops if s not in left_out]
@@ -139,8 +139,8 @@ def test_template_and_system_are_read_back_exactly(pieces, default_system):
     open_, gen, *rest = pieces
     parts = ChatParts(open_, dict(zip(ROLES, rest[:3])), dict(zip(ROLES, rest[3:])), gen, default_system)
     notes = []
-    read = dict(ollama_read(modelfile("m.gguf", parts, False, [], "n", notes.append)))
-    assert read["template"] == go_template(parts, False)
+    read = dict(ollama_read(modelfile("m.gguf", parts, [], "n", notes.append)))
+    assert read["template"] == go_template(parts)
     default = [] if default_system is None else [parts.before["system"] + default_system + parts.after["system"]]
     want = [open_] + default + [p for r in ROLES for p in (parts.before[r], parts.after[r])] + [gen]
     assert go_literals(read["template"]) == [p for p in want if p]
@@ -155,7 +155,7 @@ def test_template_and_system_are_read_back_exactly(pieces, default_system):
 def test_a_system_text_ollama_cannot_quote_is_left_out_with_a_notice():
     parts = ChatParts("", dict.fromkeys(ROLES, ""), dict.fromkeys(ROLES, "\n"), "", 'say """hi"""\nthen \u2063')
     notes = []
-    text = modelfile("m.gguf", parts, False, [], "n", notes.append)
+    text = modelfile("m.gguf", parts, [], "n", notes.append)
     assert [k for k, _ in ollama_read(text)] == ["from", "template"]
     assert notes == ["Modelfile: SYSTEM 'say \"\"\"hi\"\"\"\\nthen \\u2063' left out: Ollama's Modelfile parser "
                      "drops the character U+2063, so no quoting gives it back"]
@@ -166,7 +166,7 @@ def test_a_system_text_ollama_cannot_quote_is_left_out_with_a_notice():
 def test_a_quote_ending_a_line_needs_the_other_quoting_or_leaves_the_stop_out(stop, written):
     """``""`` opens ``\"\"\"`` for Ollama, and a line ending in the closing quote ends the value there."""
     notes = []
-    text = modelfile("m.gguf", None, False, [stop], "n", notes.append)
+    text = modelfile("m.gguf", None, [stop], "n", notes.append)
     if written is None:
         assert notes == [f"Modelfile: PARAMETER stop {stop!r} left out: Ollama's Modelfile parser cannot quote it "
                          '(a line of it ends with """)'] and "PARAMETER stop \"" not in text
@@ -178,6 +178,6 @@ def test_a_quote_ending_a_line_needs_the_other_quoting_or_leaves_the_stop_out(st
 def test_a_name_with_line_breaks_stays_in_its_comment():
     """The first line comments the model's name (the base GGUF's general.name + the adapter folder): a line break
     in it ended the comment, and Ollama read the rest as a command ('+' is no command; 'FROM x' a second FROM)."""
-    text = modelfile("m.gguf", None, False, ["</s>"], "Base\r\nFROM x + run/adapters")
+    text = modelfile("m.gguf", None, ["</s>"], "Base\r\nFROM x + run/adapters")
     assert ollama_read(text) == [("from", "./m.gguf"), ("stop", "</s>")]
     assert text.splitlines()[0] == "# Base  FROM x + run/adapters: `ollama create NAME -f Modelfile` in this folder"

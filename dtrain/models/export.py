@@ -253,5 +253,5 @@ def ollama_modelfile(tokenizer, template: str | None, gguf_name: str, eos_ids: l
         # TEMPLATE would be a second; any opening text after it stays
         parts = replace(parts, open=parts.open[len(bos):])
     stops = [hf.convert_ids_to_tokens(i) for i in eos_ids]
-    return modelfile(gguf_name, parts, False, [s for s in stops if s], model_name, report, template is not None,
+    return modelfile(gguf_name, parts, [s for s in stops if s], model_name, report, template is not None,
                      trims)

@@ -163,12 +163,12 @@ def _go(text: str) -> str:
     return "{{ " + literal + " }}"
 
 
-def go_template(parts: ChatParts, drop_open: bool) -> str:
-    """Ollama's TEMPLATE for ``parts`` over ``.Messages``; ``drop_open``: leave the opening text (BOS) to
-    the tokenizer, which adds it. A last assistant message stays open (prefill), as in Ollama's templates.
+def go_template(parts: ChatParts) -> str:
+    """Ollama's TEMPLATE for ``parts`` over ``.Messages`` (a BOS the tokenizer adds is cut from ``parts.open``
+    before: ``export.ollama_modelfile``). A last assistant message stays open (prefill), as in Ollama's templates.
     A conversation without a system message gets the template's default one here: Ollama adds ``SYSTEM`` only
     when it is not empty (server/routes.go), and Llama 3's default has empty content."""
-    lines = [] if drop_open or not parts.open else [_go(parts.open)]
+    lines = [_go(parts.open)] if parts.open else []
     lines.append("{{- range $i, $_ := .Messages }}")
     lines.append("{{- $last := eq (len (slice $.Messages $i)) 1 }}")
     if parts.default_system is not None:
@@ -190,7 +190,7 @@ def go_template(parts: ChatParts, drop_open: bool) -> str:
 RAW_PROMPT = '{{- if .System }}{{ .System }}{{ "\\n\\n" }}{{ end }}{{ .Prompt }}'
 
 
-def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops: list, name: str,
+def modelfile(gguf_name: str, parts: Optional[ChatParts], stops: list, name: str,
               report: Optional[Callable[[str], None]] = None, has_template: bool = True, trims: bool = False) -> str:
     """The Modelfile text: ``FROM ./gguf_name``, TEMPLATE and SYSTEM from ``parts`` (a comment when
     None; :data:`RAW_PROMPT` when not ``has_template``), one ``PARAMETER stop`` per end text. A value
@@ -219,7 +219,7 @@ def modelfile(gguf_name: str, parts: Optional[ChatParts], drop_open: bool, stops
         if trims:  # the probe contents have no whitespace to trim, so the pieces rebuild the template without it
             out.append("# the chat template trims the whitespace around message content and this TEMPLATE cannot (Go "
                        "templates have no trim): send messages without leading or trailing whitespace")
-        add("TEMPLATE", "TEMPLATE", go_template(parts, drop_open), ('"""', '"'))
+        add("TEMPLATE", "TEMPLATE", go_template(parts), ('"""', '"'))
         if parts.default_system:
             add("SYSTEM", f"SYSTEM {parts.default_system!r}", parts.default_system, ('"""', '"'))
     for stop in stops:
