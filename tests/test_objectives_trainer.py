@@ -298,7 +298,7 @@ def test_reference_cache_key_tells_a_quantized_model_s_float_types_apart(tmp_pat
         model.set_dtype(dtype)
         said = []
         out = reference_pass(cfg, model, data, "tiny", Group(), ReferenceEngine(model, ReferenceLogps()),
-                             tmp_path / "cache", said.append, init_adapter=None)
+                             tmp_path / "cache", said.append, init_adapter=None, settings="reference")
         assert said[0].endswith("computed"), (dtype, said)
         refs[dtype] = [p.extra["ref_chosen"] for p in out.train]
     assert len(list((tmp_path / "cache").glob("reference-*-train.npz"))) == 2
@@ -334,7 +334,7 @@ def test_reference_pass_shows_a_progress_bar_per_split(tmp_path, monkeypatch):
     data = SimpleNamespace(train=make_pairs(3, seed=1), valid=make_pairs(2, seed=2))
     model = make_tiny_model(seed=0)
     reference_pass(cfg, model, data, "tiny", Group(), ReferenceEngine(model, ReferenceLogps()), tmp_path / "cache",
-                   None, init_adapter=None)
+                   None, init_adapter=None, settings="reference")
     assert [(b.desc, b.total, b.done, b.disable) for b in bars] == [
         ("DPO reference log-probs train", 3, 3, False), ("DPO reference log-probs valid", 2, 2, False)]
 
@@ -398,3 +398,36 @@ def test_sft_trains_the_preference_rows_a_pairwise_objective_drops(tmp_path):
     assert sorted(stepped) == [(f"{path}:{i}", []) for i in range(1, 5)]
     with pytest.raises(DataError, match=r"no usable training pairs in .*p.jsonl \(2 bad rows, 2 dropped"):
         train(config(tmp_path / "orpo", "orpo", *over), loaded=loaded)
+
+
+def test_a_dpo_restart_on_another_device_does_not_read_the_reference_its_auto_engine_computed(tmp_path, monkeypatch):
+    """The reference cache was keyed by the engine settings as written (engine.kernels: auto), not as
+    resolved: a run that ended before its first save on a GPU (kernels mlx), started again in the same
+    folder on the CPU (kernels dtrain), read the GPU's values, so step 0's held-out rewards were rounding
+    noise, not 0."""
+    def crash(step, run_):
+        raise RuntimeError("interrupted")
+
+    with monkeypatch.context() as gpu:
+        gpu.setattr("dtrain.device.default_kernels", lambda: "mlx")
+        with pytest.raises(RuntimeError, match="interrupted"):
+            run(tmp_path, "dpo", hooks=Hooks(before_step=crash))
+    seen = []
+    result = run(tmp_path, "dpo", hooks=counting_hooks(seen))
+    assert len(seen) == N_TRAIN + N_VALID  # computed again, by this device's engine
+    assert result.evals[0]["eval/rewards/margins"] == 0.0 and result.evals[0]["eval/rewards/accuracies"] == 0.0
+
+
+@pytest.mark.parametrize("change", [["engine.kind=segmented", "engine.segment_layers=auto"],  # what auto is
+                                    ["engine.length_bucket=0", "engine.kernels=dtrain"],  # auto on the CPU
+                                    ["lora.rank=4", "lora.scale=3.0"]])  # a new LoRA's lora_b is 0: adds nothing
+def test_a_dpo_restart_with_settings_that_give_the_same_reference_reads_it(tmp_path, change):
+    def crash(step, run_):
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        run(tmp_path, "dpo", hooks=Hooks(before_step=crash))
+    seen = []
+    result = run(tmp_path, "dpo", *change, hooks=counting_hooks(seen))
+    assert seen == []
+    assert result.evals[0]["eval/rewards/margins"] == 0.0

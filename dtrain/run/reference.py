@@ -11,7 +11,7 @@ non-zero contribution gathers them bit for bit. The values go into
 ``OUT/data_cache/reference-<key>-train.npz`` and ``-valid.npz`` next to the tokenized pairs (zips,
 whose CRC catches a damaged file, as the tokenized pairs' entries are); ``key`` covers the model,
 the initial adapter (its weights and the LoRA layers they run in), every pair's token ids, ``train.micro_batch_pairs`` and the engine
-settings (the padding of a micro-batch and the plan change the rounding), so a resume or
+settings as resolved on this device (the padding of a micro-batch and the plan change the rounding), so a resume or
 a restart with the same ones reads them instead of recomputing.
 """
 
@@ -153,18 +153,20 @@ def reference_pairs(engine, pairs: list[TokenizedPair], micro: int, group, cache
 
 
 def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cache_dir: Path, notice=None, *,
-                   init_adapter: Optional[str]):
+                   init_adapter: Optional[str], settings: str):
     """``dataset`` with DPO's reference log-probabilities on every train and valid pair (its
     ``extra``): the step-0 ``model`` in evaluation mode through ``engine`` (built like the
     training one, with :class:`ReferenceLogps`); read from ``cache_dir`` when cached.
     ``notice`` (rank 0's, or None) is told whether they were computed or read; ``init_adapter``:
-    :func:`init_adapter_identity` of ``cfg``, which the run's state holds too (hashed once)."""
+    :func:`init_adapter_identity` of ``cfg``, which the run's state holds too (hashed once);
+    ``settings``: :func:`engine_settings` of ``engine``."""
     train, valid = list(dataset.train), list(dataset.valid)
     dtype = compute_dtype(model)  # decides the values too, as do the micro-batches' padding and the engine's plan
     # and the LoRA layers an initial adapter's weights run in: its adapter_config.json's scale (not in the
-    # weights' sha256), the product's dtype; dropout is off in evaluation mode
-    lora = {k: v for k, v in sorted(dataclasses.asdict(cfg.lora).items()) if k not in ("dropout", "plus_ratio")}
-    how = f"{dtype}|micro {cfg.train.micro_batch_pairs}|{sorted(dataclasses.asdict(cfg.engine).items())}|{lora}"
+    # weights' sha256), the product's dtype; dropout is off in evaluation mode. A new LoRA adds nothing (lora_b 0)
+    lora = {k: v for k, v in sorted(dataclasses.asdict(cfg.lora).items())
+            if k not in ("dropout", "plus_ratio")} if init_adapter else None
+    how = f"{dtype}|micro {cfg.train.micro_batch_pairs}|{settings}|{lora}"
     key = cache_key(f"{model_identity}|{how}", init_adapter, train + valid)
     model.eval()
     try:  # valid cut from its own start, as evaluation cuts it: step 0's held-out rewards are exactly 0
@@ -181,6 +183,21 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
     dataset = copy.copy(dataset)  # the caller's dataset stays as it was
     dataset.train, dataset.valid = train, valid
     return dataset
+
+
+def engine_settings(engine, kernels: str) -> str:
+    """What of ``engine`` (as ``engine.make_engine`` built it, every ``auto`` but the plan's resolved)
+    changes the rounding of its values: the reference engine has no settings; the segmented one its plan,
+    padding, attention calls, compilation and ``kernels`` (the run's resolved ``engine.kernels``). The
+    config as written would say ``auto`` for what differs between devices, and differ where two spellings
+    build the same engine."""
+    if engine.name == "reference":
+        return "reference"
+    plan = engine.plan
+    return str(dict(segment_layers="auto" if plan.auto else plan.size, head_chunk_tokens=plan.head_chunk_tokens,
+                    memory_budget=plan.memory_budget if plan.auto else None, prefix_sharing=engine.prefix_sharing,
+                    length_bucket=engine.length_bucket, pack=engine.pack, attention_groups=engine.attention_groups,
+                    compile=engine.compile, kernels=kernels))
 
 
 def compute_dtype(model) -> str:

@@ -37,7 +37,7 @@ from ..lora import (adapter_keys_source, apply_lora, load_adapter_weights, lora_
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
 from .optimizer import AdamWStep, extension_notice, shortened_notice, warmup_notice
-from .reference import ReferenceLogps, init_adapter_identity, reference_pass
+from .reference import ReferenceLogps, engine_settings, init_adapter_identity, reference_pass
 from .step import Step
 from .stop import StopRequest
 from .tracking import RunLogger, new_run_dir
@@ -350,12 +350,14 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 
             write_entries(cache_entries)
         if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
-            ref_engine = hooks.reference_engine(make_engine(chosen.engine, model, ReferenceLogps(), report=None))
+            ref_engine = make_engine(chosen.engine, model, ReferenceLogps(), report=None)
+            ref_settings = engine_settings(ref_engine, chosen.engine.kernels)
+            ref_engine = hooks.reference_engine(ref_engine)
             # only the held-out pairs evaluations run (train.eval_pairs), cut into their micro-batches: at step 0
             # the policy's log-probs are then the reference's bit for bit (fit_dataset gave this copy)
             dataset.valid = valid
             dataset = reference_pass(cfg, model, dataset, loaded.identity, group, ref_engine, out.data_cache, notice,
-                                     init_adapter=state.init_adapter)
+                                     init_adapter=state.init_adapter, settings=ref_settings)
             valid = dataset.valid  # the same held-out pairs, now carrying their reference log-probs
         optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         if resumed is not None:
