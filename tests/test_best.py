@@ -212,10 +212,38 @@ def test_early_stop_after_n_evaluations_without_a_new_best(tmp_path, scripted):
     assert scripted == [0, 1, 2, 3, 4]
     assert same(weights(tmp_path / "adapters"), weights(tmp_path / "checkpoints" / "step-0000002"))
     assert same(weights(tmp_path / "adapters-last"), weights(tmp_path / "checkpoints" / "step-0000004"))
-    assert "early stop; adapters/ holds step 2" in result.summary()
+    assert "early stop at step 4; adapters/ holds step 2" in result.summary()
+    assert best_texts(result.run_dir) == [(4, f"early stop at step 4; adapters/ holds step 2 ({ACC} 0.7000)")]
     again = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1", "train.early_stop_evals=2",
                 "train.resume=auto")  # a resumed run that had stopped early trains nothing more
     assert again.early_stopped and again.steps == 4 and again.history == []
+
+
+def best_texts(run_dir) -> list:
+    return [(e.step, v.tensor.string_val[0].decode()) for e in read_events(run_dir) for v in e.summary.value
+            if v.tag.startswith("best") and v.HasField("tensor")]
+
+
+def test_an_early_stop_due_at_the_last_evaluation_is_reported_and_kept_over_a_resume(tmp_path, scripted, capsys):
+    """Best at step 4; steps 5 and 6 bring none: train.early_stop_evals 2 is reached at the last evaluation.
+    It was said nowhere (no notice, no "early stop" in the summary or TensorBoard), and a resume to more
+    steps then trained nothing, saying nothing but "early stop" in its summary."""
+    args = (f"train.keep_best={ACC}", "train.early_stop_evals=2")
+    first = run(tmp_path, *args)
+    assert len(first.history) == 6 and first.steps == 6 and first.early_stopped
+    assert (f"step 6: 2 evaluations without a new best {ACC}: an early stop at the run's last step (a resume "
+            f"with a larger train.steps trains no further)") in capsys.readouterr().err.splitlines()
+    summary = ("eval reward accuracy (chosen preferred over rejected): step 0 0.200 -> step 6 0.650; "
+               f"early stop at step 6; adapters/ holds step 4 ({ACC} 0.9000)")
+    assert first.summary() == summary
+    assert best_texts(first.run_dir) == [(6, f"early stop at step 6; adapters/ holds step 4 ({ACC} 0.9000)")]
+    again = run(tmp_path, *args, "train.resume=auto")  # the finished run: the same summary
+    assert again.history == [] and again.summary() == summary
+    longer = run(tmp_path, *args, "train.steps=8", "train.resume=auto")
+    assert longer.history == [] and longer.steps == 6 and longer.summary() == summary
+    assert (f"step 6: 2 evaluations without a new best {ACC} stopped this run early; a resume trains no further"
+            in capsys.readouterr().err.splitlines())
+    assert best_texts(first.run_dir) == [(6, f"early stop at step 6; adapters/ holds step 4 ({ACC} 0.9000)")]
 
 
 def test_resume_of_an_early_stopped_run_saves_and_logs_nothing_again(tmp_path, scripted, capsys):
@@ -255,7 +283,7 @@ def test_the_sft_summary_names_the_kept_step_and_the_early_stop():
     nll = "eval/nll_loss"
     evals = {s: {"eval/loss": v, nll: v, CHOSEN: -v} for s, v in ((0, 2.0), (5, 1.5), (10, 1.7), (15, 1.8))}
     result = TrainResult(steps=15, evals=evals, best=pick_best(evals, nll), best_metric=nll, early_stopped=True)
-    assert result.summary() == ("eval NLL of the completions: step 0 2.000 -> step 15 1.800; early stop; "
+    assert result.summary() == ("eval NLL of the completions: step 0 2.000 -> step 15 1.800; early stop at step 15; "
                                 f"adapters/ holds step 5 ({nll} 1.5000)")
     assert TrainResult(steps=15, evals=evals).summary() == "eval NLL of the completions: step 0 2.000 -> step 15 1.800"
 

@@ -75,11 +75,17 @@ def pick_best(evals: dict, metric: str, guard: Optional[float] = None) -> Pick:
     return Pick(best_step, best_value, since, tuple(guarded))
 
 
-def describe(pick: Pick, metric: str) -> str:
-    """The closing summary's words for a pick."""
+def describe(pick: Pick, metric: str, early_stop: Optional[int] = None) -> str:
+    """The closing summary's words for a pick (``early_stop``: the step ``train.early_stop_evals`` ended the run at)."""
+    stop = "" if early_stop is None else f"early stop at step {early_stop}; "
     if pick.step is None:
-        return "no evaluated step qualified for train.keep_best; adapters/ holds the last step"
-    return f"adapters/ holds step {pick.step} ({metric} {pick.value:.4f})"
+        return f"{stop}no evaluated step qualified for train.keep_best; adapters/ holds the last step"
+    return f"{stop}adapters/ holds step {pick.step} ({metric} {pick.value:.4f})"
+
+
+def no_new_best(t) -> str:
+    """Why ``train.early_stop_evals`` ends a run (``t``: the ``train`` config section)."""
+    return f"{t.early_stop_evals} evaluations without a new best {t.keep_best}"
 
 
 class BestAdapter:
@@ -150,4 +156,4 @@ def log_kept(run, step: int) -> None:
     record (``trainer.log_hparams``), so a resume of the finished run, which writes no record, adds none."""
     pick = run.result.best
     if pick is not None and pick.step is not None:
-        run.log.text("best", describe(pick, run.cfg.train.keep_best), step)
+        run.log.text("best", describe(pick, run.cfg.train.keep_best, step if run.result.early_stopped else None), step)

@@ -80,8 +80,7 @@ class TrainResult:
                     f"{' (the reference itself: every reward 0)' if tied else ''} -> step {last} "
                     f"{self.evals[last][ACCURACY]:.3f}")
         if self.best is not None:
-            line += "; early stop" if self.early_stopped else ""
-            line += f"; {keep_best.describe(self.best, self.best_metric)}"
+            line += f"; {keep_best.describe(self.best, self.best_metric, self.steps if self.early_stopped else None)}"
         return line
 
 
@@ -205,7 +204,11 @@ def loop(run: Run) -> TrainResult:
         if _every(step, t.save_every) and step != t.steps:
             save(run, step)
     if run.valid and str(t.steps) not in run.state.evals:
-        evaluate_and_steer(run, t.steps, may_stop=False)  # the run ends here anyway
+        if evaluate_and_steer(run, t.steps, may_stop=False) is end_early:  # the run ends here anyway
+            run.log.message(f"step {t.steps}: {keep_best.no_new_best(t)}: an early stop at the run's last step "
+                            f"(a resume with a larger train.steps trains no further)")
+    # the evaluations decide it, so a resume of this run's end says the same
+    result.early_stopped = keep_best.early_stop_due(run)
     if not done:
         log_hparams(run, t.steps)
         save(run, t.steps)
@@ -250,13 +253,15 @@ def end_stopped(run: Run, step: int) -> TrainResult:
 def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
     """Checkpoint and adapters of a run that ``train.early_stop_evals`` stopped after ``step``;
     ``again``: a resume of that checkpoint, which only rewrites the adapter folders (the same bytes)."""
-    if not again:
-        run.log.message(f"step {step}: {run.cfg.train.early_stop_evals} evaluations without a new best "
-                        f"{run.cfg.train.keep_best}; stopping early")
+    run.result.steps, run.result.early_stopped = step, True  # before log_hparams: its `best` text says so
+    if again:
+        run.log.message(f"step {step}: {keep_best.no_new_best(run.cfg.train)} stopped this run early; a resume "
+                        f"trains no further")
+    else:
+        run.log.message(f"step {step}: {keep_best.no_new_best(run.cfg.train)}; stopping early")
         log_hparams(run, step)
         save(run, step)
     finish(run)
-    run.result.steps, run.result.early_stopped = step, True
     return run.result
 
 
