@@ -83,6 +83,19 @@ def test_pd_law_hand_computed():
     assert state.error == pytest.approx(-2.0)
 
 
+def test_pd_law_never_lowers_lambda_while_ramping():
+    """The ramp raises λ (docs/defaults.md: λ falls in back_off only); the pd law's derivative term lowered it
+    while the slope, still >= -ε, fell (ε 0.01, kd 0.5):
+
+    obs 5 (slope 0): e 1, e_prev 2: Δ 0.05 * (1 - 0.5) = 0.025 -> 0.225
+    obs 6 (slope -0.0075): e 0.25, e_prev 1: Δ 0.05 * (0.25 - 0.375) < 0 -> held at 0.225 (was 0.21875)
+    """
+    knobs = replace(DEFAULT, epsilon=0.01, stop_drop=0.5, law="pd", kd=0.5)
+    got, _ = trace([-1.70, -1.70, -1.69, -1.68, -1.69, -1.695], knobs)
+    assert [p for p, _ in got] == ["hold"] + ["ramp"] * 5
+    assert [lam for _, lam in got] == pytest.approx([0.05, 0.10, 0.15, 0.20, 0.225, 0.225])
+
+
 @pytest.mark.parametrize("law", ["aimd", "pd"])
 def test_no_windup_at_the_upper_bound(law):
     """Twenty rising evaluations pin λ at λ_max; the first falling one lowers it at once."""
@@ -103,7 +116,8 @@ def test_non_finite_chosen_logps_freezes_lambda_min():
 
 @pytest.mark.parametrize("law", ["aimd", "pd"])
 def test_lambda_stays_in_band_and_state_survives_json(law):
-    """Random walks of ℓw: λ within [λ_min, λ_max] always; a state written to JSON and read
+    """Random walks of ℓw: λ within [λ_min, λ_max] always, never lower after a ramp's move nor higher after a
+    back-off's; a state written to JSON and read
     back after any observation continues exactly as the uninterrupted one (a resume)."""
     knobs = replace(DEFAULT, epsilon=0.01, stop_drop=0.3, law=law)
     rng = random.Random(1)
@@ -115,6 +129,8 @@ def test_lambda_stays_in_band_and_state_survives_json(law):
             series.append(lw)
         whole, end = trace(series, knobs)
         assert all(knobs.lam_min <= lam <= knobs.lam_max for _, lam in whole)
+        for (p0, a), (p1, b) in zip(whole, whole[1:]):  # λ rises only in ramp, falls only in back_off
+            assert not (p0 == p1 == "ramp" and b < a) and not (p1 == "back_off" and b > a), (series, whole)
         phases |= {p for p, _ in whole}
         cut = rng.randrange(len(series))
         _, mid = trace(series[:cut], knobs)

@@ -20,8 +20,8 @@ nats/token), as the process variable, one observation per evaluation:
 Two laws move λ in ``ramp``/``back_off``: ``aimd`` (additive increase by
 ``step``, multiplicative decrease by ``backoff``, as TCP congestion control)
 and ``pd``, a velocity-form PD law on the normalised slope error
-``e = (slope + ε) / ε``: ``Δλ = step * (e + kd * (e - e_prev))``, an increase
-capped at ``step``. In both, λ itself is the integrator and is clamped to
+``e = (slope + ε) / ε``: ``Δλ = step * (e + kd * (e - e_prev))``, in ``ramp``
+between 0 and ``step``, in ``back_off`` at most 0. In both, λ itself is the integrator and is clamped to
 ``[λ_min, λ_max]``, so nothing winds up while λ sits at a bound (anti-windup).
 The slope is a least-squares line through the last ``window`` observations
 (nats/token per evaluation), robust to one noisy point in a way a two-point
@@ -123,7 +123,8 @@ def _move(lam: float, e: float, e_prev: float | None, knobs: LambdaKnobs, rising
     """λ after one move of the law, up (``rising``) or down; ``e``: the normalised slope error."""
     if knobs.law == "pd":
         delta = knobs.step * (e + knobs.kd * (e - (e if e_prev is None else e_prev)))
-        delta = min(delta, knobs.step) if rising else min(delta, 0.0)
+        # the phase sets the direction: the derivative term damps a ramp's rise, never reverses it
+        delta = min(max(delta, 0.0), knobs.step) if rising else min(delta, 0.0)
         return _clamp(lam + delta, knobs)
     return _clamp(lam + knobs.step if rising else lam * knobs.backoff, knobs)
 
