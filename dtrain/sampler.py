@@ -27,6 +27,7 @@ import numpy as np
 
 from .data.sources import mlx_valid
 from .errors import UserError
+from .types import example_noun
 
 
 def epoch_permutation(n_pairs: int, seed: int, epoch: int) -> np.ndarray:
@@ -160,13 +161,13 @@ def for_run(cfg, train_pairs: list) -> Sampler:
             step would have to train a pair twice).
     """
     n, b = len(train_pairs), cfg.train.global_batch_pairs
-    where = cfg.data.train or "the demo data"
+    where, noun = cfg.data.train or "the demo data", example_noun(cfg.objective.kind)
     if n == 0:
-        raise UserError(f"no training pairs left after loading and filtering {where}")
+        raise UserError(f"no training {noun}s left after loading and filtering {where}")
     if b > n:
         d = cfg.data  # held-out pairs of their own (data.valid, data.valid_split, valid.jsonl) took none of these
         own = d.valid is not None or d.valid_split is not None or (d.train is not None and mlx_valid(d.train))
         split = "" if own else f" (after the held-out split, data.valid_fraction={d.valid_fraction})"
-        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training pair(s){split}; a step would "
-                        f"train a pair more than once: set train.global_batch_pairs to at most {n}, or add data")
+        raise UserError(f"train.global_batch_pairs is {b} but {where} has {n} training {noun}(s){split}; a step would "
+                        f"train a {noun} more than once: set train.global_batch_pairs to at most {n}, or add data")
     return Sampler(n, b, cfg.train.seed)

@@ -38,6 +38,12 @@ class TokenizedPair:
         return self.rejected_prompt is None
 
 
+def example_noun(kind: str) -> str:
+    """What messages call one training example of ``objective.kind``: ``row`` for sft (a prompt and one
+    completion), else ``pair`` (config keys keep their names: ``train.global_batch_pairs``)."""
+    return "row" if kind == "sft" else "pair"
+
+
 def refuse_single_completions(pairs, kind: str, where: str = "?") -> None:
     """Refuse rows with one completion (empty ``rejected``: SFT rows) under the pairwise objective
     ``kind``, as ``dtrain train`` and ``dtrain data check`` both do.

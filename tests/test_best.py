@@ -456,9 +456,20 @@ def test_the_few_held_out_pairs_notice_of_an_sft_run_names_no_accuracy(tmp_path,
 
     run(tmp_path, "objective.kind=sft", "train.keep_best=eval/nll_loss")
     err = capsys.readouterr().err
-    assert err.count(f"train.keep_best steers by the held-out metrics, here over 3 pair(s), so the choices follow "
-                     f"noise; keep {FEW_HELD_OUT}+ held-out pairs (data.valid or data.valid_fraction)") == 1, err
+    assert err.count(f"train.keep_best steers by the held-out metrics, here over 3 row(s), so the choices follow "
+                     f"noise; keep {FEW_HELD_OUT}+ held-out rows (data.valid or data.valid_fraction)") == 1, err
     assert "accuracies" not in err
+
+
+def test_an_sft_run_without_held_out_rows_is_told_of_rows(tmp_path):
+    from dtrain.run.trainer import held_out_steering
+
+    cfg = load_config(None, ["data.train=rows.jsonl", "objective.kind=sft", "train.keep_best=eval/nll_loss",
+                             "train.eval_every=1"])
+    with pytest.raises(UserError) as err:
+        held_out_steering(cfg, 9, 0)
+    assert str(err.value) == ("train.keep_best needs held-out rows, and this run has none: data.valid_fraction 0.1 of "
+                              "9 rows gives none: set data.valid or add rows (or turn it off)")
 
 
 def test_the_notice_counts_the_pairs_evaluated_not_the_pairs_held_out(tmp_path, capsys):

@@ -135,3 +135,6 @@ def test_a_non_finite_evaluation_is_named_in_a_warning(tmp_path, capsys, monkeyp
     assert logged == ["warning: step 3: the held-out evaluation is not finite (eval/loss nan, eval/logps/chosen "
                       "-inf); check the held-out pairs (`dtrain data check`) and the model's dtype"]
     assert non_finite_eval({"eval/loss": 0.5, "eval/rewards/accuracies": 1.0}, 3) is None
+    assert non_finite_eval({"eval/loss": math.nan}, 3, "sft") == (
+        "warning: step 3: the held-out evaluation is not finite (eval/loss nan); check the held-out rows "
+        "(`dtrain data check`) and the model's dtype")

@@ -106,6 +106,21 @@ def test_fewer_pairs_than_a_step_names_the_fraction_only_where_it_split_them(dat
                               "data")
 
 
+def test_fewer_sft_rows_than_a_step_are_called_rows():
+    from dtrain.config import load_config
+    from dtrain.errors import UserError
+
+    cfg = load_config(None, ["data.train=t.jsonl", "train.global_batch_pairs=4", "objective.kind=sft"])
+    with pytest.raises(UserError) as err:
+        sampler.for_run(cfg, [object()] * 3)
+    assert str(err.value) == ("train.global_batch_pairs is 4 but t.jsonl has 3 training row(s) (after the held-out "
+                              "split, data.valid_fraction=0.1); a step would train a row more than once: set "
+                              "train.global_batch_pairs to at most 3, or add data")
+    with pytest.raises(UserError) as err:
+        sampler.for_run(cfg, [])
+    assert str(err.value) == "no training rows left after loading and filtering t.jsonl"
+
+
 def test_fewer_pairs_than_a_step_in_an_mlx_lm_folder_does_not_name_the_fraction(tmp_path):
     """An mlx-lm data folder's valid.jsonl holds the held-out pairs (data.sources.resolve_pair): the
     training pairs are all of train.jsonl, and data.valid_fraction split none of them."""

@@ -502,6 +502,18 @@ def test_resumed_run_reports_the_evaluations_of_the_whole_run(tmp_path):
                                  f"{whole.evals[0][acc]:.3f} -> step 4 {whole.evals[4][acc]:.3f}")
 
 
+def test_an_sft_run_counts_rows_not_pairs(tmp_path, capsys):
+    """objective.kind sft trains rows with one completion: its run said "9 train / 3 valid pairs", "3 held-out
+    pairs" and "forward+backward of 4 pairs", and its eval bar counted pairs."""
+    run(tmp_path, "objective.kind=sft", "train.progress=true", "train.steps=2", "train.eval_every=0")
+    err = capsys.readouterr().err
+    assert "model tiny-llama; 9 train / 3 valid rows; " in err
+    assert "eval at step 0: 3 held-out rows" in err
+    assert "step 1: forward+backward of 4 rows (<= 4 on each of 1 rank(s), micro-batches of 4)" in err
+    assert "row/s" in err or "s/row" in err  # the eval bar's unit
+    assert "pair" not in err
+
+
 def test_progress_shows_evaluation_apart_and_the_first_step(tmp_path, capsys):
     run(tmp_path, "train.progress=true", "train.steps=2", "train.eval_every=0")
     err = capsys.readouterr().err

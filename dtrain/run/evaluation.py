@@ -8,7 +8,7 @@ from typing import Optional
 from .. import sampler
 from . import guards
 from ..engine import batch_totals, run_micro_batches
-from ..types import TokenizedPair
+from ..types import TokenizedPair, example_noun
 
 ACCURACY = "eval/rewards/accuracies"  # share of held-out pairs whose chosen response is preferred
 
@@ -53,8 +53,9 @@ def evaluate_and_log(run, step: int, may_stop: bool = True) -> bool:
     (``run``: the trainer's ``Run``); True when a signal asked the run to stop meanwhile
     (``may_stop``): the evaluation is then cut short and nothing is kept."""
     mine = sampler.dealt_batches(run.valid, run.group.rank, run.group.size, run.cfg.train.micro_batch_pairs)
-    bar = run.log.eval_bar(step, sum(map(len, mine)))
-    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out pair{'s' if len(run.valid) != 1 else ''}")
+    noun = example_noun(run.cfg.objective.kind)
+    bar = run.log.eval_bar(step, sum(map(len, mine)), noun)
+    run.log.doing(f"eval at step {step}: {len(run.valid)} held-out {noun}{'s' if len(run.valid) != 1 else ''}")
     try:
         metrics, stopped = evaluate(run.engine, run.model, run.valid, run.cfg.train.micro_batch_pairs, run.group,
                                     step, bar, run.step.hyper, run.stop if may_stop else None)
@@ -70,7 +71,7 @@ def evaluate_and_log(run, step: int, may_stop: bool = True) -> bool:
     per_token = getattr(run.engine.objective, "per_token_logps", True)
     drop = (guards.chosen_logps_drop(run.state.evals, run.cfg.train.chosen_logps_drop_warn, run.cfg.objective.kind,
                                      run.cfg.orpo.lambda_schedule == "adaptive") if per_token else None)
-    for warning in (drop, guards.non_finite_eval(metrics, step)):
+    for warning in (drop, guards.non_finite_eval(metrics, step, run.cfg.objective.kind)):
         if warning:
             run.log.message(warning)
     return stopped

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from ..types import example_noun
+
 CHOSEN_LOGPS = "eval/logps/chosen"
 
 
@@ -58,11 +60,12 @@ def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo", adaptive: 
             f"chosen answers less likely too; try a lower train.learning_rate{remedy}")
 
 
-def non_finite_eval(metrics: dict, step: int) -> Optional[str]:
+def non_finite_eval(metrics: dict, step: int, kind: str = "orpo") -> Optional[str]:
     """A warning naming the held-out metrics of ``step`` that are NaN or infinite (None when all are
-    finite): training skips a non-finite step with a message, an evaluation has nothing to skip."""
+    finite): training skips a non-finite step with a message, an evaluation has nothing to skip.
+    ``kind``: ``objective.kind``, whose examples it names (pairs, or sft's rows)."""
     bad = [f"{key} {value}" for key, value in metrics.items() if not math.isfinite(value)]
     if not bad:
         return None
     return (f"warning: step {step}: the held-out evaluation is not finite ({', '.join(bad)}); check the "
-            f"held-out pairs (`dtrain data check`) and the model's dtype")
+            f"held-out {example_noun(kind)}s (`dtrain data check`) and the model's dtype")

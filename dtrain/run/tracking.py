@@ -192,13 +192,14 @@ class RunLogger:
         elif self.events is not None:
             self.message(text)
 
-    def eval_bar(self, step: int, pairs: int):
-        """A bar of its own for one evaluation (None when bars are off); call ``update(n)`` per pair."""
+    def eval_bar(self, step: int, pairs: int, unit: str = "pair"):
+        """A bar of its own for one evaluation (None when bars are off); call ``update(n)`` per pair
+        (``unit``: what it counts, sft's rows or pairs)."""
         if self.bar is None:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=pairs, desc=f"eval at step {step}", unit="pair", file=sys.stderr, dynamic_ncols=True,
+        return tqdm(total=pairs, desc=f"eval at step {step}", unit=unit, file=sys.stderr, dynamic_ncols=True,
                     leave=False)
 
     def message(self, text: str) -> None:

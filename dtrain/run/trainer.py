@@ -36,6 +36,7 @@ from ..lora import (adapter_keys_source, apply_lora, load_adapter_weights, lora_
                     save_adapter)
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
+from ..types import example_noun
 from .optimizer import AdamWStep, extension_notice, shortened_notice, warmup_notice
 from .reference import ReferenceLogps, engine_settings, init_adapter_identity, reference_pass
 from .step import Step
@@ -316,12 +317,13 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid)  # the token ids: a template file may differ
     handshake(group, {"config": resolved, "model": loaded.identity, "data": data, "lora shapes": lora_shapes,
                       "initial adapter": init_adapter})
+    noun = example_noun(cfg.objective.kind)
     if steering and len(valid) < FEW_HELD_OUT and notice is not None:
         # sft reports no accuracy (no rejected side) to show the step one pair makes
         accuracy = ACCURACY in keep_best.REPORTED[cfg.objective.kind]
         moves = f": one pair moves {ACCURACY} by {1 / len(valid):.2f}," if accuracy else ","
         notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by the held-out metrics, here over "
-               f"{len(valid)} pair(s){moves} so the choices follow noise; keep {FEW_HELD_OUT}+ held-out pairs "
+               f"{len(valid)} {noun}(s){moves} so the choices follow noise; keep {FEW_HELD_OUT}+ held-out {noun}s "
                f"(data.valid or data.valid_fraction"
                f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
     # a notice, not an error: a run extended by a resume steers by the last evaluation of the run it continues
@@ -391,7 +393,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             result.best = keep_best.pick_best(state.evals, t.keep_best, t.keep_best_guard)
         log.config(resolved, auto)
         at = f"at step {state.step + 1}" if state.step < t.steps else f"after its last step, {state.step}"
-        log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid pairs; "
+        log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid {noun}s; "
                     f"world size {group.size}; engine {engine.name}"
                     + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} {at}" if resumed else ""))
@@ -414,33 +416,36 @@ def held_out_steering(cfg: Config, train_pairs: int, held_out_pairs: int) -> lis
     steering = [k for k, on in (("train.keep_best", cfg.train.keep_best is not None),
                                 ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
     if steering and not held_out_pairs:
-        fix = _no_held_out_fix(cfg.data, train_pairs)
-        raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out pairs, and this "
+        noun = example_noun(cfg.objective.kind)
+        fix = _no_held_out_fix(cfg.data, train_pairs, noun)
+        raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out {noun}s, and this "
                         f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
     return steering
 
 
-def _no_held_out_fix(d, train_pairs: int) -> str:
-    """What to change when the held-out pairs' source (``d``: a DataConfig) gave none, as load_dataset reads it."""
+def _no_held_out_fix(d, train_pairs: int, noun: str) -> str:
+    """What to change when the held-out pairs' source (``d``: a DataConfig) gave none, as load_dataset reads it
+    (``noun``: what the examples are called, pair or sft's row)."""
     mlx = mlx_valid(d.train) if d.train is not None else None  # None with demo pairs (data.train unset)
     if d.valid is not None:  # with demo pairs, it and valid_split are refused by the config
-        return (f"data.valid {d.valid} gives no usable pairs: fix its rows (dtrain data check lists them) or set "
-                f"data.valid to other pairs")
+        return (f"data.valid {d.valid} gives no usable {noun}s: fix its rows (dtrain data check lists them) or set "
+                f"data.valid to other {noun}s")
     if d.valid_split is not None:
-        return (f"data.valid_split {d.valid_split} of {d.train} gives no usable pairs: set data.valid_split to a "
-                f"split with pairs, or data.valid")
+        return (f"data.valid_split {d.valid_split} of {d.train} gives no usable {noun}s: set data.valid_split to a "
+                f"split with {noun}s, or data.valid")
     if mlx is not None:
-        return f"{mlx} (an mlx-lm data folder's) gives no usable pairs: add pairs to it, or set data.valid"
+        return f"{mlx} (an mlx-lm data folder's) gives no usable {noun}s: add {noun}s to it, or set data.valid"
     if d.valid_fraction > 0:  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
-        return f"data.valid_fraction {d.valid_fraction} of {train_pairs} pairs gives none: set data.valid or add pairs"
+        return (f"data.valid_fraction {d.valid_fraction} of {train_pairs} {noun}s gives none: set data.valid or add "
+                f"{noun}s")
     return "set data.valid or data.valid_fraction > 0"
 
 
 def first_step_text(run: Run) -> str:
     """What the next step does, shown until it ends (the first step also warms MLX up)."""
-    t, size = run.cfg.train, run.group.size
+    t, size, noun = run.cfg.train, run.group.size, example_noun(run.cfg.objective.kind)
     mine = math.ceil(t.global_batch_pairs / size)
-    return (f"step {run.state.step + 1}: forward+backward of {t.global_batch_pairs} pairs "
+    return (f"step {run.state.step + 1}: forward+backward of {t.global_batch_pairs} {noun}s "
             f"(<= {mine} on each of {size} rank(s), micro-batches of {t.micro_batch_pairs})")
 
 
