@@ -27,7 +27,9 @@ def test_the_remedy_follows_the_objective():
     tail = "the model is making the chosen answers less likely too; try a lower train.learning_rate"
     assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "simpo").endswith(
         tail + ", or a higher objective.nll_weight (the SFT term that holds the chosen answers up)")
-    assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "sft").endswith(tail)  # no pairwise knob to name
+    # no pairwise knob to name, and no rejected answers the chosen ones follow down ("too")
+    assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "sft").endswith(
+        "the model is making the held-out answers less likely; try a lower train.learning_rate")
     assert chosen_logps_drop(history(-1.66, -1.91), 0.1, "orpo").endswith(tail + " or orpo.lambda")
 
 

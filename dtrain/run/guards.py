@@ -55,9 +55,11 @@ def chosen_logps_drop(evals: dict, margin: float, kind: str = "orpo", adaptive: 
     if base is None or now is None or not now < base - margin:
         return None
     remedy = ADAPTIVE_REMEDY if adaptive else REMEDIES.get(kind, "")
+    # sft has no rejected answers that the chosen ones would follow down
+    what = "held-out answers less likely" if kind == "sft" else "chosen answers less likely too"
     return (f"warning: step {step}: held-out {CHOSEN_LOGPS} is {now:.4f}, {base - now:.4f} nats/token below "
             f"its step-0 value {base:.4f} (train.chosen_logps_drop_warn: {margin:g}); the model is making the "
-            f"chosen answers less likely too; try a lower train.learning_rate{remedy}")
+            f"{what}; try a lower train.learning_rate{remedy}")
 
 
 def non_finite_eval(metrics: dict, step: int, kind: str = "orpo") -> Optional[str]:
