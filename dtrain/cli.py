@@ -128,6 +128,7 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
     from .run.trainer import held_out_steering
     from .sampler import for_run
+    from .types import example_noun
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
     report, n_bad, (train_pairs, held_out) = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
@@ -138,7 +139,8 @@ def _data_check(args, overrides) -> int:
                "(training would stop; see the rows listed above)")
         return 1
     if not train_pairs:
-        _error(f"{args.file}: no usable pairs (training would stop; see the rows listed above)")
+        _error(f"{args.file}: no usable {example_noun(cfg.objective.kind)}s (training would stop; see the rows listed "
+               "above)")
         return 1
     try:  # the trainer's own refusals: no held-out pairs to steer by, fewer training pairs than a step takes
         held_out_steering(cfg, len(train_pairs), len(held_out))

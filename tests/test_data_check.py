@@ -105,8 +105,10 @@ def test_check_under_sft_shows_the_chosen_side_only(tmp_path, tokenizer, row):
     path = write_jsonl(tmp_path / "d.jsonl", [row])
     out, _, _ = check_file(path, DataConfig(), tokenizer, show=1, objective="sft")
     lines = out.splitlines()
-    assert lines[1:4] == ["token lengths (untruncated, 1 pair): min / median / p95 / max",
+    assert lines[1:4] == ["token lengths (untruncated, 1 row): min / median / p95 / max",  # sft's are rows
                           "  prompt   18 / 18 / 18 / 18", "  chosen   2 / 2 / 2 / 2"]
+    assert lines[4].endswith(": 0 rows truncated, 0 of them only because of max_prompt_length")
+    assert lines[5].startswith(f"row 1: {path}:1  (prompt ends after token 18")
     assert lines[-2:] == ['  chosen       2 tokens  "4<|im_end|>"', "            ids [24, 4]"]
     assert "rejected" not in out
 
@@ -358,6 +360,12 @@ def test_cli_sft_rows_under_a_pairwise_objective_are_refused_as_training_refuses
     out = capsys.readouterr()
     assert status == 0, out.err
     assert out.out.startswith(f"{path}: 2 rows, 2 usable, 0 bad, 0 dropped")
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Hi", "completion": ""}])  # an empty completion
+    for kind, noun in (("sft", "rows"), ("orpo", "pairs")):
+        assert main(["data", "check", bad, "--model.path", str(model_dir), "--objective.kind", kind]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"dtrain: error: {bad}: no usable {noun} (training would stop; see the rows listed above)")
 
 
 def test_cli_overrides_before_the_file_leave_the_file_to_it(tmp_path, model_dir, capsys):

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 
-from ..types import refuse_single_completions
+from ..types import example_noun, refuse_single_completions
 from .render import tokenize_rows
 from .sources import read_rows, resolve_pair
 from .templates import RAW_TEXT, renderers
@@ -21,8 +21,9 @@ def _stats(values: list) -> str:
     return f"{v[0]} / {median} / {p95} / {v[-1]}"
 
 
-def show_pair(pair, tokenizer, number: int) -> list:
-    """Lines showing one pair as trained: each part decoded (control tokens visible) and its ids.
+def show_pair(pair, tokenizer, number: int, noun: str = "pair") -> list:
+    """Lines showing one pair (``noun``: sft says row) as trained: each part decoded (control tokens visible) and
+    its ids.
 
     The prompt and each response are decoded separately, so the line break
     between ``prompt`` and ``chosen`` is the prompt/response boundary.
@@ -35,7 +36,7 @@ def show_pair(pair, tokenizer, number: int) -> list:
         parts.append(("rejected prompt", pair.rejected_prompt))
     if pair.rejected:  # an SFT row has none
         parts.append(("rejected", pair.rejected))
-    lines = [f"pair {number}: {pair.source}  (prompt ends after token {len(pair.prompt)}; responses follow it)"]
+    lines = [f"{noun} {number}: {pair.source}  (prompt ends after token {len(pair.prompt)}; responses follow it)"]
     for name, ids in parts:
         lines.append(f"  {name:<9} {len(ids):>4} tokens  {text(ids)}")
         lines.append(f"  {'':<9} ids {ids}")
@@ -84,6 +85,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
 
     train, valid = resolve_pair(dataclasses.replace(cfg, train=path))
     rows, report = read_rows(train, cfg, pairwise=objective != "sft")  # SFT reads preference rows' chosen side
+    noun = example_noun(objective)
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
     if objective != "sft":  # training's own check (engine.sft.fit_dataset)
@@ -95,14 +97,14 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     summary = report.summary(limit=20)
     if summary:
         lines.append(summary)
-    lines.append(f"token lengths (untruncated, {len(rendered)} pair{'s' * (len(rendered) != 1)}): min / median / p95 / "
+    lines.append(f"token lengths (untruncated, {len(rendered)} {noun}{'s' * (len(rendered) != 1)}): min / median / p95 / "
                  "max")
     sides = ("prompt", "chosen", "rejected") if objective != "sft" and any(r.lengths[2] for r in rendered) \
         else ("prompt", "chosen")
     for i, key in enumerate(sides):  # SFT rows have no rejected side
         lines.append(f"  {key:<9}{_stats([r.lengths[i] for r in rendered])}")
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
-                 f"{report.truncated} pair{'s' * (report.truncated != 1)} truncated, {report.prompt_cut_fits} of them "
+                 f"{report.truncated} {noun}{'s' * (report.truncated != 1)} truncated, {report.prompt_cut_fits} of them "
                  "only because of max_prompt_length")
     glued = glued_rows(rows, tokenizer, cfg)
     if glued:
@@ -110,7 +112,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
                      f"whitespace between them (\"Say hi\" + \"hi\" trains \"Say hihi\"), first {glued[0]}; end "
                      "the prompts with a space or newline, or set data.prompt_template: chat")
     for n, pair in enumerate(pairs[:show], start=1):
-        lines += show_pair(pair, tokenizer, n)
+        lines += show_pair(pair, tokenizer, n, noun)
     if valid is not None:  # held out in a source of its own (data.valid, valid.jsonl, a split): training reads it too
         held_rows, held_report = read_rows(valid, cfg, pairwise=objective != "sft")
         held, held_tok = tokenize_rows(held_rows, tokenizer, cfg)
