@@ -195,3 +195,14 @@ def test_spm_space_prefix_goes_before_every_fragment_as_in_llama_cpp():
 def test_unknown_type_token_is_matched_whole():
     hf = build_tokenizer(spm_metadata(prefix=False))
     assert pieces(hf, "a<unk>b", add_special_tokens=False) == ["a", "<unk>", "b"]
+
+
+@pytest.mark.parametrize("key", ["bos", "eos", "padding", "unknown"])
+def test_a_special_id_on_a_normal_token_is_tokenized_as_text_as_in_llama_cpp(key):
+    """A BOS/EOS/pad/unknown id naming a NORMAL token ("ab") was handed to transformers, which adds such a token as
+    special: "abc" became ab + c (matched whole) where llama.cpp runs BPE over it: a + bc ("b c" merges first)."""
+    hf = build_tokenizer(bpe_metadata("gpt-2", **{f"tokenizer.ggml.{key}_token_id": 7}))
+    assert pieces(hf, "abc", add_special_tokens=False) == ["a", "bc"]
+    assert getattr(hf, {"padding": "pad", "unknown": "unk"}.get(key, key) + "_token") == "ab"
+    assert hf.decode(hf.encode("abc", add_special_tokens=False), skip_special_tokens=True) == "abc"
+

@@ -177,14 +177,10 @@ def build_tokenizer(md: dict):
         )
     elif kind == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=token("padding"),
-        unk_token=token("unknown"),
-        clean_up_tokenization_spaces=False,  # decode gives back the text as written
-    )
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)  # decode: text as written
+    # Named after construction: transformers adds a constructor's special token that is no added token
+    # (an id on a NORMAL token) as a special one, matched whole in text where llama.cpp runs BPE over it.
+    hf.bos_token, hf.eos_token, hf.pad_token, hf.unk_token = bos, eos, token("padding"), token("unknown")
     template = md.get("tokenizer.chat_template")
     # named templates (convert_hf_to_gguf.py writes tokenizer.chat_template.tool_use ...): transformers' dict
     named = {n: md[f"tokenizer.chat_template.{n}"] for n in md.get("tokenizer.chat_templates") or []
