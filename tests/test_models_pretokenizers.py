@@ -206,3 +206,18 @@ def test_a_special_id_on_a_normal_token_is_tokenized_as_text_as_in_llama_cpp(key
     assert getattr(hf, {"padding": "pad", "unknown": "unk"}.get(key, key) + "_token") == "ab"
     assert hf.decode(hf.encode("abc", add_special_tokens=False), skip_special_tokens=True) == "abc"
 
+
+def test_a_token_text_twice_is_refused_and_empty_tokens_are_named_as_llama_cpp_names_them():
+    """A vocabulary holding one text twice loaded with the later id winning (the earlier one never produced), where
+    llama.cpp aborts loading it; empty texts, which llama.cpp renames [EMPTY_<id>], collided the same way."""
+    md = bpe_metadata("gpt-2")
+    twice = {**md, "tokenizer.ggml.tokens": md["tokenizer.ggml.tokens"] + ["ab"],
+             "tokenizer.ggml.token_type": md["tokenizer.ggml.token_type"] + [1]}
+    with pytest.raises(ValueError, match=r"^tokenizer\.ggml\.tokens holds 'ab' twice \(ids 7 and 9\); llama\.cpp "
+                                         r"does not load such a vocabulary$"):
+        build_tokenizer(twice)
+    empty = {**md, "tokenizer.ggml.tokens": md["tokenizer.ggml.tokens"] + ["", ""],
+             "tokenizer.ggml.token_type": md["tokenizer.ggml.token_type"] + [3, 1]}
+    hf = build_tokenizer(empty)
+    assert hf.convert_ids_to_tokens([9, 10]) == ["[EMPTY_9]", "[EMPTY_10]"]
+    assert hf.encode("a[EMPTY_9]", add_special_tokens=False) == [2, 9]  # a control token's text, as llama.cpp

@@ -97,8 +97,9 @@ def build_tokenizer(md: dict):
         ValueError: no vocabulary, a ``tokenizer.ggml.model`` other than
             ``gpt2``/``llama``, an unimplemented ``tokenizer.ggml.pre``, an
             unknown ``tokenizer.*`` key, a BOS/EOS flag without its token id,
-            ``token_type`` or ``scores`` of another length than ``tokens``, or
-            ``merges`` that do not fit the tokens; each message names the key.
+            ``token_type`` or ``scores`` of another length than ``tokens``, a token
+            text held twice, or ``merges`` that do not fit the tokens; each
+            message names the key.
     """
     # as mlx_lm/__init__.py does: without it, a transformers imported before mlx_lm prints that
     # PyTorch is missing and "Models won't be available" (dtrain data check on a GGUF model)
@@ -115,7 +116,12 @@ def build_tokenizer(md: dict):
         if values and len(values) != len(tokens):
             raise ValueError(f"tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
     types = md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]  # llama.cpp's name for an empty text
+    vocab = {}
+    for i, t in enumerate(tokens):  # llama.cpp aborts loading a text held twice
+        if vocab.setdefault(t, i) != i:
+            raise ValueError(f"tokenizer.ggml.tokens holds {t!r} twice (ids {vocab[t]} and {i}); llama.cpp does not "
+                             "load such a vocabulary")
 
     def token(key):
         idx = md.get(f"tokenizer.ggml.{key}_token_id")
