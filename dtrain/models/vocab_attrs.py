@@ -21,8 +21,10 @@ llama-cpp-python 0.3.36 embeds):
 The texts are llama.cpp's, so they age with it: tests/test_llama_cpp.py asks
 the installed llama.cpp for the attribute of every token-like string its
 library holds and fails when this module disagrees. Not replayed: the
-per-model LSTRIP/RSTRIP attributes (Phi-3, jina, modern-bert; architectures
-dtrain does not load), and, when a vocabulary holds two spellings of one FIM
+per-model LSTRIP/RSTRIP attributes (jina and modern-bert, architectures dtrain
+does not load; Phi-3's, chosen by ``general.name`` containing "phi-3" or "phi3",
+so a llama file so named tokenizes differently in llama.cpp after its special
+tokens), and, when a vocabulary holds two spellings of one FIM
 token, llama.cpp's choice by hash-map order (we take the lower id).
 """
 
