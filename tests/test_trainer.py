@@ -87,6 +87,44 @@ def test_a_skipped_steps_nan_scalars_are_logged_without_tensorboardx_warnings(tm
     assert math.isnan(got["loss"][0][1]) and got["grad_norm"] == [(1, math.inf)] and got["learning_rate"] == [(1, 0.5)]
 
 
+def tensorboard_scalars(run_dir) -> dict:
+    """tag -> [(step, value)] as TensorBoard's own loader shows a run folder (its Python path, the one on Apple
+    Silicon, where tensorboard-data-server ships no binary)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing import plugin_event_accumulator as pea
+    from tensorboard.util import tensor_util
+
+    acc = pea.EventAccumulator(str(run_dir), size_guidance={pea.TENSORS: 0})
+    acc.Reload()
+    return {tag: [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in acc.Tensors(tag)]
+            for tag in acc.Tags()["tensors"] if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"}
+
+
+def test_a_run_resumed_after_a_crash_shows_each_step_once_in_tensorboard(tmp_path):
+    """Killed in step 4 after checkpoint 2, the first process had logged step 3: the resume's SessionLog.START
+    (purge_step 3) must drop it. TensorBoard's loader takes a run's first START for the run's own start and
+    purges only at a later one, so it showed step 3 twice while the first event file had no START."""
+    from dtrain.run.trainer import Hooks
+
+    class Crash(Exception):
+        pass
+
+    def crash_in_4(step, run_):
+        if step == 4:
+            raise Crash
+
+    args = ("train.save_every=2", "train.schedule=constant")
+    whole, _ = run(tmp_path / "whole", *args)
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", *args, hooks=Hooks(before_step=crash_in_4))
+    resumed, _ = run(tmp_path / "cut", *args, "train.resume=auto")
+    shown, uninterrupted = tensorboard_scalars(resumed.run_dir), tensorboard_scalars(whole.run_dir)
+    assert [s for s, _ in shown["loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in shown["eval/loss"]] == [0, 2, 4]
+    assert shown["loss"] == uninterrupted["loss"]  # step 3 the resumed run's, equal to the uninterrupted run's
+    assert read_scalars(resumed.run_dir)["loss"] == shown["loss"]  # dtrain's reader reads what TensorBoard shows
+
+
 def test_two_runs_never_share_a_tensorboard_directory(tmp_path):
     from dtrain.run.tracking import new_run_dir
 

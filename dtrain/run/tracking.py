@@ -57,11 +57,16 @@ class EventFile:
     the pid appended, so a run resumed within the same second never truncates
     the file of the process it continues.
 
+    Every file opens with a ``SessionLog.START`` event, as TensorFlow's writers
+    do: TensorBoard's loader takes a run's first START for the run's own start
+    and purges only at a later one (``plugin_event_accumulator``), so a resume's
+    START purges only when the first file had one too.
+
     Args:
         run_dir: the run's folder.
-        purge_step: when set, a ``SessionLog.START`` event at this step makes
+        purge_step: when set (a resume), the START is at this step and makes
             TensorBoard drop events at or after it from earlier files
-            (``SummaryWriter(purge_step=...)`` writes the same two events).
+            (``SummaryWriter(purge_step=...)`` writes the same two events); a new run's is at step 0.
     """
 
     def __init__(self, run_dir: Path, purge_step: Optional[int] = None):
@@ -76,8 +81,7 @@ class EventFile:
             self._writer = RecordWriter(str(self.path))
         self._event = Event
         self.write(Event(wall_time=time.time(), step=purge_step or 0, file_version="brain.Event:2"))
-        if purge_step is not None:
-            self.write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self.write(Event(wall_time=time.time(), step=purge_step or 0, session_log=SessionLog(status=SessionLog.START)))
 
     @contextlib.contextmanager
     def _storage(self):
@@ -272,13 +276,17 @@ def read_events(run_dir: Path):
 def read_scalars(run_dir: Path) -> dict:
     """Scalars from the event files in ``run_dir``: tag -> [(step, value)].
 
-    Like TensorBoard, a ``SessionLog.START`` event at step ``s`` (written with
-    ``purge_step``) discards values logged earlier at steps ``>= s``.
+    Like TensorBoard's loader, a ``SessionLog.START`` event at step ``s`` (written
+    with ``purge_step``) discards values logged earlier at steps ``>= s``, except
+    the run's first START (the run's own start).
     """
     out: dict = {}
+    started = False
     for event in read_events(run_dir):
         if event.HasField("session_log") and event.session_log.status == event.session_log.START:
-            out = {tag: [(s, v) for s, v in vals if s < event.step] for tag, vals in out.items()}
+            if started:
+                out = {tag: [(s, v) for s, v in vals if s < event.step] for tag, vals in out.items()}
+            started = True
         for v in event.summary.value:
             if v.HasField("simple_value"):
                 out.setdefault(v.tag, []).append((event.step, v.simple_value))
