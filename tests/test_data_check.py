@@ -399,8 +399,9 @@ def test_check_under_sft_keeps_preference_rows_a_pairwise_objective_drops(tmp_pa
         f"  {path}:2: same ids: chosen and rejected are the same 5 tokens after truncation to data.max_length=23"]
     assert (n_bad, len(train), held_out) == (2, 1, [])
     out, n_bad, (train, held_out) = check_file(path, CUT, tokenizer, objective="sft")
-    assert out.splitlines()[:2] == [f"{path}: 5 rows, 5 usable, 0 bad, 0 dropped",
-                                    "1 pair truncated to data.max_prompt_length / data.max_length"]
+    assert out.splitlines()[:2] == [f"{path}: 5 rows, 5 usable, 0 bad, 0 dropped",  # rows, as the limits line says
+                                    "1 row truncated to data.max_prompt_length / data.max_length"]
+    assert "limits: max_prompt_length=20, max_length=23: 1 row truncated, 0 of them" in out
     assert (n_bad, [p.source for p in train], held_out) == (0, [f"{path}:{i}" for i in range(1, 6)], [])
     assert all(p.rejected == [] for p in train)
 

@@ -276,8 +276,10 @@ def test_sft_keeps_preference_rows_that_only_a_pairwise_objective_drops(tmp_path
     assert pairwise.report.dropped == [
         (src + "1", "same text: chosen and rejected are identical"),
         (src + "2", "same ids: chosen and rejected are the same 5 tokens after truncation to data.max_length=23")]
-    sft = load_dataset(cfg, tok, log=None, pairwise=False)
+    logged = []
+    sft = load_dataset(cfg, tok, log=logged.append, pairwise=False, progress=False)
     assert [p.source for p in sft.train] == [src + str(i) for i in range(1, 6)] and sft.valid == []
+    assert logged == ["1 row truncated to data.max_prompt_length / data.max_length"]  # sft's examples are rows
     assert (sft.report.bad, sft.report.dropped, sft.report.truncated) == ([], [], 1)
     completions, _ = tokenize_rows(rows_of([{"prompt": Q, "completion": o["chosen"]} for o in PAIRWISE_ONLY])[0],
                                    tok, CUT)
@@ -383,7 +385,8 @@ def test_a_file_of_kto_rows_all_labelled_false_names_why_none_is_left(tmp_path, 
     cfg = DataConfig(train=write_rows(tmp_path / "kto.jsonl", KTO[1::2]), valid_fraction=0.0)
     with pytest.raises(DataError) as err:
         load_dataset(cfg, tok, log=None, pairwise=False)
-    assert str(err.value) == f"no usable training pairs in {cfg.train} (0 bad rows, 3 dropped: 3 label false)"
+    # sft's examples are rows, as its run and `data check` call them
+    assert str(err.value) == f"no usable training rows in {cfg.train} (0 bad rows, 3 dropped: 3 label false)"
 
 
 @pytest.mark.parametrize("label, shown", [("false", "'false'"), ("True", "'True'"), (0, "0"), (1.0, "1.0")])

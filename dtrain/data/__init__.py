@@ -138,11 +138,12 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     # rows_read was counted at load time; tokenize reports add only their entries.
     report = report.merge(dataclasses.replace(train_report.merge(valid_report), rows_read=0))
     _stop_on_bad_rows(report, cfg)
+    noun = "pair" if pairwise else "row"  # sft's examples (types.example_noun)
     if (report.bad or report.dropped or report.truncated) and log is not None:
-        log(report.summary())
+        log(report.summary(noun=noun))
     if not train:
         why = f": {report.dropped_kinds()}" if report.dropped else ""
-        raise DataError(f"no usable training pairs in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
+        raise DataError(f"no usable training {noun}s in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
                         f"{len(report.dropped)} dropped{why})")
     prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,

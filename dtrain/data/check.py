@@ -94,7 +94,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     rendered = [r for r in results if r.lengths != (0, 0, 0)]
     lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "
              f"{len(report.dropped)} dropped"]
-    summary = report.summary(limit=20)
+    summary = report.summary(limit=20, noun=noun)
     if summary:
         lines.append(summary)
     lines.append(f"token lengths (untruncated, {len(rendered)} {noun}{'s' * (len(rendered) != 1)}): min / median / p95 / "
@@ -121,7 +121,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
         held_report = held_report.merge(dataclasses.replace(held_tok, rows_read=0))
         lines.append(f"held out: {valid.label}: {held_report.rows_read} rows, {len(held)} usable, "
                      f"{len(held_report.bad)} bad, {len(held_report.dropped)} dropped")
-        summary = held_report.summary(limit=20)
+        summary = held_report.summary(limit=20, noun=noun)
         if summary:
             lines.append(summary)
         return "\n".join(lines), len(report.bad) + len(held_report.bad), (pairs, held)

@@ -141,9 +141,9 @@ class BadRowReport:
         kinds = Counter(reason.split(":", 1)[0] for _, reason in self.dropped)
         return ", ".join(f"{n} {kind}" for kind, n in kinds.items())
 
-    def summary(self, limit: int = 5, bad: str = "skipped (bad rows)") -> str:
+    def summary(self, limit: int = 5, bad: str = "skipped (bad rows)", noun: str = "pair") -> str:
         """Readable lines: counts, then the first ``limit`` entries of each kind (``bad``: what bad rows
-        are called; a run that stops at one skips none)."""
+        are called; a run that stops at one skips none; ``noun``: what an example is, sft's row or a pair)."""
         lines = []
         for what, entries in ((bad, self.bad), ("dropped", self.dropped)):
             if not entries:
@@ -155,7 +155,7 @@ class BadRowReport:
             if len(entries) > limit:
                 lines.append(f"  ... and {len(entries) - limit} more")
         if self.truncated:
-            lines.append(f"{self.truncated} pair{'s' * (self.truncated > 1)} truncated to data.max_prompt_length / "
+            lines.append(f"{self.truncated} {noun}{'s' * (self.truncated > 1)} truncated to data.max_prompt_length / "
                          "data.max_length")
         if self.prompt_cut_fits:
             lines.append(f"{self.prompt_cut_fits} of them had the prompt cut to data.max_prompt_length although "
@@ -163,8 +163,8 @@ class BadRowReport:
         if self.control_text:
             src, text = self.control_text[0]
             many = len(self.control_text) > 1
-            lines.append(f"{len(self.control_text)} pair{'s have' if many else ' has'} control-token text in a message, "
-                         f"tokenized as plain text (first: {src}: {text!r})")
+            lines.append(f"{len(self.control_text)} {noun}{'s have' if many else ' has'} control-token text in a "
+                         f"message, tokenized as plain text (first: {src}: {text!r})")
         return "\n".join(lines)
 
 
