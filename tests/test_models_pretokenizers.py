@@ -221,3 +221,21 @@ def test_a_token_text_twice_is_refused_and_empty_tokens_are_named_as_llama_cpp_n
     hf = build_tokenizer(empty)
     assert hf.convert_ids_to_tokens([9, 10]) == ["[EMPTY_9]", "[EMPTY_10]"]
     assert hf.encode("a[EMPTY_9]", add_special_tokens=False) == [2, 9]  # a control token's text, as llama.cpp
+
+
+@pytest.mark.parametrize("key", ["padding", "unknown"])
+def test_a_special_id_on_a_normal_token_is_no_control_text_in_messages(key):
+    """The data layer took every named special token (pad "ab" on a NORMAL token) for control text, which this
+    tokenizer runs BPE over as text: a message "abc" was reported as having control-token text."""
+    from dtrain.config import DataConfig
+    from dtrain.data import tokenize_rows
+    from dtrain.data.formats import parse_rows
+    from dtrain.data.templates import control_strings
+
+    hf = build_tokenizer(bpe_metadata("gpt-2", **{f"tokenizer.ggml.{key}_token_id": 7}))
+    hf.chat_template = "{% for m in messages %}{{ m['content'] }}</s>{% endfor %}"
+    assert control_strings(hf) == ("</s>", "<s>")
+    rows, _ = parse_rows([("f:1", {"prompt": "abc", "chosen": "c", "rejected": "bc"})], DataConfig(), "f")
+    pairs, report = tokenize_rows(rows, hf, DataConfig())
+    assert report.control_text == [] and report.summary() == ""
+    assert hf.convert_ids_to_tokens(pairs[0].prompt) == ["a", "bc", "</s>"]

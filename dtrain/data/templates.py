@@ -84,11 +84,14 @@ def control_strings(tokenizer) -> tuple:
 
     Special means the tokenizer's ``all_special_tokens`` plus added tokens
     flagged ``special`` (GGUF CONTROL tokens). Added tokens that are not special
-    (``<think>`` in Qwen3, GGUF USER_DEFINED) are ordinary vocabulary.
+    (``<think>`` in Qwen3, GGUF USER_DEFINED) are ordinary vocabulary, and so is a
+    named one the tokenizer does not match whole (a GGUF pad id on a NORMAL token:
+    models/tokenizer.py runs BPE over its text, as llama.cpp does).
     """
     hf = hf_tokenizer(tokenizer)
-    found = set(getattr(hf, "all_special_tokens", []) or [])
-    found |= {t.content for t in getattr(hf, "added_tokens_decoder", {}).values() if t.special}
+    added = {t.content: t.special for t in getattr(hf, "added_tokens_decoder", {}).values()}
+    found = {t for t in getattr(hf, "all_special_tokens", []) or [] if not added or t in added}
+    found |= {t for t, special in added.items() if special}
     return tuple(sorted((t for t in found if t), key=lambda t: (-len(t), t)))
 
 
