@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,16 +20,31 @@ from waiting import SESSION_VAR, leftovers, marked_processes, spawn, wait_exit, 
 PLANT = "DTRAIN_TEST_PLANT_ORPHAN"  # set only by test_leftover_check_fails_the_test_that_planted_an_orphan
 
 
-def test_a_wait_fails_within_a_second_of_its_process_exiting(tmp_path):
-    """The process prints, records when it exits, and exits 3 without the awaited event."""
-    stamp = tmp_path / "exited-at"
-    code = ("import sys, time; time.sleep(0.5); print('last words', file=sys.stderr, flush=True); "
-            f"open({str(stamp)!r}, 'w').write(repr(time.time())); sys.exit(3)")
+def test_a_wait_fails_at_the_first_poll_that_sees_its_process_exited(tmp_path, monkeypatch):
+    """The process prints and exits 3 without the awaited event: the poll that sees the exit takes one last
+    look at the event and fails, with no sleep after it, so the wait ends within one POLL_S of the exit.
+    Counted, not timed: "noticed within 1 s of the exit" by the wall clock measured the machine's load."""
+    code = "import sys, time; time.sleep(0.5); print('last words', file=sys.stderr, flush=True); sys.exit(3)"
     proc = spawn([sys.executable, "-c", code], tmp_path)
+    exited, looks, sleeps_after_exit = [], [], []
+    real_poll = proc.poll
+
+    def poll():
+        if real_poll() is not None:
+            exited.append(proc.returncode)
+        return proc.returncode
+
+    def sleep(seconds):
+        if exited:
+            sleeps_after_exit.append(seconds)
+        time.sleep(seconds)
+
+    monkeypatch.setattr(proc, "poll", poll)
+    monkeypatch.setattr(waiting, "time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
     with pytest.raises(pytest.fail.Exception) as failed:
-        wait_until(lambda: False, "an event that never comes", proc, limit=600)
-    noticed = time.time()
-    assert noticed - float(stamp.read_text()) < 1.0
+        wait_until(lambda: looks.append(bool(exited)), "an event that never comes", proc, limit=600)
+    assert exited == [3] and looks[-1] and looks.count(True) == 1 and sleeps_after_exit == []
+    assert waiting.POLL_S <= 0.1  # the sleep between the polls that came before
     message = str(failed.value)
     assert message.startswith(f"process {proc.pid} exited with status 3 before an event that never comes; its last output:")
     assert message.splitlines()[-1] == "last words"
