@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_doctor_on_a_16gb_mac_shows_the_working_set_wired_limit_and_budget(monkeypatch):
+    # system_lines sets MLX_MPI_LIBNAME where mpirun is installed (as `dtrain doctor` must, before MLX loads an MPI):
+    # set here through monkeypatch, it is gone after the test, not left in the environment of every later test
+    monkeypatch.setenv("MLX_MPI_LIBNAME", "")
     wired = []
     stub_device(monkeypatch, "metal", MACS[16], active=0, wired=wired)
     lines = doctor.system_lines(None)
