@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fixtures_launch import free_port, launch, make_job
+from waiting import JOB_S
 import netns  # bench/netns.py (conftest puts bench/ on the path)
 from test_launch import ADAPTER, assert_same_adapter
 
@@ -24,7 +25,7 @@ def test_ranks_in_two_namespaces_equal_one_rank(tmp_path):
                f"--train.output_dir={tmp_path / 'two'}"]
     with netns.namespaces(2) as (names, ips):
         assert ips == ["10.77.0.1", "10.77.0.2"]
-        results = netns.run_ranks(names, ips, program, free_port(), timeout=60)
+        results = netns.run_ranks(names, ips, program, free_port(), timeout=JOB_S)  # a tiny job's bound (waiting.py)
     for r, res in enumerate(results):
         assert res.returncode == 0, (r, res.stderr)
     assert "world size 2" in results[0].stderr
