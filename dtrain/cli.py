@@ -128,19 +128,25 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
     from .run.trainer import held_out_steering
     from .sampler import for_run
-    from .types import example_noun
+    from .types import example_noun, refuse_single_completions
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
     report, n_bad, (train_pairs, held_out) = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
                                                         objective=cfg.objective.kind, seed=cfg.train.seed)
-    print(report)
+    # training's order: bad rows under on_bad_row error, no usable pair, then rows with one completion
+    # under a pairwise objective (engine.sft.fit_dataset)
+    stop = None
     if n_bad and cfg.data.on_bad_row == "error":
-        _error(f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
-               "(training would stop; see the rows listed above)")
-        return 1
-    if not train_pairs:
-        _error(f"{args.file}: no usable {example_noun(cfg.objective.kind)}s (training would stop; see the rows listed "
-               "above)")
+        stop = (f"{args.file}: {n_bad} bad row(s) and data.on_bad_row is 'error' "
+                "(training would stop; see the rows listed above)")
+    elif not train_pairs:
+        stop = (f"{args.file}: no usable {example_noun(cfg.objective.kind)}s (training would stop; see the rows "
+                "listed above)")
+    elif cfg.objective.kind != "sft":
+        refuse_single_completions((*train_pairs, *held_out), cfg.objective.kind, args.file)
+    print(report)
+    if stop is not None:
+        _error(stop)
         return 1
     try:  # the trainer's own refusals: no held-out pairs to steer by, fewer training pairs than a step takes
         held_out_steering(cfg, len(train_pairs), len(held_out))

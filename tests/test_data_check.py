@@ -11,7 +11,7 @@ from fixtures_launch import make_model_folder
 
 from dtrain.cli import main
 from dtrain.config import DataConfig, load_config
-from dtrain.data import check_file, load_rows, tokenize_rows
+from dtrain.data import check_file, load_dataset, load_rows, tokenize_rows
 from dtrain.data.formats import Row
 from dtrain.errors import ConfigError, DataError
 
@@ -442,3 +442,27 @@ def test_data_check_help_says_it_takes_overrides_and_when_it_exits_1(capsys):
     assert done.value.code == 0
     assert out.startswith("usage: dtrain data check [-h] [-c CONFIG] [--show N] [--section.key VALUE ...] file")
     assert "(overrides: --data.key VALUE; exit status 1 where training would stop on the data:" in out
+
+
+def test_cli_stops_on_the_data_in_training_order(tmp_path, model_dir, tokenizer, capsys):
+    """Training stops on bad rows under data.on_bad_row: error, and on an unreadable held-out source, before it
+    refuses rows with one completion (engine.sft.fit_dataset); the check refused them first, with exit status 2
+    and another reason."""
+    path = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS + [{"prompt": "Hi", "completion": 5}])
+    common = ["--model.path", str(model_dir), "--objective.kind", "dpo", "--train.global_batch_pairs", "1"]
+    with pytest.raises(DataError, match="d.jsonl:3: field 'completion' must be a string"):
+        load_dataset(DataConfig(train=path, on_bad_row="error"), tokenizer, log=None)
+    status = main(["data", "check", path, *common, "--data.on_bad_row", "error"])
+    out = capsys.readouterr()
+    assert status == 1 and f"  {path}:3: field 'completion' must be a string, got number" in out.out
+    assert out.err.splitlines()[-1] == (f"dtrain: error: {path}: 1 bad row(s) and data.on_bad_row is 'error' "
+                                        "(training would stop; see the rows listed above)")
+    folder = tmp_path / "mlx"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", SFT_ROWS)
+    valid = folder / "valid.jsonl"
+    valid.write_text("7\n")
+    assert main(["data", "check", str(folder), *common]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"dtrain: error: {valid}: no row is a JSON object (rows are: number); expected one object per line in one of "
+        "the formats standard, conversational, transcript, openai, sharegpt, mapped, messages, prompt_completion, text")

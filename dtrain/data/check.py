@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 
-from ..types import example_noun, refuse_single_completions
+from ..types import example_noun
 from .render import tokenize_rows
 from .sources import read_rows, resolve_pair
 from .templates import RAW_TEXT, renderers
@@ -69,8 +69,9 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     ``max_length`` truncate, a warning counting raw prompts glued to their
     response (:func:`glued_rows`), and with ``show > 0`` the first ``show`` usable
     pairs exactly as they are trained (see :func:`show_pair`). Rows go through
-    the same :func:`tokenize_rows` as training. ``objective``: ``objective.kind``;
-    a pairwise one (all but ``sft``) cannot train rows with one completion. Without held-out data of its
+    the same :func:`tokenize_rows` as training. ``objective``: ``objective.kind``
+    (``sft`` reads preference rows as their chosen side); rows with one completion are returned for the
+    caller to refuse under a pairwise one, in training's order (after bad rows and no usable pair). Without held-out data of its
     own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the rows, split with ``seed``
     (``train.seed``): the pairs returned are the rest and those; with it, all of them and the pairs of
     that source, whose counts and bad and dropped rows follow the report's as ``held out: SOURCE: ...``.
@@ -78,18 +79,17 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     Raises:
         DataError: the data or its held-out source cannot be read (missing, a folder of no known
             layout, empty, not JSON, unknown format, invalid JSON array), or the data config or
-            tokenizer cannot render its rows, or a row with one completion under a pairwise
-            ``objective`` (naming its ``file:line``, as training stops on it).
+            tokenizer cannot render its rows.
     """
     from . import split_rows  # the package imports this module
 
     train, valid = resolve_pair(dataclasses.replace(cfg, train=path))
     rows, report = read_rows(train, cfg, pairwise=objective != "sft")  # SFT reads preference rows' chosen side
+    if valid is not None:  # read before any row is tokenized, as training reads it (load_dataset)
+        held_rows, held_report = read_rows(valid, cfg, pairwise=objective != "sft")
     noun = example_noun(objective)
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
-    if objective != "sft":  # training's own check (engine.sft.fit_dataset)
-        refuse_single_completions(pairs, objective, path)
     report = report.merge(dataclasses.replace(tok_report, rows_read=0))
     rendered = [r for r in results if r.lengths != (0, 0, 0)]
     lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "
@@ -114,10 +114,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     for n, pair in enumerate(pairs[:show], start=1):
         lines += show_pair(pair, tokenizer, n, noun)
     if valid is not None:  # held out in a source of its own (data.valid, valid.jsonl, a split): training reads it too
-        held_rows, held_report = read_rows(valid, cfg, pairwise=objective != "sft")
         held, held_tok = tokenize_rows(held_rows, tokenizer, cfg)
-        if objective != "sft":
-            refuse_single_completions(held, objective, valid.label)
         held_report = held_report.merge(dataclasses.replace(held_tok, rows_read=0))
         lines.append(f"held out: {valid.label}: {held_report.rows_read} rows, {len(held)} usable, "
                      f"{len(held_report.bad)} bad, {len(held_report.dropped)} dropped")
