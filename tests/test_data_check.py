@@ -466,3 +466,24 @@ def test_cli_stops_on_the_data_in_training_order(tmp_path, model_dir, tokenizer,
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"dtrain: error: {valid}: no row is a JSON object (rows are: number); expected one object per line in one of "
         "the formats standard, conversational, transcript, openai, sharegpt, mapped, messages, prompt_completion, text")
+
+
+def test_check_lists_bad_rows_that_stop_training_before_a_template_error(tmp_path):
+    """Under data.on_bad_row: error training stops on the rows it cannot read before it tokenizes any; the check
+    tokenized first and stopped on 'message rows need a chat template' (exit 2), naming another reason."""
+    base = style_tokenizer("base")
+    ok = {"prompt": MSGS, "chosen": [{"role": "assistant", "content": "Yes"}],
+          "rejected": [{"role": "assistant", "content": "No"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [ok, {**ok, "chosen": 5}])
+    cfg = DataConfig(train=path, on_bad_row="error")
+    with pytest.raises(DataError, match="d.jsonl:2: field 'chosen' must be a list of messages, got number"):
+        load_dataset(cfg, base, log=None)
+    out, n_bad, pairs = check_file(path, cfg, base)
+    assert out.splitlines() == [
+        f"{path}: 2 rows, 1 bad, 0 dropped (not tokenized: {path}:1: message rows need a chat template, and the "
+        "tokenizer has none: set data.chat_template (chatml, plain or a Jinja file), or data.prompt_template: raw to "
+        "write messages as plain 'User: ...' text)",
+        "1 of 2 rows skipped (bad rows):", f"  {path}:2: field 'chosen' must be a list of messages, got number"]
+    assert (n_bad, pairs) == (1, ([], []))
+    with pytest.raises(DataError, match="message rows need a chat template"):  # skipped, the rows are tokenized
+        check_file(path, DataConfig(train=path), base)

@@ -6,7 +6,9 @@ import dataclasses
 import json
 import math
 
+from ..errors import DataError
 from ..types import example_noun
+from .formats import BadRowReport
 from .render import tokenize_rows
 from .sources import read_rows, resolve_pair
 from .templates import RAW_TEXT, renderers
@@ -79,14 +81,36 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     Raises:
         DataError: the data or its held-out source cannot be read (missing, a folder of no known
             layout, empty, not JSON, unknown format, invalid JSON array), or the data config or
-            tokenizer cannot render its rows.
+            tokenizer cannot render its rows; but where rows that cannot be read stop training first
+            (``on_bad_row: error``), the report lists them and names the error, and no pair is returned.
     """
+    train, valid = resolve_pair(dataclasses.replace(cfg, train=path))
+    pairwise = objective != "sft"  # SFT reads preference rows' chosen side
+    read = read_rows(train, cfg, pairwise)
+    held_read = read_rows(valid, cfg, pairwise) if valid is not None else ([], BadRowReport())  # as training: first
+    try:
+        return _report(path, cfg, tokenizer, show, objective, seed, read, valid, held_read)
+    except DataError as err:  # the template or tokenizer cannot render the rows
+        report, held_report, noun = read[1], held_read[1], example_noun(objective)
+        n_bad = len(report.bad) + len(held_report.bad)
+        if not (n_bad and cfg.on_bad_row == "error"):
+            raise
+        # training stops on the rows it cannot read before it tokenizes any (load_dataset): they are its reason
+        lines = [f"{path}: {report.rows_read} rows, {len(report.bad)} bad, {len(report.dropped)} dropped (not "
+                 f"tokenized: {err})", report.summary(limit=20, noun=noun)]
+        if valid is not None:
+            lines += [f"held out: {valid.label}: {held_report.rows_read} rows, {len(held_report.bad)} bad, "
+                      f"{len(held_report.dropped)} dropped", held_report.summary(limit=20, noun=noun)]
+        return "\n".join(line for line in lines if line), n_bad, ([], [])
+
+
+def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, read: tuple, valid,
+            held_read: tuple) -> tuple:
+    """:func:`check_file`'s report of the rows ``read`` (and ``held_read`` of the source ``valid``) as
+    ``read_rows`` gave them, tokenized."""
     from . import split_rows  # the package imports this module
 
-    train, valid = resolve_pair(dataclasses.replace(cfg, train=path))
-    rows, report = read_rows(train, cfg, pairwise=objective != "sft")  # SFT reads preference rows' chosen side
-    if valid is not None:  # read before any row is tokenized, as training reads it (load_dataset)
-        held_rows, held_report = read_rows(valid, cfg, pairwise=objective != "sft")
+    (rows, report), (held_rows, held_report) = read, held_read
     noun = example_noun(objective)
     results: list = []
     pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
