@@ -308,7 +308,8 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     """Set ``model``'s LoRA weights (built by :func:`apply_lora`) to those of ``folder/adapters.safetensors``.
 
     Raises:
-        ConfigError: the file's names or shapes differ from the model's LoRA parameters (named).
+        ConfigError: the file's names or shapes differ from the model's LoRA parameters, or a tensor holds
+            NaN or inf (named): every step would be skipped as non-finite and the adapter written keep it.
         StorageError: the file cannot be read (damaged, truncated, unreadable).
     """
     path = home_path(folder, "train.init_adapter") / ADAPTER_WEIGHTS
@@ -323,4 +324,8 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     if odd is not None:
         raise ConfigError(f"train.init_adapter {path}: {odd} has shape {tuple(weights[odd].shape)}, the model's LoRA "
                           f"has {tuple(mine[odd].shape)}")
+    for k in sorted(mine):
+        if bad := int((~mx.isfinite(weights[k])).sum()):
+            raise ConfigError(f"train.init_adapter {path}: {k} holds {bad} non-finite value(s) (NaN or inf); an "
+                              f"adapter to start from must be finite")
     model.load_weights([(k, weights[k].astype(mine[k].dtype)) for k in mine], strict=False)

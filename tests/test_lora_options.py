@@ -299,6 +299,22 @@ def test_init_adapter_with_other_tensors_is_refused_naming_them(tmp_path):
         run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_init_adapter_with_non_finite_weights_is_refused_naming_the_tensor(tmp_path, value):
+    """A NaN or inf in the initial adapter trained nothing: every step was skipped as non-finite and the adapter
+    written at the end held the NaN."""
+    write_adapter(tmp_path / "a")
+    w = mx.load(str(tmp_path / "a" / ADAPTER_WEIGHTS))
+    name = sorted(w)[1]
+    w[name] = mx.where(mx.arange(w[name].size).reshape(w[name].shape) == 3, value, w[name])
+    mx.save_safetensors(str(tmp_path / "a" / ADAPTER_WEIGHTS), w)
+    with pytest.raises(ConfigError) as err:
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
+    assert str(err.value) == (f"train.init_adapter {tmp_path / 'a' / ADAPTER_WEIGHTS}: {name} holds 1 non-finite "
+                              f"value(s) (NaN or inf); an adapter to start from must be finite")
+    assert not (tmp_path / "out" / "adapters").exists()
+
+
 def test_rslora_adapter_exports_with_dtrain_export(tmp_path):
     """The merged model of an rsLoRA adapter (dtrain export) gives the LoRA model's logits."""
     from mlx_lm import load
