@@ -123,7 +123,7 @@ def test_an_error_every_rank_meets_is_shown_once(job, tmp_path):
     """train.max_skipped_steps stops every rank with the same message (the same global batch, the same streak):
     ./launch showed it once per rank."""
     r = launch("-n", 2, "--port", free_port(), job["config"], "--train.output_dir", tmp_path / "run",
-               "--train.steps", 6, "--train.learning_rate", "1e38", "--train.grad_clip", 0, "--train.warmup_steps", 0,
+               "--train.steps", 6, "--train.learning_rate", "1e37", "--train.grad_clip", 0, "--train.warmup_steps", 0,
                "--train.max_skipped_steps", 2)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("dtrain: error:")]

@@ -696,14 +696,35 @@ def test_a_run_without_held_out_pairs_stopped_by_skipped_steps_in_its_last_step_
     signal in the last step. It is written with that save."""
     from dtrain.errors import UserError
 
-    blow_up = ("train.steps=3", "train.max_skipped_steps=2", "train.learning_rate=1e38", "train.grad_clip=0",
-               "train.warmup_steps=0")  # step 1 trains, steps 2 and 3 are non-finite
+    # step 1 trains, steps 2 and 3 are non-finite (at 1e38, step 1's update was inf: skipped too)
+    blow_up = ("train.steps=3", "train.max_skipped_steps=2", "train.learning_rate=1e37", "train.grad_clip=0",
+               "train.warmup_steps=0")
     with pytest.raises(UserError, match="step 3: 2 steps in a row had a non-finite loss"):
         run(tmp_path, *blow_up, n_valid=0)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir())[-1] == "step-0000003"
     resumed, _ = run(tmp_path, "train.resume=auto", *blow_up, n_valid=0)
     assert resumed.history == [] and resumed.steps == 3
     assert [s for s, _ in read_scalars(resumed.run_dir)["hparam/loss"]] == [3]
+
+
+def test_an_update_that_overflows_float32_is_skipped_and_named_and_the_adapter_stays_finite(tmp_path, capsys):
+    """train.learning_rate 1e38 (finite in float32; AdamW's bias correction divides it by 1 - 0.9 at step 1):
+    step 1's loss and gradient were finite, its update made the LoRA weights inf/NaN, the later steps were
+    skipped as non-finite, and adapters/ was written with the NaN."""
+    from dtrain.errors import UserError
+
+    result, _ = run(tmp_path, "train.learning_rate=1e38", "train.warmup_steps=0", "train.schedule=constant",
+                    "train.steps=2")
+    with pytest.raises(UserError, match=r"^step 2: 2 steps in a row had non-finite LoRA weights after the update "
+                                        r"\(learning rate 1e\+38\) \(last batch: gen:"):
+        run(tmp_path / "again", "train.learning_rate=1e38", "train.warmup_steps=0", "train.schedule=constant",
+            "train.max_skipped_steps=2")
+    err = capsys.readouterr().err
+    for step in (1, 2):
+        assert f"step {step}: non-finite LoRA weights after the update (learning rate 1e+38), update skipped" in err
+    assert result.skipped_steps == 2 and all(np.isfinite(h["loss"]) for h in result.history)
+    weights = mx.load(str(result.adapter_dir / "adapters.safetensors"))
+    assert all(bool(mx.isfinite(w).all()) for w in weights.values())
 
 
 def test_progress_false_draws_no_tokenizing_bar(tmp_path, monkeypatch):

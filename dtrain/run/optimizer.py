@@ -8,15 +8,17 @@ non-finite step are one pure function of ``(params, state, grads, lr,
 loss_finite)``, compiled once per run with ``mx.compile`` (the LoRA shapes never
 change). The skip is decided on the device: the update is computed and
 ``mx.where`` keeps the old parameters and optimizer state (step counter and
-learning rate included) when the loss or the gradient norm is not finite, so
-the host reads the norm once, after the update, instead of waiting for it
-before. The gradients are already summed over ranks, so every rank computes the
-same norm and takes the same decision.
+learning rate included) when the loss, the gradient norm or the updated
+weights are not finite (a learning rate near float32's range makes a finite
+gradient's update inf), so the host reads the norm and the decision once,
+after the update, instead of waiting for them before. The gradients are
+already summed over ranks, so every rank computes the same norm and takes the
+same decision.
 
 Uncompiled (``train.compile_optimizer: false``, and ``auto`` on the CPU) it is
-the eager path: the host reads the norm, then updates or skips. On the CPU the
-compiled step's first run on a machine builds C++ kernels, which costs more than a
-short run gains (docs/benchmarks.md).
+the eager path: the host reads the norm, then computes the update and keeps it
+or skips. On the CPU the compiled step's first run on a machine builds C++
+kernels, which costs more than a short run gains (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -132,13 +134,14 @@ class AdamWStep:
     def state(self, state: dict) -> None:
         self.adamw.state = state
 
-    def step(self, model, grads: dict, step: int, loss_finite: bool) -> tuple[float, float]:
+    def step(self, model, grads: dict, step: int, loss_finite: bool) -> tuple[float, float, bool]:
         """Optimizer step ``step`` (1-based) at the schedule's rate: :meth:`apply` with
-        ``learning_rate(step, cfg, schedule_steps)``. Returns ``(grad norm, learning rate)``."""
+        ``learning_rate(step, cfg, schedule_steps)``. Returns ``(grad norm, learning rate, applied)``."""
         lr = learning_rate(step, self.cfg, self.schedule_steps)
-        return self.apply(model, grads, lr, loss_finite), lr
+        norm, applied = self.apply(model, grads, lr, loss_finite)
+        return norm, lr, applied
 
-    def apply(self, model, grads: dict, lr: float, loss_finite: bool) -> float:
+    def apply(self, model, grads: dict, lr: float, loss_finite: bool) -> tuple[float, bool]:
         """Clip ``grads``, and unless the step is non-finite, update ``model``'s LoRA and the state.
 
         Evaluates the update: compiled, this is the step's one wait for the device.
@@ -149,24 +152,29 @@ class AdamWStep:
             lr: this step's learning rate.
             loss_finite: whether the step's loss (all-reduced) is finite.
         Returns:
-            The global L2 norm of ``grads`` before clipping. The update was
-            applied iff ``loss_finite`` and the norm is finite (:func:`update_applied`).
+            ``(norm, applied)``: the global L2 norm of ``grads`` before clipping, and whether the
+            update was applied: ``loss_finite``, the norm finite and every updated weight finite.
         """
         if self.compiled is None:  # eager: wait for the norm, then update or skip
             grads, norm = self._clip(grads)
-            norm, params = float(norm), []
-            if update_applied(loss_finite, norm):
+            norm, params, applied = float(norm), [], False
+            if loss_finite and math.isfinite(norm):
+                old, state = model.trainable_parameters(), self.adamw.state
+                self.adamw.state = tree_map(lambda a: a, state)  # new containers: the old state stays for a skip
                 self.adamw.learning_rate = lr
-                old = model.trainable_parameters()
                 params = self._plus(old, self.adamw.apply_gradients(grads, model))  # = adamw.update(model, grads)
-                model.update(params)
+                applied = _all_finite(params).item()
+                if applied:
+                    model.update(params)
+                else:
+                    self.adamw.state, params = state, []
         else:
-            params, state, norm = self.compiled(model.trainable_parameters(), self.adamw.state, grads,
-                                                mx.array(lr, mx.float32), mx.array(loss_finite))
+            params, state, norm, applied = self.compiled(model.trainable_parameters(), self.adamw.state, grads,
+                                                         mx.array(lr, mx.float32), mx.array(loss_finite))
             model.update(params)
             self.adamw.state = state
-        mx.eval(norm, params, self.adamw.state)  # the new arrays themselves: no walk over the model
-        return float(norm)
+        mx.eval(norm, params, self.adamw.state, applied)  # the new arrays themselves: no walk over the model
+        return float(norm), bool(applied)
 
     def _clip(self, grads: dict):
         """``(clipped grads, norm before clipping)``; the grads unchanged when ``grad_clip`` is 0."""
@@ -175,14 +183,14 @@ class AdamWStep:
         return grads, mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
 
     def _pure(self, params: dict, state: dict, grads: dict, lr: mx.array, loss_finite: mx.array):
-        """``(new params, new state, grad norm)``; old params and state where the step is not finite."""
+        """``(new params, new state, grad norm, applied)``; old params and state where the step is not finite."""
         grads, norm = self._clip(grads)
-        ok = mx.logical_and(loss_finite, mx.isfinite(norm))
         adamw = copy.copy(self.adamw)  # the same hyperparameters; its own state (apply_gradients writes into it)
         adamw.state = tree_map(lambda a: a, state)  # new containers, the same arrays
         adamw.state["learning_rate"] = lr  # as the ``learning_rate`` setter stores it: a float32 scalar
         new_params = self._plus(params, adamw.apply_gradients(grads, params))
-        return _select(ok, params, new_params), _select(ok, state, adamw.state), norm
+        ok = mx.logical_and(mx.logical_and(loss_finite, mx.isfinite(norm)), _all_finite(new_params))
+        return _select(ok, params, new_params), _select(ok, state, adamw.state), norm, ok
 
     def _plus(self, old: dict, new: dict) -> dict:
         """``new`` with each ``lora_b`` update scaled by ``plus_ratio`` (LoRA+); ``new`` itself at 1."""
@@ -204,6 +212,6 @@ def _select(ok: mx.array, old, new):
     return tree_map_with_path(lambda path, a: mx.where(ok, new[path], a) if path in new else a, old)
 
 
-def update_applied(loss_finite: bool, grad_norm: float) -> bool:
-    """Whether :meth:`AdamWStep.apply` updated: the decision it took on the device, read on the host."""
-    return loss_finite and math.isfinite(grad_norm)
+def _all_finite(params: dict) -> mx.array:
+    """Whether every weight of ``params`` is finite: a boolean scalar."""
+    return mx.array([mx.isfinite(p).all() for _, p in tree_flatten(params)]).all()

@@ -23,7 +23,6 @@ from ..config import TrainConfig
 from ..distributed import Group
 from ..engine import Objective, batch_totals, run_micro_batches
 from ..memory import trim_cache
-from .optimizer import update_applied
 from ..sampler import Sampler
 from .tracking import peak_memory_gb
 
@@ -52,8 +51,8 @@ def padding_fraction(sums: dict) -> float:
 @dataclass
 class StepOutcome:
     """What one step did: ``metrics`` (TRL names plus the step's own), ``applied`` (False:
-    the loss or gradients were not finite and the update was skipped, the same decision on
-    every rank), ``stop`` (some rank asked to stop, agreed on every rank), ``batch`` (the
+    the loss, gradients or updated weights were not finite and the update was skipped, the same
+    decision on every rank), ``stop`` (some rank asked to stop, agreed on every rank), ``batch`` (the
     global batch's pairs)."""
 
     metrics: dict
@@ -106,8 +105,8 @@ class Step:
         reduce_seconds = time.perf_counter() - reduce_start
         metrics = objective.finalize(sums, "", self.hyper)
         loss_finite = math.isfinite(metrics["loss"])
-        grad_norm, lr = self.optimizer.step(self.model, grads, step, loss_finite)  # schedule, clip + AdamW; skipped if non-finite
-        applied = update_applied(loss_finite, grad_norm)
+        # schedule, clip + AdamW; skipped if the loss, the gradient or the updated weights are not finite
+        grad_norm, lr, applied = self.optimizer.step(self.model, grads, step, loss_finite)
         seconds = time.perf_counter() - start
         metrics.update({
             "grad_norm": grad_norm,

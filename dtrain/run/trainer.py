@@ -192,7 +192,7 @@ def loop(run: Run) -> TrainResult:
             # every rank raises after rank 0 saved: one that exits first makes ./launch abort a rank 0 still saving
             _main_rank_check(run.group, lambda: save_stopped(run, step), "save its checkpoint", step)
             sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
-            raise UserError(f"step {step}: {streak} steps in a row had a non-finite loss or gradient "
+            raise UserError(f"step {step}: {streak} steps in a row had {skip_reason(out.metrics, 'a ')} "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
         if out.stop:
             run.stop.agreed = True
@@ -455,13 +455,21 @@ def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
     run.state.skipped_in_row = 0 if applied else run.state.skipped_in_row + 1
     if not applied:
         run.state.skipped_steps += 1
-        run.log.message(f"step {step}: non-finite loss or gradient, update skipped")
+        run.log.message(f"step {step}: {skip_reason(metrics)}, update skipped")
     metrics["skipped_steps"] = float(run.state.skipped_steps)
     run.state.step, run.state.last_metrics = step, metrics
     run.result.skipped_steps = run.state.skipped_steps
     run.result.history.append(metrics)
     run.log.scalars(step, metrics)
     run.log.progress(step, metrics)
+
+
+def skip_reason(metrics: dict, article: str = "") -> str:
+    """Why a step's update was skipped, from its metrics: ``article`` + a non-finite loss or gradient, or else
+    LoRA weights the update would have made NaN or inf (a learning rate near float32's range, say)."""
+    if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+        return f"{article}non-finite loss or gradient"
+    return f"non-finite LoRA weights after the update (learning rate {metrics['learning_rate']:.3g})"
 
 
 def save(run: Run, step: int) -> None:
