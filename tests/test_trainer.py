@@ -727,6 +727,33 @@ def test_an_update_that_overflows_float32_is_skipped_and_named_and_the_adapter_s
     assert all(bool(mx.isfinite(w).all()) for w in weights.values())
 
 
+def test_a_step_with_a_zero_gradient_is_named(tmp_path, capsys):
+    """A step whose gradient is zero everywhere (a saturated loss: SimPO with objective.beta 1e6 gave loss 0 and
+    grad_norm 0 at step 1; DPO with beta 1e-30 on every step) was logged and counted as trained without a word."""
+    from dtrain.engine.common import StepResult
+    from dtrain.run.trainer import Hooks
+
+    class Flat:  # the engine, its gradients zero at step 2
+        def __init__(self, engine):
+            self.engine, self.name, self.objective, self.calls = engine, engine.name, engine.objective, 0
+
+        def step(self, chunk, totals, key=None, hyper=None):
+            out = self.engine.step(chunk, totals, key, hyper)
+            self.calls += 1
+            return StepResult(out.loss, out.sums, tree_map(mx.zeros_like, out.grads)) if self.calls == 2 else out
+
+        def evaluate(self, chunk, totals, key=None, hyper=None):
+            return self.engine.evaluate(chunk, totals, key, hyper)
+
+    result, _ = run(tmp_path, "train.steps=3", hooks=Hooks(engine=Flat))
+    err = capsys.readouterr().err
+    assert [h["grad_norm"] == 0.0 for h in result.history] == [False, True, False]
+    assert ("step 2: zero gradient: the loss gives this batch no learning signal (flat or saturated for every "
+            "pair: check the objective's hyper-parameters and the learning rate); the update is AdamW's momentum "
+            "alone\n") in err, err
+    assert "step 1: zero" not in err and "step 3: zero" not in err and result.skipped_steps == 0
+
+
 def test_progress_false_draws_no_tokenizing_bar(tmp_path, monkeypatch):
     """train.progress false still drew a first run's 'tokenizing train' bar (load_dataset showed one whenever it
     logged), on output meant to have none; the step and DPO reference bars follow the key, and so does it."""

@@ -450,12 +450,16 @@ def first_step_text(run: Run) -> str:
 
 
 def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
-    """Count a skipped update (the streak too: a checkpoint carries it), log the step's metrics, advance
-    the state and the bar."""
+    """Count a skipped update (the streak too: a checkpoint carries it), name a zero gradient, log the step's
+    metrics, advance the state and the bar."""
     run.state.skipped_in_row = 0 if applied else run.state.skipped_in_row + 1
     if not applied:
         run.state.skipped_steps += 1
         run.log.message(f"step {step}: {skip_reason(metrics)}, update skipped")
+    elif metrics["grad_norm"] == 0.0:  # trained on nothing: said, as a skipped step is
+        run.log.message(f"step {step}: zero gradient: the loss gives this batch no learning signal (flat or "
+                        f"saturated for every {example_noun(run.cfg.objective.kind)}: check the objective's "
+                        f"hyper-parameters and the learning rate); the update is AdamW's momentum alone")
     metrics["skipped_steps"] = float(run.state.skipped_steps)
     run.state.step, run.state.last_metrics = step, metrics
     run.result.skipped_steps = run.state.skipped_steps
