@@ -56,6 +56,27 @@ def adapter(result) -> dict:
     return {k: np.array(v) for k, v in mx.load(str(Path(result.adapter_dir) / "adapters.safetensors")).items()}
 
 
+def test_non_finite_reference_log_probs_are_refused_naming_the_pairs(tmp_path):
+    """The step-0 model gave two pairs a NaN reference log-prob (a float16 overflow, say): every step that drew
+    one had a NaN loss and was skipped as non-finite, its other pairs with it, the pairs themselves never named."""
+    from dtrain.engine.common import StepResult
+    from dtrain.errors import UserError
+
+    class Poisoned(Counting):  # NaN for the first micro-batch of the train pairs
+        def evaluate(self, chunk, totals, key=None, hyper=None):
+            out = self.engine.evaluate(chunk, totals, key, hyper)
+            if chunk[0].source == "gen:0":
+                out = StepResult(out.loss, {**out.sums, "ref_chosen": out.sums["ref_chosen"] * mx.nan}, out.grads)
+            return out
+
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "dpo", hooks=Hooks(reference_engine=lambda engine: Poisoned(engine, [])))
+    assert str(err.value) == (
+        "DPO reference log-probs (the model at step 0) are NaN or inf for 2 train pair(s): gen:0, gen:1; every step "
+        "that drew one would be skipped as non-finite: check model.dtype (float16 overflows) or remove these pairs")
+    assert not (tmp_path / "adapters").exists() and not (tmp_path / "checkpoints").exists()
+
+
 def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
     seen = []
     first = run(tmp_path / "a", "dpo", hooks=counting_hooks(seen))

@@ -33,6 +33,7 @@ from ..engine.dpo import REF_KEYS
 from ..engine.layout import batch_totals
 from ..engine.loss import upcast
 from ..engine.objective import PairLogps, Totals
+from ..errors import UserError
 from ..files import home_path, new_temp_file, sha256_file
 from ..lora import ADAPTER_WEIGHTS
 from ..sampler import micro_batches
@@ -177,12 +178,28 @@ def reference_pass(cfg, model, dataset, model_identity: str, group, engine, cach
                                       bar, "valid")
     finally:
         model.train()
+    for name, pairs in (("train", train), ("valid", valid)):
+        refuse_non_finite(pairs, name)
     if notice is not None:
         notice(f"DPO reference log-probs of {len(train)} train + {len(valid)} valid pairs (the model at step 0): "
                + ("computed" if computed + more else "read from the data cache"))
     dataset = copy.copy(dataset)  # the caller's dataset stays as it was
     dataset.train, dataset.valid = train, valid
     return dataset
+
+
+def refuse_non_finite(pairs: list[TokenizedPair], name: str) -> None:
+    """Refuse ``pairs`` (``name``: train or valid) whose reference log-probs are NaN or inf: each step that drew
+    one would have a non-finite loss and be skipped, its other pairs with it.
+
+    Raises:
+        UserError: naming the first few such pairs.
+    """
+    bad = [p.source or "?" for p in pairs if not all(np.isfinite([p.extra[k] for k in REF_KEYS]))]
+    if bad:
+        raise UserError(f"DPO reference log-probs (the model at step 0) are NaN or inf for {len(bad)} {name} pair(s): "
+                        f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}; every step that drew one would be "
+                        f"skipped as non-finite: check model.dtype (float16 overflows) or remove these pairs")
 
 
 def engine_settings(engine, kernels: str) -> str:
