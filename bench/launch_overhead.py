@@ -109,7 +109,7 @@ def run_direct(args, out: Path) -> tuple[float, dict, int]:
     (``/proc/sys/kernel/sched_autogroup_enabled``) one session's share of the CPU."""
     from dtrain.config import load_config
     from dtrain.contract import JOB_VAR
-    from dtrain.launch.plan import build_plan
+    from dtrain.launch.plan import build_plan, release
 
     overrides = [f"train.steps={args.steps}", f"train.output_dir={out}"]
     locks: list = []
@@ -126,8 +126,7 @@ def run_direct(args, out: Path) -> tuple[float, dict, int]:
                                       stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
                      for rank_env in plan.direct]
         cpu = watch([p.pid for p in procs], procs)
-    for fd in locks:
-        os.close(fd)
+    release(locks)
     return time.monotonic() - start, cpu, max(p.returncode for p in procs)
 
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from conftest import make_tiny_model, make_tokenizer
-from dtrain.launch.plan import _claim, ephemeral_ports, spare_base
+from dtrain.launch.plan import _claim, ephemeral_ports, release, spare_base
 from waiting import JOB_S, finish
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +70,7 @@ def free_port(count: int = 4) -> int:
     for _ in range(100):
         base, locks = spare_base(count, rng, ephemeral), []
         problem = _claim(base, count, "127.0.0.1", locks)
-        for fd in locks:
-            os.close(fd)  # checked free; the launcher under test claims them itself
+        release(locks)  # checked free; the launcher under test claims them itself
         if problem is None:
             return base
     raise RuntimeError(f"no {count} free consecutive loopback ports found in 100 tries")

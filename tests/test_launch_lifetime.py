@@ -172,14 +172,12 @@ def test_free_ports_skip_ports_another_launcher_holds():
         assert not set(range(a, a + 3)) & set(range(b, b + 3))
         assert not any(_port_free(p) for p in [*range(a, a + 3), *range(b, b + 3)])  # held while the job runs
     finally:
-        for fd in first + second:
-            os.close(fd)
+        release(first + second)
     again = []
     try:
         assert free_ports(3, a, again) == a  # released: the same ports can be taken again
     finally:
-        for fd in again:
-            os.close(fd)
+        release(again)
 
 
 def test_a_port_lock_file_of_another_user_is_locked_read_only(tmp_path, monkeypatch):
@@ -275,7 +273,8 @@ def test_spare_ports_lie_outside_the_ephemeral_range():
         base = free_ports(3, None, locks)  # the default port is held: a spare one instead
         assert base != DEFAULT_PORT and (base + 2 < first or base > last)
     finally:
-        for fd in held + locks:
+        release(locks)
+        for fd in held:
             os.close(fd)
 
 
@@ -385,3 +384,37 @@ def test_a_leftover_pid_is_killed_only_while_it_runs_dtrain(tmp_path, proc):
             p.kill()
             p.wait()
     assert not supervise._is_trainer(trainer.pid, proc)
+
+
+def test_released_ports_leave_no_lock_files(tmp_path, monkeypatch):
+    """Each ./launch job left its ports' lock files in the temp folder for good (``dtrain-port-32323.lock``,
+    and one pair per spare port ever drawn). Released ports now remove them, a lock file of a port still
+    held stays, and a launcher that opened a lock file just before its holder removed it locks the new one."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    first, second = [], []
+    a = free_ports(2, None, first)
+    b = free_ports(2, None, second)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"dtrain-port-{p}.lock" for p in [a, a + 1, b, b + 1])
+    release(first)
+    assert first == [] and sorted(p.name for p in tmp_path.iterdir()) == [f"dtrain-port-{b}.lock", f"dtrain-port-{b + 1}.lock"]
+    release(second)
+    assert list(tmp_path.iterdir()) == []
+
+    held, real_flock = [], fcntl.flock
+    port = free_ports(1, None, held)
+
+    def holder_releases_first(fd, op):  # between this launcher's open and its flock
+        release(held)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", holder_releases_first)
+    fd = _port_lock(port)  # locked the removed file: a second launcher would lock the path's new one too
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    try:
+        assert fd is not None and _port_lock(port) is None
+        assert os.fstat(fd).st_ino == os.stat(tmp_path / f"dtrain-port-{port}.lock").st_ino
+    finally:
+        os.close(fd)

@@ -49,7 +49,7 @@ from ..files import OutputDir, output_dir_problem
 from . import restart
 from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR
 from .hosts import LaunchError, load_hostfile
-from .plan import DEFAULT_PORT, build_plan, describe
+from .plan import DEFAULT_PORT, build_plan, describe, release
 from .rank import say
 from .supervise import Attempt, Outcome, signal_group
 
@@ -329,9 +329,3 @@ def main(argv: list[str] | None = None) -> int:
         release(port_locks)
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-def release(fds: list) -> None:
-    """Close the port locks in ``fds`` (see ``plan.free_ports``), emptying the list."""
-    while fds:
-        os.close(fds.pop())

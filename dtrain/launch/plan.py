@@ -123,6 +123,20 @@ def command_with_env(plan: Plan, env: dict) -> list[str]:
     return [*plan.command[:at], *_env_flags("-x" if plan.backend == "mpi" else "--env", env), *plan.command[at:]]
 
 
+def _lock_path(port: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock")
+
+
+def _is_at(fd: int, path: str) -> bool:
+    """Whether ``path`` is the file open as ``fd`` (not removed, nor replaced by another)."""
+    try:
+        at = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (at.st_dev, at.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _port_lock(port: int) -> Optional[int]:
     """An exclusive ``flock`` on ``<tmp>/dtrain-port-<port>.lock`` (the fd), or None when another launcher holds it.
 
@@ -130,25 +144,45 @@ def _port_lock(port: int) -> Optional[int]:
         OSError: the file cannot be opened (another user's made under umask 077), created or locked (ENOLCK: a
             file system without locks); its ``filename`` is the lock file, and no fd is left open.
     """
-    path = os.path.join(tempfile.gettempdir(), f"dtrain-port-{port}.lock")
-    try:  # read-only: flock needs no write access, so another user's lock file (0644) serves as well
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:  # O_CREAT only then: Linux's protected_regular refuses it on another user's file
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
-        os.fchmod(fd, 0o644)  # readable by every user's launcher whatever this one's umask
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except OSError as err:  # flock's error names no file
-        os.close(fd)
-        raise OSError(err.errno, err.strerror, path) from None
+    path = _lock_path(port)
+    while True:
+        try:  # read-only: flock needs no write access, so another user's lock file (0644) serves as well
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # O_CREAT only then: Linux's protected_regular refuses it on another user's file
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
+            os.fchmod(fd, 0o644)  # readable by every user's launcher whatever this one's umask
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError as err:  # flock's error names no file
+            os.close(fd)
+            raise OSError(err.errno, err.strerror, path) from None
+        if _is_at(fd, path):
+            return fd
+        os.close(fd)  # its holder removed it as it released the port (release): lock the path's file now
+
+
+def release(locks: list) -> None:
+    """Release the port locks in ``locks`` (``(port, fd)``, see :func:`free_ports`), emptying the list.
+
+    Each lock file is removed while still locked, so none is left in the temp folder; a launcher that
+    opened it just before sees it gone (:func:`_port_lock`). Another user's file in a sticky temp folder
+    cannot be removed and stays, to be locked again.
+    """
+    while locks:
+        port, fd = locks.pop()
+        try:
+            if _is_at(fd, _lock_path(port)):
+                os.unlink(_lock_path(port))
+        except OSError:
+            pass
+        os.close(fd)  # closing the last descriptor releases the flock
 
 
 def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int, str]]:
-    """Lock ports ``base .. base+count-1`` for this launcher (fds appended to ``locks``) and check
+    """Lock ports ``base .. base+count-1`` for this launcher (``(port, fd)`` appended to ``locks``) and check
     that each can be listened on; ``(port, why)`` of the first that cannot (its locks released)."""
     taken = []
     for port in range(base, base + count):
@@ -158,7 +192,7 @@ def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int,
         except OSError as err:  # not this launcher's to take, though no launcher may hold it
             fd, problem = None, (port, f"its lock file {err.filename} cannot be opened or locked: {err.strerror}")
         if fd is not None:
-            taken.append(fd)
+            taken.append((port, fd))
             with socket.socket() as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring listens
                 try:
@@ -166,8 +200,7 @@ def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int,
                     continue
                 except OSError:
                     problem = (port, f"a process on {host} listens on it")
-        for held in taken:
-            os.close(held)
+        release(taken)
         return problem
     locks.extend(taken)
     return None
@@ -224,7 +257,7 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
     """The first of ``count`` consecutive TCP ports on ``host`` for this job's ranks.
 
     Each port is claimed with a lock file that the launcher holds while its job
-    runs (fds appended to ``locks``; closing them releases the ports), so two
+    runs (``(port, fd)`` appended to ``locks``; :func:`release` frees them), so two
     launchers started together never take the same ports, and checked to be
     free of listeners. ``first``: the user's ``--port``, taken as is; None:
     :data:`DEFAULT_PORT`, else a :func:`spare_base` (outside the ephemeral
@@ -266,7 +299,7 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         hostfile: a validated hostfile (``hostfile_path`` names it), or None.
         tmpdir: where MPI's host list and the ring's MLX_HOSTFILE are written.
         port_locks: receives the locks on the ports of ranks on this machine
-            (:func:`free_ports`); the caller closes them when the job ends.
+            (:func:`free_ports`); the caller releases them when the job ends (:func:`release`).
         restart: a restart of the job: a hostfile job without ``port`` moves to random ports, since the
             launcher cannot check the other hosts' ports, where a rank of the failed attempt may still hold its own.
     Raises:
