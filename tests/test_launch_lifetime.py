@@ -102,10 +102,13 @@ def test_a_rank_whose_wrapper_is_killed_stops_the_job_and_rank_0_saves(job, tmp_
 
 
 def test_tensorboard_ends_with_its_launcher_killed(job, tmp_path):
-    """kill -9 of the launcher: its TensorBoard ends too (it was left serving, holding the port), as the ranks do."""
-    out, port = tmp_path / "run", free_port(1)
+    """kill -9 of the launcher: its TensorBoard ends too (it was left serving, holding the port), as the ranks do,
+    and as at a normal end it removes its ``$TMPDIR/.tensorboard-info/pid-N.info`` (killed with SIGKILL, it left it)."""
+    out, port, tmp = tmp_path / "run", free_port(1), tmp_path / "tmp"
+    tmp.mkdir()
     proc = spawn([sys.executable, LAUNCH, "--tensorboard", port, job, "--train.steps", 5000, "--train.save_every", 0,
-                  "--train.output_dir", out], tmp_path, "launch", cwd=ROOT, start_new_session=True)
+                  "--train.output_dir", out], tmp_path, "launch", cwd=ROOT, start_new_session=True,
+                 env={**os.environ, "TMPDIR": str(tmp)})
     try:
         wait_until(lambda: "loss" in read_scalars_of(out / "tb") and http_get(f"http://127.0.0.1:{port}/"),
                    "the first step's loss and TensorBoard serving", proc)
@@ -115,6 +118,7 @@ def test_tensorboard_ends_with_its_launcher_killed(job, tmp_path):
         wait_until(lambda: not rank_processes(str(out / "tb")), "TensorBoard to end", limit=10)
         with pytest.raises(OSError):
             http_get(f"http://127.0.0.1:{port}/")
+        assert list((tmp / ".tensorboard-info").iterdir()) == []
         wait_until(lambda: not rank_processes(str(out)), "the rank to end", limit=STOP_S)
     finally:
         kill_tree(proc)

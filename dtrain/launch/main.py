@@ -61,10 +61,12 @@ TB_DEFAULT_PORT = 6006
 # TensorBoard under a watch on the launcher: its stdin is a pipe whose other end only the launcher
 # holds (Popen's pipes are not inherited), so EOF there means the launcher is gone, SIGKILL included;
 # it then ends its session (the server and its data server), as a rank stops when its launcher is gone.
-TB_PROGRAM = """import os, signal, sys, threading
+TB_PROGRAM = """import os, signal, sys, threading, time
 def watch():
     while os.read(0, 1):
         pass
+    os.killpg(0, signal.SIGTERM)  # TensorBoard's handler exits through atexit: its $TMPDIR/.tensorboard-info file goes
+    time.sleep(5)
     os.killpg(0, signal.SIGKILL)
 threading.Thread(target=watch, daemon=True).start()
 sys.argv[0] = "tensorboard"
