@@ -755,6 +755,7 @@ def _edit_state(folder: Path, text: str = None, **fields) -> None:
     ("step", True, "step is True, not a whole number"), ("settings", [], "settings is [], not a mapping"),
     ("data", "fp", "data is 'fp', not a mapping"), ("schedule_steps", "4", "schedule_steps is '4', not a whole number"),
     ("best_step", "x", "best_step is 'x', not a whole number or null"), ("run_id", 7, "run_id is 7, not text"),
+    ("closed", 1, "closed is 1, not true or false or null"), ("world_size", False, "world_size is False, not a whole number"),
     ("evals", {"two": {}}, "evals has the key 'two', not a step"), ("evals", {"2": 1.0}, "evals['2'] is 1.0, not a mapping"),
     # the adaptive λ controller's state (lambda_control.LambdaState): read at the resumed run's first step
     ("lambda_control", {"lam": "0.1"}, "lambda_control.lam is '0.1', not a number"),
@@ -798,3 +799,18 @@ def test_a_state_json_that_is_not_an_object_or_lacks_a_field_is_one_line(tmp_pat
     assert ckpt.run_id_of(folder) is None
     _edit_state(folder, "{")
     assert ckpt.validate(folder).startswith("unreadable state.json (Expecting property name")
+
+
+def test_a_finished_runs_checkpoint_of_an_older_dtrain_is_still_taken_as_finished(tmp_path):
+    """state.json without `closed` (a dtrain before it): a resume at its step evaluates, saves and logs nothing."""
+    from dtrain.run.tracking import read_events
+    from test_trainer import run
+
+    first, _ = run(tmp_path, "train.steps=2")
+    last = tmp_path / "checkpoints" / "step-0000002"
+    assert json.loads((last / "state.json").read_text())["closed"] is True
+    _edit_state(last, closed=...)
+    files = {p.name: p.read_bytes() for p in last.iterdir()}
+    again, _ = run(tmp_path, "train.steps=2", "train.resume=auto")
+    assert again.history == [] and {p.name: p.read_bytes() for p in last.iterdir()} == files
+    assert [v.tag for e in read_events(again.run_dir) for v in e.summary.value].count("_hparams_/experiment") == 1

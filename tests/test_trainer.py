@@ -808,3 +808,42 @@ def test_a_stop_signal_while_a_finished_run_closes_its_log_or_lock_changes_nothi
     assert sent == [where]
     assert not result.stopped and (tmp_path / "adapters" / ADAPTER_WEIGHTS).is_file()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_run_cut_after_a_checkpoint_and_resumed_to_end_there_writes_its_end_record(tmp_path):
+    """Planned for 10 steps, killed in step 7 after checkpoint 6, resumed with train.steps=6: checkpoint 6 was
+    taken for a finished run's last one, and the run ended without the HPARAMS record and keep_best's `best`
+    text that an uninterrupted 6-step run writes. Its checkpoint now says it did not close its run."""
+    import json
+
+    from dtrain.run.tracking import read_events
+    from dtrain.run.trainer import Hooks
+
+    class Crash(Exception):
+        pass
+
+    def crash_in_7(step, run_):
+        if step == 7:
+            raise Crash
+
+    def end_records(run_dir):
+        events = [(e.step, v) for e in read_events(run_dir) for v in e.summary.value]
+        return ([s for s, v in events if v.tag == "_hparams_/experiment"],
+                [(s, v.tensor.string_val[0].decode()) for s, v in events if v.tag == "best/text_summary"])
+
+    args = ("train.save_every=3", "train.eval_every=3", "train.keep_best=eval/loss")
+    whole, _ = run(tmp_path / "whole", *args, "train.steps=6")
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", *args, "train.steps=10", hooks=Hooks(before_step=crash_in_7))
+    state = tmp_path / "cut" / "checkpoints" / "step-0000006" / "state.json"
+    assert json.loads(state.read_text())["closed"] is False
+    resumed, _ = run(tmp_path / "cut", *args, "train.steps=6", "train.resume=auto")
+    assert resumed.history == [] and resumed.best.step is not None
+    kept = f"adapters/ holds step {resumed.best.step} (eval/loss {resumed.best.value:.4f})"
+    assert end_records(resumed.run_dir) == ([6], [(6, kept)])
+    assert end_records(whole.run_dir) == ([6], [(6, f"adapters/ holds step {whole.best.step} "
+                                                   f"(eval/loss {whole.best.value:.4f})")])
+    assert read_scalars(resumed.run_dir)["hparam/eval/loss"] == [(6, pytest.approx(resumed.evals[6]["eval/loss"]))]
+    assert json.loads(state.read_text())["closed"] is True
+    again, _ = run(tmp_path / "cut", *args, "train.steps=6", "train.resume=auto")  # now finished: nothing again
+    assert again.history == [] and end_records(again.run_dir) == ([6], [(6, kept)])

@@ -92,6 +92,9 @@ class RunState:
     skipped_in_row: int = 0  # non-finite steps in a row up to ``step`` (train.max_skipped_steps)
     last_metrics: dict = field(default_factory=dict)  # the training metrics of ``step``, for the hparams record
     init_adapter: Optional[str] = None  # sha256 of train.init_adapter's weights file, None without one
+    # the run's end record (HPARAMS, keep_best's text) was written before this save: a resume at its step is done;
+    # None: a dtrain before this field, whose checkpoint at train.steps counts as closed
+    closed: Optional[bool] = None
 
     def must_match(self) -> dict:
         """``{name shown to the user: value}`` of every field a resume may not change, settings first.
@@ -123,16 +126,17 @@ class RunState:
 
 
 _AT_LEAST = {"schedule_steps": 1, "world_size": 1, "best_step": 1}  # other whole numbers (step: a stop before step 1): 0
-_KINDS = {int: "a whole number", float: "a number", str: "text", dict: "a mapping", list: "a list"}
+_KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text", dict: "a mapping", list: "a list"}
 
 
 def _fields_problem(cls, raw: dict, prefix: str = "") -> Optional[str]:
-    """The first field of dataclass ``cls`` in ``raw`` of another type (JSON's true is no count, an int is a
+    """The first field of dataclass ``cls`` in ``raw`` of another type (JSON's true is only a bool, an int is a
     float) or below its range, named ``prefix`` + its name; None when all fit."""
     hints = typing.get_type_hints(cls)
     for name in (f.name for f in dataclasses.fields(cls) if f.name in raw):
         value, kinds = raw[name], typing.get_args(hints[name]) or (hints[name],)
-        if isinstance(value, bool) or not isinstance(value, kinds + ((int,) if float in kinds else ())):
+        if (isinstance(value, bool) and bool not in kinds
+                or not isinstance(value, kinds + ((int,) if float in kinds else ()))):
             return (f"{prefix}{name} is {value!r:.40}, not {_KINDS[kinds[0]]}"
                     + (" or null" if type(None) in kinds else ""))
         if isinstance(value, int) and value < _AT_LEAST.get(name, 0):

@@ -177,10 +177,12 @@ def loop(run: Run) -> TrainResult:
             return end(run, run.state.step)
     elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
         return end_early(run, run.state.step, again=True)
-    # the end of a run is idempotent: a resume of its final checkpoint evaluates, saves and logs nothing again
-    # (decided before the loop: after it, a resumed run that trained its last steps is at train.steps too)
-    done = run.resumed_from is not None and run.state.step == t.steps and (
-        not run.valid or str(t.steps) in run.state.evals)
+    # the end of a run is idempotent: a resume of the checkpoint that closed it evaluates, saves and logs nothing
+    # again (decided before the loop: after it, a resumed run that trained its last steps is at train.steps too);
+    # one cut after a checkpoint at the step a resume now ends at has its end written. A dtrain before
+    # RunState.closed left it None: at train.steps with its evaluation, taken as closed
+    closed = run.state.closed if run.state.closed is not None else not run.valid or str(t.steps) in run.state.evals
+    done = run.resumed_from is not None and run.state.step == t.steps and closed
     if run.state.step < t.steps:
         run.log.doing(first_step_text(run))
     for step in range(run.state.step + 1, t.steps + 1):
@@ -212,7 +214,7 @@ def loop(run: Run) -> TrainResult:
     result.early_stopped = keep_best.early_stop_due(run)
     if not done:
         log_hparams(run, t.steps)
-        save(run, t.steps)
+        save(run, t.steps, closed=True)
     finish(run)
     return result
 
@@ -261,7 +263,7 @@ def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
     else:
         run.log.message(f"step {step}: {keep_best.no_new_best(run.cfg.train)}; stopping early")
         log_hparams(run, step)
-        save(run, step)
+        save(run, step, closed=True)
     finish(run)
     return run.result
 
@@ -476,8 +478,9 @@ def skip_reason(metrics: dict, article: str = "") -> str:
     return f"non-finite LoRA weights after the update (learning rate {metrics['learning_rate']:.3g})"
 
 
-def save(run: Run, step: int) -> None:
-    """Rank 0 writes checkpoint ``step`` after the event file is on disk (so it covers every logged step).
+def save(run: Run, step: int, closed: bool = False) -> None:
+    """Rank 0 writes checkpoint ``step`` after the event file is on disk (so it covers every logged step);
+    ``closed``: the run's end record was written (:func:`log_hparams`), so a resume at ``step`` is done.
 
     Raises:
         UserError: the output folder was removed or replaced since the run took it.
@@ -487,7 +490,7 @@ def save(run: Run, step: int) -> None:
             raise UserError(f"output folder {run.cfg.train.output_dir} was removed or replaced while this run ran (its "
                             f"lock file is not the one this run holds); step {step} is not saved there, and the "
                             f"checkpoints and TensorBoard events written before went with the old folder")
-        state = replace(run.state, step=step, position=run.sampler.position(step))
+        state = replace(run.state, step=step, position=run.sampler.position(step), closed=closed)
         run.log.flush()
         ckpt.drop_left(run.checkpoints, state.run_id, step)  # before the save: a kill after it keeps no step left
         ckpt.save_checkpoint(run.checkpoints, state, run.model, run.optimizer, run.cfg.lora, run.resolved,
@@ -499,9 +502,10 @@ def save_stopped(run: Run, step: int) -> None:
     """Checkpoint ``step`` of a run stopped before its end (a signal, ``train.max_skipped_steps``). Stopped in
     its last step with nothing to evaluate, it is done: its resume writes only the adapter, so the run's
     HPARAMS record goes with this checkpoint, as at an uninterrupted run's end."""
-    if step == run.cfg.train.steps and not run.valid:
+    closed = step == run.cfg.train.steps and not run.valid
+    if closed:
         log_hparams(run, step)
-    save(run, step)
+    save(run, step, closed)
 
 
 def log_hparams(run: Run, step: int) -> None:
