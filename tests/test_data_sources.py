@@ -910,3 +910,21 @@ def test_cache_key_changes_with_mlx_lms_own_chat_renderer(tmp_path):
     assert cache_key(rows, own, cfg) != cache_key(rows, TokenizerWrapper(hf), cfg)
     assert tokenize_cached(rows, own, cfg, cache) == tokenize_rows(rows, own, cfg)
     assert cache_key(rows, own, cfg) == cache_key(rows, TokenizerWrapper(hf, chat_template=_bracket_renderer), cfg)
+
+
+@pytest.mark.parametrize("pairwise, unit", [(True, "pair"), (False, "row")])
+def test_the_tokenizing_bar_counts_rows_under_sft(tmp_path, tokenizer, monkeypatch, pairwise, unit):
+    """objective.kind sft (load_dataset pairwise=False) trains rows: its tokenizing bar counted "pair/s", where
+    its other messages say rows (types.example_noun)."""
+    import tqdm
+
+    bars, real = [], tqdm.tqdm
+
+    def recording(*args, **kwargs):
+        bars.append((kwargs["desc"], kwargs["unit"], kwargs["disable"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm, "tqdm", recording)
+    path = write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 8, seed=6))
+    load_dataset(DataConfig(train=path, valid_fraction=0.25), tokenizer, log=lambda _: None, pairwise=pairwise)
+    assert bars == [("tokenizing train", unit, False), ("tokenizing valid", unit, False)]

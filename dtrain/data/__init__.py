@@ -133,12 +133,12 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         fingerprint = data_fingerprint([s for s in (train_src, valid_src) if s is not None])
     _stop_on_bad_rows(report, cfg)  # rows that cannot be read stop the run before any row is tokenized
     progress, pending = progress and log is not None, []
-    train, train_report = tokenize_cached(train_rows, tokenizer, cfg, cache_dir, progress, "train", pending)
-    valid, valid_report = tokenize_cached(valid_rows, tokenizer, cfg, cache_dir, progress, "valid", pending)
+    noun = "pair" if pairwise else "row"  # sft's examples (types.example_noun)
+    train, train_report = tokenize_cached(train_rows, tokenizer, cfg, cache_dir, progress, "train", pending, noun)
+    valid, valid_report = tokenize_cached(valid_rows, tokenizer, cfg, cache_dir, progress, "valid", pending, noun)
     # rows_read was counted at load time; tokenize reports add only their entries.
     report = report.merge(dataclasses.replace(train_report.merge(valid_report), rows_read=0))
     _stop_on_bad_rows(report, cfg)
-    noun = "pair" if pairwise else "row"  # sft's examples (types.example_noun)
     if (report.bad or report.dropped or report.truncated) and log is not None:
         log(report.summary(noun=noun))
     if not train:

@@ -86,12 +86,13 @@ def cache_key(rows: list, tokenizer, cfg) -> Optional[str]:
 
 
 def tokenize_cached(rows: list, tokenizer, cfg, cache_dir: Optional[Path], progress: bool = False,
-                    desc: str = "", pending: Optional[list] = None) -> tuple:
+                    desc: str = "", pending: Optional[list] = None, noun: str = "pair") -> tuple:
     """:func:`render.tokenize_rows` with a content-addressed cache in ``cache_dir``.
 
     Returns ``(list[TokenizedPair], BadRowReport)``, equal to ``tokenize_rows``'
     result. ``cache_dir=None`` turns the cache off. A miss tokenizes in chunks
-    with a tqdm bar on stderr (``progress``; shown after one second) and writes
+    with a tqdm bar on stderr (``progress``; shown after one second) counting
+    ``noun`` (sft's ``row``: :func:`dtrain.types.example_noun`) and writes
     the entry, or appends ``(path, pairs, report)`` to ``pending`` for
     :func:`write_entries` (a run writes once it owns its output folder).
 
@@ -104,7 +105,7 @@ def tokenize_cached(rows: list, tokenizer, cfg, cache_dir: Optional[Path], progr
         loaded = _load(path)
         if loaded is not None:
             return loaded
-    pairs, report = _tokenize(rows, tokenizer, cfg, progress, desc)
+    pairs, report = _tokenize(rows, tokenizer, cfg, progress, desc, noun)
     if path is not None:
         entry = (path, pairs, report)
         pending.append(entry) if pending is not None else write_entries([entry])
@@ -120,12 +121,12 @@ def write_entries(entries: list) -> None:
             pass  # a read-only or full disk costs only the next run's tokenization
 
 
-def _tokenize(rows: list, tokenizer, cfg, progress: bool, desc: str) -> tuple:
+def _tokenize(rows: list, tokenizer, cfg, progress: bool, desc: str, noun: str) -> tuple:
     from tqdm import tqdm
 
     pairs, report = [], BadRowReport()
     label = f"tokenizing {desc}".strip()
-    with tqdm(total=len(rows), desc=label, unit="pair", disable=not progress, delay=1.0, file=sys.stderr) as bar:
+    with tqdm(total=len(rows), desc=label, unit=noun, disable=not progress, delay=1.0, file=sys.stderr) as bar:
         for i in range(0, len(rows), CHUNK_ROWS):
             part, part_report = tokenize_rows(rows[i:i + CHUNK_ROWS], tokenizer, cfg)
             pairs += part
