@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    what = ("report bad and dropped rows and token lengths of the data (overrides: --data.key VALUE; exit status "
+    what = ("report bad and dropped rows and token lengths of the data (overrides: --section.key VALUE, such as "
+            "--data.fields or --train.global_batch_pairs; exit status "
             "1 where training would stop on the data: no usable pair, fewer training pairs than "
             "train.global_batch_pairs, no held-out pair for train.keep_best or an adaptive lambda schedule, bad rows "
             "under data.on_bad_row: error)")
