@@ -304,6 +304,12 @@ def replaced_by_adapter(cfg: LoraConfig, adapted: LoraConfig) -> list:
             if getattr(cfg, k) != getattr(default, k) and getattr(cfg, k) != getattr(adapted, k)]
 
 
+def non_finite_tensors(tensors: dict, names) -> list[str]:
+    """The ``names`` (sorted) whose tensor in ``tensors`` holds NaN or inf: an adapter to start from or to merge
+    must have none."""
+    return sorted(k for k in names if not mx.isfinite(tensors[k]).all().item())
+
+
 def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     """Set ``model``'s LoRA weights (built by :func:`apply_lora`) to those of ``folder/adapters.safetensors``.
 
@@ -324,8 +330,8 @@ def load_adapter_weights(model: nn.Module, folder: str | Path) -> None:
     if odd is not None:
         raise ConfigError(f"train.init_adapter {path}: {odd} has shape {tuple(weights[odd].shape)}, the model's LoRA "
                           f"has {tuple(mine[odd].shape)}")
-    for k in sorted(mine):
-        if bad := int((~mx.isfinite(weights[k])).sum()):
-            raise ConfigError(f"train.init_adapter {path}: {k} holds {bad} non-finite value(s) (NaN or inf); an "
-                              f"adapter to start from must be finite")
+    if broken := non_finite_tensors(weights, mine):
+        bad = int((~mx.isfinite(weights[broken[0]])).sum())
+        raise ConfigError(f"train.init_adapter {path}: {broken[0]} holds {bad} non-finite value(s) (NaN or inf); an "
+                          f"adapter to start from must be finite")
     model.load_weights([(k, weights[k].astype(mine[k].dtype)) for k in mine], strict=False)

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import TOO_DEEP, ConfigError, DataError, ModelError
 from ..files import storage
-from ..lora import checked_adapter_value
+from ..lora import checked_adapter_value, non_finite_tensors
 from .load import LoadedModel, load_model
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
@@ -161,8 +161,7 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
                          f"{' ...' if len(missing) > 3 else ''}); the adapter is incomplete or its config is not "
                          "the one it was trained with")
     # fused, one NaN spreads through every weight row it touches: the export would be written and run NaN
-    broken = sorted(k for k in expected if not mx.isfinite(saved[k]).all().item())
-    if broken:
+    if broken := non_finite_tensors(saved, expected):
         raise ModelError(f"{folder / 'adapters.safetensors'} holds NaN or infinite values in {len(broken)} LoRA "
                          f"tensor{'s' * (len(broken) > 1)} ({', '.join(broken[:3])}{' ...' if len(broken) > 3 else ''}),"
                          " which merged weights would carry; the adapter is damaged or from a run that diverged")
