@@ -127,7 +127,7 @@ def _data_check(args, overrides) -> int:
     _setup_blas()
     from .data import check_file
     from .models import load_model
-    from .run.trainer import held_out_steering
+    from .run.held_out import held_out_steering
     from .sampler import for_run
     from .types import example_noun, refuse_single_completions
 

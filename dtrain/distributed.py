@@ -250,6 +250,23 @@ class Group:
         return out
 
 
+def main_rank_check(group: Group, check, what: str, step: Optional[int] = None):
+    """Run ``check`` on rank 0 and return its result there (None elsewhere), every rank waiting for it; every rank
+    raises when it failed (``what`` it did, for the other ranks' message; ``step``: the step it happens after,
+    None at start-up, for the watchdog's message)."""
+    message, value = "", None
+    if group.is_main:
+        try:
+            value = check()
+        except UserError as err:
+            message = str(err)
+    failed = group.all_sum_scalars({"failed": float(bool(message))}, step, f"all_sum after rank 0's attempt to {what}")["failed"] > 0
+    if message:
+        raise UserError(message)
+    if failed:
+        raise AfterRank0Error(f"rank 0 could not {what}; see its message")
+    return value
+
 
 def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mapping[str, str]] = None) -> Group:
     """Join the process group the launcher set up, or a group of one.

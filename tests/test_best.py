@@ -438,7 +438,7 @@ def test_keep_best_guard_without_keep_best_is_a_config_error():
 
 def test_steering_by_a_handful_of_held_out_pairs_gets_a_notice(tmp_path, capsys):
     """keep_best over 3 held-out pairs: each pair is 0.33 of the accuracy; the run says so once."""
-    from dtrain.run.trainer import FEW_HELD_OUT
+    from dtrain.run.held_out import FEW_HELD_OUT
 
     run(tmp_path / "few", f"train.keep_best={ACC}")
     err = capsys.readouterr().err
@@ -452,7 +452,7 @@ def test_steering_by_a_handful_of_held_out_pairs_gets_a_notice(tmp_path, capsys)
 
 def test_the_few_held_out_pairs_notice_of_an_sft_run_names_no_accuracy(tmp_path, capsys):
     """SFT reports no eval/rewards/accuracies (no rejected side): the notice said one pair moves it by 0.33."""
-    from dtrain.run.trainer import FEW_HELD_OUT
+    from dtrain.run.held_out import FEW_HELD_OUT
 
     run(tmp_path, "objective.kind=sft", "train.keep_best=eval/nll_loss")
     err = capsys.readouterr().err
@@ -462,7 +462,7 @@ def test_the_few_held_out_pairs_notice_of_an_sft_run_names_no_accuracy(tmp_path,
 
 
 def test_an_sft_run_without_held_out_rows_is_told_of_rows(tmp_path):
-    from dtrain.run.trainer import held_out_steering
+    from dtrain.run.held_out import held_out_steering
 
     cfg = load_config(None, ["data.train=rows.jsonl", "objective.kind=sft", "train.keep_best=eval/nll_loss",
                              "train.eval_every=1"])
@@ -547,7 +547,7 @@ def test_steering_with_no_evaluation_before_the_last_step_gets_a_notice(tmp_path
 def test_no_held_out_pairs_advice_names_where_they_came_from(tmp_path):
     """A held-out source of its own that gave no usable pairs was told to 'set data.valid or data.valid_fraction > 0'
     (data.valid set) or that data.valid_fraction gave none (valid_split, an mlx-lm folder's valid.jsonl)."""
-    from dtrain.run.trainer import held_out_steering
+    from dtrain.run.held_out import held_out_steering
 
     folder = tmp_path / "mlx"
     folder.mkdir()

@@ -150,7 +150,7 @@ def test_cli_fewer_training_pairs_than_a_step_fails_as_training_fails(tmp_path, 
 
 def test_cli_keep_best_without_held_out_pairs_fails_as_training_fails(tmp_path, model_dir, capsys):
     """One pair: data.valid_fraction holds out none, so train.keep_best has nothing to choose by and training
-    stops (the trainer's held_out_steering); the check exited 0. With data.valid set it passes (pairs held out)."""
+    stops (run.held_out.held_out_steering); the check exited 0. With data.valid set it passes (pairs held out)."""
     path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
     args = ["data", "check", path, "--model.path", str(model_dir), "--train.global_batch_pairs", "1",
             "--train.keep_best", "eval/loss", "--train.eval_every", "1"]

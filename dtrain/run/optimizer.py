@@ -97,6 +97,19 @@ def shortened_notice(cfg: TrainConfig, schedule_steps: int) -> str | None:
             f"its last step trains at learning rate {last}, not the final {final}")
 
 
+def schedule_notice(cfg: TrainConfig, step: int, schedule_steps: int, resumed: bool) -> str | None:
+    """What the rate does that a run starting after ``step`` may not expect, or None: a resume past its planned
+    ``schedule_steps`` (:func:`extension_notice`) or short of them (:func:`shortened_notice`), a new run all
+    warmup (:func:`warmup_notice`)."""
+    if resumed and cfg.steps > max(schedule_steps, step):  # steps left, past the plan
+        return extension_notice(step, cfg, schedule_steps)
+    if resumed and step < cfg.steps < schedule_steps:  # ends before the plan does
+        return shortened_notice(cfg, schedule_steps)
+    if not resumed and cfg.warmup_steps >= cfg.steps:  # a new run (in the folder it holds) all warmup
+        return warmup_notice(cfg)
+    return None
+
+
 class AdamWStep:
     """AdamW with clipping and the non-finite skip; holds the run's optimizer state.
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import yaml
 
-from ..files import fsync_path, storage
+from ..files import OutputDir, fsync_path, storage
 from ..notices import notice
 
 
@@ -48,6 +48,21 @@ def new_run_dir(root: Path) -> Path:
                 return path
             except FileExistsError:
                 n += 1
+
+
+def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:
+    """The run's TensorBoard folder: ``out / kept`` when it exists there, else a new one under ``out/tb``.
+
+    ``kept`` is ``RunState.tensorboard_run``, relative to the output folder, so
+    a copied folder logs into its own ``tb/``. An absolute path (older state)
+    counts only when it lies inside ``out``.
+    """
+    path = Path(kept) if kept else None
+    if path is not None and path.is_absolute():
+        path = path.relative_to(out.resolve()) if path.is_relative_to(out.resolve()) else None
+    if path is not None and (out / path).is_dir():
+        return out / path
+    return new_run_dir(OutputDir(out).tb)
 
 
 class EventFile:

@@ -22,13 +22,13 @@ from .. import sampler
 from ..blas import warn_if_slow
 from ..config import Config, to_dict
 from ..config_checks import unread_keys
-from ..data.sources import mlx_valid
 from ..data.templates import trained_template
 from ..device import resolve_auto
-from ..distributed import AfterRank0Error, Group, check_in_sync, handshake
+from ..distributed import Group, check_in_sync, handshake, main_rank_check
 from ..engine import fit_dataset, make_engine, make_objective
 from . import best as keep_best, lambda_control
 from .evaluation import ACCURACY, evaluate_and_log
+from .held_out import held_out_steering, steering_notices
 from ..errors import UserError
 from ..files import OutputDir, storage
 from ..identity import settings
@@ -37,13 +37,11 @@ from ..lora import (adapter_keys_source, apply_lora, load_adapter_weights, lora_
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
 from ..types import example_noun
-from .optimizer import AdamWStep, extension_notice, shortened_notice, warmup_notice
+from .optimizer import AdamWStep, schedule_notice
 from .reference import ReferenceLogps, engine_settings, init_adapter_identity, reference_pass
 from .step import Step
 from .stop import StopRequest
-from .tracking import RunLogger, new_run_dir
-
-FEW_HELD_OUT = 40  # below this many held-out pairs, keep_best and the lambda controller get a notice
+from .tracking import RunLogger, tensorboard_dir
 
 
 @dataclass
@@ -192,7 +190,7 @@ def loop(run: Run) -> TrainResult:
         record(run, step, out.metrics, out.applied)
         if run.state.skipped_in_row >= t.max_skipped_steps:
             # every rank raises after rank 0 saved: one that exits first makes ./launch abort a rank 0 still saving
-            _main_rank_check(run.group, lambda: save_stopped(run, step), "save its checkpoint", step)
+            main_rank_check(run.group, lambda: save_stopped(run, step), "save its checkpoint", step)
             sources, streak = ", ".join(p.source or "?" for p in out.batch[:8]), run.state.skipped_in_row
             raise UserError(f"step {step}: {streak} steps in a row had {skip_reason(out.metrics, 'a ')} "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
@@ -319,22 +317,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid)  # the token ids: a template file may differ
     handshake(group, {"config": resolved, "model": loaded.identity, "data": data, "lora shapes": lora_shapes,
                       "initial adapter": init_adapter})
-    noun = example_noun(cfg.objective.kind)
-    if steering and len(valid) < FEW_HELD_OUT and notice is not None:
-        # sft reports no accuracy (no rejected side) to show the step one pair makes
-        accuracy = ACCURACY in keep_best.REPORTED[cfg.objective.kind]
-        moves = f": one pair moves {ACCURACY} by {1 / len(valid):.2f}," if accuracy else ","
-        notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by the held-out metrics, here over "
-               f"{len(valid)} {noun}(s){moves} so the choices follow noise; keep {FEW_HELD_OUT}+ held-out {noun}s "
-               f"(data.valid or data.valid_fraction"
-               f"{'; train.eval_pairs limits them to ' + str(t.eval_pairs) if len(valid) < len(dataset.valid) else ''})")
-    # a notice, not an error: a run extended by a resume steers by the last evaluation of the run it continues
-    if steering and t.eval_every >= t.steps and t.resume is None and notice is not None:
-        what = {"train.keep_best": "adapters/ holds the last step",
-                "orpo.lambda_schedule: adaptive": "lambda stays orpo.lambda_min"}
-        notice(f"{' and '.join(steering)} steer{'s' if len(steering) == 1 else ''} by evaluations during the run, "
-               f"and train.eval_every {t.eval_every} >= train.steps {t.steps} evaluates only step 0 and the last: "
-               f"{' and '.join(what[k] for k in steering)}; set train.eval_every below train.steps")
+    for line in steering_notices(cfg, steering, len(valid), len(dataset.valid)) if notice else ():
+        notice(line)
     state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=settings(resolved),
                           schedule_steps=t.steps, world_size=group.size,
                           data=data,
@@ -345,7 +329,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cleanup.callback(stop.uninstall)
         plan = output.DiskPlan(output.estimate_bytes(model), t.steps, t.save_every, max(t.keep_last, 1),
                                2 if t.keep_best is not None else 1)  # keep_best: adapters/ and adapters-last/
-        lock = _main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None))
+        lock = main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None),
+                               "prepare the output folder")
         if lock is not None:
             cleanup.callback(lock.release)
         # a resume is checked (and refused) before the run writes its caches or computes DPO's reference
@@ -373,13 +358,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             ckpt.restore(model, optimizer, resumed.adapter, resumed.optimizer)
             state = replace(resumed.state, world_size=group.size)
             optimizer.schedule_steps = state.schedule_steps
-            if t.steps > max(state.schedule_steps, state.step) and notice is not None:  # steps left, past the plan
-                notice(extension_notice(state.step, t, state.schedule_steps))
-            elif state.step < t.steps < state.schedule_steps and notice is not None:  # ends before the plan does
-                if (short := shortened_notice(t, state.schedule_steps)) is not None:
-                    notice(short)
-        elif t.warmup_steps >= t.steps and notice is not None:  # a new run (in the folder it holds) all warmup
-            notice(warmup_notice(t))
+        if notice and (line := schedule_notice(t, state.step, state.schedule_steps, resumed is not None)):
+            notice(line)
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
@@ -394,6 +374,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         if t.keep_best is not None and state.evals:
             result.best = keep_best.pick_best(state.evals, t.keep_best, t.keep_best_guard)
         log.config(resolved, auto)
+        noun = example_noun(cfg.objective.kind)
         at = f"at step {state.step + 1}" if state.step < t.steps else f"after its last step, {state.step}"
         log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid {noun}s; "
                     f"world size {group.size}; engine {engine.name}"
@@ -407,40 +388,6 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                    resolved, {**loaded.reference, "source": loaded.source}, result, step,
                    resumed.path if resumed else None, cleanup.pop_all(), hooks,
                    trained_template(loaded.tokenizer, cfg.data, getattr(dataset, "messages", False)), kept, lock)
-
-
-def held_out_steering(cfg: Config, train_pairs: int, held_out_pairs: int) -> list:
-    """The keys on that steer by the held-out metrics (``train.keep_best``, ``orpo.lambda_schedule: adaptive``).
-
-    Raises:
-        UserError: one is on and there are no held-out pairs (``train_pairs``: the training pairs, named).
-    """
-    steering = [k for k, on in (("train.keep_best", cfg.train.keep_best is not None),
-                                ("orpo.lambda_schedule: adaptive", cfg.orpo.lambda_schedule == "adaptive")) if on]
-    if steering and not held_out_pairs:
-        noun = example_noun(cfg.objective.kind)
-        fix = _no_held_out_fix(cfg.data, train_pairs, noun)
-        raise UserError(f"{' and '.join(steering)} need{'s' if len(steering) == 1 else ''} held-out {noun}s, and this "
-                        f"run has none: {fix} (or turn {'it' if len(steering) == 1 else 'them'} off)")
-    return steering
-
-
-def _no_held_out_fix(d, train_pairs: int, noun: str) -> str:
-    """What to change when the held-out pairs' source (``d``: a DataConfig) gave none, as load_dataset reads it
-    (``noun``: what the examples are called, pair or sft's row)."""
-    mlx = mlx_valid(d.train) if d.train is not None else None  # None with demo pairs (data.train unset)
-    if d.valid is not None:  # with demo pairs, it and valid_split are refused by the config
-        return (f"data.valid {d.valid} gives no usable {noun}s: fix its rows (dtrain data check lists them) or set "
-                f"data.valid to other {noun}s")
-    if d.valid_split is not None:
-        return (f"data.valid_split {d.valid_split} of {d.train} gives no usable {noun}s: set data.valid_split to a "
-                f"split with {noun}s, or data.valid")
-    if mlx is not None:
-        return f"{mlx} (an mlx-lm data folder's) gives no usable {noun}s: add {noun}s to it, or set data.valid"
-    if d.valid_fraction > 0:  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
-        return (f"data.valid_fraction {d.valid_fraction} of {train_pairs} {noun}s gives none: set data.valid or add "
-                f"{noun}s")
-    return "set data.valid or data.valid_fraction > 0"
 
 
 def first_step_text(run: Run) -> str:
@@ -536,36 +483,3 @@ def finish(run: Run) -> None:
                                                   run.chat_template, weights)
         run.log.message(f"adapter written to {run.result.adapter_dir}"
                         + (f": step {run.best.step}, the best by {t.keep_best}" if weights is not None else ""))
-
-
-def tensorboard_dir(out: Path, kept: Optional[str]) -> Path:
-    """The run's TensorBoard folder: ``out / kept`` when it exists there, else a new one under ``out/tb``.
-
-    ``kept`` is ``RunState.tensorboard_run``, relative to the output folder, so
-    a copied folder logs into its own ``tb/``. An absolute path (older state)
-    counts only when it lies inside ``out``.
-    """
-    path = Path(kept) if kept else None
-    if path is not None and path.is_absolute():
-        path = path.relative_to(out.resolve()) if path.is_relative_to(out.resolve()) else None
-    if path is not None and (out / path).is_dir():
-        return out / path
-    return new_run_dir(OutputDir(out).tb)
-
-
-def _main_rank_check(group: Group, check, what: str = "prepare the output folder", step: Optional[int] = None):
-    """Run ``check`` on rank 0 and return its result there (None elsewhere), every rank waiting for it; every rank
-    raises when it failed (``what`` it did, for the other ranks' message; ``step``: the step it happens after,
-    None at start-up, for the watchdog's message)."""
-    message, value = "", None
-    if group.is_main:
-        try:
-            value = check()
-        except UserError as err:
-            message = str(err)
-    failed = group.all_sum_scalars({"failed": float(bool(message))}, step, f"all_sum after rank 0's attempt to {what}")["failed"] > 0
-    if message:
-        raise UserError(message)
-    if failed:
-        raise AfterRank0Error(f"rank 0 could not {what}; see its message")
-    return value
