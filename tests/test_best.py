@@ -372,7 +372,7 @@ def test_keep_best_guard_is_refused_for_dpo_whose_logps_are_sums_per_response():
         assert str(err.value) == (f"command line: 'train.keep_best_guard' (0.0) is in nats/token, but objective.kind "
                                   f"dpo with loss_type {loss_type} logs eval/logps/chosen as a sum per response; "
                                   f"remove it")
-    # mean log-probs per token, the guard's unit (DPO ipo: TRL's all_logps / size_completion)
+    # mean log-probs per token, the guard's unit (DPO ipo: the mean log-probs its loss scores)
     for kind in (["objective.kind=orpo"], ["objective.kind=simpo"], ["objective.kind=sft"],
                  ["objective.kind=dpo", "objective.loss_type=ipo"]):
         assert load_config(None, args + kind).train.keep_best_guard == 0.0

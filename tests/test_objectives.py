@@ -272,3 +272,26 @@ def test_readme_metrics_paragraph_matches_the_objectives():
     m = orpo.finalize({**sums, "pairs": 3.0, "nll_tokens": 3.0}, "", orpo.hyper())
     assert m["rewards/accuracies"] == pytest.approx(2 / 3) and m["rewards/chosen"] == m["rewards/rejected"] == 0.0
     assert "`logps/chosen > logps/rejected`" in paragraph and "λ = 0" in paragraph
+
+
+def objectives_doc() -> str:
+    """docs/objectives.md's paragraph on metrics (from "Metrics follow TRL's" to "Tests:")."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "objectives.md").read_text()
+    return " ".join(doc.split("Metrics follow TRL's", 1)[1].split("Tests:", 1)[0].split())
+
+
+def test_dpo_ipo_metrics_are_per_token_and_the_doc_says_trl_sums_them():
+    """ipo's rewards and logps are on mean log-probs per token (the loss's, and the guards' unit); TRL's
+    DPOTrainer (>= 0.29) logs them on summed log-probs, so its accuracy can differ, which the doc says.
+    One pair, chosen 1 token (policy -1, reference -1.5), rejected 4 (policy -8, reference -9.2), beta 0.1:
+    per token the ratios are 0.5 and 0.3 (accuracy 1, rewards 0.05 and 0.03, logps -1 and -2); summed
+    (TRL) 0.5 and 1.2 (accuracy 0, rewards 0.05 and 0.12, logps -1 and -8); loss (0.2 - 5)^2 = 23.04."""
+    obj = DPO(beta=0.1, loss_type="ipo")
+    loss, sums = scored(obj, pair_logps([-1.0], [-2.0], 0.0, ([1.0], [4.0]), ([-1.5], [-9.2])), Totals(1.0, 1.0))
+    m = finalized(obj, (loss, sums), {"pairs": 1.0, "nll_tokens": 1.0})
+    assert m["loss"] == pytest.approx(23.04, rel=TOL) and m["rewards/accuracies"] == 1.0
+    assert (m["rewards/chosen"], m["rewards/rejected"]) == (pytest.approx(0.05, rel=1e-6), pytest.approx(0.03, rel=1e-6))
+    assert (m["logps/chosen"], m["logps/rejected"]) == (pytest.approx(-1.0), pytest.approx(-2.0))
+    assert "TRL's `DPOTrainer` (since 0.29) logs them on summed log-probs" in objectives_doc()

@@ -202,7 +202,7 @@ def test_the_nats_per_token_guard_is_not_applied_to_dpos_summed_log_probs(tmp_pa
 
 
 def test_dpo_ipos_per_token_log_probs_get_the_drop_warning(tmp_path, capsys):
-    """ipo's eval/logps/chosen is a mean per token (TRL's all_logps / size_completion), the unit of
+    """ipo's eval/logps/chosen is a mean per token (the log-probs its loss scores), the unit of
     chosen_logps_drop_warn, so a fall beyond the margin warns, as for ORPO."""
     result = run(tmp_path, "dpo", "objective.loss_type=ipo", "train.learning_rate=5e-2",
                  "train.chosen_logps_drop_warn=1e-9")

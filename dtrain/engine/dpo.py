@@ -5,7 +5,7 @@
     sigmoid: -log sigmoid(beta * h)      ipo: (h - 1 / (2 beta))^2      hinge: max(0, 1 - beta * h)
 
 with summed response log-probabilities (nats); for ``ipo`` they are the mean
-per token, as TRL's ``DPOTrainer`` does (``all_logps / size_completion``). The
+per token, as TRL's ``DPOTrainer`` scores it (its metrics, unlike these, stay on sums since TRL 0.29). The
 reference log-probabilities are per-pair inputs (``TokenizedPair.extra``
 ``ref_chosen``/``ref_rejected``: the model at step 0, computed once by
 :mod:`dtrain.run.reference`). Metric names and values follow TRL's
