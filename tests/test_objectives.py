@@ -295,3 +295,14 @@ def test_dpo_ipo_metrics_are_per_token_and_the_doc_says_trl_sums_them():
     assert (m["rewards/chosen"], m["rewards/rejected"]) == (pytest.approx(0.05, rel=1e-6), pytest.approx(0.03, rel=1e-6))
     assert (m["logps/chosen"], m["logps/rejected"]) == (pytest.approx(-1.0), pytest.approx(-2.0))
     assert "TRL's `DPOTrainer` (since 0.29) logs them on summed log-probs" in objectives_doc()
+
+
+def test_simpo_logs_its_nll_at_weight_0_and_the_doc_says_trl_logs_0():
+    """At ``nll_weight: 0`` SimPO still logs the chosen completions' NLL per token (3 nats over 2 tokens:
+    1.5; keep_best: eval/nll_loss reads it), where TRL's CPOTrainer, which skips the NLL at
+    ``cpo_alpha == 0``, logs ``nll_loss`` 0: the doc says so. The loss has no NLL term (0.3451348)."""
+    obj = SimPO(beta=2.0, gamma=0.5, nll_weight=0.0)
+    loss, sums = scored(obj, pair_logps([LW], [LR], 3.0), Totals(nll_tokens=2.0, pairs=1.0))
+    m = finalized(obj, (loss, sums), {"pairs": 1.0, "nll_tokens": 2.0})
+    assert m["nll_loss"] == 1.5 and m["loss"] == pytest.approx(0.3451348346534808, rel=TOL)
+    assert "also at `nll_weight: 0`, where TRL's `CPOTrainer` logs 0" in objectives_doc()
