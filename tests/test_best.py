@@ -531,6 +531,48 @@ def test_an_evaluation_that_raises_leaves_the_model_in_training_mode():
     assert model.training
 
 
+def test_eval_metrics_are_means_over_the_held_out_pairs_and_the_readme_says_trl_averages_batches():
+    """3 held-out pairs in micro-batches of 2 (the last one short): p0 and p1 prefer the chosen side (mean
+    log-probs -1 vs -2), p2 not (-2 vs -1). eval/ means are over pairs: accuracy 2/3, logps/chosen -4/3,
+    rewards/chosen 0.5 * -4/3; TRL's mean of per-batch means would give (1 + 0) / 2 = 0.5 and
+    (-1 + -2) / 2 = -1.5. The README says which."""
+    from dtrain.distributed import Group
+    from dtrain.engine import ORPO
+    from dtrain.engine.common import StepResult
+    from dtrain.engine.objective import PairLogps
+    from dtrain.types import TokenizedPair
+
+    logps = {"p0": (-1.0, -2.0), "p1": (-1.0, -2.0), "p2": (-2.0, -1.0)}
+
+    class Scripted:  # an engine scoring each pair by its script, one token per response
+        objective = ORPO(0.5)
+
+        def evaluate(self, chunk, totals, key=None, hyper=None):
+            c, r = (mx.array([logps[p.source][i] for p in chunk]) for i in (0, 1))
+            ones = mx.ones((len(chunk),))
+            loss, sums = self.objective.loss(PairLogps(c, r, ones, ones, -c.sum()), totals, self.objective.hyper())
+            n = float(len(chunk))
+            return StepResult(loss, {**sums, "pairs": n, "nll_tokens": n, "input_tokens": 3 * n, "fallback_pairs": 0.0,
+                                     "computed_tokens": 3 * n})
+
+    class Model:
+        def eval(self):
+            pass
+
+        def train(self):
+            pass
+
+    pairs = [TokenizedPair([1], [5], [6], source) for source in logps]
+    m, stopped = evaluation.evaluate(Scripted(), Model(), pairs, 2, Group(), 0)
+    assert not stopped
+    assert m["eval/rewards/accuracies"] == pytest.approx(2 / 3) and m["eval/logps/chosen"] == pytest.approx(-4 / 3)
+    assert m["eval/rewards/chosen"] == pytest.approx(0.5 * -4 / 3) and m["eval/nll_loss"] == pytest.approx(4 / 3)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = " ".join(readme.split("### Objective and metrics", 1)[1].split("**Healthy or degenerate?**", 1)[0].split())
+    assert ("means over the pairs of the step's global batch or of the whole held-out set (`nll_loss`: over "
+            "their tokens)") in paragraph and "TRL averages per-batch means" in paragraph
+
+
 def test_steering_with_no_evaluation_before_the_last_step_gets_a_notice(tmp_path, capsys):
     """train.eval_every >= train.steps evaluates only step 0 and the last: keep_best wrote the last step to both
     adapters/ and adapters-last/ and the adaptive lambda controller never moved lambda, silently. A run extended
