@@ -13,6 +13,7 @@ import random
 
 import pytest
 from test_models_gguf import gemma_vocab
+from test_models_pretokenizers import pieces
 
 from dtrain.models import vocab_attrs as va
 from dtrain.models.tokenizer import build_tokenizer
@@ -107,3 +108,36 @@ def test_no_token_types_means_all_normal(bad):
     attrs, _ = va.token_attrs(md)
     tokens = md["tokenizer.ggml.tokens"]
     assert attrs[tokens.index("<end_of_turn>")] == N | C and attrs[tokens.index("<bos>")] == N
+
+
+def phi3_md(name: str, extra: list = ()) -> dict:
+    """A Phi-3-style SPM vocabulary (specials <unk> <s> </s> <|endoftext|> <|end|>, a user-defined <x>) named ``name``."""
+    md = spm_md(["<s>", "</s>", "<|endoftext|>", "<|end|>", "<x>", *extra], [3, 3, 3, 3, 4] + [3] * len(extra),
+                add_space_prefix=True)
+    md["general.name"] = name
+    return md
+
+
+def test_phi3_named_files_strip_spaces_after_special_tokens_as_llama_cpp():
+    """llama.cpp sets RSTRIP on every CONTROL/USER_DEFINED/UNKNOWN token (and </s>), less <unk> <s> <|endoftext|>,
+    when general.name holds "phi-3"/"phi3": the spaces after them are dropped. dtrain kept them ("<|end|>  the" gave
+    <|end|> ▁ ▁ ▁the where llama.cpp gives <|end|> ▁the)."""
+    md = phi3_md("Phi-3 Mini 4k Instruct (llamafied)")
+    R = va.RSTRIP
+    assert attrs_of(md, ["<|end|>", "<x>", "</s>", "<s>", "<unk>", "<|endoftext|>", "<eos>", "▁the"]) == [
+        C | R, U | R, C | R, C, va.UNKNOWN, C, C | R, N]
+    hf = build_tokenizer(md)
+    assert pieces(hf, "hi<|end|>  the<x> \nthe", add_special_tokens=False) == [
+        "▁", "h", "i", "<|end|>", "▁the", "<x>", "▁the"]
+    assert pieces(hf, "<|endoftext|> the", add_special_tokens=False) == ["<|endoftext|>", "▁", "▁the"]
+    other = build_tokenizer(phi3_md("Llama 2 7B"))
+    assert pieces(other, "<|end|> the", add_special_tokens=False) == ["<|end|>", "▁", "▁the"]
+    assert va.token_attrs(phi3_md("phi3-ish"))[0][-1] & R
+
+
+def test_a_phi3_named_vocabulary_without_its_fixed_tokens_is_refused_as_llama_cpp_fails_to_load_it():
+    md = phi3_md("my-phi3-finetune")
+    md["tokenizer.ggml.tokens"] = [t if t != "<|endoftext|>" else "<|eot|>" for t in md["tokenizer.ggml.tokens"]]
+    with pytest.raises(ValueError, match=r"^general\.name 'my-phi3-finetune' gives Phi-3's strip attributes, and "
+                                         r"llama\.cpp does not load such a vocabulary without '<\|endoftext\|>'$"):
+        va.token_attrs(md)

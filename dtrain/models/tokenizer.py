@@ -16,7 +16,9 @@ USER_DEFINED ones plain added tokens; all are matched whole before BPE runs, as
 llama.cpp does when it parses special tokens. The marks are the file's token
 types as llama.cpp corrects them by text (end-of-generation texts such as
 ``</s>`` or ``<end_of_turn>`` are CONTROL whatever the file says; see
-vocab_attrs.py). Other ``tokenizer.*`` keys that would change the ids
+vocab_attrs.py); a token llama.cpp gives LSTRIP/RSTRIP (Phi-3 by name) takes
+the whitespace before/after it (tokenizers strips Unicode whitespace, llama.cpp
+ASCII ``isspace`` only). Other ``tokenizer.*`` keys that would change the ids
 (``add_sep_token``, unknown keys) are refused by name.
 """
 
@@ -163,7 +165,8 @@ def build_tokenizer(md: dict):
     attrs, _ = va.token_attrs(md)
     tok.add_tokens(
         [
-            AddedToken(t, special=bool(attrs[i] & (va.CONTROL | va.UNKNOWN)), normalized=False)
+            AddedToken(t, special=bool(attrs[i] & (va.CONTROL | va.UNKNOWN)), normalized=False,
+                       lstrip=bool(attrs[i] & va.LSTRIP), rstrip=bool(attrs[i] & va.RSTRIP))
             for i, t in enumerate(tokens)
             if attrs[i] & (va.CONTROL | va.UNKNOWN | va.USER_DEFINED)
         ]

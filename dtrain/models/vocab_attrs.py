@@ -16,16 +16,18 @@ llama-cpp-python 0.3.36 embeds):
 5. ``<|end|>`` is USER_DEFINED only and leaves the set when the set holds
    ``<|return|>`` + ``<|call|>`` (gpt-oss) or ``<|calls|>`` + ``<|flush|>``
    (solar-open); ``</s>`` is NORMAL and leaves it when the set holds
-   ``<|tool_response>`` (Gemma 4) or ``<|plamo:eos|>``.
+   ``<|tool_response>`` (Gemma 4) or ``<|plamo:eos|>``;
+6. the per-model strip bits, chosen by name: LSTRIP on ``<mask>`` (jina
+   pre-tokenizers and architectures) or ``[MASK]`` (``general.name`` holding
+   "modern-bert"); RSTRIP on every CONTROL/USER_DEFINED/UNKNOWN token and
+   ``</s>``, less ``<unk>`` ``<s>`` ``<|endoftext|>``, when ``general.name``
+   holds "phi-3" or "phi3" (llama.cpp then drops the spaces after those tokens).
 
 The texts are llama.cpp's, so they age with it: tests/test_llama_cpp.py asks
 the installed llama.cpp for the attribute of every token-like string its
-library holds and fails when this module disagrees. Not replayed: the
-per-model LSTRIP/RSTRIP attributes (jina and modern-bert, architectures dtrain
-does not load; Phi-3's, chosen by ``general.name`` containing "phi-3" or "phi3",
-so a llama file so named tokenizes differently in llama.cpp after its special
-tokens), and, when a vocabulary holds two spellings of one FIM
-token, llama.cpp's choice by hash-map order (we take the lower id).
+library holds and fails when this module disagrees. Not replayed: when a
+vocabulary holds two spellings of one FIM token, llama.cpp's choice by
+hash-map order (we take the lower id).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ LLAMA_CPP_COMMIT = "0c1e570"
 
 # llama_token_attr bits (include/llama.h)
 UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
+LSTRIP, RSTRIP = 128, 256  # the spaces before / after the token's text are dropped when it is matched whole
 # GGUF token type (llama_token_type) -> attribute
 _TYPE_ATTR = {0: UNDEFINED, 1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: BYTE}
 
@@ -110,4 +113,35 @@ def token_attrs(md: dict) -> tuple[list, set]:
     if "</s>" in texts and {"<|tool_response>", "<|plamo:eos|>"} & texts.keys():
         eog.discard(texts["</s>"])
         attrs[texts["</s>"]] = NORMAL
+    _strip_by_name(md, attrs, ids)
     return attrs, eog
+
+
+def _strip_by_name(md: dict, attrs: list, ids: dict) -> None:
+    """Step 6: the LSTRIP/RSTRIP bits llama.cpp sets by pre-tokenizer, architecture or model name.
+
+    Raises:
+        ValueError: a Phi-3 name on a vocabulary without one of the four texts
+            llama.cpp then looks up (it fails to load such a file).
+    """
+    pre, arch = md.get("tokenizer.ggml.pre") or "", md.get("general.architecture") or ""
+    name = (md.get("general.name") or "").encode().lower().decode()  # std::tolower: ASCII letters only
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or any(
+            a in arch for a in ("nomic-bert-moe", "jina-bert-v3")):
+        mask = "<mask>"
+    elif "phi-3" in name or "phi3" in name:
+        for i, attr in enumerate(attrs):
+            if attr & (CONTROL | USER_DEFINED | UNKNOWN):
+                attrs[i] |= RSTRIP
+        for text, on in (("</s>", True), ("<unk>", False), ("<s>", False), ("<|endoftext|>", False)):
+            if text not in ids:
+                raise ValueError(f"general.name {md['general.name']!r} gives Phi-3's strip attributes, and llama.cpp "
+                                 f"does not load such a vocabulary without {text!r}")
+            attrs[ids[text]] = attrs[ids[text]] | RSTRIP if on else attrs[ids[text]] & ~RSTRIP
+        return
+    elif "modern-bert" in name:
+        mask = "[MASK]"
+    else:
+        return
+    if mask in ids:  # llama.cpp warns when it is missing
+        attrs[ids[mask]] |= LSTRIP
