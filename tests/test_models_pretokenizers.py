@@ -8,6 +8,9 @@ every piece into its matches and the text between them).
 
 from __future__ import annotations
 
+import heapq
+import random
+
 import pytest
 import regex
 from hypothesis import given, settings
@@ -239,3 +242,75 @@ def test_a_special_id_on_a_normal_token_is_no_control_text_in_messages(key):
     pairs, report = tokenize_rows(rows, hf, DataConfig())
     assert report.control_text == [] and report.summary() == ""
     assert hf.convert_ids_to_tokens(pairs[0].prompt) == ["a", "bc", "</s>"]
+
+
+# ---------------------------------------------------------------- SentencePiece merges against llama.cpp's rule
+
+
+def llama_cpp_spm(text: str, vocab: dict, scores: list) -> list:
+    """llama.cpp's ``llm_tokenizer_spm_session::tokenize`` on one escaped fragment, as token texts: merge the
+    adjacent pair whose text is a token with the highest score, the leftmost first on a tie; a lone character
+    that is no token becomes its <0xXX> bytes."""
+    text_of, nxt, prv = list(text), list(range(1, len(text))) + [-1], list(range(-1, len(text) - 1))
+    queue = []
+
+    def push(left, right):
+        if left >= 0 and right >= 0 and text_of[left] + text_of[right] in vocab:
+            merged = text_of[left] + text_of[right]
+            heapq.heappush(queue, (-scores[vocab[merged]], left, right, merged))
+
+    for i in range(1, len(text)):
+        push(i - 1, i)
+    while queue:
+        _, left, right, merged = heapq.heappop(queue)
+        if text_of[left] + text_of[right] != merged or not text_of[right]:
+            continue
+        text_of[left], text_of[right], nxt[left] = merged, "", nxt[right]
+        if nxt[left] >= 0:
+            prv[nxt[left]] = left
+        push(prv[left], left)
+        push(left, nxt[left])
+    return [t for p in text_of if p for t in ([p] if p in vocab else [f"<0x{b:02X}>" for b in p.encode()])]
+
+
+def spm_vocab(rng: random.Random, scores) -> dict:
+    """A SentencePiece-style vocabulary over a-d: specials, 256 bytes, the letters and 10 made-up pieces of 2-4
+    letters, each built from two pieces before it, scored by ``scores(n)`` (n pieces)."""
+    pieces = list("abcd")
+    while len(pieces) < 14:
+        piece = rng.choice(pieces) + rng.choice(pieces)
+        if len(piece) <= 4 and piece not in pieces:
+            pieces.append(piece)
+    made = pieces[4:]
+    rng.shuffle(made)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces[:4] + made
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0] * 263 + list(scores(len(made))),
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * 14, "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.add_space_prefix": False}
+
+
+def test_spm_merges_equal_llama_cpp_on_generated_vocabularies():
+    rng = random.Random(0)
+    for _ in range(40):
+        md = spm_vocab(rng, lambda n: rng.sample(range(-100, 0), n))  # distinct scores, in no id order
+        hf, vocab = build_tokenizer(md), {t: i for i, t in enumerate(md["tokenizer.ggml.tokens"])}
+        for _ in range(20):
+            text = "".join(rng.choice("abcde") for _ in range(rng.randrange(1, 10)))
+            assert pieces(hf, text, add_special_tokens=False) == llama_cpp_spm(
+                text, vocab, md["tokenizer.ggml.scores"]), text
+
+
+def test_spm_pieces_sharing_a_score_are_refused():
+    """llama.cpp breaks a score tie by position (the leftmost pair first); dtrain's ranked merges broke it by id:
+    with "bd" and "cc" tied and "bdc" above them, "cbdcc" became c bd cc where llama.cpp gives c bdc c."""
+    md = spm_vocab(random.Random(0), lambda n: [-5.0] * n)
+    tokens = md["tokenizer.ggml.tokens"][:263] + ["cc", "bd", "bdc"]
+    md.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": [0.0] * 263 + [-5.0, -5.0, -2.0],
+               "tokenizer.ggml.token_type": md["tokenizer.ggml.token_type"][:len(tokens)]})
+    assert llama_cpp_spm("cbdcc", {t: i for i, t in enumerate(tokens)}, md["tokenizer.ggml.scores"]) == [
+        "c", "bdc", "c"]
+    with pytest.raises(ValueError, match=r"^tokenizer\.ggml\.scores gives 'cc' and 'bd' the same score -5\.0: "
+                                         r"llama\.cpp merges the leftmost of two pairs with one score first"):
+        build_tokenizer(md)

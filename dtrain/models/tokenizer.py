@@ -63,8 +63,16 @@ def check_tokenizer_keys(md: dict) -> None:
 def _merges_from_scores(tokens: list, scores: list, types: list) -> list:
     """BPE merges ``(left, right)`` ordered by the score of ``left + right``, best first.
 
-    Every split of a normal token into two vocabulary pieces is a merge; ties
-    keep the merged token's id order.
+    Every split of a normal token into two vocabulary pieces is a merge; splits
+    of one token keep the id order of their left piece.
+
+    Raises:
+        ValueError: two different tokens made by merges share a score.
+            llama.cpp then merges the pair further left first
+            (``llm_bigram_spm``'s comparator: score, then left position), which
+            no fixed merge rank reproduces ("cbdcc" with "bd" and "cc" tied and
+            "bdc" above them: c bdc c there, c bd cc by rank); GGUFs converted
+            without ``tokenizer.model`` (every score -1000) are such.
     """
     vocab = {t: i for i, t in enumerate(tokens)}
     ranked = []
@@ -76,6 +84,13 @@ def _merges_from_scores(tokens: list, scores: list, types: list) -> list:
             if left in vocab and right in vocab:
                 ranked.append((-scores[i], i, vocab[left], left, right))
     ranked.sort()
+    by_score = {}  # score -> the first token merged at it
+    for score, i, *_ in ranked:
+        if by_score.setdefault(score, i) != i:
+            raise ValueError(
+                f"tokenizer.ggml.scores gives {tokens[by_score[score]]!r} and {tokens[i]!r} the same score {-score}: "
+                "llama.cpp merges the leftmost of two pairs with one score first, which dtrain's ranked merges do "
+                "not reproduce; convert the original Hugging Face model with mlx_lm instead")
     return [(left, right) for *_, left, right in ranked]
 
 
