@@ -346,6 +346,44 @@ def test_a_system_field_beside_a_system_message(tokenizer):
                 "has one system prompt: keep one of them")]
 
 
+def test_a_system_field_beside_a_system_message_anywhere_in_the_prompt(tokenizer):
+    """A ``system`` field beside prompt messages holding a system message after the first one was prepended, so
+    the template got two system messages (generated rows, seeded). The field is the conversation's one system
+    prompt: a system message of the prompt that says it already is where it is written (once); one that says
+    something else makes the row bad, naming the message; a prompt without one opens with the field."""
+    import random
+
+    rng = random.Random(7)
+    rows, want = [], {}
+    for n in range(1, 41):
+        turns = [{"role": ("user", "assistant")[i % 2], "content": f"turn {n}.{i}"} for i in range(rng.choice([1, 3, 5]))]
+        sys_text = f"Rule {n}."
+        at = rng.choice([None, 0, 1, len(turns) - 1, len(turns)])  # None: no system message in the prompt
+        msgs = turns if at is None else turns[:at] + [{"role": "system", "content": sys_text}] + turns[at:]
+        field = rng.choice([None, sys_text, f"  {sys_text}\n", f"Other {n}."])
+        source = f"gen.jsonl:{n}"
+        rows.append(Row(msgs, "Yes", "No", system=field, source=source))
+        if field is None:
+            want[source] = msgs
+        elif at is None:
+            want[source] = [{"role": "system", "content": field}] + msgs
+        elif field.strip() == sys_text:
+            want[source] = msgs
+        else:
+            where = f"the system message at prompt[{at}]" if at else "the prompt's system message"
+            want[source] = (f"the 'system' field ({field!r}) and {where} ({sys_text!r}) differ; a prompt has one "
+                            "system prompt: keep one of them")
+    pairs, report = tokenize_rows(rows, tokenizer, DataConfig(max_prompt_length=512, max_length=1024))
+    assert report.dropped == []
+    assert dict(report.bad) == {s: w for s, w in want.items() if isinstance(w, str)}
+    assert {p.source for p in pairs} == {s for s, w in want.items() if isinstance(w, list)}
+    for pair in pairs:
+        msgs = want[pair.source]
+        assert tokenizer.decode(pair.prompt) == "<s>" + tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=True, tokenize=False), pair.source
+    assert len(report.bad) > 5 and sum(w[0]["role"] == "system" for w in want.values() if isinstance(w, list)) > 5
+
+
 def test_transcript_response_with_later_turns_is_rendered_as_those_turns(tokenizer):
     """HH sides that part at an earlier Assistant turn hold the later turns in each response; they were one
     assistant message with 'Human:' text inside, so the model was trained to write the user's next turn."""

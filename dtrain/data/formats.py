@@ -24,7 +24,8 @@ one bad row):
   then the row is read by its keys and the types of its values.
 
 Every format may carry an optional ``system`` string (empty or blank: none); beside prompt messages
-that open with a system message it must say the same (written once), else the row is bad.
+that hold a system message (first or later) one of them must say the same (written once, where it stands),
+else the row is bad.
 
 Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None):
 

@@ -97,18 +97,22 @@ def transcript_messages(text: str) -> list:
 
 
 def _with_system(msgs: list, system: Optional[str]) -> list:
-    """``msgs`` opened by the row's ``system`` text, unless they open with that system message already.
+    """``msgs`` opened by the row's ``system`` text, unless a system message of theirs says it already (where it
+    stands): a conversation gets one system prompt, written once.
 
     Raises:
-        BadRow: the messages open with a different system message (which one is meant is unknown).
+        BadRow: the messages hold a system message, and none says the same (which one is meant is unknown).
     """
     if system is None:
         return list(msgs)
-    if msgs and msgs[0]["role"] == "system":
-        if msgs[0]["content"].strip() != system.strip():
-            raise BadRow(f"the 'system' field ({_short(system)}) and the prompt's system message "
-                         f"({_short(msgs[0]['content'])}) differ; a prompt has one system prompt: keep one of them")
+    held = [(i, m["content"]) for i, m in enumerate(msgs) if m["role"] == "system"]
+    if any(content.strip() == system.strip() for _, content in held):
         return list(msgs)
+    if held:
+        i, content = held[0]
+        where = f"the system message at prompt[{i}]" if i else "the prompt's system message"
+        raise BadRow(f"the 'system' field ({_short(system)}) and {where} ({_short(content)}) differ; a prompt has "
+                     "one system prompt: keep one of them")
     return [{"role": "system", "content": system}] + list(msgs)
 
 
