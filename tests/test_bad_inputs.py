@@ -46,7 +46,7 @@ DATA_CASES = [
     ("deep_row", jsonl(GOOD, '{"prompt": ' + "[" * 5000 + "]" * 5000 + ', "chosen": "a", "rejected": "b"}'),
      ".jsonl:2: invalid JSON: nested more than 100 levels deep"),
     ("deep_array", "[" + json.dumps(GOOD) + ", " + "[" * 5000 + "]" * 5000 + "]",
-     ".jsonl: invalid JSON array: nested more than 100 levels deep"),
+     ".jsonl:1[1]: invalid JSON: nested more than 100 levels deep"),
 ]
 BYTE_CASES = [
     ("invalid_utf8", jsonl(GOOD).encode() + b'{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}\n', ":2:"),

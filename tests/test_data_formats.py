@@ -249,7 +249,7 @@ def test_json_array_item_lines_count_each_newline_once():
     starts = [2]  # "[" alone on line 1
     for o in items[:-1]:
         starts.append(starts[-1] + json.dumps(o, indent=1).count("\n") + 1)
-    assert [line for line, _ in _array_items(text, len(items))] == starts
+    assert [line for line, _ in _array_items(text)] == starts
     assert Counting.scanned <= len(text)
 
 
@@ -363,9 +363,60 @@ def test_a_too_deeply_nested_line_and_json_array(tmp_path):
         (f"{path}:2", "invalid JSON: nested more than 100 levels deep")]
     array = tmp_path / "deep.json"
     array.write_text("[" + json.dumps(good) + ",\n" + _nested(5000, "dict") + "]")
+    rows, report = load_rows(str(array), DataConfig())
+    assert [r.source for r in rows] == [f"{array}:1[0]"]
+    assert report.bad == [(f"{array}:2[1]", "invalid JSON: nested more than 100 levels deep")]
+    array.write_text("[" + json.dumps(good) + ",\n" + _nested(5000, "dict")[:-1] + "]")  # its end cannot be found
     with pytest.raises(DataError) as err:
         load_rows(str(array), DataConfig())
     assert str(err.value) == f"{array}: invalid JSON array: nested more than 100 levels deep"
+
+
+def _unreadable_item(rng, n: int) -> tuple:
+    """``(JSON text, reason)`` of a row that Python's json cannot read, or reads too deep to keep."""
+    deep = rng.randint(101, 6000)
+    row = '{"prompt": "[{\\"%d", "chosen": "a]", "rejected": "b}", "x": %s}'
+    return rng.choice([
+        (row % (n, _nested(deep, "list")), "nested more than 100 levels deep"),
+        (row % (n, _nested(deep, "dict")), "nested more than 100 levels deep"),
+        (_nested(deep, "list"), "nested more than 100 levels deep"),
+        (row % (n, "[" + "7" * rng.randint(4301, 9000) + "]"), "an integer of more than 4300 digits"),
+        ("-" + "1" * rng.randint(4301, 9000), "an integer of more than 4300 digits"),
+        ('{"prompt": "a", "prompt": "b", "chosen": "a", "rejected": "b"}', "key 'prompt' given twice in one object"),
+    ])
+
+
+def test_an_unreadable_json_array_item_is_a_bad_row_as_a_jsonl_line_is(tmp_path):
+    """One JSON array item nested too deep for Python or holding an integer over its int/str limit refused the
+    whole file ('invalid JSON array: nested more than 100 levels deep'), where the same row on a JSONL line is
+    one bad row. Generated files (seeded): each such item is a bad row named ``file:line[index]``, the other
+    rows read, and the array gives the rows and reasons its JSONL twin gives."""
+    import random
+
+    rng = random.Random(11)
+    for case in range(12):
+        texts, reasons = [], {}
+        for i in range(rng.randint(3, 9)):
+            if rng.random() < 0.3:
+                text, reasons[i] = _unreadable_item(rng, i)
+            else:
+                row = {"prompt": f"Q{i} [{{\"}}]", "chosen": f"a{i}", "rejected": "b"}
+                text = json.dumps(row, indent=rng.choice([None, 2]))
+            texts.append(text)
+        seps = [rng.choice([", ", ",\n", "\n,\n  ", " ,\n\n"]) for _ in texts]
+        body, lines = "[" + rng.choice(["", "\n", "\n  "]), []
+        for text, sep in zip(texts, seps):
+            lines.append(body.count("\n") + 1)
+            body += text + sep
+        array, jsonl = tmp_path / f"a{case}.json", tmp_path / f"a{case}.jsonl"
+        array.write_text(body[: -len(seps[-1])] + rng.choice(["]", "\n]\n"]))
+        jsonl.write_text("".join(t.replace("\n", "") + "\n" for t in texts))
+        got, report = load_rows(str(array), DataConfig(format="standard"))
+        assert report.bad == [(f"{array}:{lines[i]}[{i}]", f"invalid JSON: {why}") for i, why in reasons.items()]
+        assert [r.source for r in got] == [f"{array}:{lines[i]}[{i}]" for i in range(len(texts)) if i not in reasons]
+        twin, twin_report = load_rows(str(jsonl), DataConfig(format="standard"))
+        assert [why for _, why in twin_report.bad] == [why for _, why in report.bad]
+        assert [(r.prompt, r.chosen) for r in twin] == [(r.prompt, r.chosen) for r in got]
 
 
 GOOD_ROWS = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(40)]
@@ -508,15 +559,17 @@ def test_an_openai_output_of_another_role_is_a_bad_row_naming_it():
 
 def test_an_integer_too_long_for_python_is_a_bad_row(tmp_path):
     """An integer of more than 4300 digits (Python's int/str limit) stopped the run with a ValueError traceback;
-    on a line it is a bad row, in a JSON array or an object spread over lines a one-line error."""
+    on a line or as a JSON array item it is a bad row, in an object spread over lines a one-line error."""
     good = '{"prompt": "Q", "chosen": "a", "rejected": "b"}'
     long = '{"prompt": "Q", "chosen": "a", "rejected": "b", "n": ' + "1" * 5000 + "}"
     path = tmp_path / "x.jsonl"
     path.write_text(good + "\n" + long + "\n")
     rows, report = load_rows(str(path), DataConfig())
     assert len(rows) == 1 and report.bad == [(f"{path}:2", "invalid JSON: an integer of more than 4300 digits")]
-    for text, message in (("[" + good + ",\n" + long + "]", "invalid JSON array: an integer of more than 4300 digits"),
-                          (long.replace(", ", ",\n"), "not a JSONL file or a JSON array: none of its 4 non-blank")):
+    path.write_text("[" + good + ",\n" + long + "]")
+    rows, report = load_rows(str(path), DataConfig())
+    assert len(rows) == 1 and report.bad == [(f"{path}:2[1]", "invalid JSON: an integer of more than 4300 digits")]
+    for text, message in ((long.replace(", ", ",\n"), "not a JSONL file or a JSON array: none of its 4 non-blank"),):
         path.write_text(text)
         with pytest.raises(DataError) as err:
             load_rows(str(path), DataConfig())

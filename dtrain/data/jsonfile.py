@@ -58,6 +58,10 @@ _WIDE_NULS = {"000x": "UTF-32BE", "x000": "UTF-32LE", "0x0x": "UTF-16BE", "x0x0"
 # json.dumps, row parsing) runs out of Python's recursion limit on them; real rows nest a few levels.
 MAX_DEPTH = 100
 TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
+# JSON's whitespace; a string (its brackets are text) or a bracket; a number (of an item json cannot read)
+_WS = re.compile(r"[ \t\n\r]*")
+_VALUE_PARTS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
+_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 
 
 class _DuplicateKey(ValueError):
@@ -196,11 +200,13 @@ def json_items(path: str) -> Iterator[tuple]:
 
     Compressed files (:func:`compression`) are decompressed as they stream; a
     line (or array item) that is not valid JSON, nests more than :data:`MAX_DEPTH`
-    levels or gives a key twice in one object is a :class:`BadRow`; blank lines are skipped.
+    levels, holds an integer too long for Python or gives a key twice in one object is a
+    :class:`BadRow`; blank lines are skipped.
 
     Raises:
         DataError: an archive or compression that is not read; an empty file; UTF-16 or UTF-32 text;
-            an invalid or too deeply nested JSON array; one JSON object spread over several lines;
+            an invalid JSON array (one whose unreadable item's brackets do not match too); one JSON
+            object spread over several lines;
             no line that is JSON at all (raised at the end of the file, after
             its lines were yielded); a compressed stream that is corrupt or cut
             short (naming the line where reading stopped).
@@ -310,13 +316,13 @@ def _json_array(path: str, f) -> Optional[list]:
     (one line of JSON, more JSON on the next lines)."""
     text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
-        items = _array_items(text, _array_length(text))
+        items = _array_items(text)
     except json.JSONDecodeError as err:
         value = text[:err.pos].rstrip()
         if err.msg == "Extra data" and "\n" not in value.strip() and "\n" in text[len(value):err.pos]:
             return None
         raise DataError(f"{path}:{err.lineno}: invalid JSON array: {err.msg} (column {err.colno})") from None
-    except (RecursionError, ValueError) as err:
+    except (RecursionError, ValueError) as err:  # an unreadable item whose brackets do not match
         raise DataError(f"{path}: invalid JSON array: {why_unread(err)}") from None
     return [(f"{path}:{line}[{i}]", item) for i, (line, item) in enumerate(items)]
 
@@ -332,30 +338,58 @@ def _reject_single_object(path: str, kind: Optional[str]) -> None:
                     "expected JSONL (one object per line) or a JSON array of objects")
 
 
-def _array_length(text: str) -> int:
-    """The item count of JSON array ``text``; raises as ``json.loads`` and :func:`_check_depth`."""
-    items = json.loads(text)
-    _check_depth(items)
-    return len(items)
+def _value_end(text: str, pos: int) -> Optional[int]:
+    """Where the JSON value at ``pos`` ends, told by its brackets alone (brackets in strings are text), for a value
+    Python's json cannot read (nested too deep, an integer too long); None when its brackets do not match."""
+    if text[pos] not in "[{":
+        number = _NUMBER.match(text, pos)
+        return number.end() if number else None
+    closers = []
+    for part in _VALUE_PARTS.finditer(text, pos):
+        if part.group() in ("[", "{"):
+            closers.append("]" if part.group() == "[" else "}")
+        elif part.group() in ("]", "}"):
+            if closers.pop() != part.group():
+                return None
+            if not closers:
+                return part.end()
+    return None
 
 
-def _array_items(text: str, count: int) -> list:
-    """``(line, item)`` of each top-level item of a valid JSON array: the 1-based line where it starts, and the
-    item, or a :class:`BadRow` for one with a key given twice or longer than :data:`MAX_LINE_CHARS` (as a JSONL
-    line of it would be)."""
-    plain, items, pos = json.JSONDecoder(), [], text.index("[") + 1
-    ws = re.compile(r"[\s,]*")
+def _array_items(text: str) -> list:
+    """``(line, item)`` of each top-level item of JSON array ``text``: the 1-based line where it starts, and the
+    item, or a :class:`BadRow` where a JSONL line of it would be one: longer than :data:`MAX_LINE_CHARS`, nested
+    too deep or holding an integer too long for Python (:func:`why_unread`), a key given twice, not UTF-8.
+
+    Raises:
+        json.JSONDecodeError: ``text`` is no JSON array (``Extra data`` after it: JSONL opening with a list).
+        RecursionError, ValueError: an unreadable item whose end its brackets do not tell.
+    """
+    items, pos = [], _WS.match(text, text.index("[") + 1).end()
     line, counted = 1, 0  # newlines are counted once each, from the previous item on
-    for _ in range(count):
-        pos = ws.match(text, pos).end()
+    more = not text.startswith("]", pos)  # [] holds none
+    while more:
         line, counted = line + text.count("\n", counted, pos), pos
         try:
             item, end = _DECODER.raw_decode(text, pos)
-        except _DuplicateKey as err:
-            item, (_, end) = BadRow(f"invalid JSON: {why_unread(err)}"), plain.raw_decode(text, pos)
-        too_long = end - pos > MAX_LINE_CHARS  # judged first, as a JSONL line is
-        bad = BadRow(f"item has {end - pos:,} characters; items over {MAX_LINE_CHARS:,} are not read") if too_long \
-            else undecodable(text, pos, end)
-        items.append((line, bad or item))
-        pos = end
+            _check_depth(item)
+        except json.JSONDecodeError:
+            raise
+        except (RecursionError, ValueError) as err:  # JSON that Python does not read: this item is bad, not the file
+            end = _value_end(text, pos)
+            if end is None:
+                raise
+            item = BadRow(f"invalid JSON: {why_unread(err)}")
+        if end - pos > MAX_LINE_CHARS:  # judged first, as a JSONL line is
+            item = BadRow(f"item has {end - pos:,} characters; items over {MAX_LINE_CHARS:,} are not read")
+        items.append((line, item if isinstance(item, BadRow) else undecodable(text, pos, end) or item))
+        pos = _WS.match(text, end).end()
+        more = text.startswith(",", pos)
+        if more:
+            pos = _WS.match(text, pos + 1).end()
+    if not text.startswith("]", pos):
+        raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+    rest = _WS.match(text, pos + 1).end()
+    if rest < len(text):
+        raise json.JSONDecodeError("Extra data", text, rest)
     return items
