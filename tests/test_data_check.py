@@ -3,6 +3,7 @@ non-JSON files, data.fields syntax, data.chat_template on a base model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -404,6 +405,49 @@ def test_check_under_sft_keeps_preference_rows_a_pairwise_objective_drops(tmp_pa
     assert "limits: max_prompt_length=20, max_length=23: 1 row truncated, 0 of them" in out
     assert (n_bad, [p.source for p in train], held_out) == (0, [f"{path}:{i}" for i in range(1, 6)], [])
     assert all(p.rejected == [] for p in train)
+
+
+def test_check_names_the_row_training_stops_on_first(tmp_path, tokenizer):
+    """Training tokenizes the rows it trains on, then the data.valid_fraction it holds out; the check tokenized
+    the file in its order, so where a held-out row came first it named another row than training did: another
+    first row for 'message rows need a chat template' on a base model, another first bad row listed under
+    data.on_bad_row: error. Generated files (seeded): both name the same row, list the same bad rows in the same
+    order, and give the same pairs."""
+    import random
+
+    rng = random.Random(5)
+    base, differed = style_tokenizer("base"), 0
+    for case in range(10):
+        objs = []
+        for i in range(rng.randint(4, 14)):
+            if rng.random() < 0.35:  # a message row, and two system prompts: bad where a template renders it
+                objs.append({"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": f"Q{i}"}],
+                             "system": "T", "chosen": [{"role": "assistant", "content": f"a{i}"}],
+                             "rejected": [{"role": "assistant", "content": "b"}]})
+            else:
+                objs.append({"prompt": f"Q{i}", "chosen": f"a{i}", "rejected": "b"})
+        path = write_jsonl(tmp_path / f"d{case}.jsonl", objs)
+        cfg = DataConfig(train=path, fields={"prompt": "prompt"}, valid_fraction=rng.choice([0.2, 0.4]))
+        errors = []
+        for run in (lambda: load_dataset(cfg, base, seed=case, log=None), lambda: check_file(path, cfg, base, seed=case)):
+            with pytest.raises(DataError) as err:
+                run()
+            errors.append(str(err.value))
+        assert errors[0] == errors[1] and "message rows need a chat template" in errors[0]
+        first_in_file = next(i for i, o in enumerate(objs) if isinstance(o["prompt"], list)) + 1
+        differed += not errors[0].startswith(f"{path}:{first_in_file}:")
+        stop = dataclasses.replace(cfg, on_bad_row="error")
+        with pytest.raises(DataError) as err:
+            load_dataset(stop, tokenizer, seed=case, log=None)
+        out, n_bad, _ = check_file(path, stop, tokenizer, seed=case)
+        listed, named = [line.strip() for line in out.splitlines() if line.startswith(f"  {path}:")], \
+            str(err.value).splitlines()
+        assert named[0].startswith(f"{listed[0]} ({n_bad} bad row(s);")
+        assert listed[:5] == [line.strip() for line in named[2:7] if not line.startswith("  ... and")]
+        data = load_dataset(cfg, tokenizer, seed=case, log=None)
+        _, _, (train, held) = check_file(path, cfg, tokenizer, seed=case)
+        assert (train, held) == (data.train, data.valid) and n_bad == len(data.report.bad)
+    assert differed >= 2  # files whose first message row is held out
 
 
 def test_cli_held_out_source_is_checked_as_training_reads_it(tmp_path, model_dir, capsys):

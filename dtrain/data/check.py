@@ -71,7 +71,8 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     ``max_length`` truncate, a warning counting raw prompts glued to their
     response (:func:`glued_rows`), and with ``show > 0`` the first ``show`` usable
     pairs exactly as they are trained (see :func:`show_pair`). Rows go through
-    the same :func:`tokenize_rows` as training. ``objective``: ``objective.kind``
+    the same :func:`tokenize_rows` as training, in its order (the rows it trains on, then those it holds out), so
+    both name the same first row that cannot be rendered. ``objective``: ``objective.kind``
     (``sft`` reads preference rows as their chosen side); rows with one completion are returned for the
     caller to refuse under a pairwise one, in training's order (after bad rows and no usable pair). Without held-out data of its
     own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the rows, split with ``seed``
@@ -113,8 +114,14 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
     (rows, report), (held_rows, held_report) = read, held_read
     noun = example_noun(objective)
     results: list = []
-    pairs, tok_report = tokenize_rows(rows, tokenizer, cfg, results)
-    report = report.merge(dataclasses.replace(tok_report, rows_read=0))
+    # training's order: the rows it trains on, then the valid_fraction it holds out, so the first row that cannot
+    # be rendered and the bad rows listed are training's
+    train_rows, split_out = (rows, []) if valid is not None else split_rows(rows, cfg.valid_fraction, seed)
+    train, tok_report = tokenize_rows(train_rows, tokenizer, cfg, results)
+    split_held, split_report = tokenize_rows(split_out, tokenizer, cfg, results)
+    usable = {p.source: p for p in train + split_held}
+    pairs = [usable[r.source] for r in rows if r.source in usable]  # shown in the file's order
+    report = report.merge(dataclasses.replace(tok_report.merge(split_report), rows_read=0))
     rendered = [r for r in results if r.lengths != (0, 0, 0)]
     lines = [f"{path}: {report.rows_read} rows, {len(pairs)} usable, {len(report.bad)} bad, "
              f"{len(report.dropped)} dropped"]
@@ -145,7 +152,5 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
         summary = held_report.summary(limit=20, noun=noun)
         if summary:
             lines.append(summary)
-        return "\n".join(lines), len(report.bad) + len(held_report.bad), (pairs, held)
-    held_out = {r.source for r in split_rows(rows, cfg.valid_fraction, seed)[1]}
-    return "\n".join(lines), len(report.bad), ([p for p in pairs if p.source not in held_out],
-                                               [p for p in pairs if p.source in held_out])
+        return "\n".join(lines), len(report.bad) + len(held_report.bad), (train, held)
+    return "\n".join(lines), len(report.bad), (train, split_held)
