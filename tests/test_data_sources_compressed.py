@@ -14,6 +14,7 @@ import lzma
 import random
 import tarfile
 import zipfile
+import zlib
 
 import pytest
 import zstandard
@@ -151,6 +152,38 @@ def test_a_cut_stream_names_the_last_line_read_and_keeps_the_rows_before(tmp_pat
     assert [src for src, _ in got] == [f"{path}:{n}" for n in range(1, len(got) + 1)]
     assert str(err.value).startswith(f"{path}: the {KIND[suffix]} stream is corrupt or cut short after line "
                                      f"{len(got)} (")
+
+
+def _readable(data: bytes, suffix: str) -> bytes:
+    """What a cut compressed stream still gives, decompressed in one go."""
+    if suffix == ".zst":
+        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    return {".gz": lambda: zlib.decompressobj(31), ".bz2": bz2.BZ2Decompressor,
+            ".xz": lzma.LZMADecompressor}[suffix]().decompress(data)
+
+
+@pytest.mark.parametrize("suffix", list(COMPRESS))
+def test_a_cut_stream_of_a_json_array_or_a_small_file_names_the_last_line_read(tmp_path, suffix):
+    """A cut stream was 'cut short after line 0' whenever the file was a JSON array (read whole), or its text under
+    64 KiB (the first read, looking for its first character, hit the cut): a file of 300 rows cut at two thirds.
+    Generated files (seeded), JSONL and arrays, cut anywhere: the line named is the last whole line the stream
+    gives."""
+    rnd = random.Random(3)
+    for case in range(12):
+        objs = [{"prompt": f"{rnd.getrandbits(rnd.choice([8, 64, 800])):x}", "chosen": "a", "rejected": "b"}
+                for _ in range(rnd.randint(20, 400))]
+        array = rnd.random() < 0.5
+        text = (json.dumps(objs, indent=rnd.choice([None, 1])) if array else
+                "".join(json.dumps(o) + "\n" for o in objs)).encode()
+        data = COMPRESS[suffix](text)
+        cut = data[: rnd.randint(len(data) // 4, len(data) - 1)]
+        path = tmp_path / f"cut{case}.json{'' if array else 'l'}{suffix}"
+        path.write_bytes(cut)
+        lines = _readable(cut, suffix).count(b"\n")
+        with pytest.raises(DataError) as err:
+            load_rows(str(path), DataConfig())
+        assert str(err.value).startswith(f"{path}: the {KIND[suffix]} stream is corrupt or cut short after line "
+                                         f"{lines} ("), (case, array, len(text))
 
 
 @pytest.mark.parametrize("suffix", list(COMPRESS))

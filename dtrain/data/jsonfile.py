@@ -233,7 +233,7 @@ def _json_stream(path: str, kind: Optional[str], where: list) -> Iterator[tuple]
         raise DataError(f"{path}: file is empty" + (f" (after {kind} decompression)" if kind else ""))
     if first == "[":
         with _open_data(path, kind) as f:
-            items = _json_array(path, f)
+            items = _json_array(path, _read_counting(f, where))
         if items is not None:
             yield from items
             return
@@ -303,18 +303,28 @@ def _check_depth(value, depth: int = 0) -> None:
 
 
 def _first_char(f) -> str:
-    """The first character that is not whitespace or a BOM ('' for none)."""
-    while chunk := f.read(1 << 16):
+    """The first character that is not whitespace or a BOM ('' for none); read a buffer at a time (``read1``), so
+    a cut stream breaks off on the lines that follow, which name it, not here."""
+    while chunk := f.read1(1 << 16):
         text = chunk.decode("utf-8", errors="surrogateescape").lstrip("\ufeff \t\r\n")
         if text:
             return text[0]
     return ""
 
 
-def _json_array(path: str, f) -> Optional[list]:
-    """The ``(source, item)`` items of a JSON array, or None for JSONL whose first line is a list
-    (one line of JSON, more JSON on the next lines)."""
-    text = f.read().decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
+def _read_counting(f, where: list) -> bytes:
+    """All of ``f``, ``where[0]`` counting its whole lines as they come (a stream that breaks off names the last)."""
+    chunks = []
+    while chunk := f.read1(1 << 20):
+        chunks.append(chunk)
+        where[0] += chunk.count(b"\n")
+    return b"".join(chunks)
+
+
+def _json_array(path: str, data: bytes) -> Optional[list]:
+    """The ``(source, item)`` items of the JSON array ``data`` (a file's bytes), or None for JSONL whose first line
+    is a list (one line of JSON, more JSON on the next lines)."""
+    text = data.decode("utf-8", errors="surrogateescape").lstrip("\ufeff")
     try:
         items = _array_items(text)
     except json.JSONDecodeError as err:
