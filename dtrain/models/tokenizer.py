@@ -72,7 +72,7 @@ def _merges_from_scores(tokens: list, scores: list, types: list) -> list:
             (``llm_bigram_spm``'s comparator: score, then left position), which
             no fixed merge rank reproduces ("cbdcc" with "bd" and "cc" tied and
             "bdc" above them: c bdc c there, c bd cc by rank); GGUFs converted
-            without ``tokenizer.model`` (every score -1000) are such.
+            without the SentencePiece model file (every score -1000) are such.
     """
     vocab = {t: i for i, t in enumerate(tokens)}
     ranked = []
