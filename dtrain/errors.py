@@ -21,3 +21,7 @@ class DataError(UserError):
 
 class ModelError(UserError):
     """A model path that cannot be loaded, or a missing download."""
+
+
+class BadRow(Exception):
+    """Raised inside row parsing; caught and recorded with the row's source."""

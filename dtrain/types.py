@@ -1,12 +1,100 @@
-"""Containers passed between the data, engine and trainer layers, and the check on pairs both the
+"""Containers passed between the data, engine and trainer layers (a row before rendering, the bad-row report,
+the tokenized pair), and the check on pairs both the
 data check and training apply (pairwise objectives refuse rows with one completion)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
 from .errors import DataError
+
+
+@dataclass(frozen=True)
+class Row:
+    """One preference pair before rendering.
+
+    ``prompt`` is plain text (str) or messages ``[{role, content}]``. ``chosen``
+    and ``rejected`` are the response text (str) or, for multi-message
+    completions, the messages that follow the prompt. ``rejected_prompt`` is set
+    (messages) only when the rejected side has a different history.
+    ``transcript`` marks a prompt written with Human:/Assistant: markers.
+    ``rejected`` None: an SFT row (one completion); ``prompt`` None: a ``text``
+    row, whose ``chosen`` is the whole text.
+    ``source`` is ``file:line`` (JSON arrays: ``file:line[index]``).
+    """
+
+    prompt: Union[str, list, None]
+    chosen: Union[str, list]
+    rejected: Union[str, list, None]
+    system: Optional[str] = None
+    source: str = ""
+    rejected_prompt: Optional[list] = None
+    transcript: bool = False
+
+
+@dataclass
+class BadRowReport:
+    """Rows that were skipped or dropped, with ``(source, reason)`` for each.
+
+    ``bad``: rows that could not be read or rendered (invalid JSON, missing
+    fields, a template that fails, ...); ``data.on_bad_row: error`` stops on them.
+    ``dropped``: pairs without preference signal or room, found after rendering
+    and truncation; each reason starts with its kind (``"same ids: ..."``,
+    ``"empty prompt: ..."``, ``"empty response: ..."``, ``"no room: ..."``,
+    ``"prompt too long: ..."``; under SFT ``"label false: ..."``, a KTO row's undesirable completion).
+    ``truncated``: pairs whose prompt or a response was shortened;
+    ``prompt_cut_fits``: of those, prompts cut to ``max_prompt_length`` although
+    prompt + response would fit ``max_length``.
+    ``control_text``: ``(source, text)`` of kept rows whose messages hold
+    control-token text, tokenized as plain text.
+    ``rows_read``: rows seen in the input (good and bad).
+    """
+
+    rows_read: int = 0
+    bad: list = field(default_factory=list)
+    dropped: list = field(default_factory=list)
+    truncated: int = 0
+    prompt_cut_fits: int = 0
+    control_text: list = field(default_factory=list)
+
+    def merge(self, other: "BadRowReport") -> "BadRowReport":
+        """A new report holding both reports' counts and entries."""
+        return BadRowReport(self.rows_read + other.rows_read, self.bad + other.bad, self.dropped + other.dropped,
+                            self.truncated + other.truncated, self.prompt_cut_fits + other.prompt_cut_fits,
+                            self.control_text + other.control_text)
+
+    def dropped_kinds(self) -> str:
+        """``"2 same ids, 1 label false"``: the dropped rows counted by kind, first seen first."""
+        kinds = Counter(reason.split(":", 1)[0] for _, reason in self.dropped)
+        return ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+
+    def summary(self, limit: int = 5, bad: str = "skipped (bad rows)", noun: str = "pair") -> str:
+        """Readable lines: counts, then the first ``limit`` entries of each kind (``bad``: what bad rows
+        are called; a run that stops at one skips none; ``noun``: what an example is, sft's row or a pair)."""
+        lines = []
+        for what, entries in ((bad, self.bad), ("dropped", self.dropped)):
+            if not entries:
+                continue
+            if entries is self.dropped:
+                what += f" ({self.dropped_kinds()})"
+            lines.append(f"{len(entries)} of {self.rows_read} rows {what}:")
+            lines += [f"  {src}: {reason}" for src, reason in entries[:limit]]
+            if len(entries) > limit:
+                lines.append(f"  ... and {len(entries) - limit} more")
+        if self.truncated:
+            lines.append(f"{self.truncated} {noun}{'s' * (self.truncated > 1)} truncated to data.max_prompt_length / "
+                         "data.max_length")
+        if self.prompt_cut_fits:
+            lines.append(f"{self.prompt_cut_fits} of them had the prompt cut to data.max_prompt_length although "
+                         "prompt + response fit data.max_length (raise data.max_prompt_length to keep them whole)")
+        if self.control_text:
+            src, text = self.control_text[0]
+            many = len(self.control_text) > 1
+            lines.append(f"{len(self.control_text)} {noun}{'s have' if many else ' has'} control-token text in a "
+                         f"message, tokenized as plain text (first: {src}: {text!r})")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)

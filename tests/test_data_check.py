@@ -13,8 +13,8 @@ from fixtures_launch import make_model_folder
 from dtrain.cli import main
 from dtrain.config import DataConfig, load_config
 from dtrain.data import check_file, load_dataset, load_rows, tokenize_rows
-from dtrain.data.formats import Row
 from dtrain.errors import ConfigError, DataError
+from dtrain.types import Row
 
 STEPS = "The answer has many steps. " * 20
 ROWS = [

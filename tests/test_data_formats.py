@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from dtrain.config import DataConfig
 from dtrain.data import load_rows
-from dtrain.data.formats import Row, parse_rows
+from dtrain.data.formats import parse_rows
 from dtrain.errors import DataError
+from dtrain.types import Row
 
 HH_PROMPT = "\n\nHuman: What is 2 + 2?\n\nAssistant:"
 

@@ -13,7 +13,7 @@ from conftest import make_tokenizer
 
 from dtrain.config import DataConfig
 from dtrain.data import end_of_turn, tokenize_rows
-from dtrain.data.formats import Row
+from dtrain.types import Row
 
 Q = "What is 2 + 2?"
 CHAT_Q = "<s><|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"

@@ -17,9 +17,10 @@ from conftest import make_tokenizer
 
 from dtrain.config import DataConfig
 from dtrain.data import check_file, load_dataset, tokenize_rows
-from dtrain.data.formats import Row, detect_format, parse_rows
+from dtrain.data.formats import detect_format, parse_rows
 from dtrain.errors import DataError
 from dtrain.engine import DPO, ORPO, SFT, fit_dataset
+from dtrain.types import Row
 
 Q = "What is 2 + 2?"
 CHAT_Q = "<s><|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"

@@ -23,9 +23,10 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from dtrain.config import DataConfig
-from dtrain.data.formats import Row, parse_rows
+from dtrain.data.formats import parse_rows
 from dtrain.data.render import RowTokenizer, tokenize_rows
 from dtrain.data.templates import CHATML, PLAIN, RAW_TEXT, control_strings, hf_tokenizer
+from dtrain.types import Row
 
 POST = {"none": (False, False), "bos": (True, False), "eos": (False, True), "bos+eos": (True, True)}
 WORDS = ["hi", "yes", "no", "word", "The", "fox", "café", "東京", "🙂", "ok", "42", " ", "\n"]

@@ -441,7 +441,7 @@ def test_folder_prompts_start_with_the_bos_training_put_there(tmp_path, tiny, te
     (render.py) and llama.cpp put BOS first, mlx-lm's generate did not, so the merged folder ran without it."""
     from dtrain.config import DataConfig
     from dtrain.data import tokenize_rows
-    from dtrain.data.formats import Row
+    from dtrain.types import Row
 
     base, adapter = tiny
     if template is not None:

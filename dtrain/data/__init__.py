@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import DataError
+from ..types import BadRowReport, Row
 from .check import check_file
 from .demo import demo_pairs
 from .cache import cache_key, tokenize_cached, write_entries
-from .formats import BadRowReport, Row, parse_rows
+from .formats import parse_rows
 from .render import end_of_turn, tokenize_rows
-from .sources import fingerprint as data_fingerprint
-from .sources import read_rows, resolve, resolve_pair
+from .sources import fingerprint as data_fingerprint, read_rows, resolve, resolve_pair
 
 __all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn",
            "load_dataset", "load_rows", "read_rows", "resolve", "split_rows", "tokenize_cached", "tokenize_rows",

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..files import new_temp_file
-from ..types import TokenizedPair
-from .formats import BadRowReport
+from ..types import BadRowReport, TokenizedPair
 from .render import tokenize_rows
 from .templates import template_source
 

@@ -7,8 +7,7 @@ import json
 import math
 
 from ..errors import DataError
-from ..types import example_noun
-from .formats import BadRowReport
+from ..types import BadRowReport, example_noun
 from .render import tokenize_rows
 from .sources import read_rows, resolve_pair
 from .templates import RAW_TEXT, renderers

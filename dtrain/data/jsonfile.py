@@ -20,8 +20,8 @@ import zlib
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from ..errors import DataError
-from .formats import BadRow, json_kind, undecodable
+from ..errors import BadRow, DataError
+from .formats import json_kind, undecodable
 
 # A JSONL line (or JSON array item) longer than this is reported instead of tokenized:
 # ~500k tokens, far past any max_length, and slow to tokenize.

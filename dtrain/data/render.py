@@ -54,9 +54,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Optional
 
-from ..errors import DataError
-from ..types import TokenizedPair
-from .formats import ASSISTANT_MARKER, HUMAN_MARKER, BadRow, BadRowReport, Row
+from ..errors import BadRow, DataError
+from ..types import BadRowReport, Row, TokenizedPair
+from .formats import ASSISTANT_MARKER, HUMAN_MARKER
 from .templates import RAW_TEXT, Renderer, control_strings, end_of_turn, hf_tokenizer, renderers
 
 

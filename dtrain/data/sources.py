@@ -47,7 +47,8 @@ from typing import Any, Iterator, Optional
 
 from ..errors import DataError
 from ..files import HUB_ID, sha256_file, unusable_path
-from .formats import DETECT_ROWS, BadRowReport, detect_items_format, json_kind, parse_rows
+from ..types import BadRowReport
+from .formats import DETECT_ROWS, detect_items_format, json_kind, parse_rows
 from .jsonfile import (ARROW_FILE, ARROW_STREAM, COMPRESSED_SUFFIXES, FEATHER_V1, PARQUET_MAGIC, json_items,
                        why_unread)
 from .tables import BATCH_ROWS, file_items, table_items

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Iterator, Optional
 
-from ..errors import DataError
-from .formats import BadRow, undecodable
+from ..errors import BadRow, DataError
+from .formats import undecodable
 from .jsonfile import ARROW_FILE, FEATHER_V1, first_repeat
 
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time

@@ -70,10 +70,9 @@ def with_bos(tokenizer, template: str | dict | None) -> str | dict | None:
     transformers' ``apply_chat_template``, tokenize it with no special tokens added, so a folder's template writes
     BOS itself. The GGUF keeps the template as it is (llama.cpp would add a second BOS).
     """
-    from ..data.formats import BadRow
     from ..data.render import RowTokenizer
     from ..data.templates import Renderer, hf_tokenizer
-    from ..errors import DataError
+    from ..errors import BadRow, DataError
 
     if isinstance(template, dict):  # named templates (default, tool_use ...): each one
         return {name: with_bos(tokenizer, text) for name, text in template.items()}
