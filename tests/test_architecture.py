@@ -158,3 +158,17 @@ def test_the_docstring_check_finds_a_missing_name(tmp_path):
     mods = {"dtrain.data.render": pkg / "data" / "render.py", "dtrain.data.cache": pkg / "data" / "cache.py"}
     assert unresolved(mods) == ["dtrain.data.cache (<module>): lock_output",
                                 "dtrain.data.cache (<module>): render.encode_rows"]
+
+
+def test_the_engine_doc_lists_every_engine_key_at_its_default():
+    """docs/engine.md's ``engine:`` block says it is "the defaults (dtrain/config.py)": every key of
+    ``EngineConfig``, each at its default (it missed ``kernels``)."""
+    import yaml
+
+    from dtrain.config import EngineConfig, describe_fields
+
+    text = (ROOT / "docs" / "engine.md").read_text()
+    block = re.search(r"```yaml\n(engine: +# the defaults \(dtrain/config.py\)\n.*?)```", text, re.S)
+    assert block, "docs/engine.md has no engine: block of the defaults"
+    listed = yaml.safe_load(block[1])["engine"]
+    assert listed == {key: default for key, _, default, _ in describe_fields(EngineConfig)}
