@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtrain", description="ORPO + LoRA preference training on MLX")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train an adapter (overrides: --section.key VALUE)", epilog=override_help(),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="dtrain train [-h] [-c CONFIG] [--section.key VALUE ...]")
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect preference data")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -48,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("--show", type=int, default=0, metavar="N",
                     help="print the first N usable pairs as trained: text with control tokens visible, and ids")
     k = sub.add_parser("config", help="print every config key with its default (or the value from -c and "
-                                      "overrides), allowed values and help, as a commented YAML config")
+                                      "overrides), allowed values and help, as a commented YAML config",
+                       usage="dtrain config [-h] [-c CONFIG] [--section.key VALUE ...]")
     k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training, but data.train may be "
                                           "left to the command line)")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file (or demo)")

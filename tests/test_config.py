@@ -81,6 +81,16 @@ def test_train_help_lists_every_key_from_config_py(capsys):
             assert line in out.splitlines(), line
 
 
+@pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check"]])
+def test_the_usage_of_a_command_that_takes_overrides_shows_them(command, capsys):
+    """`dtrain config --help` printed `usage: dtrain config [-h] [-c CONFIG]`, though it takes
+    `--section.key VALUE` overrides as train and data check do."""
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    assert usage.startswith(f"usage: dtrain {' '.join(command)} ") and "[--section.key VALUE ...]" in usage, usage
+
+
 def test_every_key_has_a_help_line():
     for section in dataclasses.fields(Config):
         for key, _, _, meta in describe_fields(type(getattr(Config(), section.name))):
