@@ -106,7 +106,7 @@ def docstrings(tree: ast.AST):
 
 
 # ``a.b`` that are no code names: files, other libraries, GGUF metadata keys
-NOT_CODE = re.compile(r".*\.(json|jsonl|yaml|safetensors|gguf|md|py|jinja)$|(mlx|gguf|random|tokenizer\.ggml)\.")
+NOT_CODE = re.compile(r".*\.(json|jsonl|yaml|safetensors|gguf|md|py|sh|jinja)$|(mlx|gguf|random|tokenizer\.ggml)\.")
 
 
 def config_keys() -> set:
@@ -116,10 +116,11 @@ def config_keys() -> set:
             for k, *_ in describe_fields(type(getattr(Config(), s)))}
 
 
-def unresolved(mods: dict) -> list:
-    """Dotted names in docstrings (``:func:`x```, ``mod.name``) whose module part is a dtrain
-    module and whose name that module (or, for a package, one of its modules) does not define;
-    config keys (``data.fields``), file names and other libraries' names are not checked."""
+def unresolved(mods: dict, docs: dict | None = None) -> list:
+    """Dotted names in docstrings (``:func:`x```, ``mod.name``) and in ``docs`` (name -> markdown
+    text: `mod.name`) whose module part is a dtrain module and whose name that module (or, for a
+    package, one of its modules) does not define; config keys (``data.fields``), file names and
+    other libraries' names are not checked."""
     trees = {name: ast.parse(path.read_text()) for name, path in mods.items()}
     names = {name: defined_names(tree) for name, tree in trees.items()}
     for name, path in mods.items():  # a package answers for what its modules define
@@ -128,26 +129,37 @@ def unresolved(mods: dict) -> list:
     keys = config_keys()
     everything = set().union(*names.values()) | {n.rsplit(".", 1)[-1] for n in mods}
     bad = []
-    for name, tree in trees.items():
-        for where, text in docstrings(tree):
-            for ref in re.findall(r":(?:func|meth|class|data|attr):`~?([\w.]+)`", text):
-                if ref.rsplit(".", 1)[-1] not in everything and not NOT_CODE.match(ref):
-                    bad.append(f"{name} ({where}): {ref}")
-            for ref in re.findall(r"``([A-Za-z_][\w.]*\.[A-Za-z_]\w*)(?:\(\))?``", text):
-                if ref in keys or NOT_CODE.match(ref):
-                    continue
-                parts = ref.split(".")
-                for i in range(len(parts) - 1, 0, -1):  # the longest prefix that names a module
-                    owner = [m for m in mods if m == ".".join(parts[:i]) or m.endswith("." + ".".join(parts[:i]))]
-                    if owner:
-                        if not any(parts[i] in names[m] or f"{m}.{parts[i]}" in mods for m in owner):
-                            bad.append(f"{name} ({where}): {ref}")
-                        break
+    texts = [(name, where, text, "``") for name, tree in trees.items() for where, text in docstrings(tree)]
+    texts += [(doc, "markdown", text, "`") for doc, text in (docs or {}).items()]
+    for name, where, text, tick in texts:
+        for ref in re.findall(r":(?:func|meth|class|data|attr):`~?([\w.]+)`", text):
+            if ref.rsplit(".", 1)[-1] not in everything and not NOT_CODE.match(ref):
+                bad.append(f"{name} ({where}): {ref}")
+        for ref in re.findall(tick + r"([A-Za-z_][\w.]*\.[A-Za-z_]\w*)(?:\([^`]*\))?" + tick, text):
+            if ref in keys or NOT_CODE.match(ref):
+                continue
+            parts = ref.split(".")
+            for i in range(len(parts) - 1, 0, -1):  # the longest prefix that names a module
+                owner = [m for m in mods if m == ".".join(parts[:i]) or m.endswith("." + ".".join(parts[:i]))]
+                if owner:
+                    if not any(parts[i] in names[m] or f"{m}.{parts[i]}" in mods for m in owner):
+                        bad.append(f"{name} ({where}): {ref}")
+                    break
     return bad
 
 
 def test_names_quoted_in_docstrings_exist():
     assert unresolved(modules()) == []
+
+
+def test_names_quoted_in_the_docs_exist():
+    """docs/*.md and bench/README.md name code as `module.name` too (`lora.DropoutKeys`,
+    `dtrain.run.step.Step`); scaling.md named `train_step` after it had become `Step`."""
+    docs = {str(p.relative_to(ROOT)): p.read_text() for p in [*sorted((ROOT / "docs").glob("*.md")),
+                                                               ROOT / "bench/README.md"]}
+    assert unresolved(modules(), docs) == []
+    assert unresolved(modules(), {"doc.md": "runs `dtrain.run.step.train_step`"}) == [
+        "doc.md (markdown): dtrain.run.step.train_step"]
 
 
 def test_the_docstring_check_finds_a_missing_name(tmp_path):
