@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -116,3 +117,16 @@ def test_tokenize_rate_names_the_blas_once():
         Path(path).unlink()
     line, = [line for line in out.stdout.splitlines() if line.startswith("machine: ")]
     assert line.count("BLAS:") == 1 and ", BLAS: " in line, line
+
+
+def test_the_gpu_engines_smoke_runs_against_the_engines_as_they_are():
+    """``bash bench/gpu.sh engines OUT`` (docs/gpu.md) starts with a segmented = reference smoke in
+    Python; it built ``ReferenceEngine(m, 0.1)`` after engines took an objective, and printed a
+    traceback instead of the comparison. Run here on the CPU (its GPU matmul rate is skipped there)."""
+    text = (ROOT / "bench" / "gpu.sh").read_text()
+    smoke = text.split("\nengines)\n", 1)[1].split("<<'PY'", 1)[1].split("\n", 1)[1].split("\nPY\n", 1)[0]
+    r = subprocess.run([sys.executable, "-c", smoke], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    worst = float(r.stdout.split("worst relative L2 gradient difference ")[1].split()[0])
+    assert worst < 1e-4, r.stdout
