@@ -29,13 +29,14 @@ OPTIONS = ("-c", "--config", "--show", "-h", "--help")  # train's, data check's 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dtrain", description="ORPO + LoRA preference training on MLX")
+    p = argparse.ArgumentParser(prog="dtrain", description="LoRA training on MLX: preference pairs (ORPO, DPO, SimPO) "
+                                                           "or SFT rows (objective.kind)")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train an adapter (overrides: --section.key VALUE)", epilog=override_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        usage="dtrain train [-h] [-c CONFIG] [--section.key VALUE ...]")
     t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
-    d = sub.add_parser("data", help="inspect preference data")
+    d = sub.add_parser("data", help="inspect training data (preference pairs or SFT rows)")
     dsub = d.add_subparsers(dest="data_command", required=True)
     what = ("report bad and dropped rows and token lengths of the data (overrides: --section.key VALUE, such as "
             "--data.fields or --train.global_batch_pairs; exit status "

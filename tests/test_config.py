@@ -91,6 +91,19 @@ def test_the_usage_of_a_command_that_takes_overrides_shows_them(command, capsys)
     assert usage.startswith(f"usage: dtrain {' '.join(command)} ") and "[--section.key VALUE ...]" in usage, usage
 
 
+def test_the_help_names_every_objective_it_trains(capsys):
+    """`dtrain --help` said "ORPO + LoRA preference training on MLX" after DPO, SimPO and SFT came
+    (objective.kind); and `data` "inspect preference data", though it checks SFT rows too."""
+    from dtrain.engine import OBJECTIVES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    description = out.split("\n\n")[1]
+    assert all(kind.upper() in description.upper() for kind in OBJECTIVES), description
+    assert "inspect preference data" not in out
+
+
 def test_every_key_has_a_help_line():
     for section in dataclasses.fields(Config):
         for key, _, _, meta in describe_fields(type(getattr(Config(), section.name))):
