@@ -102,6 +102,14 @@ def test_bench_readme_indexes_every_script():
     assert rows == scripts
 
 
+def test_bench_readme_names_every_gpu_stage():
+    """bench/README.md's gpu.sh row lists the stages ``bash bench/gpu.sh STAGE`` runs; it missed
+    ``dpf32`` and ``groups``, which docs/gpu.md and docs/benchmarks.md quote."""
+    row = next(line for line in (ROOT / "bench" / "README.md").read_text().splitlines() if line.startswith("| `gpu.sh`"))
+    stages = re.findall(r"^([a-z0-9]+)\)$", (ROOT / "bench" / "gpu.sh").read_text(), re.M)
+    assert stages and [s for s in stages if not re.search(rf"\b{s}\b", row)] == [], row
+
+
 def test_only_the_prelude_puts_the_repository_on_the_path():
     """bench/prelude.py is the one place bench/ edits ``sys.path``; every other script that
     imports dtrain gets there through it (directly or through common.py)."""
