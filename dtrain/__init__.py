@@ -1,4 +1,4 @@
-"""dtrain: ORPO + LoRA preference training on MLX.
+"""dtrain: LoRA preference training (ORPO, DPO, SimPO; SFT too) on MLX.
 
 data -> tokenized pairs -> per-rank shard -> engine -> all-reduce -> AdamW step.
 
