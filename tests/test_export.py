@@ -75,8 +75,8 @@ def test_gguf_keeps_the_base_metadata_and_tokenizer(tmp_path, llama):
     base, adapter, _ = llama
     result = export_adapter(str(adapter), str(base), str(tmp_path / "out"), gguf_type="q8_0")
     old, new = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(result.gguf))
-    changed = {"general.file_type", "general.quantization_version", "general.name"}  # name: base + adapter
-    added = {"general.base_model.count", "general.base_model.0.name"}
+    changed = {"general.file_type", "general.quantization_version"}
+    added = {"general.finetune", "general.base_model.count", "general.base_model.0.name"}  # the adapter, the base
     keys = [k for k in old.fields if not k.startswith("GGUF.") and k not in changed]
     assert [k for k in new.fields if not k.startswith("GGUF.") and k not in changed | added] == keys
     for key in keys:

@@ -20,6 +20,7 @@ from dtrain.models import load_model
 from dtrain.models.export import QUANT_WARN_RATIO, export_adapter
 from dtrain.models.merge import training_template
 from dtrain.models.modelfile import chat_parts, go_template, trims_content
+from dtrain.models.vocab_attrs import token_attrs
 
 TRIM_COMMENT = ("# the chat template trims the whitespace around message content and this TEMPLATE cannot (Go "
                 "templates have no trim): send messages without leading or trailing whitespace")
@@ -78,7 +79,7 @@ def test_a_training_template_replaces_the_named_templates_of_the_base_gguf(tmp_p
     assert not [k for k in fields if k.startswith("tokenizer.chat_template") and k != "tokenizer.chat_template"]
 
 
-def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(tmp_path, tiny):
+def test_end_of_turn_joins_the_end_tokens_and_general_finetune_marks_the_fine_tune(tmp_path, tiny):
     base, adapter = tiny
     before = load_model(str(base)).tokenizer
     assert sorted(before.eos_token_ids) == [2, 4]  # the GGUF names </s>; llama.cpp ends at <|im_end|> by its text
@@ -91,7 +92,8 @@ def test_end_of_turn_joins_the_end_tokens_and_general_name_marks_the_fine_tune(t
 
     assert load(str(result.folder))[1].eos_token_ids == {2, 4}
     fields = gguf.GGUFReader(str(result.gguf)).fields
-    assert fields["general.name"].contents() == "base + run/adapters"
+    assert "general.name" not in fields  # as in the base: llama.cpp keys token attributes off it
+    assert fields["general.finetune"].contents() == "run/adapters"
     assert fields["general.base_model.count"].contents() == 1
     assert fields["general.base_model.0.name"].contents() == "base"
     assert fields["tokenizer.chat_template"].contents() == CHATML  # the base's own, kept
@@ -117,7 +119,30 @@ def test_an_end_token_the_gguf_cannot_name_is_one_notice(tmp_path, capsys):
     assert main([*argv[:-1], str(tmp_path / "out2")]) == 0 and capsys.readouterr().err == ""  # no GGUF: no notice
 
 
-def test_general_name_names_the_run_of_each_adapter_folder_a_run_writes(tmp_path):
+@pytest.mark.parametrize("base_name, file_name, finetune", [("Tiny Llama", "base.gguf", "Instruct + phi3-tune"),
+                                                              (None, "phi3-mini.gguf", "phi3-tune")])
+def test_the_exported_general_name_is_the_base_s_so_llama_cpp_tokenizes_as_training(tmp_path, base_name, file_name,
+                                                                                   finetune):
+    """llama.cpp picks strip attributes by general.name (vocab_attrs.py): a Phi-3 name drops the spaces after
+    special tokens, and it refuses a vocabulary without <unk>. The export named the file '<base> + <adapter>' (the
+    file's stem for a base without a name), so an adapter folder 'phi3-tune' on a llama base gave a GGUF llama.cpp
+    tokenizes unlike training, here one it does not load at all. The adapter goes in general.finetune."""
+    base = tmp_path / file_name
+    names = [("add_string", "general.name", base_name), ("add_string", "general.finetune", "Instruct")]
+    write_tiny_llama(base, {}, extra=names if base_name else [])
+    write_adapter(str(base), tmp_path / "phi3-tune")
+    result = export_adapter(str(tmp_path / "phi3-tune"), str(base), str(tmp_path / "out"), gguf_type="f16")
+    old, new = ({k: v.contents() for k, v in gguf.GGUFReader(str(p)).fields.items()} for p in (base, result.gguf))
+    assert new.get("general.name") == base_name
+    assert new["general.finetune"] == finetune
+    assert new["general.base_model.0.name"] == (base_name or base.stem)
+    assert token_attrs(new) == token_attrs(old)
+    text = "<|im_start|>user\n  hi<|im_end|>  the"
+    assert load_model(str(result.gguf)).tokenizer.encode(text) == load_model(str(base)).tokenizer.encode(text)
+    assert (result.folder / "Modelfile").read_text().startswith(f"# {base_name or base.stem} + phi3-tune: ")
+
+
+def test_the_fine_tune_label_names_the_run_of_each_adapter_folder_a_run_writes(tmp_path):
     """adapters-last/ (train.keep_best's last step) was named without its run, unlike adapters/."""
     from dtrain.models.export import adapter_label
 

@@ -17,8 +17,10 @@ tokens are the base's EOS ids plus the template's end-of-turn token
 ``tokenizer.ggml.eot_token_id`` when llama.cpp would not stop at it by its
 text). A folder or hub base's own ``generation_config.json`` (sampling defaults)
 is kept with those end tokens, and its ``*.py`` files are copied, as
-``mlx_lm.fuse`` does. ``general.name`` is ``"<base name> + <adapter>"`` with the
-base in ``general.base_model.0.name``. Beside the GGUF an Ollama ``Modelfile``
+``mlx_lm.fuse`` does. ``general.name`` stays the base's (llama.cpp sets token
+attributes by it: vocab_attrs.py); the adapter is ``general.finetune`` (after
+the base's own label: ``"<label> + <adapter>"``) and the base
+``general.base_model.0.name``. Beside the GGUF an Ollama ``Modelfile``
 (modelfile.py) holds ``FROM``, the template as ``TEMPLATE`` and one
 ``PARAMETER stop`` per end token.
 
@@ -101,7 +103,7 @@ class ExportResult:
 
 
 def adapter_label(adapter_dir: str) -> str:
-    """How ``general.name`` names the adapter: its folder, with the run folder for the run's own
+    """How ``general.finetune`` names the adapter: its folder, with the run folder for the run's own
     ``adapters`` / ``adapters-last`` (``train.keep_best``) / ``step-N``."""
     folder = Path(adapter_dir).resolve()
     if folder.name in ("adapters", "adapters-last") or folder.name.startswith("step-"):

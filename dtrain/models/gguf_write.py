@@ -29,12 +29,14 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
     templates when it is another one),
     ``eos_token_ids`` (the first not among llama.cpp's end-of-generation tokens becomes
     ``tokenizer.ggml.eot_token_id`` when the file names none; a GGUF holds one, so the others stay
-    unknown to llama.cpp, and ``report`` is told so), ``adapter`` (its name in
-    ``general.name``), ``updates`` (as :func:`merge.merge_adapter` returns, for the
+    unknown to llama.cpp, and ``report`` is told so), ``adapter`` (its name, in
+    ``general.finetune``), ``updates`` (as :func:`merge.merge_adapter` returns, for the
     quantization error). A base key holding an empty array is left out (gguf's writer cannot write one).
+    ``general.name`` stays the base's (or absent): llama.cpp sets token attributes by it (vocab_attrs.py).
 
     Returns:
-        ``(tensor_types, f16_fallback, quant_error, general_name)``, the first three as in :class:`export.ExportResult`.
+        ``(tensor_types, f16_fallback, quant_error, label)``, the first three as in :class:`export.ExportResult`;
+        ``label``: ``"<base name> + <adapter>"``, the model's name for people.
     """
     meta = meta or {}
     import gguf
@@ -51,8 +53,9 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
     base_name = md.get("general.name") or base_gguf.stem
     model_name = f"{base_name} + {meta['adapter']}" if meta.get("adapter") else base_name
     # general.alignment: the writer pads tensor data to it only when set through add_custom_alignment
-    replaced = {"general.architecture", "general.file_type", "general.quantization_version", "general.name",
-                "general.alignment"}
+    replaced = {"general.architecture", "general.file_type", "general.quantization_version", "general.alignment"}
+    if meta.get("adapter"):  # the fine-tune's label; llama.cpp reads no general.finetune
+        replaced.add("general.finetune")
     if meta.get("chat_template") is not None:
         replaced.add("tokenizer.chat_template")
     if meta.get("chat_template") not in (None, md.get("tokenizer.chat_template")):  # the base's tool_use ... go too
@@ -69,8 +72,9 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
         writer.add_key_value(key, value.contents(), value.types[0], value.types[-1] if array else None)
     if "general.alignment" in md:
         writer.add_custom_alignment(int(md["general.alignment"]))
-    writer.add_name(model_name)
     if meta.get("adapter"):
+        finetune = md.get("general.finetune")
+        writer.add_finetune(f"{finetune} + {meta['adapter']}" if finetune else meta["adapter"])
         writer.add_base_model_count(1)
         writer.add_base_model_name(0, base_name)
     if meta.get("chat_template") is not None:
