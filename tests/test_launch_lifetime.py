@@ -71,6 +71,11 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     wait_until(lambda: lock_is_free(out), "the output folder's lock to be released", limit=10)
     # the launcher's temporary folder (the ring's MLX_HOSTFILE) goes too, also when the launcher was killed
     wait_until(lambda: not list(tmp.glob("dtrain-launch-*")), "the launcher's temporary folder to go", limit=STOP_S)
+    # a killed launcher's port lock files stay until the next launcher that takes ports sweeps them
+    assert bool(list(tmp.glob("dtrain-port-*.lock"))) == (sig == signal.SIGKILL)
+    r = launch("-n", 2, "--dry-run", job, env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr
+    assert list(tmp.glob("dtrain-port-*.lock")) == []
 
 
 @pytest.mark.parametrize("ranks", [2, 1])
@@ -156,11 +161,11 @@ def test_a_port_in_use_is_one_line(job, busy_offset):
 
 def test_a_port_another_launcher_holds_is_one_line(job):
     port = free_port()
-    held = _port_lock(port)
+    held = [(port, _port_lock(port))]
     try:
         r = launch("-n", 2, "--port", port, "--dry-run", job)
     finally:
-        os.close(held)
+        release(held)  # its lock file too: closing the descriptor alone left it in the temp folder
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"launch: error: port {port} is in use (another ./launch job on this machine holds it); pass another --port, "
@@ -271,15 +276,13 @@ def test_spare_ports_lie_outside_the_ephemeral_range():
             base = spare_base(count, rng, (first, last))
             assert base >= PORT_FLOOR and base + count - 1 <= 65535
             assert base + count - 1 < first or base > last, (base, count, first, last)
-    held = [fd for fd in [_port_lock(p) for p in range(DEFAULT_PORT, DEFAULT_PORT + 3)] if fd is not None]
+    held = [(p, fd) for p in range(DEFAULT_PORT, DEFAULT_PORT + 3) if (fd := _port_lock(p)) is not None]
     locks = []
     try:
         base = free_ports(3, None, locks)  # the default port is held: a spare one instead
         assert base != DEFAULT_PORT and (base + 2 < first or base > last)
     finally:
-        release(locks)
-        for fd in held:
-            os.close(fd)
+        release(locks + held)
 
 
 @pytest.mark.parametrize("proc", [Path("/proc"), Path("/no-proc-here")], ids=["proc", "ps"])
@@ -422,3 +425,63 @@ def test_released_ports_leave_no_lock_files(tmp_path, monkeypatch):
         assert os.fstat(fd).st_ino == os.stat(tmp_path / f"dtrain-port-{port}.lock").st_ino
     finally:
         os.close(fd)
+
+
+def test_a_killed_launcher_s_port_lock_files_are_swept_by_the_next_one(tmp_path, monkeypatch):
+    """A launcher killed with SIGKILL never released its ports: their lock files stayed in the temp folder for
+    good (~7,900 in /tmp here). The next launcher that takes ports removes every lock file no process holds;
+    one a running launcher (here another process) holds stays."""
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    stale = [tmp_path / f"dtrain-port-{p}.lock" for p in (PORT_FLOOR, PORT_FLOOR + 1)]
+    for path in stale:
+        path.touch(mode=0o644)
+    held = tmp_path / f"dtrain-port-{PORT_FLOOR + 2}.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(held)!r}, os.O_RDONLY | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\ntime.sleep(60)\n"],
+                              stdout=subprocess.PIPE)
+    locks = []
+    try:
+        assert holder.stdout.readline() == b"ready\n"
+        port = free_ports(1, None, locks)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([held.name, f"dtrain-port-{port}.lock"])
+    finally:
+        release(locks)
+        holder.kill()
+        holder.wait()
+    assert [p.name for p in tmp_path.iterdir()] == [held.name]  # its holder ended: the next launcher sweeps it
+
+
+def test_a_plan_that_holds_no_port_locks_leaves_no_lock_file(tmp_path, monkeypatch):
+    """build_plan without port_locks (a plan only built, not run) dropped the locks it took: their files stayed
+    in the temp folder and their descriptors open."""
+    import tempfile
+
+    from dtrain.config import load_config
+    from dtrain.launch.plan import build_plan
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    before = set(os.listdir("/dev/fd"))
+    plan = build_plan("job.yaml", [], load_config(overrides=["data.demo_pairs=8"]), ranks=2, tmpdir=str(tmp_path))
+    assert len(plan.ports) == 2 and list(tmp_path.iterdir()) == [] and set(os.listdir("/dev/fd")) == before
+
+
+def test_port_locks_taken_before_a_failure_are_released(tmp_path, monkeypatch):
+    """An error after a port's lock was taken (no socket left to check it with: EMFILE) left its lock file and
+    descriptor behind."""
+    import errno
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+
+    def no_sockets(*args, **kwargs):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(socket, "socket", no_sockets)
+    before, locks = set(os.listdir("/dev/fd")), []
+    with pytest.raises(OSError, match="Too many open files"):
+        free_ports(2, PORT_FLOOR, locks)
+    assert locks == [] and list(tmp_path.iterdir()) == [] and set(os.listdir("/dev/fd")) == before

@@ -12,6 +12,7 @@ directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
 import platform
 import random
@@ -181,27 +182,52 @@ def release(locks: list) -> None:
         os.close(fd)  # closing the last descriptor releases the flock
 
 
+def sweep_stale_locks() -> None:
+    """Remove the port lock files no process holds: a launcher killed (SIGKILL) never released its own.
+
+    Each is locked first and removed while locked, as :func:`release` does, so a lock file a launcher
+    holds stays, and one that opened a file just before it went locks the path's new file (:func:`_port_lock`).
+    """
+    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), "dtrain-port-*.lock")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or another user's that this one may not open
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _is_at(fd, path):
+                os.unlink(path)
+        except OSError:  # held by a running launcher, or another user's in a sticky temp folder
+            pass
+        finally:
+            os.close(fd)
+
+
 def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int, str]]:
     """Lock ports ``base .. base+count-1`` for this launcher (``(port, fd)`` appended to ``locks``) and check
     that each can be listened on; ``(port, why)`` of the first that cannot (its locks released)."""
     taken = []
-    for port in range(base, base + count):
-        try:
-            fd = _port_lock(port)
-            problem = (port, "another ./launch job on this machine holds it")  # where fd is None
-        except OSError as err:  # not this launcher's to take, though no launcher may hold it
-            fd, problem = None, (port, f"its lock file {err.filename} cannot be opened or locked: {err.strerror}")
-        if fd is not None:
-            taken.append((port, fd))
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring listens
-                try:
-                    s.bind((host, port))
-                    continue
-                except OSError:
-                    problem = (port, f"a process on {host} listens on it")
+    try:
+        for port in range(base, base + count):
+            try:
+                fd = _port_lock(port)
+                problem = (port, "another ./launch job on this machine holds it")  # where fd is None
+            except OSError as err:  # not this launcher's to take, though no launcher may hold it
+                fd, problem = None, (port, f"its lock file {err.filename} cannot be opened or locked: {err.strerror}")
+            if fd is not None:
+                taken.append((port, fd))
+                with socket.socket() as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as MLX's ring listens
+                    try:
+                        s.bind((host, port))
+                        continue
+                    except OSError:
+                        problem = (port, f"a process on {host} listens on it")
+            release(taken)
+            return problem
+    except BaseException:  # a lock taken is never left behind, whatever fails after it (no socket: EMFILE)
         release(taken)
-        return problem
+        raise
     locks.extend(taken)
     return None
 
@@ -259,7 +285,7 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
     Each port is claimed with a lock file that the launcher holds while its job
     runs (``(port, fd)`` appended to ``locks``; :func:`release` frees them), so two
     launchers started together never take the same ports, and checked to be
-    free of listeners. ``first``: the user's ``--port``, taken as is; None:
+    free of listeners. Lock files no launcher holds are swept first (:func:`sweep_stale_locks`). ``first``: the user's ``--port``, taken as is; None:
     :data:`DEFAULT_PORT`, else a :func:`spare_base` (outside the ephemeral
     range, where a port checked free could be handed to a connection before
     the ranks listen on it).
@@ -267,6 +293,7 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
     Raises:
         LaunchError: ``first`` (or one of the ports after it) is in use, or they run past port 65535.
     """
+    sweep_stale_locks()
     if first is not None:
         check_span(first, count)
         problem = _claim(first, count, host, locks)
@@ -299,7 +326,8 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         hostfile: a validated hostfile (``hostfile_path`` names it), or None.
         tmpdir: where MPI's host list and the ring's MLX_HOSTFILE are written.
         port_locks: receives the locks on the ports of ranks on this machine
-            (:func:`free_ports`); the caller releases them when the job ends (:func:`release`).
+            (:func:`free_ports`); the caller releases them when the job ends (:func:`release`). None: none
+            are held past the check (a plan only printed).
         restart: a restart of the job: a hostfile job without ``port`` moves to random ports, since the
             launcher cannot check the other hosts' ports, where a rank of the failed attempt may still hold its own.
     Raises:
@@ -339,7 +367,10 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
         return _mpi_plan(hostfile, program, tmpdir, common)
     if hostfile is None:
         count = n if backend == "ring" else 1
-        port = free_ports(count, port, [] if port_locks is None else port_locks)
+        held = [] if port_locks is None else port_locks
+        port = free_ports(count, port, held)
+        if port_locks is None:  # the caller holds none: checked free, and no lock file left behind
+            release(held)
         return replace(_direct_plan(backend, port, program, tmpdir, common), ports=tuple(range(port, port + count)))
     count = sum(len(h.ips) for h in hostfile.hosts) if backend == "ring" else 1  # one ring port per IP
     if port is None:
