@@ -52,6 +52,9 @@ LAUNCHER_VAR = "DTRAIN_LAUNCHER"  # launcher -> rank wrapper: "HOST:PID" of ./la
 LAUNCH_TMP_VAR = "DTRAIN_LAUNCH_TMP"  # launcher -> its local rank wrappers: its temporary folder (hostfiles)
 JOB_VAR = "DTRAIN_JOB"  # launcher -> ranks: the attempt's identity, compared in the start-up handshake
 SIZE_VARS = ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # a world size a launcher announced
+# launcher -> rank 0 of a restart from step 0 (no checkpoint yet): the TensorBoard run the failed attempt began,
+# relative to the output folder, which the new attempt continues (its START at step 0 drops the earlier steps)
+TB_RUN_VAR = "DTRAIN_TB_RUN"
 LOCAL_RANKS_VAR = "DTRAIN_LOCAL_RANKS"  # launcher -> its ranks on this machine (-n N): how many share its memory
 LOCAL_SIZE_VARS = (LOCAL_RANKS_VAR, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")  # first one set wins
 

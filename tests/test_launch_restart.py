@@ -20,6 +20,7 @@ from dtrain.run.tracking import read_events, read_scalars
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
 from test_launch import rank_processes
+from test_trainer import tensorboard_scalars
 from waiting import STOP_S, Child, kill_tree, needs_proc, spawn, wait_exit, wait_for_line, wait_until
 
 ADAPTER = "adapters/adapters.safetensors"
@@ -266,3 +267,32 @@ def test_what_a_job_without_a_checkpoint_lost_claims_no_steps(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     assert describe_loss(tmp_path) == (f"no checkpoint was saved in {tmp_path / 'checkpoints'}: the steps it "
                                        "trained, if any, are lost; run it again to start from step 0")
+
+
+def test_a_restart_before_the_first_save_continues_the_tensorboard_run_from_step_0(job, tmp_path):
+    """A rank killed before any checkpoint: the restart starts from step 0, and its trainer began a second
+    TensorBoard run beside the failed attempt's, whose steps (1..k, trained again) stayed as an orphan run.
+    Now the restarted attempt continues the failed attempt's run from step 0 (its START purges the earlier
+    steps), so TensorBoard shows one run with every step once."""
+    out = tmp_path / "run"
+
+    def logged(files: int, steps: int) -> bool:  # `files` event files under tb/, the newest with `steps` losses
+        found = sorted((out / "tb").rglob("events.out.tfevents.*"))
+        return len(found) >= files and len(read_scalars(found[-1].parent).get("loss", [])) >= steps
+
+    proc = start("-n", 1, "--max-restarts", 1, "--restart-delay", 0, job, "--train.steps", 5000,
+                 "--train.save_every", 0, "--train.eval_every", 0, "--train.output_dir", out, folder=tmp_path)
+    try:
+        wait_until(lambda: logged(1, 2), "two steps' loss", proc)
+        os.kill(find_trainers(str(out))[0], signal.SIGKILL)
+        wait_for_line(proc, "starting from step 0 (no checkpoint yet)")
+        wait_until(lambda: logged(2, 1), "the restarted attempt's first step", proc)
+        proc.send_signal(signal.SIGINT)  # it saves after its step and stops
+        assert wait_exit(proc, STOP_S) == 130, proc.err()
+    finally:
+        kill_tree(proc)
+    (run_dir,) = (out / "tb").iterdir()
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # the failed attempt's file and the restart's
+    saved = newest_step(out)
+    assert [s for s, _ in read_scalars(run_dir)["loss"]] == list(range(1, saved + 1))  # every step once
+    assert [s for s, _ in tensorboard_scalars(run_dir)["loss"]] == list(range(1, saved + 1))  # TensorBoard's loader

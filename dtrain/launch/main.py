@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +48,7 @@ from ..config_text import take_overrides
 from ..errors import UserError
 from ..files import OutputDir, output_dir_problem
 from . import restart
-from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR
+from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR, TB_RUN_VAR
 from .hosts import LaunchError, load_hostfile
 from .plan import DEFAULT_PORT, build_plan, describe, release
 from .rank import say
@@ -212,10 +213,14 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
     Returns:
         The launcher's exit status.
     """
-    restarts, auto = 0, False
+    restarts, auto, tb_run = 0, False, None
     at_launch = restart.newest_manifest(output_dir) if named is not None else None
+    runs_at_launch = restart.tensorboard_runs(output_dir) if output_dir is not None else set()
     while True:
-        attempt = Attempt(plan_for(auto, restarts > 0), stop_timeout)
+        plan = plan_for(auto, restarts > 0)
+        if tb_run is not None:  # rank 0 continues the failed attempt's TensorBoard run from step 0
+            plan = replace(plan, explicit={**plan.explicit, TB_RUN_VAR: str(tb_run)})
+        attempt = Attempt(plan, stop_timeout)
         signals.attempt = attempt
         if signals.received:  # it came before this attempt's ranks started (config, plan; a restart's delay)
             return _stopped_before_start(signals, restarts)
@@ -235,6 +240,8 @@ def run_job(plan_for, stop_timeout: float, max_restarts: int, restart_delay: flo
             return outcome.code
         restarts, auto = restarts + 1, again is None
         point = restart.resume_point(output_dir, again) if output_dir is not None else None
+        began = restart.tensorboard_runs(output_dir) - runs_at_launch if output_dir is not None else set()
+        tb_run = next(iter(began)) if point is None and len(began) == 1 else None
         if point is not None:
             where = f"resuming from step {point.step} ({point.path})"
         elif output_dir is not None:

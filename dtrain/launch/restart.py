@@ -8,7 +8,9 @@ in the run folder named by that checkpoint, at the checkpoint's step: the
 resumed rank 0 continues the same folder from the next step, and its
 ``purge_step`` (which drops earlier events at later steps) leaves the entry alone.
 The entry goes into an event file of its own (suffix ``.launch``), so the
-launcher never touches the trainer's files.
+launcher never touches the trainer's files. A restart before any checkpoint starts
+from step 0 and continues the TensorBoard run the failed attempt began
+(:data:`dtrain.contract.TB_RUN_VAR`), whose earlier steps its START drops: one run, not an orphan beside it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def resume_point(output_dir: Path, named: Optional[Path] = None) -> Optional[Res
     state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
     # tensorboard_run is relative to the output folder (an older absolute one stays absolute under /)
     return ResumePoint(state.step, path, Path(output_dir) / state.tensorboard_run if state.tensorboard_run else None)
+
+
+def tensorboard_runs(output_dir: Path) -> set:
+    """The TensorBoard run folders under ``OUTPUT_DIR/tb``, relative to ``output_dir``."""
+    from ..files import OutputDir
+
+    tb = OutputDir(Path(output_dir)).tb
+    return {p.relative_to(output_dir) for p in tb.iterdir() if p.is_dir()} if tb.is_dir() else set()
 
 
 def named_checkpoint(resume: Optional[str]) -> Optional[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,6 +23,7 @@ from .. import sampler
 from ..blas import warn_if_slow
 from ..config import Config, to_dict
 from ..config_checks import unread_keys
+from ..contract import TB_RUN_VAR
 from ..data.templates import trained_template
 from ..device import resolve_auto
 from ..distributed import Group, check_in_sync, handshake, main_rank_check
@@ -361,7 +363,9 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         if notice and (line := schedule_notice(t, state.step, state.schedule_steps, resumed is not None)):
             notice(line)
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
-        run_dir = tensorboard_dir(out.root, state.tensorboard_run) if group.is_main else None
+        # a launcher's restart from step 0 names the TensorBoard run its failed attempt began: continued, not orphaned
+        kept = state.tensorboard_run if resumed is not None else os.environ.get(TB_RUN_VAR)
+        run_dir = tensorboard_dir(out.root, kept) if group.is_main else None
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
                         purge_step=state.step + 1 if resumed else None)
