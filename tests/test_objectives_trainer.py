@@ -369,7 +369,8 @@ def test_dpo_step_1_loss_is_the_documented_value_of_each_loss_type(tmp_path, los
     assert result.history[0]["rewards/margins"] == 0.0
 
 
-@pytest.mark.parametrize("changed", ["train.micro_batch_pairs=1", "engine.kind=reference"])
+@pytest.mark.parametrize("changed", ["train.micro_batch_pairs=1", "engine.kind=reference",
+                                     "engine.memory_budget_gb=1e-6"])  # a budget that changes the auto plan
 def test_a_run_with_other_micro_batches_or_engine_does_not_read_the_last_runs_reference_cache(tmp_path, changed):
     """The reference values depend on how the pairs are cut (the padding of a micro-batch changes the
     rounding) and on the engine: a run that ended before its first save (here at step 1; an
@@ -441,7 +442,9 @@ def test_a_dpo_restart_on_another_device_does_not_read_the_reference_its_auto_en
 
 @pytest.mark.parametrize("change", [["engine.kind=segmented", "engine.segment_layers=auto"],  # what auto is
                                     ["engine.length_bucket=0", "engine.kernels=dtrain"],  # auto on the CPU
-                                    ["lora.rank=4", "lora.scale=3.0"]])  # a new LoRA's lora_b is 0: adds nothing
+                                    ["lora.rank=4", "lora.scale=3.0"],  # a new LoRA's lora_b is 0: adds nothing
+                                    # the same plan within another budget (Metal's moves with the memory in use)
+                                    ["engine.memory_budget_gb=64"]])
 def test_a_dpo_restart_with_settings_that_give_the_same_reference_reads_it(tmp_path, change):
     def crash(step, run_):
         raise RuntimeError("interrupted")

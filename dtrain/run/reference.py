@@ -202,17 +202,23 @@ def refuse_non_finite(pairs: list[TokenizedPair], name: str) -> None:
                         f"skipped as non-finite: check model.dtype (float16 overflows) or remove these pairs")
 
 
-def engine_settings(engine, kernels: str) -> str:
+def engine_settings(engine, kernels: str, batches: list = ()) -> str:
     """What of ``engine`` (as ``engine.make_engine`` built it, every ``auto`` but the plan's resolved)
     changes the rounding of its values: the reference engine has no settings; the segmented one its plan,
     padding, attention calls, compilation and ``kernels`` (the run's resolved ``engine.kernels``). The
     config as written would say ``auto`` for what differs between devices, and differ where two spellings
-    build the same engine."""
+    build the same engine. An ``auto`` plan counts by what it chose for each of ``batches`` (the pass's
+    micro-batches), not by its memory budget, which decides nothing else and moves between runs (Metal's
+    with the memory in use, every device's with the ranks on the machine)."""
     if engine.name == "reference":
         return "reference"
     plan = engine.plan
+    chosen = None
+    if plan.auto:  # (layer ranges, head chunk) per micro-batch, hashed: a long run has many
+        chosen = [(rs.ranges, chunk) for rs, chunk in (engine.plan_of(engine.layout(b)) for b in batches)]
+        chosen = hashlib.sha256(str(chosen).encode()).hexdigest()
     return str(dict(segment_layers="auto" if plan.auto else plan.size, head_chunk_tokens=plan.head_chunk_tokens,
-                    memory_budget=plan.memory_budget if plan.auto else None, prefix_sharing=engine.prefix_sharing,
+                    plans=chosen, prefix_sharing=engine.prefix_sharing,
                     length_bucket=engine.length_bucket, pack=engine.pack, attention_groups=engine.attention_groups,
                     compile=engine.compile, kernels=kernels))
 

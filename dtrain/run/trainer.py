@@ -347,7 +347,10 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             write_entries(cache_entries)
         if getattr(objective, "needs_reference", False):  # before a resume loads its weights: step 0's model
             ref_engine = make_engine(chosen.engine, model, ReferenceLogps(), report=None)
-            ref_settings = engine_settings(ref_engine, chosen.engine.kernels)
+            # the reference pass's micro-batches, whose auto plans count
+            batches = [*sampler.micro_batches(dataset.train, t.micro_batch_pairs),
+                       *sampler.micro_batches(valid, t.micro_batch_pairs)]
+            ref_settings = engine_settings(ref_engine, chosen.engine.kernels, batches)
             ref_engine = hooks.reference_engine(ref_engine)
             # only the held-out pairs evaluations run (train.eval_pairs), cut into their micro-batches: at step 0
             # the policy's log-probs are then the reference's bit for bit (fit_dataset gave this copy)
