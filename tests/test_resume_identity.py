@@ -795,3 +795,34 @@ def test_a_checkpoint_that_recorded_an_unread_key_continues():
     with pytest.raises(UserError, match=r"settings: orpo.lambda: 0.2 in the checkpoint, 0.1 now\. "):
         ckpt.check_resumable(dataclasses.replace(state_for(resolved), settings={**recorded, "orpo.lambda": 0.2}),
                              state_for(resolved), [1, 2], "ckpt")
+
+
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_a_resume_at_another_world_size_with_lora_dropout_says_the_masks_differ(tmp_path, capsys, dropout):
+    """A resume may change the world size, but with LoRA dropout each rank draws masks from a key of its own
+    (step.dropout_key), so the run then trains another adapter than the uninterrupted one (README: Checkpoints
+    and resume); the run said nothing, while a changed train.micro_batch_pairs, which changes the masks the same
+    way, is refused. Here the checkpoint is made a world size 2 one (its state.json and manifest rewritten)."""
+    import hashlib
+
+    from dtrain.run.trainer import Hooks
+
+    def stop_in_2(step, run_):
+        if step == 2:
+            run_.stop.requested = True
+
+    args = ("train.steps=4", "train.eval_every=0", f"lora.dropout={dropout}")
+    run(tmp_path, *args, hooks=Hooks(before_step=stop_in_2))
+    saved = ckpt.find_latest(tmp_path / "checkpoints")
+    state = json.loads((saved / ckpt.STATE).read_text())
+    (saved / ckpt.STATE).write_text(json.dumps({**state, "world_size": 2}, indent=2))
+    manifest = json.loads((saved / ckpt.MANIFEST).read_text())
+    data = (saved / ckpt.STATE).read_bytes()
+    manifest["files"][ckpt.STATE] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (saved / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=2))
+    capsys.readouterr()
+    run(tmp_path, *args, "train.resume=auto")
+    notice = ("resumed at world size 1 from step 2, trained at world size 2: with lora.dropout 0.1 each rank draws "
+              "its own dropout masks, so from step 3 the adapter differs from an uninterrupted run at world size 2 "
+              "(the same pairs are trained)")
+    assert (notice in capsys.readouterr().err) == (dropout > 0)

@@ -343,6 +343,17 @@ def _checkpoints_within(path: Path) -> Optional[str]:
     return None
 
 
+def world_size_notice(saved: RunState, world_size: int, dropout: float) -> Optional[str]:
+    """What a resume at another world size than ``saved``'s changes with LoRA dropout on (None: nothing): each
+    rank draws its masks from a key of its own (``step.dropout_key``), so the adapter differs from the
+    uninterrupted run's, as a changed ``train.micro_batch_pairs`` would make it (refused, identity.REFUSED_WHEN)."""
+    if dropout <= 0 or saved.world_size == world_size:
+        return None
+    return (f"resumed at world size {world_size} from step {saved.step}, trained at world size {saved.world_size}: "
+            f"with lora.dropout {dropout:g} each rank draws its own dropout masks, so from step {saved.step + 1} the "
+            f"adapter differs from an uninterrupted run at world size {saved.world_size} (the same pairs are trained)")
+
+
 def _differs(name: str, saved, now) -> str:
     if isinstance(saved, dict) and isinstance(now, dict):  # name the first entry that differs
         key = next(k for k in sorted(set(saved) | set(now), key=str) if saved.get(k) != now.get(k))

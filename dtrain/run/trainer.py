@@ -361,6 +361,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         if resumed is not None:
             ckpt.restore(model, optimizer, resumed.adapter, resumed.optimizer)
+            if notice is not None and (masks := ckpt.world_size_notice(resumed.state, group.size, cfg.lora.dropout)):
+                notice(masks)
             state = replace(resumed.state, world_size=group.size)
             optimizer.schedule_steps = state.schedule_steps
         if notice and (line := schedule_notice(t, state.step, state.schedule_steps, resumed is not None)):
