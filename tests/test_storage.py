@@ -310,3 +310,39 @@ def test_an_event_file_cut_short_by_a_full_disk_reads_up_to_its_last_whole_recor
     (events,) = tmp_path.glob("events.out.tfevents.*")
     events.write_bytes(events.read_bytes()[:-10])  # record 3: its crc and 6 bytes of its payload missing
     assert read_scalars(tmp_path) == {"loss": [(1, 1.0), (2, 2.0)]}
+
+
+def test_the_free_space_check_counts_the_tokenized_pairs_the_run_caches(tmp_path, monkeypatch):
+    """The check counted checkpoints and adapters, not the tokenized pairs the run then writes into data_cache/
+    (int32 ids of every pair: on a large data set far more than a LoRA checkpoint), which could take the room the
+    check found for the first checkpoint. Now they count, as about what the entries take on disk."""
+    import shutil
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from conftest import make_tiny_model, make_tokenizer
+    from dtrain.config import load_config
+    from dtrain.run.trainer import train
+
+    plans = []
+    real = output.prepare_output
+    monkeypatch.setattr(output, "prepare_output", lambda out, p, resuming: plans.append(p) or real(out, p, resuming))
+    cfg = load_config(None, [f"train.output_dir={tmp_path / 'run'}", "data.demo_pairs=64", "train.steps=1",
+                             "train.global_batch_pairs=4", "train.micro_batch_pairs=4", "lora.rank=2",
+                             "train.progress=false", "train.eval_every=0"])
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=make_tokenizer(), identity="tiny",
+                             source="tiny-llama", reference={"path": "tiny-llama"})
+    train(cfg, loaded=loaded)
+    written = sum(p.stat().st_size for p in (tmp_path / "run" / "data_cache").glob("*.npz"))
+    assert written > 0 and written <= plans[0].cache_bytes <= 2 * written
+
+    p = output.DiskPlan(4_000_000, 6, 2, 2, cache_bytes=3_000_000)
+    assert p.need(0, 0) == (3 * 4_000_000 + 1_000_000 + 3_000_000, 3)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**9, 0, 15_999_999))
+    with pytest.raises(UserError) as err:
+        real(tmp_path / "new", p, resuming=False)
+    assert str(err.value) == (f"output folder {tmp_path / 'new'} has 16.0 MB free; this run needs about 16.0 MB there: "
+                              f"3 new checkpoint(s) of 4.0 MB before the oldest beyond train.keep_last=2 is pruned "
+                              f"(0 on disk now), and the adapter; and 3.0 MB of tokenized pairs for "
+                              f"{tmp_path / 'new' / 'data_cache'}")

@@ -18,12 +18,12 @@ from ..errors import DataError
 from ..types import BadRowReport, Row
 from .check import check_file
 from .demo import demo_pairs
-from .cache import cache_key, tokenize_cached, write_entries
+from .cache import cache_key, entries_bytes, tokenize_cached, write_entries
 from .formats import parse_rows
 from .render import end_of_turn, tokenize_rows
 from .sources import fingerprint as data_fingerprint, read_rows, resolve, resolve_pair
 
-__all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn",
+__all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn", "entries_bytes",
            "load_dataset", "load_rows", "read_rows", "resolve", "split_rows", "tokenize_cached", "tokenize_rows",
            "write_entries"]
 

@@ -111,6 +111,14 @@ def tokenize_cached(rows: list, tokenizer, cfg, cache_dir: Optional[Path], progr
     return pairs, report
 
 
+def entries_bytes(entries: list) -> int:
+    """About the bytes :func:`write_entries` writes for ``entries`` (:func:`_save`'s layout, uncompressed: int32
+    token ids, four int64 lengths and a source name in the JSON metadata, which numpy keeps as UTF-32, per pair;
+    2 KiB per entry for the zip's and arrays' headers and the bad-row report)."""
+    return sum(sum(4 * (len(p.prompt) + len(p.chosen) + len(p.rejected) + len(p.rejected_prompt or []))
+                   + 32 + 4 * (len(p.source or "") + 4) for p in pairs) + 2048 for _, pairs, _ in entries)
+
+
 def write_entries(entries: list) -> None:
     """Write ``(path, pairs, report)`` cache entries; one that cannot be written is skipped."""
     for path, pairs, report in entries:

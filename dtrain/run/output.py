@@ -43,6 +43,8 @@ class DiskPlan:
     ``keep_last``: ``train.keep_last``.
     ``adapters``: adapter folders written at the end (2 with ``train.keep_best``: ``adapters/`` and
     ``adapters-last/``).
+    ``cache_bytes``: the tokenized pairs' cache entries the run writes into ``data_cache/`` once it owns the
+    folder (``data.cache.entries_bytes``): written first, they would take the room its checkpoints need.
     """
 
     checkpoint_bytes: int
@@ -50,6 +52,7 @@ class DiskPlan:
     save_every: int
     keep_last: int
     adapters: int = 1
+    cache_bytes: int = 0
 
     def need(self, kept: int, done_step: int) -> tuple[int, int]:
         """``(bytes, new checkpoints on disk at the peak)`` still needed after step ``done_step``.
@@ -70,7 +73,7 @@ class DiskPlan:
         # the first save writes before it prunes, also when more than keep_last are on disk (keep_last lowered)
         peak = max(min(self.keep_last + 1, kept + ahead), kept + min(ahead, 1))
         more = peak - kept
-        return more * self.checkpoint_bytes + self.adapters * (self.checkpoint_bytes // 4), more
+        return more * self.checkpoint_bytes + self.adapters * (self.checkpoint_bytes // 4) + self.cache_bytes, more
 
 
 class OutputLock:
@@ -197,7 +200,9 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
         check_output_dir(out, need, f"{more} new checkpoint(s) of {plan.checkpoint_bytes / 1e6:.1f} MB before the "
                                     f"oldest beyond train.keep_last={plan.keep_last} is pruned ({len(kept)} on disk "
                                     f"now), and the adapter"
-                                    + (f" folders ({plan.adapters})" if plan.adapters > 1 else ""))
+                                    + (f" folders ({plan.adapters})" if plan.adapters > 1 else "")
+                                    + (f"; and {plan.cache_bytes / 1e6:.1f} MB of tokenized pairs for "
+                                       f"{OutputDir(out).data_cache}" if plan.cache_bytes else ""))
     except BaseException:
         lock.release()
         raise

@@ -294,15 +294,16 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
 
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
-    cache_entries = []  # tokenized pairs for OUT/data_cache, written once this run owns OUT
+    cache_entries, cache_bytes = [], 0  # tokenized pairs for OUT/data_cache, written once this run owns OUT
     if dataset is None:
-        from ..data import load_dataset
+        from ..data import entries_bytes, load_dataset
 
         dataset = load_dataset(cfg.data, loaded.tokenizer, t.seed, log=notice,
                                cache_dir=OutputDir(Path(t.output_dir)).data_cache,
                                pairwise=cfg.objective.kind != "sft",  # SFT trains preference rows' chosen side
                                progress=t.progress)
         cache_entries = dataset.cache_entries
+        cache_bytes = entries_bytes(cache_entries)
     objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
     steering = held_out_steering(cfg, len(dataset.train), len(dataset.valid))
@@ -330,7 +331,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         stop = StopRequest()  # installed below; restored last, so a stop while the log closes is no traceback
         cleanup.callback(stop.uninstall)
         plan = output.DiskPlan(output.estimate_bytes(model), t.steps, t.save_every, max(t.keep_last, 1),
-                               2 if t.keep_best is not None else 1)  # keep_best: adapters/ and adapters-last/
+                               2 if t.keep_best is not None else 1,  # keep_best: adapters/ and adapters-last/
+                               cache_bytes)
         lock = main_rank_check(group, lambda: output.prepare_output(out.root, plan, t.resume is not None),
                                "prepare the output folder")
         if lock is not None:
