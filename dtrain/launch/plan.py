@@ -285,7 +285,8 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
     Each port is claimed with a lock file that the launcher holds while its job
     runs (``(port, fd)`` appended to ``locks``; :func:`release` frees them), so two
     launchers started together never take the same ports, and checked to be
-    free of listeners. Lock files no launcher holds are swept first (:func:`sweep_stale_locks`). ``first``: the user's ``--port``, taken as is; None:
+    free of listeners; lock files no launcher holds are swept first
+    (:func:`sweep_stale_locks`). ``first``: the user's ``--port``, taken as is; None:
     :data:`DEFAULT_PORT`, else a :func:`spare_base` (outside the ephemeral
     range, where a port checked free could be handed to a connection before
     the ranks listen on it).
