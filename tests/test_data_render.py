@@ -370,7 +370,7 @@ def test_a_system_field_beside_a_system_message_anywhere_in_the_prompt(tokenizer
         elif field.strip() == sys_text:
             want[source] = msgs
         else:
-            where = f"the system message at prompt[{at}]" if at else "the prompt's system message"
+            where = f"the prompt's system message (its message {at + 1})" if at else "the prompt's system message"
             want[source] = (f"the 'system' field ({field!r}) and {where} ({sys_text!r}) differ; a prompt has one "
                             "system prompt: keep one of them")
     pairs, report = tokenize_rows(rows, tokenizer, DataConfig(max_prompt_length=512, max_length=1024))

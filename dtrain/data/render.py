@@ -110,7 +110,7 @@ def _with_system(msgs: list, system: Optional[str]) -> list:
         return list(msgs)
     if held:
         i, content = held[0]
-        where = f"the system message at prompt[{i}]" if i else "the prompt's system message"
+        where = f"the prompt's system message (its message {i + 1})" if i else "the prompt's system message"
         raise BadRow(f"the 'system' field ({_short(system)}) and {where} ({_short(content)}) differ; a prompt has "
                      "one system prompt: keep one of them")
     return [{"role": "system", "content": system}] + list(msgs)
