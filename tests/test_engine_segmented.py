@@ -129,6 +129,20 @@ def test_gemma3_window_smaller_than_sequence():
             assert_parity(model, engine_for(model, own_kernels=own, **kw), pairs)
 
 
+@pytest.mark.parametrize("max_positions", [4, 64])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_dynamic_ntk_rope(arch, max_positions):
+    """mlx-lm's ``DynamicNTKScalingRoPE`` (``rope_scaling`` type ``dynamic``; gemma3: its global
+    layers) widens its base once a sequence is longer than ``max_position_embeddings``: the 11-token
+    rows of ``make_pairs`` are past 4 (gradients ~20% off a plain rope's), within 64; per-token
+    positions gave the module an array offset (ValueError); now they give the reference's values."""
+    model = lora_model(arch, rope_scaling={"type": "dynamic", "factor": 8.0}, max_position_embeddings=max_positions)
+    for kw in VARIANTS.values():
+        assert_parity(model, engine_for(model, **kw), make_pairs())
+    assert_parity(model, engine_for(model, own_kernels=True, segment_layers=2, prefix_sharing=True, pack=True,
+                                    length_bucket=8), make_pairs())
+
+
 @pytest.mark.parametrize("size", [1, 3, 4, 5, 9, 0])
 def test_segment_sizes(size):
     model = lora_model("qwen3")

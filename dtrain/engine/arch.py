@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
 from . import kernels
 from .head import mlx_logsumexp
@@ -75,12 +76,32 @@ def rope_at(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
 
     ``mx.fast.rope`` (and mlx-lm's rope modules, which call it) accept an
     array offset of shape ``(batch,)``; folding tokens into the batch axis
-    gives each token its own position. Equal to the scalar-offset rope bitwise.
+    gives each token its own position. Equal to the scalar-offset rope bitwise
+    (a dynamic NTK rope, which takes no array offset, to rounding: :func:`_dynamic_ntk_rope`).
     Returns ``(B, H, L, Dh)``.
     """
     B, L, H, Dh = x.shape
-    y = rope(x.reshape(B * L, H, 1, Dh), offset=positions.reshape(-1))  # (B*L, H, 1, Dh)
+    if isinstance(rope, DynamicNTKScalingRoPE):
+        y = _dynamic_ntk_rope(rope, x.reshape(B * L, H, 1, Dh), positions)
+    else:
+        y = rope(x.reshape(B * L, H, 1, Dh), offset=positions.reshape(-1))  # (B*L, H, 1, Dh)
     return y.reshape(B, L, H, Dh).transpose(0, 2, 1, 3)
+
+
+def _dynamic_ntk_rope(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
+    """mlx-lm's ``DynamicNTKScalingRoPE`` on ``x`` ``(B*L, H, 1, Dh)`` at ``positions`` ``(B, L)``.
+
+    Its base grows with the sequence length past ``max_position_embeddings``; the module reads the
+    length from ``x``, which the folded tokens hide (and it cannot take an array offset), so the length
+    is the longest sequence's, the largest position + 1, as in the reference engine's unshared rows;
+    the base enters ``mx.fast.rope`` as ``freqs`` (an array: no read-back to the host).
+    """
+    n = mx.maximum(positions.max() + 1, rope.max_position_embeddings).astype(mx.float32)
+    grow = rope.factor * n / rope.max_position_embeddings - (rope.factor - 1)  # 1 up to max_position_embeddings
+    base = rope.base * grow ** (rope.dims / (rope.dims - 2))
+    freqs = base ** (mx.arange(0, rope.dims, 2, dtype=mx.float32) / rope.dims)
+    return mx.fast.rope(x, rope.dims, traditional=rope.traditional, base=None, scale=1.0,
+                        offset=positions.reshape(-1), freqs=freqs)
 
 
 def _heads(attn) -> tuple[int, int]:
