@@ -383,3 +383,107 @@ def test_one_range_with_chunked_head_gets_a_notice(capsys, size, chunk, noticed)
     cfg.engine.kind, cfg.engine.segment_layers, cfg.engine.head_chunk_tokens = "segmented", size, chunk
     make_engine(cfg.engine, lora_model("llama"), ORPO(0.1))  # 5 layers
     assert ("head_chunk_tokens: 0 gives the single pass" in capsys.readouterr().err) == noticed
+
+
+def generated_model(rng: random.Random):
+    """A tiny float32 model drawn from ``rng``: llama (grouped or odd head counts, a head size apart from
+    the hidden size, biases, traditional, llama3, linear or dynamic RoPE, sliding layers), qwen3, qwen2,
+    minicpm or gemma3 (a window of 1-8 over longer rows, a global layer every 1-n), tied or untied, with
+    dtrain's LoRA (some layers, some keys, rsLoRA) and random ``lora_b``."""
+    from mlx.utils import tree_unflatten
+
+    from dtrain.config import LoraConfig
+    from dtrain.lora import apply_lora
+
+    arch, n, heads, hd = rng.choice(["llama", "llama", "qwen3", "qwen2", "minicpm", "gemma3"]), rng.randint(2, 4), \
+        rng.randint(1, 6), rng.choice([4, 6, 8])
+    args = dict(hidden_size=heads * hd, num_hidden_layers=n, intermediate_size=rng.choice([16, 48]),
+                num_attention_heads=heads, num_key_value_heads=rng.choice([d for d in range(1, 7) if heads % d == 0]),
+                rms_norm_eps=1e-5, vocab_size=128, tie_word_embeddings=rng.random() < 0.5, rope_theta=10000.0)
+    if arch == "llama":
+        args.update(hidden_size=rng.choice([16, 32]), head_dim=hd, rope_traditional=rng.random() < 0.3,
+                    attention_bias=rng.random() < 0.3, mlp_bias=rng.random() < 0.3, max_position_embeddings=16,
+                    rope_scaling=rng.choice([None, None, {"type": "linear", "factor": 2.0},
+                                             {"type": "dynamic", "factor": 8.0},
+                                             {"rope_type": "llama3", "factor": 8.0,
+                                              "original_max_position_embeddings": 16}]))
+        if rng.random() < 0.4:  # mlx-lm needs one full-attention layer
+            args.update(sliding_window=rng.randint(1, 8), layer_types=["full_attention"] + [
+                rng.choice(["sliding_attention", "full_attention"]) for _ in range(n - 1)])
+    elif arch == "gemma3":
+        args.update(model_type="gemma3_text", head_dim=hd, sliding_window=rng.randint(1, 8),
+                    sliding_window_pattern=rng.randint(1, n), query_pre_attn_scalar=rng.choice([8, 16]))
+    elif arch == "qwen3":
+        args.update(model_type="qwen3", head_dim=hd, max_position_embeddings=512)
+    elif arch == "minicpm":
+        args.update(model_type="minicpm", dim_model_base=8, scale_depth=1.4, scale_emb=3.0)
+    else:
+        args.update(model_type="qwen2")
+    model = make_tiny_model("gemma3_text" if arch == "gemma3" else arch, seed=rng.randrange(100), **args)
+    if arch == "gemma3" and args["tie_word_embeddings"]:
+        model.sanitize({})  # no lm_head weight: tied, as a checkpoint without one loads
+    keys = rng.choice([None, None, ["self_attn.q_proj"], ["self_attn.v_proj", "mlp.down_proj"]])
+    apply_lora(model, LoraConfig(rank=rng.choice([1, 4]), scale=2.0, num_layers=rng.choice([-1, -1, 1]), keys=keys,
+                                 rslora=rng.random() < 0.3, branch_dtype="float32"))
+    mx.random.seed(rng.randrange(100))
+    model.update(tree_unflatten([(k, 0.1 * mx.random.normal(v.shape))
+                                 for k, v in tree_flatten(model.trainable_parameters()) if k.endswith("lora_b")]))
+    return model, args
+
+
+def generated_pairs(rng: random.Random, objective) -> list[TokenizedPair]:
+    """1-5 pairs: prompts of 1-40 tokens, sides of 1-30 (never equal: no tie for rounding to decide),
+    some rejected sides under their own prompt, SFT rows under SFT, DPO's reference log-probabilities."""
+    from dtrain.engine import DPO, SFT
+
+    ids = lambda k: [rng.randrange(0 if rng.random() < 0.1 else 3, 128) for _ in range(k)]  # noqa: E731
+    pairs = []
+    for i in range(rng.randint(1, 5)):
+        prompt, chosen, rejected = (ids(rng.choice([1, rng.randint(1, hi)])) for hi in (40, 30, 30))
+        rejected = rejected if rejected != chosen else rejected + [1]
+        own_prompt = ids(rng.randint(1, 40)) if rng.random() < 0.2 else None
+        if isinstance(objective, SFT) and rng.random() < 0.5:
+            rejected, own_prompt = [], None
+        extra = ({k: -rng.uniform(1, 80) for k in ("ref_chosen", "ref_rejected")} if isinstance(objective, DPO)
+                 else None)
+        pairs.append(TokenizedPair(prompt, chosen, rejected, f"g:{i}", own_prompt, extra))
+    return pairs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_generated_models_pairs_and_settings_float32(seed):
+    """Generated cases in float32 (``generated_model``, ``generated_pairs``, any objective, the engine's
+    ranges, head chunk, prefix sharing, packing, buckets, attention calls, kernels, compile): over the same
+    micro-batches (a dynamic RoPE's base follows each micro-batch's longest row), metric sums of step and
+    evaluation and every LoRA gradient equal the reference engine's."""
+    from dtrain.engine import DPO, SFT, SimPO, run_micro_batches
+    from dtrain.sampler import micro_batches
+
+    rng = random.Random(seed)
+    model, args = generated_model(rng)
+    obj = rng.choice([ORPO(rng.choice([0.1, 1.0]), rng.choice(["full", "response"])), DPO(0.1), DPO(0.5, "ipo"),
+                      DPO(0.1, "hinge"), SimPO(2.0, 0.5, rng.choice([0.0, 0.5])),
+                      SFT(rng.choice(["full", "response"]))])
+    pairs = generated_pairs(rng, obj)
+    kw = dict(segment_layers=rng.choice([0, 1, 2, args["num_hidden_layers"], "auto"]),
+              memory_budget=rng.choice([1e3, 1e12]),  # auto: no plan fits / the single pass fits
+              prefix_sharing=rng.random() < 0.6, head_chunk_tokens=rng.choice([0, 0, 1, 7]),
+              length_bucket=rng.choice([0, 4, 16]), pack=rng.random() < 0.4, attention_groups=rng.randint(1, 4),
+              compile=rng.random() < 0.2)
+    engine = SegmentedEngine(model, adapter_for(model, rng.random() < 0.5), obj, **kw)
+    chunks, totals = micro_batches(pairs, rng.randint(1, len(pairs))), batch_totals(pairs, obj.nll_scope)
+    (ref_sums, ref_grads), (sums, grads) = (run_micro_batches(e, chunks, totals, True)
+                                            for e in (ReferenceEngine(model, obj), engine))
+    evaluated, _ = run_micro_batches(engine, chunks, totals, False)
+    case = (seed, args, obj, kw, [(len(p.prompt), len(p.chosen), len(p.rejected)) for p in pairs])
+    for k in set(obj.metric_keys) - {"input_tokens", "fallback_pairs", "computed_tokens"}:  # layouts differ
+        for got in (sums, evaluated):
+            assert abs(got[k] - ref_sums[k]) <= 1e-4 * max(1.0, abs(ref_sums[k])), (k, got[k], ref_sums[k], case)
+    g, want = dict(tree_flatten(grads)), dict(tree_flatten(ref_grads))
+    assert g.keys() == want.keys()
+    flat = lambda t: np.concatenate([np.array(t[k], np.float64).ravel() for k in want])  # noqa: E731
+    assert rel(flat(g), flat(want)) < 1e-4, case
+    floor = 1e-3 * np.linalg.norm(flat(want))  # a parameter whose gradient is near zero: against the whole one
+    for k in want:
+        err = np.linalg.norm(np.array(g[k], np.float64) - np.array(want[k], np.float64))
+        assert err <= 1e-3 * max(np.linalg.norm(np.array(want[k], np.float64)), floor), (k, case)
