@@ -50,6 +50,9 @@ FILE_VARS = ("MLX_HOSTFILE", "MLX_IBV_DEVICES")
 STOP_TIMEOUT_VAR = "DTRAIN_STOP_TIMEOUT"  # launcher -> rank wrapper: --stop-timeout in seconds
 LAUNCHER_VAR = "DTRAIN_LAUNCHER"  # launcher -> rank wrapper: "HOST:PID" of ./launch; gone there: stop
 LAUNCH_TMP_VAR = "DTRAIN_LAUNCH_TMP"  # launcher -> its local rank wrappers: its temporary folder (hostfiles)
+# launcher -> the rank wrappers mlx.launch starts on this machine: the TMPDIR to give their trainers ("": none);
+# mlx.launch runs with TMPDIR in the launcher's temporary folder, where its start scripts' mktemp files go
+RANK_TMPDIR_VAR = "DTRAIN_RANK_TMPDIR"
 JOB_VAR = "DTRAIN_JOB"  # launcher -> ranks: the attempt's identity, compared in the start-up handshake
 SIZE_VARS = ("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # a world size a launcher announced
 # launcher -> rank 0 of a restart from step 0 (no checkpoint yet): the TensorBoard run the failed attempt began,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.contract import RANK_TMPDIR_VAR
 from dtrain.launch.hosts import parse_hostfile
 from dtrain.launch.rank import Report, Watch, cpu_seconds, parse_report, report_line
 from dtrain.launch.supervise import summarize
@@ -326,6 +327,36 @@ def test_a_host_ssh_cannot_reach_ends_the_job_without_waiting_for_the_watchdog(t
             f"from here without a password and that {sys.executable} and {ROOT} exist there")
     assert re.search("launch: no report from (mac1, )?" + re.escape(hint), r.stderr), r.stderr
 
+
+
+@pytest.mark.parametrize("mac2", ["reached", "unreachable"])
+def test_a_hostfile_job_leaves_nothing_in_its_temp_folder(tmp_path, mac2):
+    """mlx.launch's start script makes two files per rank with ``mktemp`` (the pid its kill script reads, and
+    MLX_HOSTFILE's content) and removes only the first, and only when it kills that rank: every hostfile run left
+    ``tmp.XXXXXXXXXX`` files in $TMPDIR, on a normal end and when a host failed. mlx.launch now makes them in the
+    launcher's temporary folder, removed with it; MLX's kernel cache ($TMPDIR/mlx) is the ranks' own."""
+    config, tmp = make_job(tmp_path), tmp_path / "tmp"
+    tmp.mkdir()
+    f = write_hostfile(tmp_path / "hosts.json", [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},  # started without ssh
+                                                 {"ssh": "mac2", "ips": ["127.0.0.2"]}])
+    env = {**pty_ssh(tmp_path), "TMPDIR": str(tmp)}
+    if mac2 == "unreachable":
+        shim = tmp_path / "bin" / "ssh"
+        shim.write_text(shim.read_text().replace("args = sys.argv[1:]\n", "sys.exit(255)\n", 1))
+    r = launch("--hostfile", f, "--port", free_port(2), config, env=env)
+    assert (r.returncode == 0) == (mac2 == "reached"), r.stderr
+    assert sorted(p.name for p in tmp.iterdir() if p.name != "mlx") == [], r.stderr
+
+
+def test_the_rank_wrapper_gives_its_trainer_the_temp_folder_the_launcher_was_given(tmp_path):
+    """mlx.launch runs with TMPDIR in the launcher's temporary folder (for its own files); a rank it starts
+    on this machine gets the launcher's TMPDIR back (unset where the launcher had none)."""
+    probe = [sys.executable, "-c", "import os; print(os.environ.get('TMPDIR'))"]
+    for given, expected in (("/var/tmp/mine", "/var/tmp/mine"), ("", "None")):
+        env = {**os.environ, "TMPDIR": str(tmp_path), RANK_TMPDIR_VAR: given}
+        wrapper = spawn([sys.executable, "-m", "dtrain.launch.rank", "--", *probe], tmp_path, "rank", env=env)
+        code, out, err = finish(wrapper)
+        assert (code, out.strip()) == (0, expected), err
 
 def fake_tool(path: Path, body: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

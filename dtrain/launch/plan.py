@@ -26,7 +26,7 @@ from typing import Optional
 
 from ..blas import CHILD_VARS, blas_env
 from ..sampler import rank_shard
-from ..contract import FILE_VARS, LOCAL_RANKS_VAR, rank_variables
+from ..contract import FILE_VARS, LOCAL_RANKS_VAR, RANK_TMPDIR_VAR, rank_variables
 from .hosts import Hostfile, LaunchError, check_backend
 
 DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port, taken, or a hostfile job's restart
@@ -46,6 +46,7 @@ class Plan:
     ``direct``: the launcher starts ``command`` once per rank itself, rank ``r``
     with ``direct[r]`` added (``rank_env[r]`` with files' paths for their
     contents); empty: ``command`` starts every rank (mlx.launch, mpirun) or is the one rank.
+    ``command_env``: variables ``command`` itself runs with (``explicit``'s go to the ranks too).
     """
 
     backend: str
@@ -63,6 +64,7 @@ class Plan:
     direct: list = field(default_factory=list)
     tmpdir: Optional[str] = None
     ports: tuple = ()
+    command_env: dict = field(default_factory=dict)
 
 
 def shard_sizes(global_batch_pairs: int, world_size: int) -> list[int]:
@@ -415,7 +417,13 @@ def _mlx_launch_plan(hostfile, hostfile_path, backend, port, program, common) ->
     rank_env = [{**_for_ranks(explicit, h.ssh == "127.0.0.1"), **envs,  # mlx.launch starts 127.0.0.1's itself
                  **rank_variables(backend, r, ips, port, rdma, one_gpu_per_host=True)}
                 for r, h in enumerate(hostfile.hosts)]
-    return Plan(command=command, rank_env=rank_env, **common)
+    own = {}
+    if common["tmpdir"]:
+        # mlx.launch 0.32's start script makes two files per rank with mktemp and never removes them (a pid file,
+        # MLX_HOSTFILE's content): in the launcher's temporary folder they go with it. Its ranks on this machine
+        # get their TMPDIR back (dtrain.launch.rank), where MLX caches its CPU kernels; ssh passes neither on.
+        own = {"TMPDIR": common["tmpdir"], RANK_TMPDIR_VAR: envs.get("TMPDIR", os.environ.get("TMPDIR", ""))}
+    return Plan(command=command, rank_env=rank_env, command_env=own, **common)
 
 
 def mpi_library_env(mpirun: str, env: Optional[dict] = None) -> dict:

@@ -50,7 +50,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..contract import ABORT_GRACE_S, LAUNCH_TMP_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR, rank_from_env
+from ..contract import (ABORT_GRACE_S, LAUNCH_TMP_VAR, LAUNCHER_VAR, RANK_TMPDIR_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR,
+                        rank_from_env)
 from ..files import to_devnull
 
 MARK = "\x1edtrain-rank "
@@ -164,6 +165,17 @@ def alive(pid: int) -> bool:
         return True
 
 
+def trainer_env(env) -> dict:
+    """``env`` with the TMPDIR in :data:`dtrain.contract.RANK_TMPDIR_VAR` (unset where it is empty), when the
+    launcher set it: mlx.launch runs with TMPDIR in the launcher's temporary folder, removed at the job's end."""
+    env = dict(env)
+    given = env.pop(RANK_TMPDIR_VAR, None)
+    if given is not None:
+        env.pop("TMPDIR", None)
+        env.update({"TMPDIR": given} if given else {})
+    return env
+
+
 def run(cmd: list) -> int:
     """Run ``cmd``, relay its output and signals, report; returns its exit code (128+N for signal N)."""
     rank = rank_from_env(os.environ)
@@ -194,7 +206,8 @@ def run(cmd: list) -> int:
     # our SIGINT while its Python starts or imports waits there, rather than ending it in a traceback
     held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                env=trainer_env(os.environ))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
     started.append(proc)

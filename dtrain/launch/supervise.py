@@ -133,7 +133,7 @@ class Attempt:
             # launcher's stop signals (inherited SIG_IGN, _ignore_signals); mpirun handles them and forwards SIGUSR1/2.
             # mlx.launch's stdin is a pipe: it copies what comes there to every rank (_send).
             shield = self.plan.backend not in ("mpi", "none")
-            self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env=env,
+            self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env={**env, **self.plan.command_env},
                                            stdin=subprocess.PIPE if shield else subprocess.DEVNULL,
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                            preexec_fn=_ignore_signals if shield else None)]
