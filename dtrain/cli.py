@@ -7,7 +7,9 @@
     dtrain export ADAPTER_DIR --base MODEL --out OUT [--gguf TYPE] [--dtype DTYPE] [--allow-base-mismatch]
     dtrain doctor [--steps N] [--max-length L] [--pairs N] [--model PATH] [--no-demo]
 
-User errors print one line ``dtrain: error: ...`` and exit with status 2.
+User errors print one line ``dtrain: error: ...`` and exit with status 2. SIGTERM and SIGHUP end a
+command as Ctrl-C does (``dtrain: interrupted``, status 128 + the signal), so what it was writing is
+removed (a half-written folder, a temporary folder); a run in training takes them as a stop (``run.stop``).
 """
 
 from __future__ import annotations
@@ -233,9 +235,34 @@ def _gguf_before_adapter(argv: list[str]) -> list[str]:
     return argv
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (``signum``) raised as Ctrl-C's KeyboardInterrupt: their default action ends the
+    process where it stands, leaving what ``files.atomic_folder`` and temporary folders would remove."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, _frame):
+    if signum == signal.SIGHUP:
+        to_devnull(1, 2)  # its terminal is gone: a write there fails (EIO)
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is _interrupt:  # not where train left them ignored for its exit (_train)
+                signal.signal(sig, handler)
+
+
+def _main(argv: list[str]) -> int:
     # `dtrain -c cfg train`: argparse would call the config path an invalid command
     command = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
     if command and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
@@ -264,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         _error(str(err))
         return getattr(err, "exit_status", 2)  # distributed.CollectiveError: 4 (a restart may succeed)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         sys.stderr.write("dtrain: interrupted\n")  # one write, as _error's
         sys.stderr.flush()
-        return 130
+        return 128 + getattr(err, "signum", signal.SIGINT)
     except BrokenPipeError:  # stdout closed early (``dtrain config | head``): not an error of dtrain's
         to_devnull(sys.stdout.fileno())  # so the exit's flush does not raise again
         return 0

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -263,6 +266,29 @@ def test_gguf_without_a_type_before_the_adapter_folder_leaves_the_folder_to_it(t
                  "--gguf", str(tmp_path / "old.gguf")]) == 2
     assert f"GGUF type '{tmp_path / 'old.gguf'}' is not one of" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_an_export_ended_by_a_signal_leaves_no_half_written_folder(tmp_path, sig):
+    """SIGTERM (kill, timeout, a job scheduler) or SIGHUP (its terminal closed) ended `dtrain export` at once,
+    leaving the half-written model folder beside --out (``.out.tmp-PID``, the model's size; Ctrl-C removed
+    it). They now end it as Ctrl-C does: the folder is removed, exit status 128 + the signal."""
+    base, work = tmp_path / "base.gguf", tmp_path / "work"
+    write_tiny_llama(base, {})
+    write_adapter(str(base), tmp_path / "adapter")
+    work.mkdir()
+    script = ("import os, sys, time\n"
+              "from dtrain import cli\n"
+              "from dtrain.models import export\n"
+              "def write_gguf(*args):  # the mlx-lm files are written: the signal comes as the GGUF is\n"
+              f"    os.kill(os.getpid(), {int(sig)})\n"
+              "    time.sleep(30)\n"
+              "export.write_gguf = write_gguf\n"
+              "sys.exit(cli.main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", script, "export", str(tmp_path / "adapter"), "--base", str(base),
+                        "--out", str(work / "out"), "--gguf", "q8_0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + sig, r.stderr
+    assert sorted(os.listdir(work)) == []
 
 def test_rows_that_do_not_fill_a_block_fall_back_to_f16(tmp_path, capsys):
     base = tmp_path / "base.gguf"
