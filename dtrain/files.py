@@ -187,7 +187,7 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
     ends normally every file in it and the folder itself are fsynced, an
     existing ``final`` is moved aside, the temporary folder is renamed to
     ``final``, the parent is fsynced and the old folder removed. When the block
-    raises, the temporary folder is removed and ``final`` is untouched.
+    raises, the temporary folder is removed and ``final`` is untouched; the folders made above it go again.
     (``rename(2)`` is atomic within one filesystem; POSIX.)
 
     Args:
@@ -207,8 +207,10 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
     if final.exists() and not replace:
         raise FileExistsError(f"{final} already exists")
     # through a link too (checkpoints/ naming a folder on another disk not made yet): a link's mkdir is EEXIST
+    parent = Path(os.path.realpath(final.parent))
+    made = [p for p in (parent, *parent.parents) if not p.exists()]  # deepest first
     try:
-        Path(os.path.realpath(final.parent)).mkdir(parents=True, exist_ok=True)
+        parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         os.stat(final.parent)  # a link loop: its ELOOP, not mkdir's "File exists"
         raise
@@ -229,6 +231,11 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not final.exists():
             old.rename(final)  # the rename of the new folder failed: put the old one back
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:  # something else was written there meanwhile
+                break
         raise
     shutil.rmtree(old, ignore_errors=True)
 

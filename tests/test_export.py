@@ -290,6 +290,23 @@ def test_an_export_ended_by_a_signal_leaves_no_half_written_folder(tmp_path, sig
     assert r.returncode == 128 + sig, r.stderr
     assert sorted(os.listdir(work)) == []
 
+
+def test_an_export_stopped_midway_leaves_no_folder_it_made(tmp_path, monkeypatch):
+    """``--out new/deeper/merged`` made new/ and new/deeper/ for the half-written folder, and an export stopped
+    (Ctrl-C) or failing while it wrote removed only that folder: the empty new/deeper/ stayed where it was run."""
+    base, work = tmp_path / "base.gguf", tmp_path / "work"
+    write_tiny_llama(base, {})
+    write_adapter(str(base), tmp_path / "adapter")
+    work.mkdir()
+
+    def stopped(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dtrain.models.export.write_gguf", stopped)
+    assert main(["export", str(tmp_path / "adapter"), "--base", str(base), "--out", str(work / "new" / "deeper" / "merged"),
+                 "--gguf", "q8_0"]) == 130
+    assert os.listdir(work) == []
+
 def test_rows_that_do_not_fill_a_block_fall_back_to_f16(tmp_path, capsys):
     base = tmp_path / "base.gguf"
     write_tiny_llama(base, {}, hidden_size=48)  # 48 columns: not a multiple of 32
