@@ -232,13 +232,16 @@ def _cached(key: dict, path: Path) -> Optional[Blas]:
 
 def _save(key: dict, choice: Blas, path: Path) -> None:
     fields = {k: getattr(choice, k) for k in ("kind", "path", "version", "core", "gflops", "env")}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps({"key": key, "blas": {**fields, "notes": list(choice.notes)}}, indent=1))
         os.replace(tmp, path)  # whole or not at all: launchers started together may write it at once
-    except OSError:
-        pass  # a read-only cache only costs the next start a probe
+    except OSError:  # a read-only cache only costs the next start a probe
+        try:
+            tmp.unlink(missing_ok=True)  # cut short by a full disk: else one more at every start
+        except OSError:
+            pass
 
 
 def choose(env: Optional[dict] = None, cache: bool = True) -> Blas:

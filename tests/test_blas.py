@@ -151,6 +151,21 @@ def test_the_probe_result_is_reused_while_library_and_cpu_are_the_same(monkeypat
     assert blas.choose({}, cache=False).line() == first.line() and calls == [None, None]
 
 
+
+def test_a_probe_result_a_full_disk_cannot_take_leaves_no_partial_file(monkeypatch, tmp_path):
+    """A full disk as the probe's result was saved left ``.blas-<hash>.json.<pid>`` (cut short) in the cache
+    folder, one more at every start while it stayed full; the start goes on, and the next one probes again."""
+    calls = _probed_machine(monkeypatch, tmp_path, f"model name\t: Xeon A\nflags\t: {ICE_LAKE}\n")
+
+    def full_disk(path, text, **_kw):
+        with open(path, "w") as f:
+            f.write(text[:10])
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert blas.choose({}).core == "SkylakeX" and calls == [None]
+    assert os.listdir(tmp_path / "cache") == []
+
 def test_the_same_environment_by_another_interpreter_name_reuses_the_probe(monkeypatch, tmp_path):
     """.venv/bin/python and .venv/bin/python3 (after activating the venv) probed twice, and kept two files."""
     calls = _probed_machine(monkeypatch, tmp_path, f"model name\t: Xeon A\nflags\t: {ICE_LAKE}\n")
