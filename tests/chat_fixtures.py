@@ -3,7 +3,8 @@
 Each is a byte-level BPE (vocab <= 600) trained in place with ``tokenizers``,
 with its template's control tokens as special added tokens, wrapped by mlx-lm's
 ``TokenizerWrapper`` as dtrain loads models. ``CLOSING`` is what each template
-writes after a final assistant message's content.
+writes after a final assistant message's content, :func:`turn_end` the part of it
+that ends the turn (a response's last tokens).
 """
 
 from __future__ import annotations
@@ -33,18 +34,121 @@ GEMMA = (
 # A generation prompt that opens a reasoning block; <think> and </think> are ordinary added tokens (as in Qwen3).
 THINK = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
 
+ALTERNATE = ("{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}")
+# Llama 2: system in <<SYS>> inside the first user turn, BOS before each [INST], ' </s>' after each reply.
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system_message = false %}{% endif %}{% for m in loop_messages %}" + ALTERNATE +
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\n' + system_message + '\n<</SYS>>\n\n' + m['content'] %}"
+    "{% else %}{% set content = m['content'] %}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+# Mistral v0.1: one BOS, no system role (refused), EOS right after each reply, no generation prompt.
+MISTRAL = (
+    "{{ bos_token }}{% for m in messages %}" + ALTERNATE +
+    "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+# Mistral v7 (Small 3): [SYSTEM_PROMPT] block, a default system prompt, [INST]/[/INST] control tokens.
+MISTRAL_V7 = (
+    "{%- set default_system_message = 'You are Mistral Small 3.' %}{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system_message = default_system_message %}"
+    "{%- set loop_messages = messages %}{%- endif %}{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}"
+    "{%- for m in loop_messages %}{%- if m['role'] == 'user' %}{{- '[INST]' + m['content'] + '[/INST]' }}"
+    "{%- elif m['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + m['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif m['role'] == 'assistant' %}{{- m['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}{%- endif %}{%- endfor %}"
+)
+# Phi-3: '<|end|>\n' after every turn, EOS once after the whole conversation (no generation prompt).
+PHI3_EOS = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# Llama 3.1: a system block always written (its date lines), content trimmed.
+LLAMA31 = (
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n\n' }}"
+    "{{- system_message + '<|eot_id|>' }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+# Qwen2.5: ChatML with a default system prompt where the messages have none.
+QWEN25 = (
+    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\nYou are Qwen, a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+# DeepSeek-R1: reasoning up to '</think>' dropped from assistant turns, a generation prompt that opens <think>.
+DEEPSEEK = (
+    "{{ bos_token }}{%- for m in messages %}{%- if m['role'] == 'system' %}{{ m['content'] }}"
+    "{%- elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}{%- elif m['role'] == 'assistant' %}"
+    "{%- set content = m['content'] %}{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1] %}"
+    "{%- endif %}{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<｜Assistant｜><think>\n' }}{%- endif %}"
+)
+# Zephyr: EOS after every turn (user turns too), '<|assistant|>' without its newline as the generation prompt.
+ZEPHYR = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + eos_token }}"
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}{% endfor %}"
+)
+# ChatML whose EOS closes only the whole conversation, after the last '<|im_end|>\n'.
+CHATML_EOS = CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+                            "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}{{ eos_token }}{% endif %}")
+# ChatML with {% generation %} marks around each reply (transformers' assistant-token masks).
+GENERATION = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+LLAMA_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 STYLES = {
     # name: (template, special tokens, bos, eos, BOS added by the tokenizer, non-special added tokens)
     "chatml": (CHATML, ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"], "<s>", "</s>", True, []),
-    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                        "<|eot_id|>"], "<|begin_of_text|>", "<|end_of_text|>", True, []),
+    "llama3": (LLAMA3, LLAMA_TOKENS, "<|begin_of_text|>", "<|end_of_text|>", True, []),
     "gemma": (GEMMA, ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", True, []),
-    "think": (THINK, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", False,
-              ["<think>", "</think>"]),
+    "think": (THINK, QWEN_TOKENS, None, "<|im_end|>", False, ["<think>", "</think>"]),
     "base": (None, ["<s>", "</s>"], "<s>", "</s>", True, []),
+    "llama2": (LLAMA2, ["<unk>", "<s>", "</s>"], "<s>", "</s>", True, []),
+    "mistral": (MISTRAL, ["<unk>", "<s>", "</s>"], "<s>", "</s>", True, []),
+    "mistral_v7": (MISTRAL_V7, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+                   "<s>", "</s>", True, []),
+    "phi3": (PHI3_EOS, ["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+             "<s>", "<|endoftext|>", False, []),
+    "llama31": (LLAMA31, LLAMA_TOKENS, "<|begin_of_text|>", "<|eot_id|>", True, []),
+    "qwen25": (QWEN25, QWEN_TOKENS, None, "<|im_end|>", False, []),
+    "deepseek": (DEEPSEEK, ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+                 "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True, ["<think>", "</think>"]),
+    "zephyr": (ZEPHYR, ["<unk>", "<s>", "</s>"], "<s>", "</s>", True, []),
+    "chatml_eos": (CHATML_EOS, QWEN_TOKENS, None, "<|endoftext|>", False, []),
+    "generation": (GENERATION, QWEN_TOKENS, None, "<|im_end|>", False, []),
 }
-CLOSING = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>\n", "think": "<|im_end|>\n"}
-END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "think": "<|im_end|>"}
+# What each template writes after a final assistant message's content, and the end of the turn within it
+# (Phi-3's '<|end|>': the EOS after it closes the whole conversation, not the turn).
+CLOSING = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>\n", "think": "<|im_end|>\n",
+           "llama2": " </s>", "mistral": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>\n<|endoftext|>",
+           "llama31": "<|eot_id|>", "qwen25": "<|im_end|>\n", "deepseek": "<｜end▁of▁sentence｜>", "zephyr": "</s>",
+           "chatml_eos": "<|im_end|>\n<|endoftext|>", "generation": "<|im_end|>\n"}
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "think": "<|im_end|>",
+               "llama2": "</s>", "mistral": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>", "llama31": "<|eot_id|>",
+               "qwen25": "<|im_end|>", "deepseek": "<｜end▁of▁sentence｜>", "zephyr": "</s>", "chatml_eos": "<|im_end|>",
+               "generation": "<|im_end|>"}
+NO_SYSTEM = {"mistral"}  # templates that refuse a system message (raise_exception)
+
+
+def turn_end(style: str) -> str:
+    """The text a response of ``style`` is trained to end with: its closing up to the end of turn's token."""
+    closing, end = CLOSING[style], END_OF_TURN[style]
+    return closing[: closing.index(end) + len(end)]
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. What is the capital of France? Paris.",

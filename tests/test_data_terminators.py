@@ -18,14 +18,14 @@ import re
 from functools import lru_cache
 
 import pytest
-from chat_fixtures import CLOSING, STYLES, demo_tokenizer, style_tokenizer
+from chat_fixtures import CLOSING, END_OF_TURN, NO_SYSTEM, STYLES, demo_tokenizer, style_tokenizer, turn_end
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from dtrain.config import DataConfig
 from dtrain.data.formats import parse_rows
 from dtrain.data.render import RowTokenizer, tokenize_rows
-from dtrain.data.templates import CHATML, PLAIN, RAW_TEXT, control_strings, hf_tokenizer
+from dtrain.data.templates import CHATML, PLAIN, RAW_TEXT, control_strings, end_of_turn, hf_tokenizer
 from dtrain.types import Row
 
 POST = {"none": (False, False), "bos": (True, False), "eos": (False, True), "bos+eos": (True, True)}
@@ -75,18 +75,23 @@ def variant(style: str, source: str, post: str):
 
 CASES = [(style, source, post) for style in STYLES for source in ("hf", "gguf") for post in POST
          if not (STYLES[style][2] is None and POST[post][0])]  # "think" has no BOS token
+FAMILIES = [style for style in STYLES if style in END_OF_TURN]  # the styles with a chat template
 
 
-def expected_side(tok, template, closing, msgs, add_bos):
-    """The oracle: BOS the tokenizer adds + the rendered turn + dtrain's EOS when no control token closes it."""
+def expected_side(tok, template, closing, msgs, add_bos, kept=None):
+    """The oracle: BOS the tokenizer adds + the rendered turn + dtrain's EOS when no control token closes it.
+
+    ``kept``: what is trained of ``closing``, the turn's end (default: ``closing`` less trailing whitespace).
+    """
     hf = hf_tokenizer(tok)
     kw = {"chat_template": template} if template else {}
     text = hf.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False, **kw)
     assert text.endswith(closing)
-    text = text[: len(text) - len(closing)] + closing.rstrip()
+    kept = closing.rstrip() if kept is None else kept
+    text = text[: len(text) - len(closing)] + kept
     bos = [hf.bos_token_id] if add_bos and not text.startswith(hf.bos_token or "\0") else []
     controls = control_strings(tok)
-    eos = [] if any(closing.rstrip().endswith(c) for c in controls if closing.rstrip()) else [hf.eos_token_id]
+    eos = [] if any(kept.endswith(c) for c in controls if kept) else [hf.eos_token_id]
     return bos + hf.encode(text, add_special_tokens=False) + eos
 
 
@@ -111,6 +116,7 @@ def test_one_terminator_per_response_for_every_post_processor_and_template(style
     add_bos = POST[post][0]
     terminators = {hf.eos_token_id, *(hf.convert_tokens_to_ids([c])[0] for c in control_strings(tok)
                                       if c in (CLOSING.get(style, "") + "<|im_end|>"))}
+    own_turn_end = turn_end(style) if STYLES[style][0] else None
     choices = ["chatml", "plain", "raw"] + (["own"] if STYLES[style][0] else [])
     text = st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map("".join).filter(lambda s: s.strip())
 
@@ -139,6 +145,10 @@ def test_one_terminator_per_response_for_every_post_processor_and_template(style
         rows, report = parse_rows([("gen:1", obj)], cfg, "gen")
         assume(report.bad == [])
         pairs, report = tokenize_rows(rows, tok, cfg)
+        if report.bad:  # the template's own refusal of a system message, named with its words
+            assert style in NO_SYSTEM and system is not None and template is None, report.bad
+            assert "cannot render this row: Conversation roles must alternate" in report.bad[0][1]
+            return
         if not pairs:
             why = report.dropped[0][1] if report.dropped else ""
             # without a BOS, raw text's prompt can merge into the response's first token: nothing to split at
@@ -148,7 +158,8 @@ def test_one_terminator_per_response_for_every_post_processor_and_template(style
         msgs = sys_msg + [{"role": "user", "content": prompt}]
         for resp, content in ((pair.chosen, chosen), (pair.rejected, rejected)):
             side = msgs + [{"role": "assistant", "content": content}]
-            assert pair.prompt + resp == expected_side(tok, template, closing, side, add_bos)
+            kept = own_turn_end if template is None else None
+            assert pair.prompt + resp == expected_side(tok, template, closing, side, add_bos, kept)
             assert resp[-1] in terminators and (len(resp) == 1 or resp[-2] not in terminators)
         assert pair.prompt[-1] not in terminators  # no stray EOS at the end of a prompt
         # a prompt of exactly max_prompt_length tokens is not cut: no room spent on a terminator
@@ -162,32 +173,41 @@ def test_one_terminator_per_response_for_every_post_processor_and_template(style
     run()
 
 
-def plain_control_oracle(tok, msgs, closing, add_bos):
+def plain_control_oracle(tok, msgs, closing, add_bos, kept=None, generation=False):
     """Ids of ``msgs`` + the closing control token, control text in contents read as plain text.
 
-    The template is rendered with placeholders for the contents, so the control
-    tokens it writes itself are known; the text between them (contents
+    Each piece of control text in a content is rendered as a placeholder, so the
+    control tokens in the rendering are the template's own (what it does to a
+    content, trimming, applies as to the text); the text between them (contents
     included) gets the tokenizer's own ids with ``split_special_tokens``.
+    ``kept``: what is trained of ``closing`` (default: ``closing`` less trailing
+    whitespace); ``generation``: the prompt's rendering, with the generation prompt, instead.
     """
     hf = hf_tokenizer(tok)
-    marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
-    skeleton = hf.apply_chat_template([{**m, "content": k} for m, k in zip(msgs, marks)], tokenize=False)
-    skeleton = skeleton[: len(skeleton) - len(closing)] + closing.rstrip()
     controls = control_strings(tok)
-    split = re.compile("(" + "|".join(map(re.escape, controls)) + "|" + "|".join(map(re.escape, marks)) + ")")
-    ids, buffer = [hf.bos_token_id] if add_bos and not skeleton.startswith(hf.bos_token or "\0") else [], ""
-    for part in split.split(skeleton):
-        if part in marks:
-            buffer += msgs[marks.index(part)]["content"]
-        elif part in controls:
-            ids += hf(buffer, add_special_tokens=False, split_special_tokens=True)["input_ids"] if buffer else []
-            ids, buffer = ids + hf.convert_tokens_to_ids([part]), ""
-        else:
-            buffer += part
-    return ids + (hf(buffer, add_special_tokens=False, split_special_tokens=True)["input_ids"] if buffer else [])
+    typed = []
+
+    def hold(found):
+        typed.append(found.group(0))
+        return f"\ue000{len(typed) - 1}\ue001"
+
+    control = re.compile("|".join(map(re.escape, controls)))
+    held = [{**m, "content": control.sub(hold, m["content"])} for m in msgs]
+    skeleton = hf.apply_chat_template(held, tokenize=False, add_generation_prompt=generation)
+    if not generation:
+        assert skeleton.endswith(closing)
+        skeleton = skeleton[: len(skeleton) - len(closing)] + (closing.rstrip() if kept is None else kept)
+    ids = [hf.bos_token_id] if add_bos and not skeleton.startswith(hf.bos_token or "\0") else []
+    for part in re.split("(" + control.pattern + ")", skeleton):
+        if part in controls:
+            ids += hf.convert_tokens_to_ids([part])
+        elif part:
+            text = re.sub("\ue000(\\d+)\ue001", lambda m: typed[int(m.group(1))], part)
+            ids += hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
 
 
-@pytest.mark.parametrize("style", ["chatml", "llama3", "gemma", "think"])
+@pytest.mark.parametrize("style", FAMILIES)
 @pytest.mark.parametrize("post", ["none", "bos+eos"])
 def test_control_text_in_messages_gets_the_tokenizers_own_plain_ids(style, post):
     """Control text typed anywhere in a message, after a space or not: the ids are the tokenizer's own split."""
@@ -210,7 +230,83 @@ def test_control_text_in_messages_gets_the_tokenizers_own_plain_ids(style, post)
         (pair,) = pairs
         for resp, content in ((pair.chosen, chosen), (pair.rejected, rejected)):
             side = msgs + [{"role": "assistant", "content": content}]
-            assert pair.prompt + resp == plain_control_oracle(tok, side, CLOSING[style], POST[post][0])
+            assert pair.prompt + resp == plain_control_oracle(tok, side, CLOSING[style], POST[post][0],
+                                                              turn_end(style))
+
+    run()
+
+
+def strip_marks(text, marks):
+    """The documented rule: end-of-turn / EOS text at the end of a message is dropped."""
+    return re.sub("(?:(?:" + "|".join(map(re.escape, marks)) + ")\\s*)+$", "", text)
+
+
+def family_row(fmt, system, turns, chosen, rejected, fork):
+    """``(JSON row, prompt messages, [chosen messages, rejected messages], SFT)`` of one generated conversation."""
+    hist = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+    sys_msg = [{"role": "system", "content": system}] if system is not None else []
+    asst = lambda c: [{"role": "assistant", "content": c}]  # noqa: E731
+    if fmt == "standard":
+        obj = {"prompt": turns[0], "chosen": chosen, "rejected": rejected, **({"system": system} if system else {})}
+        return obj, sys_msg + hist[:1], [asst(chosen), asst(rejected)], False
+    if fmt == "completion":
+        return {"prompt": turns[0], "completion": chosen}, hist[:1], [asst(chosen)], True
+    if fmt == "messages":
+        return {"messages": sys_msg + hist + asst(chosen)}, sys_msg + hist, [asst(chosen)], True
+    if fmt == "fork":  # the sides part at an earlier reply; the chosen one goes on for another exchange
+        more = asst(chosen) + [{"role": "user", "content": fork}] + asst(rejected + chosen)
+        obj = {"chosen": sys_msg + hist + more, "rejected": sys_msg + hist + asst(rejected)}
+        return obj, sys_msg + hist, [more, asst(rejected)], False
+    obj = {"prompt": sys_msg + hist, "chosen": asst(chosen), "rejected": asst(rejected)}
+    return obj, sys_msg + hist, [asst(chosen), asst(rejected)], False
+
+
+@pytest.mark.parametrize("style", FAMILIES)
+def test_every_family_trains_one_end_of_turn_per_response_at_the_templates_boundary(style):
+    """Each chat family's responses end with the token that ends its assistant turn, once: Phi-3's and a
+    ChatML's EOS after the whole conversation is not the turn's; content that ends in that text (or EOS)
+    loses it. Multi-turn prompts, system prompts, trailing whitespace, end-of-turn text inside a reply, SFT
+    rows and sides that fork: prompt + response is the template's rendering up to the turn's end (content
+    control text read as text) and the prompt ends where the generation prompt and the sides part."""
+    tok = style_tokenizer(style)
+    hf = hf_tokenizer(tok)
+    end, eos = END_OF_TURN[style], hf.eos_token
+    end_id, adds_bos = hf.convert_tokens_to_ids(end), STYLES[style][4]
+    assert end_of_turn(tok) == (end, [end_id])  # the token export stops generation at
+    marks = [end, eos]
+    word = st.sampled_from(WORDS[:-2])
+    tail = st.sampled_from(["", " ", "\n", "\n\n", " \n ", end, end + "\n", " " + end + " ", eos, end + eos])
+    text = st.tuples(word, st.lists(st.sampled_from(WORDS + [end, " " + end + " ", eos]), max_size=3).map("".join),
+                     tail).map("".join)
+    turns = st.integers(0, 2).flatmap(lambda n: st.lists(text, min_size=2 * n + 1, max_size=2 * n + 1))
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(st.sampled_from(["standard", "conversational", "fork", "completion", "messages"]),
+           st.one_of(st.none(), text), turns, text, text, text)
+    def run(fmt, system, turns, chosen, rejected, fork):
+        assume(strip_marks(chosen, marks).strip() != strip_marks(rejected, marks).strip())
+        obj, prompt, sides, sft = family_row(fmt, system, turns, chosen, rejected, fork)
+        rows, report = parse_rows([("gen:1", json.loads(json.dumps(obj)))], DataConfig(), "gen", pairwise=not sft)
+        assert report.bad == []
+        pairs, report = tokenize_rows(rows, tok, DataConfig())
+        if style in NO_SYSTEM and prompt[0]["role"] == "system":  # the template's own refusal, in its words
+            assert pairs == [] and "cannot render this row: Conversation roles must alternate" in report.bad[0][1]
+            return
+        assert report.bad == [] and report.dropped == []
+        (pair,) = pairs
+        prompt = [{**m, "content": strip_marks(m["content"], marks)} for m in prompt]
+        full = [plain_control_oracle(tok, prompt + [{**m, "content": strip_marks(m["content"], marks)} for m in side],
+                                     CLOSING[style], adds_bos, turn_end(style)) for side in sides]
+        gen = plain_control_oracle(tok, prompt, "", adds_bos, generation=True)
+        n = min(len(pair.prompt), len(full[0]))
+        assert pair.prompt == full[0][:n] == gen[:n] and n == len(pair.prompt)
+        assert pair.prompt + pair.chosen == full[0]
+        responses = [pair.chosen] if sft else [pair.chosen, pair.rejected]
+        assert pair.rejected == ([] if sft else full[1][n:])
+        for resp, side in zip(responses, sides):
+            assert resp[-1] == end_id and resp[-2] not in (end_id, hf.eos_token_id)  # one end of turn, last
+            if len(side) == 1:  # one reply: that turn's end only
+                assert resp.count(end_id) == 1 and hf.decode(resp).endswith(turn_end(style))
 
     run()
 

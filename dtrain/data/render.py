@@ -8,7 +8,9 @@ what the template writes before the reply's content, a default system message
 too), so ``prompt + chosen`` is exactly the tokenizer's
 ids for the rendered chosen conversation, up to the end of its assistant turn
 (the closing control token kept, the whitespace the template writes after it
-not), and likewise ``prompt + rejected``. A generation prompt that opens a
+not, nor an EOS it writes after the whole conversation: Phi-3's
+``<|end|>\n<|endoftext|>`` ends a response with ``<|end|>``), and likewise
+``prompt + rejected``. A generation prompt that opens a
 reasoning block (``<|im_start|>assistant\\n<think>\\n``) thus never doubles
 ``<think>``, and a token that straddles the prompt/response text boundary
 (a raw prompt ending in a space) belongs to the response, as the tokenizer
@@ -227,7 +229,7 @@ class RowTokenizer:
         chat, text = renderers(tokenizer, cfg)
         controls = control_strings(tokenizer)
         ids = frozenset(tokenizer.convert_tokens_to_ids(list(controls))) if controls else frozenset()
-        marks = {r.closing.strip() for r in (chat, text) if r is not None} | {tokenizer.eos_token or ""}
+        marks = {r.turn_end.strip() for r in (chat, text) if r is not None} | {tokenizer.eos_token or ""}
         pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
         return cls(tokenizer, cfg, chat, text, controls, pattern, ids,
                    tuple(sorted((m for m in marks if m), key=len, reverse=True)), cls.own_additions(tokenizer)[0])
@@ -336,7 +338,7 @@ class RowTokenizer:
         if response:
             if r.closing and not text.endswith(r.closing):
                 raise BadRow(f"the chat template ({r.name}) does not end this conversation with {r.closing!r}")
-            keep = r.closing.rstrip() if self.cfg.append_eos else ""
+            keep = r.turn_end.rstrip() if self.cfg.append_eos else ""
             text = text[: len(text) - len(r.closing)] + keep
             if self.cfg.append_eos and not any(keep.endswith(c) for c in self.controls):
                 if self.tokenizer.eos_token_id is None:

@@ -23,6 +23,7 @@ as is, EOS at its end.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -129,6 +130,9 @@ class Renderer:
     ``closing``: the text the template writes after the content of a final
     assistant message (``"<|im_end|>\\n"`` for ChatML, ``""`` for raw text),
     found by rendering a probe conversation once.
+    ``turn_end``: the part of ``closing`` that ends the turn, up to its first control
+    token (Phi-3's ``"<|end|>"`` of ``"<|end|>\\n<|endoftext|>"``: the EOS after it
+    ends the whole conversation, not the turn); all of it where there is none.
     ``name``: how messages name this template.
     """
 
@@ -136,6 +140,7 @@ class Renderer:
     template: Optional[str]
     closing: str = ""
     name: str = ""
+    turn_end: str = ""
 
     def render(self, messages: list, add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages``.
@@ -159,7 +164,7 @@ class Renderer:
 
 
 def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
-    """A :class:`Renderer` with its ``closing`` text probed from a user + assistant exchange.
+    """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange.
 
     Raises:
         DataError: a template that is not valid Jinja (the probe compiles it once, before any row).
@@ -170,7 +175,9 @@ def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
     except BadRow:  # a template that refuses the probe: responses keep whatever follows them
         text = ""
     closing = text.split(_SENTINEL, 1)[1] if _SENTINEL in text else ""
-    return Renderer(tokenizer, template, closing, name)
+    controls = control_strings(tokenizer)
+    first = re.search("|".join(map(re.escape, controls)), closing) if controls else None
+    return Renderer(tokenizer, template, closing, name, closing[: first.end()] if first else closing)
 
 
 def renderers(tokenizer, cfg) -> tuple:
@@ -215,16 +222,17 @@ def end_of_turn(tokenizer, renderer: Optional[Renderer] = None) -> tuple:
     """The token that closes an assistant turn: ``(text, [ids])``.
 
     The control token the template writes right after the assistant content
-    (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3); the EOS token when
-    there is no template or no control token follows the content.
+    (``<|im_end|>`` for ChatML, ``<|eot_id|>`` for Llama 3, ``<|end|>`` for Phi-3:
+    ``Renderer.turn_end``); the EOS token when there is no template or no control
+    token follows the content.
 
     Raises:
         DataError: neither such a control token nor an EOS token exists.
     """
     if renderer is None and has_chat_template(tokenizer):
         renderer = make_renderer(tokenizer, None, model_template_name(tokenizer))
-    tail = renderer.closing.lstrip(" ") if renderer is not None else ""
-    tok = next((t for t in control_strings(tokenizer) if tail.startswith(t)), None)
+    tail = renderer.turn_end if renderer is not None else ""
+    tok = next((t for t in control_strings(tokenizer) if tail.endswith(t)), None)
     if tok is not None:
         return tok, [tokenizer.convert_tokens_to_ids(tok)]
     if tokenizer.eos_token is None:
