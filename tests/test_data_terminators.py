@@ -311,6 +311,25 @@ def test_every_family_trains_one_end_of_turn_per_response_at_the_templates_bound
     run()
 
 
+def test_a_template_that_requires_a_system_message_ends_each_response_once():
+    """The closing is probed with a user + assistant exchange; a template that refuses it (a system message
+    required) left the closing unknown, so its '<|im_end|>\\n' stayed in each response and EOS followed."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = hf_tokenizer(variant("qwen25", "hf", "none"))
+    hf.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('A system message is "
+                        "required') }}{% endif %}" + CHATML)
+    tok = TokenizerWrapper(hf)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    pairs, report = tokenize_rows([Row(msgs, "yes", "no")], tok, DataConfig())
+    (pair,) = pairs
+    end = hf.convert_tokens_to_ids("<|im_end|>")
+    assert (tok.decode(pair.chosen), tok.decode(pair.rejected)) == ("yes<|im_end|>", "no<|im_end|>")  # before:
+    assert pair.chosen.count(end) == pair.rejected.count(end) == 1  # 'yes<|im_end|>\n<|im_end|>'
+    assert pair.prompt + pair.chosen == hf.encode(hf.apply_chat_template(msgs + [{"role": "assistant", "content": "yes"}],
+                                                                          tokenize=False)[:-1])
+
+
 def test_own_additions_read_from_the_post_processor():
     for source in ("hf", "gguf"):
         tok = variant("chatml", source, "bos+eos")

@@ -164,16 +164,20 @@ class Renderer:
 
 
 def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
-    """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange.
+    """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange
+    (a system message first where the template refuses it without one).
 
     Raises:
         DataError: a template that is not valid Jinja (the probe compiles it once, before any row).
     """
-    probe = Renderer(tokenizer, template, name=name)
-    try:
-        text = probe.render([{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}])
-    except BadRow:  # a template that refuses the probe: responses keep whatever follows them
-        text = ""
+    probe, text = Renderer(tokenizer, template, name=name), ""
+    exchange = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}]
+    for opening in ([], [{"role": "system", "content": "0"}]):  # some templates require a system message
+        try:
+            text = probe.render(opening + exchange)
+            break
+        except BadRow:  # a template that refuses every probe: responses keep whatever follows them
+            continue
     closing = text.split(_SENTINEL, 1)[1] if _SENTINEL in text else ""
     controls = control_strings(tokenizer)
     first = re.search("|".join(map(re.escape, controls)), closing) if controls else None
