@@ -54,6 +54,17 @@ MISTRAL = (
     "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
+# Mistral v0.3: the system text joins the last user turn only while that turn ends the conversation (a reply
+# after it drops it), [INST]/[/INST] control tokens, replies trimmed after a space.
+MISTRAL_V3 = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for m in loop_messages %}{%- if m['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\n\n' + m['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + m['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif m['role'] == 'assistant' %}{{- ' ' + m['content'] | trim + eos_token }}"
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported!') }}{%- endif %}{%- endfor %}"
+)
 # Mistral v7 (Small 3): [SYSTEM_PROMPT] block, a default system prompt, [INST]/[/INST] control tokens.
 MISTRAL_V7 = (
     "{%- set default_system_message = 'You are Mistral Small 3.' %}{{- bos_token }}"
@@ -120,6 +131,7 @@ STYLES = {
     "base": (None, ["<s>", "</s>"], "<s>", "</s>", True, []),
     "llama2": (LLAMA2, ["<unk>", "<s>", "</s>"], "<s>", "</s>", True, []),
     "mistral": (MISTRAL, ["<unk>", "<s>", "</s>"], "<s>", "</s>", True, []),
+    "mistral_v3": (MISTRAL_V3, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", True, []),
     "mistral_v7": (MISTRAL_V7, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
                    "<s>", "</s>", True, []),
     "phi3": (PHI3_EOS, ["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
@@ -135,14 +147,17 @@ STYLES = {
 # What each template writes after a final assistant message's content, and the end of the turn within it
 # (Phi-3's '<|end|>': the EOS after it closes the whole conversation, not the turn).
 CLOSING = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>\n", "think": "<|im_end|>\n",
-           "llama2": " </s>", "mistral": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>\n<|endoftext|>",
+           "llama2": " </s>", "mistral": "</s>", "mistral_v3": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>\n<|endoftext|>",
            "llama31": "<|eot_id|>", "qwen25": "<|im_end|>\n", "deepseek": "<｜end▁of▁sentence｜>", "zephyr": "</s>",
            "chatml_eos": "<|im_end|>\n<|endoftext|>", "generation": "<|im_end|>\n"}
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "think": "<|im_end|>",
-               "llama2": "</s>", "mistral": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>", "llama31": "<|eot_id|>",
+               "llama2": "</s>", "mistral": "</s>", "mistral_v3": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>", "llama31": "<|eot_id|>",
                "qwen25": "<|im_end|>", "deepseek": "<｜end▁of▁sentence｜>", "zephyr": "</s>", "chatml_eos": "<|im_end|>",
                "generation": "<|im_end|>"}
-NO_SYSTEM = {"mistral"}  # templates that refuse a system message (raise_exception)
+# templates whose rows with a system message are refused, and the words of the refusal: Mistral v0.1's raises,
+# Mistral v0.3's drops the system text once a reply follows the prompt (so the prompt cannot be split off)
+NO_SYSTEM = {"mistral": "cannot render this row: Conversation roles must alternate",
+             "mistral_v3": "renders the prompt messages differently once a response follows them"}
 
 
 def turn_end(style: str) -> str:

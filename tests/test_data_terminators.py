@@ -145,9 +145,9 @@ def test_one_terminator_per_response_for_every_post_processor_and_template(style
         rows, report = parse_rows([("gen:1", obj)], cfg, "gen")
         assume(report.bad == [])
         pairs, report = tokenize_rows(rows, tok, cfg)
-        if report.bad:  # the template's own refusal of a system message, named with its words
+        if report.bad:  # the template's refusal of a system message, named
             assert style in NO_SYSTEM and system is not None and template is None, report.bad
-            assert "cannot render this row: Conversation roles must alternate" in report.bad[0][1]
+            assert NO_SYSTEM[style] in report.bad[0][1]
             return
         if not pairs:
             why = report.dropped[0][1] if report.dropped else ""
@@ -289,8 +289,8 @@ def test_every_family_trains_one_end_of_turn_per_response_at_the_templates_bound
         rows, report = parse_rows([("gen:1", json.loads(json.dumps(obj)))], DataConfig(), "gen", pairwise=not sft)
         assert report.bad == []
         pairs, report = tokenize_rows(rows, tok, DataConfig())
-        if style in NO_SYSTEM and prompt[0]["role"] == "system":  # the template's own refusal, in its words
-            assert pairs == [] and "cannot render this row: Conversation roles must alternate" in report.bad[0][1]
+        if style in NO_SYSTEM and prompt[0]["role"] == "system":  # refused, in the words NO_SYSTEM holds
+            assert pairs == [] and NO_SYSTEM[style] in report.bad[0][1]
             return
         assert report.bad == [] and report.dropped == []
         (pair,) = pairs
@@ -358,6 +358,28 @@ def test_demo_gguf_with_add_eos_token_ends_each_response_once(demo_md):
     assert tok.encode("Yes") == [10539, 2]  # the tokenizer's own post-processing appends <|im_end|>
     pairs, _ = tokenize_rows([Row("Hi", "Yes<|im_end|>", "No")], tok, DataConfig(prompt_template="raw"))
     assert (pairs[0].prompt, pairs[0].chosen, pairs[0].rejected) == ([26843], [10539, 2], [5230, 2])  # before: 2, 2
+
+
+def test_a_reply_opening_with_newlines_after_a_template_that_ends_conversations_with_eos(demo_path):
+    """A reply's leading newline merges with the generation prompt's ('\\n' + '\\n\\n' is one token), so the split
+    checks that the prompt renders alike with a reply after it; a template that writes EOS after a whole
+    conversation (Phi-3's way, here on ChatML) ends the prompt's own rendering with it, and the row was refused:
+    'renders the prompt messages differently once a response follows them'."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = hf_tokenizer(demo_tokenizer(demo_path))
+    chatml = TokenizerWrapper(hf)
+    (chatml_pair,), _ = tokenize_rows([Row("hi", "\n\nyes", "no")], chatml, DataConfig(chat_template="chatml"))
+    assert chatml.decode(chatml_pair.chosen) == "\n\n\nyes<|im_end|>"  # the prompt's last '\n' joined the reply
+    template = CHATML.replace("{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+                              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% else %}"
+                              "{{ '<|endoftext|>' }}{% endif %}")
+    assert template != CHATML
+    hf = hf_tokenizer(demo_tokenizer(demo_path))
+    hf.chat_template = template
+    pairs, report = tokenize_rows([Row("hi", "\n\nyes", "no")], TokenizerWrapper(hf), DataConfig())
+    assert report.bad == [] and pairs[0].chosen[-1] == 2  # before: the row was bad
+    assert (pairs[0].prompt, pairs[0].chosen) == (chatml_pair.prompt, chatml_pair.chosen)
 
 
 @pytest.fixture

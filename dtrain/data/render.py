@@ -358,6 +358,12 @@ class RowTokenizer:
         a, b = (self._render(r, [{"role": "assistant", "content": c}], False)[0] for c in ("A", "B"))
         return a[:_common_prefix(a, b)]
 
+    def _prompt_text(self, r: Renderer, msgs: list) -> str:
+        """The text a conversation that goes on after ``msgs`` starts with: what their renderings with and
+        without the generation prompt share (not an EOS written only after a whole conversation, as Phi-3's)."""
+        own, gen = (self._render(r, msgs, generation)[1] for generation in (False, True))
+        return own[: _common_prefix(own, gen)]
+
     # -- truncation --------------------------------------------------------
     def _split(self, r: Renderer, msgs: list, responses: list) -> tuple:
         """``(generation prompt ids, [(ids, text, control text)] of msgs + each response, prompt length)``: the
@@ -432,7 +438,7 @@ class RowTokenizer:
         out.control_text = fulls[0][2] or fulls[1][2]
         cuts = [n for _, _, _, n, _ in fits]
         for (pm, g, _, n, _), (_, text, _) in zip(fits, fulls):
-            if pm and n < len(g) and not text.startswith(self._render(r, pm, False)[1]):
+            if pm and n < len(g) and not text.startswith(self._prompt_text(r, pm)):
                 raise BadRow(f"the chat template ({r.name}) renders the prompt messages differently once a "
                              "response follows them, so prompt and response cannot be split")
         (fc, _, _), (fr, _, _) = fulls
