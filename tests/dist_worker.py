@@ -17,7 +17,9 @@ step), ``--stall-at`` (SIGSTOP there), ``--drift-at`` (nudge the LoRA weights
 after the step); ``--rank-override RANK:section.key=value`` and
 ``--data-seed RANK:SEED`` give one rank a different config or data (``--raw-fingerprint``: with the
 raw data's fingerprint the same on every rank); ``--slow-save SECONDS`` makes rank 0's checkpoint saves
-take that much longer and touch ``OUT_DIR/saved-STEP`` when each is written.
+take that much longer and touch ``OUT_DIR/saved-STEP`` when each is written; ``--full-disk STEP:WHAT`` fills
+rank 0's disk after step STEP for its checkpoints or TensorBoard events (WHAT: checkpoint, events): each such
+write then fails with ENOSPC.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def parse(argv):
     p.add_argument("--rank-override", action="append", default=[])
     p.add_argument("--data-seed", action="append", default=[])
     p.add_argument("--slow-save", type=float, default=None)
+    p.add_argument("--full-disk", default=None)
     p.add_argument("--raw-fingerprint", default=None, help="Dataset.fingerprint whatever the pairs (the raw data's, "
                    "which a chat template file that differs between machines leaves as it is)")
     p.add_argument("--allreduce-check", action="store_true")
@@ -115,6 +118,32 @@ def hooks_for(args, group, seen) -> trainer.Hooks:
     return trainer.Hooks(engine=Recording, before_step=before_step, after_step=after_step)
 
 
+def full_disk(spec: str, group) -> trainer.Hooks:
+    """``STEP:WHAT``: after step STEP, rank 0's writes of WHAT (``checkpoint``: ``mx.save_safetensors``;
+    ``events``: TensorBoard's record writer) raise ENOSPC, as a disk filled from outside would."""
+    import errno
+
+    from tensorboardX.record_writer import RecordWriter
+
+    step, what = spec.split(":")
+    full = {"on": False}
+    owner, name = (mx, "save_safetensors") if what == "checkpoint" else (RecordWriter, "write")
+    real = getattr(owner, name)
+
+    def write(*a, **k):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    if group.is_main:
+        setattr(owner, name, write)
+
+    def after_step(s, run):
+        full["on"] |= s == int(step)
+
+    return trainer.Hooks(after_step=after_step)
+
+
 def slow_saves(seconds: float, out: Path) -> None:
     """Rank 0's ``save_checkpoint`` sleeps ``seconds`` first and touches ``out/saved-STEP`` once written."""
     import time
@@ -144,7 +173,8 @@ def run_training(args, overrides, group):
     loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny-llama-seed0", source="tiny",
                              reference={"path": "tiny"})
     seen: dict = {}
-    result = trainer.train(cfg, group=group, loaded=loaded, dataset=dataset, hooks=hooks_for(args, group, seen))
+    hooks = full_disk(args.full_disk, group) if args.full_disk else hooks_for(args, group, seen)
+    result = trainer.train(cfg, group=group, loaded=loaded, dataset=dataset, hooks=hooks)
     mx.save_safetensors(str(out / f"rank{group.rank}.safetensors"), dict(tree_flatten(loaded.model.trainable_parameters())))
     report = {
         "rank": group.rank, "size": group.size, "backend": group.backend,

@@ -346,3 +346,26 @@ def test_the_free_space_check_counts_the_tokenized_pairs_the_run_caches(tmp_path
                               f"3 new checkpoint(s) of 4.0 MB before the oldest beyond train.keep_last=2 is pruned "
                               f"(0 on disk now), and the adapter; and 3.0 MB of tokenized pairs for "
                               f"{tmp_path / 'new' / 'data_cache'}")
+
+
+@pytest.mark.parametrize("what, line", [
+    ("checkpoint", "could not write checkpoint {run}/checkpoints/step-0000004: No space left on device; the previous "
+                   "checkpoints are intact"),
+    ("events", "could not write TensorBoard events {events}: No space left on device; the checkpoints are intact"),
+])
+def test_a_full_disk_on_rank_0_mid_run_is_its_one_line_and_the_other_ranks_stop_quietly(tmp_path, what, line):
+    """Rank 0's disk fills after step 3 (its step-4 checkpoint or step 3's TensorBoard events cannot be written).
+    Rank 0 raised at once, and rank 1, waiting in the next step's all-reduce, failed with '[ring] connection to a
+    peer was lost' (exit status 4 under ./launch: a lost peer, which --max-restarts restarts, and which the launcher
+    blamed when its report came first). Now rank 0's failure is agreed in the next collective: rank 1 stops with it,
+    without a word, and rank 0 gives its one line."""
+    from test_distributed import finish as finish_ranks, start_ring
+
+    results = finish_ranks(start_ring(2, tmp_path, "--full-disk", f"3:{what}", "train.save_every=2"))
+    (rc0, err0, _), (rc1, err1, _) = results
+    run_dir = tmp_path / "run"
+    (events,) = (run_dir / "tb").glob("*/events.out.tfevents.*")
+    assert (rc0, err0.splitlines()[-1:]) == (2, ["dtrain: error: " + line.format(run=run_dir, events=events)]), err0
+    assert "Traceback" not in err0 and (rc1, err1) == (0, ""), (rc1, err1[-2000:])
+    assert [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")] == ["step-0000002"]
+    assert ckpt.validate(run_dir / "checkpoints" / "step-0000002") is None

@@ -26,6 +26,7 @@ class StopRequest:
     def __init__(self):
         self.requested = False
         self.agreed = False  # the run stopped by the ranks' agreement (another rank's signal may have come first)
+        self.failure: Optional[Exception] = None  # rank 0's write that failed mid-run (fail), raised at the stop
         self._old = {}
         self._wakeup: Optional[tuple] = None  # (the fd signal.set_wakeup_fd had, our pipe's write end)
 
@@ -35,6 +36,13 @@ class StopRequest:
         self.requested = True
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+
+    def fail(self, err: Exception) -> None:
+        """Rank 0's write failed (a full disk) between two collectives: ask the ranks to stop, as a signal does,
+        and keep ``err`` for rank 0 to raise once they agreed. Raised at once, it would leave the others waiting
+        in the next collective for a rank that left (a lost peer: exit status 4, which ``--max-restarts`` restarts)."""
+        self.failure = self.failure or err
+        self.requested = True
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():

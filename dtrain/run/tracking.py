@@ -23,11 +23,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
-from ..files import OutputDir, fsync_path, storage
+from ..files import OutputDir, StorageError, fsync_path, storage
 from ..notices import notice
 
 
@@ -149,11 +149,13 @@ class RunLogger:
         progress: show tqdm bars on stderr (training steps; evaluations apart).
         first_step: steps already done (a resumed run).
         purge_step: on resume, the first step this run will log.
+        hold: given a failed write's ``StorageError`` instead of raising it, after which the event file is
+            written no more (the trainer's ``StopRequest.fail`` with several ranks); None: raised.
     """
 
     def __init__(self, run_dir: Optional[Path], total_steps: int, progress: bool = True, first_step: int = 0,
-                 purge_step: Optional[int] = None):
-        self.run_dir = run_dir
+                 purge_step: Optional[int] = None, hold: Optional[Callable[[Exception], None]] = None):
+        self.run_dir, self.hold = run_dir, hold
         self.events = EventFile(run_dir, purge_step) if run_dir is not None else None
         self.bar = None
         self.train_seconds, self.timed_steps = 0.0, 0  # optimizer steps only, evaluation excluded
@@ -176,7 +178,7 @@ class RunLogger:
         if self.events is not None:
             from tensorboardX.summary import text as text_summary
 
-            self.events.summary(text_summary(tag, text), step)
+            self._write(lambda: self.events.summary(text_summary(tag, text), step))
 
     def scalars(self, step: int, values: dict) -> None:
         """All ``values`` at ``step`` as one event (one record and checksum per step, not per scalar)."""
@@ -186,8 +188,8 @@ class RunLogger:
 
         # the Summary.Value tensorboardX.summary.scalar builds, without its check_nan: a skipped step's non-finite
         # metrics are logged on purpose and would each print "NaN or Inf found in input tensor."
-        self.events.summary(Summary(value=[Summary.Value(tag=key, simple_value=float(value))
-                                           for key, value in values.items()]), step)
+        self._write(lambda: self.events.summary(Summary(value=[Summary.Value(tag=key, simple_value=float(value))
+                                                               for key, value in values.items()]), step))
 
     def step_rate(self) -> Optional[float]:
         """Mean seconds per optimizer step so far in this process (evaluations excluded)."""
@@ -239,13 +241,24 @@ class RunLogger:
 
         metrics = {f"hparam/{k}": v for k, v in final.items() if isinstance(v, float)}
         for summary in hparams(flat_hparams(resolved), metrics):
-            self.events.summary(summary, step)
+            self._write(lambda: self.events.summary(summary, step))
         self.scalars(step, metrics)
 
     def flush(self) -> None:
         """Put every event logged so far on disk (called before a checkpoint is complete)."""
         if self.events is not None:
-            self.events.flush()
+            self._write(self.events.flush)
+
+    def _write(self, write: Callable[[], None]) -> None:
+        """``write`` to the event file; a failure goes to ``hold`` when one is given (nothing is written after it)."""
+        if self.hold is not None and self.events.failed:  # held already
+            return
+        try:
+            write()
+        except StorageError as err:
+            if self.hold is None:
+                raise
+            self.hold(err)
 
     def close(self, quiet: bool = False) -> None:
         """Close the bar and the event file; ``quiet`` (the run is failing already): a failed write of the

@@ -205,7 +205,7 @@ def loop(run: Run) -> TrainResult:
             if end := evaluate_and_steer(run, step):
                 return end(run, step)
         if _every(step, t.save_every) and step != t.steps:
-            save(run, step)
+            held(run, lambda: save(run, step))
     if run.valid and str(t.steps) not in run.state.evals:
         if evaluate_and_steer(run, t.steps, may_stop=False) is end_early:  # the run ends here anyway
             run.log.message(f"step {t.steps}: {keep_best.no_new_best(t)}: an early stop at the run's last step "
@@ -217,6 +217,24 @@ def loop(run: Run) -> TrainResult:
         save(run, t.steps, closed=True)
     finish(run)
     return result
+
+
+def held(run: Run, write: Callable[[], None]) -> None:
+    """Rank 0's ``write`` between two collectives; with several ranks its failure is held
+    (``StopRequest.fail``): the next step or evaluation agrees to stop, and rank 0 raises it then
+    (:func:`raise_held`), as the other ranks stop with it."""
+    try:
+        write()
+    except UserError as err:
+        if run.group.size == 1:
+            raise
+        run.stop.fail(err)
+
+
+def raise_held(run: Run) -> None:
+    """Rank 0 raises the failure :func:`held` kept (before it saves or writes the adapter), if any."""
+    if run.group.is_main and run.stop.failure is not None:
+        raise run.stop.failure
 
 
 def _every(step: int, n: int) -> bool:
@@ -372,10 +390,13 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         # a launcher's restart from step 0 names the TensorBoard run its failed attempt began: continued, not orphaned
         kept = state.tensorboard_run if resumed is not None else os.environ.get(TB_RUN_VAR)
-        run_dir = tensorboard_dir(out.root, kept) if group.is_main else None
+        # with several ranks rank 0's failed writes are agreed: at once here, mid-run at the next collective
+        opened = lambda: RunLogger(tensorboard_dir(out.root, kept), t.steps, progress=t.progress,  # noqa: E731
+                                   first_step=state.step, purge_step=state.step + 1 if resumed else None,
+                                   hold=stop.fail if group.size > 1 else None)
+        log = main_rank_check(group, opened, "create its TensorBoard event file") or RunLogger(None, t.steps)
+        run_dir = log.run_dir
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
-        log = RunLogger(run_dir if group.is_main else None, t.steps, progress=t.progress, first_step=state.step,
-                        purge_step=state.step + 1 if resumed else None)
         cleanup.push(lambda failed, *_: log.close(quiet=failed is not None))  # a failing run keeps its own error
         stop.install()
         cleanup.enter_context(wired_limit(model, report=notice))  # Metal only
@@ -443,6 +464,7 @@ def save(run: Run, step: int, closed: bool = False) -> None:
     Raises:
         UserError: the output folder was removed or replaced since the run took it.
     """
+    raise_held(run)
     if run.group.is_main:
         if run.lock is not None and run.lock.lost():
             raise UserError(f"output folder {run.cfg.train.output_dir} was removed or replaced while this run ran (its "
@@ -460,6 +482,7 @@ def save_stopped(run: Run, step: int) -> None:
     """Checkpoint ``step`` of a run stopped before its end (a signal, ``train.max_skipped_steps``). Stopped in
     its last step with nothing to evaluate, it is done: its resume writes only the adapter, so the run's
     HPARAMS record goes with this checkpoint, as at an uninterrupted run's end."""
+    raise_held(run)
     closed = step == run.cfg.train.steps and not run.valid
     if closed:
         log_hparams(run, step)
@@ -479,6 +502,7 @@ def finish(run: Run) -> None:
     """Rank 0 writes the adapter (the same bytes when written again; with ``train.keep_best``: the best
     step's, and the last step's to ``adapters-last/``), after removing the run's checkpoints past its last step
     (a run continued from an older checkpoint at its end saves none, whose save would remove them)."""
+    raise_held(run)
     if run.group.is_main:
         t, step, out = run.cfg.train, run.state.step, OutputDir(Path(run.cfg.train.output_dir))
         ckpt.drop_left(run.checkpoints, run.state.run_id, step)
