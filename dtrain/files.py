@@ -23,6 +23,9 @@ from .errors import UserError
 # MLX reports I/O failures as RuntimeError: "[write] Unable to write 17309 bytes to file.",
 # "[save_safetensors] Failed to open file X", "[load_safetensors] Failed to open file X".
 _MLX_IO = re.compile(r"^\[\w+\] .*\b(file|write|read)", re.IGNORECASE)
+# Hugging Face tokenizers (Rust) reports a failed write of tokenizer.json as a bare Exception:
+# "No space left on device (os error 28)" (Rust's io::Error text).
+_RUST_IO = re.compile(r"\(os error \d+\)$")
 
 
 class StorageError(UserError):
@@ -44,12 +47,15 @@ def storage_reason(err: BaseException) -> Optional[str]:
     """The one-line reason of a storage failure, or None when ``err`` is not one.
 
     ``OSError``: its ``strerror``; MLX's I/O ``RuntimeError`` (MLX raises no
-    ``OSError``): its message. Other errors (an MLX computation failing while
-    arrays are evaluated for a save) are not storage failures.
+    ``OSError``) and the tokenizers library's I/O ``Exception``: its message. Other
+    errors (an MLX computation failing while arrays are evaluated for a save) are not
+    storage failures.
     """
     if isinstance(err, OSError):
         return err.strerror or str(err)
     if isinstance(err, RuntimeError) and _MLX_IO.match(str(err)):
+        return str(err)
+    if type(err) is Exception and _RUST_IO.search(str(err)):
         return str(err)
     return None
 
@@ -59,12 +65,11 @@ def storage(what: str, after: str = "") -> Iterator[None]:
     """Turn a storage failure inside the block into ``StorageError("could not {what}: {reason}{after}")``.
 
     Raises:
-        StorageError: for ``OSError`` and MLX's I/O ``RuntimeError``; other
-            exceptions pass unchanged.
+        StorageError: for what :func:`storage_reason` names; other exceptions pass unchanged.
     """
     try:
         yield
-    except (OSError, RuntimeError) as err:
+    except Exception as err:  # noqa: BLE001  (storage_reason picks the storage failures; the rest re-raised)
         reason = storage_reason(err)
         if reason is None:
             raise

@@ -350,6 +350,26 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf"]
 
 
+@pytest.mark.parametrize("command", ["export", "convert"])
+def test_a_full_disk_while_the_tokenizer_is_written_is_one_line(tmp_path, llama, capsys, monkeypatch, command):
+    """The tokenizers library's write error (a bare Exception, 'No space left on device (os error 28)') was a
+    traceback of exit status 1; now it is the folder's storage failure, and nothing is left."""
+    from transformers import PreTrainedTokenizerFast
+
+    def full(*_a, **_k):
+        raise Exception("No space left on device (os error 28)")
+
+    base, adapter, _ = llama
+    out = tmp_path / "out"
+    monkeypatch.setattr(PreTrainedTokenizerFast, "_save_pretrained", full)
+    args = ["export", str(adapter), "--base", str(base), "--out", str(out)] if command == "export" else \
+        ["convert", str(base), str(out)]
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"dtrain: error: could not write {out}: No space left on device (os error 28); nothing was left there"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf"]
+
+
 def test_export_gguf_onto_a_mistyped_base_path_says_no_such_file(tmp_path, llama, capsys):
     """A mistyped --base with --gguf was told it "is not a GGUF file" and pointed at mlx_lm.fuse."""
     _, adapter, _ = llama

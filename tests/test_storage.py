@@ -165,6 +165,18 @@ def test_storage_passes_other_errors_through():
         raise PermissionError(errno.EACCES, "Permission denied")
 
 
+def test_the_tokenizers_librarys_io_error_is_a_storage_failure():
+    """Hugging Face tokenizers (Rust) raises a bare Exception for a failed write of tokenizer.json, as
+    'No space left on device (os error 28)': `dtrain export` and `convert` on a full disk ended in its traceback."""
+    full = "No space left on device (os error 28)"
+    assert storage_reason(Exception(full)) == full
+    with pytest.raises(StorageError, match=r"^could not write x: No space left on device \(os error 28\)$"), \
+            storage("write x"):
+        raise Exception(full)
+    with pytest.raises(Exception, match="^boom$"), storage("write x"):  # any other Exception passes unchanged
+        raise Exception("boom")
+
+
 def test_an_unreadable_checkpoint_is_one_line(tmp_path, monkeypatch):
     run(tmp_path, "train.steps=2")
     real = mx.load
