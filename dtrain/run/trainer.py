@@ -391,10 +391,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         # a launcher's restart from step 0 names the TensorBoard run its failed attempt began: continued, not orphaned
         kept = state.tensorboard_run if resumed is not None else os.environ.get(TB_RUN_VAR)
         # with several ranks rank 0's failed writes are agreed: at once here, mid-run at the next collective
-        opened = lambda: RunLogger(tensorboard_dir(out.root, kept), t.steps, progress=t.progress,  # noqa: E731
-                                   first_step=state.step, purge_step=state.step + 1 if resumed else None,
-                                   hold=stop.fail if group.size > 1 else None)
-        log = main_rank_check(group, opened, "create its TensorBoard event file") or RunLogger(None, t.steps)
+        def open_log() -> RunLogger:
+            return RunLogger(tensorboard_dir(out.root, kept), t.steps, progress=t.progress, first_step=state.step,
+                             purge_step=state.step + 1 if resumed else None, hold=stop.fail if group.size > 1 else None)
+
+        log = main_rank_check(group, open_log, "create its TensorBoard event file") or RunLogger(None, t.steps)
         run_dir = log.run_dir
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         cleanup.push(lambda failed, *_: log.close(quiet=failed is not None))  # a failing run keeps its own error
