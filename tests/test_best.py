@@ -17,7 +17,8 @@ from dtrain.run.best import DIRECTIONS, REPORTED, Pick, pick_best
 from dtrain.config import load_config
 from dtrain.errors import ConfigError, UserError
 from dtrain.run.tracking import read_events, read_scalars
-from dtrain.run.trainer import TrainResult, train
+from dtrain.run.result import TrainResult
+from dtrain.run.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

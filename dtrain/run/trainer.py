@@ -29,7 +29,7 @@ from ..device import resolve_auto
 from ..distributed import Group, check_in_sync, handshake, main_rank_check
 from ..engine import fit_dataset, make_engine, make_objective
 from . import best as keep_best, lambda_control
-from .evaluation import ACCURACY, evaluate_and_log
+from .evaluation import evaluate_and_log
 from .held_out import held_out_steering, steering_notices
 from ..errors import UserError
 from ..files import OutputDir, storage
@@ -41,48 +41,10 @@ from ..notices import for_rank
 from ..types import example_noun
 from .optimizer import AdamWStep, schedule_notice
 from .reference import ReferenceLogps, engine_settings, init_adapter_identity, reference_pass
+from .result import TrainResult
 from .step import Step
 from .stop import StopRequest
 from .tracking import RunLogger, tensorboard_dir
-
-
-@dataclass
-class TrainResult:
-    """What a finished run reports: final metrics, where things were written."""
-
-    steps: int
-    history: list = field(default_factory=list)  # per-step metric dicts of this process's steps
-    evals: dict = field(default_factory=dict)  # step -> eval metrics, of the whole run (a resume included)
-    adapter_dir: Optional[Path] = None
-    run_dir: Optional[Path] = None
-    skipped_steps: int = 0
-    stopped: bool = False  # stopped early by a signal (checkpoint saved)
-    best: Optional[keep_best.Pick] = None  # train.keep_best: the kept step
-    best_metric: Optional[str] = None
-    early_stopped: bool = False  # train.early_stop_evals ended the run
-    nll_of: str = "the completions"  # what eval/nll_loss counts (objective.nll_scope full: the prompts too)
-
-    def summary(self) -> Optional[str]:
-        """``eval reward accuracy ...: step 0 A -> step N B`` from the first and last evaluation (sft: the
-        held-out NLL), then with ``train.keep_best`` the kept step (and an early stop), or None."""
-        if len(self.evals) < 2:
-            return None
-        first, last = min(self.evals), max(self.evals)
-        if ACCURACY not in self.evals[first]:  # sft: no rejected responses, no accuracy
-            line = (f"eval NLL of {self.nll_of}: step {first} {self.evals[first]['eval/nll_loss']:.3f} -> "
-                    f"step {last} {self.evals[last]['eval/nll_loss']:.3f}")
-        else:
-            start = self.evals[first]
-            # DPO's model at step 0 is its own reference: every reward 0, no pair preferred (ties count as not);
-            # ORPO's and SimPO's rewards (they report an NLL) are 0 at a weight of 0, with no reference
-            tied = ("eval/nll_loss" not in start
-                    and start.get("eval/rewards/chosen") == start.get("eval/rewards/rejected") == 0.0)
-            line = (f"eval reward accuracy (chosen preferred over rejected): step {first} {start[ACCURACY]:.3f}"
-                    f"{' (the reference itself: every reward 0)' if tied else ''} -> step {last} "
-                    f"{self.evals[last][ACCURACY]:.3f}")
-        if self.best is not None:
-            line += f"; {keep_best.describe(self.best, self.best_metric, self.steps if self.early_stopped else None)}"
-        return line
 
 
 def _nothing(*_) -> None:
