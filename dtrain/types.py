@@ -49,6 +49,9 @@ class BadRowReport:
     prompt + response would fit ``max_length``.
     ``control_text``: ``(source, text)`` of kept rows whose messages hold
     control-token text, tokenized as plain text.
+    ``template_dropped``: ``(source, text)`` of kept rows whose response the chat template renders without
+    some of its text (DeepSeek-R1's drops the reasoning up to ``</think>``), with the first text it drops;
+    whitespace it trims is not counted.
     ``rows_read``: rows seen in the input (good and bad).
     """
 
@@ -58,12 +61,13 @@ class BadRowReport:
     truncated: int = 0
     prompt_cut_fits: int = 0
     control_text: list = field(default_factory=list)
+    template_dropped: list = field(default_factory=list)
 
     def merge(self, other: "BadRowReport") -> "BadRowReport":
         """A new report holding both reports' counts and entries."""
         return BadRowReport(self.rows_read + other.rows_read, self.bad + other.bad, self.dropped + other.dropped,
                             self.truncated + other.truncated, self.prompt_cut_fits + other.prompt_cut_fits,
-                            self.control_text + other.control_text)
+                            self.control_text + other.control_text, self.template_dropped + other.template_dropped)
 
     def dropped_kinds(self) -> str:
         """``"2 same ids, 1 label false"``: the dropped rows counted by kind, first seen first."""
@@ -94,6 +98,12 @@ class BadRowReport:
             many = len(self.control_text) > 1
             lines.append(f"{len(self.control_text)} {noun}{'s have' if many else ' has'} control-token text in a "
                          f"message, tokenized as plain text (first: {src}: {text!r})")
+        if self.template_dropped:  # trained as rendered; the user may not know the template rewrites responses
+            src, text = self.template_dropped[0]
+            n = len(self.template_dropped)
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            lines.append(f"the chat template drops text from the responses of {n} {noun}{'s' * (n > 1)}, trained as "
+                         f"it renders them (first: {src}: {shown!r})")
         return "\n".join(lines)
 
 

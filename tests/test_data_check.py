@@ -533,3 +533,18 @@ def test_check_lists_bad_rows_that_stop_training_before_a_template_error(tmp_pat
     assert (n_bad, pairs) == (1, ([], []))
     with pytest.raises(DataError, match="message rows need a chat template"):  # skipped, the rows are tokenized
         check_file(path, DataConfig(train=path), base)
+
+
+def test_responses_the_template_drops_text_from_are_counted_by_check_and_the_run(tmp_path):
+    """The count of responses the chat template rendered without some of their text (DeepSeek-R1 drops the
+    reasoning before '</think>') is in `data check`'s report and, once, in the run's notices."""
+    rows = [{"prompt": "hi", "chosen": "<think>a</think>yes", "rejected": "no"},
+            {"prompt": "ok", "chosen": "yes", "rejected": "no"}]
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    line = (f"the chat template drops text from the responses of 1 pair, trained as it renders them "
+            f"(first: {path}:1: '<think>a</think>')")
+    out, _, _ = check_file(path, DataConfig(valid_fraction=0.0), style_tokenizer("deepseek"))
+    assert line in out.splitlines()
+    notices = []
+    load_dataset(DataConfig(train=path, valid_fraction=0.0), style_tokenizer("deepseek"), log=notices.append)
+    assert notices == [line]

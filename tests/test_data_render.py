@@ -7,12 +7,16 @@ tokenizer of issue 12 (1 <|im_start|>, 2 <|im_end|>).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
-from chat_fixtures import demo_tokenizer, style_tokenizer
+from chat_fixtures import DEEPSEEK, demo_tokenizer, style_tokenizer
 from conftest import make_tokenizer
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dtrain.config import DataConfig
 from dtrain.data import end_of_turn, tokenize_rows
+from dtrain.data.templates import hf_tokenizer
 from dtrain.types import Row
 
 Q = "What is 2 + 2?"
@@ -472,3 +476,49 @@ def test_a_broken_model_chat_template_is_named_by_the_file_it_came_from(tmp_path
     with pytest.raises(DataError) as err:
         renderers(tokenizer, DataConfig())
     assert str(err.value) == f"the model's chat template ({where}): Jinja syntax error on line 2: unexpected '}}'"
+
+
+REASONED = "<think>\nreason step\n</think>\n\nyes"
+CHATML_REWRITE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | replace('colour', 'color') }}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_drops_text_from_responses_is_counted_in_one_line(tmp_path):
+    """DeepSeek-R1's template writes an assistant turn from its '</think>' on: a response that reasons trained
+    only its answer, and nothing said so. The pair trains as the template renders it, and the report counts it."""
+    tok = style_tokenizer("deepseek")
+    user = [{"role": "user", "content": "hi"}]
+    rows = [Row(user, "no", "yes", source="f.jsonl:1"), Row(user, REASONED, "no", source="f.jsonl:3"),
+            Row(user, "ok", "<think>x</think>no", source="f.jsonl:4")]
+    pairs, report = tokenize_rows(rows, tok, DataConfig())
+    assert [tok.decode(p.chosen) for p in pairs] == ["no<｜end▁of▁sentence｜>", "\n\nyes<｜end▁of▁sentence｜>",
+                                                      "ok<｜end▁of▁sentence｜>"]
+    assert report.summary() == ("the chat template drops text from the responses of 2 pairs, trained as it renders "
+                                "them (first: f.jsonl:3: '<think>\\nreason step\\n</think>')")
+    assert report.template_dropped == [("f.jsonl:3", "<think>\nreason step\n</think>"), ("f.jsonl:4", "<think>x</think>")]
+    hf = copy.deepcopy(hf_tokenizer(style_tokenizer("deepseek")))  # one that wants reasoning after a system prompt: the text
+    hf.chat_template = ("{% if messages[0]['role'] == 'system' and messages[-1]['role'] == 'assistant' and "
+                        "'</think>' not in messages[-1]['content'] %}"
+                        "{{ raise_exception('reason first') }}{% endif %}" + DEEPSEEK)  # shown is then the whole reply
+    system = Row([{"role": "system", "content": "S"}, *user], REASONED, "<think>n</think>no", source="f:1")
+    _, report = tokenize_rows([system], TokenizerWrapper(hf), DataConfig())
+    assert report.bad == [] and report.template_dropped == [("f:1", REASONED)]
+
+
+@pytest.mark.parametrize("style", ["llama3", "gemma", "llama2", "mistral_v3", "think", "chatml"])
+def test_templates_that_trim_or_keep_a_response_count_nothing(style):
+    """Whitespace a template trims ('| trim', Llama 2's strip) is not text dropped; reasoning kept is kept."""
+    user = [{"role": "user", "content": "hi"}]
+    rows = [Row(user, "\n yes \n", "no"), Row(user, REASONED, "  no\n\n"), Row(user, "a\n\n b", "<think>\n</think>b")]
+    pairs, report = tokenize_rows(rows, style_tokenizer(style), DataConfig())
+    assert len(pairs) == 3 and report.template_dropped == [] and report.summary() == ""
+
+
+def test_a_template_that_rewrites_a_response_is_counted(tmp_path, tokenizer):
+    path = tmp_path / "t.jinja"
+    path.write_text(CHATML_REWRITE, encoding="utf-8")
+    rows = [Row([{"role": "user", "content": "the colour?"}], "red", "blue"),
+            Row([{"role": "user", "content": "hi"}], "the colour red", "no", source="f:2")]
+    pairs, report = tokenize_rows(rows, tokenizer, DataConfig(chat_template=str(path)))
+    assert tokenizer.decode(pairs[1].chosen) == "the color red<|im_end|>"
+    assert report.template_dropped == [("f:2", "u")]  # the prompt's rewrite is not the response's

@@ -139,8 +139,9 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     # rows_read was counted at load time; tokenize reports add only their entries.
     report = report.merge(dataclasses.replace(train_report.merge(valid_report), rows_read=0))
     _stop_on_bad_rows(report, cfg)
-    if (report.bad or report.dropped or report.truncated) and log is not None:
-        log(report.summary(noun=noun))
+    summary = report.summary(noun=noun)
+    if summary and log is not None:
+        log(summary)
     if not train:
         why = f": {report.dropped_kinds()}" if report.dropped else ""
         raise DataError(f"no usable training {noun}s in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "

@@ -167,10 +167,25 @@ def _prefix_first_only(node) -> bool:
 
 
 def _common_prefix(*seqs) -> int:
-    n = 0
-    while all(n < len(s) for s in seqs) and all(s[n] == seqs[0][n] for s in seqs[1:]):
-        n += 1
-    return n
+    """The length of the longest prefix all ``seqs`` (id lists or texts) share."""
+    lo, hi = 0, min(map(len, seqs))
+    while lo < hi:  # binary search: slices compare in C, a character or id at a time in Python is slow on long texts
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if all(s[:mid] == seqs[0][:mid] for s in seqs[1:]) else (lo, mid - 1)
+    return lo
+
+
+def _first_rewritten(contents: list, rendered: str) -> Optional[int]:
+    """The index of the first of ``contents`` (a response's messages, in order) that ``rendered`` (the template's
+    text for them) does not hold, or None; whitespace is not compared (a ``| trim`` drops no text)."""
+    bare, pos = "".join(rendered.split()), 0
+    for i, content in enumerate(contents):
+        want = "".join(content.split())
+        at = bare.find(want, pos)
+        if at < 0:
+            return i
+        pos = at + len(want)
+    return None
 
 
 @dataclass
@@ -181,6 +196,7 @@ class RowResult:
     when the row never reached tokenization). ``prompt_cut_fits``: the prompt was
     cut although prompt + the longer response fit ``max_length``.
     ``control_text``: the first control-token text found in a message, if any.
+    ``template_dropped``: the first text of a response the chat template does not render, if any.
     """
 
     source: str
@@ -190,6 +206,7 @@ class RowResult:
     truncated: bool = False
     prompt_cut_fits: bool = False
     control_text: Optional[str] = None
+    template_dropped: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -324,6 +341,11 @@ class RowTokenizer:
                 pos = end
         return out + (plain(pos, len(text)) if pos < len(text) else [])
 
+    def _text(self, r: Renderer, msgs: list, generation: bool) -> str:
+        """The template's text for ``msgs`` as :meth:`_render` renders it, without tokenizing it."""
+        escaped, marker, _ = self._escape([{**m, "content": self._strip_marks(m["content"])} for m in msgs])
+        return self._unescape(r.render(escaped, add_generation_prompt=generation), marker)[0]
+
     def _render(self, r: Renderer, msgs: list, generation: bool, response: bool = False) -> tuple:
         """``(ids, text, control text found)`` for ``msgs``; ``response``: end after the final assistant turn.
 
@@ -361,7 +383,7 @@ class RowTokenizer:
     def _prompt_text(self, r: Renderer, msgs: list) -> str:
         """The text a conversation that goes on after ``msgs`` starts with: what their renderings with and
         without the generation prompt share (not an EOS written only after a whole conversation, as Phi-3's)."""
-        own, gen = (self._render(r, msgs, generation)[1] for generation in (False, True))
+        own, gen = (self._text(r, msgs, generation) for generation in (False, True))
         return own[: _common_prefix(own, gen)]
 
     # -- truncation --------------------------------------------------------
@@ -437,10 +459,16 @@ class RowTokenizer:
         fulls = fits[0][2] if shared else [f[2][0] for f in fits]
         out.control_text = fulls[0][2] or fulls[1][2]
         cuts = [n for _, _, _, n, _ in fits]
-        for (pm, g, _, n, _), (_, text, _) in zip(fits, fulls):
-            if pm and n < len(g) and not text.startswith(self._prompt_text(r, pm)):
+        # each side's prompt as text: a response is what the template writes after it, to the turn's end
+        befores = [self._prompt_text(r, f[0]) if f[0] else "" for f in fits[: 2 - shared]] * (1 + shared)
+        for (pm, g, _, n, _), (_, text, _), before, resp in zip(fits, fulls, befores, responses):
+            if pm and n < len(g) and not text.startswith(before):
                 raise BadRow(f"the chat template ({r.name}) renders the prompt messages differently once a "
                              "response follows them, so prompt and response cannot be split")
+            lost = _first_rewritten([self._strip_marks(m["content"]) for m in resp], text[_common_prefix(text, before):])
+            if lost is not None and out.template_dropped is None:  # trained as rendered, and counted
+                msgs = [{**m, "content": self._strip_marks(m["content"])} for m in pm + resp]
+                out.template_dropped = r.dropped_text(msgs, len(pm) + lost)
         (fc, _, _), (fr, _, _) = fulls
         prompt, rprompt, full_c, full_r = fc[: cuts[0]], fr[: cuts[1]], fc[cuts[0]:], fr[cuts[1]:]
         untruncated_prompt = max(full for *_, full in fits)
@@ -533,6 +561,8 @@ def tokenize_rows(rows: list, tokenizer, cfg, results: Optional[list] = None) ->
         report.prompt_cut_fits += int(res.prompt_cut_fits)
         if res.control_text is not None:
             report.control_text.append((row.source, res.control_text))
+        if res.template_dropped is not None:
+            report.template_dropped.append((row.source, res.template_dropped))
         pairs.append(res.pair)
     return pairs, report
 

@@ -162,6 +162,24 @@ class Renderer:
         except Exception as err:  # jinja2 errors, raise_exception() in templates
             raise BadRow(f"the chat template ({self.name}) cannot render this row: {err}") from None
 
+    def dropped_text(self, messages: list, index: int) -> str:
+        """What the template leaves out of message ``index``'s content (as much of it as the text written in
+        its place does not begin or end with, whitespace aside): DeepSeek-R1's drops ``"<think>...</think>"``."""
+        content = messages[index]["content"].strip()
+        try:
+            probe = self.render([*messages[:index], {**messages[index], "content": _SENTINEL}, *messages[index + 1:]])
+        except BadRow:  # the template refuses other text in its place: what it wrote is unknown
+            return content
+        real = self.render(messages)
+        before, _, after = probe.partition(_SENTINEL)
+        if not (_SENTINEL in probe and real.startswith(before) and real.endswith(after)):
+            return content  # written elsewhere, or the rest of the conversation changes with it
+        written = real[len(before): len(real) - len(after)].strip()
+        start = next((i for i, (a, b) in enumerate(zip(content, written)) if a != b), min(len(content), len(written)))
+        rest, written = content[start:], written[start:]
+        end = next((i for i, (a, b) in enumerate(zip(rest[::-1], written[::-1])) if a != b), min(len(rest), len(written)))
+        return rest[: len(rest) - end].strip()
+
 
 def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
     """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange
