@@ -13,6 +13,7 @@ post-processing. Exact ids of the issue's examples use the demo GGUF.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from functools import lru_cache
@@ -316,7 +317,7 @@ def test_a_template_that_requires_a_system_message_ends_each_response_once():
     required) left the closing unknown, so its '<|im_end|>\\n' stayed in each response and EOS followed."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    hf = hf_tokenizer(variant("qwen25", "hf", "none"))
+    hf = copy.deepcopy(hf_tokenizer(variant("qwen25", "hf", "none")))  # the cached one stays as it is
     hf.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('A system message is "
                         "required') }}{% endif %}" + CHATML)
     tok = TokenizerWrapper(hf)
@@ -329,6 +330,27 @@ def test_a_template_that_requires_a_system_message_ends_each_response_once():
     assert pair.prompt + pair.chosen == hf.encode(hf.apply_chat_template(msgs + [{"role": "assistant", "content": "yes"}],
                                                                           tokenize=False)[:-1])
 
+
+
+def test_a_template_that_refuses_every_probe_ends_each_response_once():
+    """A template that refuses both probe conversations (it wants a system message of its own kind) left the
+    closing unknown: responses kept its '<|im_end|>\n' and EOS followed ('yes<|im_end|>\n<|im_end|>'). Each
+    row's own conversation is then the probe; rows it refuses are bad rows in its words."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = copy.deepcopy(hf_tokenizer(variant("qwen25", "hf", "none")))  # the cached one stays as it is
+    hf.chat_template = ("{% if not messages[0]['content'].startswith('You are') %}{{ raise_exception('Open with "
+                        "a persona') }}{% endif %}" + CHATML)
+    tok = TokenizerWrapper(hf)
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}]
+    rows = [Row(msgs, "yes", "no", source="f:1"), Row(msgs[1:], "yes", "no", source="f:2")]
+    pairs, report = tokenize_rows(rows, tok, DataConfig())
+    (pair,) = pairs
+    assert (tok.decode(pair.chosen), tok.decode(pair.rejected)) == ("yes<|im_end|>", "no<|im_end|>")
+    assert pair.prompt + pair.chosen == hf.encode(hf.apply_chat_template(msgs + [{"role": "assistant", "content": "yes"}],
+                                                                          tokenize=False)[:-1])
+    assert report.bad == [("f:2", "the chat template (the model's chat template) cannot render this row: Open with a "
+                                  "persona")]
 
 def test_own_additions_read_from_the_post_processor():
     for source in ("hf", "gguf"):

@@ -358,10 +358,11 @@ class RowTokenizer:
         text = r.render(escaped, add_generation_prompt=generation)
         extra = []
         if response:
-            if r.closing and not text.endswith(r.closing):
-                raise BadRow(f"the chat template ({r.name}) does not end this conversation with {r.closing!r}")
-            keep = r.turn_end.rstrip() if self.cfg.append_eos else ""
-            text = text[: len(text) - len(r.closing)] + keep
+            closing, turn_end = (r.closing, r.turn_end) if r.probed else r.ending(escaped)
+            if closing and not text.endswith(closing):
+                raise BadRow(f"the chat template ({r.name}) does not end this conversation with {closing!r}")
+            keep = turn_end.rstrip() if self.cfg.append_eos else ""
+            text = text[: len(text) - len(closing)] + keep
             if self.cfg.append_eos and not any(keep.endswith(c) for c in self.controls):
                 if self.tokenizer.eos_token_id is None:
                     raise DataError(f"the template ({r.name}) writes no end-of-turn token and the tokenizer has no "

@@ -134,6 +134,8 @@ class Renderer:
     token (Phi-3's ``"<|end|>"`` of ``"<|end|>\\n<|endoftext|>"``: the EOS after it
     ends the whole conversation, not the turn); all of it where there is none.
     ``name``: how messages name this template.
+    ``probed``: False where the template refused every probe conversation (:func:`make_renderer`), so
+    ``closing`` and ``turn_end`` are unknown and each row's are probed from its own conversation.
     """
 
     tokenizer: Any
@@ -141,6 +143,7 @@ class Renderer:
     closing: str = ""
     name: str = ""
     turn_end: str = ""
+    probed: bool = True
 
     def render(self, messages: list, add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages``.
@@ -161,6 +164,19 @@ class Renderer:
             raise DataError(f"{self.name}: Jinja syntax error on line {err.lineno}: {err.message}") from None
         except Exception as err:  # jinja2 errors, raise_exception() in templates
             raise BadRow(f"the chat template ({self.name}) cannot render this row: {err}") from None
+
+    def ending(self, messages: list) -> tuple:
+        """``(closing, turn_end)`` the template writes after the content of the final (assistant) message of
+        ``messages``, found by rendering them with a sentinel for that content.
+
+        Raises:
+            BadRow, DataError: as :meth:`render`.
+        """
+        text = self.render([*messages[:-1], {**messages[-1], "content": _SENTINEL}])
+        closing = text.split(_SENTINEL, 1)[1] if _SENTINEL in text else ""
+        controls = control_strings(self.tokenizer)
+        first = re.search("|".join(map(re.escape, controls)), closing) if controls else None
+        return closing, closing[: first.end()] if first else closing
 
     def dropped_text(self, messages: list, index: int) -> str:
         """What the template leaves out of message ``index``'s content (as much of it as the text written in
@@ -183,23 +199,21 @@ class Renderer:
 
 def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
     """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange
-    (a system message first where the template refuses it without one).
+    (a system message first where the template refuses it without one); where it refuses both, ``probed`` is
+    False and each row's own conversation is its probe (:meth:`Renderer.ending`).
 
     Raises:
         DataError: a template that is not valid Jinja (the probe compiles it once, before any row).
     """
-    probe, text = Renderer(tokenizer, template, name=name), ""
+    probe = Renderer(tokenizer, template, name=name, probed=False)
     exchange = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}]
     for opening in ([], [{"role": "system", "content": "0"}]):  # some templates require a system message
         try:
-            text = probe.render(opening + exchange)
-            break
-        except BadRow:  # a template that refuses every probe: responses keep whatever follows them
+            closing, turn_end = probe.ending(opening + exchange)
+        except BadRow:
             continue
-    closing = text.split(_SENTINEL, 1)[1] if _SENTINEL in text else ""
-    controls = control_strings(tokenizer)
-    first = re.search("|".join(map(re.escape, controls)), closing) if controls else None
-    return Renderer(tokenizer, template, closing, name, closing[: first.end()] if first else closing)
+        return Renderer(tokenizer, template, closing, name, turn_end)
+    return probe
 
 
 def renderers(tokenizer, cfg) -> tuple:
