@@ -157,7 +157,7 @@ END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of
 # templates whose rows with a system message are refused, and the words of the refusal: Mistral v0.1's raises,
 # Mistral v0.3's drops the system text once a reply follows the prompt (so the prompt cannot be split off)
 NO_SYSTEM = {"mistral": "cannot render this row: Conversation roles must alternate",
-             "mistral_v3": "renders the prompt messages differently once a response follows them"}
+             "mistral_v3": "writes the system message only when no response follows the prompt"}
 
 
 def turn_end(style: str) -> str:

@@ -522,3 +522,23 @@ def test_a_template_that_rewrites_a_response_is_counted(tmp_path, tokenizer):
     pairs, report = tokenize_rows(rows, tokenizer, DataConfig(chat_template=str(path)))
     assert tokenizer.decode(pairs[1].chosen) == "the color red<|im_end|>"
     assert report.template_dropped == [("f:2", "u")]  # the prompt's rewrite is not the response's
+
+
+def test_a_template_that_drops_the_system_message_once_a_reply_follows_is_named_as_the_cause(tmp_path):
+    """Mistral v0.3's template writes the system text into the last user turn only while that turn ends the
+    conversation: such rows were refused as rendering 'the prompt messages differently', and the system
+    message went unnamed. Without one the row splits, so the refusal names it; other differences keep the words."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    _, report = tokenize_rows([Row(msgs, "yes", "no", source="f:1")], style_tokenizer("mistral_v3"), DataConfig())
+    assert report.bad == [("f:1", "the chat template (the model's chat template) writes the system message only "
+                                  "when no response follows the prompt, so prompt and response cannot be split: "
+                                  "put its text in the user message")]
+    assert one_pair(style_tokenizer("mistral_v3"), Row(msgs[1:], "yes", "no"))  # without it the row splits
+    path = tmp_path / "last.jinja"  # the last user turn written differently, whatever the system message
+    path.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if loop.last %}!"
+                    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                    "{% endif %}", encoding="utf-8")
+    _, report = tokenize_rows([Row(msgs, "yes", "no", source="f:1")], style_tokenizer("chatml"),
+                              DataConfig(chat_template=str(path)))
+    assert report.bad == [("f:1", f"the chat template (data.chat_template {path}) renders the prompt messages "
+                                  "differently once a response follows them, so prompt and response cannot be split")]

@@ -387,6 +387,19 @@ class RowTokenizer:
         own, gen = (self._text(r, msgs, generation) for generation in (False, True))
         return own[: _common_prefix(own, gen)]
 
+    def _unsplit(self, r: Renderer, msgs: list, response: list) -> str:
+        """Why prompt ``msgs`` cannot be split off ``response``: the system message where the row splits without it
+        (Mistral v0.3's template writes it into the last user turn only while no reply follows), else the rendering."""
+        plain = [m for m in msgs if m["role"] != "system"]
+        try:
+            if plain and plain != msgs and self._text(r, plain + response, False).startswith(self._prompt_text(r, plain)):
+                return (f"the chat template ({r.name}) writes the system message only when no response follows the "
+                        "prompt, so prompt and response cannot be split: put its text in the user message")
+        except BadRow:  # the template refuses the row without it: the rendering is the reason
+            pass
+        return (f"the chat template ({r.name}) renders the prompt messages differently once a response follows them, "
+                "so prompt and response cannot be split")
+
     # -- truncation --------------------------------------------------------
     def _split(self, r: Renderer, msgs: list, responses: list) -> tuple:
         """``(generation prompt ids, [(ids, text, control text)] of msgs + each response, prompt length)``: the
@@ -464,8 +477,7 @@ class RowTokenizer:
         befores = [self._prompt_text(r, f[0]) if f[0] else "" for f in fits[: 2 - shared]] * (1 + shared)
         for (pm, g, _, n, _), (_, text, _), before, resp in zip(fits, fulls, befores, responses):
             if pm and n < len(g) and not text.startswith(before):
-                raise BadRow(f"the chat template ({r.name}) renders the prompt messages differently once a "
-                             "response follows them, so prompt and response cannot be split")
+                raise BadRow(self._unsplit(r, pm, resp))
             lost = _first_rewritten([self._strip_marks(m["content"]) for m in resp], text[_common_prefix(text, before):])
             if lost is not None and out.template_dropped is None:  # trained as rendered, and counted
                 msgs = [{**m, "content": self._strip_marks(m["content"])} for m in pm + resp]
