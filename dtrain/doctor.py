@@ -127,7 +127,9 @@ def demo_lines(steps: int = 2, max_length: int = 128, pairs: int = 4, model: str
             f"train.global_batch_pairs={pairs}", f"train.micro_batch_pairs={pairs}", "train.warmup_steps=0",
             "train.eval_pairs=1", "train.progress=false", f"train.output_dir={out}"])
         start = time.perf_counter()
-        train(cfg, hooks=Hooks(before_step=before, after_step=after))
+        # a stop ends doctor as any command (dtrain: interrupted, this folder removed): not a run's stop,
+        # whose save and 'continue with --train.resume auto' would be of a folder about to go
+        train(cfg, hooks=Hooks(before_step=before, after_step=after, stop_signals=False))
         total = time.perf_counter() - start
     lines = [f"demo run: model {model}, {steps} step{'s' * (steps > 1)} of {pairs} pair{'s' * (pairs > 1)} "
              f"(<= {max_length} tokens per side), "

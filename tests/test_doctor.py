@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 from dtrain import doctor
+from fixtures_launch import make_model_folder
 from test_memory import MACS, stub_device
+from waiting import finish, spawn, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,3 +94,22 @@ def test_doctor_demo_run_times_each_step(demo_path):
     for line in lines[1:3]:
         seconds, peak = line.split(": ", 1)[1].split(" s, peak MLX memory ")
         assert float(seconds) > 0 and float(peak.split(" GiB")[0]) > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_doctor_stopped_during_its_demo_run_says_interrupted_and_leaves_nothing(tmp_path, sig):
+    """A stop during the demo run was the run's stop: it saved a checkpoint, said 'continue with
+    --train.resume auto' of a folder removed at once, printed the steps done as the report of all
+    of them (3000 steps asked, 32 timed) and exited 0. It now ends doctor as any command: 'dtrain:
+    interrupted' alone, no demo report, its temporary folder removed, exit status 128 + the signal."""
+    model, tmp = make_model_folder(tmp_path / "model"), tmp_path / "tmp"
+    tmp.mkdir()
+    child = spawn([sys.executable, "-m", "dtrain", "doctor", "--model", model, "--steps", "100000",
+                   "--max-length", "64"], tmp_path, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)})
+    wait_for_line(child, "step 1: forward+backward")
+    child.send_signal(sig)
+    code, out, err = finish(child)
+    assert code == 128 + sig, err
+    assert err.splitlines()[-1] == "dtrain: interrupted"
+    assert "--train.resume" not in err and "demo run" not in out
+    assert [x for x in os.listdir(tmp) if x != "mlx"] == []  # mlx/: MLX's own cache of compiled kernels

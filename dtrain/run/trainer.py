@@ -60,13 +60,15 @@ class Hooks:
     ``before_step(step, run)`` runs at the start of each optimizer step (inside
     it: a signal that arrives there is agreed in this step); ``after_step(step, run)``
     right after the update, before the step is logged; ``reference_engine(engine) ->
-    engine`` wraps the engine of DPO's reference pass.
+    engine`` wraps the engine of DPO's reference pass; ``stop_signals=False`` leaves
+    SIGINT/SIGTERM/SIGHUP to the caller's handlers (no stop after the step, no save).
     """
 
     engine: Callable = lambda engine: engine
     before_step: Callable = _nothing
     after_step: Callable = _nothing
     reference_engine: Callable = lambda engine: engine
+    stop_signals: bool = True
 
 
 @dataclass
@@ -361,7 +363,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         run_dir = log.run_dir
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         cleanup.push(lambda failed, *_: log.close(quiet=failed is not None))  # a failing run keeps its own error
-        stop.install()
+        if hooks.stop_signals:
+            stop.install()
         cleanup.enter_context(wired_limit(model, report=notice))  # Metal only
         result = TrainResult(steps=t.steps, run_dir=run_dir if group.is_main else None, skipped_steps=state.skipped_steps,
                              evals={int(k): v for k, v in state.evals.items()}, best_metric=t.keep_best,
