@@ -668,6 +668,22 @@ def test_summarize_names_the_cause_not_the_lost_peer(capsys):
     assert "launch: rank 2 was killed by SIGKILL\n" in err  # no output: no "last lines"
 
 
+def test_a_rank_the_abort_stopped_gently_is_stopped_by_the_launcher(capsys):
+    """Rank 0's trainer killed by SIGKILL: under -n 2 its peer read 'stopped by the launcher', but under mpirun
+    (mpirun's SIGTERM reaches the wrapper first, then the abort) and over ssh (the abort is a Ctrl-C byte on the
+    rank's terminal) the same end read 'rank(s) 1 stopped by a signal (killed by SIGINT)', a signal no one sent."""
+    mpi = exit_reports((0, -9, ["step 1"], None, None), (1, -2, [], "SIGTERM", None, True))
+    ssh = exit_reports((0, -9, ["step 1"], None, None), (1, -2, [], "SIGINT", None))
+    for reports in (mpi, ssh):
+        out = summarize(2, *reports, 0, None, aborted=True)
+        assert (out.code, out.failed, out.cause()) == (137, [0], "rank 0 failed (killed by SIGKILL)")
+        assert capsys.readouterr().err == ("launch: rank 0 was killed by SIGKILL; its last lines:\n  [rank 0] step 1\n"
+                                           "launch: rank(s) 1 stopped by the launcher\n")
+    # a stop of the user's (the launcher's SIGINT) still says so
+    summarize(2, *exit_reports((0, 0, [], "SIGUSR2", None), (1, -2, [], "SIGUSR2", None)), 0, 2, aborted=True)
+    assert capsys.readouterr().err == "launch: rank(s) 1 stopped by a signal (killed by SIGINT)\n"
+
+
 def test_a_user_error_is_not_restartable(capsys):
     """Exit status 2 on any rank is bad input (config, data, model): a restart would repeat it."""
     out = summarize(2, *exit_reports((1, 2, ["dtrain: error: x"], None, None), (0, 4, [], None, None)), 1, None)

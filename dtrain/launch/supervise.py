@@ -324,7 +324,8 @@ class Attempt:
 
     def _summarize(self) -> Outcome:
         code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
-        outcome = summarize(self.plan.world_size, self.reports, self.order, code, self.stopped_by)
+        outcome = summarize(self.plan.world_size, self.reports, self.order, code, self.stopped_by,
+                            self.aborted_at is not None)
         # a rank that sent its start report was started by ssh: its exit report is lost when mlx.launch ends its
         # ssh session (it does as soon as another rank fails)
         remote = sorted({self.plan.hosts[r] for r in outcome.missing if r not in self.started}
@@ -336,17 +337,23 @@ class Attempt:
         return outcome
 
 
-def summarize(world_size: int, reports: dict, order: list, launcher_code: int, stopped_by: Optional[int]) -> Outcome:
+def summarize(world_size: int, reports: dict, order: list, launcher_code: int, stopped_by: Optional[int],
+              aborted: bool = False) -> Outcome:
     """Print what went wrong, if anything, and return the :class:`Outcome`.
 
     Args:
         reports: rank -> exit :class:`Report`; ``order``: ranks as their reports came.
         launcher_code: exit status of mlx.launch / mpirun / the single rank's wrapper.
         stopped_by: the signal that stopped the job for good, or None.
+        aborted: the launcher aborted the attempt (a rank failed).
     """
-    ended = [r for r in order if reports[r].code != 0 and reports[r].killed is None and reports[r].stop is None]
+    # a gentle stop during an abort is the abort's: a rank over ssh gets it as a Ctrl-C byte, mpirun sends SIGTERM
+    by_abort = aborted and stopped_by is None
+    ended = [r for r in order if reports[r].code != 0 and reports[r].killed is None
+             and (reports[r].stop is None or by_abort)]
     # rank 0's own error ahead of the ranks pointing to it, whichever report came first
-    failed = sorted((r for r in ended if not reports[r].aborted), key=lambda r: reports[r].code == EXIT_AFTER_RANK0)
+    failed = sorted((r for r in ended if not reports[r].aborted and reports[r].stop is None),
+                    key=lambda r: reports[r].code == EXIT_AFTER_RANK0)
     for r in failed:
         rep = reports[r]
         what = ("failed with " if rep.code > 0 else "was ") + describe_status(rep.code)
@@ -356,15 +363,16 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
         say(f"launch: rank {r} {what}" + ("; its last lines:" if rep.tail else ""))
         for line in rep.tail[-10:]:
             say(f"  [rank {r}] {line}")
-    aborted = sorted(r for r in reports if reports[r].killed == "abort")
-    if aborted:
-        say(f"launch: rank(s) {', '.join(map(str, aborted))} killed by the launcher")
-    on_abort = sorted(r for r in ended if reports[r].aborted)  # exit status (SIGINT, a lost peer): the abort's doing
+    killed = sorted(r for r in reports if reports[r].killed == "abort")
+    if killed:
+        say(f"launch: rank(s) {', '.join(map(str, killed))} killed by the launcher")
+    on_abort = sorted(r for r in ended if r not in failed)  # exit status (SIGINT, a lost peer): the abort's doing
     if on_abort:
         say(f"launch: rank(s) {', '.join(map(str, on_abort))} stopped by the launcher")
     for r in sorted(r for r in reports if reports[r].killed not in (None, "abort")):
         say(f"launch: rank {r} was killed before it saved: {reports[r].killed}")
-    stopped = sorted(r for r in reports if reports[r].code != 0 and reports[r].stop is not None and reports[r].killed is None)
+    stopped = sorted(r for r in reports if reports[r].code != 0 and reports[r].stop is not None
+                     and reports[r].killed is None and r not in on_abort)
     if stopped:
         say(f"launch: rank(s) {', '.join(map(str, stopped))} stopped by a signal "
             f"({', '.join(describe_status(reports[r].code) for r in stopped)})")
@@ -377,7 +385,7 @@ def summarize(world_size: int, reports: dict, order: list, launcher_code: int, s
     elif failed:
         first = reports[failed[0]].code
         code = first if first > 0 else 128 - first
-    elif aborted or on_abort or stopped or missing or launcher_code != 0:
+    elif killed or on_abort or stopped or missing or launcher_code != 0:
         code = 128 - launcher_code if launcher_code < 0 else launcher_code or 1  # killed by a signal: 128 + N
     else:
         code = 0
