@@ -430,6 +430,25 @@ def test_output_folder_in_use_is_refused_and_left_alone(tmp_path):
     assert result.steps == 1 and result.adapter_dir.is_dir()
 
 
+def test_a_refused_start_leaves_no_new_output_folder(tmp_path):
+    """A resume the checkpoint refuses (another learning rate) into a new train.output_dir left new/deep/ made,
+    holding the run's .dtrain.lock; so did a folder without room for the run. The folders it made go again; a
+    folder that was there keeps what it held."""
+    from dtrain.errors import UserError
+    from dtrain.run import output
+
+    run(tmp_path / "a", "train.steps=2")
+    for out in (tmp_path / "new" / "deep", tmp_path / "a"):
+        with pytest.raises(UserError, match="was made with different settings: train.learning_rate"):
+            run(out, "train.steps=4", f"train.resume={tmp_path / 'a' / 'checkpoints' / 'step-0000002'}",
+                "train.learning_rate=0.02")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".dtrain.lock", "adapters", "checkpoints", "tb"]
+    with pytest.raises(UserError, match="MB free"):
+        output.prepare_output(tmp_path / "new" / "deep", output.DiskPlan(10**18, 1, 0, 1), False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
 def test_adapter_config_names_the_base_model_in_adapter_and_checkpoint(tmp_path):
     import json
 

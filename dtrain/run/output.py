@@ -84,10 +84,13 @@ class OutputLock:
     exclusive between two open files even within one process. The file
     stays (deleting it would let a third run lock a new inode while the
     second still holds the old one); it names the holder for the message.
+    Only folders made for it (``made``) that hold nothing else when it is
+    released go, the file with them: a refused start leaves no new folder.
     """
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, made: tuple = ()):
         self.path = OutputDir(Path(out).absolute()).lock  # absolute: lost() holds after a chdir
+        self.made = made  # the folders made for it, deepest first: a run that wrote nothing there removes them
         self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -130,9 +133,17 @@ class OutputLock:
         return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor releases the flock
-            self._fd = None
+        if self._fd is None:
+            return
+        try:  # a start refused after the lock: no new folder stays behind, holding only the lock file
+            if self.made and os.listdir(self.path.parent) == [self.path.name]:
+                self.path.unlink()  # while held: no other run holds it
+                for folder in self.made:
+                    folder.rmdir()
+        except OSError:  # something else was written there meanwhile
+            pass
+        os.close(self._fd)  # closing the last descriptor releases the flock
+        self._fd = None
 
 
 def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
@@ -161,9 +172,10 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     if (out / ADAPTER_CONFIG).is_file():
         raise UserError(f"train.output_dir {out} is an adapter folder ({ADAPTER_CONFIG}), not a run's output folder; "
                         f"choose another train.output_dir (the run writes adapters/, checkpoints/ and tb/ into it)")
+    made = tuple(p for p in (out.absolute(), *out.absolute().parents) if not p.exists())  # deepest first
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock = OutputLock(out)
+        lock = OutputLock(out, made)
     except OSError as err:
         raise UserError(output_dir_problem(out, err)) from None
     try:
