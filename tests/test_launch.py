@@ -378,6 +378,15 @@ def test_tensorboard_on_an_output_dir_that_is_a_file_is_one_line(job, tmp_path):
         f"launch: error: train.output_dir {blocker} is a file, not a folder; choose another train.output_dir")
 
 
+def test_tensorboard_for_a_start_the_rank_refuses_leaves_no_new_folder(job, tmp_path):
+    """--tensorboard made OUTPUT_DIR/tb before the ranks started: a start they refused (a model path that does not
+    exist) left new/deep/tb/ behind. The launcher checks that it can be made; the run makes it."""
+    r = launch("--tensorboard", free_port(1), job["config"], "--model.path", tmp_path / "missing",
+               "--train.output_dir", tmp_path / "new" / "deep")
+    assert r.returncode == 2, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], r.stderr
+
+
 def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=2) as resp:
         return resp.read().decode()

@@ -129,10 +129,13 @@ def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Pop
             s.bind(("127.0.0.1", port))
         except OSError:
             raise LaunchError(f"--tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}") from None
+    made = [p for p in (logdir, *logdir.parents) if not p.exists()]  # deepest first
     try:
         logdir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise LaunchError(output_dir_problem(logdir.parent, err)) from None
+    for folder in made:  # it could be made; the run makes it (TensorBoard waits): a refused start leaves no folder
+        folder.rmdir()
     cmd = [sys.executable, "-c", TB_PROGRAM, "--logdir", str(logdir), "--host", "127.0.0.1",
            "--port", str(port), "--reload_interval", "5"]
     with open(log_path, "wb") as log:
