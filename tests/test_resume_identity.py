@@ -4,7 +4,9 @@ relative to the output folder (issue 22, sections 2 and 3)."""
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
 import typing
 
 import pytest
@@ -826,3 +828,42 @@ def test_a_resume_at_another_world_size_with_lora_dropout_says_the_masks_differ(
               "its own dropout masks, so from step 3 the adapter differs from an uninterrupted run at world size 2 "
               "(the same pairs are trained)")
     assert (notice in capsys.readouterr().err) == (dropout > 0)
+
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("cut", [0, 2])
+def test_a_resumed_evaluation_is_logged_once_when_the_resume_is_cut_again(tmp_path, cut):
+    """Stopped in the evaluation at step ``cut`` (a stop agreed there saves before it), resumed (which evaluates
+    step ``cut`` first), then killed in step 4 before any later save: the next resume continued the same
+    checkpoint and evaluated step ``cut`` again, and TensorBoard showed that evaluation twice (the START of
+    a resume drops what the run logged after its checkpoint's step, not at it)."""
+    from dtrain.run.trainer import Hooks
+    from test_trainer import tensorboard_scalars
+
+    def stop(step, run_):  # after step ``cut``'s update: agreed in its evaluation
+        if step == cut:
+            run_.stop.requested = True
+
+    def stop_in_step_0(engine):  # the evaluation at step 0 comes before any step
+        evaluate = engine.evaluate
+        engine.evaluate = lambda *args: (os.kill(os.getpid(), signal.SIGINT), evaluate(*args))[1]
+        return engine
+
+    def crash_in_4(step, run_):
+        if step == 4:
+            raise Crash
+
+    whole, _ = run(tmp_path / "whole")
+    stopped, _ = run(tmp_path / "cut", hooks=Hooks(engine=stop_in_step_0) if cut == 0 else Hooks(after_step=stop))
+    assert stopped.stopped and stopped.steps == cut and cut not in stopped.evals
+    with pytest.raises(Crash):
+        run(tmp_path / "cut", "train.resume=auto", hooks=Hooks(before_step=crash_in_4))
+    resumed, _ = run(tmp_path / "cut", "train.resume=auto")
+    shown = tensorboard_scalars(resumed.run_dir)
+    assert shown["eval/loss"] == tensorboard_scalars(whole.run_dir)["eval/loss"]
+    assert [s for s, _ in shown["eval/loss"]] == [0, 2, 4] and [s for s, _ in shown["loss"]] == [1, 2, 3, 4]
+    assert read_scalars(resumed.run_dir)["eval/loss"] == shown["eval/loss"]

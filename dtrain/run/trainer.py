@@ -139,6 +139,8 @@ def loop(run: Run) -> TrainResult:
     if eval_pending(run):  # step 0, or a checkpoint saved before its step's evaluation (a stop, skipped steps)
         if end := evaluate_and_steer(run, run.state.step):
             return end(run, run.state.step)
+        if run.resumed_from is not None:  # its checkpoint then covers it: a later resume does not log it again
+            held(run, lambda: save(run, run.state.step))
     elif run.state.step < t.steps and keep_best.early_stop_due(run):  # a resumed run that had stopped early
         return end_early(run, run.state.step, again=True)
     # the end of a run is idempotent: a resume of the checkpoint that closed it evaluates, saves and logs nothing
