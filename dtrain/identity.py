@@ -55,6 +55,9 @@ REFUSED_WHEN = {
                          lambda r: r["train"]["keep_best"] is not None or r["orpo"]["lambda_schedule"] == "adaptive"),
     "train.micro_batch_pairs": ("with lora.dropout above 0 it decides the dropout masks, drawn per micro-batch",
                                 lambda r: r["lora"]["dropout"] > 0),
+    # the masks take the shape of the rows these lay out (engine.kind: the reference engine's rows or the segmented one's)
+    **{f"engine.{k}": ("with lora.dropout above 0 it decides the dropout masks, drawn over the micro-batch's rows",
+                       lambda r: r["lora"]["dropout"] > 0) for k in ("kind", "prefix_sharing", "pack", "length_bucket")},
 }
 
 # Compared by content, not by the text of the key: a moved file continues the run.

@@ -867,3 +867,32 @@ def test_a_resumed_evaluation_is_logged_once_when_the_resume_is_cut_again(tmp_pa
     assert shown["eval/loss"] == tensorboard_scalars(whole.run_dir)["eval/loss"]
     assert [s for s, _ in shown["eval/loss"]] == [0, 2, 4] and [s for s, _ in shown["loss"]] == [1, 2, 3, 4]
     assert read_scalars(resumed.run_dir)["eval/loss"] == shown["eval/loss"]
+
+
+@pytest.mark.parametrize("override, was, now", [("engine.kind=reference", "'auto'", "'reference'"),
+                                                ("engine.prefix_sharing=false", "True", "False"),
+                                                ("engine.pack=false", "True", "False"),
+                                                ("engine.length_bucket=16", "'auto'", "16")])
+def test_engine_keys_that_lay_out_the_rows_are_refused_with_lora_dropout(tmp_path, override, was, now):
+    """The dropout masks are drawn over a micro-batch's rows, which these keys lay out: with lora.dropout 0.1 a
+    4-step run under each trains another adapter (by about 1e-2, not float rounding), yet a resume accepted them
+    as "how the same gradients are computed"."""
+    from mlx.core import abs as mx_abs, load
+
+    def adapter(out):
+        return load(str(out / "adapters" / "adapters.safetensors"))
+
+    run(tmp_path / "auto", "lora.dropout=0.1")
+    run(tmp_path / "other", "lora.dropout=0.1", override)
+    a, b = adapter(tmp_path / "auto"), adapter(tmp_path / "other")
+    assert max(mx_abs(a[k] - b[k]).max().item() for k in a) > 1e-3
+    run(tmp_path / "cut", "train.steps=2", "lora.dropout=0.1")
+    with pytest.raises(UserError) as err:
+        run(tmp_path / "cut", "train.resume=auto", "lora.dropout=0.1", override)
+    assert str(err.value) == (f"resume: {tmp_path}/cut/checkpoints/step-0000002 was made with different settings: "
+                              f"{override.split('=')[0]}: {was} in the checkpoint, {now} now "
+                              f"(with lora.dropout above 0 it decides the dropout masks, drawn over the micro-batch's "
+                              f"rows). {ckpt.RESUME_HINT}")
+    run(tmp_path / "plain", "train.steps=2")
+    more, _ = run(tmp_path / "plain", "train.resume=auto", override)  # no dropout: the same gradients
+    assert len(more.history) == 2
