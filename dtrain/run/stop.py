@@ -7,17 +7,22 @@ import ctypes
 import os
 import signal
 import threading
+import time
 from typing import Optional
 
 from ..files import to_devnull
+
+# The same stop signal again within this many seconds is the same stop: GNU timeout sends its SIGTERM to the
+# process and then to the process's group, microseconds apart; a person's second Ctrl-C comes far later.
+REPEAT_S = 0.1
 
 
 class StopRequest:
     """SIGINT/SIGTERM/SIGHUP set ``requested``; the step in progress agrees on it and the loop saves after it.
 
-    The first also gives SIGINT and SIGTERM back their default action, so a second Ctrl-C
-    ends the process at once (killed by it), also inside a long MLX call, as a second
-    Ctrl-C to ``./launch`` does; a repeated SIGHUP (a closing terminal may send two) does not.
+    A second Ctrl-C or SIGTERM ends the process at once (killed by it), also inside a long MLX
+    call, as a second Ctrl-C to ``./launch`` does; a repeated SIGHUP (a closing terminal may
+    send two) does not, nor the same signal again within :data:`REPEAT_S` (GNU timeout's two).
     SIGHUP (the terminal closed) also points stdout and stderr at /dev/null: a write to a
     hung-up terminal fails (EIO), which would end the run before its save.
     Handlers are installed only in the main thread and restored on exit.
@@ -34,8 +39,6 @@ class StopRequest:
         if signum == signal.SIGHUP:
             to_devnull(1, 2)
         self.requested = True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
 
     def fail(self, err: Exception) -> None:
         """Rank 0's write failed (a full disk) between two collectives: ask the ranks to stop, as a signal does,
@@ -56,18 +59,22 @@ class StopRequest:
             threading.Thread(target=self._watch, args=(read,), name="dtrain-stop", daemon=True).start()
 
     def _watch(self, fd: int) -> None:
-        """A SIGINT or SIGTERM after an earlier stop signal ends the process by it at once, as the default
-        action _handle restores would, also while the main thread has not run _handle yet."""
-        stops = 0
+        """A SIGINT or SIGTERM after an earlier stop signal ends the process by it at once (its default
+        action), also while the main thread is inside a long MLX call and has not run _handle yet;
+        the same signal as the one before it within REPEAT_S is that one sent twice."""
+        last: Optional[tuple] = None  # (signal number, when read) of the latest stop signal not a repeat
         try:
             while data := os.read(fd, 64):
+                now = time.monotonic()
                 for signum in data:
-                    if stops and signum in (signal.SIGINT, signal.SIGTERM):
+                    repeat = last is not None and last[0] == signum and now - last[1] < REPEAT_S
+                    if last and not repeat and signum in (signal.SIGINT, signal.SIGTERM):
                         libc = ctypes.CDLL(None)  # signal.signal works in the main thread only
                         libc.signal.argtypes, libc.signal.restype = (ctypes.c_int, ctypes.c_void_p), ctypes.c_void_p
                         libc.signal(signum, None)  # SIG_DFL
                         os.kill(os.getpid(), signum)
-                    stops += signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                    if not repeat and signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                        last = (signum, now)
         finally:
             os.close(fd)
 
