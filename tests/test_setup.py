@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("dirname", "date", "tail", "id", "cat")  # what ./setup runs besides the fakes
+TOOLS = ("dirname", "date", "tail", "id", "cat", "sed")  # what ./setup runs besides the fakes
 
 
 def fake(path: Path, body: str) -> None:
@@ -29,6 +29,7 @@ def mac(tmp_path: Path, pythons: dict, machine: str = "arm64", arm64: str = "1",
     (repo / ".venv" / "bin").mkdir(parents=True)
     bin_.mkdir()
     shutil.copy(ROOT / "setup", repo / "setup")
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")  # the extras it names
     for tool in TOOLS:
         (bin_ / tool).symlink_to(shutil.which(tool))
     fake(bin_ / "uname", f'[ "$1" = -m ] && echo {machine} || echo Darwin')
@@ -41,10 +42,10 @@ def mac(tmp_path: Path, pythons: dict, machine: str = "arm64", arm64: str = "1",
     return repo
 
 
-def run_setup(repo: Path) -> subprocess.CompletedProcess:
+def run_setup(repo: Path, *args: str) -> subprocess.CompletedProcess:
     env = {"PATH": str(repo.parent / "bin"), "HOME": str(repo.parent), "CI": "true"}
-    return subprocess.run(["/bin/bash", str(repo / "setup"), "dev"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(["/bin/bash", str(repo / "setup"), *(args or ("dev",))], env=env, capture_output=True,
+                          text=True, timeout=60)
 
 
 def test_mac_with_a_native_python_installs_the_metal_wheel(tmp_path):
@@ -93,6 +94,23 @@ def test_a_rosetta_terminal_on_apple_silicon_is_not_an_intel_mac(tmp_path):
     # uname -m says x86_64 under Rosetta; hw.optional.arm64 still says 1, and a native Python is found
     repo = mac(tmp_path, {"python3": "3.13 arm64"}, machine="x86_64", arm64="1")
     assert run_setup(repo).returncode == 0
+
+
+def test_help_and_an_unknown_extra_install_nothing(tmp_path):
+    """``./setup --help`` ran as extras '--help': OpenBLAS from apt, a venv, then pip's 'Invalid requirement';
+    ``./setup dve`` (a typo of dev) installed dtrain without the dev tools and said done (pip only warns)."""
+    repo = mac(tmp_path, {"python3": "3.12 arm64"})
+    r = run_setup(repo, "--help")
+    assert r.returncode == 0 and r.stdout.startswith("./setup [EXTRAS]: install dtrain"), r.stdout + r.stderr
+    assert "Python >= 3.10" in r.stdout and "set -euo" not in r.stdout
+    for args, error in ((("dve",), "setup: error: unknown extra 'dve' (known: mpi, hf, dev, bench)"),
+                        (("dev,mpi,gpu",), "setup: error: unknown extra 'gpu' (known: mpi, hf, dev, bench)"),
+                        (("dev", "mpi"), "setup: error: give the extras as one argument, e.g. ./setup dev,mpi")):
+        r = run_setup(repo, *args)
+        assert (r.returncode, r.stdout.strip()) == (1, error), r.stderr
+    assert not (tmp_path / "venv-calls").exists()  # pip never ran
+    assert run_setup(repo, "dev,mpi").returncode == 0
+    assert (tmp_path / "venv-calls").read_text().splitlines()[0].endswith("-e .[dev,mpi]")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
