@@ -386,6 +386,18 @@ def _field_type(section: str, key: str) -> Any:
 MAX_DEPTH = 10
 
 
+def _data_file(path: str) -> str:
+    """What to say of a config file that does not read as one when its name is a data file's (``-c pairs.jsonl``:
+    the config and the data swapped), else ""."""
+    name = Path(path).name.lower()
+    for compressed in (".gz", ".bz2", ".xz", ".zst"):
+        name = name.removesuffix(compressed)
+    if Path(name).suffix not in (".jsonl", ".json", ".parquet", ".pq", ".arrow", ".feather"):
+        return ""
+    return (f"; a data file? the config is a YAML file: give the data as data.train (--data.train {path}) "
+            f"or to dtrain data check {path}")
+
+
 class _RepeatedKey(yaml.YAMLError):
     """A mapping key given twice; the message names both lines (1-based)."""
 
@@ -450,23 +462,29 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
             raise ConfigError(f"{path}: is a directory, not a config file")
         if not is_file:
             raise ConfigError(f"{path}: config file not found")
+        data = _data_file(path)
         try:
-            raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+            text = p.read_text(encoding="utf-8")
+            raw = yaml.load(text, Loader=_UniqueKeyLoader)
         except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}){data}") from None
         except OSError as err:  # no read permission, a disk error
             raise ConfigError(f"{path}: cannot read the config file: {err.strerror or err}") from None
         except _RepeatedKey as err:
             raise ConfigError(f"{path}: {err}") from None
         except RecursionError:  # flow lists or mappings nested some hundreds deep
             raise ConfigError(f"{path}: invalid YAML: {TOO_DEEP}") from None
+        except yaml.reader.ReaderError as err:  # a character YAML refuses; no mark, its place in the text
+            raise ConfigError(f"{path}: line {text.count(chr(10), 0, err.position) + 1} invalid YAML: unacceptable "
+                              f"character #x{err.character:04x}: {err.reason}{data}") from None
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}:{line} invalid YAML: {getattr(err, 'problem', err)}") from None
+            raise ConfigError(f"{path}:{line} invalid YAML: {getattr(err, 'problem', err)}{data}") from None
         raw = raw or {}
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}"
+                              f"{data}")
         for section, keys in raw.items():
             _check_section(str(section), path)  # before its value: a flat file's keys are not sections
             keys = {} if keys is None else keys  # a section whose keys are all commented out

@@ -356,6 +356,32 @@ def test_yaml_python_cannot_build_is_one_error(tmp_path, text, message):
     assert str(err.value) == f"{f}: {message}"
 
 
+DATA_FILE = "a data file? the config is a YAML file: give the data as data.train (--data.train FILE) or to " \
+            "dtrain data check FILE"
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("job.yaml", "train:\n  steps: 3\n  # caf\x80\n", "line 3 invalid YAML: unacceptable character #x0080: special "
+                                                       "characters are not allowed"),
+    ("pairs.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n', "line 2 invalid YAML: expected '<document start>', but "
+                                                          f"found '{{'; {DATA_FILE}"),
+    ("pairs.jsonl", '{"prompt": "M\x80"}\n', f"line 1 invalid YAML: unacceptable character #x0080: special characters "
+                                               f"are not allowed; {DATA_FILE}"),
+    ("pairs.json", '[{"prompt": "a", "chosen": "b", "rejected": "c"}]', "expected a mapping of sections at the top "
+                                                                        f"level, got list; {DATA_FILE}"),
+    ("pairs.JSONL.gz", "\x1f\x8b\x08\x00\xff", f"not UTF-8 text (invalid start byte at byte 1); {DATA_FILE}"),
+])
+def test_a_data_file_given_as_the_config_is_one_line_naming_it(tmp_path, name, text, message):
+    """``dtrain data check -c pairs.jsonl CONFIG`` (the two swapped) said 'invalid YAML: unacceptable character
+    #x0080: special characters are not allowed' and, on a second line, 'in "<unicode string>", position 453645'
+    (orca_dpo_pairs_validation.jsonl): no line, and nothing said the file was data."""
+    f = tmp_path / name
+    f.write_bytes(text.encode("latin-1") if name.endswith(".gz") else text.encode())
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f), need_data=False)
+    assert str(err.value) == f"{f}: {message}".replace("FILE", str(f))
+
+
 @pytest.mark.parametrize("override, message", [
     (f"train.steps={BIG}", "key 'train.steps': invalid YAML: an integer of more than 4300 digits"),
     (f"lora.keys={DEEP}", "key 'lora.keys': invalid YAML: nested too deep for Python's recursion limit"),
