@@ -304,6 +304,32 @@ def test_file_level_errors(tmp_path, setup, message):
     assert str(err.value).startswith(str(path)) and message in str(err.value)
 
 
+ROWS = [{"prompt": f"Q{i}", "chosen": "a", "rejected": "b"} for i in range(3)]
+
+
+@pytest.mark.parametrize("obj, indent, message", [
+    ({"data": ROWS}, None, "x.json:1: one JSON object holding 3 rows under 'data'; dtrain reads a JSON array of rows or "
+                           "one row per line (JSONL): write that list as the file, e.g. jq -c '.data[]' {p}"),
+    ({"version": "1", "train": ROWS}, 2, "x.json: one JSON object holding 3 rows under 'train'; dtrain reads a JSON "
+                                         "array of rows or one row per line (JSONL): write that list as the file, "
+                                         "e.g. jq -c '.train[]' {p}"),
+    ({"my rows": ROWS}, None, "x.json:1: one JSON object holding 3 rows under 'my rows'; dtrain reads a JSON array of "
+                              "rows or one row per line (JSONL): write that list as the file"),
+])
+def test_a_json_object_holding_the_rows_under_a_key_is_named(tmp_path, obj, indent, message):
+    """``json.dump({"data": rows}, f)`` (the rows under a key, as SQuAD-style files and some exports hold them) was
+    'unknown row format (keys of the first row: ['data']) ... set data.format, or data.fields to map your column
+    names', which cannot help; written with indent, 'one JSON object spread over several lines'."""
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(obj, indent=indent))
+    with pytest.raises(DataError) as err:
+        load_rows(str(path), DataConfig())
+    assert str(err.value) == str(tmp_path / message.format(p=path))
+    path.write_text(json.dumps({"question": "Q", "answers": [{"label": "a"}, {"label": "b"}]}))  # a row, not rows
+    with pytest.raises(DataError, match=r"unknown row format \(keys of the first row: \['answers', 'question'\]\)"):
+        load_rows(str(path), DataConfig())
+
+
 @pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16LE"), ("utf-16-le", "UTF-16LE"),
                                             ("utf-16-be", "UTF-16BE"), ("utf-32", "UTF-32LE"), ("utf-32-be", "UTF-32BE")])
 @pytest.mark.parametrize("text", ['{"prompt": "Q", "chosen": "a", "rejected": "b"}\r\n', '[{"prompt": "Q"}]'])

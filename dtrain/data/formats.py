@@ -115,6 +115,20 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
     return None
 
 
+def rows_under(obj, path: str) -> str:
+    """What to say of a file that is one JSON object holding the rows under a key (``{"data": [rows]}``), or "":
+    the key's list of objects, when they are rows of a known format or the key is the object's only one."""
+    if not isinstance(obj, dict):
+        return ""
+    key = next((k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+                and (len(obj) == 1 or detect_format(v[0], None))), None)
+    if key is None:
+        return ""
+    jq = f", e.g. jq -c '.{key}[]' {path}" if key.isidentifier() else ""
+    return (f"one JSON object holding {len(obj[key])} rows under {key!r}; dtrain reads a JSON array of rows or one "
+            f"row per line (JSONL): write that list as the file{jq}")
+
+
 def detect_items_format(items: list, fields: Optional[dict], where: str) -> str:
     """The format most of the first :data:`DETECT_ROWS` objects of ``items`` have (the first seen wins a tie).
 
@@ -137,6 +151,9 @@ def detect_items_format(items: list, fields: Optional[dict], where: str) -> str:
     votes = Counter(f for f in (detect_format(o, fields) for _, o in objs) if f is not None)
     if not votes:
         src, first = objs[0]
+        held = rows_under(first, where) if len(items) == 1 else ""
+        if held:
+            raise DataError(f"{src}: {held}")
         raise DataError(f"{src}: unknown row format (keys of the first row: {sorted(first)}); none of the first "
                         f"{len(objs)} rows is in one of the formats {', '.join(FORMATS)} -- set data.format, or "
                         f"data.fields to map your column names ({FIELDS_SYNTAX})")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from ..errors import BadRow, DataError
-from .formats import json_kind, undecodable
+from .formats import json_kind, rows_under, undecodable
 
 # A JSONL line (or JSON array item) longer than this is reported instead of tokenized:
 # ~500k tokens, far past any max_length, and slow to tokenize.
@@ -344,7 +344,8 @@ def _reject_single_object(path: str, kind: Optional[str]) -> None:
         obj = json.loads(text)
     except (ValueError, RecursionError):
         return
-    raise DataError(f"{path}: one JSON {json_kind(obj)} spread over several lines; "
+    held = rows_under(obj, path)
+    raise DataError(f"{path}: {held}" if held else f"{path}: one JSON {json_kind(obj)} spread over several lines; "
                     "expected JSONL (one object per line) or a JSON array of objects")
 
 
