@@ -59,6 +59,27 @@ def test_load_dataset_train_and_valid_files(tmp_path, tokenizer):
     assert load_dataset(cfg, tokenizer, seed=0, log=None).fingerprint != ds.fingerprint
 
 
+def test_held_out_rows_given_and_none_usable_stop_the_run(tmp_path, tokenizer):
+    """data.valid whose every row was bad or dropped trained on with no evaluation and no word beyond '0 valid
+    pairs'; the same for an mlx-lm folder's valid.jsonl. A split that rounds to none is not such a case."""
+    train = write_jsonl(tmp_path / "t.jsonl", GOOD[:6])
+    valid = tmp_path / "v.jsonl"
+    valid.write_text("not json\n" + json.dumps({"prompt": "Q", "chosen": "a", "rejected": "a"}) + "\n")
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=train, valid=str(valid)), tokenizer, log=None)
+    assert str(err.value) == (f"no usable held-out pairs in {valid} (1 bad rows, 1 dropped: 1 same text): fix its "
+                              "rows (dtrain data check lists them), or give other held-out pairs")
+    (tmp_path / "m").mkdir()
+    write_jsonl(tmp_path / "m/train.jsonl", GOOD[:6])
+    write_jsonl(tmp_path / "m/valid.jsonl", [{"prompt": "Q", "chosen": c, "rejected": c} for c in "ab"])
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=str(tmp_path / "m")), tokenizer, log=None)
+    assert str(err.value) == (f"no usable held-out pairs in {tmp_path / 'm/valid.jsonl'} (0 bad rows, 2 dropped: 2 same text): "
+                              "fix its rows (dtrain data check lists them), or give other held-out pairs")
+    assert len(load_dataset(DataConfig(train=train, valid=write_jsonl(tmp_path / "w.jsonl", GOOD[6:7])), tokenizer,
+                            log=None).valid) == 1
+
+
 def test_on_bad_row_skip_logs_count_and_first_rows(tmp_path, tokenizer):
     path = tmp_path / "t.jsonl"
     path.write_text(write_jsonl(path, GOOD[:4]) and path.read_text() + "not json\n" + '{"prompt": "Q", "chosen": "a"}\n')

@@ -21,7 +21,7 @@ from .demo import demo_pairs
 from .cache import cache_key, entries_bytes, tokenize_cached, write_entries
 from .formats import parse_rows
 from .render import end_of_turn, tokenize_rows
-from .sources import fingerprint as data_fingerprint, read_rows, resolve, resolve_pair
+from .sources import fingerprint as data_fingerprint, mlx_valid, read_rows, resolve, resolve_pair
 
 __all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn", "entries_bytes",
            "load_dataset", "load_rows", "read_rows", "resolve", "split_rows", "tokenize_cached", "tokenize_rows",
@@ -111,13 +111,15 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
 
     Raises:
         DataError: file-level problems (see :func:`load_rows`); any bad row with
-            ``on_bad_row: error``; no training pairs left.
+            ``on_bad_row: error``; no training pairs left; held-out rows given
+            (``data.valid``, ``data.valid_split``, an mlx-lm folder's ``valid.jsonl``) and none usable.
     """
     if cfg.demo_pairs > 0:
         demo_cfg = dataclasses.replace(cfg, format="standard", fields=None)
         items = [(f"demo:{i + 1}", obj) for i, obj in enumerate(demo_pairs(cfg.demo_pairs, cfg.demo_seed))]
         rows, report = parse_rows(items, demo_cfg, "demo", pairwise)
         train_rows, valid_rows = split_rows(rows, cfg.valid_fraction, seed)
+        valid_src = None
         fingerprint = hashlib.sha256(f"demo:v{DEMO_VERSION}:{cfg.demo_pairs}:{cfg.demo_seed}".encode()).hexdigest()
     else:
         if cfg.train is None:
@@ -126,8 +128,8 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         rows, report = read_rows(train_src, cfg, pairwise)
         if valid_src is not None:
             train_rows = rows
-            valid_rows, valid_report = read_rows(valid_src, cfg, pairwise)
-            report = report.merge(valid_report)
+            valid_rows, held_report = read_rows(valid_src, cfg, pairwise)
+            report = report.merge(held_report)
         else:
             train_rows, valid_rows = split_rows(rows, cfg.valid_fraction, seed)
         fingerprint = data_fingerprint([s for s in (train_src, valid_src) if s is not None])
@@ -146,6 +148,13 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         why = f": {report.dropped_kinds()}" if report.dropped else ""
         raise DataError(f"no usable training {noun}s in {cfg.train or 'demo data'} ({len(report.bad)} bad rows, "
                         f"{len(report.dropped)} dropped{why})")
+    if valid_src is not None and not valid:  # held-out rows given, none usable: not a run without evaluation
+        held = held_report.merge(valid_report)
+        why = f": {held.dropped_kinds()}" if held.dropped else ""
+        where = (cfg.valid if cfg.valid is not None else f"data.valid_split {cfg.valid_split} of {cfg.train}"
+                 if cfg.valid_split is not None else mlx_valid(cfg.train))
+        raise DataError(f"no usable held-out {noun}s in {where} ({len(held.bad)} bad rows, {len(held.dropped)} "
+                        f"dropped{why}): fix its rows (dtrain data check lists them), or give other held-out {noun}s")
     prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,
                    messages=2 * sum(prompts) > len(prompts))
