@@ -571,6 +571,12 @@ def test_an_sft_run_counts_rows_not_pairs(tmp_path, capsys):
     assert "pair" not in err
 
 
+def test_the_start_line_counts_the_held_out_pairs_eval_pairs_leaves_out(tmp_path, capsys):
+    """train.eval_pairs 2 of 3 held-out pairs: the start line said '2 valid pairs', as if 2 were held out."""
+    run(tmp_path, "train.eval_pairs=2", "train.steps=1", "train.eval_every=0")
+    assert "model tiny-llama; 9 train / 2 of 3 valid pairs; " in capsys.readouterr().err
+
+
 def test_progress_shows_evaluation_apart_and_the_first_step(tmp_path, capsys):
     run(tmp_path, "train.progress=true", "train.steps=2", "train.eval_every=0")
     err = capsys.readouterr().err

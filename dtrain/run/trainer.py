@@ -301,6 +301,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     lora_shapes = {k: list(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
     init_adapter = init_adapter_identity(cfg)  # its weights: one path may name other files on other machines
     valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
+    held_out = len(dataset.valid)
     data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid)  # the token ids: a template file may differ
     handshake(group, {"config": resolved, "model": loaded.identity, "data": data, "lora shapes": lora_shapes,
                       "initial adapter": init_adapter})
@@ -376,7 +377,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         log.config(resolved, auto)
         noun = example_noun(cfg.objective.kind)
         at = f"at step {state.step + 1}" if state.step < t.steps else f"after its last step, {state.step}"
-        log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)} valid {noun}s; "
+        of = f" of {held_out}" if len(valid) < held_out else ""  # train.eval_pairs evaluates fewer
+        log.message(f"model {loaded.source}; {len(dataset.train)} train / {len(valid)}{of} valid {noun}s; "
                     f"world size {group.size}; engine {engine.name}"
                     + (f"; auto: {', '.join(f'{k} {v}' for k, v in auto.items())}" if auto else "")
                     + (f"; resumed from {resumed.path} {at}" if resumed else ""))
