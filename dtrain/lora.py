@@ -24,7 +24,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers
 from .config import LoraConfig
 from .config_checks import checked
 from .errors import TOO_DEEP, ConfigError
-from .files import atomic_folder, home_path, storage
+from .files import OutputDir, atomic_folder, home_path, storage
 
 ADAPTER_WEIGHTS = "adapters.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -257,7 +257,7 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
         what = "a file, not an adapter folder" if folder.exists() else "no such folder"
         raise ConfigError(f"{where}: {what} (an mlx-lm adapter folder is expected)")
     if not (folder / ADAPTER_WEIGHTS).is_file():
-        raise ConfigError(f"{where}: no {ADAPTER_WEIGHTS} (expected an mlx-lm adapter folder)")
+        raise ConfigError(f"{where}: no {ADAPTER_WEIGHTS} (expected an mlx-lm adapter folder){run_folder_hint(folder)}")
     try:
         meta = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
         params = meta["lora_parameters"]
@@ -274,6 +274,13 @@ def lora_from_adapter(cfg: LoraConfig, folder: str | Path) -> LoraConfig:
         raise ConfigError(f"{where}: fine_tune_type {meta['fine_tune_type']!r}; only lora adapters can be trained on")
     shape = {k: checked_adapter_value(k, v, f"{where}: {ADAPTER_CONFIG}") for k, v in shape.items()}
     return dataclasses.replace(cfg, rslora=False, **shape)
+
+
+def run_folder_hint(folder: Path) -> str:
+    """What to say of a folder given as an adapter that is a run's output folder (its adapter in ``adapters/``):
+    ``"; FOLDER is a run's output folder: its adapter is FOLDER/adapters"``, else ``""``."""
+    inner = OutputDir(folder).adapters
+    return f"; {folder} is a run's output folder: its adapter is {inner}" if (inner / ADAPTER_WEIGHTS).is_file() else ""
 
 
 def checked_adapter_value(key: str, value, where: str):

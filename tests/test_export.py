@@ -330,6 +330,12 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
                                          r"adapter_config\.json\)"):
         (tmp_path / "empty").mkdir()
         export_adapter(str(tmp_path / "empty"), str(base), str(tmp_path / "o1"))
+    run = tmp_path / "run"  # a run's output folder given for its adapter
+    shutil.copytree(adapter, run / "adapters")
+    with pytest.raises(ModelError) as err:
+        export_adapter(str(run), str(base), str(tmp_path / "o1"))
+    assert str(err.value) == (f"{run}: not an adapter folder (missing adapters.safetensors, adapter_config.json); "
+                              f"{run} is a run's output folder: its adapter is {run / 'adapters'}")
     with pytest.raises(ModelError, match=r"adaptrs: no such adapter folder$"):  # a mistyped path
         export_adapter(str(tmp_path / "adaptrs"), str(base), str(tmp_path / "o1"))
     other = tmp_path / "other.gguf"
@@ -347,7 +353,7 @@ def test_export_errors_name_what_is_wrong(tmp_path, llama, capsys):
     export_adapter(str(adapter), str(base), str(folder))
     with pytest.raises(ModelError, match=r"--gguf needs a GGUF base model .*/o4 is not a GGUF file"):
         export_adapter(str(adapter), str(folder), str(tmp_path / "o5"), gguf_type="f16")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "empty", "full", "o4", "other.gguf", "run"]
 
 
 @pytest.mark.parametrize("command", ["export", "convert"])

@@ -185,6 +185,12 @@ def test_init_adapter_config_errors_name_the_folder(tmp_path):
     (tmp_path / "a" / "adapters.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"train.init_adapter .*a: no adapters.safetensors"):
         lora_from_adapter(LoraConfig(), tmp_path / "a")
+    write_adapter(tmp_path / "run" / "adapters")  # a run's output folder given for its adapter
+    with pytest.raises(ConfigError) as err:
+        lora_from_adapter(LoraConfig(), tmp_path / "run")
+    assert str(err.value) == (f"train.init_adapter {tmp_path / 'run'}: no adapters.safetensors (expected an mlx-lm "
+                              f"adapter folder); {tmp_path / 'run'} is a run's output folder: its adapter is "
+                              f"{tmp_path / 'run' / 'adapters'}")
     write_adapter(tmp_path / "a")
     (tmp_path / "a" / ADAPTER_CONFIG).write_text("{}")
     with pytest.raises(ConfigError, match=r"adapter_config.json has no readable lora_parameters"):

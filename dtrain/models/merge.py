@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import TOO_DEEP, ConfigError, DataError, ModelError
 from ..files import storage
-from ..lora import checked_adapter_value, non_finite_tensors
+from ..lora import checked_adapter_value, non_finite_tensors, run_folder_hint
 from .load import LoadedModel, load_model
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
@@ -134,7 +134,7 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
         raise ModelError(f"{adapter_dir}: no such adapter folder" + (" (a file)" if folder.exists() else ""))
     missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
     if missing:
-        raise ModelError(f"{adapter_dir}: not an adapter folder (missing {', '.join(missing)})")
+        raise ModelError(f"{adapter_dir}: not an adapter folder (missing {', '.join(missing)}){run_folder_hint(folder)}")
     check_adapter_config(folder / "adapter_config.json")
     loaded = load_model(base, dtype="float32")
     try:
