@@ -100,6 +100,29 @@ def test_mlx_lm_folder_loads_and_quantized_folder_is_dequantized_on_cpu(tmp_path
     np.testing.assert_allclose(np.array(loaded.model(tokens)), quantized_logits, rtol=1e-3, atol=1e-3)
 
 
+def test_a_mixture_of_experts_model_in_bfloat16_on_the_cpu_is_refused_by_name(tmp_path):
+    """A qwen3_moe folder at model.dtype bfloat16 on the CPU trained until its first forward pass, then ended in a
+    traceback: '[GatherMM::eval] Currently only supports float32.'"""
+    from mlx_lm.utils import save_config, save_model
+
+    config = dict(model_type="qwen3_moe", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, head_dim=8,
+                  rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=128, num_experts=4,
+                  num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=16,
+                  norm_topk_prob=True)
+    model = make_tiny_model("qwen3_moe", **config)
+    save_model(tmp_path / "moe", model)
+    save_config(dict(config), tmp_path / "moe" / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(str(tmp_path / "moe"))
+    for dtype in ("bfloat16", "float16"):
+        with pytest.raises(ModelError) as err:
+            load_model(str(tmp_path / "moe"), dtype=dtype)
+        assert str(err.value) == (f"{tmp_path / 'moe'}: a mixture-of-experts model in {dtype}: this device computes "
+                                  "its expert layers (mx.gather_mm) in float32 only; set model.dtype float32 (or auto)")
+    loaded = load_model(str(tmp_path / "moe"), dtype="auto")
+    assert loaded.model(mx.array([[1, 5, 9]])).shape == (1, 3, 512)
+
+
 def test_dtype_plan_on_cpu():
     assert dtype_plan("auto") == (False, mx.float32)
     assert dtype_plan("float32") == (False, mx.float32)

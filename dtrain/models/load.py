@@ -204,6 +204,10 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         model = dequantize_model(model)
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     model.set_dtype(float_dtype)
+    if float_dtype != mx.float32 and _has_experts(model) and not _gather_mm_runs(float_dtype):
+        name = next(k for k, v in DTYPES.items() if v == float_dtype)
+        raise ModelError(f"{path}: a mixture-of-experts model in {name}: this device computes its expert layers "
+                         f"(mx.gather_mm) in float32 only; set model.dtype float32 (or auto)")
     mx.eval(model.parameters())
     config_hash = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:16]
     if Path(path).is_dir():
@@ -216,6 +220,23 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         aliases = (f"mlx-lm:{path}:{config_hash}",)  # what checkpoints before 2026-12-07 hold: the id and config
     identity = f"mlx-lm-folder:{fingerprint}"
     return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference, aliases)
+
+
+def _has_experts(model) -> bool:
+    """The model holds mlx-lm's expert layers (``SwitchLinear``, computed with ``mx.gather_mm``)."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    return any(isinstance(m, SwitchLinear) for _, m in model.named_modules())
+
+
+def _gather_mm_runs(dtype) -> bool:
+    """``mx.gather_mm`` computes in ``dtype`` on the default device (MLX 0.32's CPU: float32 only, a RuntimeError
+    at the first forward pass otherwise)."""
+    try:
+        mx.eval(mx.gather_mm(mx.zeros((1, 1, 2), dtype), mx.zeros((2, 2, 2), dtype), rhs_indices=mx.array([1], mx.uint32)))
+    except RuntimeError:
+        return False
+    return True
 
 
 SAMPLES, SAMPLE_BYTES = 16, 64 * 1024  # blocks of each weight file read by folder_fingerprint
