@@ -41,15 +41,16 @@ def default_attention_groups() -> int:
 
 
 def resolve_auto(cfg):
-    """``(cfg', choices)``: ``cfg`` with its device-dependent ``auto`` values of the engine and
-    train sections resolved, and ``{"section.key": value}`` of every ``auto`` that was,
-    ``model.dtype`` included (the model loader resolves that one with ``models.load.dtype_plan``)."""
+    """``(cfg', choices)``: ``cfg`` with its device-dependent ``auto`` values resolved (``model.dtype`` to the
+    dtype whose plan is ``auto``'s here, ``models.load.dtype_plan``), and ``{"section.key": value}`` of every
+    ``auto`` that was. A run's settings and checkpoints record these values, so a resume compares what ran."""
     from .models.load import dtype_plan
 
-    e, t, choices = cfg.engine, cfg.train, {}
-    if cfg.model.dtype == "auto":
+    model, e, t, choices = cfg.model, cfg.engine, cfg.train, {}
+    if model.dtype == "auto":
         quantized, dtype = dtype_plan("auto")
-        choices["model.dtype"] = str(dtype).removeprefix("mlx.core.") + (" (quantized base)" if quantized else "")
+        model = replace(model, dtype=str(dtype).removeprefix("mlx.core."))
+        choices["model.dtype"] = model.dtype + (" (quantized base)" if quantized else "")
     if e.length_bucket == "auto":
         e = replace(e, length_bucket=default_length_bucket())
         choices["engine.length_bucket"] = e.length_bucket
@@ -70,4 +71,4 @@ def resolve_auto(cfg):
     if lora.branch_dtype == "auto":  # what the run's LoRA product computes in, which a resume compares
         lora = replace(lora, branch_dtype="bfloat16" if dtype_plan(cfg.model.dtype)[1] == mx.bfloat16 else "float32")
         choices["lora.branch_dtype"] = lora.branch_dtype
-    return replace(cfg, engine=e, train=t, lora=lora), choices
+    return replace(cfg, model=model, engine=e, train=t, lora=lora), choices

@@ -4,7 +4,9 @@ A resume continues the run its checkpoint belongs to. A change to a key that
 decides what is trained (or what its ``eval/`` curve measures) is refused,
 naming the key and both values; a key that only says how the run is computed,
 logged, kept or where it stops may change. Keys that name a file are compared
-by what the file holds, so a moved data file or GGUF continues the run.
+by what the file holds, so a moved data file or GGUF continues the run. An
+``auto`` is compared by what it chose (``device.resolve_auto``, :data:`AS_RUN`),
+so an explicit value equal to that choice continues the run.
 
 :func:`settings` refuses to work while a key of :class:`dtrain.config.Config`
 is in none of the three tables, so a key added later cannot be forgotten.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from typing import Optional
 
 from .config import Config, to_dict
 from .config_checks import unread, yaml_key
@@ -107,10 +110,26 @@ BEFORE_KEY = {
 }
 
 
-def settings(resolved: dict) -> dict:
+# `auto` values the device does not decide, as a resume compares them (a checkpoint that recorded the word too)
+AS_RUN = {
+    "engine.kind": {"auto": "segmented"},  # the segmented engine's rows, its plan chosen per length bucket
+}
+
+# An `auto` that follows another key: changed with it, only that key is named (its value sets both back).
+FOLLOWS = {"lora.branch_dtype": "model.dtype"}
+
+
+def as_run(key: str, value):
+    """``value`` of ``key`` as a resume compares it: the value :data:`AS_RUN` gives its ``auto``, else itself."""
+    return AS_RUN[key].get(value, value) if key in AS_RUN else value
+
+
+def settings(resolved: dict, defaults: Optional[dict] = None) -> dict:
     """``{"section.key": value}`` of every :data:`REFUSED` key (its default where another key's value leaves it
     unread: :data:`dtrain.config_checks.UNREAD_WHEN`), and of each :data:`REFUSED_WHEN` key whose condition
-    holds, from the resolved config (``config.to_dict``).
+    holds, from the resolved config (``config.to_dict``; a run's: of ``device.resolve_auto``'s), as
+    :func:`as_run` gives them. ``defaults``: ``config.to_dict`` of the defaults, resolved as ``resolved`` is
+    (None: ``Config()``'s as written).
 
     Raises:
         RuntimeError: a config key is not classified (a programming error: add it to a table here).
@@ -121,11 +140,12 @@ def settings(resolved: dict) -> dict:
     # a key another key leaves unread (orpo.lambda_max under a static schedule) decides nothing, as the run's
     # notice says: its default is recorded, so a resume that drops or changes it continues
     view = SimpleNamespace(**{section: SimpleNamespace(**keys) for section, keys in resolved.items()})
-    unread_names, defaults = {f"{section}.{yaml_key(name)}" for section, name in unread(view)}, to_dict(Config())
+    unread_names = {f"{section}.{yaml_key(name)}" for section, name in unread(view)}
+    defaults = defaults or to_dict(Config())
 
     def value(key: str):
         section, name = key.split(".", 1)
-        return (defaults if key in unread_names else resolved)[section][name]
+        return as_run(key, (defaults if key in unread_names else resolved)[section][name])
 
     return {**{key: value(key) for key in REFUSED},
             **{key: value(key) for key, (_, when) in REFUSED_WHEN.items() if when(resolved)}}

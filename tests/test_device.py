@@ -21,7 +21,7 @@ def test_cpu_auto_choices_are_resolved_once_and_named():
     assert (cfg.engine.length_bucket, cfg.train.compile_optimizer, cfg.engine.attention_groups) == (0, False, 4)
     assert cfg.lora.branch_dtype == "float32"  # a float32 model: mlx-lm's product
     assert cfg.engine.memory_budget_gb * GIB == ram  # exact: the plan gets the bytes it computed before
-    assert cfg.model.dtype == "auto"  # the loader resolves it, with the same rule (models.load.dtype_plan)
+    assert cfg.model.dtype == "float32"  # the dtype whose plan is auto's here (models.load.dtype_plan)
 
 
 @pytest.mark.parametrize("kind, groups", [("cuda", 1), ("metal", 4), ("cpu", 4)])

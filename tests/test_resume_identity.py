@@ -869,10 +869,10 @@ def test_a_resumed_evaluation_is_logged_once_when_the_resume_is_cut_again(tmp_pa
     assert read_scalars(resumed.run_dir)["eval/loss"] == shown["eval/loss"]
 
 
-@pytest.mark.parametrize("override, was, now", [("engine.kind=reference", "'auto'", "'reference'"),
+@pytest.mark.parametrize("override, was, now", [("engine.kind=reference", "'segmented'", "'reference'"),
                                                 ("engine.prefix_sharing=false", "True", "False"),
                                                 ("engine.pack=false", "True", "False"),
-                                                ("engine.length_bucket=16", "'auto'", "16")])
+                                                ("engine.length_bucket=16", "0", "16")])  # auto's, CPU
 def test_engine_keys_that_lay_out_the_rows_are_refused_with_lora_dropout(tmp_path, override, was, now):
     """The dropout masks are drawn over a micro-batch's rows, which these keys lay out: with lora.dropout 0.1 a
     4-step run under each trains another adapter (by about 1e-2, not float rounding), yet a resume accepted them
@@ -896,3 +896,83 @@ def test_engine_keys_that_lay_out_the_rows_are_refused_with_lora_dropout(tmp_pat
     run(tmp_path / "plain", "train.steps=2")
     more, _ = run(tmp_path / "plain", "train.resume=auto", override)  # no dropout: the same gradients
     assert len(more.history) == 2
+
+
+def on_device(monkeypatch, gpu: bool) -> None:
+    """Resolve ``auto`` as on a GPU (a Mac, CUDA) or on the CPU: MLX's default device as dtrain asks it."""
+    import dtrain.device as device
+    import dtrain.models.load as load
+
+    monkeypatch.setattr(device, "on_gpu", lambda: gpu)
+    monkeypatch.setattr(load, "on_gpu", lambda: gpu)
+
+
+def test_model_dtype_auto_is_compared_by_the_dtype_it_chose(tmp_path, monkeypatch):
+    """``model.dtype: auto`` is float32 on the CPU, bfloat16 on a GPU. A checkpoint recorded the word ``auto``: an
+    explicit float32 resuming a CPU run was refused, and a GPU's resume named ``lora.branch_dtype``, whose hint
+    (``--lora.branch_dtype float32``) was accepted and trained on with the model in bfloat16."""
+    on_device(monkeypatch, gpu=False)
+    run(tmp_path, "train.steps=2")
+    more, _ = run(tmp_path, "train.steps=3", "train.resume=auto", "model.dtype=float32")  # what auto computed in
+    assert len(more.history) == 1
+    step3 = tmp_path / "checkpoints" / "step-0000003"
+    assert json.loads((step3 / ckpt.STATE).read_text())["settings"]["model.dtype"] == "float32"
+    on_device(monkeypatch, gpu=True)
+    for given in ([], ["lora.branch_dtype=float32"]):  # lora.branch_dtype auto follows model.dtype: not named
+        with pytest.raises(UserError) as err:
+            run(tmp_path, "train.steps=4", "train.resume=auto", "train.compile_optimizer=false", *given)
+        assert str(err.value) == (f"resume: {step3} was made with different settings: model.dtype: 'float32' in the "
+                                  f"checkpoint, 'bfloat16' now (auto on this device). {ckpt.RESUME_HINT}")
+    more, _ = run(tmp_path, "train.steps=4", "train.resume=auto", "train.compile_optimizer=false",
+                  "model.dtype=float32")
+    assert len(more.history) == 1
+
+
+def test_the_rows_auto_laid_out_are_compared_by_its_choice_with_lora_dropout(tmp_path, monkeypatch):
+    """With lora.dropout above 0, ``engine.length_bucket`` and ``engine.kind`` lay out the rows the masks cover. Their
+    ``auto`` (0 on the CPU, 128 on a GPU; the segmented engine) was recorded as the word: the explicit values it
+    chose, which train the same adapter bit for bit, were refused, and a GPU's 128 was accepted."""
+    from mlx.core import load
+
+    on_device(monkeypatch, gpu=False)
+    args = ("lora.dropout=0.1", "train.save_every=2", "train.compile_optimizer=false")
+    run(tmp_path / "whole", *args)
+    whole = load(str(tmp_path / "whole" / "adapters" / "adapters.safetensors"))
+    step2 = tmp_path / "whole" / "checkpoints" / "step-0000002"
+    run(tmp_path / "whole", *args, f"train.resume={step2}", "engine.length_bucket=0", "engine.kind=segmented")
+    again = load(str(tmp_path / "whole" / "adapters" / "adapters.safetensors"))
+    assert all((whole[k] == again[k]).all().item() for k in whole)
+    on_device(monkeypatch, gpu=True)
+    with pytest.raises(UserError) as err:
+        run(tmp_path / "whole", *args, f"train.resume={step2}", "model.dtype=float32")
+    assert str(err.value) == (f"resume: {step2} was made with different settings: engine.length_bucket: 0 in the "
+                              f"checkpoint, 128 now (auto on this device; with lora.dropout above 0 it decides the "
+                              f"dropout masks, drawn over the micro-batch's rows). {ckpt.RESUME_HINT}")
+
+
+def test_a_checkpoint_that_recorded_auto_compares_the_word(tmp_path, monkeypatch):
+    """Checkpoints from before the choice was recorded hold the word ``auto`` (model.dtype; with lora dropout also
+    engine.length_bucket and engine.kind): which device chose is unknown, so the word is compared with this run's,
+    as before; engine.kind's ``auto`` was the segmented engine's rows on every device, so ``segmented`` continues it."""
+    from dtrain.device import resolve_auto
+
+    on_device(monkeypatch, gpu=False)
+
+    def current(*overrides):  # (this run's settings, as its config spells them), as trainer.setup makes them
+        given = load_config(None, ["lora.dropout=0.1", "data.demo_pairs=1", *overrides])
+        return state_for(to_dict(resolve_auto(given)[0])), identity.settings(to_dict(given))
+
+    saved = state_for(to_dict(load_config(None, ["lora.dropout=0.1", "data.demo_pairs=1"])))
+    saved.settings.update({"model.dtype": "auto", "engine.length_bucket": "auto", "engine.kind": "auto"})
+    for overrides in ([], ["engine.kind=segmented"]):
+        state, spelled = current(*overrides)
+        ckpt.check_resumable(saved, state, [1, 2], tmp_path, spelled=spelled)
+    for override, was, now in (("model.dtype=float32", "'auto'", "'float32'"),
+                               ("engine.length_bucket=0", "'auto'", "0")):
+        state, spelled = current(override)
+        with pytest.raises(UserError) as err:
+            ckpt.check_resumable(saved, state, [1, 2], tmp_path, spelled=spelled)
+        assert str(err.value) == (f"resume: {tmp_path} was made with different settings: {override.split('=')[0]}: "
+                                  f"{was} in the checkpoint, {now} now"
+                                  + (" (with lora.dropout above 0 it decides the dropout masks, drawn over the "
+                                     "micro-batch's rows)" if "engine" in override else "") + f". {ckpt.RESUME_HINT}")

@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..distributed import AfterRank0Error
 from ..errors import TOO_DEEP, UserError
-from ..identity import BEFORE_KEY, REFUSED_WHEN
+from ..identity import BEFORE_KEY, FOLLOWS, REFUSED_WHEN, as_run
 from ..files import OutputDir, atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 from .lambda_control import LambdaState
@@ -69,7 +69,8 @@ class RunState:
     run to continue from the checkpoint: ``settings`` holds every config key
     that decides what is trained (:func:`dtrain.identity.settings`), ``data``
     the data files' sha256 and the sha256 of the training and held-out pairs'
-    token ids. ``schedule_steps`` is the ``train.steps`` the learning-rate
+    token ids; an ``auto`` value is held as the device resolved it
+    (``device.resolve_auto``). ``schedule_steps`` is the ``train.steps`` the learning-rate
     schedule was planned for when the run started; a resume keeps it.
     ``tensorboard_run`` is relative to the output folder, so a copied or
     moved folder logs into its own ``tb/``.
@@ -361,8 +362,13 @@ def _differs(name: str, saved, now) -> str:
     return f"{name}: {saved!r} in the checkpoint, {now!r} now"
 
 
+def _why(key: str, chose: set) -> str:
+    notes = ["auto on this device"] * (key in chose) + ([REFUSED_WHEN[key][0]] if key in REFUSED_WHEN else [])
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: Path,
-                    model_aliases: tuple = ()) -> None:
+                    model_aliases: tuple = (), spelled: Optional[dict] = None) -> None:
     """Refuse to continue ``saved`` when a field that decides what is trained changed.
 
     Args:
@@ -370,18 +376,25 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
         next_pairs: the pair indices this run's sampler gives step ``saved.step + 1``.
         model_aliases: other identities of this run's model (``LoadedModel.aliases``:
             what an earlier dtrain version recorded for it), accepted as ``current.model``.
+        spelled: ``current.settings`` as this run's config writes them, ``auto`` unresolved
+            (``identity.settings`` of the config before ``device.resolve_auto``); None: as ``current``'s.
     Raises:
         UserError: naming every changed key with both values.
     """
-    was = {**{k: v for k, v in BEFORE_KEY.items() if k in current.settings}, **saved.must_match()}
+    was = {**{k: v for k, v in BEFORE_KEY.items() if k in current.settings},
+           **{k: as_run(k, v) for k, v in saved.must_match().items()}}
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
     if saved.model in model_aliases:
         now["model.path"] = saved.model
+    chose = {k for k, v in (spelled or {}).items() if v != current.settings.get(k)}  # this device's `auto` choices
+    # a checkpoint that recorded the word (dtrain before 2026-12-07) chose on a device unknown here: compared as written
+    now.update({k: spelled[k] for k in chose if was.get(k) == "auto"})
     keys = [k for k in now if k in was or k not in REFUSED_WHEN] + [k for k in was if k not in now]
-    diffs = [_differs(k, was.get(k), now.get(k)) + (f" ({REFUSED_WHEN[k][0]})" if k in REFUSED_WHEN else "")
-             for k in keys if k in current.settings and was.get(k) != now.get(k)]
+    changed = [k for k in keys if was.get(k) != now.get(k)]
+    diffs = [_differs(k, was.get(k), now.get(k)) + _why(k, chose) for k in changed
+             if k in current.settings and not (k in chose and FOLLOWS.get(k) in changed)]
     if not diffs:  # what the settings decide (pairs, shapes) differs only when they do, or the content does
-        diffs = [_differs(k, was.get(k), now.get(k)) for k in keys if was.get(k) != now.get(k)]
+        diffs = [_differs(k, was.get(k), now.get(k)) for k in changed]
     if not diffs and saved.position.get("next_pairs") != next_pairs:
         diffs.append(f"the sampler's pairs for step {saved.step + 1}: {saved.position.get('next_pairs')} in the "
                      f"checkpoint, {next_pairs} now (a dtrain version with another sampler?)")
@@ -405,7 +418,8 @@ def _zeros(spec: dict) -> dict:
 
 
 def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Callable[[int], list], group,
-           report: Callable[[str], None] = print, model_aliases: tuple = ()) -> Optional[Checkpoint]:
+           report: Callable[[str], None] = print, model_aliases: tuple = (),
+           spelled: Optional[dict] = None) -> Optional[Checkpoint]:
     """Continue a run: find, validate and check a checkpoint, and give it to every rank.
 
     Rank 0 alone reads checkpoints: it finds the one ``spec`` names (``auto``:
@@ -424,6 +438,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
         group: the process group.
         report: where rank 0 reports skipped checkpoints.
         model_aliases: see :func:`check_resumable`; the continued state keeps the identity it holds.
+        spelled: see :func:`check_resumable`.
     Returns:
         The checkpoint continued (``adapter``/``optimizer`` on every rank; ``best`` on rank 0 only), or
         None to start at step 1 (no ``spec``, or ``auto`` found none).
@@ -441,7 +456,7 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
                 report(f"train.resume auto: no checkpoint in {root}; this run starts at step 1")
             else:
                 found = load_checkpoint(path)
-                check_resumable(found.state, current, next_pairs(found.state.step + 1), path, model_aliases)
+                check_resumable(found.state, current, next_pairs(found.state.step + 1), path, model_aliases, spelled)
                 others = [p.name for p in list_checkpoints(root) if run_id_of(p) not in (None, found.state.run_id)]
                 if others:
                     raise UserError(f"{root} also holds checkpoints of another run ({', '.join(others)}); resuming "

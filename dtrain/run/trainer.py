@@ -269,7 +269,9 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     if notice and (replaced := replaced_by_adapter(own_lora, cfg.lora)):
         notice(f"train.init_adapter {cfg.train.init_adapter} sets the LoRA's shape: {', '.join(replaced)} "
                "(the adapter's values are trained, not the config's)")
+    spelled = settings(to_dict(cfg))  # `auto` as written, which a checkpoint that recorded the word compares
     chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
+    ran = settings(to_dict(chosen), to_dict(resolve_auto(Config())[0]))  # what a resume compares: the choices
     cfg = replace(cfg, lora=chosen.lora)  # the LoRA product's dtype, as the run's settings and checkpoints record it
     t = cfg.train
     mx.random.seed(t.seed)
@@ -307,7 +309,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                       "initial adapter": init_adapter})
     for line in steering_notices(cfg, steering, len(valid), len(dataset.valid)) if notice else ():
         notice(line)
-    state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=settings(resolved),
+    state = ckpt.RunState(step=0, skipped_steps=0, run_id=ckpt.new_run_id(), settings=ran,
                           schedule_steps=t.steps, world_size=group.size,
                           data=data,
                           model=loaded.identity, lora_shapes=lora_shapes, init_adapter=init_adapter)
@@ -324,7 +326,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             cleanup.callback(lock.release)
         # a resume is checked (and refused) before the run writes its caches or computes DPO's reference
         resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              group, report=notice, model_aliases=loaded.aliases)
+                              group, report=notice, model_aliases=loaded.aliases, spelled=spelled)
         if resumed is not None and resumed.state.step > t.steps:
             raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
                             f"raise train.steps to continue it")
