@@ -220,6 +220,13 @@ def test_early_stop_after_n_evaluations_without_a_new_best(tmp_path, scripted):
     assert again.early_stopped and again.steps == 4 and again.history == []
 
 
+def test_an_early_stop_after_one_evaluation_says_one_evaluation(tmp_path, scripted, capsys):
+    """train.early_stop_evals 1: step 3 ties step 2's accuracy. The notice said '1 evaluations without a new best'."""
+    result = run(tmp_path, f"train.keep_best={ACC}", "train.early_stop_evals=1")
+    assert result.early_stopped and result.steps == 3
+    assert f"step 3: 1 evaluation without a new best {ACC}; stopping early" in capsys.readouterr().err.splitlines()
+
+
 def best_texts(run_dir) -> list:
     return [(e.step, v.tensor.string_val[0].decode()) for e in read_events(run_dir) for v in e.summary.value
             if v.tag.startswith("best") and v.HasField("tensor")]

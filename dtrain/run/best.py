@@ -85,7 +85,8 @@ def describe(pick: Pick, metric: str, early_stop: Optional[int] = None) -> str:
 
 def no_new_best(t) -> str:
     """Why ``train.early_stop_evals`` ends a run (``t``: the ``train`` config section)."""
-    return f"{t.early_stop_evals} evaluations without a new best {t.keep_best}"
+    n = t.early_stop_evals
+    return f"{n} evaluation{'s' if n != 1 else ''} without a new best {t.keep_best}"
 
 
 class BestAdapter:
