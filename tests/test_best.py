@@ -227,6 +227,17 @@ def test_an_early_stop_after_one_evaluation_says_one_evaluation(tmp_path, script
     assert f"step 3: 1 evaluation without a new best {ACC}; stopping early" in capsys.readouterr().err.splitlines()
 
 
+def test_the_best_text_says_so_when_no_step_qualified(tmp_path, scripted):
+    """No evaluation reports eval/nll_loss (NaN to the pick): adapters/ holds the last step, as the summary
+    says; TensorBoard had no `best` text at all, though it reads as the summary's end for a kept step."""
+    result = run(tmp_path, "train.keep_best=eval/nll_loss")
+    assert result.best.step is None and result.summary().endswith(
+        "; no evaluated step qualified for train.keep_best; adapters/ holds the last step")
+    assert best_texts(result.run_dir) == [(6, "no evaluated step qualified for train.keep_best; adapters/ holds "
+                                              "the last step")]
+    assert same(weights(tmp_path / "adapters"), weights(tmp_path / "checkpoints" / "step-0000006"))
+
+
 def best_texts(run_dir) -> list:
     return [(e.step, v.tensor.string_val[0].decode()) for e in read_events(run_dir) for v in e.summary.value
             if v.tag.startswith("best") and v.HasField("tensor")]

@@ -153,8 +153,9 @@ def last_and_best(run, last_dir) -> Optional[dict]:
 
 
 def log_kept(run, step: int) -> None:
-    """The ``best`` TensorBoard text naming the kept step, at the run's last ``step``: written with its final
-    record (``trainer.log_hparams``), so a resume of the finished run, which writes no record, adds none."""
+    """The ``best`` TensorBoard text naming the kept step (or that none qualified), at the run's last ``step``:
+    written with its final record (``trainer.log_hparams``), so a resume of the finished run, which writes no
+    record, adds none."""
     pick = run.result.best
-    if pick is not None and pick.step is not None:
+    if pick is not None:
         run.log.text("best", describe(pick, run.cfg.train.keep_best, step if run.result.early_stopped else None), step)
