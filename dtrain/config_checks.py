@@ -233,10 +233,12 @@ def check_rules(cfg: Config, source: str, need_data: bool = True) -> None:
                         f"remove it")
     if t.keep_best_guard is not None and t.keep_best is None:
         problems.append(f"'train.keep_best_guard' ({t.keep_best_guard}) needs 'train.keep_best' (it is off): "
-                        f"the guard only filters the steps keep_best chooses from")
+                        f"the guard only filters the steps keep_best chooses from; with keep_best off, unset it too "
+                        f"(--train.keep_best_guard null)")
     if t.early_stop_evals and t.keep_best is None:
         problems.append(f"'train.early_stop_evals' ({t.early_stop_evals}) needs 'train.keep_best' "
-                        f"(it is off): the stop keeps the best step")
+                        f"(it is off): the stop keeps the best step; with keep_best off, set it to 0 too "
+                        f"(--train.early_stop_evals 0)")
     if need_data and cfg.data.train is None and cfg.data.demo_pairs <= 0:
         problems.append("set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 for "
                         "generated pairs")

@@ -452,7 +452,17 @@ def test_keep_best_guard_without_keep_best_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.demo_pairs=4", "train.keep_best_guard=0.1"])
     assert str(err.value) == ("command line: 'train.keep_best_guard' (0.1) needs 'train.keep_best' (it is off): "
-                              "the guard only filters the steps keep_best chooses from")
+                              "the guard only filters the steps keep_best chooses from; with keep_best off, unset it "
+                              "too (--train.keep_best_guard null)")
+    # configs/preference.yaml with keep_best turned off said only that the guard needs it, not how to turn it off
+    with pytest.raises(ConfigError) as err:
+        load_config(str(ROOT / "configs" / "preference.yaml"), ["train.keep_best=null", "train.early_stop_evals=2"])
+    assert [x.split("(it is off): ")[1] for x in str(err.value).splitlines()[1:]] == [
+        "the guard only filters the steps keep_best chooses from; with keep_best off, unset it too "
+        "(--train.keep_best_guard null)",
+        "the stop keeps the best step; with keep_best off, set it to 0 too (--train.early_stop_evals 0)"]
+    cfg = load_config(str(ROOT / "configs" / "preference.yaml"), ["train.keep_best=null", "train.keep_best_guard=null"])
+    assert (cfg.train.keep_best, cfg.train.keep_best_guard) == (None, None)
 
 
 def test_steering_by_a_handful_of_held_out_pairs_gets_a_notice(tmp_path, capsys):
