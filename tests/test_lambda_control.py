@@ -140,6 +140,24 @@ def test_lambda_stays_in_band_and_state_survives_json(law):
     assert phases == {"hold", "ramp", "back_off", "stopped"}
 
 
+def test_the_hard_stop_says_why_and_that_training_goes_on():
+    """The hard stop logged 'lambda controller ramp -> stopped, lambda 0.05', readable as the run stopping."""
+    from dtrain.run.lambda_control import phase_message
+
+    was = LambdaState(lam=0.2, phase="ramp", start=-1.5, recent=[-1.5, -1.6])
+    fell = replace(was, phase="stopped", lam=0.05, recent=[-1.6, -2.75])
+    assert phase_message(7, was, fell, 1.0) == (
+        "step 7: lambda controller ramp -> stopped, lambda 0.05 (eval/logps/chosen -2.75 fell more than "
+        "orpo.lambda_stop_drop 1 below its first evaluation's -1.5): lambda stays 0.05 for the rest of the run; "
+        "training goes on")
+    nan = replace(fell, recent=[-1.6, float("nan")])
+    assert phase_message(7, was, nan, 1.0).startswith("step 7: lambda controller ramp -> stopped, lambda 0.05 "
+                                                      "(eval/logps/chosen nan is not finite): lambda stays 0.05")
+    ramp = replace(was, phase="ramp", lam=0.25)
+    assert phase_message(3, replace(was, phase="hold"), ramp, 1.0) == (
+        "step 3: lambda controller hold -> ramp, lambda 0.25")
+
+
 def test_knobs_from_config():
     from dtrain.config import load_config
 

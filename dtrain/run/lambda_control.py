@@ -202,4 +202,16 @@ def steer(run, step: int) -> None:
     run.state.lambda_control = now.to_dict()
     run.step.hyper = hyper(orpo, run.state.lambda_control, run.step.hyper)
     if now.phase != was.phase:
-        run.log.message(f"step {step}: lambda controller {was.phase} -> {now.phase}, lambda {now.lam:.4g}")
+        run.log.message(phase_message(step, was, now, orpo.lambda_stop_drop))
+
+
+def phase_message(step: int, was: LambdaState, now: LambdaState, stop_drop: float) -> str:
+    """The line a phase change writes; the hard stop says why, and that it is λ's, not the run's."""
+    line = f"step {step}: lambda controller {was.phase} -> {now.phase}, lambda {now.lam:.4g}"
+    if now.phase != "stopped":
+        return line
+    seen = now.recent[-1]
+    why = (f"eval/logps/chosen {seen:.4g} is not finite" if not math.isfinite(seen) else
+           f"eval/logps/chosen {seen:.4g} fell more than orpo.lambda_stop_drop {stop_drop:g} below its first "
+           f"evaluation's {now.start:.4g}")
+    return f"{line} ({why}): lambda stays {now.lam:.4g} for the rest of the run; training goes on"
