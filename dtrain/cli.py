@@ -130,7 +130,7 @@ def _data_check(args, overrides) -> int:
     # called 2024 or null); a config's demo pairs do not apply
     cfg = load_config(args.config, overrides, values={"data.train": args.file, "data.demo_pairs": 0})
     _setup_blas()
-    from .data import check_file
+    from .data import check_file, held_out_source
     from .models import load_model
     from .run.held_out import held_out_steering
     from .sampler import for_run
@@ -147,6 +147,9 @@ def _data_check(args, overrides) -> int:
                 "(training would stop; see the rows listed above)")
     elif not train_pairs:
         stop = (f"{args.file}: no usable {example_noun(cfg.objective.kind)}s (training would stop; see the rows "
+                "listed above)")
+    elif not held_out and (held := held_out_source(cfg.data, args.file)) is not None:
+        stop = (f"no usable held-out {example_noun(cfg.objective.kind)}s in {held} (training would stop; see the rows "
                 "listed above)")
     elif cfg.objective.kind != "sft":
         refuse_single_completions((*train_pairs, *held_out), cfg.objective.kind, args.file)

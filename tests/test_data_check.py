@@ -459,22 +459,22 @@ def test_cli_held_out_source_is_checked_as_training_reads_it(tmp_path, model_dir
     write_jsonl(folder / "train.jsonl", ROWS[:1] * 2)
     valid = write_jsonl(folder / "valid.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "a"}, ROWS[4]])
     args = ["data", "check", str(folder), "--model.path", str(model_dir), "--train.global_batch_pairs", "1"]
-    assert main(args) == 0
-    out = capsys.readouterr().out
+    assert main(args) == 1  # training stops: held-out rows given, none usable (it exited 0 while training went on)
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if line.startswith("dtrain: error:")] == [
+        f"dtrain: error: no usable held-out pairs in {valid} (training would stop; see the rows listed above)"]
     assert out.splitlines()[0] == f"{folder}: 2 rows, 2 usable, 0 bad, 0 dropped"
     assert (f"held out: {valid}: 2 rows, 0 usable, 1 bad, 1 dropped\n"
             "1 of 2 rows skipped (bad rows):\n"
             f"  {valid}:2: missing field 'rejected'\n"
             "1 of 2 rows dropped (1 same text):\n"
             f"  {valid}:1: same text: chosen and rejected are identical") in out
-    assert main(args + ["--train.keep_best", "eval/loss", "--train.eval_every", "1"]) == 1
-    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("dtrain: error:")] == [
-        f"dtrain: error: train.keep_best needs held-out pairs, and this run has none: {valid} (an mlx-lm data "
-        "folder's) gives no usable pairs: add pairs to it, or set data.valid (or turn it off) (training would stop)"]
     assert main(args + ["--data.on_bad_row", "error"]) == 1
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("dtrain: error:")] == [
         f"dtrain: error: {folder}: 1 bad row(s) and data.on_bad_row is 'error' "
         "(training would stop; see the rows listed above)"]
+    write_jsonl(folder / "valid.jsonl", ROWS[:1])
+    assert main(args) == 0
 
 
 def test_data_check_help_says_it_takes_overrides_and_when_it_exits_1(capsys):

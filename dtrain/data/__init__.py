@@ -92,6 +92,18 @@ class Dataset:
     messages: bool = False
 
 
+def held_out_source(cfg, train: str) -> Optional[str]:
+    """Where the held-out rows of ``train`` come from when they have a source of their own (``cfg``: a
+    DataConfig): ``data.valid``, ``data.valid_split S of TRAIN``, an mlx-lm folder's ``valid.jsonl``; None:
+    split off by ``data.valid_fraction`` (:func:`.sources.resolve_pair`'s order)."""
+    if cfg.valid is not None:
+        return cfg.valid
+    if cfg.valid_split is not None:
+        return f"data.valid_split {cfg.valid_split} of {train}"
+    mlx = mlx_valid(train)
+    return None if mlx is None else str(mlx)
+
+
 def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], None]] = print,
                  cache_dir: Optional[Path] = None, pairwise: bool = True, progress: bool = True) -> Dataset:
     """Load, split and tokenize the data described by ``cfg`` (a DataConfig).
@@ -151,9 +163,8 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     if valid_src is not None and not valid:  # held-out rows given, none usable: not a run without evaluation
         held = held_report.merge(valid_report)
         why = f": {held.dropped_kinds()}" if held.dropped else ""
-        where = (cfg.valid if cfg.valid is not None else f"data.valid_split {cfg.valid_split} of {cfg.train}"
-                 if cfg.valid_split is not None else mlx_valid(cfg.train))
-        raise DataError(f"no usable held-out {noun}s in {where} ({len(held.bad)} bad rows, {len(held.dropped)} "
+        raise DataError(f"no usable held-out {noun}s in {held_out_source(cfg, cfg.train)} ({len(held.bad)} bad rows, "
+                        f"{len(held.dropped)} "
                         f"dropped{why}): fix its rows (dtrain data check lists them), or give other held-out {noun}s")
     prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,

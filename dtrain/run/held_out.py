@@ -4,7 +4,6 @@ rarely evaluated to steer by (``train.keep_best``, ``orpo.lambda_schedule: adapt
 from __future__ import annotations
 
 from ..config import Config
-from ..data.sources import mlx_valid
 from ..errors import UserError
 from ..types import example_noun
 from .best import REPORTED
@@ -30,17 +29,9 @@ def held_out_steering(cfg: Config, train_pairs: int, held_out_pairs: int) -> lis
 
 
 def _no_held_out_fix(d, train_pairs: int, noun: str) -> str:
-    """What to change when the held-out pairs' source (``d``: a DataConfig) gave none, as load_dataset reads it
-    (``noun``: what the examples are called, pair or sft's row)."""
-    mlx = mlx_valid(d.train) if d.train is not None else None  # None with demo pairs (data.train unset)
-    if d.valid is not None:  # with demo pairs, it and valid_split are refused by the config
-        return (f"data.valid {d.valid} gives no usable {noun}s: fix its rows (dtrain data check lists them) or set "
-                f"data.valid to other {noun}s")
-    if d.valid_split is not None:
-        return (f"data.valid_split {d.valid_split} of {d.train} gives no usable {noun}s: set data.valid_split to a "
-                f"split with {noun}s, or data.valid")
-    if mlx is not None:
-        return f"{mlx} (an mlx-lm data folder's) gives no usable {noun}s: add {noun}s to it, or set data.valid"
+    """What to change when ``data.valid_fraction`` (``d``: a DataConfig) held out none of ``train_pairs``
+    (``noun``: what the examples are called, pair or sft's row). A held-out source of its own that gives
+    none stops the run before (``data.load_dataset``)."""
     if d.valid_fraction > 0:  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
         return (f"data.valid_fraction {d.valid_fraction} of {train_pairs} {noun}s gives none: set data.valid or add "
                 f"{noun}s")
