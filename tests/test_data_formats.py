@@ -528,6 +528,23 @@ def test_conversational_text_prompt_repeated_in_the_messages_is_not_trained_twic
     assert (row.prompt, row.chosen, row.rejected) == ([{"role": "user", "content": "Q"}], "x", "y")
 
 
+def test_a_response_that_opens_with_another_turn_is_a_bad_row():
+    """A response opening with a user turn before the assistant's (``prompt: [u]``, ``chosen: [u2, a]``) was
+    trained as the model's turn, the prompt as trained ending inside the next turn's header
+    (``<|im_start|>``); TRL refuses it (its prompt + completion does not start with its generation prompt)."""
+    u, u2 = {"role": "user", "content": "Q"}, {"role": "user", "content": "Q2"}
+    a, b = {"role": "assistant", "content": "A"}, {"role": "assistant", "content": "B"}
+    items = [({"prompt": [u], "chosen": [u2, a], "rejected": [b]}, "conversational",
+              "'chosen' opens with a 'user' message: a response is the model's turn, written after the prompt"),
+             ({"prompt": "Q", "chosen": [u, a], "rejected": [b]}, "conversational",
+              "'chosen' opens with a 'user' message: a response is the model's turn, written after the prompt"),
+             ({"prompt": [u], "completion": [{"role": "system", "content": "S"}, a]}, "prompt_completion",
+              "'completion' opens with a 'system' message: a response is the model's turn, written after the prompt")]
+    for obj, fmt, reason in items:
+        rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(format=fmt), "f.jsonl")
+        assert rows == [] and report.bad == [("f.jsonl:1", reason)]
+
+
 def test_a_jsonl_file_whose_first_row_is_a_list_is_read_line_by_line(tmp_path):
     """A JSONL file opening with ``[1, 2]`` was read as one JSON array and stopped ('invalid JSON array:
     Extra data'); its lines are rows, the list a bad row."""

@@ -10,6 +10,7 @@ one bad row):
   ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
   common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
   a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does).
+  A response opens with the assistant's message.
 - ``transcript``: ``chosen``/``rejected`` strings only, e.g. Anthropic HH
   (``\\n\\nHuman: … \\n\\nAssistant: …``); the prompt is the longest common
   prefix of both sides that ends at an ``Assistant:`` turn marker.
@@ -344,13 +345,16 @@ def _text_parts(parts: list, label: str) -> str:
 
 
 def _response(msgs: list, label: str) -> Union[str, list]:
-    """A completion as text when it is one assistant message, else messages (at least one the assistant's)."""
+    """A completion as text when it is one assistant message, else messages (the first the assistant's)."""
     if not msgs or not any(m["content"].strip() for m in msgs):
         raise BadRow(f"empty response in {label!r}")
     if not any(m["role"] == "assistant" for m in msgs):
         roles = ", ".join(dict.fromkeys(m["role"] for m in msgs))
         raise BadRow(f"{label!r} has no assistant message (roles: {roles}): a response is the model's turn")
-    if len(msgs) == 1 and msgs[0]["role"] == "assistant":
+    if msgs[0]["role"] != "assistant":  # trained as the model's, the prompt as trained ending in its header
+        raise BadRow(f"{label!r} opens with a {msgs[0]['role']!r} message: a response is the model's turn, written "
+                     f"after the prompt")
+    if len(msgs) == 1:
         return msgs[0]["content"]
     return msgs
 
