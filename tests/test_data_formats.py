@@ -528,6 +528,21 @@ def test_conversational_text_prompt_repeated_in_the_messages_is_not_trained_twic
     assert (row.prompt, row.chosen, row.rejected) == ([{"role": "user", "content": "Q"}], "x", "y")
 
 
+def test_a_message_prompt_both_sides_repeat_is_not_trained_twice(tmp_path):
+    """A message-list ``prompt`` beside ``chosen``/``rejected`` lists that hold the whole conversation (each opens
+    with the prompt's messages) was a bad row ("'chosen' opens with a 'system' message"; TRL refuses it too, its
+    prompt + completion not starting with its prompt). The prompt is the messages' shared prefix, as it is
+    beside a text copy of the prompt."""
+    s, u = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What color is the sky?"}
+    a, b = {"role": "assistant", "content": "Blue."}, {"role": "assistant", "content": "Green."}
+    for prompt in ([s, u], []):
+        row = one_row(tmp_path, {"prompt": prompt, "chosen": [s, u, a], "rejected": [s, u, b]})
+        assert (row.prompt, row.chosen, row.rejected, row.rejected_prompt) == ([s, u], "Blue.", "Green.", None)
+    # a prompt in front of replies alone is still their prompt
+    row = one_row(tmp_path, {"prompt": [s, u], "chosen": [a], "rejected": [b]})
+    assert (row.prompt, row.chosen, row.rejected) == ([s, u], "Blue.", "Green.")
+
+
 def test_a_response_that_opens_with_another_turn_is_a_bad_row():
     """A response opening with a user turn before the assistant's (``prompt: [u]``, ``chosen: [u2, a]``) was
     trained as the model's turn, the prompt as trained ending inside the next turn's header

@@ -9,8 +9,8 @@ one bad row):
 - ``conversational``: TRL conversational preference, message lists
   ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
   common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
-  a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does).
-  A response opens with the assistant's message.
+  a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does, and so are
+  prompt messages both lists open with). A response opens with the assistant's message.
 - ``transcript``: ``chosen``/``rejected`` strings only, e.g. Anthropic HH
   (``\\n\\nHuman: … \\n\\nAssistant: …``); the prompt is the longest common
   prefix of both sides that ends at an ``Assistant:`` turn marker.
@@ -377,7 +377,9 @@ def _conversational(obj: dict, fields=None) -> Row:
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         prompt = _messages(_get({"prompt": prompt}, "prompt", list), "prompt")
-        return Row(prompt, _response(chosen, "chosen"), _response(rejected, "rejected"), _system(obj))
+        if chosen[:len(prompt)] != prompt or rejected[:len(prompt)] != prompt:
+            return Row(prompt, _response(chosen, "chosen"), _response(rejected, "rejected"), _system(obj))
+        # else both sides open with the prompt: they hold the whole conversation (TRL refuses the row)
     return _implicit_conversation(chosen, rejected, _system(obj))
 
 
