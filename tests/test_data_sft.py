@@ -433,3 +433,24 @@ def test_a_mapped_chosen_message_list_under_sft_reads_as_a_messages_row(tok, con
         single, _ = tokenize_rows(rows, tok, DataConfig())
         expected, _ = tokenize_rows(as_messages, tok, DataConfig())
         assert [(p.prompt, p.chosen) for p in single] == [(p.prompt, p.chosen) for p in expected]
+
+
+def test_sharegpt_conversations_rows_read_as_messages_rows():
+    """ShareGPT SFT rows, ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}`` (TRL's
+    SFTTrainer reads them: maybe_convert_to_chatml), were 'unknown row format' with hints that led nowhere
+    (``data.fields {messages: conversations}``: "messages[0] must be an object with string 'role' and 'content'";
+    ``data.format sharegpt``: "missing field 'chosen'"), and a file of one such row 'one JSON object holding 3
+    rows under 'conversations''. They are messages rows, speakers named as in ShareGPT preference rows."""
+    conv = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": Q}, {"from": "gpt", "value": "4"}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q},
+            {"role": "assistant", "content": "4"}]
+    assert detect_format({"conversations": conv}, None) == "messages"
+    rows, report = rows_of([{"conversations": conv, "id": "x1"}])
+    expected, _ = rows_of([{"messages": msgs}])
+    assert report.bad == [] and rows == expected
+    bad = [{"conversations": conv[:2]}, {"conversations": [conv[1], {"from": "tool", "value": "42"}, conv[2]]}]
+    rows, report = rows_of([{"conversations": conv}, *bad])
+    assert len(rows) == 1 and report.bad == [
+        ("f.jsonl:2", "'conversations' must end with an assistant message (the completion)"),
+        ("f.jsonl:3", "conversations[1]: unknown speaker 'tool' (known: human, user, gpt, assistant, chatgpt, model, "
+                      "system)")]

@@ -31,7 +31,7 @@ else the row is bad.
 Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None):
 
 - ``messages``: mlx-lm's ``chat`` and TRL's conversational language-modeling
-  rows, ``{"messages": [...]}``; the completion is the last message (an assistant
+  rows, ``{"messages": [...]}``, or ShareGPT's ``{"conversations": [{from, value}]}``; the completion is the last message (an assistant
   turn), the prompt the messages before it (mlx-lm's ``mask_prompt`` split; none
   for a lone assistant message, which TRL's SFTTrainer trains too).
 - ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
@@ -107,7 +107,7 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
         if isinstance(obj["chosen"], list) or isinstance(obj.get("prompt"), list):
             return "conversational"
         return "standard" if "prompt" in obj else "transcript"
-    if "messages" in obj:
+    if "messages" in obj or "conversations" in obj:  # conversations: ShareGPT's SFT rows
         return "messages"
     if "prompt" in obj and "completion" in obj:
         return "prompt_completion"
@@ -484,10 +484,13 @@ def _mapped(obj: dict, fields: Optional[dict]) -> Row:
 
 
 def _messages_row(obj: dict, fields=None) -> Row:
-    msgs = _messages(_get(obj, "messages", list), "messages")
+    key = "conversations" if "conversations" in obj and "messages" not in obj else "messages"
+    turns = _get(obj, key, list)
+    msgs = _messages(turns, key) if key == "messages" else [_sharegpt_message(t, f"{key}[{i}]")
+                                                            for i, t in enumerate(turns)]
     if not msgs or msgs[-1]["role"] != "assistant":
-        raise BadRow("'messages' must end with an assistant message (the completion)")
-    return Row(msgs[:-1], _response(msgs[-1:], "messages"), None, _system(obj))
+        raise BadRow(f"{key!r} must end with an assistant message (the completion)")
+    return Row(msgs[:-1], _response(msgs[-1:], key), None, _system(obj))
 
 
 def _prompt_completion(obj: dict, fields=None) -> Row:
