@@ -330,6 +330,19 @@ def test_a_json_object_holding_the_rows_under_a_key_is_named(tmp_path, obj, inde
         load_rows(str(path), DataConfig())
 
 
+def test_a_one_row_file_of_messages_under_an_unknown_key_is_not_rows_under_it(tmp_path):
+    """A file of one row whose only column holds its messages (``{"dialog": [{"role": "user", ...}, ...]}``) was
+    'one JSON object holding 2 rows under 'dialog' ... e.g. jq -c '.dialog[]'', which writes its messages as rows;
+    it is a row of an unknown format, whose message says how to map the column."""
+    msgs = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    path = tmp_path / "x.jsonl"
+    for turns in (msgs, [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]):
+        path.write_text(json.dumps({"dialog": turns}) + "\n")
+        with pytest.raises(DataError) as err:
+            load_rows(str(path), DataConfig())
+        assert str(err.value).startswith(f"{path}:1: unknown row format (keys of the first row: ['dialog'])")
+
+
 @pytest.mark.parametrize("encoding, name", [("utf-16", "UTF-16LE"), ("utf-16-le", "UTF-16LE"),
                                             ("utf-16-be", "UTF-16BE"), ("utf-32", "UTF-32LE"), ("utf-32-be", "UTF-32BE")])
 @pytest.mark.parametrize("text", ['{"prompt": "Q", "chosen": "a", "rejected": "b"}\r\n', '[{"prompt": "Q"}]'])

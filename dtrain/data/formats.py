@@ -118,11 +118,13 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
 
 def rows_under(obj, path: str) -> str:
     """What to say of a file that is one JSON object holding the rows under a key (``{"data": [rows]}``), or "":
-    the key's list of objects, when they are rows of a known format or the key is the object's only one."""
+    the key's list of objects, when they are rows of a known format or the key is the object's only one and
+    they are not messages (one row's turns: ``role``/``content``, ShareGPT's ``from``/``value``)."""
     if not isinstance(obj, dict):
         return ""
     key = next((k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
-                and (len(obj) == 1 or detect_format(v[0], None))), None)
+                and (detect_format(v[0], None) or len(obj) == 1 and not
+                     all({"role", "content"} <= set(x) or {"from", "value"} <= set(x) for x in v))), None)
     if key is None:
         return ""
     jq = f", e.g. jq -c '.{key}[]' {path}" if key.isidentifier() else ""
