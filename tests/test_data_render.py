@@ -102,6 +102,25 @@ def test_transcript_rendered_as_chat_turns_or_raw(tokenizer):
     assert (len(pair.prompt), len(pair.chosen), len(pair.rejected)) == (18, 3, 3)
 
 
+def test_a_transcript_prompt_in_its_own_column_is_rendered_as_its_turns(tokenizer):
+    """HH rows with the prompt apart (Dahoas/full-hh-rlhf, Dahoas/rm-static: ``prompt`` "\\n\\nHuman: ...
+    \\n\\nAssistant:", ``chosen`` " ...") were one user turn holding the markers ('user\\n\\n\\nHuman: What
+    is 2 + 2?\\n\\nAssistant:'), where the same conversation as chosen/rejected transcripts is its turns; it is
+    read as a transcript (raw text under prompt_template: raw, as before)."""
+    from dtrain.data.formats import parse_rows
+
+    multi = "\n\nHuman: hi\n\nAssistant: Hello.\n\nHuman: What is 2 + 2?\n\nAssistant:"
+    for prompt in (HH, multi, HH.lstrip() + " "):
+        split, joined = ({"prompt": prompt, "chosen": " 4", "rejected": " 5"},
+                         {"chosen": prompt.rstrip() + " 4", "rejected": prompt.rstrip() + " 5"})
+        (row,), _ = parse_rows([("f.jsonl:1", split)], DataConfig(), "f.jsonl")
+        (whole,), _ = parse_rows([("f.jsonl:1", joined)], DataConfig(), "f.jsonl")
+        for cfg in ({}, {"prompt_template": "raw"})[: 1 + (prompt != HH.lstrip() + " ")]:  # raw: text as written
+            a, b = one_pair(tokenizer, row, **cfg), one_pair(tokenizer, whole, **cfg)
+            assert (a.prompt, a.chosen, a.rejected) == (b.prompt, b.chosen, b.rejected), (prompt, cfg)
+    assert texts(tokenizer, one_pair(tokenizer, row)) == (CHAT_Q, "4<|im_end|>", "5<|im_end|>")
+
+
 def test_prompt_plus_response_is_the_whole_rendering(tokenizer):
     pair = one_pair(tokenizer, Row(Q, "4", "5"))
     whole = tokenizer.apply_chat_template([{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}],

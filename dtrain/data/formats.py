@@ -5,7 +5,8 @@ most of the first :data:`DETECT_ROWS` JSON objects have, so a bad first row is
 one bad row):
 
 - ``standard``: TRL standard preference, ``prompt``/``chosen``/``rejected``
-  strings (https://huggingface.co/docs/trl/dataset_formats#preference).
+  strings (https://huggingface.co/docs/trl/dataset_formats#preference); a prompt that is a
+  transcript (``Human: … \\n\\nAssistant:``) is read as one.
 - ``conversational``: TRL conversational preference, message lists
   ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
   common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
@@ -362,10 +363,13 @@ def _response(msgs: list, label: str) -> Union[str, list]:
 
 
 def _standard(obj: dict, fields=None) -> Row:
-    return Row(prompt=_get(obj, "prompt", str),
+    prompt = _get(obj, "prompt", str)
+    # an HH transcript with its prompt apart (Dahoas/full-hh-rlhf): its turns, as the same conversation in chosen/rejected
+    transcript = prompt.lstrip().startswith(HUMAN_MARKER.strip()) and prompt.rstrip().endswith(ASSISTANT_MARKER)
+    return Row(prompt=prompt,
                chosen=_text_response(_get(obj, "chosen", str), "chosen"),
                rejected=_text_response(_get(obj, "rejected", str), "rejected"),
-               system=_system(obj))
+               system=_system(obj), transcript=transcript)
 
 
 def _conversational(obj: dict, fields=None) -> Row:
