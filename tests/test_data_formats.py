@@ -95,10 +95,22 @@ def test_a_prompt_column_of_another_name_is_named_in_the_bad_row(tmp_path):
         "no shared prompt ending at an 'Assistant:' turn marker; name its prompt column with data.fields: "
         "{prompt: COLUMN} (text columns: question)"]
     rows, report = rows_of(tmp_path, [{"chosen": "a", "rejected": "b"}])
-    assert [r for _, r in report.bad] == ["no shared prompt ending at an 'Assistant:' turn marker"]
+    assert [r for _, r in report.bad] == [NO_PROMPT]
     row = one_row(tmp_path, {"system": "", "question": "Q", "chosen": "a", "rejected": "b"},
                   fields={"prompt": "question"})
     assert (row.prompt, row.chosen, row.rejected) == ("Q", "a", "b")
+
+
+NO_PROMPT = ("no shared prompt ending at an 'Assistant:' turn marker; rows of chosen and rejected text alone are "
+             "read as HH transcripts ('\\n\\nHuman: ... \\n\\nAssistant: ...'): give the prompt a 'prompt' column")
+
+
+def test_trl_implicit_prompt_text_rows_are_told_where_the_prompt_goes(tmp_path):
+    """TRL's standard preference rows with an implicit prompt (``{"chosen": "The sky is blue.", "rejected": "The sky
+    is green."}``, which TRL splits at their first differing character) were each 'no shared prompt ending at an
+    'Assistant:' turn marker', with no word of what dtrain reads or where the prompt goes."""
+    rows, report = rows_of(tmp_path, [{"chosen": "The sky is blue.", "rejected": "The sky is green."}])
+    assert rows == [] and [r for _, r in report.bad] == [NO_PROMPT]
 
 
 def test_an_empty_system_column_is_no_system_message(tmp_path):

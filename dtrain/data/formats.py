@@ -422,7 +422,9 @@ def _transcript(obj: dict, fields=None) -> Row:
         # e.g. Intel/orca_dpo_pairs' question/chosen/rejected: without a prompt key the row reads as a transcript
         others = [k for k, v in obj.items() if k not in FIELD_KEYS and isinstance(v, str)]
         hint = f"; name its prompt column with data.fields: {{prompt: COLUMN}} (text columns: {', '.join(others)})" \
-            if others else ""
+            if others else (f"; rows of chosen and rejected text alone are read as HH transcripts "
+                            f"({(HUMAN_MARKER + ' ... ' + ASSISTANT_MARKER + ' ...')!r}): give the prompt a 'prompt' "
+                            f"column")  # e.g. TRL's implicit-prompt text rows
         raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker{hint}")
     end = cut + len(ASSISTANT_MARKER)
     return Row(chosen[:end], _text_response(chosen[end:], "chosen"), _text_response(rejected[end:], "rejected"),
