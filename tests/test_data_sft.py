@@ -454,3 +454,18 @@ def test_sharegpt_conversations_rows_read_as_messages_rows():
         ("f.jsonl:2", "'conversations' must end with an assistant message (the completion)"),
         ("f.jsonl:3", "conversations[1]: unknown speaker 'tool' (known: human, user, gpt, assistant, chatgpt, model, "
                       "system)")]
+
+
+def test_a_text_side_beside_messages_is_one_turn_as_in_preference_rows():
+    """``{"prompt": "Q", "chosen": [assistant], "rejected": [assistant]}`` trains, but the row TRL's
+    unpair_preference_dataset makes of it, ``{"prompt": "Q", "completion": [assistant], "label": true}``, was
+    "field 'prompt' must be a list of messages, got string"; so was a text completion (or chosen) beside prompt
+    messages. The text side is one turn: a prompt the user's, a response the assistant's."""
+    u, a = {"role": "user", "content": Q}, {"role": "assistant", "content": "4"}
+    expected, _ = rows_of([{"prompt": [u], "completion": [a]}])
+    for obj in ({"prompt": Q, "completion": [a], "label": True}, {"prompt": Q, "completion": [a]},
+                {"prompt": [u], "completion": "4"}, {"prompt": [u], "chosen": "4", "rejected": "5"}):
+        rows, report = parse_rows([("f.jsonl:1", obj)], DataConfig(), "f.jsonl", pairwise=False)
+        assert report.bad == [] and rows == expected, obj
+    rows, report = parse_rows([("f.jsonl:1", {"prompt": [u], "chosen": "4", "rejected": "5"})], DataConfig(), "f.jsonl")
+    assert report.bad == [] and (rows[0].prompt, rows[0].chosen, rows[0].rejected) == ([u], "4", "5")

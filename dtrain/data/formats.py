@@ -11,7 +11,8 @@ one bad row):
   ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
   common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
   a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does, and so are
-  prompt messages both lists open with). A response opens with the assistant's message.
+  prompt messages both lists open with). A response opens with the assistant's message; a text
+  prompt or response beside messages is one turn (the user's, the assistant's).
 - ``transcript``: ``chosen``/``rejected`` strings only, e.g. Anthropic HH
   (``\\n\\nHuman: … \\n\\nAssistant: …``); the prompt is the longest common
   prefix of both sides that ends at an ``Assistant:`` turn marker.
@@ -36,7 +37,7 @@ Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None)
   turn), the prompt the messages before it (mlx-lm's ``mask_prompt`` split; none
   for a lone assistant message, which TRL's SFTTrainer trains too).
 - ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
-  rows, ``prompt``/``completion`` strings or message lists. With a boolean ``label`` (TRL's
+  rows, ``prompt``/``completion`` strings or message lists (a text beside messages: one turn). With a boolean ``label`` (TRL's
   unpaired KTO rows) a ``false`` row is dropped (``label false``), one written as text or 1/0
   is a bad row, and a pairwise objective refuses the file (:data:`UNPAIRED`).
 - ``text``: mlx-lm's ``text`` rows and TRL's language-modeling rows, ``{"text": ...}``:
@@ -372,17 +373,24 @@ def _standard(obj: dict, fields=None) -> Row:
                system=_system(obj), transcript=transcript)
 
 
+def _turns(obj: dict, key: str, role: str) -> list:
+    """``obj[key]``'s messages; a text beside message lists is one ``role`` turn."""
+    value = obj.get(key)
+    return _messages(_get({key: [{"role": role, "content": value}] if isinstance(value, str) else value}, key, list),
+                     key)
+
+
 def _conversational(obj: dict, fields=None) -> Row:
-    chosen = _messages(_get(obj, "chosen", list), "chosen")
-    rejected = _messages(_get(obj, "rejected", list), "rejected")
     prompt = obj.get("prompt")
+    if prompt is None:  # implicit: the prompt is the lists' shared prefix
+        chosen, rejected = (_messages(_get(obj, key, list), key) for key in ("chosen", "rejected"))
+    else:  # beside a prompt, a text response is one assistant turn
+        chosen, rejected = (_turns(obj, key, "assistant") for key in ("chosen", "rejected"))
     if isinstance(prompt, str) and chosen[:1] and rejected[:1] and "assistant" not in (
             chosen[0]["role"], rejected[0]["role"]):
         prompt = None  # a text copy of a prompt the messages hold (TRL maybe_extract_prompt)
     if prompt is not None:
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        prompt = _messages(_get({"prompt": prompt}, "prompt", list), "prompt")
+        prompt = _turns(obj, "prompt", "user")
         if chosen[:len(prompt)] != prompt or rejected[:len(prompt)] != prompt:
             return Row(prompt, _response(chosen, "chosen"), _response(rejected, "rejected"), _system(obj))
         # else both sides open with the prompt: they hold the whole conversation (TRL refuses the row)
@@ -504,9 +512,8 @@ def _messages_row(obj: dict, fields=None) -> Row:
 def _prompt_completion(obj: dict, fields=None) -> Row:
     prompt, completion = obj.get("prompt"), obj.get("completion")
     if isinstance(prompt, list) or isinstance(completion, list):
-        p = _messages(_get(obj, "prompt", list), "prompt")
-        c = _messages(_get(obj, "completion", list), "completion")
-        return Row(p, _response(c, "completion"), None, _system(obj))
+        c = _turns(obj, "completion", "assistant")
+        return Row(_turns(obj, "prompt", "user"), _response(c, "completion"), None, _system(obj))
     return Row(_get(obj, "prompt", str), _text_response(_get(obj, "completion", str), "completion"), None,
                _system(obj))
 
