@@ -240,6 +240,26 @@ def test_max_prompt_length_limits_the_prompt_as_trained_not_the_generation_promp
 LONG = Row("word " * 100 + "END", "ok", "no", system="You are terse.", source="f.jsonl:1")
 
 
+def test_a_long_conversation_is_cut_with_a_bisection_of_its_messages(monkeypatch):
+    """Each message emptied in turn was followed by a render of the whole conversation: a prompt of 64 turns
+    rendered it 64+ times (seconds per row at 80 long turns). The messages to empty are found by bisection, and
+    the cut is the same: the earliest turns emptied, the first kept one cut from the left, the rest whole."""
+    from dtrain.data.render import RowTokenizer
+
+    tok = style_tokenizer("chatml")
+    msgs = [{"role": "user" if t % 2 == 0 else "assistant", "content": f"turn{t} " + "x " * 20} for t in range(64)]
+    msgs.append({"role": "user", "content": "the question"})
+    calls = []
+    split = RowTokenizer._split
+    monkeypatch.setattr(RowTokenizer, "_split", lambda self, *a: calls.append(1) or split(self, *a))
+    pair = one_pair(tok, Row(msgs, "yes", "no"), max_prompt_length=600)
+    text = tok.decode(pair.prompt)
+    assert len(pair.prompt) <= 600 and text.endswith("<|im_start|>user\nthe question<|im_end|>\n<|im_start|>assistant\n")
+    kept = [t for t in range(64) if f"turn{t} " in text]
+    assert kept == list(range(kept[0], 64)) and kept[0] > 0 and f"<|im_start|>user\n<|im_end|>" in text
+    assert len(calls) <= 20  # 1 + 7 bisecting 64 messages + about 6 bisecting one message's tokens (it was 70+)
+
+
 def test_long_prompt_cut_in_content_keeps_system_and_headers(tokenizer):
     pair = one_pair(tokenizer, LONG, max_prompt_length=40)
     text = tokenizer.decode(pair.prompt)

@@ -420,30 +420,41 @@ class RowTokenizer:
         full = split[2]
         if full <= limit:
             return (msgs, *split, full)
+        original = msgs
         msgs = [dict(m) for m in msgs]
-        hf = hf_tokenizer(self.tokenizer)
-        for i, m in enumerate(msgs):
-            if m["role"] == "system" or not m["content"]:
-                continue
-            content = m["content"]
-            offsets = hf(content, add_special_tokens=False, return_offsets_mapping=True,
-                         split_special_tokens=True)["offset_mapping"]
-            starts = sorted({s for s, _ in offsets} | {len(content)})
+        cuttable = [i for i, m in enumerate(msgs) if m["role"] != "system" and m["content"]]
 
-            def cut(j):
-                msgs[i]["content"] = content[starts[j]:]
-                return self._split(r, msgs, responses)
+        def emptied(k):  # the first k cuttable messages emptied, the rest as given
+            for n, i in enumerate(cuttable):
+                msgs[i]["content"] = "" if n < k else original[i]["content"]
+            return self._split(r, msgs, responses)
 
-            lo, hi = 0, len(starts) - 1
-            split = cut(hi)
-            if split[2] > limit:
-                continue  # this message emptied; go on with the next one
-            while lo < hi:  # the fewest leading content tokens to remove
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if cut(mid)[2] <= limit else (mid + 1, hi)
-            return (msgs, *cut(hi), full)
-        raise Drop(f"prompt too long: the system message and the template's structure need {split[2]} tokens; "
-                   f"data.max_prompt_length={limit}")
+        # the fewest messages emptied from the left for the prompt to fit, by bisection (rendering all of them
+        # once per message made a long conversation quadratic); then the fewest leading tokens of the next one
+        split = emptied(len(cuttable))
+        lo, hi = 0, len(cuttable) - 1
+        if split[2] > limit:
+            raise Drop(f"prompt too long: the system message and the template's structure need {split[2]} tokens; "
+                       f"data.max_prompt_length={limit}")
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if emptied(mid + 1)[2] <= limit else (mid + 1, hi)
+        emptied(hi)  # messages before cuttable[hi] emptied; it is the one cut
+        i = cuttable[hi]
+        content = original[i]["content"]
+        offsets = hf_tokenizer(self.tokenizer)(content, add_special_tokens=False, return_offsets_mapping=True,
+                                               split_special_tokens=True)["offset_mapping"]
+        starts = sorted({s for s, _ in offsets} | {len(content)})
+
+        def cut(j):
+            msgs[i]["content"] = content[starts[j]:]
+            return self._split(r, msgs, responses)
+
+        lo, hi = 0, len(starts) - 1
+        while lo < hi:  # the fewest leading content tokens to remove
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if cut(mid)[2] <= limit else (mid + 1, hi)
+        return (msgs, *cut(hi), full)
 
     # -- one row -----------------------------------------------------------
     def __call__(self, row: Row) -> RowResult:
