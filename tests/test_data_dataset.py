@@ -98,7 +98,7 @@ def test_on_bad_row_error_raises_before_training(tmp_path, tokenizer):
         load_dataset(DataConfig(train=str(path), on_bad_row="error"), tokenizer, log=None)
     # the identical pair is read well and dropped (no preference signal), not a bad row; the stop skips nothing
     assert str(err.value) == (f"{path}:6: missing field 'rejected' (1 bad row(s); data.on_bad_row is 'error')\n"
-                              f"1 of 6 rows bad:\n  {path}:6: missing field 'rejected'")
+                              f"  1 of 6 rows bad:\n    {path}:6: missing field 'rejected'")
 
 
 def test_on_bad_row_error_stops_before_tokenizing(tmp_path):
@@ -112,7 +112,7 @@ def test_on_bad_row_error_stops_before_tokenizing(tmp_path):
     with pytest.raises(DataError) as err:
         load_dataset(DataConfig(train=path, on_bad_row="error"), Untouchable(), log=None)
     assert str(err.value) == (f"{path}:5: missing field 'rejected' (1 bad row(s); data.on_bad_row is 'error')\n"
-                              f"1 of 5 rows bad:\n  {path}:5: missing field 'rejected'")
+                              f"  1 of 5 rows bad:\n    {path}:5: missing field 'rejected'")
 
 
 def test_no_usable_pairs_is_an_error(tmp_path, tokenizer):

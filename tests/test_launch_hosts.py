@@ -827,6 +827,24 @@ def test_an_error_shown_once_keeps_a_ranks_own_problems(capsys):
         "dtrain: error: same\ndtrain: error: same\n  progress 3/4\n")
 
 
+def test_a_bad_row_stop_every_rank_met_is_shown_once(capsys, tmp_path):
+    """data.on_bad_row: error stops every rank with the same message: ``./launch -n 3`` showed its list of bad
+    rows three times ('1 of 3 rows bad:' was not indented, so it ended the error's block)."""
+    from dtrain.config import DataConfig
+    from dtrain.data import load_dataset
+    from dtrain.errors import DataError
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "Q", "chosen": "a", "rejected": "b"}\n{"prompt": "Q", "chosen": "a"}\n{oops\n')
+    with pytest.raises(DataError) as err:
+        load_dataset(DataConfig(train=str(path), on_bad_row="error"), None, log=None)
+    shown = f"dtrain: error: {err.value}\n".encode()
+    assert relayed(capsys, shown, shown, shown) == shown.decode() == (
+        f"dtrain: error: {path}:2: missing field 'rejected' (2 bad row(s); data.on_bad_row is 'error')\n"
+        f"  2 of 3 rows bad:\n    {path}:2: missing field 'rejected'\n"
+        f"    {path}:3: invalid JSON: Expecting property name enclosed in double quotes (column 2)\n")
+
+
 def test_no_report_hint_names_only_hosts_whose_rank_never_started(capsys):
     """A hostfile job whose rank 0 was killed at step 53: mlx.launch ends the other ranks' ssh sessions, so
     rank 1's report is lost, and the launcher told to check that `ssh mac2` logs in, which had run it for 53

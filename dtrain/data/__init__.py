@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -67,8 +68,9 @@ def _stop_on_bad_rows(report: BadRowReport, cfg) -> None:
     """Raises DataError naming the first bad row and listing them, under ``data.on_bad_row: error``."""
     if report.bad and cfg.on_bad_row == "error":
         first, why = report.bad[0]
-        raise DataError(f"{first}: {why} ({len(report.bad)} bad row(s); data.on_bad_row is 'error')\n"
-                        f"{BadRowReport(report.rows_read, report.bad).summary(bad='bad')}")
+        # indented: ./launch shows an error every rank meets once, with its indented lines
+        listed = textwrap.indent(BadRowReport(report.rows_read, report.bad).summary(bad="bad"), "  ")
+        raise DataError(f"{first}: {why} ({len(report.bad)} bad row(s); data.on_bad_row is 'error')\n{listed}")
 
 
 @dataclass
