@@ -568,6 +568,15 @@ def test_a_message_prompt_both_sides_repeat_is_not_trained_twice(tmp_path):
     assert (row.prompt, row.chosen, row.rejected) == ([s, u], "Blue.", "Green.")
 
 
+def test_an_empty_message_prompt_before_replies_alone_is_their_prompt(tmp_path):
+    """``{prompt: [], chosen: [assistant], rejected: [assistant]}`` trained (the responses after the generation
+    header alone, as sft still reads it), then read as lists holding the whole conversation, every such row
+    bad: "no shared prompt: 'chosen' and 'rejected' start with an assistant message"."""
+    a, b = {"role": "assistant", "content": "Blue."}, {"role": "assistant", "content": "Green."}
+    row = one_row(tmp_path, {"prompt": [], "chosen": [a], "rejected": [b]})
+    assert (row.prompt, row.chosen, row.rejected) == ([], "Blue.", "Green.")
+
+
 def test_a_response_that_opens_with_another_turn_is_a_bad_row():
     """A response opening with a user turn before the assistant's (``prompt: [u]``, ``chosen: [u2, a]``) was
     trained as the model's turn, the prompt as trained ending inside the next turn's header

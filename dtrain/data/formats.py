@@ -391,7 +391,10 @@ def _conversational(obj: dict, fields=None) -> Row:
         prompt = None  # a text copy of a prompt the messages hold (TRL maybe_extract_prompt)
     if prompt is not None:
         prompt = _turns(obj, "prompt", "user")
-        if chosen[:len(prompt)] != prompt or rejected[:len(prompt)] != prompt:
+        held = chosen[:len(prompt)] == prompt and rejected[:len(prompt)] == prompt
+        # an empty prompt before the model's replies is their prompt, not lists that hold the conversation
+        replies = not prompt and any(side[:1] and side[0]["role"] == "assistant" for side in (chosen, rejected))
+        if not held or replies:
             return Row(prompt, _response(chosen, "chosen"), _response(rejected, "rejected"), _system(obj))
         # else both sides open with the prompt: they hold the whole conversation (TRL refuses the row)
     return _implicit_conversation(chosen, rejected, _system(obj))
