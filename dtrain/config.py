@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -486,10 +487,14 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
             raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}"
                               f"{data}")
         for section, keys in raw.items():
-            _check_section(str(section), path)  # before its value: a flat file's keys are not sections
+            try:  # a data file's row (one-row JSONL) or rows under a key ({"data": [...]}) read as a mapping too
+                _check_section(str(section), path)  # before its value: a flat file's keys are not sections
+            except ConfigError as err:
+                raise ConfigError(f"{err}{data}") from None
             keys = {} if keys is None else keys  # a section whose keys are all commented out
-            if not isinstance(keys, dict):
-                raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {keys!r}")
+            if not isinstance(keys, dict):  # reprlib: a few of a data file's rows, not the file
+                raise ConfigError(f"{path}: section '{section}' must be a mapping of keys, got {reprlib.repr(keys)}"
+                                  f"{data}")
             for key, value in keys.items():
                 _apply(cfg, str(section), str(key), value, path)
     for item in overrides or []:

@@ -1,6 +1,7 @@
 """Config loading, the demo config, and the README/CI contract."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -370,6 +371,14 @@ DATA_FILE = "a data file? the config is a YAML file: give the data as data.train
     ("pairs.json", '[{"prompt": "a", "chosen": "b", "rejected": "c"}]', "expected a mapping of sections at the top "
                                                                         f"level, got list; {DATA_FILE}"),
     ("pairs.JSONL.gz", "\x1f\x8b\x08\x00\xff", f"not UTF-8 text (invalid start byte at byte 1); {DATA_FILE}"),
+    # a file of one row reads as a mapping: its columns are no sections
+    ("pairs.jsonl", '{"prompt": "a", "chosen": "b", "rejected": "c"}\n', "unknown section 'prompt' (known: data, "
+                                                                      "distributed, engine, lora, model, objective, "
+                                                                      f"orpo, train); {DATA_FILE}"),
+    # rows under a key that is a section's name (json.dump({'data': rows})): a few shown, not the file
+    ("pairs.json", json.dumps({"data": [{"prompt": "a" * 50}] * 1000}), "section 'data' must be a mapping of keys, "
+                                                                        "got [" + "{'prompt': 'aaaaaaaaaaaa...aaaaaaaaaaaaa'}, " * 6
+                                                                        + f"...]; {DATA_FILE}"),
 ])
 def test_a_data_file_given_as_the_config_is_one_line_naming_it(tmp_path, name, text, message):
     """``dtrain data check -c pairs.jsonl CONFIG`` (the two swapped) said 'invalid YAML: unacceptable character
