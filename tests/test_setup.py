@@ -105,12 +105,16 @@ def test_help_and_an_unknown_extra_install_nothing(tmp_path):
     assert "Python >= 3.10" in r.stdout and "set -euo" not in r.stdout
     for args, error in ((("dve",), "setup: error: unknown extra 'dve' (known: mpi, hf, dev, bench)"),
                         (("dev,mpi,gpu",), "setup: error: unknown extra 'gpu' (known: mpi, hf, dev, bench)"),
-                        (("dev", "mpi"), "setup: error: give the extras as one argument, e.g. ./setup dev,mpi")):
+                        (("dev", "mpi"), "setup: error: give the extras as one argument, e.g. ./setup dev,mpi"),
+                        # known names, yet no list pip reads: its parse error after apt-get and a new .venv
+                        *(((bad,), f"setup: error: give the extras as names joined by commas, e.g. ./setup dev,mpi "
+                                   f"(got '{bad}')") for bad in ("dev mpi", "dev,", ",", "dev,,mpi", "d*"))):
         r = run_setup(repo, *args)
         assert (r.returncode, r.stdout.strip()) == (1, error), r.stderr
     assert not (tmp_path / "venv-calls").exists()  # pip never ran
     assert run_setup(repo, "dev,mpi").returncode == 0
     assert (tmp_path / "venv-calls").read_text().splitlines()[0].endswith("-e .[dev,mpi]")
+    assert run_setup(repo, "dev, mpi").returncode == 0  # pip reads spaces after the commas
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
