@@ -256,7 +256,7 @@ def test_a_long_conversation_is_cut_with_a_bisection_of_its_messages(monkeypatch
     text = tok.decode(pair.prompt)
     assert len(pair.prompt) <= 600 and text.endswith("<|im_start|>user\nthe question<|im_end|>\n<|im_start|>assistant\n")
     kept = [t for t in range(64) if f"turn{t} " in text]
-    assert kept == list(range(kept[0], 64)) and kept[0] > 0 and f"<|im_start|>user\n<|im_end|>" in text
+    assert kept == list(range(kept[0], 64)) and kept[0] > 0 and "<|im_start|>user\n<|im_end|>" in text
     assert len(calls) <= 20  # 1 + 7 bisecting 64 messages + about 6 bisecting one message's tokens (it was 70+)
 
 
