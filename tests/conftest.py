@@ -20,6 +20,19 @@ BLAS = setup()  # before any test module imports MLX: the fastest correct BLAS (
 # after tests/ on the path, and the only bench/ modules a test imports (test_bench_surface.py)
 sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
 os.environ[SESSION_VAR] = uuid.uuid4().hex  # inherited by every child: marks processes of this run
+
+
+def _unignore_stop_signals() -> None:
+    """A pytest started in a script's background (``cmd &``: SIGINT ignored) or under nohup (SIGHUP) passes the
+    ignored signal on to every child (one stays ignored across exec): a test that stopped its child with it
+    (``dtrain doctor``'s demo run, SIGINT) waited out its limit. Here they get Python's own actions back."""
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+_unignore_stop_signals()  # before any test starts a child
+
 # Under CI the property tests draw the same examples every run (a seed per test, from its name): a new
 # random edge case found there failed a landing by chance; at a desk they explore new examples each run
 settings.register_profile("ci", derandomize=True, print_blob=True)
