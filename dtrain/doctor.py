@@ -14,8 +14,10 @@ import os
 import platform
 import resource
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
@@ -109,14 +111,26 @@ def demo_lines(steps: int = 2, max_length: int = 128, pairs: int = 4, model: str
     from .config import load_config
     from .run.trainer import Hooks, train
 
-    times, peaks, engine = [], [], []
+    times, peaks, engine, got = [], [], [], []
+
+    def stop(signum, frame):  # the command's own handler (KeyboardInterrupt, cli.Interrupted), the signal noted
+        got.append(signum)
+        previous[signum](signum, frame)
+
+    def stopped():
+        # the exception a stop raised can be swallowed on its way (seen: in an importlib callback), and the run
+        # trained on deaf to it: raised again at the next step's edge
+        if got:
+            previous[got[0]](got[0], None)
 
     def before(_step, run):
+        stopped()
         engine[:] = [run.engine.name]
         mx.reset_peak_memory()
         times.append(time.perf_counter())
 
     def after(_step, _run):
+        stopped()
         times[-1] = time.perf_counter() - times[-1]
         peaks.append(mx.get_peak_memory())
 
@@ -129,7 +143,16 @@ def demo_lines(steps: int = 2, max_length: int = 128, pairs: int = 4, model: str
         start = time.perf_counter()
         # a stop ends doctor as any command (dtrain: interrupted, this folder removed): not a run's stop,
         # whose save and 'continue with --train.resume auto' would be of a folder about to go
-        train(cfg, hooks=Hooks(before_step=before, after_step=after, stop_signals=False))
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        previous = {sig: h for sig, h in previous.items()  # an ignored signal stays ignored; handlers: main thread
+                    if callable(h) and threading.current_thread() is threading.main_thread()}
+        try:
+            for sig in previous:
+                signal.signal(sig, stop)
+            train(cfg, hooks=Hooks(before_step=before, after_step=after, stop_signals=False))
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         total = time.perf_counter() - start
     lines = [f"demo run: model {model}, {steps} step{'s' * (steps > 1)} of {pairs} pair{'s' * (pairs > 1)} "
              f"(<= {max_length} tokens per side), "
