@@ -184,6 +184,22 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def absent_folders(path: Path) -> list:
+    """``path`` and the folders above it that do not exist yet, deepest first: what ``mkdir(parents=True)``
+    makes of it, for :func:`remove_folders` to take back."""
+    return [p for p in (path, *path.parents) if not p.exists()]
+
+
+def remove_folders(folders) -> None:
+    """Remove ``folders`` (deepest first, :func:`absent_folders`) while they are empty: the first that is not
+    (something else was written there meanwhile) stops it, with those above it."""
+    for p in folders:
+        try:
+            p.rmdir()
+        except OSError:
+            break
+
+
 @contextlib.contextmanager
 def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
     """Write a folder so that ``final`` is either the old folder or the complete new one.
@@ -213,7 +229,7 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
         raise FileExistsError(f"{final} already exists")
     # through a link too (checkpoints/ naming a folder on another disk not made yet): a link's mkdir is EEXIST
     parent = Path(os.path.realpath(final.parent))
-    made = [p for p in (parent, *parent.parents) if not p.exists()]  # deepest first
+    made = absent_folders(parent)
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -236,11 +252,7 @@ def atomic_folder(final: Path, replace: bool = True) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not final.exists():
             old.rename(final)  # the rename of the new folder failed: put the old one back
-        for p in made:
-            try:
-                p.rmdir()
-            except OSError:  # something else was written there meanwhile
-                break
+        remove_folders(made)
         raise
     shutil.rmtree(old, ignore_errors=True)
 

@@ -46,7 +46,7 @@ from typing import Optional
 from ..config import load_config
 from ..config_text import take_overrides
 from ..errors import UserError
-from ..files import OutputDir, output_dir_problem
+from ..files import OutputDir, absent_folders, output_dir_problem, remove_folders
 from . import restart
 from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR, TB_RUN_VAR
 from .hosts import LaunchError, load_hostfile
@@ -129,13 +129,12 @@ def start_tensorboard(logdir: Path, port: int, log_path: Path) -> subprocess.Pop
             s.bind(("127.0.0.1", port))
         except OSError:
             raise LaunchError(f"--tensorboard: port {port} on 127.0.0.1 is in use; pass another, e.g. --tensorboard {port + 1}") from None
-    made = [p for p in (logdir, *logdir.parents) if not p.exists()]  # deepest first
+    made = absent_folders(logdir)
     try:
         logdir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise LaunchError(output_dir_problem(logdir.parent, err)) from None
-    for folder in made:  # it could be made; the run makes it (TensorBoard waits): a refused start leaves no folder
-        folder.rmdir()
+    remove_folders(made)  # it could be made; the run makes it (TensorBoard waits): a refused start leaves no folder
     cmd = [sys.executable, "-c", TB_PROGRAM, "--logdir", str(logdir), "--host", "127.0.0.1",
            "--port", str(port), "--reload_interval", "5"]
     with open(log_path, "wb") as log:

@@ -20,7 +20,7 @@ from typing import Optional
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
-from ..files import OutputDir, clear_set_aside, output_dir_problem, storage
+from ..files import OutputDir, absent_folders, clear_set_aside, output_dir_problem, remove_folders, storage
 from ..lora import ADAPTER_CONFIG
 from .checkpoint import PREFIX, find_latest, list_checkpoints, step_of, validate
 
@@ -138,8 +138,7 @@ class OutputLock:
         try:  # a start refused after the lock: no new folder stays behind, holding only the lock file
             if self.made and os.listdir(self.path.parent) == [self.path.name]:
                 self.path.unlink()  # while held: no other run holds it
-                for folder in self.made:
-                    folder.rmdir()
+                remove_folders(self.made)
         except OSError:  # something else was written there meanwhile
             pass
         os.close(self._fd)  # closing the last descriptor releases the flock
@@ -172,7 +171,7 @@ def prepare_output(out: Path, plan: DiskPlan, resuming: bool) -> OutputLock:
     if (out / ADAPTER_CONFIG).is_file():
         raise UserError(f"train.output_dir {out} is an adapter folder ({ADAPTER_CONFIG}), not a run's output folder; "
                         f"choose another train.output_dir (the run writes adapters/, checkpoints/ and tb/ into it)")
-    made = tuple(p for p in (out.absolute(), *out.absolute().parents) if not p.exists())  # deepest first
+    made = tuple(absent_folders(out.absolute()))
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = OutputLock(out, made)
