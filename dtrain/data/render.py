@@ -166,6 +166,15 @@ def _prefix_first_only(node) -> bool:
     return any([found] + [_prefix_first_only(v) for v in node.values()])
 
 
+def _first(last: int, fits) -> int:
+    """The least ``k`` in ``0..last`` where ``fits(k)``, by bisection (``fits`` grows with ``k`` and holds at ``last``)."""
+    lo, hi = 0, last
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return hi
+
+
 def _common_prefix(*seqs) -> int:
     """The length of the longest prefix all ``seqs`` (id lists or texts) share."""
     lo, hi = 0, min(map(len, seqs))
@@ -424,23 +433,23 @@ class RowTokenizer:
         msgs = [dict(m) for m in msgs]
         cuttable = [i for i, m in enumerate(msgs) if m["role"] != "system" and m["content"]]
 
-        def emptied(k):  # the first k cuttable messages emptied, the rest as given
+        def empty(k):  # the first k cuttable messages emptied, the rest as given
             for n, i in enumerate(cuttable):
                 msgs[i]["content"] = "" if n < k else original[i]["content"]
+
+        def emptied(k):
+            empty(k)
             return self._split(r, msgs, responses)
 
         # the fewest messages emptied from the left for the prompt to fit, by bisection (rendering all of them
         # once per message made a long conversation quadratic); then the fewest leading tokens of the next one
         split = emptied(len(cuttable))
-        lo, hi = 0, len(cuttable) - 1
         if split[2] > limit:
             raise Drop(f"prompt too long: the system message and the template's structure need {split[2]} tokens; "
                        f"data.max_prompt_length={limit}")
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if emptied(mid + 1)[2] <= limit else (mid + 1, hi)
-        emptied(hi)  # messages before cuttable[hi] emptied; it is the one cut
-        i = cuttable[hi]
+        n = _first(len(cuttable) - 1, lambda k: emptied(k + 1)[2] <= limit)
+        empty(n)  # messages before cuttable[n] emptied; it is the one cut
+        i = cuttable[n]
         content = original[i]["content"]
         offsets = hf_tokenizer(self.tokenizer)(content, add_special_tokens=False, return_offsets_mapping=True,
                                                split_special_tokens=True)["offset_mapping"]
@@ -450,11 +459,7 @@ class RowTokenizer:
             msgs[i]["content"] = content[starts[j]:]
             return self._split(r, msgs, responses)
 
-        lo, hi = 0, len(starts) - 1
-        while lo < hi:  # the fewest leading content tokens to remove
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if cut(mid)[2] <= limit else (mid + 1, hi)
-        return (msgs, *cut(hi), full)
+        return (msgs, *cut(_first(len(starts) - 1, lambda j: cut(j)[2] <= limit)), full)  # fewest tokens removed
 
     # -- one row -----------------------------------------------------------
     def __call__(self, row: Row) -> RowResult:
