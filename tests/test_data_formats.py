@@ -751,3 +751,23 @@ def test_a_row_too_long_to_read_is_a_bad_row_in_a_json_array_as_in_jsonl(tmp_pat
         assert report.bad[0][1] == (f"{'line' if name == 'd.jsonl' else 'item'} has {len(lines[2]):,} characters; "
                                     f"{'lines' if name == 'd.jsonl' else 'items'} over {MAX_LINE_CHARS:,} are not read")
     assert out["d.json"] == out["d.jsonl"] and len(out["d.json"][0]) == 6
+
+
+def test_sharegpt_role_names_in_role_content_messages_are_its_speakers(tmp_path):
+    """Messages written ``{"role": "human"}`` / ``{"role": "gpt"}`` (ShareGPT's speakers under OpenAI's keys, as some
+    converted datasets hold them) were bad rows ("'messages' must end with an assistant message", "'chosen' has no
+    assistant message (roles: gpt)"), or, where a row did not need one, rendered with a 'human' header; they are
+    read as the ShareGPT speakers they name, as ``{from, value}`` messages are."""
+    u, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    rows, report = load_rows(write_jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": "human", "content": "Q"}, {"role": "GPT", "content": "A"}]}]), DataConfig(), pairwise=False)
+    assert report.bad == [] and (rows[0].prompt, rows[0].chosen) == ([u], "A")
+    row = one_row(tmp_path, {"prompt": [{"role": "system", "content": "S"}, {"role": "human", "content": "Q"}],
+                             "chosen": [{"role": "gpt", "content": "A"}], "rejected": [{"role": "model", "content": "B"}]})
+    assert (row.prompt, row.chosen, row.rejected) == ([{"role": "system", "content": "S"}, u], "A", "B")
+    row = one_row(tmp_path, {"chosen": [{"role": "human", "content": "Q"}, a],
+                             "rejected": [u, {"role": "gpt", "content": "B"}]})  # implicit: one shared prompt
+    assert (row.prompt, row.chosen, row.rejected, row.rejected_prompt) == ([u], "A", "B", None)
+    row = one_row(tmp_path, {"prompt": [{"role": "tool", "content": "42"}], "chosen": [a], "rejected": [
+        {"role": "assistant", "content": "B"}]})  # a role ShareGPT does not name is kept as written
+    assert row.prompt == [{"role": "tool", "content": "42"}]

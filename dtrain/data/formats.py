@@ -20,7 +20,8 @@ one bad row):
   ``preferred_output``, ``non_preferred_output``; each output one assistant
   message; https://platform.openai.com/docs/guides/direct-preference-optimization).
 - ``sharegpt``: ``conversations`` of ``{from, value}`` plus ``chosen`` and
-  ``rejected`` as ``{from, value}``.
+  ``rejected`` as ``{from, value}``; its speakers (``human``, ``gpt``) read as roles in any
+  ``{role, content}`` message too.
 - ``mapped``: ``data.fields`` renames columns (``{prompt: question, chosen:
   response_j, rejected: response_k, system: sys}``; for SFT rows ``{prompt:
   instruction, completion: output}``, or a ``messages`` or ``text`` column),
@@ -334,7 +335,8 @@ def _messages(value: list, label: str) -> list:
             m = {**m, "content": _text_parts(m["content"], f"{label}[{i}]")}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
-        out.append({"role": m["role"], "content": m["content"]})
+        # ShareGPT's speakers under OpenAI's keys ({"role": "gpt"}) name the roles its {from, value} turns do
+        out.append({"role": _SHAREGPT_ROLES.get(m["role"].lower(), m["role"]), "content": m["content"]})
     return out
 
 
