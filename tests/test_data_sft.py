@@ -469,3 +469,17 @@ def test_a_text_side_beside_messages_is_one_turn_as_in_preference_rows():
         assert report.bad == [] and rows == expected, obj
     rows, report = parse_rows([("f.jsonl:1", {"prompt": [u], "chosen": "4", "rejected": "5"})], DataConfig(), "f.jsonl")
     assert report.bad == [] and (rows[0].prompt, rows[0].chosen, rows[0].rejected) == ([u], "4", "5")
+
+
+def test_data_fields_naming_a_sharegpt_column_as_messages_reads_its_turns():
+    """``data.fields: {messages: conversations}`` on ShareGPT rows (the mapping an earlier hint led to, and the
+    one a column of another name needs: ``{messages: dialog}``) made every row bad: "messages[0] must be an object
+    with string 'role' and 'content'". ``{from, value}`` turns are read as in a ``conversations`` column."""
+    conv = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": Q}, {"from": "gpt", "value": "4"}]
+    expected, _ = rows_of([{"conversations": conv}])
+    for column in ("conversations", "dialog"):
+        rows, report = parse_rows([("f.jsonl:1", {column: conv})], DataConfig(fields={"messages": column}), "f.jsonl")
+        assert report.bad == [] and rows == expected, column
+    rows, report = parse_rows([("f.jsonl:1", {"dialog": [conv[1], {"from": "gpt"}]})],
+                              DataConfig(fields={"messages": "dialog"}), "f.jsonl")
+    assert report.bad == [("f.jsonl:1", "messages[1] must be an object with string 'from' and 'value'")]

@@ -331,6 +331,8 @@ def _messages(value: list, label: str) -> list:
             raise BadRow(f"{label}[{i}] {reasoning!r}: messages with a separate reasoning field are not read (dtrain "
                          f"renders the messages' role and content only); write the reasoning into 'content' as the "
                          f"model's chat template would")
+        if isinstance(m, dict) and "from" in m and "role" not in m:  # a ShareGPT turn (data.fields renamed its column)
+            m = _sharegpt_message(m, f"{label}[{i}]")
         if isinstance(m, dict) and isinstance(m.get("content"), list):
             m = {**m, "content": _text_parts(m["content"], f"{label}[{i}]")}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
