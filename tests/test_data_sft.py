@@ -390,10 +390,12 @@ def test_a_file_of_kto_rows_all_labelled_false_names_why_none_is_left(tmp_path, 
     assert str(err.value) == f"no usable training rows in {cfg.train} (0 bad rows, 3 dropped: 3 label false)"
 
 
-@pytest.mark.parametrize("label, shown", [("false", "'false'"), ("True", "'True'"), (0, "0"), (1.0, "1.0")])
+@pytest.mark.parametrize("label, shown", [("false", "'false'"), ("True", "'True'"), (0, "0"), (1.0, "1.0"),
+                                          (None, "null")])
 def test_a_kto_label_written_as_text_or_a_number_is_a_bad_row(tmp_path, tok, label, shown):
     """A label written "false" or 0 was not a boolean, so the row read as a plain prompt/completion row: sft
-    trained the undesirable completion, said nowhere; a pairwise objective said only 'a row with one completion'."""
+    trained the undesirable completion, said nowhere; a pairwise objective said only 'a row with one completion'.
+    So was a label written null (a KTO file's missing label, as Parquet keeps it): sft trained the row."""
     objs = [*KTO, {"prompt": Q, "completion": "4", "label": label}]
     cfg = DataConfig(train=write_rows(tmp_path / "kto.jsonl", objs), valid_fraction=0.0)
     data = load_dataset(cfg, tok, log=None, pairwise=False)

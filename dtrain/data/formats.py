@@ -39,7 +39,7 @@ Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None)
   for a lone assistant message, which TRL's SFTTrainer trains too).
 - ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
   rows, ``prompt``/``completion`` strings or message lists (a text beside messages: one turn). With a boolean ``label`` (TRL's
-  unpaired KTO rows) a ``false`` row is dropped (``label false``), one written as text or 1/0
+  unpaired KTO rows) a ``false`` row is dropped (``label false``), one written as text, 1/0 or null
   is a bad row, and a pairwise objective refuses the file (:data:`UNPAIRED`).
 - ``text``: mlx-lm's ``text`` rows and TRL's language-modeling rows, ``{"text": ...}``:
   every token is a completion token (no template).
@@ -211,12 +211,13 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
                 if _has_tools(obj.get(key), key) or (isinstance(inp, dict) and _has_tools(inp.get(key), key)):
                     raise BadRow(NO_TOOLS.format(what=f"{key!r} ({what} definitions)"))
             row = _parse(obj, fmt, fields, pairwise)
-            if row.rejected is None and row.prompt is not None and _is_label(obj.get("label")):
+            if row.rejected is None and row.prompt is not None and "label" in obj and _is_label(obj["label"]):
                 if pairwise:  # read as SFT rows, a pairwise objective would only say 'one completion'
                     raise DataError(UNPAIRED.format(source=source))
                 if not isinstance(obj["label"], bool):  # read as is, "false" is true: sft would train it
-                    raise BadRow(f"'label' is {obj['label']!r}, not true or false: an unpaired (KTO-style) row's "
-                                 f"label is a JSON boolean")
+                    shown = "null" if obj["label"] is None else repr(obj["label"])
+                    raise BadRow(f"'label' is {shown}, not true or false: an unpaired (KTO-style) row's label is a "
+                                 f"JSON boolean")
                 if not obj["label"]:  # an undesirable completion: SFT must not learn it
                     report.dropped.append((source, "label false: an undesirable completion (KTO-style row); sft "
                                                    "trains the label true ones"))
@@ -233,7 +234,10 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
 
 
 def _is_label(value) -> bool:
-    """A KTO row's label: true or false, or either written as text or as 1/0 (another value names something else)."""
+    """A KTO row's label: true or false, either written as text or as 1/0, or null (a label missing: not true, and not
+    to be trained as if it were); another value names something else."""
+    if value is None:
+        return True
     if isinstance(value, str):
         return value.strip().lower() in ("true", "false")
     return isinstance(value, (int, float)) and value in (0, 1)
