@@ -581,3 +581,16 @@ def test_a_template_that_drops_the_system_message_once_a_reply_follows_is_named_
                               DataConfig(chat_template=str(path)))
     assert report.bad == [("f:1", f"the chat template (data.chat_template {path}) renders the prompt messages "
                                   "differently once a response follows them, so prompt and response cannot be split")]
+
+
+def test_a_transcript_response_loses_its_trailing_whitespace_as_every_turn_does(tokenizer):
+    """A transcript's turns are its text between markers, stripped (the prompt's, and a response's later turns),
+    but a response of one turn lost only its leading space: ' 4  \\n\\n' trained '4  \\n\\n<|im_end|>', the
+    model taught to write blank lines before ending its turn, and 'Yes' / 'Yes\\n' were a pair."""
+    pair = one_pair(tokenizer, Row(HH, " 4  \n\n", " 5\n", transcript=True))
+    assert texts(tokenizer, pair) == (CHAT_Q, "4<|im_end|>", "5<|im_end|>")
+    row = Row("\n\nHuman: hi\n\nAssistant:", " Yes", " Yes\n", transcript=True, source="hh.jsonl:1")
+    assert dropped(tokenizer, row) == [("hh.jsonl:1", "same ids: chosen and rejected are the same 4 tokens after "
+                                                      "rendering")]
+    raw = one_pair(tokenizer, Row(HH, " 4  \n\n", " 5\n", transcript=True), prompt_template="raw")
+    assert texts(tokenizer, raw)[1:] == (" 4  \n\n</s>", " 5\n</s>")  # raw text: as written

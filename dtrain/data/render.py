@@ -127,7 +127,7 @@ def row_messages(row: Row, chat: Optional[Renderer], text: Renderer) -> tuple:
 
     Plain-text prompts become a user turn (transcripts: their turns; raw text:
     one message, the transcript markers kept). A text response is one
-    assistant message; a transcript's leading space goes when it becomes a turn,
+    assistant message; a transcript's whitespace around it goes when it becomes a turn,
     and a transcript response holding later ``Human:`` turns becomes those turns.
 
     Raises:
@@ -151,7 +151,8 @@ def _response(response, transcript: bool) -> list:
         return list(response)
     if transcript and HUMAN_MARKER in response:  # sides that part at an earlier turn: the later turns, as TRL reads HH
         return transcript_messages(ASSISTANT_MARKER + response)
-    return [{"role": "assistant", "content": response.lstrip() if transcript else response}]
+    # a transcript's turn is its text between markers, stripped, as transcript_messages cuts the others
+    return [{"role": "assistant", "content": response.strip() if transcript else response}]
 
 
 def _prefix_first_only(node) -> bool:
