@@ -771,3 +771,21 @@ def test_sharegpt_role_names_in_role_content_messages_are_its_speakers(tmp_path)
     row = one_row(tmp_path, {"prompt": [{"role": "tool", "content": "42"}], "chosen": [a], "rejected": [
         {"role": "assistant", "content": "B"}]})  # a role ShareGPT does not name is kept as written
     assert row.prompt == [{"role": "tool", "content": "42"}]
+
+
+def test_a_response_written_as_one_message_object_or_under_messages_is_read_as_mlx_lm_lora_reads_it(tmp_path):
+    """mlx-lm-lora's preference rows (ORPODataset) take ``chosen``/``rejected`` as text, a message list, one message
+    object (``{"role": "assistant", "content": ...}``) or ``{"messages": [...]}``; the last two were bad rows
+    ("field 'chosen' must be a string, got object"; beside prompt messages "... a list of messages, got object")."""
+    u, a, b = ({"role": r, "content": c} for r, c in (("user", "Q"), ("assistant", "A"), ("assistant", "B")))
+    for prompt in ("Q", [u]):
+        for chosen, rejected in ((a, b), ({"messages": [a]}, {"messages": [b]}), (a, [b])):
+            row = one_row(tmp_path, {"prompt": prompt, "chosen": chosen, "rejected": rejected})
+            assert (row.prompt, row.chosen, row.rejected) == ([u], "A", "B"), (prompt, chosen)
+    row = one_row(tmp_path, {"chosen": {"messages": [u, a]}, "rejected": {"messages": [u, b]}})  # implicit prompt
+    assert (row.prompt, row.chosen, row.rejected) == ([u], "A", "B")
+    rows, report = rows_of(tmp_path, [{"prompt": "Q", "chosen": u, "rejected": b},
+                                      {"prompt": "Q", "chosen": {"text": "A"}, "rejected": b}])
+    assert rows == [] and [why for _, why in report.bad] == [
+        "'chosen' has no assistant message (roles: user): a response is the model's turn",
+        "chosen[0] must be an object with string 'role' and 'content'"]

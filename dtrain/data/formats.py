@@ -8,7 +8,8 @@ one bad row):
   strings (https://huggingface.co/docs/trl/dataset_formats#preference); a prompt that is a
   transcript (``Human: … \\n\\nAssistant:``) is read as one.
 - ``conversational``: TRL conversational preference, message lists
-  ``[{role, content}]``; ``prompt`` is explicit, or implicit as the longest
+  ``[{role, content}]`` (a response may be one message object, or ``{"messages": [...]}``, as
+  mlx-lm-lora reads them); ``prompt`` is explicit, or implicit as the longest
   common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
   a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does, and so are
   prompt messages both lists open with). A response opens with the assistant's message; a text
@@ -107,7 +108,7 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
     if "conversations" in obj and "chosen" in obj:
         return "sharegpt"
     if "chosen" in obj and "rejected" in obj:
-        if isinstance(obj["chosen"], list) or isinstance(obj.get("prompt"), list):
+        if isinstance(obj["chosen"], (list, dict)) or isinstance(obj.get("prompt"), list):
             return "conversational"
         return "standard" if "prompt" in obj else "transcript"
     if "messages" in obj or "conversations" in obj:  # conversations: ShareGPT's SFT rows
@@ -389,6 +390,9 @@ def _turns(obj: dict, key: str, role: str) -> list:
 
 
 def _conversational(obj: dict, fields=None) -> Row:
+    # mlx-lm-lora's responses (ORPODataset): one message object, or the messages under "messages"
+    obj = {**obj, **{key: obj[key].get("messages", [obj[key]]) for key in ("chosen", "rejected")
+                     if isinstance(obj.get(key), dict)}}
     prompt = obj.get("prompt")
     if prompt is None:  # implicit: the prompt is the lists' shared prefix
         chosen, rejected = (_messages(_get(obj, key, list), key) for key in ("chosen", "rejected"))
