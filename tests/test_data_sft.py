@@ -485,3 +485,35 @@ def test_data_fields_naming_a_sharegpt_column_as_messages_reads_its_turns():
     rows, report = parse_rows([("f.jsonl:1", {"dialog": [conv[1], {"from": "gpt"}]})],
                               DataConfig(fields={"messages": "dialog"}), "f.jsonl")
     assert report.bad == [("f.jsonl:1", "messages[1] must be an object with string 'from' and 'value'")]
+
+
+def test_openai_message_weights_train_no_assistant_message_of_weight_0():
+    """OpenAI's fine-tuning rows mark an assistant message not to train on with ``"weight": 0``; dtrain dropped
+    the key, so a messages row whose last assistant message had weight 0 trained exactly that message. A messages
+    row trains its last assistant message of another weight (what follows it is not trained either way); a
+    response of weight 0 in a row whose responses are all trained is a bad row, as is a weight not 0 or 1."""
+    s, u, u2 = {"role": "system", "content": "S"}, {"role": "user", "content": Q}, {"role": "user", "content": "Sure?"}
+    a, a2 = {"role": "assistant", "content": "4"}, {"role": "assistant", "content": "Yes."}
+    w0, w1 = {"weight": 0}, {"weight": 1}
+    for msgs, expected in (([u, {**a, **w1}, u2, {**a2, **w0}], [u, a]),
+                           ([s, u, {**a, **w0}, u2, {**a2, **w1}], [s, u, a, u2, a2]),
+                           ([u, {**a, "weight": None}], [u, a])):  # null: no weight (Parquet's missing key)
+        rows, report = rows_of([{"messages": msgs}])
+        want, _ = rows_of([{"messages": expected}])
+        assert report.bad == [] and rows == want, msgs
+    trained = ("has weight 0 (OpenAI's mark for a message not trained on), and a response is trained: remove the "
+               "message or its weight")
+    for obj, why in (({"messages": [u, {**a, **w0}]}, "'messages' has no assistant message to train on: every one "
+                                                      "has weight 0 (OpenAI's mark for a message not trained on)"),
+                     ({"messages": [u, {**a, "weight": 0.5}]},
+                      "messages[1] 'weight' is 0.5: OpenAI's weight is 0 (not trained on) or 1"),
+                     ({"messages": [u, {**a, "weight": "0"}]},
+                      "messages[1] 'weight' is '0': OpenAI's weight is 0 (not trained on) or 1"),
+                     ({"prompt": [u], "completion": [{**a, **w0}]}, f"'completion' holds a message that {trained}"),
+                     ({"prompt": [u], "chosen": [{**a, **w0}], "rejected": [a2]},
+                      f"'chosen' holds a message that {trained}")):
+        rows, report = rows_of([obj])
+        assert rows == [] and report.bad == [("f.jsonl:1", why)]
+    rows, report = parse_rows([("f.jsonl:1", {"prompt": [u], "chosen": [a], "rejected": [{**a2, **w0}]})], DataConfig(),
+                              "f.jsonl")
+    assert rows == [] and report.bad == [("f.jsonl:1", f"'rejected' holds a message that {trained}")]

@@ -37,7 +37,9 @@ Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None)
 - ``messages``: mlx-lm's ``chat`` and TRL's conversational language-modeling
   rows, ``{"messages": [...]}``, or ShareGPT's ``{"conversations": [{from, value}]}``; the completion is the last message (an assistant
   turn), the prompt the messages before it (mlx-lm's ``mask_prompt`` split; none
-  for a lone assistant message, which TRL's SFTTrainer trains too).
+  for a lone assistant message, which TRL's SFTTrainer trains too). An assistant message of OpenAI's
+  ``"weight": 0`` is not trained: the completion is the last one of another weight; in a response
+  that is trained whole (a pair's, a ``completion``) it makes the row bad.
 - ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
   rows, ``prompt``/``completion`` strings or message lists (a text beside messages: one turn). With a boolean ``label`` (TRL's
   unpaired KTO rows) a ``false`` row is dropped (``label false``), one written as text, 1/0 or null
@@ -212,6 +214,7 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
                 if _has_tools(obj.get(key), key) or (isinstance(inp, dict) and _has_tools(inp.get(key), key)):
                     raise BadRow(NO_TOOLS.format(what=f"{key!r} ({what} definitions)"))
             row = _parse(obj, fmt, fields, pairwise)
+            row = dataclasses.replace(row, prompt=_unweighted(row.prompt), rejected_prompt=_unweighted(row.rejected_prompt))
             if row.rejected is None and row.prompt is not None and "label" in obj and _is_label(obj["label"]):
                 if pairwise:  # read as SFT rows, a pairwise objective would only say 'one completion'
                     raise DataError(UNPAIRED.format(source=source))
@@ -342,9 +345,18 @@ def _messages(value: list, label: str) -> list:
             m = {**m, "content": _text_parts(m["content"], f"{label}[{i}]")}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
+        weight = m.get("weight")  # OpenAI's fine-tuning rows: 0 marks a message not to train on (null: none given)
+        if weight is not None and weight not in (0, 1):
+            raise BadRow(f"{label}[{i}] 'weight' is {weight!r}: OpenAI's weight is 0 (not trained on) or 1")
         # ShareGPT's speakers under OpenAI's keys ({"role": "gpt"}) name the roles its {from, value} turns do
-        out.append({"role": _SHAREGPT_ROLES.get(m["role"].lower(), m["role"]), "content": m["content"]})
+        out.append({"role": _SHAREGPT_ROLES.get(m["role"].lower(), m["role"]), "content": m["content"],
+                    **({"weight": 0} if weight == 0 else {})})  # kept for _response and _messages_row, then dropped
     return out
+
+
+def _unweighted(msgs):
+    """Prompt messages without their weights (a prompt is not trained on, whatever its weight); text as it is."""
+    return [{"role": m["role"], "content": m["content"]} for m in msgs] if isinstance(msgs, list) else msgs
 
 
 def _text_parts(parts: list, label: str) -> str:
@@ -359,6 +371,9 @@ def _text_parts(parts: list, label: str) -> str:
 
 def _response(msgs: list, label: str) -> Union[str, list]:
     """A completion as text when it is one assistant message, else messages (the first the assistant's)."""
+    if any(m.get("weight") == 0 for m in msgs):  # trained whole: a message of weight 0 would be trained on
+        raise BadRow(f"{label!r} holds a message that has weight 0 (OpenAI's mark for a message not trained on), and "
+                     f"a response is trained: remove the message or its weight")
     if not msgs or not any(m["content"].strip() for m in msgs):
         raise BadRow(f"empty response in {label!r}")
     if not any(m["role"] == "assistant" for m in msgs):
@@ -521,7 +536,13 @@ def _messages_row(obj: dict, fields=None) -> Row:
                                                             for i, t in enumerate(turns)]
     if not msgs or msgs[-1]["role"] != "assistant":
         raise BadRow(f"{key!r} must end with an assistant message (the completion)")
-    return Row(msgs[:-1], _response(msgs[-1:], key), None, _system(obj))
+    # the completion is the last assistant message not of weight 0 (OpenAI's); what follows it is not trained either
+    k = next((i for i in reversed(range(len(msgs))) if msgs[i]["role"] == "assistant" and msgs[i].get("weight") != 0),
+             None)
+    if k is None:
+        raise BadRow(f"{key!r} has no assistant message to train on: every one has weight 0 (OpenAI's mark for a "
+                     f"message not trained on)")
+    return Row(msgs[:k], _response(msgs[k:k + 1], key), None, _system(obj))
 
 
 def _prompt_completion(obj: dict, fields=None) -> Row:
