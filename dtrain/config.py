@@ -90,7 +90,9 @@ class DataConfig:
     split: str = option("train", "split read for train from a DatasetDict folder, a Parquet folder or a hub dataset")
     valid_split: Optional[str] = option(None, "split read for valid (from valid, or from train's container when "
                                               "valid is null)")
-    valid_fraction: float = option(0.1, "held-out share of train when valid is not given", at_least=0.0, below=1.0)
+    valid_fraction: float = option(0.1, "held-out share of train's prompts when valid is not given (the rows of a "
+                                        "prompt stay on one side; demo pairs are split by row)", at_least=0.0,
+                                   below=1.0)
     format: str = option("auto", "row format; auto detects it from the first rows; messages, prompt_completion "
                                  "and text are SFT rows (objective.kind sft)", ("auto", *FORMATS))
     fields: Optional[dict] = option(None, "column names for the mapped format: {prompt: .., chosen: .., "

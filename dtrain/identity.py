@@ -103,10 +103,12 @@ def unclassified() -> list[str]:
     return [k for k in config_keys() if k not in REFUSED and k not in BY_CONTENT and k not in ACCEPTED]
 
 
-# REFUSED keys added after checkpoints were written: the value such a checkpoint ran with (its
-# state.json lacks the key), which a resume compares as if recorded.
+# REFUSED keys (and data entries) added after checkpoints were written: the value such a checkpoint ran with
+# (its state.json lacks the key), which a resume compares as if recorded.
 BEFORE_KEY = {
     "lora.branch_dtype": "float32",  # mlx-lm's float32 product, before 2026-12-04
+    # data.valid_fraction held out rows, not prompts, before 2026-12-07 (recorded only where prompts repeat)
+    "held-out split": "by row (an earlier dtrain)",
 }
 
 

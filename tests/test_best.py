@@ -322,7 +322,8 @@ def test_keep_best_needs_evaluations(tmp_path):
     with pytest.raises(UserError) as err:
         train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
     assert str(err.value) == ("train.keep_best needs held-out pairs, and this run has none: data.valid_fraction 0.1 "
-                              "of 9 pairs gives none: set data.valid or add pairs (or turn it off)")
+                              "of 9 pairs gives none (it holds out whole prompts, one kept to train on): set "
+                              "data.valid or add pairs of other prompts (or turn it off)")
     cfg.data.valid_fraction = 0.0
     with pytest.raises(UserError) as err:
         train(cfg, loaded=loaded, dataset=SimpleNamespace(train=make_pairs(9), valid=[], fingerprint="fp"))
@@ -498,7 +499,8 @@ def test_an_sft_run_without_held_out_rows_is_told_of_rows(tmp_path):
     with pytest.raises(UserError) as err:
         held_out_steering(cfg, 9, 0)
     assert str(err.value) == ("train.keep_best needs held-out rows, and this run has none: data.valid_fraction 0.1 of "
-                              "9 rows gives none: set data.valid or add rows (or turn it off)")
+                              "9 rows gives none (it holds out whole prompts, one kept to train on): set data.valid "
+                              "or add rows of other prompts (or turn it off)")
 
 
 def test_the_notice_counts_the_pairs_evaluated_not_the_pairs_held_out(tmp_path, capsys):
@@ -623,7 +625,8 @@ def test_no_held_out_pairs_advice_names_where_they_came_from(tmp_path):
 
     base = ["train.keep_best=eval/loss", "train.eval_every=1", f"data.train={tmp_path}"]
     start = "train.keep_best needs held-out pairs, and this run has none: "
-    cases = [([], "data.valid_fraction 0.1 of 9 pairs gives none: set data.valid or add pairs"),
+    cases = [([], "data.valid_fraction 0.1 of 9 pairs gives none (it holds out whole prompts, one kept to train "
+                  "on): set data.valid or add pairs of other prompts"),
              (["data.valid_fraction=0.0"], "set data.valid or data.valid_fraction > 0")]
     for overrides, fix in cases:
         cfg = load_config(None, base + overrides)

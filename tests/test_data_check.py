@@ -138,7 +138,7 @@ def test_cli_show_and_on_bad_row_error_line(tmp_path, model_dir, capsys):
 def test_cli_fewer_training_pairs_than_a_step_fails_as_training_fails(tmp_path, model_dir, capsys):
     """Three usable pairs, two after the held-out split, and train.global_batch_pairs 8: training stops
     (sampler.for_run), and the check said nothing and exited 0; it exits 1, as where training stops on bad rows."""
-    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1] * 3)
+    path = write_jsonl(tmp_path / "d.jsonl", [{**ROWS[0], "prompt": f"What is {i} + 2?"} for i in range(3)])
     status = main(["data", "check", path, "--model.path", str(model_dir)])
     out = capsys.readouterr()
     assert status == 1 and f"{path}: 3 rows, 3 usable, 0 bad, 0 dropped" in out.out
@@ -160,7 +160,8 @@ def test_cli_keep_best_without_held_out_pairs_fails_as_training_fails(tmp_path, 
     assert status == 1 and f"{path}: 1 rows, 1 usable, 0 bad, 0 dropped" in out.out
     assert [line for line in out.err.splitlines() if line.startswith("dtrain: error:")] == [
         "dtrain: error: train.keep_best needs held-out pairs, and this run has none: data.valid_fraction 0.1 of 1 "
-        "pairs gives none: set data.valid or add pairs (or turn it off) (training would stop)"]
+        "pairs gives none (it holds out whole prompts, one kept to train on): set data.valid or add pairs of other "
+        "prompts (or turn it off) (training would stop)"]
     assert main(args + ["--data.valid", path]) == 0
 
 
@@ -548,3 +549,19 @@ def test_responses_the_template_drops_text_from_are_counted_by_check_and_the_run
     notices = []
     load_dataset(DataConfig(train=path, valid_fraction=0.0), style_tokenizer("deepseek"), log=notices.append)
     assert notices == [line]
+
+
+def test_check_says_how_many_prompts_and_rows_the_split_holds_out_when_prompts_repeat(tmp_path, tokenizer):
+    """data.valid_fraction holds out whole prompts (data.split_rows); where prompts repeat, the report says how many
+    of them and of the rows it held out, so a held-out share far from the fraction of the rows is explained."""
+    import random
+
+    rows = [{"prompt": f"What is {i % 4} + 2?", "chosen": f"{i % 4 + 2}", "rejected": f"{i}"} for i in range(10)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    out, _, (train, held) = check_file(path, DataConfig(valid_fraction=0.25), tokenizer, seed=0)
+    (k,) = random.Random(0).sample(range(4), 1)
+    assert [p.source for p in held] == [f"{path}:{i + 1}" for i in range(10) if i % 4 == k]
+    assert (f"held out by data.valid_fraction 0.25: 1 of 4 prompts ({len(held)} of 10 rows; rows that share a prompt "
+            f"stay on one side)") in out.splitlines()
+    out, _, _ = check_file(write_jsonl(tmp_path / "u.jsonl", rows[:4]), DataConfig(valid_fraction=0.25), tokenizer)
+    assert "held out by" not in out  # no prompt repeated: the rows, one by one

@@ -10,6 +10,7 @@ from dtrain.config import DataConfig
 from dtrain.data import check_file, demo_pairs, load_dataset, split_rows
 from dtrain.data.demo import demo_answer, is_preferred_response
 from dtrain.errors import DataError
+from dtrain.types import Row
 
 GOOD = [{"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 2}"} for i in range(20)]
 
@@ -19,12 +20,18 @@ def write_jsonl(path, objs):
     return str(path)
 
 
+def distinct(n: int) -> list:
+    """``n`` rows of distinct prompts (each a prompt group of one)."""
+    return [Row(f"Q{i}", "a", "b", source=f"f:{i + 1}") for i in range(n)]
+
+
 def test_split_is_deterministic_disjoint_and_complete():
-    rows = list(range(50))
+    rows = distinct(50)
     train, valid = split_rows(rows, 0.2, seed=3)
     assert (train, valid) == split_rows(rows, 0.2, seed=3)
-    assert len(valid) == 10 and set(train).isdisjoint(valid) and sorted(train + valid) == rows
-    assert train == sorted(train) and valid == sorted(valid)  # file order kept
+    assert len(valid) == 10 and set(train).isdisjoint(valid) and sorted(train + valid, key=rows.index) == rows
+    assert [rows.index(r) for r in train] == sorted(map(rows.index, train))  # file order kept
+    assert [rows.index(r) for r in valid] == sorted(map(rows.index, valid))
     assert split_rows(rows, 0.2, seed=4)[1] != valid
     assert split_rows(rows, 0.0, seed=3) == (rows, [])
     assert len(split_rows(rows[:3], 0.1, seed=0)[1]) == 1  # at least one held-out row
@@ -35,8 +42,8 @@ def test_a_split_never_holds_out_every_row(tmp_path, tokenizer):
     training pairs in FILE (0 bad rows, 0 dropped)", about a usable row that the split had taken."""
     for n in range(1, 6):
         for fraction in (0.5, 0.6, 0.9, 0.99):
-            train, valid = split_rows(list(range(n)), fraction, seed=0)
-            assert len(train) >= 1 and sorted(train + valid) == list(range(n)), (n, fraction)
+            train, valid = split_rows(distinct(n), fraction, seed=0)
+            assert len(train) >= 1 and sorted(train + valid, key=distinct(n).index) == distinct(n), (n, fraction)
     ds = load_dataset(DataConfig(train=write_jsonl(tmp_path / "t.jsonl", GOOD[:1]), valid_fraction=0.6), tokenizer,
                       seed=0, log=None)
     assert (len(ds.train), len(ds.valid)) == (1, 0)
@@ -181,3 +188,57 @@ def test_real_files_tokenize(shared_data, tokenizer):
     out, n_bad, _ = check_file(str(shared_data / "stack_exchange_paired_tiny.json"), se, tokenizer)
     assert n_bad == 0
     assert out.splitlines()[0].endswith("stack_exchange_paired_tiny.json: 25 rows, 25 usable, 0 bad, 0 dropped")
+
+
+def test_a_split_keeps_the_rows_of_a_prompt_on_one_side():
+    """data.valid_fraction held out rows one by one, so rows that share a prompt (several pairs per prompt, as in
+    UltraFeedback) lay on both sides: held-out accuracy measured prompts trained on, and keep_best chose its step
+    by it. It holds out round(G * fraction) of the G distinct prompts (and system messages), picked as rows were
+    picked, over the prompts in order of first appearance: without a repeated prompt, the split is the one before."""
+    import random
+
+    for n in (2, 3, 10, 50, 101):
+        for fraction, seed in ((0.1, 0), (0.25, 3), (0.5, 7)):
+            rows = distinct(n)
+            picked = set(random.Random(seed).sample(range(n), min(max(round(n * fraction), 1), n - 1)))
+            assert split_rows(rows, fraction, seed) == ([r for i, r in enumerate(rows) if i not in picked],
+                                                        [r for i, r in enumerate(rows) if i in picked])
+    rng = random.Random(11)
+    for trial in range(30):
+        msgs = [[{"role": "user", "content": f"Q{i}"}] for i in range(6)]
+        prompts = [f"Q{i}" for i in range(6)] + msgs + [None, ""]  # no prompt (a text row, empty): a row on its own
+        rows = [Row(p, f"a{j}", "b", system=rng.choice([None, "S"]) if p else None, source=f"f:{j + 1}")
+                for j, p in enumerate(rng.choice(prompts) for _ in range(rng.randint(2, 40)))]
+        keys = [repr((r.system, r.prompt)) if r.prompt else r.source for r in rows]
+        groups = list(dict.fromkeys(keys))
+        train, valid = split_rows(rows, 0.3, seed=trial)
+        assert sorted(train + valid, key=rows.index) == rows
+        held = {keys[rows.index(r)] for r in valid}
+        assert held.isdisjoint(keys[rows.index(r)] for r in train), trial
+        want = min(max(round(len(groups) * 0.3), 1), len(groups) - 1) if len(groups) > 1 else 0
+        assert held == {groups[g] for g in random.Random(trial).sample(range(len(groups)), want)}, trial
+    assert split_rows([Row("Q", c, "b") for c in "abc"], 0.5, seed=0)[1] == []  # one prompt: none held out
+
+
+def test_real_stack_exchange_split_holds_out_whole_questions(shared_data, tokenizer):
+    """stack_exchange_paired_tiny: 25 pairs of 8 questions; the row split put 6 of its held-out pairs' questions in
+    training too."""
+    se = DataConfig(train=str(shared_data / "stack_exchange_paired_tiny.json"), valid_fraction=0.25,
+                    fields={"prompt": "question", "chosen": "response_j", "rejected": "response_k"})
+    ds = load_dataset(se, tokenizer, seed=0, log=None)
+    prompt = {p.source: tuple(p.prompt) for p in ds.train + ds.valid}
+    held = {prompt[p.source] for p in ds.valid}
+    assert len(held) == 2 and held.isdisjoint(prompt[p.source] for p in ds.train)
+    assert len(ds.train) + len(ds.valid) == 25
+
+
+def test_a_dataset_says_whether_its_split_kept_prompts_together(tmp_path, tokenizer):
+    """``Dataset.by_prompt``: the rows were split by data.valid_fraction and some share a prompt, so the split is
+    not the one an earlier dtrain made of them (by row); the run records it for a resume to compare."""
+    shared = write_jsonl(tmp_path / "s.jsonl", [{**g, "chosen": f"{g['chosen']}{c}"} for g in GOOD[:5] for c in "ab"])
+    unique = write_jsonl(tmp_path / "u.jsonl", GOOD)
+    for cfg, by_prompt in ((DataConfig(train=shared), True), (DataConfig(train=unique), False),
+                           (DataConfig(train=shared, valid_fraction=0.0), False),
+                           (DataConfig(train=shared, valid=unique), False),
+                           (DataConfig(demo_pairs=100), False)):  # demo prompts repeat: split by row
+        assert load_dataset(cfg, tokenizer, log=None).by_prompt is by_prompt, cfg

@@ -976,3 +976,20 @@ def test_a_checkpoint_that_recorded_auto_compares_the_word(tmp_path, monkeypatch
                                   f"{was} in the checkpoint, {now} now"
                                   + (" (with lora.dropout above 0 it decides the dropout masks, drawn over the "
                                      "micro-batch's rows)" if "engine" in override else "") + f". {ckpt.RESUME_HINT}")
+
+
+def test_a_checkpoint_split_by_row_is_refused_naming_the_split_where_prompts_repeat(tmp_path):
+    """data.valid_fraction holds out whole prompts (data.split_rows): where prompts repeat, a checkpoint of an
+    earlier dtrain trained on another split, refused by its pairs' sha256 alone (the data file unchanged). The run
+    records the split where it matters; such a checkpoint lacks it and compares as split by row."""
+    old = to_dict(Config())
+    saved, current = state_for(old), state_for(old)
+    current.data = {"held-out split": "by prompt", **saved.data}
+    with pytest.raises(UserError) as err:
+        ckpt.check_resumable(saved, current, [1, 2], tmp_path)
+    assert str(err.value) == (f"resume: {tmp_path} was made with different settings: held-out split: 'by row (an "
+                              f"earlier dtrain)' in the checkpoint, 'by prompt' now. {ckpt.RESUME_HINT}")
+    saved.data = dict(current.data)
+    ckpt.check_resumable(saved, current, [1, 2], tmp_path)
+    assert ckpt.data_identity("fp", [], [], by_prompt=True)["held-out split"] == "by prompt"
+    assert "held-out split" not in ckpt.data_identity("fp", [], [])  # unique prompts: the split of before

@@ -25,7 +25,7 @@ from .render import end_of_turn, tokenize_rows
 from .sources import fingerprint as data_fingerprint, mlx_valid, read_rows, resolve, resolve_pair
 
 __all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn", "entries_bytes",
-           "load_dataset", "load_rows", "read_rows", "resolve", "split_rows", "tokenize_cached", "tokenize_rows",
+           "load_dataset", "load_rows", "prompt_groups", "read_rows", "resolve", "split_rows", "tokenize_cached", "tokenize_rows",
            "write_entries"]
 
 DEMO_VERSION = 1  # bump when demo.py changes its output, so fingerprints change too
@@ -49,17 +49,29 @@ def load_rows(path: str, cfg, role: str = "train", pairwise: bool = True) -> tup
     return read_rows(resolve(path, cfg, role), cfg, pairwise)
 
 
-def split_rows(rows: list, valid_fraction: float, seed: int) -> tuple:
-    """Deterministic ``(train, valid)`` split; both keep file order.
+def prompt_groups(rows: list) -> list:
+    """The indices of ``rows`` (:class:`Row`) grouped by prompt (its text or messages, and system message), in order
+    of first appearance; a row without a prompt (a text row, an empty one) is a group of its own."""
+    groups: dict = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(repr((row.system, row.prompt)) if row.prompt else i, []).append(i)
+    return list(groups.values())
 
-    ``round(len(rows) * valid_fraction)`` rows (at least 1 when the fraction is
-    > 0 and there are 2+ rows, never all of them) go to valid, picked by
-    ``random.Random(seed)``, so the same rows, fraction and seed give the same split on every run.
+
+def split_rows(rows: list, valid_fraction: float, seed: int, by_prompt: bool = True) -> tuple:
+    """Deterministic ``(train, valid)`` split by prompt (``by_prompt`` False: by row); both keep file order.
+
+    Rows that share a prompt (:func:`prompt_groups`: several pairs per prompt, as UltraFeedback's) stay on one
+    side, so no held-out prompt is trained on. ``round(G * valid_fraction)`` of the G prompts (at least 1 when the
+    fraction is > 0 and there are 2+, never all of them) go to valid, picked by ``random.Random(seed)`` over the
+    prompts in order of first appearance (with no prompt repeated: the rows, one by one), so the same rows,
+    fraction and seed give the same split on every run.
     """
-    n_valid = min(round(len(rows) * valid_fraction), max(len(rows) - 1, 0))  # a row is left to train on
-    if valid_fraction > 0 and len(rows) >= 2:
+    groups = prompt_groups(rows) if by_prompt else [[i] for i in range(len(rows))]
+    n_valid = min(round(len(groups) * valid_fraction), max(len(groups) - 1, 0))  # a prompt is left to train on
+    if valid_fraction > 0 and len(groups) >= 2:
         n_valid = max(n_valid, 1)
-    picked = set(random.Random(seed).sample(range(len(rows)), n_valid))
+    picked = {i for g in random.Random(seed).sample(range(len(groups)), n_valid) for i in groups[g]}
     train = [r for i, r in enumerate(rows) if i not in picked]
     return train, [r for i, r in enumerate(rows) if i in picked]
 
@@ -84,6 +96,8 @@ class Dataset:
     :func:`write_entries` once the run owns its output folder.
     ``messages``: most training prompts are message rows, not plain text (which
     template rendered them: :func:`.templates.trained_template`).
+    ``by_prompt``: the rows were split by ``valid_fraction`` and some share a prompt, so whole prompts were
+    held out (:func:`split_rows`), not the rows one by one as by an earlier dtrain.
     """
 
     train: list
@@ -92,6 +106,7 @@ class Dataset:
     fingerprint: str = ""
     cache_entries: list = field(default_factory=list, repr=False, compare=False)
     messages: bool = False
+    by_prompt: bool = False
 
 
 def held_out_source(cfg, train: str) -> Optional[str]:
@@ -114,9 +129,9 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     :func:`demo_pairs` with ``cfg.demo_seed``), else ``cfg.train`` plus
     ``cfg.valid`` (or the held-out split of ``cfg.train``'s container, see
     :func:`.sources.resolve_pair`), or ``cfg.train`` split by ``cfg.valid_fraction``
-    with ``seed``. With ``cache_dir``, tokenized pairs are cached there by content
-    (:mod:`.cache`; misses go to ``Dataset.cache_entries``, nothing is written
-    here); a progress bar shows on stderr when ``log`` is set and ``progress`` (``train.progress``).
+    with ``seed`` (by prompt, :func:`split_rows`; the generated demo pairs by row). With
+    ``cache_dir``, tokenized pairs are cached there by content (:mod:`.cache`; misses go to
+    ``Dataset.cache_entries``, nothing is written here); a progress bar shows on stderr when ``log`` is set and ``progress`` (``train.progress``).
     With ``on_bad_row: skip`` the count and first few bad rows go to ``log``
     (None: silent); dropped pairs (no preference signal or no room, see
     :mod:`dtrain.data.render`; under sft KTO rows labelled false) are always only logged.
@@ -132,14 +147,16 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
         demo_cfg = dataclasses.replace(cfg, format="standard", fields=None)
         items = [(f"demo:{i + 1}", obj) for i, obj in enumerate(demo_pairs(cfg.demo_pairs, cfg.demo_seed))]
         rows, report = parse_rows(items, demo_cfg, "demo", pairwise)
-        train_rows, valid_rows = split_rows(rows, cfg.valid_fraction, seed)
-        valid_src = None
+        # generated pairs, a prompt drawn again now and then: split by row, as the demo's adapter was trained
+        train_rows, valid_rows = split_rows(rows, cfg.valid_fraction, seed, by_prompt=False)
+        valid_src, by_prompt = None, False
         fingerprint = hashlib.sha256(f"demo:v{DEMO_VERSION}:{cfg.demo_pairs}:{cfg.demo_seed}".encode()).hexdigest()
     else:
         if cfg.train is None:
             raise DataError("data.train is not set (or set data.demo_pairs > 0 for generated pairs)")
         train_src, valid_src = resolve_pair(cfg)
         rows, report = read_rows(train_src, cfg, pairwise)
+        by_prompt = valid_src is None and cfg.valid_fraction > 0 and len(prompt_groups(rows)) < len(rows)
         if valid_src is not None:
             train_rows = rows
             valid_rows, held_report = read_rows(valid_src, cfg, pairwise)
@@ -170,4 +187,4 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
                         f"dropped{why}): fix its rows (dtrain data check lists them), or give other held-out {noun}s")
     prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,
-                   messages=2 * sum(prompts) > len(prompts))
+                   messages=2 * sum(prompts) > len(prompts), by_prompt=by_prompt)

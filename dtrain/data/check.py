@@ -74,8 +74,9 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     both name the same first row that cannot be rendered. ``objective``: ``objective.kind``
     (``sft`` reads preference rows as their chosen side); rows with one completion are returned for the
     caller to refuse under a pairwise one, in training's order (after bad rows and no usable pair). Without held-out data of its
-    own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the rows, split with ``seed``
-    (``train.seed``): the pairs returned are the rest and those; with it, all of them and the pairs of
+    own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the prompts, split with ``seed``
+    (``train.seed``; where prompts repeat the report counts the prompts and rows held out): the pairs returned are
+    the rest and those; with it, all of them and the pairs of
     that source, whose counts and bad and dropped rows follow the report's as ``held out: SOURCE: ...``.
 
     Raises:
@@ -108,7 +109,7 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
             held_read: tuple) -> tuple:
     """:func:`check_file`'s report of the rows ``read`` (and ``held_read`` of the source ``valid``) as
     ``read_rows`` gave them, tokenized."""
-    from . import split_rows  # the package imports this module
+    from . import prompt_groups, split_rows  # the package imports this module
 
     (rows, report), (held_rows, held_report) = read, held_read
     noun = example_noun(objective)
@@ -136,6 +137,10 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
                  f"{report.truncated} {noun}{'s' * (report.truncated != 1)} truncated, {report.prompt_cut_fits} of them "
                  "only because of max_prompt_length")
+    if split_out and len(groups := prompt_groups(rows)) < len(rows):  # whole prompts held out: another share of rows
+        held = len(prompt_groups(split_out))
+        lines.append(f"held out by data.valid_fraction {cfg.valid_fraction}: {held} of {len(groups)} prompts "
+                     f"({len(split_out)} of {len(rows)} rows; rows that share a prompt stay on one side)")
     glued = glued_rows(rows, tokenizer, cfg)
     if glued:
         lines.append(f"warning: {len(glued)} of {len(rows)} rows glue a raw prompt to its response with no "

@@ -180,15 +180,18 @@ def pairs_sha256(pairs: list) -> str:
     return digest.hexdigest()
 
 
-def data_identity(fingerprint: str, train_pairs: list, valid_pairs: list) -> dict:
+def data_identity(fingerprint: str, train_pairs: list, valid_pairs: list, by_prompt: bool = False) -> dict:
     """The ``data`` field of :class:`RunState`: what the data is, not where it lies.
 
     Args:
         fingerprint: ``Dataset.fingerprint`` (sha256 of the data files' content).
         train_pairs: the tokenized training pairs, in order.
         valid_pairs: the held-out pairs evaluated, in order.
+        by_prompt: ``Dataset.by_prompt``: recorded as the ``held-out split``, which a checkpoint of an earlier
+            dtrain (its rows split one by one) lacks (:data:`dtrain.identity.BEFORE_KEY`).
     """
-    return {"data content sha256 (data.train, data.valid)": fingerprint, "training pairs": len(train_pairs),
+    split = {"held-out split": "by prompt"} if by_prompt else {}  # first: the reason the pairs below differ
+    return {**split, "data content sha256 (data.train, data.valid)": fingerprint, "training pairs": len(train_pairs),
             "training pairs sha256": pairs_sha256(train_pairs), "held-out pairs sha256": pairs_sha256(valid_pairs)}
 
 
@@ -381,7 +384,7 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
     Raises:
         UserError: naming every changed key with both values.
     """
-    was = {**{k: v for k, v in BEFORE_KEY.items() if k in current.settings},
+    was = {**{k: v for k, v in BEFORE_KEY.items() if k in current.must_match()},
            **{k: as_run(k, v) for k, v in saved.must_match().items()}}
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
     if saved.model in model_aliases:

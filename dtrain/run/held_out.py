@@ -32,9 +32,9 @@ def _no_held_out_fix(d, train_pairs: int, noun: str) -> str:
     """What to change when ``data.valid_fraction`` (``d``: a DataConfig) held out none of ``train_pairs``
     (``noun``: what the examples are called, pair or sft's row). A held-out source of its own that gives
     none stops the run before (``data.load_dataset``)."""
-    if d.valid_fraction > 0:  # a fraction of a few pairs rounds to none: say so rather than ask for a fraction > 0
-        return (f"data.valid_fraction {d.valid_fraction} of {train_pairs} {noun}s gives none: set data.valid or add "
-                f"{noun}s")
+    if d.valid_fraction > 0:  # fewer than two prompts (data.split_rows keeps one to train on): say so
+        return (f"data.valid_fraction {d.valid_fraction} of {train_pairs} {noun}s gives none (it holds out whole "
+                f"prompts, one kept to train on): set data.valid or add {noun}s of other prompts")
     return "set data.valid or data.valid_fraction > 0"
 
 

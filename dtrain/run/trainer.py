@@ -281,6 +281,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         loaded = load_model(cfg.model.path, cfg.model.dtype)
     model = loaded.model
     cache_entries, cache_bytes = [], 0  # tokenized pairs for OUT/data_cache, written once this run owns OUT
+    by_prompt = False  # a caller's own train/valid pairs were split as it chose
     if dataset is None:
         from ..data import entries_bytes, load_dataset
 
@@ -288,7 +289,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                                cache_dir=OutputDir(Path(t.output_dir)).data_cache,
                                pairwise=cfg.objective.kind != "sft",  # SFT trains preference rows' chosen side
                                progress=t.progress)
-        cache_entries = dataset.cache_entries
+        cache_entries, by_prompt = dataset.cache_entries, dataset.by_prompt
         cache_bytes = entries_bytes(cache_entries)
     objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
@@ -304,7 +305,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     init_adapter = init_adapter_identity(cfg)  # its weights: one path may name other files on other machines
     valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
     held_out = len(dataset.valid)
-    data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid)  # the token ids: a template file may differ
+    data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid, by_prompt)  # the token ids: a template may differ
     handshake(group, {"config": resolved, "model": loaded.identity, "data": data, "lora shapes": lora_shapes,
                       "initial adapter": init_adapter})
     for line in steering_notices(cfg, steering, len(valid), len(dataset.valid)) if notice else ():
