@@ -789,3 +789,29 @@ def test_a_response_written_as_one_message_object_or_under_messages_is_read_as_m
     assert rows == [] and [why for _, why in report.bad] == [
         "'chosen' has no assistant message (roles: user): a response is the model's turn",
         "chosen[0] must be an object with string 'role' and 'content'"]
+
+
+def test_a_response_that_ends_with_another_turn_is_a_bad_row(tmp_path):
+    """A response is the model's turn; one that ended with the user's message ({prompt, chosen: [assistant, user]},
+    implicit sides [user, assistant, user] / [user, assistant], an HH side that ends with an unanswered
+    '\\n\\nHuman: ...') trained that message as the model's words ('A<|im_end|>\\n<|im_start|>user\\nmore<|im_end|>'),
+    where a messages row ending so is a bad row. It is one, as a response that opens with another turn is."""
+    u, a, b, more = ({"role": r, "content": c} for r, c in (("user", "hi"), ("assistant", "A"), ("assistant", "B"),
+                                                            ("user", "more")))
+    why = "{!r} ends with a {!r} message: a response is the model's turn, and that message would be trained as its words"
+    hh = "{!r} ends with a 'Human:' turn: a response is the model's turn, and that turn would be trained as its words"
+    H = "\n\nHuman: hi\n\nAssistant:"
+    for obj, reason in (({"prompt": [u], "chosen": [a, more], "rejected": [b]}, why.format("chosen", "user")),
+                        ({"chosen": [u, a, more], "rejected": [u, b]}, why.format("chosen", "user")),
+                        ({"prompt": "hi", "chosen": [a], "rejected": [b, {"role": "tool", "content": "42"}]},
+                         why.format("rejected", "tool")),
+                        ({"chosen": H + " A\n\nHuman: more", "rejected": H + " B"}, hh.format("chosen")),
+                        ({"chosen": H + " A", "rejected": H + " B\n\nHuman: more\n\nAssistant: "}, hh.format("rejected")),
+                        ({"prompt": H, "chosen": " A\n\nHuman:", "rejected": " B"}, hh.format("chosen"))):
+        rows, report = rows_of(tmp_path, [obj])
+        assert rows == [] and [why for _, why in report.bad] == [reason], obj
+    rows, report = load_rows(write_jsonl(tmp_path / "d.jsonl", [{"prompt": [u], "completion": [a, more]}]), DataConfig(),
+                             pairwise=False)
+    assert rows == [] and [why for _, why in report.bad] == [why.format("completion", "user")]
+    row = one_row(tmp_path, {"chosen": H + " A\n\nHuman: more\n\nAssistant: C", "rejected": H + " B"})  # answered
+    assert (row.chosen, row.rejected) == (" A\n\nHuman: more\n\nAssistant: C", " B")

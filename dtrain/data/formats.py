@@ -12,11 +12,12 @@ one bad row):
   mlx-lm-lora reads them); ``prompt`` is explicit, or implicit as the longest
   common message prefix of ``chosen`` and ``rejected`` (TRL ``extract_prompt``;
   a text ``prompt`` beside lists that hold the whole conversation is ignored, as TRL does, and so are
-  prompt messages both lists open with). A response opens with the assistant's message; a text
+  prompt messages both lists open with). A response opens and ends with the assistant's message; a text
   prompt or response beside messages is one turn (the user's, the assistant's).
 - ``transcript``: ``chosen``/``rejected`` strings only, e.g. Anthropic HH
   (``\\n\\nHuman: … \\n\\nAssistant: …``); the prompt is the longest common
-  prefix of both sides that ends at an ``Assistant:`` turn marker.
+  prefix of both sides that ends at an ``Assistant:`` turn marker; a response ends with the
+  model's turn (not an unanswered ``Human:`` one).
 - ``openai``: OpenAI preference fine-tuning (``input.messages``,
   ``preferred_output``, ``non_preferred_output``; each output one assistant
   message; https://platform.openai.com/docs/guides/direct-preference-optimization).
@@ -328,6 +329,17 @@ def _text_response(value: str, label: str) -> str:
     return value
 
 
+def _transcript_response(value: str, label: str) -> str:
+    """A transcript's response (its later turns read as turns: render.transcript_messages) that ends with the
+    model's turn; an empty last ``Assistant:`` turn is a generation prompt, dropped."""
+    text = _text_response(value, label).rstrip()
+    text = text[: -len(ASSISTANT_MARKER)] if text.endswith(ASSISTANT_MARKER) else text
+    if text.rfind(HUMAN_MARKER) > text.rfind(ASSISTANT_MARKER):  # the user's next words, trained as the model's
+        raise BadRow(f"{label!r} ends with a {HUMAN_MARKER.strip()!r} turn: a response is the model's turn, and that "
+                     f"turn would be trained as its words")
+    return value
+
+
 def _messages(value: list, label: str) -> list:
     out = []
     for i, m in enumerate(value):
@@ -382,6 +394,9 @@ def _response(msgs: list, label: str) -> Union[str, list]:
     if msgs[0]["role"] != "assistant":  # trained as the model's, the prompt as trained ending in its header
         raise BadRow(f"{label!r} opens with a {msgs[0]['role']!r} message: a response is the model's turn, written "
                      f"after the prompt")
+    if msgs[-1]["role"] != "assistant":  # the user's next words, trained as the model's
+        raise BadRow(f"{label!r} ends with a {msgs[-1]['role']!r} message: a response is the model's turn, and that "
+                     f"message would be trained as its words")
     if len(msgs) == 1:
         return msgs[0]["content"]
     return msgs
@@ -391,10 +406,9 @@ def _standard(obj: dict, fields=None) -> Row:
     prompt = _get(obj, "prompt", str)
     # an HH transcript with its prompt apart (Dahoas/full-hh-rlhf): its turns, as the same conversation in chosen/rejected
     transcript = prompt.lstrip().startswith(HUMAN_MARKER.strip()) and prompt.rstrip().endswith(ASSISTANT_MARKER)
-    return Row(prompt=prompt,
-               chosen=_text_response(_get(obj, "chosen", str), "chosen"),
-               rejected=_text_response(_get(obj, "rejected", str), "rejected"),
-               system=_system(obj), transcript=transcript)
+    response = _transcript_response if transcript else _text_response
+    return Row(prompt=prompt, chosen=response(_get(obj, "chosen", str), "chosen"),
+               rejected=response(_get(obj, "rejected", str), "rejected"), system=_system(obj), transcript=transcript)
 
 
 def _turns(obj: dict, key: str, role: str) -> list:
@@ -465,8 +479,8 @@ def _transcript(obj: dict, fields=None) -> Row:
                             f"column")  # e.g. TRL's implicit-prompt text rows
         raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker{hint}")
     end = cut + len(ASSISTANT_MARKER)
-    return Row(chosen[:end], _text_response(chosen[end:], "chosen"), _text_response(rejected[end:], "rejected"),
-               _system(obj), transcript=True)
+    return Row(chosen[:end], _transcript_response(chosen[end:], "chosen"),
+               _transcript_response(rejected[end:], "rejected"), _system(obj), transcript=True)
 
 
 def _openai(obj: dict, fields=None) -> Row:
