@@ -815,3 +815,13 @@ def test_a_response_that_ends_with_another_turn_is_a_bad_row(tmp_path):
     assert rows == [] and [why for _, why in report.bad] == [why.format("completion", "user")]
     row = one_row(tmp_path, {"chosen": H + " A\n\nHuman: more\n\nAssistant: C", "rejected": H + " B"})  # answered
     assert (row.chosen, row.rejected) == (" A\n\nHuman: more\n\nAssistant: C", " B")
+
+
+def test_a_text_side_beside_a_message_side_reads_the_same_whichever_side_it_is(tmp_path):
+    """``{prompt: 'Q', chosen: [assistant], rejected: 'B'}`` trained (a text beside messages is one turn), but its
+    mirror ``{prompt: 'Q', chosen: 'A', rejected: [assistant]}`` was read as a standard row: "field 'rejected' must
+    be a string, got array"; the format was told by the chosen side alone."""
+    u, a, b = ({"role": r, "content": c} for r, c in (("user", "Q"), ("assistant", "A"), ("assistant", "B")))
+    for chosen, rejected in (([a], "B"), ("A", [b]), ("A", b)):
+        row = one_row(tmp_path, {"prompt": "Q", "chosen": chosen, "rejected": rejected})
+        assert (row.prompt, row.chosen, row.rejected) == ([u], "A", "B"), (chosen, rejected)

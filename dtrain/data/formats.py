@@ -111,7 +111,7 @@ def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
     if "conversations" in obj and "chosen" in obj:
         return "sharegpt"
     if "chosen" in obj and "rejected" in obj:
-        if isinstance(obj["chosen"], (list, dict)) or isinstance(obj.get("prompt"), list):
+        if isinstance(obj.get("prompt"), list) or any(isinstance(obj[k], (list, dict)) for k in ("chosen", "rejected")):
             return "conversational"
         return "standard" if "prompt" in obj else "transcript"
     if "messages" in obj or "conversations" in obj:  # conversations: ShareGPT's SFT rows
@@ -215,7 +215,8 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
                 if _has_tools(obj.get(key), key) or (isinstance(inp, dict) and _has_tools(inp.get(key), key)):
                     raise BadRow(NO_TOOLS.format(what=f"{key!r} ({what} definitions)"))
             row = _parse(obj, fmt, fields, pairwise)
-            row = dataclasses.replace(row, prompt=_unweighted(row.prompt), rejected_prompt=_unweighted(row.rejected_prompt))
+            row = dataclasses.replace(row, prompt=_unweighted(row.prompt),
+                                      rejected_prompt=_unweighted(row.rejected_prompt))
             if row.rejected is None and row.prompt is not None and "label" in obj and _is_label(obj["label"]):
                 if pairwise:  # read as SFT rows, a pairwise objective would only say 'one completion'
                     raise DataError(UNPAIRED.format(source=source))
