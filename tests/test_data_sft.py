@@ -517,3 +517,22 @@ def test_openai_message_weights_train_no_assistant_message_of_weight_0():
     rows, report = parse_rows([("f.jsonl:1", {"prompt": [u], "chosen": [a], "rejected": [{**a2, **w0}]})], DataConfig(),
                               "f.jsonl")
     assert rows == [] and report.bad == [("f.jsonl:1", f"'rejected' holds a message that {trained}")]
+
+
+def test_a_transcript_prompt_of_a_prompt_completion_row_is_read_as_its_turns(tok):
+    """An HH prompt apart (``"\\n\\nHuman: ...\\n\\nAssistant:"``) is its turns in a preference row, so sft trained
+    ``{prompt: HH, chosen: ' 4', ...}`` after 'user\\nWhat is 2 + 2?'; the same prompt in a prompt/completion row
+    (or Dahoas/full-hh-rlhf mapped with data.fields {completion: response}) was one user turn holding the markers
+    ('<|im_start|>user\\n\\n\\nHuman: What is 2 + 2?\\n\\nAssistant:<|im_end|>') and ' 4' trained with its space."""
+    hh = f"\n\nHuman: {Q}\n\nAssistant:"
+    expected, _ = tokenize_rows(rows_of([{"prompt": hh, "chosen": " 4", "rejected": " 5"}])[0], tok, DataConfig())
+    for obj, cfg in (({"prompt": hh, "completion": " 4"}, DataConfig()),
+                     ({"prompt": hh, "response": " 4", "chosen": " 4", "rejected": " 5"},
+                      DataConfig(fields={"completion": "response"}))):
+        rows, report = parse_rows([("f.jsonl:1", obj)], cfg, "f.jsonl", pairwise=False)
+        pairs, _ = tokenize_rows(rows, tok, cfg)
+        assert report.bad == [] and [(p.prompt, p.chosen) for p in pairs] == [(p.prompt, p.chosen) for p in expected]
+        assert tok.decode(pairs[0].prompt) == CHAT_Q
+    rows, report = rows_of([{"prompt": hh, "completion": " 4\n\nHuman: Sure?"}])
+    assert report.bad == [("f.jsonl:1", "'completion' ends with a 'Human:' turn: a response is the model's turn, and "
+                                        "that turn would be trained as its words")]

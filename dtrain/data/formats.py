@@ -42,7 +42,8 @@ Rows with one completion, for ``objective.kind: sft`` (``Row.rejected`` is None)
   ``"weight": 0`` is not trained: the completion is the last one of another weight; in a response
   that is trained whole (a pair's, a ``completion``) it makes the row bad.
 - ``prompt_completion``: mlx-lm's ``completions`` and TRL's prompt-completion
-  rows, ``prompt``/``completion`` strings or message lists (a text beside messages: one turn). With a boolean ``label`` (TRL's
+  rows, ``prompt``/``completion`` strings (a transcript prompt read as one, as in ``standard``) or message
+  lists (a text beside messages: one turn). With a boolean ``label`` (TRL's
   unpaired KTO rows) a ``false`` row is dropped (``label false``), one written as text, 1/0 or null
   is a bad row, and a pairwise objective refuses the file (:data:`UNPAIRED`).
 - ``text``: mlx-lm's ``text`` rows and TRL's language-modeling rows, ``{"text": ...}``:
@@ -403,10 +404,15 @@ def _response(msgs: list, label: str) -> Union[str, list]:
     return msgs
 
 
+def _is_transcript(prompt: str) -> bool:
+    """An HH transcript with its prompt apart (Dahoas/full-hh-rlhf): read as its turns, as the same conversation in
+    chosen/rejected is."""
+    return prompt.lstrip().startswith(HUMAN_MARKER.strip()) and prompt.rstrip().endswith(ASSISTANT_MARKER)
+
+
 def _standard(obj: dict, fields=None) -> Row:
     prompt = _get(obj, "prompt", str)
-    # an HH transcript with its prompt apart (Dahoas/full-hh-rlhf): its turns, as the same conversation in chosen/rejected
-    transcript = prompt.lstrip().startswith(HUMAN_MARKER.strip()) and prompt.rstrip().endswith(ASSISTANT_MARKER)
+    transcript = _is_transcript(prompt)
     response = _transcript_response if transcript else _text_response
     return Row(prompt=prompt, chosen=response(_get(obj, "chosen", str), "chosen"),
                rejected=response(_get(obj, "rejected", str), "rejected"), system=_system(obj), transcript=transcript)
@@ -565,8 +571,10 @@ def _prompt_completion(obj: dict, fields=None) -> Row:
     if isinstance(prompt, list) or isinstance(completion, list):
         c = _turns(obj, "completion", "assistant")
         return Row(_turns(obj, "prompt", "user"), _response(c, "completion"), None, _system(obj))
-    return Row(_get(obj, "prompt", str), _text_response(_get(obj, "completion", str), "completion"), None,
-               _system(obj))
+    prompt = _get(obj, "prompt", str)
+    transcript = _is_transcript(prompt)
+    response = _transcript_response if transcript else _text_response
+    return Row(prompt, response(_get(obj, "completion", str), "completion"), None, _system(obj), transcript=transcript)
 
 
 def _text(obj: dict, fields=None) -> Row:
