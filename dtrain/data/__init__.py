@@ -25,8 +25,8 @@ from .render import end_of_turn, tokenize_rows
 from .sources import fingerprint as data_fingerprint, mlx_valid, read_rows, resolve, resolve_pair
 
 __all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn", "entries_bytes",
-           "load_dataset", "load_rows", "prompt_groups", "read_rows", "resolve", "split_rows", "tokenize_cached", "tokenize_rows",
-           "write_entries"]
+           "load_dataset", "load_rows", "prompt_groups", "read_rows", "resolve", "split_rows", "tokenize_cached",
+           "tokenize_rows", "write_entries"]
 
 DEMO_VERSION = 1  # bump when demo.py changes its output, so fingerprints change too
 
@@ -131,7 +131,8 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     :func:`.sources.resolve_pair`), or ``cfg.train`` split by ``cfg.valid_fraction``
     with ``seed`` (by prompt, :func:`split_rows`; the generated demo pairs by row). With
     ``cache_dir``, tokenized pairs are cached there by content (:mod:`.cache`; misses go to
-    ``Dataset.cache_entries``, nothing is written here); a progress bar shows on stderr when ``log`` is set and ``progress`` (``train.progress``).
+    ``Dataset.cache_entries``, nothing is written here); a progress bar shows on stderr when ``log`` is set
+    and ``progress`` (``train.progress``).
     With ``on_bad_row: skip`` the count and first few bad rows go to ``log``
     (None: silent); dropped pairs (no preference signal or no room, see
     :mod:`dtrain.data.render`; under sft KTO rows labelled false) are always only logged.

@@ -305,7 +305,8 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     init_adapter = init_adapter_identity(cfg)  # its weights: one path may name other files on other machines
     valid = dataset.valid[: t.eval_pairs] if t.eval_pairs > 0 else dataset.valid
     held_out = len(dataset.valid)
-    data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid, by_prompt)  # the token ids: a template may differ
+    # the token ids: a template file may differ
+    data = ckpt.data_identity(dataset.fingerprint, dataset.train, valid, by_prompt)
     handshake(group, {"config": resolved, "model": loaded.identity, "data": data, "lora shapes": lora_shapes,
                       "initial adapter": init_adapter})
     for line in steering_notices(cfg, steering, len(valid), len(dataset.valid)) if notice else ():
