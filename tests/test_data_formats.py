@@ -773,6 +773,22 @@ def test_sharegpt_role_names_in_role_content_messages_are_its_speakers(tmp_path)
     assert row.prompt == [{"role": "tool", "content": "42"}]
 
 
+def test_a_message_with_an_empty_role_is_a_bad_row(tmp_path):
+    """A message whose role is empty or blank ({"role": "", ...}) was accepted and rendered under an empty header;
+    it is a bad row naming the message, in a prompt, a response or a messages row."""
+    u, a, b = ({"role": r, "content": c} for r, c in (("user", "Q"), ("assistant", "A"), ("assistant", "B")))
+    rows, report = rows_of(tmp_path, [{"prompt": [{"role": "", "content": "Q"}], "chosen": [a], "rejected": [b]},
+                                      {"prompt": [u], "chosen": [{"role": " ", "content": "A"}], "rejected": [b]},
+                                      {"prompt": [u], "chosen": [a], "rejected": [b]}])
+    assert len(rows) == 1 and [why for _, why in report.bad] == [
+        "prompt[0] 'role' is empty: a message names who speaks (user, assistant, system, ...)",
+        "chosen[0] 'role' is empty: a message names who speaks (user, assistant, system, ...)"]
+    _, report = load_rows(write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "", "content": "Q"}, a]}]),
+                          DataConfig(), pairwise=False)
+    assert [why for _, why in report.bad] == [
+        "messages[0] 'role' is empty: a message names who speaks (user, assistant, system, ...)"]
+
+
 def test_a_response_written_as_one_message_object_or_under_messages_is_read_as_mlx_lm_lora_reads_it(tmp_path):
     """mlx-lm-lora's preference rows (ORPODataset) take ``chosen``/``rejected`` as text, a message list, one message
     object (``{"role": "assistant", "content": ...}``) or ``{"messages": [...]}``; the last two were bad rows

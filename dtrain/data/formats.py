@@ -359,6 +359,8 @@ def _messages(value: list, label: str) -> list:
             m = {**m, "content": _text_parts(m["content"], f"{label}[{i}]")}
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRow(f"{label}[{i}] must be an object with string 'role' and 'content'")
+        if not m["role"].strip():  # a template would render it as a header of no one
+            raise BadRow(f"{label}[{i}] 'role' is empty: a message names who speaks (user, assistant, system, ...)")
         weight = m.get("weight")  # OpenAI's fine-tuning rows: 0 marks a message not to train on (null: none given)
         if weight is not None and weight not in (0, 1):
             raise BadRow(f"{label}[{i}] 'weight' is {weight!r}: OpenAI's weight is 0 (not trained on) or 1")
