@@ -296,6 +296,43 @@ def test_resume_of_a_finished_run_writes_the_best_text_once(tmp_path, scripted):
     assert texts == [(6, f"adapters/ holds step 2 ({ACC} 0.7000)")]
 
 
+def hparams_metrics(run_dir) -> tuple:
+    """The HPARAMS record: its experiment's metric tags and their ``hparam/`` scalars (step, value)."""
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+
+    tags = [m.name.tag for e in read_events(run_dir) for v in e.summary.value if v.tag == "_hparams_/experiment"
+            for m in HParamsPluginData.FromString(v.metadata.plugin_data.content).experiment.metric_infos]
+    return tags, {k: v for k, v in read_scalars(run_dir).items() if k.startswith("hparam/")}
+
+
+@pytest.mark.parametrize("extra, last", [((), 6), (("train.early_stop_evals=2",), 4)], ids=["end", "early-stop"])
+def test_the_hparams_record_holds_the_kept_steps_eval_metrics(tmp_path, scripted, extra, last):
+    """adapters/ holds step 2 (accuracy 0.7), but the HPARAMS record held the last step's eval metrics (step 6:
+    0.65; step 4, 0.9, at the early stop): runs compared in TensorBoard's HPARAMS tab were compared by adapters
+    they did not write. It holds the kept step's eval metrics and hparam/best/step; the training metrics and the
+    eval/ scalars stay the last step's."""
+    result = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1", *extra)
+    tags, scalars = hparams_metrics(result.run_dir)
+    assert "hparam/best/step" in tags and f"hparam/{ACC}" in tags
+    assert scalars["hparam/best/step"] == [(last, 2.0)]
+    assert scalars[f"hparam/{ACC}"] == [(last, pytest.approx(SCRIPT_ACC[2]))]
+    assert scalars["hparam/eval/loss"] == [(last, pytest.approx(1.0 - SCRIPT_ACC[2]))]
+    assert scalars[f"hparam/{CHOSEN}"] == [(last, pytest.approx(SCRIPT_CHOSEN[2]))]
+    assert scalars["hparam/loss"] == [(last, pytest.approx(result.history[-1]["loss"]))]
+    assert read_scalars(result.run_dir)[ACC][-1] == (last, pytest.approx(SCRIPT_ACC[last]))
+    again = run(tmp_path, f"train.keep_best={ACC}", "train.keep_best_guard=0.1", *extra, "train.resume=auto")
+    assert hparams_metrics(again.run_dir) == (tags, scalars)  # a resume of the run's end writes no other record
+
+
+def test_the_hparams_record_without_a_kept_step_holds_the_last_steps_eval_metrics(tmp_path, scripted):
+    """No step qualified (no evaluation reports eval/nll_loss): adapters/ holds the last step, as the record does."""
+    tags, scalars = hparams_metrics(run(tmp_path, "train.keep_best=eval/nll_loss").run_dir)
+    assert "hparam/best/step" not in tags and "hparam/best/step" not in scalars
+    assert scalars[f"hparam/{ACC}"] == [(6, pytest.approx(SCRIPT_ACC[6]))]
+    off_tags, off = hparams_metrics(run(tmp_path / "off").run_dir)
+    assert off_tags == tags and off[f"hparam/{ACC}"] == [(6, pytest.approx(SCRIPT_ACC[6]))]
+
+
 def test_the_sft_summary_names_the_kept_step_and_the_early_stop():
     """SFT has no accuracy: its summary is the held-out NLL, and with keep_best it still says which step
     adapters/ holds (and that the run stopped early), as the preference objectives' summary does."""

@@ -152,6 +152,16 @@ def last_and_best(run, last_dir) -> Optional[dict]:
     return run.best.weights
 
 
+def recorded_evals(run, step: int) -> dict:
+    """The eval metrics of the HPARAMS record written at the run's last ``step``: those of the step adapters/
+    holds, so runs compared there are compared by the adapters they wrote; with ``train.keep_best`` the kept
+    step's and ``best/step`` (none qualified: ``step``'s, as adapters/ then holds)."""
+    pick = run.result.best
+    if pick is None or pick.step is None:
+        return run.result.evals.get(step, {})
+    return {**run.result.evals[pick.step], "best/step": float(pick.step)}
+
+
 def log_kept(run, step: int) -> None:
     """The ``best`` TensorBoard text naming the kept step (or that none qualified), at the run's last ``step``:
     written with its final record (``trainer.log_hparams``), so a resume of the finished run, which writes no

@@ -465,9 +465,9 @@ def save_stopped(run: Run, step: int) -> None:
 
 def log_hparams(run: Run, step: int) -> None:
     """Record the config with the final metrics of ``step`` (TensorBoard HPARAMS; with ``train.keep_best`` the
-    ``best`` text; rank 0's logger) before the run's last checkpoint, whose save flushes it: a run killed after
-    that checkpoint keeps the record."""
-    final = {**run.state.last_metrics, **run.result.evals.get(step, {})}  # a resume at its end trains none
+    kept step's eval metrics and the ``best`` text; rank 0's logger) before the run's last checkpoint, whose save
+    flushes it: a run killed after that checkpoint keeps the record."""
+    final = {**run.state.last_metrics, **keep_best.recorded_evals(run, step)}  # a resume at its end trains none
     run.log.hparams(run.resolved, final, step)
     keep_best.log_kept(run, step)
 
