@@ -109,6 +109,21 @@ def test_dpo_policy_equal_to_reference_gives_ln2_per_pair():
     assert sums["accuracy_sum"].item() == 0.0  # equal rewards are not a preference (TRL: chosen > rejected)
 
 
+def test_dpo_counts_a_margin_within_float32_rounding_as_a_tie():
+    """At step 1 the policy is the reference, its summed log-probs computed in other micro-batches: a chosen sum
+    one float32 ulp above its reference (-136.0625 + 2^-16, rejected equal) counted the pair as preferred
+    (TRL's rewards are equal there: accuracy 0). A margin beyond the four sums' rounding still counts."""
+    obj = DPO(beta=0.1)
+    f32 = lambda *xs: [mx.array(np.array(x, np.float32)) for x in xs]  # noqa: E731
+    ref_c, ref_r = np.float32(-136.0625), np.float32(-66.4375)
+    ulp = float(np.spacing(np.float32(136.0625)))
+    for chosen, want in ((ref_c + ulp, 0.0), (ref_c - ulp, 0.0), (ref_c, 0.0), (ref_c + 64 * ulp, 1.0)):
+        c, r, tc, tr, nll, rc, rr = f32([chosen], [ref_r], [20.0], [10.0], 0.0, [ref_c], [ref_r])
+        _, sums = obj.loss(PairLogps(c, r, tc, tr, nll, {"ref_chosen": rc, "ref_rejected": rr}), Totals(20.0, 1.0),
+                           obj.hyper())
+        assert sums["accuracy_sum"].item() == want, chosen
+
+
 def test_dpo_without_reference_log_probs_is_an_error_naming_them():
     logps = pair_logps([-2.0], [-2.25], 0.0, ([3.0], [4.0]))  # no extra inputs
     with pytest.raises(ValueError, match=r"DPO needs the pairs' reference log-probabilities .*'ref_chosen', "

@@ -122,6 +122,25 @@ def test_dpo_reference_pass_once_per_pair_then_from_the_cache(tmp_path):
         assert a["loss"] == b["loss"]
 
 
+def test_dpo_step_1_prefers_no_training_pair(tmp_path):
+    """At step 1 the policy is the reference, so every reward is 0 and no pair is preferred (TRL: accuracy 0).
+    The step packs its 4-pair micro-batches unlike the reference pass, so one pair's chosen sum came out one
+    float32 ulp above its reference: rewards/accuracies 1/6, from rounding alone."""
+    from dtrain.types import TokenizedPair
+
+    rng = np.random.default_rng(1)
+    pairs = [TokenizedPair([1, *rng.integers(5, 512, int(rng.integers(2, 60))).tolist()],
+                           [*rng.integers(5, 512, int(rng.integers(1, 60))).tolist(), 2],
+                           [*rng.integers(5, 512, int(rng.integers(1, 60))).tolist(), 2], f"gen:{i}") for i in range(6)]
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=1, hidden_size=128, intermediate_size=256,
+                                                               num_hidden_layers=2),
+                             tokenizer=None, identity="tiny", source="tiny-llama", reference={"path": "tiny-llama"})
+    cfg = config(tmp_path, "dpo", "train.steps=1", "train.global_batch_pairs=6", "train.micro_batch_pairs=4")
+    first = train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs, valid=[], fingerprint="fp")).history[0]
+    assert first["rewards/accuracies"] == 0.0
+    assert abs(first["rewards/margins"]) < 1e-6 and first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 class Chunks:
     """Wraps an engine; records the sources of each micro-batch evaluate() runs."""
 

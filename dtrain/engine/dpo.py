@@ -93,8 +93,11 @@ class DPO:
         chosen_ratio, rejected_ratio = pc - rc, pr - rr
         losses = dpo_losses(chosen_ratio - rejected_ratio, beta, self.loss_type)
         rc_, rr_ = beta * chosen_ratio, beta * rejected_ratio
+        # a margin within one rounding of each of the four sums is a tie (TRL: chosen > rejected is false): at
+        # step 1 the policy is the reference, summed in other micro-batches than the reference pass's
+        preferred = chosen_ratio - rejected_ratio > mx.finfo(pc.dtype).eps * (abs(pc) + abs(rc) + abs(pr) + abs(rr))
         sums = {"dpo_sum": losses.sum(), "rewards_chosen_sum": rc_.sum(), "rewards_rejected_sum": rr_.sum(),
-                "accuracy_sum": (rc_ > rr_).astype(pc.dtype).sum(), "logps_chosen_sum": pc.sum(),
+                "accuracy_sum": preferred.astype(pc.dtype).sum(), "logps_chosen_sum": pc.sum(),
                 "logps_rejected_sum": pr.sum()}
         return losses.sum() / totals.pairs, sums
 
