@@ -340,8 +340,23 @@ def test_the_sft_summary_names_the_kept_step_and_the_early_stop():
     evals = {s: {"eval/loss": v, nll: v, CHOSEN: -v} for s, v in ((0, 2.0), (5, 1.5), (10, 1.7), (15, 1.8))}
     result = TrainResult(steps=15, evals=evals, best=pick_best(evals, nll), best_metric=nll, early_stopped=True)
     assert result.summary() == ("eval NLL of the completions: step 0 2.000 -> step 15 1.800; early stop at step 15; "
-                                f"adapters/ holds step 5 ({nll} 1.5000)")
+                                f"adapters/ holds step 5 ({nll} 1.500)")
     assert TrainResult(steps=15, evals=evals).summary() == "eval NLL of the completions: step 0 2.000 -> step 15 1.800"
+
+
+def test_the_summary_shows_small_values_by_their_significant_digits():
+    """An SFT run whose held-out NLL fell to 4.5e-6 (a memorised set) printed 'step 10 0.000' and its kept
+    step's 'eval/nll_loss 0.0000', as did a DPO run kept by a margin of 2.5e-5: the values were lost, and
+    steps that differ read the same. They print with 4 significant digits; an accuracy (a share) as before."""
+    nll, margins = "eval/nll_loss", "eval/rewards/margins"
+    evals = {s: {"eval/loss": v, nll: v} for s, v in ((0, 2.0), (5, 3.2e-6), (10, 4.5e-6))}
+    result = TrainResult(steps=10, evals=evals, best=pick_best(evals, nll), best_metric=nll)
+    assert result.summary() == ("eval NLL of the completions: step 0 2.000 -> step 10 4.500e-06; "
+                                f"adapters/ holds step 5 ({nll} 3.200e-06)")
+    evals = {s: {ACC: a, margins: m} for s, a, m in ((0, 0.0, 0.0), (5, 0.5, 2.5e-5), (10, 0.5, -1e-6))}
+    result = TrainResult(steps=10, evals=evals, best=pick_best(evals, margins), best_metric=margins)
+    assert result.summary() == ("eval reward accuracy (chosen preferred over rejected): step 0 0.000 -> step 10 "
+                                f"0.500; adapters/ holds step 5 ({margins} 2.500e-05)")
 
 
 def test_keep_best_needs_evaluations(tmp_path):

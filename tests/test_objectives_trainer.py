@@ -310,7 +310,7 @@ def test_an_sft_runs_summary_reports_the_held_out_nll(tmp_path):
     result = run(tmp_path, "sft")
     first, last = result.evals[0]["eval/nll_loss"], result.evals[4]["eval/nll_loss"]
     assert "eval/rewards/accuracies" not in result.evals[4]
-    assert result.summary() == f"eval NLL of the completions: step 0 {first:.3f} -> step 4 {last:.3f}"
+    assert result.summary() == f"eval NLL of the completions: step 0 {first:#.4g} -> step 4 {last:#.4g}"
 
 
 def test_the_summary_of_an_sft_run_with_completion_only_loss_false_names_the_prompts_too(tmp_path):
@@ -318,7 +318,7 @@ def test_the_summary_of_an_sft_run_with_completion_only_loss_false_names_the_pro
     of the completions."""
     result = run(tmp_path, "sft", "objective.completion_only_loss=false")
     first, last = result.evals[0]["eval/nll_loss"], result.evals[4]["eval/nll_loss"]
-    assert result.summary() == f"eval NLL of the prompts and completions: step 0 {first:.3f} -> step 4 {last:.3f}"
+    assert result.summary() == f"eval NLL of the prompts and completions: step 0 {first:#.4g} -> step 4 {last:#.4g}"
 
 
 def test_reference_cache_key_tells_a_quantized_model_s_float_types_apart(tmp_path):

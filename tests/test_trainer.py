@@ -864,10 +864,10 @@ def test_a_run_cut_after_a_checkpoint_and_resumed_to_end_there_writes_its_end_re
     assert json.loads(state.read_text())["closed"] is False
     resumed, _ = run(tmp_path / "cut", *args, "train.steps=6", "train.resume=auto")
     assert resumed.history == [] and resumed.best.step is not None
-    kept = f"adapters/ holds step {resumed.best.step} (eval/loss {resumed.best.value:.4f})"
+    kept = f"adapters/ holds step {resumed.best.step} (eval/loss {resumed.best.value:#.4g})"
     assert end_records(resumed.run_dir) == ([6], [(6, kept)])
     assert end_records(whole.run_dir) == ([6], [(6, f"adapters/ holds step {whole.best.step} "
-                                                   f"(eval/loss {whole.best.value:.4f})")])
+                                                   f"(eval/loss {whole.best.value:#.4g})")])
     assert read_scalars(resumed.run_dir)["hparam/eval/loss"] == [(6, pytest.approx(resumed.evals[6]["eval/loss"]))]
     assert json.loads(state.read_text())["closed"] is True
     again, _ = run(tmp_path / "cut", *args, "train.steps=6", "train.resume=auto")  # now finished: nothing again

@@ -80,7 +80,7 @@ def describe(pick: Pick, metric: str, early_stop: Optional[int] = None) -> str:
     stop = "" if early_stop is None else f"early stop at step {early_stop}; "
     if pick.step is None:
         return f"{stop}no evaluated step qualified for train.keep_best; adapters/ holds the last step"
-    return f"{stop}adapters/ holds step {pick.step} ({metric} {pick.value:.4f})"
+    return f"{stop}adapters/ holds step {pick.step} ({metric} {pick.value:#.4g})"  # significant digits: a loss of 3e-6
 
 
 def no_new_best(t) -> str:
