@@ -474,3 +474,176 @@ def test_a_dpo_restart_with_settings_that_give_the_same_reference_reads_it(tmp_p
     result = run(tmp_path, "dpo", *change, hooks=counting_hooks(seen))
     assert seen == []
     assert result.evals[0]["eval/rewards/margins"] == 0.0
+
+
+# One case per objective: its settings and an engine setting the others do not take (reference engine; ranges
+# with a chunked head; the single pass over prefix-shared, packed, bucketed rows; compiled ranges)
+LOOP_CASES = {
+    "orpo": ["orpo.lambda=0.5", "engine.kind=segmented", "engine.segment_layers=1", "engine.head_chunk_tokens=3",
+             "lora.plus_ratio=4", "train.weight_decay=0.1"],
+    "orpo_response": ["orpo.lambda=2.0", "orpo.nll_scope=response", "engine.kind=reference", "train.grad_clip=0.05"],
+    "dpo": ["objective.kind=dpo", "objective.beta=0.5", "engine.length_bucket=8", "train.schedule=cosine"],
+    "dpo_ipo": ["objective.kind=dpo", "objective.loss_type=ipo", "objective.beta=0.5", "engine.kind=segmented",
+                "engine.segment_layers=2", "engine.compile=true", "engine.prefix_sharing=false"],
+    "simpo": ["objective.kind=simpo", "objective.beta=2.5", "objective.simpo_gamma=0.3", "objective.nll_weight=0.5",
+              "engine.pack=false", "train.warmup_steps=2"],
+    "sft": ["objective.kind=sft", "objective.completion_only_loss=false", "engine.kind=segmented",
+            "engine.segment_layers=1", "lora.plus_ratio=4"],
+}
+
+
+def loop_pairs(sft: bool) -> list:
+    """Edge shapes: 1-token responses, a long chosen and a long rejected side, two pairs of one prompt, a rejected
+    side with its own prompt (two sequences under prefix sharing), a 1-token prompt; SFT rows for ``sft``."""
+    from dtrain.types import TokenizedPair
+
+    rng = np.random.default_rng(7)
+    ids = lambda n: rng.integers(5, 512, n).tolist()  # noqa: E731
+    shared = ids(5)
+    shapes = [(4, 1, 6), (3, 7, 1), (2, 22, 3), (6, 2, 19), (1, 3, 4), (5, 4, 4), (3, 5, 2), (4, 2, 3), (2, 6, 5)]
+    pairs = [TokenizedPair(shared if i in (1, 5) else ids(p), ids(c), ids(r), f"t:{i}")
+             for i, (p, c, r) in enumerate(shapes)]
+    pairs[6] = TokenizedPair(pairs[6].prompt, pairs[6].chosen, pairs[6].rejected, "t:6", rejected_prompt=ids(3))
+    if sft:
+        pairs[2:5] = [TokenizedPair(p.prompt, p.chosen, [], p.source) for p in pairs[2:5]]
+    return pairs
+
+
+def side(model, prompt: list, response: list):
+    """``(log-probs of the prompt tokens after the first, of the response)`` under ``model`` run on
+    ``prompt + response`` alone (mlx-lm's forward), float32."""
+    logits = model(mx.array([prompt + response]))[0].astype(mx.float32)  # (P + R, V)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = logp[mx.arange(len(prompt) + len(response) - 1), mx.array(prompt[1:] + response)]
+    return picked[: len(prompt) - 1], picked[len(prompt) - 1:]
+
+
+def by_hand(model, pairs, cfg, hyper, ref=None):
+    """``(the objective's loss, its TRL-named metrics, per-pair margins)`` of ``pairs`` in float32: each side run
+    alone through mlx-lm's model, then the formulas of docs/objectives.md (ORPO: Hong et al. 2024 eq. 6-7; DPO:
+    Rafailov et al. 2023 eq. 7, IPO: Azar et al. 2023 eq. 17; SimPO: Meng et al. 2024 eq. 6). ``ref``: DPO's
+    ``(chosen, rejected)`` summed log-probs of the step-0 model per pair."""
+    import mlx.nn as nn
+
+    kind = cfg.objective.kind
+    sft_full = kind == "sft" and not cfg.objective.completion_only_loss
+    full = cfg.orpo.nll_scope == "full" if kind == "orpo" else sft_full  # prompt tokens after the first: NLL targets
+    nll, n_nll, chosen, rejected, c_len, r_len = 0.0, 0, [], [], [], []
+    for p in pairs:
+        prompt_lp, c = side(model, p.prompt, p.chosen)
+        nll = nll - c.sum() - (prompt_lp.sum() if full else 0.0)
+        n_nll += len(p.chosen) + (len(p.prompt) - 1 if full else 0)
+        r = side(model, p.rejected_prompt or p.prompt, p.rejected)[1] if p.rejected else mx.zeros(1)
+        chosen.append(c.sum()), rejected.append(r.sum()), c_len.append(len(c)), r_len.append(max(len(p.rejected), 1))
+    nll, chosen, rejected = nll / n_nll, mx.stack(chosen), mx.stack(rejected)
+    c_len, r_len = mx.array(c_len, mx.float32), mx.array(r_len, mx.float32)
+    lw, lr = chosen / c_len, rejected / r_len  # mean log-probs per token
+    if kind == "sft":
+        return nll, {"loss": nll, "nll_loss": nll, "logps/chosen": lw.mean()}, None
+    if kind == "dpo":
+        rc, rr = (mx.array([x[i] for x in ref]) for i in (0, 1))
+        b = hyper["beta"]
+        if cfg.objective.loss_type == "ipo":  # means per token, policy and reference (TRL)
+            chosen, rejected, rc, rr = lw, lr, rc / c_len, rr / r_len
+        h = (chosen - rc) - (rejected - rr)
+        losses = nn.softplus(-b * h) if cfg.objective.loss_type == "sigmoid" else (h - 1 / (2 * b)) ** 2
+        return losses.mean(), {"loss": losses.mean(), "rewards/chosen": b * (chosen - rc).mean(),
+                               "rewards/rejected": b * (rejected - rr).mean(), "rewards/accuracies": (h > 0).mean(),
+                               "rewards/margins": b * h.mean(), "logps/chosen": chosen.mean(),
+                               "logps/rejected": rejected.mean()}, h
+    scale = hyper["lambda"] if kind == "orpo" else hyper["beta"]
+    metrics = {"nll_loss": nll, "rewards/chosen": scale * lw.mean(), "rewards/rejected": scale * lr.mean(),
+               "rewards/accuracies": (lw > lr).mean(), "rewards/margins": scale * (lw - lr).mean(),
+               "logps/chosen": lw.mean(), "logps/rejected": lr.mean()}
+    if kind == "simpo":
+        per = nn.softplus(-(hyper["beta"] * (lw - lr) - hyper["gamma"]))
+        loss = hyper["nll_weight"] * nll + per.mean()
+        return loss, {**metrics, "loss": loss, "simpo_loss": per.mean()}, lw - lr
+    log1mexp = lambda x: mx.log(-mx.expm1(x))  # noqa: E731
+    log_odds = (lw - lr) - (log1mexp(lw) - log1mexp(lr))
+    loss = nll - hyper["lambda"] * nn.log_sigmoid(log_odds).mean()
+    return loss, {**metrics, "loss": loss, "log_odds_ratio": nn.log_sigmoid(log_odds).mean(),
+                  "log_odds_chosen": log_odds.mean()}, lw - lr
+
+
+@pytest.mark.parametrize("case", list(LOOP_CASES))
+def test_every_step_trains_and_logs_what_an_independent_loop_computes(tmp_path, case):
+    """Each step of a run (3 steps of 4 pairs in micro-batches of 3: an odd split; edge shapes, ``loop_pairs``)
+    against a loop written apart from dtrain's from dtrain's weights before the step: its logged metrics (TRL's
+    names, means over the step's pairs) and grad_norm equal :func:`by_hand`'s and the gradient of its loss (to
+    float32 rounding), its update is AdamW's (bias-corrected, decoupled weight decay, LoRA+ on lora_b, the
+    global-norm clip, warmup then the schedule), and the held-out metrics at steps 0 and 3 equal
+    :func:`by_hand`'s; for DPO, each pair's reference log-probs are the step-0 model's."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+    before, batches, trained = {}, {}, {}
+
+    def record(step, run_):
+        before[step] = dict(tree_flatten(tree_map(mx.array, run_.model.trainable_parameters())))
+        batches[step] = run_.step.sampler.take(step, run_.step.pairs, 0, 1, 1)[0]
+        trained.update({p.source: p for p in (*run_.step.pairs, *run_.valid)})  # DPO's: with reference log-probs
+        before["hyper"] = {k: float(v) for k, v in run_.step.hyper.items()}
+
+    cfg = config(tmp_path, "orpo", "train.steps=3", "train.micro_batch_pairs=3", "train.eval_every=0",
+                 "train.warmup_steps=1", "train.learning_rate=2e-2", "engine.kernels=dtrain", *LOOP_CASES[case])
+    pairs = loop_pairs(cfg.objective.kind == "sft")
+    model = make_tiny_model(seed=1)
+    loaded = SimpleNamespace(aliases=(), model=model, tokenizer=None, identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
+    result = train(cfg, loaded=loaded, dataset=SimpleNamespace(train=pairs[:7], valid=pairs[7:], fingerprint="fp"),
+                   hooks=Hooks(before_step=record))
+    before[4] = dict(tree_flatten(model.trainable_parameters()))
+    hyper, t = before["hyper"], cfg.train
+    model.update(tree_unflatten(list(before[1].items())))
+    model.eval()
+    ref = {p.source: [float(side(model, prompt, response)[1].sum()) for prompt, response in
+                      ((p.prompt, p.chosen), (p.rejected_prompt or p.prompt, p.rejected))]
+           for p in pairs} if cfg.objective.kind == "dpo" else {}
+    for source, (chosen, rejected) in ref.items():  # the run's reference pass: the step-0 model's sums
+        extra = trained[source].extra
+        assert extra["ref_chosen"] == pytest.approx(chosen, rel=1e-5) and \
+            extra["ref_rejected"] == pytest.approx(rejected, rel=1e-5), source
+    refs = lambda batch: [ref[p.source] for p in batch] if ref else None  # noqa: E731
+
+    def close(got, want, what, tol=1e-5, ties=0):
+        assert abs(got - want) <= tol * max(1.0, abs(want)) + ties, (what, got, want)
+
+    for when, weights in ((0, before[1]), (3, before[4])):  # held-out metrics
+        model.update(tree_unflatten(list(weights.items())))
+        _, want, margins = by_hand(model, pairs[7:], cfg, hyper, refs(pairs[7:]))
+        for k, v in want.items():
+            tied = 0 if margins is None or k != "rewards/accuracies" else float((mx.abs(margins) < 1e-4).mean())
+            close(result.evals[when]["eval/" + k], float(v), (when, k), ties=tied)
+    model.train()
+    m, v = ({k: mx.zeros_like(x) for k, x in before[1].items()} for _ in range(2))
+    for step in (1, 2, 3):
+        model.update(tree_unflatten(list(before[step].items())))
+        batch = batches[step]
+        loss_of = lambda model: by_hand(model, batch, cfg, hyper, refs(batch))[0]  # noqa: E731
+        _, grads = nn.value_and_grad(model, loss_of)(model)
+        _, want, margins = by_hand(model, batch, cfg, hyper, refs(batch))
+        logged = result.history[step - 1]
+        for k, value in want.items():
+            tied = 0 if margins is None or k != "rewards/accuracies" else float((mx.abs(margins) < 1e-4).mean())
+            close(logged[k], float(value), (step, k), ties=tied)
+        g = dict(tree_flatten(grads))
+        norm = math.sqrt(sum(float((x * x).sum()) for x in g.values()))
+        close(logged["grad_norm"], norm, (step, "grad_norm"), tol=1e-4)
+        clip = min(1.0, t.grad_clip / norm) if t.grad_clip > 0 else 1.0
+        lr = t.learning_rate * min(1.0, step / t.warmup_steps)  # linear warmup, then the schedule to 0.1x at step 3
+        if t.schedule == "cosine" and step > t.warmup_steps:
+            lr *= 0.1 + 0.45 * (1 + math.cos(math.pi * (step - t.warmup_steps) / (3 - t.warmup_steps)))
+        assert logged["learning_rate"] == pytest.approx(lr, rel=1e-12)
+        # AdamW (Loshchilov & Hutter 2019, with PyTorch's bias correction), lora_b at plus_ratio times the rate
+        moved, want_moved = [], []
+        for k, p in before[step].items():
+            m[k] = 0.9 * m[k] + 0.1 * g[k] * clip
+            v[k] = 0.999 * v[k] + 0.001 * (g[k] * clip) ** 2
+            rate = lr * (cfg.lora.plus_ratio if k.endswith("lora_b") else 1.0)
+            adam = (m[k] / (1 - 0.9**step)) / (mx.sqrt(v[k] / (1 - 0.999**step)) + 1e-8)
+            want_moved.append((-rate * (adam + t.weight_decay * p)).reshape(-1))
+            moved.append((before[step + 1][k] - p).reshape(-1))
+        moved, want_moved = mx.concatenate(moved), mx.concatenate(want_moved)
+        assert float(mx.linalg.norm(moved - want_moved)) <= 1e-4 * float(mx.linalg.norm(want_moved)), step
+
