@@ -841,3 +841,19 @@ def test_a_text_side_beside_a_message_side_reads_the_same_whichever_side_it_is(t
     for chosen, rejected in (([a], "B"), ("A", [b]), ("A", b)):
         row = one_row(tmp_path, {"prompt": "Q", "chosen": chosen, "rejected": rejected})
         assert (row.prompt, row.chosen, row.rejected) == ([u], "A", "B"), (chosen, rejected)
+
+
+def test_a_known_role_or_speaker_written_with_spaces_around_it_is_read_as_that_role(tmp_path):
+    """``{"role": "assistant "}`` (a space left by a converter) was kept as written: a messages row was bad with
+    "'messages' must end with an assistant message (the completion)" and a response with "'chosen' has no assistant
+    message (roles: assistant )", which name the role the row holds; ShareGPT's ``{"from": "gpt "}`` was an
+    unknown speaker. Known names are read as their roles with the spaces around them ignored, as with their case."""
+    u, a = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}
+    rows, report = load_rows(write_jsonl(tmp_path / "d.jsonl", [
+        {"messages": [{"role": " user", "content": "Q"}, {"role": "assistant ", "content": "A"}]},
+        {"conversations": [{"from": "human\n", "value": "Q"}, {"from": " GPT", "value": "A"}]}]), DataConfig(),
+        pairwise=False)
+    assert report.bad == [] and [(r.prompt, r.chosen) for r in rows] == [([u], "A")] * 2
+    row = one_row(tmp_path, {"prompt": [{"role": "System ", "content": "S"}, u],
+                             "chosen": [{"role": " assistant", "content": "A"}], "rejected": [a]})
+    assert (row.prompt, row.chosen, row.rejected) == ([{"role": "system", "content": "S"}, u], "A", "B")

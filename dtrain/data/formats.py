@@ -364,8 +364,9 @@ def _messages(value: list, label: str) -> list:
         weight = m.get("weight")  # OpenAI's fine-tuning rows: 0 marks a message not to train on (null: none given)
         if weight is not None and weight not in (0, 1):
             raise BadRow(f"{label}[{i}] 'weight' is {weight!r}: OpenAI's weight is 0 (not trained on) or 1")
-        # ShareGPT's speakers under OpenAI's keys ({"role": "gpt"}) name the roles its {from, value} turns do
-        out.append({"role": _SHAREGPT_ROLES.get(m["role"].lower(), m["role"]), "content": m["content"],
+        # ShareGPT's speakers under OpenAI's keys ({"role": "gpt"}) name the roles its {from, value} turns do (case
+        # and spaces around ignored, as a converter may leave them)
+        out.append({"role": _SHAREGPT_ROLES.get(m["role"].strip().lower(), m["role"]), "content": m["content"],
                     **({"weight": 0} if weight == 0 else {})})  # kept for _response and _messages_row, then dropped
     return out
 
@@ -520,7 +521,7 @@ def _sharegpt(obj: dict, fields=None) -> Row:
 def _sharegpt_message(turn, label: str) -> dict:
     if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
         raise BadRow(f"{label} must be an object with string 'from' and 'value'")
-    role = _SHAREGPT_ROLES.get(turn["from"].lower())
+    role = _SHAREGPT_ROLES.get(turn["from"].strip().lower())
     if role is None:
         raise BadRow(f"{label}: unknown speaker {turn['from']!r} (known: {', '.join(_SHAREGPT_ROLES)})")
     return {"role": role, "content": turn["value"]}
