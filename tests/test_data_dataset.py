@@ -242,3 +242,21 @@ def test_a_dataset_says_whether_its_split_kept_prompts_together(tmp_path, tokeni
                            (DataConfig(train=shared, valid=unique), False),
                            (DataConfig(demo_pairs=100), False)):  # demo prompts repeat: split by row
         assert load_dataset(cfg, tokenizer, log=None).by_prompt is by_prompt, cfg
+
+
+def test_prompts_that_differ_only_by_the_whitespace_around_them_are_one_prompt_in_the_split():
+    """A question copied with a trailing newline or a leading space ("What is 5 + 5?" and "What is 5 + 5?\\n", as
+    merged datasets hold them) was another prompt: data.valid_fraction could hold out one copy and train on the
+    other, the held-out accuracy then measuring a question trained on. The split compares each text (a message's
+    content, the system message) without the whitespace around it."""
+    from dtrain.data import prompt_groups
+
+    msgs = lambda q: [{"role": "system", "content": "S"}, {"role": "user", "content": q}]  # noqa: E731
+    rows = [Row(p, f"a{j}", "b", system=s, source=f"f:{j + 1}") for j, (p, s) in enumerate([
+        ("What is 5 + 5?", None), ("What is 5 + 5?\n", None), (" What is 5 + 5? ", None), ("What is 6 + 6?", None),
+        ("What is 6 + 6?", "Be brief."), ("What is 6 + 6? ", "Be brief.\n"), (msgs("Q"), None), (msgs("Q\n\n"), None),
+        (msgs("Q "), "T"), ("What is 5+5?", None)])]
+    assert prompt_groups(rows) == [[0, 1, 2], [3], [4, 5], [6, 7], [8], [9]]
+    for seed in range(10):
+        train, valid = split_rows(rows, 0.5, seed)
+        assert len({r.source for r in valid} & {"f:1", "f:2", "f:3"}) in (0, 3), seed

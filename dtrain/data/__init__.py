@@ -50,12 +50,20 @@ def load_rows(path: str, cfg, role: str = "train", pairwise: bool = True) -> tup
 
 
 def prompt_groups(rows: list) -> list:
-    """The indices of ``rows`` (:class:`Row`) grouped by prompt (its text or messages, and system message), in order
-    of first appearance; a row without a prompt (a text row, an empty one) is a group of its own."""
+    """The indices of ``rows`` (:class:`Row`) grouped by prompt (its text or messages, and system message; each
+    text without the whitespace around it), in order of first appearance; a row without a prompt (a text row, an
+    empty one) is a group of its own."""
     groups: dict = {}
     for i, row in enumerate(rows):
-        groups.setdefault(repr((row.system, row.prompt)) if row.prompt else i, []).append(i)
+        groups.setdefault(_prompt_key(row) if row.prompt else i, []).append(i)
     return list(groups.values())
+
+
+def _prompt_key(row: Row) -> str:
+    # a question copied with a trailing newline is the same question: held out, its copy must not be trained on
+    prompt = ([{**m, "content": m["content"].strip()} for m in row.prompt] if isinstance(row.prompt, list)
+              else row.prompt.strip())
+    return repr((row.system and row.system.strip(), prompt))
 
 
 def split_rows(rows: list, valid_fraction: float, seed: int, by_prompt: bool = True) -> tuple:
