@@ -565,3 +565,18 @@ def test_check_says_how_many_prompts_and_rows_the_split_holds_out_when_prompts_r
             f"stay on one side)") in out.splitlines()
     out, _, _ = check_file(write_jsonl(tmp_path / "u.jsonl", rows[:4]), DataConfig(valid_fraction=0.25), tokenizer)
     assert "held out by" not in out  # no prompt repeated: the rows, one by one
+
+
+def test_check_says_the_split_holds_out_none_when_every_row_shares_one_prompt(tmp_path, tokenizer):
+    """Rows that all share one prompt (many pairs of one question) leave data.valid_fraction nothing to hold out,
+    one prompt kept to train on; the report said how many prompts and rows the split held out only when it held
+    out some, so the check said nothing of a run that would have no held-out pairs (its row split held out 1 of
+    4)."""
+    rows = [{"prompt": "What is 2 + 2?", "chosen": "4", "rejected": f"{i}"} for i in range(4)]
+    out, _, (train, held) = check_file(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig(valid_fraction=0.25),
+                                       tokenizer)
+    assert (len(train), held) == (4, [])
+    assert ("held out by data.valid_fraction 0.25: 0 of 1 prompts (0 of 4 rows; rows that share a prompt stay on "
+            "one side, one prompt kept to train on): no held-out pairs") in out.splitlines()
+    out, _, _ = check_file(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig(valid_fraction=0.0), tokenizer)
+    assert "held out by" not in out  # none asked for

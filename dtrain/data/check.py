@@ -137,10 +137,12 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
     lines.append(f"limits: max_prompt_length={cfg.max_prompt_length}, max_length={cfg.max_length}: "
                  f"{report.truncated} {noun}{'s' * (report.truncated != 1)} truncated, {report.prompt_cut_fits} of them "
                  "only because of max_prompt_length")
-    if split_out and len(groups := prompt_groups(rows)) < len(rows):  # whole prompts held out: another share of rows
+    # whole prompts held out: another share of rows, none where they all share one (it is kept to train on)
+    if valid is None and cfg.valid_fraction > 0 and len(groups := prompt_groups(rows)) < len(rows):
         held = len(prompt_groups(split_out))
+        end = ")" if held else f", one prompt kept to train on): no held-out {noun}s"
         lines.append(f"held out by data.valid_fraction {cfg.valid_fraction}: {held} of {len(groups)} prompts "
-                     f"({len(split_out)} of {len(rows)} rows; rows that share a prompt stay on one side)")
+                     f"({len(split_out)} of {len(rows)} rows; rows that share a prompt stay on one side{end}")
     glued = glued_rows(rows, tokenizer, cfg)
     if glued:
         lines.append(f"warning: {len(glued)} of {len(rows)} rows glue a raw prompt to its response with no "
