@@ -107,7 +107,7 @@ def unclassified() -> list[str]:
 # (its state.json lacks the key), which a resume compares as if recorded.
 BEFORE_KEY = {
     "lora.branch_dtype": "float32",  # mlx-lm's float32 product, before 2026-12-04
-    # data.valid_fraction held out rows, not prompts, before 2026-12-07 (recorded only where prompts repeat)
+    # data.valid_fraction held out rows, not prompts, before 2026-12-07 (recorded only where the two differ)
     "held-out split": "by row (an earlier dtrain)",
 }
 

@@ -260,3 +260,18 @@ def test_prompts_that_differ_only_by_the_whitespace_around_them_are_one_prompt_i
     for seed in range(10):
         train, valid = split_rows(rows, 0.5, seed)
         assert len({r.source for r in valid} & {"f:1", "f:2", "f:3"}) in (0, 3), seed
+
+
+def test_a_split_by_prompt_that_holds_out_the_rows_a_split_by_row_did_is_not_recorded_as_another(tmp_path, tokenizer):
+    """20 rows whose last 4 share a prompt: at seed 0 the prompts held out (2 of 17) are rows 13 and 14, the rows an
+    earlier dtrain's row split held out. ``Dataset.by_prompt`` was True wherever prompts repeat, so the run recorded
+    'held-out split: by prompt' and the resume of that earlier dtrain's checkpoint, the same pairs trained and held
+    out, was refused naming the held-out split; it is recorded where the split differs from the row split."""
+    rows = [{"prompt": f"What is {min(i, 16)} + 1?", "chosen": f"{i + 1}", "rejected": f"{i + 5}"} for i in range(20)]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    ds = load_dataset(DataConfig(train=path), tokenizer, seed=0, log=None)
+    assert [p.source for p in ds.valid] == [f"{path}:13", f"{path}:14"]
+    parsed = load_dataset(DataConfig(train=path, valid_fraction=0.0), tokenizer, log=None).train
+    assert [p.source for p in split_rows(parsed, 0.1, 0, by_prompt=False)[1]] == [f"{path}:13", f"{path}:14"]
+    assert ds.by_prompt is False
+    assert load_dataset(DataConfig(train=path), tokenizer, seed=1, log=None).by_prompt is True  # rows 5, 19 by row

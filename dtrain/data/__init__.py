@@ -105,7 +105,7 @@ class Dataset:
     ``messages``: most training prompts are message rows, not plain text (which
     template rendered them: :func:`.templates.trained_template`).
     ``by_prompt``: the rows were split by ``valid_fraction`` and some share a prompt, so whole prompts were
-    held out (:func:`split_rows`), not the rows one by one as by an earlier dtrain.
+    held out (:func:`split_rows`), not the rows an earlier dtrain held out one by one.
     """
 
     train: list
@@ -165,13 +165,15 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
             raise DataError("data.train is not set (or set data.demo_pairs > 0 for generated pairs)")
         train_src, valid_src = resolve_pair(cfg)
         rows, report = read_rows(train_src, cfg, pairwise)
-        by_prompt = valid_src is None and cfg.valid_fraction > 0 and len(prompt_groups(rows)) < len(rows)
+        by_prompt = False
         if valid_src is not None:
             train_rows = rows
             valid_rows, held_report = read_rows(valid_src, cfg, pairwise)
             report = report.merge(held_report)
         else:
             train_rows, valid_rows = split_rows(rows, cfg.valid_fraction, seed)
+            # an earlier dtrain's checkpoint, split by row, is refused by name only where that split was another
+            by_prompt = valid_rows != split_rows(rows, cfg.valid_fraction, seed, by_prompt=False)[1]
         fingerprint = data_fingerprint([s for s in (train_src, valid_src) if s is not None])
     _stop_on_bad_rows(report, cfg)  # rows that cannot be read stop the run before any row is tokenized
     progress, pending = progress and log is not None, []
