@@ -519,6 +519,27 @@ def test_openai_message_weights_train_no_assistant_message_of_weight_0():
     assert rows == [] and report.bad == [("f.jsonl:1", f"'rejected' holds a message that {trained}")]
 
 
+def test_sharegpt_turns_carry_openai_weights_as_role_content_messages_do():
+    """A ``{from, value}`` turn with ``"weight": 0`` (in ``conversations``, under a mapped messages column, or as a
+    ShareGPT pair's response) lost its weight as it was read, so a row whose last gpt turn had weight 0 trained
+    exactly that turn; the weight is read as on a ``{role, content}`` message."""
+    h, g, h2 = {"from": "human", "value": Q}, {"from": "gpt", "value": "4"}, {"from": "human", "value": "Sure?"}
+    g2 = {"from": "gpt", "value": "Yes."}
+    want, _ = rows_of([{"messages": [{"role": "user", "content": Q}, {"role": "assistant", "content": "4"}]}])
+    conv = [h, g, h2, {**g2, "weight": 0}]
+    rows, report = rows_of([{"conversations": conv}])
+    assert report.bad == [] and rows == want
+    rows, report = parse_rows([("f.jsonl:1", {"dialog": conv})], DataConfig(fields={"messages": "dialog"}), "f.jsonl")
+    assert report.bad == [] and rows == want
+    for obj, why in (({"conversations": [h, {**g, "weight": "0"}]},
+                      "conversations[1] 'weight' is '0': OpenAI's weight is 0 (not trained on) or 1"),
+                     ({"conversations": [h], "chosen": {**g, "weight": 0}, "rejected": g2},
+                      "'chosen' holds a message that has weight 0 (OpenAI's mark for a message not trained on), and "
+                      "a response is trained: remove the message or its weight")):
+        rows, report = rows_of([obj])
+        assert rows == [] and report.bad == [("f.jsonl:1", why)], obj
+
+
 def test_a_transcript_prompt_of_a_prompt_completion_row_is_read_as_its_turns(tok):
     """An HH prompt apart (``"\\n\\nHuman: ...\\n\\nAssistant:"``) is its turns in a preference row, so sft trained
     ``{prompt: HH, chosen: ' 4', ...}`` after 'user\\nWhat is 2 + 2?'; the same prompt in a prompt/completion row

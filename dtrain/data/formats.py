@@ -508,13 +508,12 @@ def _openai(obj: dict, fields=None) -> Row:
 
 def _sharegpt(obj: dict, fields=None) -> Row:
     turns = _get(obj, "conversations", list)
-    prompt = [_sharegpt_message(t, f"conversations[{i}]") for i, t in enumerate(turns)]
+    prompt = _messages([_sharegpt_message(t, f"conversations[{i}]") for i, t in enumerate(turns)], "conversations")
     outs = []
     for key in ("chosen", "rejected"):
         value = obj.get(key)
         value = value[0] if isinstance(value, list) and len(value) == 1 else value
-        msg = _sharegpt_message(_get({key: value}, key, dict), key)
-        outs.append(_response([msg], key))
+        outs.append(_response(_messages([_sharegpt_message(_get({key: value}, key, dict), key)], key), key))
     return Row(prompt, outs[0], outs[1], _system(obj))
 
 
@@ -524,7 +523,8 @@ def _sharegpt_message(turn, label: str) -> dict:
     role = _SHAREGPT_ROLES.get(turn["from"].strip().lower())
     if role is None:
         raise BadRow(f"{label}: unknown speaker {turn['from']!r} (known: {', '.join(_SHAREGPT_ROLES)})")
-    return {"role": role, "content": turn["value"]}
+    # OpenAI's per-message weight, checked by _messages as on a {role, content} message
+    return {"role": role, "content": turn["value"], **({"weight": turn["weight"]} if "weight" in turn else {})}
 
 
 def _rename(obj: dict, fields: dict) -> dict:
@@ -556,8 +556,8 @@ def _mapped(obj: dict, fields: Optional[dict]) -> Row:
 def _messages_row(obj: dict, fields=None) -> Row:
     key = "conversations" if "conversations" in obj and "messages" not in obj else "messages"
     turns = _get(obj, key, list)
-    msgs = _messages(turns, key) if key == "messages" else [_sharegpt_message(t, f"{key}[{i}]")
-                                                            for i, t in enumerate(turns)]
+    msgs = _messages(turns if key == "messages" else [_sharegpt_message(t, f"{key}[{i}]")
+                                                      for i, t in enumerate(turns)], key)
     if not msgs or msgs[-1]["role"] != "assistant":
         raise BadRow(f"{key!r} must end with an assistant message (the completion)")
     # the completion is the last assistant message not of weight 0 (OpenAI's); what follows it is not trained either
