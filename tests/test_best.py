@@ -357,6 +357,11 @@ def test_the_summary_shows_small_values_by_their_significant_digits():
     result = TrainResult(steps=10, evals=evals, best=pick_best(evals, margins), best_metric=margins)
     assert result.summary() == ("eval reward accuracy (chosen preferred over rejected): step 0 0.000 -> step 10 "
                                 f"0.500; adapters/ holds step 5 ({margins} 2.500e-05)")
+    # a whole number kept no bare point ('2497.', as IPO's loss at beta 0.01 would read)
+    evals = {s: {"eval/loss": v, nll: v} for s, v in ((0, 3000.0), (5, 2497.0), (10, 2500.5))}
+    result = TrainResult(steps=10, evals=evals, best=pick_best(evals, nll), best_metric=nll)
+    assert result.summary() == (f"eval NLL of the completions: step 0 3000 -> step 10 2500; "
+                                f"adapters/ holds step 5 ({nll} 2497)")
 
 
 def test_keep_best_needs_evaluations(tmp_path):

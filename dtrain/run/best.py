@@ -75,12 +75,18 @@ def pick_best(evals: dict, metric: str, guard: Optional[float] = None) -> Pick:
     return Pick(best_step, best_value, since, tuple(guarded))
 
 
+def figure(value: float) -> str:
+    """A metric's value in the closing summary: 4 significant digits (a loss of 3e-6 reads ``3.000e-06``, not
+    ``0.0000``), without the bare point ``#`` leaves on a whole number (``2497``, not ``2497.``)."""
+    return f"{value:#.4g}".rstrip(".")
+
+
 def describe(pick: Pick, metric: str, early_stop: Optional[int] = None) -> str:
     """The closing summary's words for a pick (``early_stop``: the step ``train.early_stop_evals`` ended the run at)."""
     stop = "" if early_stop is None else f"early stop at step {early_stop}; "
     if pick.step is None:
         return f"{stop}no evaluated step qualified for train.keep_best; adapters/ holds the last step"
-    return f"{stop}adapters/ holds step {pick.step} ({metric} {pick.value:#.4g})"  # significant digits: a loss of 3e-6
+    return f"{stop}adapters/ holds step {pick.step} ({metric} {figure(pick.value)})"
 
 
 def no_new_best(t) -> str:

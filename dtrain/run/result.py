@@ -33,8 +33,8 @@ class TrainResult:
             return None
         first, last = min(self.evals), max(self.evals)
         if ACCURACY not in self.evals[first]:  # sft: no rejected responses, no accuracy
-            line = (f"eval NLL of {self.nll_of}: step {first} {self.evals[first]['eval/nll_loss']:#.4g} -> "
-                    f"step {last} {self.evals[last]['eval/nll_loss']:#.4g}")  # significant digits: an NLL of 3e-6
+            line = (f"eval NLL of {self.nll_of}: step {first} {keep_best.figure(self.evals[first]['eval/nll_loss'])} "
+                    f"-> step {last} {keep_best.figure(self.evals[last]['eval/nll_loss'])}")
         else:
             start = self.evals[first]
             # DPO's model at step 0 is its own reference: every reward 0, no pair preferred (ties count as not);
