@@ -151,6 +151,9 @@ def _data_check(args, overrides) -> int:
     elif not held_out and (held := held_out_source(cfg.data, args.file)) is not None:
         stop = (f"no usable held-out {example_noun(cfg.objective.kind)}s in {held} (training would stop; see the rows "
                 "listed above)")
+    elif held_out is None:  # data.valid_fraction held out rows, none usable
+        stop = (f"no usable held-out {example_noun(cfg.objective.kind)}s among the rows data.valid_fraction "
+                f"{cfg.data.valid_fraction} held out (training would stop; see the rows listed above)")
     elif cfg.objective.kind != "sft":
         refuse_single_completions((*train_pairs, *held_out), cfg.objective.kind, args.file)
     print(report)

@@ -417,7 +417,7 @@ def test_check_names_the_row_training_stops_on_first(tmp_path, tokenizer):
     import random
 
     rng = random.Random(5)
-    base, differed = style_tokenizer("base"), 0
+    base, differed, stopped = style_tokenizer("base"), 0, 0
     for case in range(10):
         objs = []
         for i in range(rng.randint(4, 14)):
@@ -445,10 +445,15 @@ def test_check_names_the_row_training_stops_on_first(tmp_path, tokenizer):
             str(err.value).splitlines()
         assert named[0].startswith(f"{listed[0]} ({n_bad} bad row(s);")
         assert listed[:5] == [line.strip() for line in named[2:7] if not line.startswith("  ... and")]
-        data = load_dataset(cfg, tokenizer, seed=case, log=None)
         _, _, (train, held) = check_file(path, cfg, tokenizer, seed=case)
+        if held is None:  # every held-out row bad: both stop
+            with pytest.raises(DataError, match="^no usable held-out pairs among the "):
+                load_dataset(cfg, tokenizer, seed=case, log=None)
+            stopped += 1
+            continue
+        data = load_dataset(cfg, tokenizer, seed=case, log=None)
         assert (train, held) == (data.train, data.valid) and n_bad == len(data.report.bad)
-    assert differed >= 2  # files whose first message row is held out
+    assert differed >= 2 and stopped >= 1  # files whose first message row is held out; all held-out rows bad
 
 
 def test_cli_held_out_source_is_checked_as_training_reads_it(tmp_path, model_dir, capsys):
@@ -580,3 +585,40 @@ def test_check_says_the_split_holds_out_none_when_every_row_shares_one_prompt(tm
             "one side, one prompt kept to train on): no held-out pairs") in out.splitlines()
     out, _, _ = check_file(write_jsonl(tmp_path / "d.jsonl", rows), DataConfig(valid_fraction=0.0), tokenizer)
     assert "held out by" not in out  # none asked for
+
+
+def test_a_split_whose_held_out_rows_are_all_dropped_stops_training_and_the_check(tmp_path, tokenizer, model_dir,
+                                                                                  capsys):
+    """data.valid_fraction held out a prompt whose pairs were all dropped (the same ids once cut to max_length):
+    the run trained with no evaluation, or with train.keep_best said the fraction "gives none (it holds out whole
+    prompts, one kept to train on)", of a file of several prompts. Held-out rows that give no usable pair stop
+    training and the check, as a held-out source of its own does."""
+    long = "x " * 100
+    same = [{"prompt": "Q same", "chosen": long + "a", "rejected": long + "b"}] * 3  # the same ids once cut
+    rows = same + [{"prompt": "Q good", "chosen": "a", "rejected": "b"}] * 3
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(train=path, valid_fraction=0.5, max_length=32, max_prompt_length=16)
+    seed = next(s for s in range(20) if load_dataset_split(path, cfg, s) == "Q same")
+    with pytest.raises(DataError) as err:
+        load_dataset(cfg, tokenizer, seed=seed, log=None)
+    assert str(err.value) == ("no usable held-out pairs among the 3 row(s) data.valid_fraction 0.5 held out (0 bad "
+                              "rows, 3 dropped: 3 same ids): set data.valid, or fix those rows (dtrain data check "
+                              "lists them)")
+    assert check_file(path, cfg, tokenizer, seed=seed)[2] == (load_dataset(
+        dataclasses.replace(cfg, valid_fraction=0.0), tokenizer, log=None).train, None)
+    args = ["data", "check", path, "--model.path", str(model_dir), "--data.valid_fraction", "0.5",
+            "--data.max_length", "32", "--data.max_prompt_length", "16", "--train.seed", str(seed),
+            "--train.global_batch_pairs", "1"]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if line.startswith("dtrain: error:")] == [
+        "dtrain: error: no usable held-out pairs among the rows data.valid_fraction 0.5 held out (training would stop; "
+        "see the rows listed above)"]
+    assert f"  {path}:1: same ids: chosen and rejected are the same" in out
+
+
+def load_dataset_split(path: str, cfg, seed: int) -> str:
+    """The prompt of the rows ``cfg.valid_fraction`` holds out of ``path`` with ``seed`` (one, here)."""
+    from dtrain.data import split_rows
+
+    return split_rows(load_rows(path, cfg)[0], cfg.valid_fraction, seed)[1][0].prompt

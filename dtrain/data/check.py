@@ -76,7 +76,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     caller to refuse under a pairwise one, in training's order (after bad rows and no usable pair). Without held-out data of its
     own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the prompts, split with ``seed``
     (``train.seed``; where prompts repeat the report counts the prompts and rows held out): the pairs returned are
-    the rest and those; with it, all of them and the pairs of
+    the rest and those (None where none of those is usable); with it, all of them and the pairs of
     that source, whose counts and bad and dropped rows follow the report's as ``held out: SOURCE: ...``.
 
     Raises:
@@ -159,4 +159,5 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
         if summary:
             lines.append(summary)
         return "\n".join(lines), len(report.bad) + len(held_report.bad), (train, held)
-    return "\n".join(lines), len(report.bad), (train, split_held)
+    # None: the rows held out gave no usable pair, which stops training (data.no_usable_split)
+    return "\n".join(lines), len(report.bad), (train, None if split_out and not split_held else split_held)
