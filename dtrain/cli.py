@@ -91,11 +91,34 @@ def _error(message: str) -> None:
 
 def _setup_blas() -> None:
     """Load the fastest correct BLAS before MLX and print its line (the launcher printed it for ranks)."""
-    from .blas import setup
-
-    choice = setup()
+    choice = _load_mlx()
     if not choice.inherited:
         print(f"dtrain: {choice.line()}", file=sys.stderr, flush=True)
+
+
+def _load_mlx():
+    """Load the fastest correct BLAS (``blas.setup``), then MLX, and have MLX check for its C++ compiler now;
+    returns the BLAS choice.
+
+    MLX's CPU backend checks once per process, at the first compiled function it runs (a run's step-0
+    evaluation), with ``system("g++ --version")`` (``JitCompiler::available``), and glibc's system() ignores
+    SIGINT while the command runs: a Ctrl-C, or a rank wrapper's stop, that came then was discarded, and the
+    run trained on. Here the stop signals are blocked, also in the threads the BLAS starts (they inherit the
+    mask), so one that comes during the check waits and is delivered after it; one already waiting is
+    delivered without the check (ignoring a signal discards it, blocked or not).
+    """
+    from .blas import setup
+
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        choice = setup()
+        import mlx.core as mx
+
+        if not signal.sigpending() & set(STOP_SIGNALS):
+            mx.compile(lambda x: x + 1)(mx.array(0.0))  # the check runs as the call compiles
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return choice
 
 
 def _train(args, overrides) -> int:
@@ -213,9 +236,7 @@ def _export(args) -> int:
 def _doctor(args) -> int:
     import platform
 
-    from .blas import setup
-
-    blas = setup()  # before MLX loads
+    blas = _load_mlx()
     from .doctor import demo_lines, system_lines
 
     if args.steps < 1 or args.pairs < 1 or args.max_length < 8:

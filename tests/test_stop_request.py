@@ -2,11 +2,17 @@
 native call (an MLX step), where Python's handler of the first signal has not run yet (README,
 Checkpoints and resume)."""
 
+import os
+import platform
+import shutil
 import signal
 import sys
 from pathlib import Path
 
-from waiting import STOP_S, spawn, wait_exit, wait_for_line
+import pytest
+
+from fixtures_launch import ROOT, make_job
+from waiting import START_S, STOP_S, spawn, wait_exit, wait_for_line, wait_for_path
 
 CHILD = """
 import ctypes, os, signal, threading
@@ -112,3 +118,40 @@ def test_the_same_signal_twice_at_once_is_one_stop_as_gnu_timeout_sends_it():
     assert (again.returncode, again.stdout) == (-signal.SIGTERM, ""), again.stderr
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert f"The same signal again within {REPEAT_S:g} s is the first one sent twice" in readme
+
+
+# g++ on the PATH: MLX's CPU backend runs `g++ --version` through system() once per process (its JIT check);
+# this one says so, waits for the test's word, then is the real compiler (or none)
+SLOW_GXX = """#!/bin/sh
+if [ "$1" = --version ]; then
+  touch "$DTRAIN_TEST_MARK/checking"
+  i=0
+  while [ ! -e "$DTRAIN_TEST_MARK/go" ] && [ $i -lt 2400 ]; do sleep 0.05; i=$((i + 1)); done
+fi
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="glibc's system(); on a Mac MLX compiles for Metal, no g++")
+def test_a_stop_during_mlx_s_compiler_check_is_not_lost(tmp_path):
+    """MLX checks for its C++ compiler with system("g++ --version") at the first compiled function a process
+    runs (a run's step-0 evaluation), and glibc's system() ignores SIGINT while the command runs: a Ctrl-C, or a
+    rank wrapper's stop, that came then was discarded, and the run trained on to its last step (seen as
+    test_launch_restart's Ctrl-C to a restarted run landing in its step-0 evaluation, 4 of 37 tries under load).
+    The check is now taken at start-up with the stop signals held: one that comes during it ends the command."""
+    from dtrain.device import on_gpu
+
+    if on_gpu():
+        pytest.skip("MLX compiles for the GPU here: no g++ check")
+    real = shutil.which("g++")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "g++").write_text(SLOW_GXX + (f'exec "{real}" "$@"\n' if real else "exit 1\n"))
+    (fake / "g++").chmod(0o755)
+    job = make_job(tmp_path / "job", steps=100000)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "DTRAIN_TEST_MARK": str(tmp_path)}
+    proc = spawn([sys.executable, "-m", "dtrain", "train", "-c", job], tmp_path, cwd=ROOT, env=env)
+    wait_for_path(tmp_path / "checking", proc, START_S)
+    proc.send_signal(signal.SIGINT)
+    (tmp_path / "go").touch()
+    assert wait_exit(proc, STOP_S) == 130, proc.err()
+    assert proc.err().splitlines()[-1] == "dtrain: interrupted"
