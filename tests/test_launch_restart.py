@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -276,17 +277,21 @@ def test_a_restart_before_the_first_save_continues_the_tensorboard_run_from_step
     steps), so TensorBoard shows one run with every step once."""
     out = tmp_path / "run"
 
-    def logged(files: int, steps: int) -> bool:  # `files` event files under tb/, the newest with `steps` losses
-        found = sorted((out / "tb").rglob("events.out.tfevents.*"))
-        return len(found) >= files and len(read_scalars(found[-1].parent).get("loss", [])) >= steps
+    def logged(steps: int, since: float = 0.0) -> bool:  # `steps` losses written after `since` (time.time())
+        # the events as written, not the run's scalars (read_scalars): until the restart's START is on disk
+        # those are the failed attempt's, and a Ctrl-C sent on them came in the restart's start-up
+        found = list((out / "tb").rglob("events.out.tfevents.*"))
+        return bool(found) and sum(event.wall_time > since and any(v.tag == "loss" for v in event.summary.value)
+                                   for event in read_events(found[0].parent)) >= steps
 
     proc = start("-n", 1, "--max-restarts", 1, "--restart-delay", 0, job, "--train.steps", 5000,
                  "--train.save_every", 0, "--train.eval_every", 0, "--train.output_dir", out, folder=tmp_path)
     try:
-        wait_until(lambda: logged(1, 2), "two steps' loss", proc)
+        wait_until(lambda: logged(2), "two steps' loss", proc)
         os.kill(find_trainers(str(out))[0], signal.SIGKILL)
         wait_for_line(proc, "starting from step 0 (no checkpoint yet)")
-        wait_until(lambda: logged(2, 1), "the restarted attempt's first step", proc)
+        restarted = time.time()  # the killed trainer is gone: a loss written since is the restarted attempt's
+        wait_until(lambda: logged(1, restarted), "the restarted attempt's first step", proc)
         proc.send_signal(signal.SIGINT)  # it saves after its step and stops
         assert wait_exit(proc, STOP_S) == 130, proc.err()
     finally:
