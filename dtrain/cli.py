@@ -263,29 +263,40 @@ def _gguf_before_adapter(argv: list[str]) -> list[str]:
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (``signum``) raised as Ctrl-C's KeyboardInterrupt: their default action ends the
-    process where it stands, leaving what ``files.atomic_folder`` and temporary folders would remove."""
+    """A stop signal (``signum``) raised as Ctrl-C's KeyboardInterrupt: the default action of SIGTERM and SIGHUP
+    ends the process where it stands, leaving what ``files.atomic_folder`` and temporary folders would remove."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
 
 
-def _interrupt(signum, _frame):
-    if signum == signal.SIGHUP:
-        to_devnull(1, 2)  # its terminal is gone: a write there fails (EIO)
-    raise Interrupted(signum)
+class _Interrupt:
+    """A command's handler of the stop signals (:func:`main`): raises :class:`Interrupted`, and keeps each signal
+    (``received``). Python runs a handler wherever the main thread is, and in a weakref callback or a ``__del__``
+    its exception is printed ('Exception ignored in ...') and lost: a run raises a kept one again when its own
+    stop handlers take over (``run.stop.StopRequest.install``), so it does not train on."""
+
+    def __init__(self):
+        self.received: list[int] = []
+
+    def __call__(self, signum, _frame):
+        self.received.append(signum)
+        if signum == signal.SIGHUP:
+            to_devnull(1, 2)  # its terminal is gone: a write there fails (EIO)
+        raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    interrupt = _Interrupt()
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     try:
         return _main(argv)
     finally:
         for sig, handler in previous.items():
-            if signal.getsignal(sig) is _interrupt:  # not where train left them ignored for its exit (_train)
+            if signal.getsignal(sig) is interrupt:  # not where train left them ignored for its exit (_train)
                 signal.signal(sig, handler)
 
 

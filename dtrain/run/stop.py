@@ -25,7 +25,8 @@ class StopRequest:
     send two) does not, nor the same signal again within :data:`REPEAT_S` (GNU timeout's two).
     SIGHUP (the terminal closed) also points stdout and stderr at /dev/null: a write to a
     hung-up terminal fails (EIO), which would end the run before its save.
-    Handlers are installed only in the main thread and restored on exit.
+    Handlers are installed only in the main thread and restored on exit; a stop that the handler they
+    replace kept (``received``: one whose exception Python ignored) is raised again as they are installed.
     """
 
     def __init__(self):
@@ -57,6 +58,11 @@ class StopRequest:
             os.set_blocking(write, False)
             self._wakeup = (signal.set_wakeup_fd(write), write)
             threading.Thread(target=self._watch, args=(read,), name="dtrain-stop", daemon=True).start()
+            # a stop in the run's start-up whose exception Python ignored on its way (the dtrain command's handler
+            # keeps its signals: cli._Interrupt) is raised again here, ending the start-up as it should have
+            kept = next((h.received for h in self._old.values() if getattr(h, "received", None)), None)
+            if kept:
+                self._old[kept[0]](kept[0], None)
 
     def _watch(self, fd: int) -> None:
         """A SIGINT or SIGTERM after an earlier stop signal ends the process by it at once (its default
