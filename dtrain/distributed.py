@@ -13,9 +13,11 @@ MLX raise at once, which becomes a one-line :class:`CollectiveError` (exit statu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .errors import UserError
 from .memory import is_out_of_memory
 from .contract import (BACKENDS, ERROR_PREFIX, EXIT_AFTER_RANK0, EXIT_LOST_PEER, EXIT_TIMEOUT, JOB_VAR,  # the launcher contract
-                       RANK_VARS, SIZE_VARS, launcher_backend, rank_from_env, size_from_env)
+                       RANK_VARS, SIZE_VARS, STOP_SIGNALS, launcher_backend, rank_from_env, size_from_env)
 
 BUCKET_BYTES = 32 * 1024 * 1024  # at most 32 MiB per all_sum call
 
@@ -309,7 +311,7 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
                         f"names no other ranks); start the ranks with ./launch -n N or ./launch --hostfile HOSTS.json, "
                         f"or set distributed.backend any to train alone")
     try:
-        with Watchdog(rank, f"joining the '{name}' group", None, timeout_s):
+        with Watchdog(rank, f"joining the '{name}' group", None, timeout_s), _stops_kill():
             g = mx.distributed.init(strict=True, backend=name)
     except ValueError as err:  # an unknown backend name; RuntimeError becomes UserError above
         raise UserError(f"distributed backend '{name}' could not start: {err}") from None
@@ -320,6 +322,27 @@ def init_group(backend: str = "any", timeout_s: float = 0.0, env: Optional[Mappi
         _refuse_lone_rank(rank, env, f"the '{name}' backend formed a group of one")
         return Group(timeout_s=timeout_s)
     return Group(rank=g.rank(), size=g.size(), backend=name, mlx_group=g, timeout_s=timeout_s, job=env.get(JOB_VAR, ""))
+
+
+@contextlib.contextmanager
+def _stops_kill():
+    """The stop signals' default action (end the process) while the block runs, where Python's handlers were
+    set: MLX's ring init retries a peer that is not there for about 30 s, holding the GIL, and a handler would
+    run only after it, though a stop that ended the peer in its start-up means it never comes. Nothing is
+    trained or written while joining; an ignored signal stays ignored."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works in the main thread only
+        yield
+        return
+    kept = {}
+    try:
+        for sig in STOP_SIGNALS:
+            if callable(handler := signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)  # runs a handler pending since before: a stop just before raises
+                kept[sig] = handler
+        yield
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
 
 
 def _announced_size(env: Mapping[str, str], from_backend: int) -> int:

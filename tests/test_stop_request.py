@@ -2,6 +2,7 @@
 native call (an MLX step), where Python's handler of the first signal has not run yet (README,
 Checkpoints and resume)."""
 
+import json
 import os
 import platform
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures_launch import ROOT, make_job
+from fixtures_launch import ROOT, free_port, make_job
 from waiting import START_S, STOP_S, spawn, wait_exit, wait_for_line, wait_for_path
 
 CHILD = """
@@ -197,3 +198,40 @@ def test_a_stop_whose_exception_python_ignored_ends_the_start_up(tmp_path, sig):
     assert wait_exit(proc, STOP_S) == 128 + sig, proc.err()
     assert proc.out() == "went on\n"  # the exception was ignored indeed
     assert proc.err().splitlines()[-1] == "dtrain: interrupted" and "step 1:" not in proc.err()
+
+
+JOINING = """
+import sys
+from dtrain import blas, cli
+blas.setup()
+import mlx.core as mx
+
+join = mx.distributed.init
+
+
+def init(**kwargs):
+    open(sys.argv[2], "w").close()
+    return join(**kwargs)
+
+
+mx.distributed.init = init
+sys.exit(cli.main(["train", "-c", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_joining_the_group_ends_the_rank_at_once(tmp_path, sig):
+    """MLX's ring init retries connecting to a peer for about 30 s, holding the GIL, without returning to Python,
+    where the handler of a stop runs: a Ctrl-C to ./launch -n 2 that ended one rank in its start-up left the
+    other joining for 28-31 s (1 of 30 tries; every time with rank 0 held in its start-up), and it ended then
+    (exit status 130). Nothing is trained or written yet: a stop while joining ends the rank at once, by the
+    signal (its default action)."""
+    port = free_port(2)
+    hosts = tmp_path / "hosts.json"  # rank 0's address, where nothing listens, and this rank's
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    job, joining = make_job(tmp_path / "job", steps=2), tmp_path / "joining"
+    env = {**os.environ, "MLX_RANK": "1", "MLX_HOSTFILE": str(hosts)}
+    proc = spawn([sys.executable, "-c", JOINING, job, joining], tmp_path, cwd=ROOT, env=env)
+    wait_for_path(joining, proc, START_S)
+    proc.send_signal(sig)
+    assert wait_exit(proc, STOP_S) == -sig, proc.err()
