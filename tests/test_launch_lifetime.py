@@ -22,7 +22,7 @@ from dtrain.launch.plan import DEFAULT_PORT, PORT_FLOOR, _port_lock, ephemeral_p
 from dtrain.launch import supervise
 from dtrain.launch.supervise import find_trainers
 from fixtures_launch import LAUNCH, ROOT, free_port, launch, make_job
-from waiting import STOP_S, kill_tree, processes, spawn, wait_exit, wait_until
+from waiting import STOP_S, kill_tree, needs_proc, processes, spawn, wait_exit, wait_for_path, wait_until
 from test_launch import http_get, rank_processes, read_scalars_of
 
 ADAPTER = "adapters/adapters.safetensors"
@@ -485,3 +485,35 @@ def test_port_locks_taken_before_a_failure_are_released(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Too many open files"):
         free_ports(2, PORT_FLOOR, locks)
     assert locks == [] and list(tmp_path.iterdir()) == [] and set(os.listdir("/dev/fd")) == before
+
+
+# sitecustomize for a rank wrapper (python -m dtrain.launch.rank) that says it started, then waits, before its
+# handlers exist, until the launcher's stop is pending (the launcher started it blocked) or the limit passes
+WRAPPER_HELD = """import os, signal, time
+if b"dtrain.launch.rank" in open("/proc/self/cmdline", "rb").read():
+    open(os.environ["DTRAIN_TEST_HELD"], "w").close()
+    end = time.monotonic() + 120
+    while signal.SIGUSR2 not in signal.sigpending() and time.monotonic() < end:
+        time.sleep(0.05)
+"""
+
+
+@needs_proc
+def test_a_stop_as_the_one_rank_s_wrapper_starts_reaches_its_trainer(job, tmp_path):
+    """The launcher starts the wrappers of ./launch -n N (N >= 2) with its stop signals blocked until their
+    handlers are in place, not the one rank's wrapper: a Ctrl-C in its first tenth of a second killed it by the
+    launcher's SIGUSR2 ('rank(s) 0 did not report an exit status (killed by SIGUSR2)'). It is blocked too now:
+    the wrapper takes the stop once it can, and its trainer stops (exit status 130, 'dtrain: interrupted')."""
+    hook, held = tmp_path / "hook", tmp_path / "held"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(WRAPPER_HELD)
+    path = os.pathsep.join(x for x in (str(hook), os.environ.get("PYTHONPATH")) if x)
+    proc = spawn([sys.executable, LAUNCH, "-n", 1, job, "--train.output_dir", tmp_path / "run"], tmp_path, "launch",
+                 cwd=ROOT, env={**os.environ, "PYTHONPATH": path, "DTRAIN_TEST_HELD": str(held)})
+    try:
+        wait_for_path(held, proc)
+        proc.send_signal(signal.SIGINT)
+        assert wait_exit(proc, STOP_S) == 130, proc.err()
+    finally:
+        kill_tree(proc)
+    assert "launch: rank(s) 0 stopped by a signal (exit status 130)" in proc.err().splitlines(), proc.err()

@@ -118,25 +118,28 @@ class Attempt:
         env = {**os.environ, **self.plan.explicit, **ours}
         if self.plan.tmpdir:  # a wrapper that outlives the launcher (kill -9) removes it
             env[LAUNCH_TMP_VAR] = self.plan.tmpdir
-        if self.plan.direct:
-            # each wrapper starts with the stop signals blocked (a mask survives exec) and unblocks them once
-            # its handlers are in place: one sent while its Python starts waits instead of killing it
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WRAPPER_SIGNALS)
-            try:
+        # a wrapper the launcher starts itself (each rank's, or the one rank's) starts with the stop signals blocked
+        # (a mask survives exec) and unblocks them once its handlers are in place: one sent while its Python starts
+        # waits instead of killing it
+        own = self.plan.direct or self.plan.backend == "none"
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WRAPPER_SIGNALS) if own else None
+        try:
+            if self.plan.direct:
                 self.procs = [subprocess.Popen(self.plan.command, env={**env, **rank_env}, stdin=subprocess.DEVNULL,
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                               for rank_env in self.plan.direct]
-            finally:
+            else:
+                # mlx.launch must outlive the ranks to relay their last lines, so it ignores the launcher's stop
+                # signals (inherited SIG_IGN, _ignore_signals); mpirun handles them and forwards SIGUSR1/2.
+                # mlx.launch's stdin is a pipe: it copies what comes there to every rank (_send).
+                shield = self.plan.backend not in ("mpi", "none")
+                self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env={**env, **self.plan.command_env},
+                                               stdin=subprocess.PIPE if shield else subprocess.DEVNULL,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                               preexec_fn=_ignore_signals if shield else None)]
+        finally:
+            if blocked is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        else:
-            # mlx.launch must outlive the ranks to relay their last lines, so it ignores the
-            # launcher's stop signals (inherited SIG_IGN, _ignore_signals); mpirun handles them and forwards SIGUSR1/2.
-            # mlx.launch's stdin is a pipe: it copies what comes there to every rank (_send).
-            shield = self.plan.backend not in ("mpi", "none")
-            self.procs = [subprocess.Popen(command_with_env(self.plan, ours), env={**env, **self.plan.command_env},
-                                           stdin=subprocess.PIPE if shield else subprocess.DEVNULL,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                           preexec_fn=_ignore_signals if shield else None)]
         # a stop or abort that came while the ranks were being started found no process to tell
         if self.aborted_at is not None:
             self._send(signal.SIGUSR1)
