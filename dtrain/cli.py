@@ -121,7 +121,7 @@ def _load_mlx():
     return choice
 
 
-def _train(args, overrides) -> int:
+def _train(args, overrides, interrupt) -> int:
     from .config import load_config
 
     cfg = load_config(args.config, overrides)
@@ -129,6 +129,7 @@ def _train(args, overrides) -> int:
     from .distributed import init_group
     from .run.trainer import train
 
+    interrupt.again()  # the other ranks it stopped would not come: this one would wait joining them
     group = init_group(cfg.distributed.backend, cfg.distributed.collective_timeout_s)
     result = train(cfg, group)
     # the run is over, stopped or finished: a stop signal now (this rank's own, still on its way after the
@@ -274,8 +275,8 @@ class Interrupted(KeyboardInterrupt):
 class _Interrupt:
     """A command's handler of the stop signals (:func:`main`): raises :class:`Interrupted`, and keeps each signal
     (``received``). Python runs a handler wherever the main thread is, and in a weakref callback or a ``__del__``
-    its exception is printed ('Exception ignored in ...') and lost: a run raises a kept one again when its own
-    stop handlers take over (``run.stop.StopRequest.install``), so it does not train on."""
+    its exception is printed ('Exception ignored in ...') and lost: :meth:`again` raises a kept one again, before
+    a rank joins its group and when a run's own stop handlers take over (``run.stop.StopRequest.install``)."""
 
     def __init__(self):
         self.received: list[int] = []
@@ -286,6 +287,11 @@ class _Interrupt:
             to_devnull(1, 2)  # its terminal is gone: a write there fails (EIO)
         raise Interrupted(signum)
 
+    def again(self) -> None:
+        """Raise the first stop signal received, if any (:class:`Interrupted`)."""
+        if self.received:
+            self(self.received[0], None)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dtrain`` command; returns the exit status."""
@@ -293,14 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     interrupt = _Interrupt()
     previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     try:
-        return _main(argv)
+        return _main(argv, interrupt)
     finally:
         for sig, handler in previous.items():
             if signal.getsignal(sig) is interrupt:  # not where train left them ignored for its exit (_train)
                 signal.signal(sig, handler)
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], interrupt: _Interrupt) -> int:
     # `dtrain -c cfg train`: argparse would call the config path an invalid command
     command = next((i for i, a in enumerate(argv) if a in COMMANDS), None)
     if command and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
@@ -318,7 +324,7 @@ def _main(argv: list[str]) -> int:
                             f"overrides; its options: dtrain {args.command} --help")
         split_overrides(extra)  # what is left is neither an option nor an override: named
         if args.command == "train":
-            return _train(args, overrides)
+            return _train(args, overrides, interrupt)
         if args.command == "data":
             return _data_check(args, overrides)
         if args.command == "config":

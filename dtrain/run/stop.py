@@ -26,7 +26,7 @@ class StopRequest:
     SIGHUP (the terminal closed) also points stdout and stderr at /dev/null: a write to a
     hung-up terminal fails (EIO), which would end the run before its save.
     Handlers are installed only in the main thread and restored on exit; a stop that the handler they
-    replace kept (``received``: one whose exception Python ignored) is raised again as they are installed.
+    replace kept (its ``again``: one whose exception Python ignored) is raised again as they are installed.
     """
 
     def __init__(self):
@@ -60,9 +60,8 @@ class StopRequest:
             threading.Thread(target=self._watch, args=(read,), name="dtrain-stop", daemon=True).start()
             # a stop in the run's start-up whose exception Python ignored on its way (the dtrain command's handler
             # keeps its signals: cli._Interrupt) is raised again here, ending the start-up as it should have
-            kept = next((h.received for h in self._old.values() if getattr(h, "received", None)), None)
-            if kept:
-                self._old[kept[0]](kept[0], None)
+            for again in {getattr(h, "again", None) for h in self._old.values()} - {None}:
+                again()
 
     def _watch(self, fd: int) -> None:
         """A SIGINT or SIGTERM after an earlier stop signal ends the process by it at once (its default
