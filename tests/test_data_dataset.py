@@ -275,3 +275,21 @@ def test_a_split_by_prompt_that_holds_out_the_rows_a_split_by_row_did_is_not_rec
     assert [p.source for p in split_rows(parsed, 0.1, 0, by_prompt=False)[1]] == [f"{path}:13", f"{path}:14"]
     assert ds.by_prompt is False
     assert load_dataset(DataConfig(train=path), tokenizer, seed=1, log=None).by_prompt is True  # rows 5, 19 by row
+
+
+def test_transcript_prompts_that_differ_only_by_the_whitespace_around_a_turn_are_one_prompt_in_the_split(tmp_path):
+    """An HH transcript's turns are rendered stripped ('\\n\\nHuman: What is 5 + 5?\\n\\n\\nAssistant:' trains the
+    user turn 'What is 5 + 5?'), but the split compared the transcript's text whole, so a copy with a newline more
+    before its Assistant marker was another prompt: data.valid_fraction could hold it out and train on the other."""
+    from dtrain.data import load_rows, prompt_groups
+
+    turns = ["\n\nHuman: What is 5 + 5?", "\n\nHuman: What is 5 + 5?\n", "\n\nHuman:  What is 5 + 5? ",
+             "\n\nHuman: What is 6 + 6?", "Human: What is 5 + 5?"]
+    objs = [{"chosen": f"{t}\n\nAssistant: 10", "rejected": f"{t}\n\nAssistant: {j}"} for j, t in enumerate(turns)]
+    rows, report = load_rows(str(write_jsonl(tmp_path / "hh.jsonl", objs)), DataConfig())
+    assert len(rows) == 5 and not report.bad
+    assert prompt_groups(rows) == [[0, 1, 2, 4], [3]]
+    apart = [{"prompt": f"{t}\n\nAssistant:", "chosen": " 10", "rejected": f" {j}"} for j, t in enumerate(turns)]
+    rows, report = load_rows(str(write_jsonl(tmp_path / "apart.jsonl", apart)), DataConfig())
+    assert len(rows) == 5 and not report.bad
+    assert prompt_groups(rows) == [[0, 1, 2, 4], [3]]

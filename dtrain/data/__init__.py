@@ -21,7 +21,7 @@ from .check import check_file
 from .demo import demo_pairs
 from .cache import cache_key, entries_bytes, tokenize_cached, write_entries
 from .formats import parse_rows
-from .render import end_of_turn, tokenize_rows
+from .render import end_of_turn, tokenize_rows, transcript_messages
 from .sources import fingerprint as data_fingerprint, mlx_valid, read_rows, resolve, resolve_pair
 
 __all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn", "entries_bytes",
@@ -50,9 +50,9 @@ def load_rows(path: str, cfg, role: str = "train", pairwise: bool = True) -> tup
 
 
 def prompt_groups(rows: list) -> list:
-    """The indices of ``rows`` (:class:`Row`) grouped by prompt (its text or messages, and system message; each
-    text without the whitespace around it), in order of first appearance; a row without a prompt (a text row, an
-    empty one) is a group of its own."""
+    """The indices of ``rows`` (:class:`Row`) grouped by prompt (its text, messages or transcript turns, and system
+    message; each text without the whitespace around it), in order of first appearance; a row without a prompt (a
+    text row, an empty one) is a group of its own."""
     groups: dict = {}
     for i, row in enumerate(rows):
         groups.setdefault(_prompt_key(row) if row.prompt else i, []).append(i)
@@ -61,8 +61,9 @@ def prompt_groups(rows: list) -> list:
 
 def _prompt_key(row: Row) -> str:
     # a question copied with a trailing newline is the same question: held out, its copy must not be trained on
-    prompt = ([{**m, "content": m["content"].strip()} for m in row.prompt] if isinstance(row.prompt, list)
-              else row.prompt.strip())
+    # a transcript is rendered as its turns, each stripped: its whitespace between markers is no other prompt
+    prompt = transcript_messages(row.prompt) if row.transcript and isinstance(row.prompt, str) else row.prompt
+    prompt = [{**m, "content": m["content"].strip()} for m in prompt] if isinstance(prompt, list) else prompt.strip()
     return repr((row.system and row.system.strip(), prompt))
 
 
