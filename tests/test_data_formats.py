@@ -101,6 +101,19 @@ def test_a_prompt_column_of_another_name_is_named_in_the_bad_row(tmp_path):
     assert (row.prompt, row.chosen, row.rejected) == ("Q", "a", "b")
 
 
+
+def test_a_prompt_column_left_out_of_data_fields_is_named_in_the_bad_row(tmp_path):
+    """stack_exchange_paired_tiny's question/response_j/response_k with data.fields {chosen: response_j, rejected:
+    response_k} (its prompt column not mapped) was told 'rows of chosen and rejected text alone ...: give the prompt
+    a 'prompt' column', of rows that have one under another name: the renamed row had lost its unmapped columns."""
+    obj = {"question": "Q", "response_j": "a", "response_k": "b", "id": 3}
+    rows, report = rows_of(tmp_path, [obj], fields={"chosen": "response_j", "rejected": "response_k"})
+    assert rows == [] and [r for _, r in report.bad] == [
+        "no shared prompt ending at an 'Assistant:' turn marker; name its prompt column with data.fields: "
+        "{prompt: COLUMN} (text columns: question)"]
+    rows, report = rows_of(tmp_path, [{"a": "x", "b": "y"}], fields={"chosen": "a", "rejected": "b"})
+    assert [r for _, r in report.bad] == [NO_PROMPT]
+
 NO_PROMPT = ("no shared prompt ending at an 'Assistant:' turn marker; rows of chosen and rejected text alone are "
              "read as HH transcripts ('\\n\\nHuman: ... \\n\\nAssistant: ...'): give the prompt a 'prompt' column")
 

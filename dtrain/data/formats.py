@@ -550,7 +550,11 @@ def _rename(obj: dict, fields: dict) -> dict:
 def _mapped(obj: dict, fields: Optional[dict]) -> Row:
     """Rename columns by ``data.fields``, then read by the value types."""
     renamed = _rename(obj, fields or {})
-    return _PARSERS[detect_format(renamed, None) or "standard"](renamed, None)
+    fmt = detect_format(renamed, None) or "standard"
+    if fmt == "transcript":  # no prompt mapped: its hint names the columns left unmapped, as an unmapped row's does
+        mapped = set((fields or {}).values())
+        renamed = {**{k: v for k, v in obj.items() if k not in mapped}, **renamed}
+    return _PARSERS[fmt](renamed, None)
 
 
 def _messages_row(obj: dict, fields=None) -> Row:
