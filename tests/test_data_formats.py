@@ -114,6 +114,15 @@ def test_a_prompt_column_left_out_of_data_fields_is_named_in_the_bad_row(tmp_pat
     rows, report = rows_of(tmp_path, [{"a": "x", "b": "y"}], fields={"chosen": "a", "rejected": "b"})
     assert [r for _, r in report.bad] == [NO_PROMPT]
 
+
+def test_a_prompt_column_under_data_format_transcript_is_named_in_the_bad_row(tmp_path):
+    """data.format: transcript on prompt/chosen/rejected rows told each row to 'give the prompt a 'prompt' column',
+    which it had: a transcript reads chosen and rejected whole, and the prompt column is read by the standard format."""
+    rows, report = rows_of(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}], format="transcript")
+    assert rows == [] and [r for _, r in report.bad] == [
+        "no shared prompt ending at an 'Assistant:' turn marker; data.format: transcript reads chosen and rejected "
+        "whole, and this row has a 'prompt' column: set data.format: auto (or standard)"]
+
 NO_PROMPT = ("no shared prompt ending at an 'Assistant:' turn marker; rows of chosen and rejected text alone are "
              "read as HH transcripts ('\\n\\nHuman: ... \\n\\nAssistant: ...'): give the prompt a 'prompt' column")
 

@@ -483,10 +483,14 @@ def _transcript(obj: dict, fields=None) -> Row:
     if cut < 0:
         # e.g. Intel/orca_dpo_pairs' question/chosen/rejected: without a prompt key the row reads as a transcript
         others = [k for k, v in obj.items() if k not in FIELD_KEYS and isinstance(v, str)]
-        hint = f"; name its prompt column with data.fields: {{prompt: COLUMN}} (text columns: {', '.join(others)})" \
-            if others else (f"; rows of chosen and rejected text alone are read as HH transcripts "
-                            f"({(HUMAN_MARKER + ' ... ' + ASSISTANT_MARKER + ' ...')!r}): give the prompt a 'prompt' "
-                            f"column")  # e.g. TRL's implicit-prompt text rows
+        if isinstance(obj.get("prompt"), str):  # read by the standard format, not this one (data.format: transcript)
+            hint = ("; data.format: transcript reads chosen and rejected whole, and this row has a 'prompt' column: "
+                    "set data.format: auto (or standard)")
+        elif others:
+            hint = f"; name its prompt column with data.fields: {{prompt: COLUMN}} (text columns: {', '.join(others)})"
+        else:  # e.g. TRL's implicit-prompt text rows
+            hint = (f"; rows of chosen and rejected text alone are read as HH transcripts "
+                    f"({(HUMAN_MARKER + ' ... ' + ASSISTANT_MARKER + ' ...')!r}): give the prompt a 'prompt' column")
         raise BadRow(f"no shared prompt ending at an {ASSISTANT_MARKER.strip()!r} turn marker{hint}")
     end = cut + len(ASSISTANT_MARKER)
     return Row(chosen[:end], _transcript_response(chosen[end:], "chosen"),
