@@ -232,6 +232,13 @@ def test_field_mapping(tmp_path):
     assert report.bad == [] and rows[0].system is None
 
 
+def test_null_field_is_named_null_not_missing(tmp_path):
+    rows, report = rows_of(tmp_path, [{"prompt": "Q", "chosen": None, "rejected": "b"}, {"prompt": "Q", "chosen": "a"},
+                                      {"prompt": "Q", "chosen": "a", "rejected": "b"}])
+    assert [r.chosen for r in rows] == ["a"]
+    assert [why for _, why in report.bad] == ["field 'chosen' is null", "missing field 'rejected'"]
+
+
 def test_explicit_format_overrides_detection(tmp_path):
     rows, report = rows_of(tmp_path, [{"prompt": "Q", "chosen": "a", "rejected": "b"}], format="openai")
     assert rows == [] and report.bad[0][1] == "missing field 'input'"

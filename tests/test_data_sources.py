@@ -164,10 +164,10 @@ def test_bad_rows_name_file_and_row(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", objs)
     rows, report = load_rows(path, DataConfig())
     assert [r.source for r in rows] == [f"{path}:row 0"]
-    assert report.bad == [(f"{path}:row 1", "missing field 'chosen'")]
+    assert report.bad == [(f"{path}:row 1", "field 'chosen' is null")]
     assert report.dropped == [(f"{path}:row 2", "same text: chosen and rejected are identical")]  # read, no signal
     folder = save_dict_like(tmp_path / "dd", {"train": objs})
-    assert load_rows(folder, DataConfig())[1].bad[0] == (f"{folder}[train]:row 1", "missing field 'chosen'")
+    assert load_rows(folder, DataConfig())[1].bad[0] == (f"{folder}[train]:row 1", "field 'chosen' is null")
 
 
 def test_non_json_column_types(tmp_path):
@@ -492,7 +492,7 @@ def test_data_check_on_each_container(tmp_path, tokenizer):
         out, n_bad, _ = check_file(path, DataConfig(), tokenizer)
         lines = out.splitlines()
         assert n_bad == 1 and lines[0] == f"{path}: 2 rows, 1 usable, 1 bad, 0 dropped"
-        assert lines[2] == f"  {bad}: missing field 'rejected'"
+        assert lines[2] == f"  {bad}: field 'rejected' is null"
 
 
 def test_parquet_dataset_equals_jsonl_dataset(tmp_path, tokenizer):
@@ -835,7 +835,7 @@ def test_data_check_command_on_a_saved_dataset(tmp_path, capsys):
                  "--train.global_batch_pairs", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{folder}: 2 rows, 1 usable, 1 bad, 0 dropped"
-    assert f"  {folder}[test]:row 1: missing field 'rejected'" in out
+    assert f"  {folder}[test]:row 1: field 'rejected' is null" in out
 
 
 def test_a_pipe_is_named_as_one(tmp_path):

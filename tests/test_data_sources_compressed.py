@@ -207,7 +207,7 @@ def test_parquet_is_told_by_its_magic_whatever_the_suffix(tmp_path, name):
     pq.write_table(pa.Table.from_pylist(objs), path)
     assert resolve(str(path), DataConfig()).kind == "parquet"
     rows, report = load_rows(str(path), DataConfig())
-    assert [r.chosen for r in rows] == ["4"] and report.bad == [(f"{path}:row 1", "missing field 'rejected'")]
+    assert [r.chosen for r in rows] == ["4"] and report.bad == [(f"{path}:row 1", "field 'rejected' is null")]
     junk = tmp_path / "junk.PQ"  # named Parquet, but is not: the Parquet reader's message
     junk.write_text(json.dumps(objs[0]) + "\n")
     with pytest.raises(DataError, match=f"^{junk}: not a readable Parquet file"):

@@ -306,8 +306,10 @@ def _check_utf8(obj) -> None:
 
 def _get(obj: dict, key: str, kind: type, label: Optional[str] = None):
     label = label or key
-    if key not in obj or obj[key] is None:
+    if key not in obj:
         raise BadRow(f"missing field {label!r}")
+    if obj[key] is None:  # JSON null, or an empty cell of a table (Parquet, Arrow, a dataset)
+        raise BadRow(f"field {label!r} is null")
     value = obj[key]
     if not isinstance(value, kind):
         raise BadRow(f"field {label!r} must be {_KIND_NAMES[kind]}, got {json_kind(value)}")
