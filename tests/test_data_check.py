@@ -55,8 +55,9 @@ def test_check_reports_every_dropped_kind_with_line_and_reason(tmp_path, tokeniz
         "token lengths (untruncated, 4 pairs): min / median / p95 / max",
         "  prompt   9 / 17 / 63 / 63",  # rows 1, 2, 6, 7 (an empty prompt is a user turn here)
     ]
-    assert lines[-1] == ("limits: max_prompt_length=27, max_length=80: 1 pair truncated, "
-                         "1 of them only because of max_prompt_length")
+    assert lines[-2:] == ["limits: max_prompt_length=27, max_length=80: 1 pair truncated, "
+                          "1 of them only because of max_prompt_length",
+                          f"held out by data.valid_fraction 0.1: {path}:4; none is usable"]  # training would stop
     assert n_bad == 1
 
 
@@ -601,9 +602,9 @@ def test_a_split_whose_held_out_rows_are_all_dropped_stops_training_and_the_chec
     seed = next(s for s in range(20) if load_dataset_split(path, cfg, s) == "Q same")
     with pytest.raises(DataError) as err:
         load_dataset(cfg, tokenizer, seed=seed, log=None)
-    assert str(err.value) == ("no usable held-out pairs among the 3 row(s) data.valid_fraction 0.5 held out (0 bad "
-                              "rows, 3 dropped: 3 same ids): set data.valid, or fix those rows (dtrain data check "
-                              "lists them)")
+    assert str(err.value) == (f"no usable held-out pairs among the 3 row(s) data.valid_fraction 0.5 held out, {path}:1, "
+                              f"{path}:2, {path}:3 (0 bad rows, 3 dropped: 3 same ids): set data.valid, or fix those rows "
+                              "(dtrain data check lists them)")
     assert check_file(path, cfg, tokenizer, seed=seed)[2] == (load_dataset(
         dataclasses.replace(cfg, valid_fraction=0.0), tokenizer, log=None).train, None)
     args = ["data", "check", path, "--model.path", str(model_dir), "--data.valid_fraction", "0.5",
@@ -615,6 +616,7 @@ def test_a_split_whose_held_out_rows_are_all_dropped_stops_training_and_the_chec
         "dtrain: error: no usable held-out pairs among the rows data.valid_fraction 0.5 held out (training would stop; "
         "see the rows listed above)"]
     assert f"  {path}:1: same ids: chosen and rejected are the same" in out
+    assert f"held out by data.valid_fraction 0.5: {path}:1, {path}:2, {path}:3; none is usable" in out.splitlines()
 
 
 def load_dataset_split(path: str, cfg, seed: int) -> str:
@@ -622,3 +624,12 @@ def load_dataset_split(path: str, cfg, seed: int) -> str:
     from dtrain.data import split_rows
 
     return split_rows(load_rows(path, cfg)[0], cfg.valid_fraction, seed)[1][0].prompt
+
+
+def test_name_rows_names_the_first_rows_and_counts_the_rest():
+    from dtrain.data import name_rows
+    from dtrain.types import Row
+
+    rows = [Row("Q", "a", "b", source=f"d.jsonl:{i}") for i in range(1, 6)]
+    assert name_rows(rows[:1]) == "d.jsonl:1"
+    assert name_rows(rows) == "d.jsonl:1, d.jsonl:2, d.jsonl:3 and 2 more"

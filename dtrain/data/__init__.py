@@ -85,13 +85,19 @@ def split_rows(rows: list, valid_fraction: float, seed: int, by_prompt: bool = T
     return train, [r for i, r in enumerate(rows) if i in picked]
 
 
-def no_usable_split(cfg, rows: int, held: BadRowReport, noun: str) -> str:
+def no_usable_split(cfg, rows: list, held: BadRowReport, noun: str) -> str:
     """Why a run stops when none of the ``rows`` that ``cfg.valid_fraction`` held out is usable (``held``: their
     tokenizing report, its dropped rows; ``noun``: pair, or sft's row)."""
     why = f": {held.dropped_kinds()}" if held.dropped else ""
-    return (f"no usable held-out {noun}s among the {rows} row(s) data.valid_fraction {cfg.valid_fraction} held out "
-            f"({len(held.bad)} bad rows, {len(held.dropped)} dropped{why}): set data.valid, or fix those rows (dtrain "
-            f"data check lists them)")
+    return (f"no usable held-out {noun}s among the {len(rows)} row(s) data.valid_fraction {cfg.valid_fraction} held "
+            f"out, {name_rows(rows)} ({len(held.bad)} bad rows, {len(held.dropped)} dropped{why}): set data.valid, or "
+            f"fix those rows (dtrain data check lists them)")
+
+
+def name_rows(rows: list, most: int = 3) -> str:
+    """``rows``' sources (``file:line``), the first ``most`` of them and how many more."""
+    named = ", ".join(r.source for r in rows[:most])
+    return named + (f" and {len(rows) - most} more" if len(rows) > most else "")
 
 
 def _stop_on_bad_rows(report: BadRowReport, cfg) -> None:
@@ -207,7 +213,7 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
                         f"{len(held.dropped)} "
                         f"dropped{why}): fix its rows (dtrain data check lists them), or give other held-out {noun}s")
     if valid_src is None and valid_rows and not valid:  # held out, none usable: not a run without evaluation
-        raise DataError(no_usable_split(cfg, len(valid_rows), valid_report, noun))
+        raise DataError(no_usable_split(cfg, valid_rows, valid_report, noun))
     prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,
                    messages=2 * sum(prompts) > len(prompts), by_prompt=by_prompt)

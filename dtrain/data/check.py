@@ -109,7 +109,7 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
             held_read: tuple) -> tuple:
     """:func:`check_file`'s report of the rows ``read`` (and ``held_read`` of the source ``valid``) as
     ``read_rows`` gave them, tokenized."""
-    from . import prompt_groups, split_rows  # the package imports this module
+    from . import name_rows, prompt_groups, split_rows  # the package imports this module
 
     (rows, report), (held_rows, held_report) = read, held_read
     noun = example_noun(objective)
@@ -143,6 +143,8 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
         end = ")" if held else f", one prompt kept to train on): no held-out {noun}s"
         lines.append(f"held out by data.valid_fraction {cfg.valid_fraction}: {held} of {len(groups)} prompts "
                      f"({len(split_out)} of {len(rows)} rows; rows that share a prompt stay on one side{end}")
+    if split_out and not split_held:
+        lines.append(f"held out by data.valid_fraction {cfg.valid_fraction}: {name_rows(split_out)}; none is usable")
     glued = glued_rows(rows, tokenizer, cfg)
     if glued:
         lines.append(f"warning: {len(glued)} of {len(rows)} rows glue a raw prompt to its response with no "
