@@ -209,7 +209,8 @@ def test_a_split_keeps_the_rows_of_a_prompt_on_one_side():
         prompts = [f"Q{i}" for i in range(6)] + msgs + [None, ""]  # no prompt (a text row, empty): a row on its own
         rows = [Row(p, f"a{j}", "b", system=rng.choice([None, "S"]) if p else None, source=f"f:{j + 1}")
                 for j, p in enumerate(rng.choice(prompts) for _ in range(rng.randint(2, 40)))]
-        keys = [repr((r.system, r.prompt)) if r.prompt else r.source for r in rows]
+        as_msgs = lambda p: [{"role": "user", "content": p}] if isinstance(p, str) else p  # noqa: E731
+        keys = [repr((r.system, as_msgs(r.prompt))) if r.prompt else r.source for r in rows]  # "Q3" is [user "Q3"]
         groups = list(dict.fromkeys(keys))
         train, valid = split_rows(rows, 0.3, seed=trial)
         assert sorted(train + valid, key=rows.index) == rows
@@ -275,6 +276,23 @@ def test_a_split_by_prompt_that_holds_out_the_rows_a_split_by_row_did_is_not_rec
     assert [p.source for p in split_rows(parsed, 0.1, 0, by_prompt=False)[1]] == [f"{path}:13", f"{path}:14"]
     assert ds.by_prompt is False
     assert load_dataset(DataConfig(train=path), tokenizer, seed=1, log=None).by_prompt is True  # rows 5, 19 by row
+
+
+def test_a_text_prompt_and_the_same_prompt_as_messages_are_one_prompt_in_the_split():
+    """A text prompt is rendered as a user turn, and a row's system text as a system message: "Q" and
+    [user "Q"] (a file that mixes the standard and conversational formats), or "Q" with system "S" and
+    [system "S", user "Q"], train the same prompt, but the split compared them as written, so
+    data.valid_fraction could hold out one and train on the other."""
+    from dtrain.data import prompt_groups
+
+    user, system = {"role": "user", "content": "Q"}, {"role": "system", "content": "S"}
+    rows = [Row(p, f"a{j}", "b", system=s, source=f"f:{j + 1}") for j, (p, s) in enumerate([
+        ("Q", None), ([user], None), ("Q", "S"), ([system, user], None), ([system, user], "S"), ([user], "S"),
+        ("Q", "T"), ([system, user], "T"), ([{"role": "assistant", "content": "Q"}], None)])]
+    assert prompt_groups(rows) == [[0, 1], [2, 3, 4, 5], [6], [7], [8]]
+    for seed in range(10):
+        valid = {r.source for r in split_rows(rows, 0.5, seed)[1]}
+        assert len(valid & {"f:1", "f:2"}) in (0, 2) and len(valid & {"f:3", "f:4", "f:5", "f:6"}) in (0, 4), seed
 
 
 def test_transcript_prompts_that_differ_only_by_the_whitespace_around_a_turn_are_one_prompt_in_the_split(tmp_path):

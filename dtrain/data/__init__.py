@@ -60,11 +60,16 @@ def prompt_groups(rows: list) -> list:
 
 
 def _prompt_key(row: Row) -> str:
+    # the prompt as the chat template gets it (render.row_messages): a text prompt is a user turn, a transcript its
+    # turns, the row's system text a system message where none of the prompt's says it; each text stripped, since
     # a question copied with a trailing newline is the same question: held out, its copy must not be trained on
-    # a transcript is rendered as its turns, each stripped: its whitespace between markers is no other prompt
-    prompt = transcript_messages(row.prompt) if row.transcript and isinstance(row.prompt, str) else row.prompt
-    prompt = [{**m, "content": m["content"].strip()} for m in prompt] if isinstance(prompt, list) else prompt.strip()
-    return repr((row.system and row.system.strip(), prompt))
+    prompt = row.prompt
+    if isinstance(prompt, str):
+        prompt = transcript_messages(prompt) if row.transcript else [{"role": "user", "content": prompt}]
+    turns = [(m["role"], m["content"].strip()) for m in prompt]
+    if row.system is not None and ("system", row.system.strip()) not in turns:
+        turns.insert(0, ("system", row.system.strip()))
+    return repr(turns)
 
 
 def split_rows(rows: list, valid_fraction: float, seed: int, by_prompt: bool = True) -> tuple:
