@@ -205,6 +205,20 @@ def test_chat_parts_of_known_template_shapes():
     assert chat_parts(lambda m, g: 1 / 0) is None
 
 
+def test_a_template_that_drops_the_reasoning_of_earlier_replies_gets_no_template():
+    """DeepSeek-R1's template writes an assistant turn from its `</think>` on. Its structure was read off probe
+    replies without reasoning, so the TEMPLATE wrote a reply's `<think>...</think>` back whole: Ollama, whose chat
+    sends the model's earlier replies (reasoning and all) back as history, then prompted with text the template
+    (and training) drops. Such a template branches on content: no TEMPLATE, as for one that numbers its turns."""
+    from chat_fixtures import DEEPSEEK
+
+    history = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "<think>\nr\n</think>\n\nA"},
+               {"role": "user", "content": "Q2"}]
+    assert "r\n</think>" not in _jinja(DEEPSEEK)(history, True)
+    assert chat_parts(_jinja(DEEPSEEK)) is None
+    assert chat_parts(_jinja(CHATML)).render(history, True) == _jinja(CHATML)(history, True)  # one that keeps it
+
+
 LLAMA31 = ("{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
            "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
            "{{- '<|im_start|>system\nCutting Knowledge Date: December 2023\n\n' + system + '<|im_end|>\n' }}"

@@ -120,9 +120,12 @@ def trims_content(render: Callable[[list, bool], str]) -> bool:
 
 
 def _rebuilds(parts: ChatParts, render, msg) -> bool:
+    # a reply holding its reasoning, as a model's earlier reply comes back in Ollama's history: DeepSeek-R1's and
+    # Qwen3's templates drop it (they branch on the content's "</think>")
+    reasoned = {"role": "assistant", "content": "<think>\nr\n</think>\n\n" + msg("assistant", 3)["content"]}
     convs = [[msg("user", 1)], [msg("system", 1), msg("user", 1)],
              [msg("user", 1), msg("assistant", 1), msg("user", 2), msg("assistant", 2), msg("user", 3)],
-             [msg("system", 1), msg("user", 1), msg("assistant", 1)]]
+             [msg("system", 1), msg("user", 1), msg("assistant", 1)], [msg("user", 1), reasoned, msg("user", 2)]]
     try:
         return all(parts.render(c, g) == render(c, g) for c in convs for g in (False, True))
     except Exception:
