@@ -158,7 +158,7 @@ def _data_check(args, overrides) -> int:
     from .models import load_model
     from .run.held_out import held_out_steering
     from .sampler import for_run
-    from .types import example_noun, refuse_single_completions
+    from .types import example_noun, refuse_ids_past_vocabulary, refuse_single_completions
 
     loaded = load_model(cfg.model.path, cfg.model.dtype)
     report, n_bad, (train_pairs, held_out) = check_file(args.file, cfg.data, loaded.tokenizer, show=args.show,
@@ -184,7 +184,9 @@ def _data_check(args, overrides) -> int:
     if stop is not None:
         _error(stop)
         return 1
-    try:  # the trainer's own refusals: no held-out pairs to steer by, fewer training pairs than a step takes
+    try:  # the trainer's own refusals: ids past the model's vocabulary, no held-out pairs to steer by, fewer
+        # training pairs than a step takes
+        refuse_ids_past_vocabulary((*train_pairs, *held_out), loaded.model)
         held_out_steering(cfg, len(train_pairs), len(held_out))
         for_run(cfg, train_pairs)
     except UserError as err:

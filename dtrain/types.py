@@ -1,6 +1,7 @@
 """Containers passed between the data, engine and trainer layers (a row before rendering, the bad-row report,
-the tokenized pair), and the check on pairs both the
-data check and training apply (pairwise objectives refuse rows with one completion)."""
+the tokenized pair), and the checks on pairs both the
+data check and training apply (pairwise objectives refuse rows with one completion; no token id past the model's
+vocabulary)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,22 @@ def refuse_single_completions(pairs, kind: str, where: str = "?") -> None:
         raise DataError(f"{single.source or where}: a row with one completion (no rejected response) cannot train "
                         f"objective.kind {kind}; set objective.kind: sft (configs/sft.yaml), or give "
                         f"preference rows (chosen and rejected)")
+
+
+def refuse_ids_past_vocabulary(pairs, model) -> None:
+    """Refuse ``pairs`` holding a token id that ``model`` has no embedding row for (``>= args.vocab_size``; a model
+    that does not give one is not checked), as ``dtrain train`` and ``dtrain data check`` both do: MLX does not
+    check a gather's bounds, so such an id would read memory past the embedding and the LM head (PyTorch raises).
+
+    Raises:
+        DataError: naming the first such pair's ``file:line``, its largest id and the vocabulary size.
+    """
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if not isinstance(size, int):
+        return
+    for p in pairs:
+        top = max(max(ids, default=-1) for ids in (p.prompt, p.chosen, p.rejected, p.rejected_prompt or ()))
+        if top >= size:
+            raise DataError(f"{p.source or '?'}: token id {top} is past the model's embedding: the model's vocabulary "
+                            f"has {size} ids (0-{size - 1}), its tokenizer more; use the tokenizer the model was "
+                            "trained with")

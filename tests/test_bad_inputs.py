@@ -268,3 +268,29 @@ def test_an_unreadable_chat_template_file_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(DataError) as err:
         template_source(str(jinja))
     assert str(err.value) == f"data.chat_template: {jinja}: cannot be read: Permission denied"
+
+
+def test_token_ids_past_the_models_vocabulary_are_refused_naming_the_row(tmp_path, capsys):
+    """A tokenizer with more tokens (361) than the model's embedding has rows (vocab_size 312): the ids past
+    311 (row 2's ' is' 314, ' +' 319; row 1's are below 312) read memory outside the embedding and the LM head (MLX does not check a gather's bounds), so the loss
+    changed from run to run and the two engines disagreed; PyTorch raises there. Now both `dtrain train` and
+    `dtrain data check` stop before any step, naming the row, the id and the vocabulary size."""
+    from fixtures_launch import MODEL_CONFIG
+    from mlx_lm.utils import save_config, save_model
+
+    from conftest import make_tiny_model, make_tokenizer
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_model(model_dir, make_tiny_model(num_hidden_layers=2, vocab_size=312))
+    save_config(dict(MODEL_CONFIG, vocab_size=312), config_path=model_dir / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(str(model_dir))
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(jsonl({"prompt": "a", "chosen": "b", "rejected": "c"}, GOOD, {**GOOD, "prompt": "other"}))
+    status, out = run(tmp_path, model_dir, "--data.train", str(data), "--data.valid_fraction", "0",
+                      "--train.global_batch_pairs", "2", "--train.micro_batch_pairs", "2")
+    check(capsys, status, out, "pairs.jsonl:2: token id ")
+    err_line = "the model's vocabulary has 312 ids (0-311)"
+    status = main(["data", "check", str(data), "--model.path", str(model_dir), "--data.valid_fraction", "0"])
+    err = capsys.readouterr().err
+    assert status == 1 and "pairs.jsonl:2: token id " in err and err_line in err and "Traceback" not in err, err

@@ -38,7 +38,7 @@ from ..lora import (adapter_keys_source, apply_lora, load_adapter_weights, lora_
                     save_adapter)
 from ..memory import is_out_of_memory, out_of_memory_text, run_budget_bytes, wired_limit
 from ..notices import for_rank
-from ..types import example_noun
+from ..types import example_noun, refuse_ids_past_vocabulary
 from .optimizer import AdamWStep, schedule_notice
 from .reference import ReferenceLogps, engine_settings, init_adapter_identity, reference_pass
 from .result import TrainResult
@@ -293,6 +293,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         cache_bytes = entries_bytes(cache_entries)
     objective = make_objective(cfg)
     dataset = fit_dataset(objective, dataset)
+    refuse_ids_past_vocabulary((*dataset.train, *dataset.valid), model)
     steering = held_out_steering(cfg, len(dataset.train), len(dataset.valid))
     pairs_sampler = sampler.for_run(cfg, dataset.train)
     apply_lora(model, cfg.lora, adapter_keys_source(t.init_adapter) if t.init_adapter else "lora.keys")
