@@ -14,6 +14,7 @@ import difflib
 import os
 import reprlib
 import typing
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -427,9 +428,12 @@ class _UniqueKeyLoader(_ValueLoader):
 
     def construct_mapping(self, node, deep=False):
         first = {}
-        for key_node, _ in node.value:
+        # a scalar tagged !!set or !!map, or a key tagged !!seq, is left to PyYAML's ConstructorError
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
                 key = self.construct_object(key_node)
+                if not isinstance(key, Hashable):
+                    continue
                 if key in first:
                     raise _RepeatedKey(key, key_node.start_mark.line + 1, first[key])
                 first[key] = key_node.start_mark.line + 1

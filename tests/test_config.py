@@ -345,11 +345,15 @@ BIG = "1" + "0" * 5000
                                    "(a recursive YAML alias?)"),
     ("data: {fields: &f {prompt: *f}}\n", "key 'data.fields' nests lists or mappings more than 10 levels deep "
                                           "(a recursive YAML alias?)"),
+    ("train:\n  seed: !!set 0\n", "line 2 invalid YAML: expected a mapping node, but found scalar"),
+    ("train: !!map x\n", "line 1 invalid YAML: expected a mapping node, but found scalar"),
+    ("train:\n  !!omap path: demo\n", "line 2 invalid YAML: found unhashable key"),
 ])
 def test_yaml_python_cannot_build_is_one_error(tmp_path, text, message):
     """A 5000-digit integer and 2024-02-30 (PyYAML's int() and date() raise ValueError), flow lists nested
     thousands deep (RecursionError in PyYAML's parser) and a recursive alias (RecursionError in the check
-    for dates inside a value) ended in tracebacks."""
+    for dates inside a value) ended in tracebacks; so did a scalar tagged !!set or !!map (ValueError) and a
+    key tagged !!omap (TypeError: unhashable), in the check for repeated keys."""
     f = tmp_path / "job.yaml"
     f.write_text(text)
     with pytest.raises(ConfigError) as err:
