@@ -92,8 +92,8 @@ class Watchdog:
         os._exit(EXIT_TIMEOUT)
 
     def __enter__(self) -> "Watchdog":
-        if self.timeout_s > 0:
-            self._timer = threading.Timer(self.timeout_s, self._fire)
+        if self.timeout_s > 0:  # a longer wait than a thread can (about 292 years) raised in the timer's thread
+            self._timer = threading.Timer(min(self.timeout_s, threading.TIMEOUT_MAX), self._fire)
             self._timer.daemon = True
             self._timer.start()
         return self

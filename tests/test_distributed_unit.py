@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -127,6 +128,17 @@ def test_watchdog_turns_an_mlx_error_into_a_user_error():
     with Watchdog(0, "x", None, 30) as w:  # a block that finishes in time leaves no timer behind
         pass
     assert not w._timer.is_alive()
+
+
+def test_a_watchdog_longer_than_a_thread_can_wait_waits(monkeypatch):
+    """distributed.collective_timeout_s 1e300 passed the config; each collective's timer thread then ended in
+    OverflowError's traceback ('timestamp out of range for platform time_t'), and the watchdog was off."""
+    failed = []
+    monkeypatch.setattr(threading, "excepthook", failed.append)
+    with Watchdog(0, "x", None, 1e300) as w:
+        w._timer.join(1.0)  # the timer thread raised at once
+        assert w._timer.is_alive()
+    assert failed == []
 
 
 def test_watchdog_ends_a_stuck_process_with_a_message():
