@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -304,6 +305,16 @@ def test_seconds_that_are_not_finite_are_one_line(option, value, tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         f"launch: error: {option} must be a finite number of seconds; got {value}")
+
+
+def test_a_restart_delay_longer_than_a_thread_can_wait_is_one_line(tmp_path):
+    """--restart-delay 1e300 passed the finite check, and after the first failure the wait for the restart
+    ended the launcher in OverflowError's traceback ('timestamp out of range for platform time_t')."""
+    r = launch("--restart-delay", "1e300", tmp_path / "job.yaml", "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"launch: error: --restart-delay must be at most {threading.TIMEOUT_MAX:.0f} seconds (the longest wait "
+        f"Python's threads take); got 1e+300")
 
 
 @pytest.mark.parametrize("args, named", [(["--backend", "ring"], "--backend ring"),

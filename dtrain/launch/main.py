@@ -290,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, seconds in (("--restart-delay", args.restart_delay), ("--stop-timeout", args.stop_timeout)):
             if not math.isfinite(seconds):  # inf overflows Event.wait, nan passes every bound above
                 raise LaunchError(f"{name} must be a finite number of seconds; got {seconds}")
+        if args.restart_delay > threading.TIMEOUT_MAX:  # so does a finite wait past it (1e300), after a failure
+            raise LaunchError(f"--restart-delay must be at most {threading.TIMEOUT_MAX:.0f} seconds (the longest "
+                              f"wait Python's threads take); got {args.restart_delay:g}")
         for name, port in (("--port", args.port), ("--tensorboard", args.tensorboard)):
             if port is not None and not 1 <= port <= 65535:  # else socket.bind raises OverflowError
                 raise LaunchError(f"{name} must be a TCP port, 1-65535; got {port}")
