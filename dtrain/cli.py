@@ -244,6 +244,8 @@ def _doctor(args) -> int:
 
     if args.steps < 1 or args.pairs < 1 or args.max_length < 8:
         raise UserError("doctor: --steps and --pairs must be >= 1, --max-length >= 8")
+    if not args.model:  # else refused as the demo run's model.path, a key not given
+        raise UserError("doctor: --model is empty (''); give demo, a .gguf file, a model folder or a hub id")
     print("dtrain doctor (paste all of it into a report)", flush=True)
     for line in system_lines(blas.line() if platform.system() == "Linux" else None):
         print(line, flush=True)

@@ -294,3 +294,26 @@ def test_token_ids_past_the_models_vocabulary_are_refused_naming_the_row(tmp_pat
     status = main(["data", "check", str(data), "--model.path", str(model_dir), "--data.valid_fraction", "0"])
     err = capsys.readouterr().err
     assert status == 1 and "pairs.jsonl:2: token id " in err and err_line in err and "Traceback" not in err, err
+
+
+def test_an_empty_path_argument_is_named_not_read_as_the_working_folder(tmp_path, model_dir, capsys):
+    """'' as convert's GGUF_FILE, export's ADAPTER_DIR or --base was read as the working folder (': a folder, not a
+    GGUF file', ': not an adapter folder ...', ': folder has no config.json ...', naming nothing), and doctor's
+    --model '' was refused as the key 'model.path', which the command line did not give."""
+    status, out = run(tmp_path, model_dir, "--data.demo_pairs", "8", "--train.global_batch_pairs", "2",
+                      "--train.micro_batch_pairs", "2")
+    assert status == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for argv, message in [
+        (["convert", "", str(tmp_path / "o")], "the GGUF file path is empty text; give a .gguf file (or demo)"),
+        (["export", "", "--base", str(model_dir), "--out", str(tmp_path / "o")],
+         "the adapter folder path is empty text; give an adapter folder (a run's OUTPUT_DIR/adapters)"),
+        (["export", str(out / "adapters"), "--base", "", "--out", str(tmp_path / "o")],
+         "the model path is empty text; give demo, a .gguf file, a model folder or a hub id"),
+        (["doctor", "--model", "", "--no-demo"],
+         "doctor: --model is empty (''); give demo, a .gguf file, a model folder or a hub id"),
+    ]:
+        assert main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert (captured.out, captured.err.splitlines()[-1:]) == ("", [f"dtrain: error: {message}"]), argv
+        assert "Traceback" not in captured.err and not (tmp_path / "o").exists()

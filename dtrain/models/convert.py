@@ -41,6 +41,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
             architecture or tokenizer, or an ``out_dir`` that is a file or not empty.
         UserError: a path opening ``~user`` of no user here.
     """
+    if not gguf_path:  # else the working folder: ': a folder, not a GGUF file'
+        raise ModelError("the GGUF file path is empty text; give a .gguf file (or demo)")
     src = demo_model_path() if gguf_path == "demo" else home_path(gguf_path, "gguf_file")  # as model.path reads ~
     out_dir = home_text(out_dir, "out_dir")
     if src.is_dir():

@@ -179,6 +179,8 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     """
     # ~ as base reads it (the shell expands none in --out=~/x)
     adapter_dir, out_dir = home_text(adapter_dir, "adapter folder"), home_text(out_dir, "--out")
+    if not adapter_dir:  # else the working folder: ': not an adapter folder'
+        raise ModelError("the adapter folder path is empty text; give an adapter folder (a run's OUTPUT_DIR/adapters)")
     if gguf_type is not None and gguf_type.lower() not in GGUF_TYPES:
         raise ModelError(f"GGUF type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
     if dtype not in DTYPES:

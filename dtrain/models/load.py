@@ -91,6 +91,8 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
             config.json, an unreadable or unsupported GGUF file, a failed download.
     """
     keep_quantized, float_dtype = dtype_plan(dtype)
+    if not path:  # else the working folder: ': folder has no config.json'
+        raise ModelError("the model path is empty text; give demo, a .gguf file, a model folder or a hub id")
     if path == "demo":
         return _load_gguf(demo_model_path(), keep_quantized, float_dtype, source="demo (SmolLM2-135M-Instruct Q4_1)")
     try:
