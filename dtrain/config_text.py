@@ -22,14 +22,23 @@ def is_override_flag(arg: str) -> bool:
     return arg.startswith("--") and "." in arg.split("=", 1)[0]
 
 
+def _reads_as_option(arg: str, options: tuple) -> bool:
+    """Whether argparse reads ``arg`` as one of ``options``: the name, ``NAME=VALUE``, a long name shortened
+    (``--dry`` for ``--dry-run``: argparse's ``allow_abbrev``) or a short one with its value attached (``-n2``)."""
+    name = arg.split("=", 1)[0]
+    return any(name == o or (o.startswith("--") and len(name) > 2 and o.startswith(name))
+               or (not o.startswith("--") and arg.startswith(o)) for o in options)
+
+
 def take_overrides(argv: list[str], options: tuple = ()) -> tuple[list[str], list[str]]:
     """Separate ``--section.key VALUE`` and ``--section.key=VALUE`` from other arguments.
 
     The one parser of the override grammar, for ``dtrain`` and ``./launch``.
     ``(["-n", "2", "--train.steps", "5", "--model.path=x"])`` gives
     ``(["-n", "2"], ["train.steps=5", "model.path=x"])``. ``options``: the command's own
-    option names, which an override's value never is (``--train.steps -c a.yaml`` lacks it), nor is
-    another override (``--train.output_dir --train.steps=3``; a value that looks like one: ``--key=--a.b``).
+    option names, which an override's value never is (``--train.steps -c a.yaml`` lacks it, and so does
+    ``--train.output_dir -n2``: :func:`_reads_as_option`), nor is another override (``--train.output_dir
+    --train.steps=3``; a value that looks like one: ``--key=--a.b``).
 
     Raises:
         ConfigError: an override flag at the end, or before one of ``options`` or another override, with no value.
@@ -43,7 +52,7 @@ def take_overrides(argv: list[str], options: tuple = ()) -> tuple[list[str], lis
         elif "=" in arg:
             overrides.append(arg[2:])
             i += 1
-        elif i + 1 < len(argv) and argv[i + 1].split("=", 1)[0] not in options and not is_override_flag(argv[i + 1]):
+        elif i + 1 < len(argv) and not _reads_as_option(argv[i + 1], options) and not is_override_flag(argv[i + 1]):
             overrides.append(f"{arg[2:]}={argv[i + 1]}")
             i += 2
         else:

@@ -658,11 +658,12 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check", "pairs.jsonl"]])
-@pytest.mark.parametrize("option", ["-c", "--config", "--config=a.yaml", "-h", "--help"])
+@pytest.mark.parametrize("option", ["-c", "--config", "--config=a.yaml", "-h", "--help", "--conf", "-ca.yaml"])
 def test_an_override_without_its_value_before_an_option_is_named(command, option, capsys):
     """Overrides are taken out before argparse: `dtrain train --train.steps -c a.yaml` gave train.steps the
     value '-c' and said "unexpected argument 'a.yaml': a config file is given with -c (-c a.yaml)", to a user
-    who had given it with -c (before, as for the override at the end: "override --train.steps needs a value")."""
+    who had given it with -c (before, as for the override at the end: "override --train.steps needs a value").
+    argparse also reads --conf (a long option shortened) and -ca.yaml (a short one with its value) as -c."""
     assert main([*command, "--train.steps", option, "a.yaml"]) == 2
     assert capsys.readouterr().err == "dtrain: error: override --train.steps needs a value\n"
     from dtrain.cli import OPTIONS, _parser

@@ -347,16 +347,20 @@ def test_tensorboard_on_a_ranks_port_is_refused_before_they_start(tmp_path):
 @pytest.mark.parametrize("args, named", [(["--train.output_dir", "--dry-run"], "--train.output_dir"),
                                          (["--train.steps", "-n", "2", "--dry-run"], "--train.steps"),
                                          (["--train.steps", "--port=32323", "--dry-run"], "--train.steps"),
-                                         (["--dry-run", "--train.seed", "-h"], "--train.seed")])
+                                         (["--dry-run", "--train.seed", "-h"], "--train.seed"),
+                                         (["--train.output_dir", "--dry"], "--train.output_dir"),
+                                         (["--train.output_dir", "-n2", "--dry-run"], "--train.output_dir")])
 def test_an_override_without_its_value_before_a_launcher_option_is_named(args, named, tmp_path):
     """`./launch --train.output_dir --dry-run job.yaml` gave train.output_dir the value '--dry-run' and started
-    the job, to train into a folder named --dry-run; `--train.steps -n 2` said "unrecognized arguments: job.yaml"."""
+    the job, to train into a folder named --dry-run; `--train.steps -n 2` said "unrecognized arguments: job.yaml".
+    argparse reads --dry as --dry-run and -n2 as -n 2, which took the value as well: a job started, into ./--dry
+    or ./-n2."""
     config = tmp_path / "job.yaml"
     config.write_text(f"model: {{path: {tmp_path / 'no-model'}}}\ndata: {{demo_pairs: 4}}\n")
     r = launch(*args, config)
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [f"launch: error: override {named} needs a value"]
-    assert not (ROOT / "--dry-run").exists()
+    assert not any((ROOT / name).exists() for name in ("--dry-run", "--dry", "-n2"))
     from dtrain.launch.main import OPTIONS, _parser
 
     assert set(OPTIONS) == {s for a in _parser()._actions for s in a.option_strings} | {"-c", "--config"}
