@@ -23,7 +23,7 @@ import yaml
 
 from .config_checks import ALIASES, check_rules, checked, did_you_mean, yaml_key
 from .contract import BACKENDS
-from .data.formats import FORMATS
+from .data.formats import FORMATS, fields_problem
 from .data.templates import NAMED_TEMPLATES
 from .errors import TOO_DEEP, ConfigError
 from .files import unusable_path
@@ -312,6 +312,9 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         raise ConfigError(f"{source}: key '{shown}' nests lists or mappings more than {MAX_DEPTH} levels deep "
                           "(a recursive YAML alias?)")
     value = checked(type(sub), name, value, f"{source}: key '{shown}'")
+    # its own keys too, here: demo pairs never read it, and dtrain config and ./launch --dry-run show it
+    if (section, name) == ("data", "fields") and value and (problem := fields_problem(value)):
+        raise ConfigError(f"{source}: {problem}")
     # lora.keys of no text would match no layer, found only after the model loads
     if (section, name) == ("lora", "keys") and value is not None and not (value and all(
             k and isinstance(k, str) for k in value)):

@@ -242,6 +242,34 @@ def test_a_date_inside_a_list_or_mapping_is_named_as_one_at_the_top(override, ke
                               f"an unquoted date as one); quote it: '2026-12-06'")
 
 
+FIELDS_SYNTAX = ("e.g. --data.fields '{prompt: question, chosen: response_j, rejected: response_k}' on the command "
+                 "line, or the same mapping under data: fields: in YAML")
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("{bogus: x}", f"data.fields: unknown key 'bogus' (known: prompt, chosen, rejected, system, completion, messages, "
+                   f"text); {FIELDS_SYNTAX}"),
+    ("{1: prompt, foo: x}", f"data.fields: unknown key 1 (known: prompt, chosen, rejected, system, completion, "
+                            f"messages, text); {FIELDS_SYNTAX}"),
+    ("{prompt: 5}", f"data.fields.prompt: expected a column name, got 5; {FIELDS_SYNTAX}"),
+    ("{chosen: a, completion: b}", "data.fields maps chosen, completion: a row is a preference pair (chosen, "
+                                   "rejected) or one SFT completion (completion, messages or text), not both"),
+])
+def test_data_fields_own_keys_are_checked_with_the_config(tmp_path, value, problem):
+    """data.fields' keys and column names were checked only as a data file's rows were read: with demo pairs a
+    misspelt key trained without a word, dtrain config and ./launch --dry-run showed it, and {1: prompt, foo: x}
+    ended the data load in TypeError's traceback (sorting 1 and 'foo')."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=8", f"data.fields={value}"])
+    assert str(err.value) == f"command line: {problem}"
+    f = tmp_path / "job.yaml"
+    f.write_text(f"data:\n  train: pairs.jsonl\n  fields: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert str(err.value) == f"{f}: {problem}"
+    assert load_config(None, ["data.demo_pairs=8", "data.fields={}"]).data.fields == {}
+
+
 @pytest.mark.parametrize("value", ["[1, 2]", "[[self_attn.q_proj]]", "[]", "[self_attn.q_proj, '']"])
 def test_lora_keys_that_name_no_module_path_are_refused_at_once(value):
     """lora.keys of numbers, nested lists or nothing passed the config and failed after the model loaded

@@ -171,6 +171,24 @@ def detect_items_format(items: list, fields: Optional[dict], where: str) -> str:
     return votes.most_common(1)[0][0]  # most_common keeps first-seen order among equal counts
 
 
+def fields_problem(fields: dict) -> Optional[str]:
+    """What makes a ``data.fields`` mapping unusable, or None: a key that is not one of :data:`FIELD_KEYS` and
+    :data:`SFT_FIELD_KEYS`, both a pair's and an SFT row's columns mapped, a column name that is not text."""
+    unknown = sorted(set(fields) - set(FIELD_KEYS + SFT_FIELD_KEYS), key=str)
+    if unknown:
+        return (f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS + SFT_FIELD_KEYS)}); "
+                f"{FIELDS_SYNTAX}")
+    sft = sorted(set(fields) & set(SFT_FIELD_KEYS))
+    if len(sft) > 1 or (sft and {"chosen", "rejected"} & set(fields)):
+        named = sorted(set(fields) & {"chosen", "rejected", *SFT_FIELD_KEYS})
+        return (f"data.fields maps {', '.join(named)}: a row is a preference pair (chosen, rejected) or one SFT "
+                f"completion (completion, messages or text), not both")
+    odd = next((k for k, v in fields.items() if not isinstance(v, str)), None)
+    if odd is not None:
+        return f"data.fields.{odd}: expected a column name, got {fields[odd]!r}; {FIELDS_SYNTAX}"
+    return None
+
+
 def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
     """Normalise parsed objects to rows; returns ``(rows, BadRowReport)``.
 
@@ -180,24 +198,12 @@ def parse_rows(items: list, cfg, where: str, pairwise: bool = True) -> tuple:
 
     Raises:
         DataError: ``format: auto`` and no known format (:func:`detect_items_format`),
-            or ``data.fields`` with a key that is not one of :data:`FIELD_KEYS` and
-            :data:`SFT_FIELD_KEYS`, or mapping both a pair's and an SFT row's columns; ``pairwise`` and
+            or ``data.fields`` that :func:`fields_problem` refuses; ``pairwise`` and
             an unpaired (KTO) row (:data:`UNPAIRED`, naming its ``file:line``).
     """
     fields = cfg.fields or None
-    if fields:
-        unknown = sorted(set(fields) - set(FIELD_KEYS + SFT_FIELD_KEYS))
-        if unknown:
-            raise DataError(f"data.fields: unknown key {unknown[0]!r} (known: {', '.join(FIELD_KEYS + SFT_FIELD_KEYS)})"
-                            f"; {FIELDS_SYNTAX}")
-        sft = sorted(set(fields) & set(SFT_FIELD_KEYS))
-        if len(sft) > 1 or (sft and {"chosen", "rejected"} & set(fields)):
-            named = sorted(set(fields) & {"chosen", "rejected", *SFT_FIELD_KEYS})
-            raise DataError(f"data.fields maps {', '.join(named)}: a row is a preference pair (chosen, rejected) or "
-                            f"one SFT completion (completion, messages or text), not both")
-        odd = next((k for k, v in fields.items() if not isinstance(v, str)), None)
-        if odd is not None:
-            raise DataError(f"data.fields.{odd}: expected a column name, got {fields[odd]!r}; {FIELDS_SYNTAX}")
+    if fields and (problem := fields_problem(fields)):
+        raise DataError(problem)
     fmt = cfg.format
     if fields and fmt in ("openai", "sharegpt"):
         raise DataError(f"data.fields renames flat columns; it does not apply to data.format: {fmt}")
