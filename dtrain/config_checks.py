@@ -149,7 +149,10 @@ OBJECTIVE_KEYS = {("objective", "beta"): ("dpo", "simpo"), ("objective", "loss_t
 # Keys another key's value leaves unread: (section, name) -> [(the setting that does, is it this config's)].
 _REFERENCE = ("engine.kind reference", lambda c: c.engine.kind == "reference")
 _STATIC = ("orpo.lambda_schedule static", lambda c: c.orpo.lambda_schedule == "static")
+_DEMO = ("data.demo_pairs (generated standard rows)", lambda c: c.data.demo_pairs > 0)  # data.load_dataset
 UNREAD_WHEN = {
+    **{("data", k): [_DEMO] for k in ("format", "fields", "split")},
+    ("data", "demo_seed"): [("data.demo_pairs 0", lambda c: c.data.demo_pairs == 0)],
     **{("engine", k): [_REFERENCE] for k in ("prefix_sharing", "head_chunk_tokens", "length_bucket", "pack",
                                               "attention_groups", "compile", "kernels")},
     ("engine", "segment_layers"): [_REFERENCE, ("engine.kind auto (it sizes the ranges itself)",

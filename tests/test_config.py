@@ -737,12 +737,20 @@ def test_an_override_without_its_value_before_another_override_is_named(argv, na
     # a constant learning rate decays to no floor
     (["train.schedule=constant", "train.min_lr_ratio=0.5"],
      ["'train.min_lr_ratio' is 0.5 but train.schedule constant does not read it"]),
+    # generated demo pairs are standard rows of no split; a seed of no demo pairs generates nothing
+    (["data.format=openai", "data.fields={prompt: q}", "data.split=test"],
+     ["'data.format' is 'openai' but data.demo_pairs (generated standard rows) does not read it",
+      "'data.fields' is {'prompt': 'q'} but data.demo_pairs (generated standard rows) does not read it",
+      "'data.split' is 'test' but data.demo_pairs (generated standard rows) does not read it"]),
+    (["data.demo_pairs=0", "data.train=x.jsonl", "data.demo_seed=3"],
+     ["'data.demo_seed' is 3 but data.demo_pairs 0 does not read it"]),
     # values equal to the defaults say nothing
     (["engine.kind=reference", "engine.head_chunk_tokens=0", "orpo.lambda=0.1"], []),
 ])
 def test_keys_another_key_leaves_unread_are_named(overrides, lines):
     """A key set away from its default that another key's value makes unread was silently ignored:
-    engine.segment_layers 4 under the default engine.kind auto recomputed nothing the user asked for."""
+    engine.segment_layers 4 under the default engine.kind auto recomputed nothing the user asked for, nor did
+    data.format openai or a data.fields mapping with demo pairs read their rows otherwise."""
     from dtrain.config_checks import unread_keys
 
     assert unread_keys(load_config(None, ["data.demo_pairs=1", *overrides])) == [f"{x}: it has no effect" for x in lines]
