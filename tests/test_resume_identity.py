@@ -835,6 +835,13 @@ class Crash(Exception):
     pass
 
 
+def stop_in_step_0(engine):
+    """The engine, its evaluations sending this process SIGINT: the evaluation at step 0 comes before any step."""
+    evaluate = engine.evaluate
+    engine.evaluate = lambda *args: (os.kill(os.getpid(), signal.SIGINT), evaluate(*args))[1]
+    return engine
+
+
 @pytest.mark.parametrize("cut", [0, 2])
 def test_a_resumed_evaluation_is_logged_once_when_the_resume_is_cut_again(tmp_path, cut):
     """Stopped in the evaluation at step ``cut`` (a stop agreed there saves before it), resumed (which evaluates
@@ -847,11 +854,6 @@ def test_a_resumed_evaluation_is_logged_once_when_the_resume_is_cut_again(tmp_pa
     def stop(step, run_):  # after step ``cut``'s update: agreed in its evaluation
         if step == cut:
             run_.stop.requested = True
-
-    def stop_in_step_0(engine):  # the evaluation at step 0 comes before any step
-        evaluate = engine.evaluate
-        engine.evaluate = lambda *args: (os.kill(os.getpid(), signal.SIGINT), evaluate(*args))[1]
-        return engine
 
     def crash_in_4(step, run_):
         if step == 4:
@@ -866,6 +868,40 @@ def test_a_resumed_evaluation_is_logged_once_when_the_resume_is_cut_again(tmp_pa
     shown = tensorboard_scalars(resumed.run_dir)
     assert shown["eval/loss"] == tensorboard_scalars(whole.run_dir)["eval/loss"]
     assert [s for s, _ in shown["eval/loss"]] == [0, 2, 4] and [s for s, _ in shown["loss"]] == [1, 2, 3, 4]
+    assert read_scalars(resumed.run_dir)["eval/loss"] == shown["eval/loss"]
+
+
+@pytest.mark.parametrize("cut", [0, 2, 4])
+def test_a_resume_cut_while_it_saves_its_checkpoints_step_again_logs_that_step_once(tmp_path, monkeypatch, cut):
+    """Stopped in step ``cut`` (or in step 0's evaluation), saved before that step's evaluation; the resume
+    evaluates it (at step 4, the run's last: and writes the run's end record) and is killed while it saves
+    checkpoint ``cut`` again. The next resume continued the old checkpoint ``cut`` and logged that evaluation
+    again: TensorBoard showed eval/loss at step ``cut`` twice (and hparam/loss at step 4), since the START of a
+    resume dropped only what came after the checkpoint's step."""
+    from dtrain.run.trainer import Hooks
+    from test_trainer import tensorboard_scalars
+
+    def stop(step, run_):
+        if step == cut:
+            run_.stop.requested = True
+
+    def killed(*args, **kwargs):
+        raise Crash
+
+    whole, _ = run(tmp_path / "whole")
+    stopped, _ = run(tmp_path / "cut", hooks=Hooks(engine=stop_in_step_0) if cut == 0 else Hooks(before_step=stop))
+    assert stopped.stopped and stopped.steps == cut and cut not in stopped.evals
+    with monkeypatch.context() as mp:
+        mp.setattr(ckpt, "save_checkpoint", killed)
+        with pytest.raises(Crash):
+            run(tmp_path / "cut", "train.resume=auto")
+    resumed, _ = run(tmp_path / "cut", "train.resume=auto")
+    shown, expected = tensorboard_scalars(resumed.run_dir), tensorboard_scalars(whole.run_dir)
+    timed = ("per_second", "peak_memory", "perf/")
+    assert {k: v for k, v in shown.items() if not any(t in k for t in timed)} == {
+        k: v for k, v in expected.items() if not any(t in k for t in timed)}
+    assert [s for s, _ in shown["eval/loss"]] == [0, 2, 4] and [s for s, _ in shown["loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in shown["tokens_per_second"]] == [1, 2, 3, 4]
     assert read_scalars(resumed.run_dir)["eval/loss"] == shown["eval/loss"]
 
 

@@ -211,9 +211,15 @@ def _every(step: int, n: int) -> bool:
 def eval_pending(run: Run) -> bool:
     """Whether the step the run starts from (0, or a resumed checkpoint's, before the last) is an
     evaluation step not evaluated yet: a stop or too many skipped steps save before the evaluation."""
-    step, t = run.state.step, run.cfg.train
-    return (bool(run.valid) and step < t.steps and (step == 0 or _every(step, t.eval_every))
-            and str(step) not in run.state.evals)
+    return run.state.step < run.cfg.train.steps and evaluation_due(run.valid, run.state, run.cfg.train)
+
+
+def evaluation_due(valid: list, state: ckpt.RunState, t) -> bool:
+    """Whether ``state.step`` (0, an ``eval_every`` step or the last, ``t``: the train config) is one to
+    evaluate and was saved before it was (a stop, too many skipped steps)."""
+    step = state.step
+    return (bool(valid) and (step == 0 or _every(step, t.eval_every) or step == t.steps)
+            and str(step) not in state.evals)
 
 
 def evaluate_and_steer(run: Run, step: int, may_stop: bool = True) -> Optional[Callable[[Run, int], TrainResult]]:
@@ -362,12 +368,21 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
         state.lambda_control = lambda_control.start(cfg.orpo, state.lambda_control)
         # a launcher's restart from step 0 names the TensorBoard run its failed attempt began: continued, not orphaned
         kept = state.tensorboard_run if resumed is not None else os.environ.get(TB_RUN_VAR)
+        # a checkpoint saved before its step's evaluation is logged at that step again, as a resume cut while it
+        # saved that step again had logged it: the START drops that step too, and its training scalars are logged
+        # again (a checkpoint of a dtrain before RunState.last_metrics keeps its step)
+        again = (resumed is not None and evaluation_due(valid, state, t)
+                 and (state.step == 0 or bool(state.last_metrics)))
+        purge = None if resumed is None else state.step if again else state.step + 1
+
         # with several ranks rank 0's failed writes are agreed: at once here, mid-run at the next collective
         def open_log() -> RunLogger:
             return RunLogger(tensorboard_dir(out.root, kept), t.steps, progress=t.progress, first_step=state.step,
-                             purge_step=state.step + 1 if resumed else None, hold=stop.fail if group.size > 1 else None)
+                             purge_step=purge, hold=stop.fail if group.size > 1 else None)
 
         log = main_rank_check(group, open_log, "create its TensorBoard event file") or RunLogger(None, t.steps)
+        if again and state.last_metrics:
+            log.scalars(state.step, state.last_metrics)
         run_dir = log.run_dir
         state.tensorboard_run = str(run_dir.relative_to(out.root)) if group.is_main else None
         cleanup.push(lambda failed, *_: log.close(quiet=failed is not None))  # a failing run keeps its own error
