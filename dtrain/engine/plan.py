@@ -44,7 +44,19 @@ def layer_bytes_per_token(args, itemsize: int) -> float:
     return itemsize * (16 * D + 8 * I + 2 * (H + 2 * kv) * dh)
 
 
-def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int, fused: bool) -> float:
+def head_bytes_per_logit(itemsize: int, chunked: bool, kept_exp: bool) -> int:
+    """Bytes the LM head holds at its peak per target row and vocabulary entry: the logits and their
+    gradient in the model's dtype and the float32 log-softmax and its gradient (``2 itemsize + 8``), and with
+    ``kernels.logsumexp`` (``kept_exp``) the float32 ``exp(x - max)`` it keeps for its backward. A chunk's
+    vjp (``chunked``: ``head.token_logps``, log-probabilities and Jacobian evaluated together) holds more:
+    below float32 the logits' float32 copy (``loss.upcast``), and with ``kept_exp`` one more float32 array."""
+    if not chunked:
+        return 2 * itemsize + 8 + 4 * kept_exp
+    return 2 * itemsize + 8 + 4 * (itemsize < 4) + 8 * kept_exp
+
+
+def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int, fused: bool,
+                        kept_exp: bool = False) -> float:
     """Estimated activation peak (bytes, weights excluded) of one step.
 
     Args:
@@ -56,6 +68,7 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
         size: layers per range (0 or >= layers: one range).
         chunk: head rows per chunk (0: the whole head at once).
         fused: attention keeps no scores (see ``fused_attention``).
+        kept_exp: the head's log-sum-exp keeps its exponentials (``head_bytes_per_logit``).
     Returns:
         bytes: kept boundaries + the layers alive at once + the head.
     """
@@ -66,7 +79,7 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     scores = 0.0 if fused else 2.0 * slots * shape["heads"] * itemsize
     layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
     rows = min(chunk, N) if chunk > 0 else N  # fewer targets than a chunk: one chunk of N rows runs
-    head = rows * V * (2 * itemsize + 8)  # logits, their float32 log-softmax and grads
+    head = rows * V * head_bytes_per_logit(itemsize, chunk > 0 or size < n, kept_exp)
     if size >= n and chunk <= 0:  # the single pass: nothing else kept
         return layers + head
     boundaries = (math.ceil(n / size) + 3) * T * D * itemsize  # + dL/dh, the cotangent, the jacobian rows
@@ -99,6 +112,7 @@ class Plan:
         head_chunk_tokens: the configured head chunk (0: whole head; with
             ``"auto"``, the chunk used when recomputing, 0 = ``AUTO_HEAD_CHUNK``).
         memory_budget: bytes for ``"auto"``, weights included (0: ``dtrain.memory.default_budget_bytes``).
+        kept_exp: the head's log-sum-exp keeps its exponentials (``kernels.logsumexp``; ``head_bytes_per_logit``).
 
     ``"auto"`` chooses once per shape and passes each change of choice to ``report``
     (the run's notices, shown on rank 0 only; None: silent). A fixed plan is
@@ -107,11 +121,11 @@ class Plan:
     """
 
     def __init__(self, model, n_layers: int, segment_layers, head_chunk_tokens: int, memory_budget: float = 0.0,
-                 report=None):
+                 report=None, kept_exp: bool = False):
         self.args, self.n_layers = model.args, n_layers
         self.auto = segment_layers == "auto"
         self.size = n_layers if self.auto or segment_layers <= 0 else min(segment_layers, n_layers)
-        self.head_chunk_tokens = head_chunk_tokens
+        self.head_chunk_tokens, self.kept_exp = head_chunk_tokens, kept_exp
         weights = weight_bytes(model)
         self.memory_budget = memory_budget or default_budget_bytes(counted=weights)
         self.dtype = next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
@@ -139,7 +153,7 @@ class Plan:
 
     def _check_fixed(self, shape: dict, key: tuple) -> None:
         est = self.fixed_bytes + estimate_step_bytes(self.args, self.dtype.size, shape, self.size,
-                                                     self.head_chunk_tokens, fused_attention(self.dtype))
+                                                     self.head_chunk_tokens, fused_attention(self.dtype), self.kept_exp)
         if est * ESTIMATE_MARGIN > self.memory_budget:
             self._reported = True
             what = ("the single pass" if self.size >= self.n_layers and self.head_chunk_tokens <= 0 else
@@ -152,7 +166,7 @@ class Plan:
     def _choose(self, shape: dict, key: tuple) -> tuple[int, int]:
         chunk = self.head_chunk_tokens or AUTO_HEAD_CHUNK
         choice, est = choose(self.args, self.n_layers, self.dtype.size, fused_attention(self.dtype), shape,
-                             self.fixed_bytes, self.memory_budget, chunk)
+                             self.fixed_bytes, self.memory_budget, chunk, self.kept_exp)
         layers = f"{choice[0]} layer{'s' if choice[0] != 1 else ''}"
         what = "single pass" if choice == (self.n_layers, 0) else f"ranges of {layers}, head chunks of {chunk}"
         if choice != self._reported:  # a notice when the plan changes, not per shape (exact shapes: every step)
@@ -174,7 +188,7 @@ class Plan:
 
 
 def choose(args, n_layers: int, itemsize: int, fused: bool, shape: dict, fixed_bytes: float, memory_budget: float,
-           chunk: int) -> tuple[tuple[int, int], float]:
+           chunk: int, kept_exp: bool = False) -> tuple[tuple[int, int], float]:
     """``auto``'s plan for one shape: the single pass when its estimate x ``ESTIMATE_MARGIN`` fits
     ``memory_budget``, else the largest range size that does (the fewest ranges: every plan that
     recomputes runs each layer twice), else the one with the smallest estimate.
@@ -183,14 +197,16 @@ def choose(args, n_layers: int, itemsize: int, fused: bool, shape: dict, fixed_b
         shape: as :func:`estimate_step_bytes`.
         fixed_bytes: weights + LoRA, its gradients and AdamW moments (bytes).
         chunk: head rows per chunk when recomputing.
+        kept_exp: as :func:`estimate_step_bytes`.
     Returns:
         ``((layers per range, head chunk), estimated peak bytes)``; the single pass is ``(n_layers, 0)``.
     """
     budget = memory_budget / ESTIMATE_MARGIN
-    single = fixed_bytes + estimate_step_bytes(args, itemsize, shape, 0, 0, fused)
+    single = fixed_bytes + estimate_step_bytes(args, itemsize, shape, 0, 0, fused, kept_exp)
     if single <= budget:
         return (n_layers, 0), single
-    sizes = {m: fixed_bytes + estimate_step_bytes(args, itemsize, shape, m, chunk, fused) for m in range(1, n_layers + 1)}
+    sizes = {m: fixed_bytes + estimate_step_bytes(args, itemsize, shape, m, chunk, fused, kept_exp)
+             for m in range(1, n_layers + 1)}
     fitting = [m for m, b in sizes.items() if b <= budget]
     m = max(fitting) if fitting else min(sizes, key=sizes.get)
     return (m, chunk), sizes[m]

@@ -30,6 +30,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from ..lora import keyed_dropout
+from . import kernels
 from ..types import TokenizedPair
 from .arch import Arch
 from .common import StepResult, layout_counts, loss_from_token_logps, with_key
@@ -171,7 +172,8 @@ class SegmentedEngine:
             raise ValueError("compile with LoRA dropout: compiled ranges would replay the traced masks")
         self.compile = compile
         n = len(arch.layers)
-        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget, report)
+        self.plan = Plan(model, n, segment_layers, head_chunk_tokens, memory_budget, report,
+                         kept_exp=arch.logsumexp is kernels.logsumexp)
         self.paths = _layer_paths(model, arch.layers)
         # per layer, the flattened names of its trainable parameters (fixed order)
         self.param_names = [[k for k, _ in tree_flatten(layer.trainable_parameters())] for layer in arch.layers]
