@@ -279,3 +279,31 @@ def test_the_estimate_bounds_the_measured_peak_of_a_head_heavy_step(dtype, kerne
     for segment_layers, chunk in ((0, 0), (1, 1024), (2, 256)):
         peak, est = measured_and_estimated(model, kernels, segment_layers, chunk, pairs)
         assert peak <= est, (segment_layers, chunk, peak / est)
+
+
+def head_heavy_pairs(vocab: int = 16384):
+    rng = random.Random(0)
+    return [TokenizedPair([1] + [rng.randrange(5, vocab) for _ in range(39)],
+                          [rng.randrange(5, vocab) for _ in range(119)] + [2],
+                          [rng.randrange(5, vocab) for _ in range(119)] + [2], f"p{i}") for i in range(4)]
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+def test_when_no_plan_fits_auto_takes_the_smallest_estimate_the_single_pass_included(layers):
+    """1,116 targets, a head chunk of 1,024 rows: the chunk's vjp holds more per row than the single pass,
+    so recomputing saves nothing. With no plan within the budget, auto took ranges of one layer as 'the
+    smallest estimate' although the single pass's was smaller (and so was its measured peak)."""
+    model = lora_model("llama", vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=layers)
+    model.set_dtype(mx.bfloat16)
+    pairs, notices = head_heavy_pairs(), []
+    fixed = Plan(model, layers, "auto", 0, 1.0).fixed_bytes
+    engine = make_engine(load_config(overrides=[f"engine.memory_budget_gb={1.3 * fixed / GIB}", "data.demo_pairs=1",
+                                                "engine.kernels=dtrain"]).engine, model, ORPO(0.1),
+                         report=notices.append)
+    rs, chunk = engine.plan_of(engine.layout(pairs))
+    assert (rs.ranges, chunk) == ([(0, layers)], 0)
+    assert notices[0].startswith("engine plan for 1 x 1120 tokens (1116 targets): single pass (estimated peak ")
+    assert "no plan fits it, this one has the smallest estimate" in notices[0]
+    single, _ = measured_and_estimated(model, "dtrain", 0, 0, pairs)
+    ranges, _ = measured_and_estimated(model, "dtrain", 1, 1024, pairs)
+    assert single < ranges

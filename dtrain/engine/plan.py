@@ -191,7 +191,7 @@ def choose(args, n_layers: int, itemsize: int, fused: bool, shape: dict, fixed_b
            chunk: int, kept_exp: bool = False) -> tuple[tuple[int, int], float]:
     """``auto``'s plan for one shape: the single pass when its estimate x ``ESTIMATE_MARGIN`` fits
     ``memory_budget``, else the largest range size that does (the fewest ranges: every plan that
-    recomputes runs each layer twice), else the one with the smallest estimate.
+    recomputes runs each layer twice), else the one with the smallest estimate, the single pass included.
 
     Args:
         shape: as :func:`estimate_step_bytes`.
@@ -208,5 +208,7 @@ def choose(args, n_layers: int, itemsize: int, fused: bool, shape: dict, fixed_b
     sizes = {m: fixed_bytes + estimate_step_bytes(args, itemsize, shape, m, chunk, fused, kept_exp)
              for m in range(1, n_layers + 1)}
     fitting = [m for m, b in sizes.items() if b <= budget]
-    m = max(fitting) if fitting else min(sizes, key=sizes.get)
-    return (m, chunk), sizes[m]
+    if fitting:
+        return (max(fitting), chunk), sizes[max(fitting)]
+    m = min(sizes, key=sizes.get)  # a chunk's vjp holds more per row than the single pass: it may be the smallest
+    return ((m, chunk), sizes[m]) if sizes[m] < single else ((n_layers, 0), single)
