@@ -76,8 +76,10 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     size = n if size <= 0 else min(size, n)
     T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
     slots = sum(rows * (length - start) * length for rows, length, start in ((*a, 0)[:3] for a in shape["attention"]))
-    scores = 0.0 if fused else 2.0 * slots * shape["heads"] * itemsize
-    layers = size * (T * layer_bytes_per_token(args, itemsize) + scores)
+    # one score array per layer alive is kept for the backward, and the layer in its backward makes two
+    # more (its probabilities' and scores' gradients): two per layer, and three for a range of one
+    scores = 0.0 if fused else max(2 * size, size + 2) * slots * shape["heads"] * itemsize
+    layers = size * T * layer_bytes_per_token(args, itemsize) + scores
     rows = min(chunk, N) if chunk > 0 else N  # fewer targets than a chunk: one chunk of N rows runs
     head = rows * V * head_bytes_per_logit(itemsize, chunk > 0 or size < n, kept_exp)
     if size >= n and chunk <= 0:  # the single pass: nothing else kept
