@@ -30,8 +30,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from ..lora import keyed_dropout
-from . import kernels
 from ..types import TokenizedPair
+from . import kernels
 from .arch import Arch
 from .common import StepResult, layout_counts, loss_from_token_logps, with_key
 from .head import hidden_grad, target_logps, token_logps
