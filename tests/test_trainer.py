@@ -872,3 +872,15 @@ def test_a_run_cut_after_a_checkpoint_and_resumed_to_end_there_writes_its_end_re
     assert json.loads(state.read_text())["closed"] is True
     again, _ = run(tmp_path / "cut", *args, "train.steps=6", "train.resume=auto")  # now finished: nothing again
     assert again.history == [] and end_records(again.run_dir) == ([6], [(6, kept)])
+
+
+def test_the_first_step_line_names_the_micro_batch_a_rank_runs():
+    """8 pairs on 2 ranks with train.micro_batch_pairs 8 (./launch -n 2 configs/demo.yaml): each rank runs
+    one micro-batch of 4, but the line said "micro-batches of 8" (the key, not what is run)."""
+    from dtrain.run.trainer import first_step_text
+    cfg = load_config(None, ["train.global_batch_pairs=8", "train.micro_batch_pairs=8"], need_data=False)
+    run_ = SimpleNamespace(cfg=cfg, group=SimpleNamespace(size=2), state=SimpleNamespace(step=0))
+    assert first_step_text(run_) == "step 1: forward+backward of 8 pairs (<= 4 on each of 2 rank(s), micro-batches of 4)"
+    cfg = load_config(None, ["train.global_batch_pairs=8", "train.micro_batch_pairs=3"], need_data=False)
+    run_ = SimpleNamespace(cfg=cfg, group=SimpleNamespace(size=2), state=SimpleNamespace(step=0))
+    assert first_step_text(run_) == "step 1: forward+backward of 8 pairs (<= 4 on each of 2 rank(s), micro-batches of 3)"

@@ -417,7 +417,7 @@ def first_step_text(run: Run) -> str:
     t, size, noun = run.cfg.train, run.group.size, example_noun(run.cfg.objective.kind)
     mine = math.ceil(t.global_batch_pairs / size)
     return (f"step {run.state.step + 1}: forward+backward of {t.global_batch_pairs} {noun}s "
-            f"(<= {mine} on each of {size} rank(s), micro-batches of {t.micro_batch_pairs})")
+            f"(<= {mine} on each of {size} rank(s), micro-batches of {min(mine, t.micro_batch_pairs)})")
 
 
 def record(run: Run, step: int, metrics: dict, applied: bool) -> None:
