@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from dtrain.config import Config, load_config
 from dtrain.engine import Totals, make_engine
 from dtrain.engine.layout import bucket_length
-from dtrain.engine.plan import GIB, Plan, estimate_step_bytes, layer_bytes_per_token
+from dtrain.engine.plan import GIB, Plan, estimate_step_bytes, fused_attention, layer_bytes_per_token
 from dtrain.engine.segmented import SegmentedEngine
 from dtrain.errors import ConfigError
 from dtrain.types import TokenizedPair
@@ -171,6 +171,7 @@ def test_auto_over_budget_says_what_to_change():
     assert notices[0].startswith("engine plan for 1 x 700 tokens (699 targets): ranges of 1 layer, head chunks of 1024 "
                                  "(estimated peak ")
     assert notices[0].endswith("GiB budget: no plan fits it, this one has the smallest estimate; lower "
+                               "engine.head_chunk_tokens (a chunk of 699 rows of the LM head takes 0.01 GiB), "
                                "train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb)")
 
 
@@ -307,6 +308,30 @@ def test_when_no_plan_fits_auto_takes_the_smallest_estimate_the_single_pass_incl
     single, _ = measured_and_estimated(model, "dtrain", 0, 0, pairs)
     ranges, _ = measured_and_estimated(model, "dtrain", 1, 1024, pairs)
     assert single < ranges
+
+
+def test_over_budget_advice_names_the_head_chunk_when_the_head_takes_the_room(monkeypatch):
+    """A 16,384-token vocabulary: one head chunk of 1,024 rows takes more than the room the budget leaves, and
+    engine.head_chunk_tokens 64 makes ranges fit, but the notice named only micro_batch_pairs, max_length and
+    the budget, which cut data or need memory."""
+    model = lora_model("llama", vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+    model.set_dtype(mx.bfloat16)
+    shapes, choose_of = [], Plan._choose
+    monkeypatch.setattr(Plan, "_choose", lambda self, shape, key: shapes.append(shape) or choose_of(self, shape, key))
+    probe = make_engine(load_config(overrides=["data.demo_pairs=1", "engine.kernels=dtrain"]).engine, model, ORPO(0.1))
+    probe.plan_of(probe.layout(head_heavy_pairs()))
+    fits_64 = probe.plan.fixed_bytes + estimate_step_bytes(model.args, 2, shapes[0], 1, 64,
+                                                           fused_attention(mx.bfloat16), True)
+    budget_gb = 1.01 * fits_64 * 1.25 / GIB
+    for chunk, ending in ((0, "lower engine.head_chunk_tokens (a chunk of 1024 rows of the LM head takes 0.38 GiB), "
+                              "train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb)"),
+                          (64, f"within a {budget_gb:.1f} GiB budget)")):
+        notices = []
+        engine = make_engine(load_config(overrides=[f"engine.memory_budget_gb={budget_gb}", "data.demo_pairs=1",
+                                                    "engine.kernels=dtrain", f"engine.head_chunk_tokens={chunk}"]).engine,
+                             model, ORPO(0.1), report=notices.append)
+        engine.plan_of(engine.layout(head_heavy_pairs()))
+        assert notices[0].endswith(ending), notices
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

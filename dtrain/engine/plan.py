@@ -178,15 +178,22 @@ class Plan:
                         f"{est / GIB:.1f} GiB, x {ESTIMATE_MARGIN} "
                         + (f"within a {self.memory_budget / GIB:.1f} GiB budget)" if fits else
                            f"over the {self.memory_budget / GIB:.2f} GiB budget: no plan fits it, this one has the "
-                           f"smallest estimate; {self._what_to_change()})"))
+                           f"smallest estimate; {self._what_to_change(shape, chunk)})"))
         return choice
 
-    def _what_to_change(self) -> str:
-        """The advice of a shape no plan fits: the model when its fixed bytes alone are over the budget, else the step."""
+    def _what_to_change(self, shape: dict, chunk: int) -> str:
+        """The advice of a shape no plan fits: the model when its fixed bytes alone are over the budget; the head
+        chunk when one chunk of ``chunk`` rows takes over half the room left for a step; else the step."""
         if self.fixed_bytes * ESTIMATE_MARGIN > self.memory_budget:
             return (f"the weights, the LoRA, its gradients and AdamW's moments alone take {self.fixed_bytes / GIB:.2f} "
                     f"GiB: raise engine.memory_budget_gb or use a smaller model")
-        return "lower train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb"
+        step = "train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb"
+        rows = min(chunk, shape["targets"])
+        head = rows * self.args.vocab_size * head_bytes_per_logit(self.dtype.size, True, self.kept_exp)
+        if rows > 1 and 2 * head > self.memory_budget / ESTIMATE_MARGIN - self.fixed_bytes:
+            return (f"lower engine.head_chunk_tokens (a chunk of {rows} rows of the LM head takes {head / GIB:.2f} "
+                    f"GiB), {step}")
+        return f"lower {step}"
 
 
 def choose(args, n_layers: int, itemsize: int, fused: bool, shape: dict, fixed_bytes: float, memory_budget: float,
