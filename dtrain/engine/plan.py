@@ -55,6 +55,13 @@ def head_bytes_per_logit(itemsize: int, chunked: bool, kept_exp: bool) -> int:
     return 2 * itemsize + 8 + 4 * (itemsize < 4) + 8 * kept_exp
 
 
+def head_bytes(args, itemsize: int, targets: int, chunk: int, chunked: bool, kept_exp: bool) -> tuple[int, float]:
+    """The LM head's rows that run at once (``chunk`` of the ``targets``; all of them where ``chunk`` is 0 or
+    not below their count) and the bytes they hold at the peak (:func:`head_bytes_per_logit`)."""
+    rows = min(chunk, targets) if chunk > 0 else targets  # fewer targets than a chunk: one chunk of N rows runs
+    return rows, rows * args.vocab_size * head_bytes_per_logit(itemsize, chunked, kept_exp)
+
+
 def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int, fused: bool,
                         kept_exp: bool = False) -> float:
     """Estimated activation peak (bytes, weights excluded) of one step.
@@ -74,14 +81,13 @@ def estimate_step_bytes(args, itemsize: int, shape: dict, size: int, chunk: int,
     """
     n = args.num_hidden_layers
     size = n if size <= 0 else min(size, n)
-    T, N, D, V = shape["tokens"], shape["targets"], args.hidden_size, args.vocab_size
+    T, N, D = shape["tokens"], shape["targets"], args.hidden_size
     slots = sum(rows * (length - start) * length for rows, length, start in ((*a, 0)[:3] for a in shape["attention"]))
     # one score array per layer alive is kept for the backward, and the layer in its backward makes two
     # more (its probabilities' and scores' gradients): two per layer, and three for a range of one
     scores = 0.0 if fused else max(2 * size, size + 2) * slots * shape["heads"] * itemsize
     layers = size * T * layer_bytes_per_token(args, itemsize) + scores
-    rows = min(chunk, N) if chunk > 0 else N  # fewer targets than a chunk: one chunk of N rows runs
-    head = rows * V * head_bytes_per_logit(itemsize, chunk > 0 or size < n, kept_exp)
+    _, head = head_bytes(args, itemsize, N, chunk, chunk > 0 or size < n, kept_exp)
     if size >= n and chunk <= 0:  # the single pass: nothing else kept
         return layers + head
     boundaries = (math.ceil(n / size) + 3) * T * D * itemsize  # + dL/dh, the cotangent, the jacobian rows
@@ -188,8 +194,7 @@ class Plan:
             return (f"the weights, the LoRA, its gradients and AdamW's moments alone take {self.fixed_bytes / GIB:.2f} "
                     f"GiB: raise engine.memory_budget_gb or use a smaller model")
         step = "train.micro_batch_pairs or data.max_length, or raise engine.memory_budget_gb"
-        rows = min(chunk, shape["targets"])
-        head = rows * self.args.vocab_size * head_bytes_per_logit(self.dtype.size, True, self.kept_exp)
+        rows, head = head_bytes(self.args, self.dtype.size, shape["targets"], chunk, True, self.kept_exp)
         if rows > 1 and 2 * head > self.memory_budget / ESTIMATE_MARGIN - self.fixed_bytes:
             return (f"lower engine.head_chunk_tokens (a chunk of {rows} rows of the LM head takes {head / GIB:.2f} "
                     f"GiB), {step}")
