@@ -170,6 +170,24 @@ def test_bad_rows_name_file_and_row(tmp_path):
     assert load_rows(folder, DataConfig())[1].bad[0] == (f"{folder}[train]:row 1", "field 'chosen' is null")
 
 
+def test_a_table_s_null_cells_read_as_the_jsonl_s_absent_keys(tmp_path):
+    # rows of two formats in one file, written as a table (pandas' to_parquet, datasets): every row has every
+    # column, null where its JSONL line has no such key; the vote and each row's reading go by the keys given
+    user, reply = {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}
+    mixed = [[{"messages": [user, reply]}] + [{"prompt": f"Q{i}", "completion": f"A{i}"} for i in range(3)],
+             [{"messages": [user, reply]}] * 2 + [{"conversations": [{"from": "human", "value": "Q"},
+                                                                   {"from": "gpt", "value": f"B{i}"}]} for i in range(2)]]
+    for n, objs in enumerate(mixed):
+        keys = list(dict.fromkeys(k for o in objs for k in o))
+        table = pa.Table.from_pylist([{k: o.get(k) for k in keys} for o in objs])
+        pq.write_table(table, tmp_path / f"{n}.parquet")
+        cfg = DataConfig()
+        ref_rows, ref = load_rows(write_jsonl(tmp_path / f"{n}.jsonl", objs), cfg, pairwise=False)
+        rows, report = load_rows(str(tmp_path / f"{n}.parquet"), cfg, pairwise=False)
+        assert plain(rows) == plain(ref_rows) and len(rows) == [3, 4][n]
+        assert len(report.bad) == len(ref.bad) == [1, 0][n]
+
+
 def test_non_json_column_types(tmp_path):
     table = pa.table({"prompt": pa.array([b"Q1", b"\xff"], pa.binary()), "chosen": ["a", "a"], "rejected": ["b", "b"],
                       "when": pa.array([0, 1], pa.timestamp("s"))})

@@ -104,9 +104,15 @@ def json_kind(value) -> str:
 
 
 def detect_format(obj: dict, fields: Optional[dict]) -> Optional[str]:
-    """The format whose keys ``obj`` has, or None (see module docstring)."""
+    """The format whose keys ``obj`` has, or None (see module docstring). A key whose value is null counts only when
+    the others name no format: a table's empty cell is a key its JSON row lacks (a file of two formats written with
+    pandas or datasets has every column in every row)."""
     if fields:
         return "mapped"
+    return _keys_format({k: v for k, v in obj.items() if v is not None}) or _keys_format(obj)
+
+
+def _keys_format(obj: dict) -> Optional[str]:
     if "preferred_output" in obj and "non_preferred_output" in obj:
         return "openai"
     if "conversations" in obj and "chosen" in obj:
@@ -570,7 +576,7 @@ def _mapped(obj: dict, fields: Optional[dict]) -> Row:
 
 
 def _messages_row(obj: dict, fields=None) -> Row:
-    key = "conversations" if "conversations" in obj and "messages" not in obj else "messages"
+    key = "conversations" if obj.get("conversations") is not None and obj.get("messages") is None else "messages"
     turns = _get(obj, key, list)
     msgs = _messages(turns if key == "messages" else [_sharegpt_message(t, f"{key}[{i}]")
                                                       for i, t in enumerate(turns)], key)
