@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -195,6 +196,35 @@ def test_non_json_column_types(tmp_path):
     rows, report = load_rows(str(tmp_path / "t.parquet"), DataConfig())
     assert [(r.prompt, r.chosen) for r in rows] == [("Q1", "a")]
     assert report.bad == [(f"{tmp_path}/t.parquet:row 1", "text is not valid UTF-8 (undecodable byte 0xff)")]
+
+
+def test_json_extension_columns_read_as_the_objects_they_hold(tmp_path):
+    # datasets >= 5 stores a column whose objects do not share their keys (a message with a 'name', another
+    # with a 'weight') as its Json feature: Arrow's arrow.json extension type, each object its JSON text
+    def json_cells(rows):  # list<arrow.json> column of message lists
+        texts = [json.dumps(m) for msgs in rows for m in msgs]
+        offsets = pa.array([0, *itertools.accumulate(len(msgs) for msgs in rows)], pa.int32())
+        return pa.ListArray.from_arrays(offsets, pa.ExtensionArray.from_storage(pa.json_(), pa.array(texts)))
+
+    user, named = {"role": "user", "content": "Q"}, {"role": "user", "content": "Q2", "name": "ann"}
+    objs = [{"prompt": [user], "chosen": [{"role": "assistant", "content": "A", "weight": 1}],
+             "rejected": [{"role": "assistant", "content": "B"}]},
+            {"prompt": [named], "chosen": [{"role": "assistant", "content": "C"}],
+             "rejected": [{"role": "assistant", "content": "D"}]}]
+    table = pa.table({key: json_cells([o[key] for o in objs]) for key in ("prompt", "chosen", "rejected")})
+    bad = table.set_column(2, "rejected", pa.ListArray.from_arrays(
+        pa.array([0, 1, 2], pa.int32()), pa.ExtensionArray.from_storage(pa.json_(), pa.array(['{"role": "a', "3"]))))
+    for path in map(str, parquet_and_arrow(tmp_path, table)):
+        rows, report = load_rows(path, DataConfig())
+        assert report.bad == [] and plain(rows) == plain(load_rows(write_jsonl(tmp_path / "d.jsonl", objs),
+                                                                   DataConfig())[0])
+        assert rows[1].prompt == [{"role": "user", "content": "Q2"}] and rows[0].chosen == "A"
+    (tmp_path / "bad").mkdir()
+    for path in map(str, parquet_and_arrow(tmp_path / "bad", bad)):
+        rows, report = load_rows(path, DataConfig())
+        assert rows == [] and report.bad == [
+            (f"{path}:row 0", "'rejected' (JSON text): invalid JSON: Unterminated string starting at (column 10)"),
+            (f"{path}:row 1", "rejected[0] must be an object with string 'role' and 'content'")]
 
 
 def parquet_and_arrow(tmp_path, table) -> tuple:

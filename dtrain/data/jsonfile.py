@@ -94,6 +94,23 @@ def why_unread(err: Exception) -> str:
     return f"an integer of more than {sys.get_int_max_str_digits()} digits"  # int()'s limit (ValueError)
 
 
+def json_value(text: str):
+    """``text`` read as one JSON value, as a JSONL line is (a key given twice, nesting past :data:`MAX_DEPTH` and
+    an integer too long for Python refused).
+
+    Raises:
+        BadRow: ``text`` is not JSON, or is JSON that is not read.
+    """
+    try:
+        value = _DECODER.decode(text)
+        _check_depth(value)
+    except json.JSONDecodeError as err:
+        raise BadRow(f"invalid JSON: {err.msg} (column {err.colno})") from None
+    except (RecursionError, ValueError) as err:
+        raise BadRow(f"invalid JSON: {why_unread(err)}") from None
+    return value
+
+
 def compression(path: str) -> Optional[str]:
     """How a JSON/JSONL file is compressed: ``gzip``, ``bzip2``, ``xz``, ``zstd``, or None for plain text.
 

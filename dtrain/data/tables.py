@@ -1,6 +1,6 @@
 """One Arrow or Parquet file (or a hub dataset's Arrow batches) → raw items, read with pyarrow a record
 batch at a time: ``file:row N`` sources, rows made JSON-able where a column's type is not (timestamps,
-binary), bytes that are not UTF-8 a bad row. :mod:`.sources` picks the container; :mod:`.jsonfile` reads JSON.
+binary), JSON text of Arrow's ``arrow.json`` type read as the values it holds, bytes that are not UTF-8 a bad row. :mod:`.sources` picks the container; :mod:`.jsonfile` reads JSON.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 
 from ..errors import BadRow, DataError
 from .formats import undecodable
-from .jsonfile import ARROW_FILE, FEATHER_V1, first_repeat
+from .jsonfile import ARROW_FILE, FEATHER_V1, first_repeat, json_value
 
 BATCH_ROWS = 1024  # Arrow/Parquet record batch size, and rows parsed at a time
 
@@ -76,12 +76,15 @@ def table_items(batches, label: str, start: int = 0):
                 column, field, fields = found
                 raise DataError(f"{label}: column {column!r} holds field {field!r} twice (fields: "
                                 f"{', '.join(fields)}); rename or drop one")
+        texts = [(name, t) for name, t in zip(names, batch.schema.types) if _json_text(t)]
         plain = not all(_json_type(t) for t in batch.schema.types)
         try:
             objs = batch.to_pylist()
         except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8 (unchecked on write)
             objs = [_row_or_bad(batch.slice(i, 1)) for i in range(batch.num_rows)]
         for obj in objs:
+            if texts and not isinstance(obj, BadRow):
+                obj = _json_read(obj, texts)
             if plain and not isinstance(obj, BadRow):  # e.g. timestamp or binary columns: make the row JSON-able
                 obj = {k: _plain(v) for k, v in obj.items()}
                 obj = undecodable(json.dumps(obj, ensure_ascii=False)) or obj
@@ -126,7 +129,50 @@ def _json_type(t) -> bool:
     if pt.is_struct(t):
         return all(_json_type(t.field(i).type) for i in range(t.num_fields))
     return (pt.is_string(t) or pt.is_large_string(t) or pt.is_integer(t) or pt.is_floating(t)
-            or pt.is_boolean(t) or pt.is_null(t))
+            or pt.is_boolean(t) or pt.is_null(t) or _is_json_text(t))
+
+
+def _is_json_text(t) -> bool:
+    """Arrow type ``t`` is the ``arrow.json`` extension: JSON text, as ``datasets`` >= 5 stores its ``Json`` feature
+    (a column whose objects do not share their keys: a message with a ``name``, another with a ``weight``)."""
+    return getattr(t, "extension_name", None) == "arrow.json"
+
+
+def _json_text(t) -> bool:
+    """Arrow type ``t`` is or holds (in lists and structs) :func:`_is_json_text` values."""
+    import pyarrow.types as pt
+
+    if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
+        return _json_text(t.value_type)
+    if pt.is_struct(t):
+        return any(_json_text(t.field(i).type) for i in range(t.num_fields))
+    return _is_json_text(t)
+
+
+def _json_read(obj: dict, columns: list):
+    """``obj`` with the JSON text in its ``columns`` (``[(name, Arrow type)]``) read as the values it holds, or a
+    bad row naming the column whose text is not JSON."""
+    for name, t in columns:
+        try:
+            obj = {**obj, name: _parsed(obj[name], t)}
+        except BadRow as err:
+            return BadRow(f"{name!r} (JSON text): {err}")
+    return obj
+
+
+def _parsed(value, t):
+    """``value`` of Arrow type ``t`` with each :func:`_is_json_text` value in it read (raises BadRow: not JSON)."""
+    import pyarrow.types as pt
+
+    if value is None:
+        return None
+    if _is_json_text(t):
+        return json_value(value)
+    if pt.is_list(t) or pt.is_large_list(t) or pt.is_fixed_size_list(t):
+        return [_parsed(v, t.value_type) for v in value]
+    if pt.is_struct(t):
+        return {k: _parsed(v, t.field(k).type) for k, v in value.items()}
+    return value
 
 
 def _plain(value):
