@@ -227,6 +227,18 @@ def test_json_extension_columns_read_as_the_objects_they_hold(tmp_path):
             (f"{path}:row 1", "rejected[0] must be an object with string 'role' and 'content'")]
 
 
+def test_map_columns_read_as_the_objects_they_hold(tmp_path):
+    # Spark (and a pyarrow schema that says so) writes messages as map<string, string>, which pyarrow gives as
+    # (key, value) pairs unless asked for dicts
+    maps = pa.list_(pa.map_(pa.string(), pa.string()))
+    prompts = [[[("role", "user"), ("content", "Q")]], [[("role", "user"), ("role", "system"), ("content", "Q2")]]]
+    table = pa.table({"prompt": pa.array(prompts, maps), "chosen": ["a", "c"], "rejected": ["b", "d"]})
+    for path in map(str, parquet_and_arrow(tmp_path, table)):
+        rows, report = load_rows(path, DataConfig())
+        assert [(r.prompt, r.chosen) for r in rows] == [([{"role": "user", "content": "Q"}], "a")]
+        assert report.bad == [(f"{path}:row 1", "a map gives a key twice ('role')")]
+
+
 def parquet_and_arrow(tmp_path, table) -> tuple:
     """``table`` written as ``t.parquet`` and as ``t.arrow`` (Feather v2): the paths of both."""
     import pyarrow.feather as feather

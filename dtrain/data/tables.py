@@ -6,6 +6,7 @@ binary), JSON text of Arrow's ``arrow.json`` type read as the values it holds, b
 from __future__ import annotations
 
 import json
+import re
 from typing import Iterator, Optional
 
 from ..errors import BadRow, DataError
@@ -78,9 +79,9 @@ def table_items(batches, label: str, start: int = 0):
                                 f"{', '.join(fields)}); rename or drop one")
         texts = [(name, t) for name, t in zip(names, batch.schema.types) if _json_text(t)]
         plain = not all(_json_type(t) for t in batch.schema.types)
-        try:
-            objs = batch.to_pylist()
-        except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8 (unchecked on write)
+        try:  # a map column (Spark writes messages as map<string, string>) as objects, not (key, value) pairs
+            objs = batch.to_pylist(maps_as_pydicts="strict")
+        except (UnicodeDecodeError, KeyError):  # bytes that are not UTF-8 (unchecked on write); a map's key twice
             objs = [_row_or_bad(batch.slice(i, 1)) for i in range(batch.num_rows)]
         for obj in objs:
             if texts and not isinstance(obj, BadRow):
@@ -113,11 +114,15 @@ def _field_twice(column: str, t) -> Optional[tuple]:
 
 
 def _row_or_bad(row):
-    """The one row of ``row`` (a record batch or table), or a bad row naming its first byte that is not UTF-8."""
+    """The one row of ``row`` (a record batch or table), or a bad row naming its first byte that is not UTF-8 or
+    the key a map gives twice."""
     try:
-        return row.to_pylist()[0]
+        return row.to_pylist(maps_as_pydicts="strict")[0]
     except UnicodeDecodeError as err:
         return undecodable(err.object.decode("utf-8", errors="surrogateescape"))
+    except KeyError as err:  # pyarrow: '... (duplicate key was 'role').'
+        key = re.search(r"duplicate key was (.*)\)", str(err.args[0]))
+        return BadRow(f"a map gives a key twice ({key.group(1) if key else err.args[0]})")
 
 
 def _json_type(t) -> bool:
