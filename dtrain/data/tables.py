@@ -1,6 +1,7 @@
 """One Arrow or Parquet file (or a hub dataset's Arrow batches) → raw items, read with pyarrow a record
 batch at a time: ``file:row N`` sources, rows made JSON-able where a column's type is not (timestamps,
-binary), JSON text of Arrow's ``arrow.json`` type read as the values it holds, bytes that are not UTF-8 a bad row. :mod:`.sources` picks the container; :mod:`.jsonfile` reads JSON.
+binary), JSON text of Arrow's ``arrow.json`` type and maps read as the values they hold, bytes that are not
+UTF-8 a bad row. :mod:`.sources` picks the container; :mod:`.jsonfile` reads JSON.
 """
 
 from __future__ import annotations
