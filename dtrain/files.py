@@ -23,6 +23,10 @@ from .errors import UserError
 # MLX reports I/O failures as RuntimeError: "[write] Unable to write 17309 bytes to file.",
 # "[save_safetensors] Failed to open file X", "[load_safetensors] Failed to open file X".
 _MLX_IO = re.compile(r"^\[\w+\] .*\b(file|write|read)", re.IGNORECASE)
+# and a damaged safetensors file as RuntimeError from its reader or its JSON parser: "[safetensor] unsupported dtype
+# Q9", "[load_safetensors] Tensor 'a' invalid data offsets (0, 8). Expecting 16 bytes.",
+# "[json.exception.parse_error.101] parse error at line 1 ...", or as UnicodeDecodeError for a name not UTF-8
+_MLX_DAMAGED = re.compile(r"^\[(safetensor|load_safetensors|json\.exception\.[\w.]+)\] ")
 # Hugging Face tokenizers (Rust) reports a failed write of tokenizer.json as a bare Exception:
 # "No space left on device (os error 28)" (Rust's io::Error text).
 _RUST_IO = re.compile(r"\(os error \d+\)$")
@@ -47,13 +51,15 @@ def storage_reason(err: BaseException) -> Optional[str]:
     """The one-line reason of a storage failure, or None when ``err`` is not one.
 
     ``OSError``: its ``strerror``; MLX's I/O ``RuntimeError`` (MLX raises no
-    ``OSError``) and the tokenizers library's I/O ``Exception``: its message. Other
-    errors (an MLX computation failing while arrays are evaluated for a save) are not
-    storage failures.
+    ``OSError``), MLX's errors for a damaged safetensors file and the tokenizers library's
+    I/O ``Exception``: its message. Other errors (an MLX computation failing while arrays
+    are evaluated for a save) are not storage failures.
     """
     if isinstance(err, OSError):
         return err.strerror or str(err)
-    if isinstance(err, RuntimeError) and _MLX_IO.match(str(err)):
+    if isinstance(err, RuntimeError) and (_MLX_IO.match(str(err)) or _MLX_DAMAGED.match(str(err))):
+        return str(err)
+    if isinstance(err, UnicodeDecodeError):
         return str(err)
     if type(err) is Exception and _RUST_IO.search(str(err)):
         return str(err)

@@ -174,6 +174,25 @@ def make_pairs(n: int, seed: int = 0, vocab: int = 512):
     return pairs
 
 
+def damaged_header(header: bytes) -> bytes:
+    """A safetensors file whose 8-byte length and JSON header are ``header`` (data: 8 zero bytes)."""
+    return len(header).to_bytes(8, "little") + header + bytes(8)
+
+
+# MLX's safetensors reader raises RuntimeError for these with messages _MLX_IO did not take for a read failure
+DAMAGED_HEADERS = [
+    (b'{{not json', "[json.exception.parse_error.101] parse error at line 1, column 2: syntax error while parsing "
+                    "object key - unexpected '{'; expected string literal"),
+    (b'{"a": 1}', "[json.exception.type_error.304] cannot use at() with number"),
+    (b'{"a": {"shape": [2], "data_offsets": [0, 8]}}', "[json.exception.out_of_range.403] key 'dtype' not found"),
+    (b'{"a": {"dtype": "Q9", "shape": [2], "data_offsets": [0, 8]}}', "[safetensor] unsupported dtype Q9"),
+    (b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}',
+     "[load_safetensors] Tensor 'a' invalid data offsets (0, 8). Expecting 16 bytes"),
+    (b'{"\xff": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}',
+     "'utf-8' codec can't decode byte 0xff in position "),  # the position MLX's buffer gives
+]
+
+
 @pytest.fixture(scope="session")
 def demo_path():
     """The demo GGUF (downloaded once into the cache); skips when it cannot be fetched."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import add_random_lora
+from conftest import DAMAGED_HEADERS, add_random_lora, damaged_header
 from mlx.utils import tree_flatten
 from test_models_gguf import Q, gguf, write_tiny_gemma3, write_tiny_llama
 
@@ -590,6 +590,18 @@ def test_an_adapter_with_nan_or_inf_values_is_refused_naming_the_tensors(tmp_pat
         f"dtrain: error: {adapter / 'adapters.safetensors'} holds NaN or infinite values in 2 LoRA tensors "
         "(model.layers.1.self_attn.v_proj.lora_b, model.layers.3.mlp.up_proj.lora_a), which merged weights would "
         "carry; the adapter is damaged or from a run that diverged\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("header, reason", DAMAGED_HEADERS)
+def test_an_adapter_weights_file_with_a_damaged_header_is_one_line(tmp_path, llama, capsys, header, reason):
+    """A header that is not JSON, or JSON not of safetensors' shape, ended `dtrain export` in MLX's RuntimeError
+    traceback ('[json.exception.parse_error.101] ...'); a name that is not UTF-8 was blamed on the base."""
+    base, adapter, _ = llama
+    (adapter / "adapters.safetensors").write_bytes(damaged_header(header))
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out"), "--gguf", "f16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtrain: error: could not read the adapter {adapter}: {reason}") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

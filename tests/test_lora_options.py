@@ -12,7 +12,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.tuner.lora import LoRALinear
 
-from conftest import add_random_lora, make_pairs, make_tiny_model
+from conftest import DAMAGED_HEADERS, add_random_lora, damaged_header, make_pairs, make_tiny_model
 from dtrain.config import LoraConfig, load_config
 from dtrain.errors import ConfigError
 from dtrain.files import StorageError
@@ -252,6 +252,18 @@ def test_a_damaged_init_adapter_weights_file_is_one_line_naming_it(tmp_path, cap
     with pytest.raises(StorageError) as err:
         run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
     assert str(err.value).startswith(f"could not read train.init_adapter {weights}: [load_safetensors] ")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("header, reason", DAMAGED_HEADERS)
+def test_an_init_adapter_weights_file_with_a_damaged_header_is_one_line(tmp_path, header, reason):
+    """A header that is not JSON or not of safetensors' shape ended `dtrain train` in MLX's RuntimeError traceback."""
+    write_adapter(tmp_path / "a")
+    weights = tmp_path / "a" / ADAPTER_WEIGHTS
+    weights.write_bytes(damaged_header(header))
+    with pytest.raises(StorageError) as err:
+        run(tmp_path / "out", f"train.init_adapter={tmp_path / 'a'}")
+    assert str(err.value).startswith(f"could not read train.init_adapter {weights}: {reason}")
     assert not (tmp_path / "out").exists()
 
 
