@@ -578,6 +578,29 @@ def test_an_adapter_missing_a_lora_tensor_or_lora_parameters_is_refused_naming_i
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+@pytest.mark.parametrize("rank", [2, 8])
+def test_an_adapter_config_of_another_rank_than_its_tensors_is_named_not_blamed_on_the_base(tmp_path, llama, capsys,
+                                                                                            rank):
+    """A rank in adapter_config.json other than its tensors' (an edited config, or another adapter's) was reported
+    as 'this adapter does not fit the base model BASE: ... adapter shape (4, 32) does not match model parameter
+    shape (8, 32) ...', sending the user to the base, which was the right one."""
+    base, adapter, _ = llama
+    meta = json.loads((adapter / "adapter_config.json").read_text())
+    meta["lora_parameters"]["rank"] = rank
+    (adapter / "adapter_config.json").write_text(json.dumps(meta))
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out"), "--gguf", "f16"]) == 2
+    assert capsys.readouterr().err == (
+        f"dtrain: error: {adapter / 'adapter_config.json'}: lora_parameters.rank is {rank}, but "
+        f"{adapter / 'adapters.safetensors'} holds LoRA tensors of rank 4 (model.layers.0.mlp.down_proj.lora_a: "
+        "(64, 4)); the config is not the one the adapter was trained with\n")
+    assert not (tmp_path / "out").exists()
+    # tensors that name no one rank (lora_a and lora_b transposed) are not the config's fault: mlx-lm's shapes say it
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), {k: v.T for k, v in weights.items()})
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out")]) == 2
+    assert "does not match model parameter shape" in capsys.readouterr().err
+
+
 def test_an_adapter_with_nan_or_inf_values_is_refused_naming_the_tensors(tmp_path, llama, capsys):
     """A NaN lora_b was fused into its weight and the export written with exit 0: a model whose logits are all NaN."""
     base, adapter, _ = llama

@@ -67,12 +67,14 @@ def check_base(adapter_dir: str, base: str, loaded: LoadedModel,
                "export that already holds the adapter)")
 
 
-def check_adapter_config(path: Path) -> None:
+def check_adapter_config(path: Path) -> dict:
     """Refuse an ``adapter_config.json`` that mlx-lm's ``load_adapters`` would misread as an adapter that does not
     fit the base: not a JSON object, ``num_layers`` / ``lora_parameters`` ``rank``, ``scale`` and ``dropout`` of another
     type or out of the bounds training takes them in, ``lora_parameters.keys`` that is not a list of module names, or
     ``lora_parameters`` without ``rank``, ``scale`` or ``dropout``.
 
+    Returns:
+        The parsed config.
     Raises:
         ModelError: naming the file and the key.
     """
@@ -109,6 +111,33 @@ def check_adapter_config(path: Path) -> None:
                 checked_adapter_value(key, value, f"{path}:")
     except ConfigError as err:
         raise ModelError(str(err)) from None
+    return meta
+
+
+def check_adapter_rank(folder: Path, saved: dict, rank: int) -> None:
+    """Refuse LoRA tensors of another rank than ``adapter_config.json``'s ``lora_parameters.rank`` (an edited config,
+    or another adapter's), which mlx-lm's shape error would blame on the base. Each module's ``lora_a`` ``(in, r)``
+    and ``lora_b`` ``(r, out)``, or ``(experts, r, in)`` and ``(experts, out, r)`` (mlx-lm's ``LoRALinear``,
+    ``LoRAEmbedding``, ``DoRALinear``, ``LoRASwitchLinear``), must all name one rank for the config to be the odd one
+    out; other shapes are left to mlx-lm's shape check.
+
+    Raises:
+        ModelError: naming both files, the tensors' rank and the first ``lora_a``.
+    """
+    def pair_rank(a, b):  # None where the pair's shapes name no one rank (or lora_b is missing)
+        if b is None or a.ndim not in (2, 3) or b.ndim != a.ndim:
+            return None
+        return a.shape[1] if b.shape[0 if b.ndim == 2 else 2] == a.shape[1] else None
+
+    pairs = {k: pair_rank(v, saved.get(k[: -len("lora_a")] + "lora_b")) for k, v in sorted(saved.items())
+             if k.endswith(".lora_a")}
+    ranks = set(pairs.values())
+    if len(ranks) == 1 and None not in ranks and rank not in ranks:
+        (found,), first = ranks, next(iter(pairs))
+        raise ModelError(f"{folder / 'adapter_config.json'}: lora_parameters.rank is {rank}, but "
+                         f"{folder / 'adapters.safetensors'} holds LoRA tensors of rank {found} "
+                         f"({first}: {tuple(saved[first].shape)}); the config is not the one the adapter was trained "
+                         "with")
 
 
 def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False,
@@ -123,9 +152,9 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
         ``LoRALinear.fuse``; a DoRA adapter's magnitude rescaling included).
 
     Raises:
-        ModelError: missing adapter files, an adapter whose layers or shapes
-            do not fit the base (names the adapter and the base), LoRA tensors missing
-            or holding NaN or inf (named), or another base.
+        ModelError: missing adapter files, a config whose rank is not its tensors' (:func:`check_adapter_rank`),
+            an adapter whose layers or shapes do not fit the base (names the adapter and the base), LoRA tensors
+            missing or holding NaN or inf (named), or another base.
     """
     from mlx_lm.tuner.utils import load_adapters
 
@@ -135,7 +164,11 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
     if missing:
         raise ModelError(f"{adapter_dir}: not an adapter folder (missing {', '.join(missing)}){run_folder_hint(folder)}")
-    check_adapter_config(folder / "adapter_config.json")
+    meta = check_adapter_config(folder / "adapter_config.json")
+    with storage(f"read the adapter {adapter_dir}"):
+        saved = mx.load(str(folder / "adapters.safetensors"))
+    if "lora_parameters" in meta:
+        check_adapter_rank(folder, saved, meta["lora_parameters"]["rank"])
     loaded = load_model(base, dtype="float32")
     try:
         with storage(f"read the adapter {adapter_dir}"):
@@ -153,7 +186,6 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     # initialisation (lora_a) or zero (lora_b) and be fused as if it were trained
     expected = {k for k, _ in tree_flatten(loaded.model.parameters())
                 if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b", "m")}  # mlx-lm's adapter leaves (DoRA: m)
-    saved = mx.load(str(folder / "adapters.safetensors"))
     missing = sorted(expected - set(saved))
     if missing:
         raise ModelError(f"{folder / 'adapters.safetensors'} lacks {len(missing)} of the {len(expected)} LoRA tensors "
