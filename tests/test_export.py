@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -614,6 +615,30 @@ def test_an_adapter_with_nan_or_inf_values_is_refused_naming_the_tensors(tmp_pat
         "(model.layers.1.self_attn.v_proj.lora_b, model.layers.3.mlp.up_proj.lora_a), which merged weights would "
         "carry; the adapter is damaged or from a run that diverged\n")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, written", [
+    (["--gguf", "f16"], "blk.1.attn_v.weight merged with the adapter holds values up to 1.06e+09, beyond what F16 "
+                        "can hold (65504)"),
+    (["--gguf", "q4_0"], "blk.1.attn_v.weight merged with the adapter holds values up to 1.06e+09, beyond what Q4_0 "
+                         "can hold (524032: 8 steps of its F16 block scale)"),
+    (["--dtype", "float16"], "model.layers.1.self_attn.v_proj.weight merged with the adapter holds values up to "
+                             "1.06e+09, beyond what float16 can hold (65504)")])
+def test_an_adapter_whose_merge_overflows_the_written_type_is_refused(tmp_path, llama, capsys, argv, written):
+    """A finite but huge LoRA value (a damaged file's flipped exponent bit) merged into weights that F16 writes as
+    inf: the GGUF was written, exit 0, with numpy's 'overflow encountered in cast' the only sign, and llama.cpp
+    would compute NaN."""
+    base, adapter, _ = llama
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    weights["model.layers.1.self_attn.v_proj.lora_b"][1, 2] = 3e9
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "overflow encountered in cast" would be a second message
+        assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out"), *argv]) == 2
+    assert capsys.readouterr().err == (f"dtrain: error: {written}: it would be written as inf; the adapter is "
+                                       "damaged or from a run that diverged\n")
+    assert not (tmp_path / "out").exists()
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "wide"), "--gguf", "f32"]) == 0
 
 
 @pytest.mark.parametrize("header, reason", DAMAGED_HEADERS)

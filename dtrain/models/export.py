@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -52,7 +53,7 @@ from .convert import check_new_folder, save_mlx_lm, with_bos, write_folder
 from .demo import demo_model_path
 from .gguf_write import write_gguf
 from .load import DTYPES, LoadedModel, is_hub_id
-from .merge import merge_adapter, training_template
+from .merge import merge_adapter, overflow_text, training_template
 from .modelfile import chat_parts, modelfile, trims_content
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -173,8 +174,9 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
 
     Raises:
         ModelError: a bad adapter folder, a base that does not fit or is not the
-            recorded one, a non-empty ``out_dir``, an unknown type, or ``gguf_type``
-            with a non-GGUF or missing base.
+            recorded one, a non-empty ``out_dir``, an unknown type, ``gguf_type``
+            with a non-GGUF or missing base, or adapted weights that ``dtype`` or
+            ``gguf_type`` would write as inf (:func:`merge.overflow_text`).
         UserError: a path opening ``~user`` of no user here.
     """
     # ~ as base reads it (the shell expands none in --out=~/x)
@@ -206,6 +208,10 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
     # the folder's; the GGUF and Modelfile keep ``template``
     hf.chat_template = with_bos(loaded.tokenizer, own if named else template)
     loaded.model.set_dtype(DTYPES[dtype])
+    params = dict(tree_flatten(loaded.model.parameters()))
+    for name in updates:  # float16 writes what it cannot hold as inf
+        if not mx.isfinite(params[name]).all().item():
+            raise ModelError(overflow_text(name, merged[name], dtype))
     result = ExportResult(folder=Path(out_dir), chat_template=template, eos_token_ids=config["eos_token_id"])
     source = None if base == "demo" or Path(base).expanduser().is_file() else base_folder(base)  # folder, hub id
 

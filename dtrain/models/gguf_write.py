@@ -17,7 +17,9 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import ModelError
 from .gguf import hf_name, permute_qk
+from .merge import overflow_text
 from .vocab_attrs import token_attrs
 
 
@@ -37,6 +39,8 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
     Returns:
         ``(tensor_types, f16_fallback, quant_error, label)``, the first three as in :class:`export.ExportResult`;
         ``label``: ``"<base name> + <adapter>"``, the model's name for people.
+    Raises:
+        ModelError: an adapted matrix (in ``updates``) that the type writes as inf (:func:`merge.overflow_text`).
     """
     meta = meta or {}
     import gguf
@@ -114,10 +118,14 @@ def write_gguf(base_gguf: Path, merged: dict, gguf_type: str, out_path: Path, me
             if kind in (Q.Q8_0, Q.Q4_0) and w.shape[-1] % 32:
                 kind = Q.F16
                 fallback.append(tensor.name)
-            data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
-            if kind in (Q.Q8_0, Q.Q4_0) and name in updates:
-                err = np.linalg.norm(gguf.quants.dequantize(data, kind).reshape(w.shape) - w)
-                quant_error[tensor.name] = (float(err), updates[name])
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is told below, in one line of ours
+                data = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
+                back = gguf.quants.dequantize(data, kind).reshape(w.shape) if name in updates else None
+            if back is not None:  # an adapted matrix: what the type holds of it
+                if not np.isfinite(back).all():
+                    raise ModelError(overflow_text(tensor.name, w, kind.name))
+                if kind in (Q.Q8_0, Q.Q4_0):
+                    quant_error[tensor.name] = (float(np.linalg.norm(back - w)), updates[name])
         writer.add_tensor(tensor.name, data, raw_dtype=kind if data.dtype == np.uint8 else None)
         counts[kind.name] += 1
     writer.write_header_to_file()

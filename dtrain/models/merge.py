@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import TOO_DEEP, ConfigError, DataError, ModelError
@@ -205,6 +206,20 @@ def merge_adapter(adapter_dir: str, base: str, allow_base_mismatch: bool = False
     loaded.model.update_modules(tree_unflatten(fused))
     mx.eval(loaded.model.parameters())
     return loaded, updates
+
+
+# the largest magnitude each written type holds (Q8_0 / Q4_0: 127 or 8 steps of their F16 block scale); past it, inf
+LARGEST = {"F16": "65504", "float16": "65504", "Q8_0": "8.31901e+06: 127 steps of its F16 block scale",
+           "Q4_0": "524032: 8 steps of its F16 block scale"}
+
+
+def overflow_text(name: str, merged, type_name: str) -> str:
+    """What to say of the merged weight ``name`` (float32 numpy) that ``type_name`` (a GGUF type or a dtype) writes
+    as inf: a finite but huge LoRA value (a damaged file's flipped exponent bit) passes the adapter's own checks."""
+    largest = LARGEST.get(type_name, f"{float(np.finfo(np.float32).max):g}")
+    return (f"{name} merged with the adapter holds values up to {float(np.abs(merged).max()):.3g}, beyond what "
+            f"{type_name} can hold ({largest}): it would be written as inf; the adapter is damaged or from a run "
+            "that diverged")
 
 
 def training_template(adapter_dir: str, tokenizer=None) -> str | None:
