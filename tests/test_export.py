@@ -602,6 +602,20 @@ def test_an_adapter_config_of_another_rank_than_its_tensors_is_named_not_blamed_
     assert "does not match model parameter shape" in capsys.readouterr().err
 
 
+def test_an_adapter_that_changes_no_weight_says_so_instead_of_an_infinite_rounding_ratio(tmp_path, llama, capsys):
+    """lora_b all zero (as training starts it; the checkpoint of a run whose every step was skipped as non-finite
+    holds it so) was exported to q8_0 with 'warning: Q8_0 rounding moves the adapted weights infx as far as the
+    adapter's update does ... may have lost much of the fine-tune', of a fine-tune that changed nothing."""
+    base, adapter, _ = llama
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    zeroed = {k: mx.zeros_like(v) if k.endswith("lora_b") else v for k, v in weights.items()}
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), zeroed)
+    assert main(["export", str(adapter), "--base", str(base), "--out", str(tmp_path / "out"), "--gguf", "q8_0"]) == 0
+    assert capsys.readouterr().err == (f"{adapter}: the adapter changes no weight (the LoRA updates of its 28 adapted "
+                                       "matrices are all zero, as training starts them): the export is the base "
+                                       "model\n")
+
+
 def test_an_adapter_with_nan_or_inf_values_is_refused_naming_the_tensors(tmp_path, llama, capsys):
     """A NaN lora_b was fused into its weight and the export written with exit 0: a model whose logits are all NaN."""
     base, adapter, _ = llama

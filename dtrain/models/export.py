@@ -84,11 +84,12 @@ class ExportResult:
     quant_error: dict = field(default_factory=dict)
 
     def quant_ratio(self) -> float | None:
-        """``sqrt(sum ‖Q(W+ΔW) − (W+ΔW)‖²) / sqrt(sum ‖ΔW‖²)`` over the adapted matrices (None: not quantized)."""
+        """``sqrt(sum ‖Q(W+ΔW) − (W+ΔW)‖²) / sqrt(sum ‖ΔW‖²)`` over the adapted matrices (None: not quantized, or
+        the adapter changes no weight: no fine-tune to lose)."""
         if not self.quant_error:
             return None
         err, upd = (float(np.sqrt(sum(v[i] ** 2 for v in self.quant_error.values()))) for i in (0, 1))
-        return err / upd if upd > 0 else float("inf")
+        return err / upd if upd > 0 else None
 
     def quant_warning(self) -> str | None:
         """The warning when the rounding error exceeds the update (:data:`QUANT_WARN_RATIO`), else None."""
@@ -168,9 +169,9 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
         dtype: float type of the mlx-lm folder's weights (float32, bfloat16, float16).
         allow_base_mismatch: merge onto ``base`` even when it is not the GGUF file or
             model folder the adapter recorded (:func:`merge.check_base`).
-        report: told of a base that cannot be compared with the recorded one (:func:`merge.check_base`), of end
-            tokens the GGUF cannot mark (:func:`gguf_write.write_gguf`) and of each Modelfile value Ollama could not
-            read back (left out), or None.
+        report: told of a base that cannot be compared with the recorded one (:func:`merge.check_base`), of an
+            adapter that changes no weight, of end tokens the GGUF cannot mark (:func:`gguf_write.write_gguf`) and
+            of each Modelfile value Ollama could not read back (left out), or None.
 
     Raises:
         ModelError: a bad adapter folder, a base that does not fit or is not the
@@ -197,6 +198,9 @@ def export_adapter(adapter_dir: str, base: str, out_dir: str, gguf_type: str | N
             raise ModelError(f"--gguf needs a GGUF base model (its layout and metadata are copied); {base} is not "
                              "a GGUF file. For an mlx-lm base, `mlx_lm.fuse --export-gguf` writes F16 llama GGUFs")
     loaded, updates = merge_adapter(adapter_dir, base, allow_base_mismatch, report)  # checks the adapter folder first
+    if report is not None and updates and not any(updates.values()):  # lora_b all zero: nothing was learned
+        report(f"{adapter_dir}: the adapter changes no weight (the LoRA updates of its {len(updates)} adapted matrices "
+               "are all zero, as training starts them): the export is the base model")
     trained_with = training_template(adapter_dir, loaded.tokenizer)
     merged = {name: np.array(value) for name, value in tree_flatten(loaded.model.parameters())}
     hf = getattr(loaded.tokenizer, "_tokenizer", loaded.tokenizer)
