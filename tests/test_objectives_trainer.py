@@ -3,6 +3,7 @@ cached, none after a resume, equal to a fresh computation), DPO's first loss
 ln 2, and exact resume for every objective."""
 
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from conftest import make_pairs, make_tiny_model
 from dtrain.config import load_config
 from dtrain.engine import ReferenceEngine, batch_totals
 from dtrain.run.reference import ReferenceLogps
+from dtrain.run.tracking import read_scalars
 from dtrain.run.trainer import Hooks, train
 
 N_TRAIN, N_VALID = 9, 3
@@ -647,3 +649,25 @@ def test_every_step_trains_and_logs_what_an_independent_loop_computes(tmp_path, 
         moved, want_moved = mx.concatenate(moved), mx.concatenate(want_moved)
         assert float(mx.linalg.norm(moved - want_moved)) <= 1e-4 * float(mx.linalg.norm(want_moved)), step
 
+
+
+def readme_tags() -> set:
+    """The metric names README.md's "Objective and metrics" section writes in backticks, braces expanded."""
+    text = (Path(__file__).parents[1] / "README.md").read_text().split("### Objective and metrics")[1].split("\n#")[0]
+    names = set()
+    for quoted in re.findall(r"`([^`\s]+)`", text):
+        if m := re.fullmatch(r"(.*)\{([^}]*)\}(.*)", quoted):
+            names |= {m[1] + part + m[3] for part in m[2].split(",")}
+        else:
+            names.add(quoted)
+    return names
+
+
+@pytest.mark.parametrize("kind", ["orpo", "dpo", "simpo", "sft"])
+def test_every_tensorboard_tag_a_run_writes_is_named_in_the_readme(tmp_path, kind):
+    result = run(tmp_path, kind, "train.keep_best=eval/loss")
+    documented = readme_tags()
+    tags = {re.sub(r"^(hparam/)?(eval/)?", "", tag) for tag in read_scalars(result.run_dir)}  # eval/: the same names
+    tags = {"best/<metric>" if tag.startswith("best/") and tag != "best/step" else tag for tag in tags}
+    assert "train/beta" in tags or kind not in ("dpo", "simpo")  # the objective's hyper-parameters are logged
+    assert sorted(tags - documented) == []
