@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import signal
 import sys
 from pathlib import Path
 
 from .config_text import override_help, split_overrides, take_overrides
-from .contract import ERROR_PREFIX, STOP_SIGNALS
+from .contract import ERROR_PREFIX, LAUNCHER_VAR, STOP_SIGNALS
 from .errors import UserError
 from .files import to_devnull, unusable_path
 
@@ -136,6 +137,11 @@ def _train(args, overrides, interrupt) -> int:
     # ranks agreed on a stop; or one sent as the run ended) has nothing left to stop, and must not end the exit
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if result.stopped and result.stop_signal is not None and os.environ.get(LAUNCHER_VAR):
+        # under ./launch: the launcher tells a stop sent to this rank from one it sent (supervise.Attempt)
+        from .launch.rank import Report, report_line, write
+
+        write(report_line(Report("signal", group.rank, stop=signal.Signals(result.stop_signal).name)).encode())
     if group.is_main:
         # a stopped run has said how to continue (trainer.loop); a finished one shows its evaluations (a resume's too)
         if not result.stopped and (summary := result.summary()):

@@ -32,7 +32,8 @@ GROUP_KILL_MARGIN_S = 7.0
 # transient (a peer died or stalled) and a restart from the newest checkpoint can succeed.
 # A run stopped by SIGINT/SIGTERM/SIGHUP that saved its checkpoint exits 0: the launcher
 # reads rank 0's 0 as "saved" (supervise, main._say_what_was_lost) and restarts nothing;
-# a second signal kills it (killed by SIGINT/SIGTERM, no save).
+# a second signal kills it (killed by SIGINT/SIGTERM, no save). A rank whose trainer got the signal
+# itself says so in a "signal" report line (cli._train), so the launcher tells it from a finished run.
 EXIT_USER_ERROR = 2  # bad config, data, model, output folder (dtrain.errors.UserError)
 EXIT_TIMEOUT = 3  # the collective watchdog fired: a peer stalled (distributed.Watchdog)
 EXIT_LOST_PEER = 4  # a collective failed: MLX reported a lost peer (distributed.CollectiveError)

@@ -106,6 +106,37 @@ def test_a_rank_whose_wrapper_is_killed_stops_the_job_and_rank_0_saves(job, tmp_
     assert saved is not None and int(saved.name.split("-")[1]) >= 1, proc.err()
 
 
+@pytest.mark.parametrize("target", ["trainer", "wrapper"])
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_stop_signal_sent_to_one_rank_stops_the_job_and_the_launcher_says_so(job, tmp_path, ranks, target):
+    """``kill PID`` of the last rank's trainer (or of its wrapper), not of the launcher: every rank saved after
+    its step and exited 0, and so did the launcher, without a word, as if the run had trained to its end; as
+    torchrun reports a worker's SIGTERM as that rank's failure, the launcher names the rank and the signal and
+    exits 128 + the signal, as when the signal reaches it, and restarts nothing (the ranks saved)."""
+    out = tmp_path / "run"
+    proc = spawn([sys.executable, LAUNCH, "-n", ranks, "--port", free_port(), "--max-restarts", 2,
+                  "--restart-delay", 0, job, "--train.steps", 5000, "--train.save_every", 0,
+                  "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
+    try:
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
+        victim = find_trainers(str(out))[ranks - 1]
+        if target == "wrapper":
+            victim = processes()[victim][0]  # its parent
+        os.kill(victim, signal.SIGTERM)
+        code = wait_exit(proc, STOP_S)
+        wait_until(lambda: not find_trainers(str(out)), "every rank to end", limit=STOP_S)
+    finally:
+        kill_tree(proc)
+    log = proc.err()
+    assert code == 128 + signal.SIGTERM, log
+    assert (f"launch: rank {ranks - 1} got SIGTERM from outside the launcher: every rank stopped after its step, "
+            f"as on the launcher's own SIGTERM (no restart)") in log
+    assert "launch: restart" not in log and "did not save" not in log
+    assert not (out / ADAPTER).exists()  # stopped, not trained to step 5000
+    saved = find_latest(out / "checkpoints")  # save_every 0: only the stop saved one
+    assert saved is not None and int(saved.name.split("-")[1]) >= 1, log
+
+
 def test_tensorboard_ends_with_its_launcher_killed(job, tmp_path):
     """kill -9 of the launcher: its TensorBoard ends too (it was left serving, holding the port), as the ranks do,
     and as at a normal end it removes its ``$TMPDIR/.tensorboard-info/pid-N.info`` (killed with SIGKILL, it left it)."""

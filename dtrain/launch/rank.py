@@ -11,6 +11,9 @@ report lines to stderr that the launcher reads::
     \\x1edtrain-rank {"event": "start", "rank": 1, "pid": 4242, "host": "mac2"}
     \\x1edtrain-rank {"event": "exit", "rank": 1, "code": 2, "tail": [...], "stop": null, "killed": null}
 
+(a trainer that saved on a stop signal it received writes ``{"event": "signal", "rank": 1, "stop": "SIGTERM"}``
+the same way, relayed with its other lines).
+
 Signals (the launcher's, or a hung-up ssh session's):
 
 - SIGINT, SIGTERM, SIGHUP, SIGUSR2: stop gently. The child gets one SIGINT and

@@ -43,6 +43,7 @@ from ..errors import UserError
 from .plan import Plan, command_with_env
 from .rank import MARK, WRAPPER_SIGNALS, Report, alive, parse_report, say, write
 
+NAMES = set(signal.Signals.__members__)  # a wrapper's stop that is a signal's name, not "launcher gone"
 LEFTOVER_GRACE_S = 5.0  # seconds a trainer whose wrapper is gone gets before it is killed
 
 
@@ -106,6 +107,7 @@ class Attempt:
         self.aborted_at: Optional[float] = None
         self.procs: list = []  # mlx.launch, mpirun or the one rank; or each rank's wrapper (plan.direct)
         self.orphaned: dict = {}  # rank -> when its wrapper ended without reporting (its trainer was told to stop)
+        self.signalled: dict = {}  # rank -> the stop signal its trainer saved on ("signal" report; see _summarize)
         self._lock = threading.Lock()
         self._errors: dict = {}  # a `dtrain: error:` line shown -> it and its indented lines: every rank may meet it
 
@@ -296,6 +298,9 @@ class Attempt:
             elif self.stopped_by is not None:
                 self._send(signal.SIGUSR2)
             return
+        if report.event == "signal":  # its trainer saved on a stop signal it received (ours, or one from elsewhere)
+            self.signalled.setdefault(report.rank, report.stop)
+            return
         self.reports[report.rank] = report
         self.order.append(report.rank)
         # a rank pointing to rank 0's error: rank 0 ends with that error by itself, and an abort would
@@ -327,7 +332,18 @@ class Attempt:
 
     def _summarize(self) -> Outcome:
         code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
-        outcome = summarize(self.plan.world_size, self.reports, self.order, code, self.stopped_by,
+        stopped_by = self.stopped_by
+        if stopped_by is None and self.aborted_at is None:
+            # a stop signal sent to a rank's trainer or wrapper, not to us: every rank saved after its step and
+            # exited 0; the job stopped as our own signal stops it (128 + the signal, no restart)
+            elsewhere = {**self.signalled, **{r: self.reports[r].stop for r in self.order
+                                              if self.reports[r].code == 0 and self.reports[r].stop in NAMES}}
+            if elsewhere:
+                rank, name = min(elsewhere.items())
+                say(f"launch: rank {rank} got {name} from outside the launcher: every rank stopped after its step, "
+                    f"as on the launcher's own {name} (no restart)")
+                stopped_by = signal.Signals[name]
+        outcome = summarize(self.plan.world_size, self.reports, self.order, code, stopped_by,
                             self.aborted_at is not None)
         # a rank that sent its start report was started by ssh: its exit report is lost when mlx.launch ends its
         # ssh session (it does as soon as another rank fails)

@@ -21,6 +21,7 @@ class TrainResult:
     run_dir: Optional[Path] = None
     skipped_steps: int = 0
     stopped: bool = False  # stopped early by a signal (checkpoint saved)
+    stop_signal: Optional[int] = None  # the stop signal this rank received itself (None: another rank's)
     best: Optional[keep_best.Pick] = None  # train.keep_best: the kept step
     best_metric: Optional[str] = None
     early_stopped: bool = False  # train.early_stop_evals ended the run

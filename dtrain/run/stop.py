@@ -31,6 +31,7 @@ class StopRequest:
 
     def __init__(self):
         self.requested = False
+        self.signal: Optional[int] = None  # the first stop signal this process received itself
         self.agreed = False  # the run stopped by the ranks' agreement (another rank's signal may have come first)
         self.failure: Optional[Exception] = None  # rank 0's write that failed mid-run (fail), raised at the stop
         self._old = {}
@@ -39,6 +40,7 @@ class StopRequest:
     def _handle(self, signum, _frame):
         if signum == signal.SIGHUP:
             to_devnull(1, 2)
+        self.signal = self.signal or signum
         self.requested = True
 
     def fail(self, err: Exception) -> None:

@@ -239,7 +239,7 @@ def end_stopped(run: Run, step: int) -> TrainResult:
     save_stopped(run, step)
     run.log.message(f"stopped by signal {f'after step {step}' if step else 'before step 1'}; checkpoint saved, "
                     f"continue with --train.resume auto")
-    run.result.steps, run.result.stopped = step, True
+    run.result.steps, run.result.stopped, run.result.stop_signal = step, True, run.stop.signal
     return run.result
 
 
