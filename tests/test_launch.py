@@ -586,3 +586,27 @@ def test_a_stop_at_any_moment_of_start_up_ends_cleanly(job, tmp_path, backend):
             assert sign not in err, (delay, err)
         # the launcher said what it did; its line may come before a rank's last one (relayed later)
         assert any(line.startswith("launch: ") for line in err.splitlines()), (delay, err)
+
+
+def test_a_stop_signal_sent_to_one_rank_in_its_start_up_stops_the_job_without_a_restart(capsys):
+    """``kill PID`` of rank 1's trainer while it starts (before its stop handlers: ``dtrain: interrupted``, exit
+    status 143) read as rank 1's failure: the launcher aborted rank 0, said 'rank 1 failed with exit status 143'
+    and --max-restarts started the job again, where the same signal after the first step stops it for good.
+    Here rank 1's stand-in ends as such a trainer does; rank 0's is asked to stop, not aborted."""
+    from dtrain.launch import supervise
+    from dtrain.launch.plan import Plan
+
+    trainer = [sys.executable, "-c", "import os, sys\n"
+               "if os.environ['MLX_RANK'] == '1':\n"
+               "    print('dtrain: interrupted', file=sys.stderr); sys.exit(143)\n"
+               + TRAINER_STAND_IN[2]]
+    wrapper = [sys.executable, "-m", "dtrain.launch.rank", "--", *trainer]
+    plan = Plan("ring", 2, [], wrapper, {}, [], [], 0, 0, direct=[{"MLX_RANK": "0"}, {"MLX_RANK": "1"}])
+    outcome = supervise.Attempt(plan, 5.0).run()
+    err = capsys.readouterr().err
+    assert outcome.stopped_by == signal.SIGTERM and outcome.code == 143 and not outcome.restartable, err
+    assert ("launch: rank 1 got SIGTERM from outside the launcher and ended (exit status 143): stopping every rank, "
+            "as on the launcher's own SIGTERM (no restart)") in err
+    assert "failed" not in err
+    assert [(r, outcome.reports[r].code, outcome.reports[r].stop) for r in (0, 1)] == [
+        (0, -signal.SIGINT, "SIGUSR2"), (1, 143, "SIGTERM")]

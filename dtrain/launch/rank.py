@@ -258,6 +258,8 @@ def run(cmd: list) -> int:
     if partial.strip():
         tail.append(partial.decode(errors="replace")[:300])
     code = proc.wait()
+    if watch.stop is None and watch.abort_at is None and code - 128 in STOP_SIGNALS:
+        watch.stop = signal.Signals(code - 128).name  # `dtrain: interrupted`: a signal sent to the trainer itself
     write(report_line(Report("exit", rank, code, list(tail), watch.stop, watch.killed, watch.aborted)).encode())
     if launcher is not None and not alive(launcher) and os.environ.get(LAUNCH_TMP_VAR):
         shutil.rmtree(os.environ[LAUNCH_TMP_VAR], ignore_errors=True)  # the launcher was killed before removing it

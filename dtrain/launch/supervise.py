@@ -303,6 +303,17 @@ class Attempt:
             return
         self.reports[report.rank] = report
         self.order.append(report.rank)
+        if report.code != 0 and report.stop in NAMES and report.killed is None:
+            with self._lock:
+                elsewhere = self.stopped_by is None and self.aborted_at is None
+                if elsewhere:
+                    self.stopped_by = signal.Signals[report.stop]
+            if elsewhere:  # a stop signal sent to this rank that ended it unsaved (in its start-up): not a failure
+                say(f"launch: rank {report.rank} got {report.stop} from outside the launcher and ended "
+                    f"({describe_status(report.code)}): stopping every rank, as on the launcher's own {report.stop} "
+                    f"(no restart)")
+                self._send(signal.SIGUSR2)
+                return
         # a rank pointing to rank 0's error: rank 0 ends with that error by itself, and an abort would
         # reach it while it exits (reported as stopped by the launcher, not as the rank that failed)
         if report.code not in (0, EXIT_AFTER_RANK0) and self.stopped_by is None and report.killed is None:
