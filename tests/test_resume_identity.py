@@ -1029,3 +1029,28 @@ def test_a_checkpoint_split_by_row_is_refused_naming_the_split_where_prompts_rep
     ckpt.check_resumable(saved, current, [1, 2], tmp_path)
     assert ckpt.data_identity("fp", [], [], by_prompt=True)["held-out split"] == "by prompt"
     assert "held-out split" not in ckpt.data_identity("fp", [], [])  # unique prompts: the split of before
+
+
+def test_a_stop_agreed_in_an_evaluation_is_marked_agreed_as_one_agreed_after_a_step(tmp_path):
+    """``StopRequest.agreed`` (read as the handlers are restored: a rank whose own stop signal is still on its
+    way swallows it) was set only where a step's all-reduce agreed on the stop; one agreed in an evaluation's
+    left it False, so that signal could end a rank that had saved, as a failed one."""
+    from dtrain.run.trainer import Hooks
+
+    runs = []
+
+    class StopInEval:
+        def __init__(self, engine):
+            self.engine, self.objective, self.name = engine, engine.objective, engine.name
+
+        def step(self, *args):
+            return self.engine.step(*args)
+
+        def evaluate(self, *args):
+            if runs:  # step 2's evaluation: the flag this evaluation all-reduces is set
+                runs[0].stop.requested = True
+            return self.engine.evaluate(*args)
+
+    stopped, _ = run(tmp_path, hooks=Hooks(engine=StopInEval, before_step=lambda step, r: runs.append(r)))
+    assert stopped.stopped and stopped.steps == 2
+    assert runs[0].stop.agreed

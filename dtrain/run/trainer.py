@@ -163,7 +163,6 @@ def loop(run: Run) -> TrainResult:
             raise UserError(f"step {step}: {streak} steps in a row had {skip_reason(out.metrics, 'a ')} "
                             f"(last batch: {sources}); saved a checkpoint and stopped")
         if out.stop:
-            run.stop.agreed = True
             return end_stopped(run, step)
         if _every(step, run.cfg.distributed.check_sync_every):
             check_in_sync(run.group, run.model.trainable_parameters(), step)
@@ -236,6 +235,7 @@ def evaluate_and_steer(run: Run, step: int, may_stop: bool = True) -> Optional[C
 
 def end_stopped(run: Run, step: int) -> TrainResult:
     """Checkpoint ``step`` of a run a signal stopped (after the step, or during its evaluation)."""
+    run.stop.agreed = True  # by every rank, in the step's or the evaluation's all-reduce
     save_stopped(run, step)
     run.log.message(f"stopped by signal {f'after step {step}' if step else 'before step 1'}; checkpoint saved, "
                     f"continue with --train.resume auto")
