@@ -376,6 +376,17 @@ def test_a_config_given_with_dash_c_points_to_the_bare_form(args):
         "launch: error: ./launch takes the config file bare, without -c/--config: ./launch [options] CONFIG"]
 
 
+@pytest.mark.parametrize("ranks", [65536, 100_000_000_000, 10**30])
+def test_more_ranks_than_tcp_ports_is_one_line(ranks, job):
+    """`-n 100000000000` ended the launcher in MemoryError's traceback (a host per rank), `-n 10**30` in
+    OverflowError's, `-n 70000` in OSError's (a socket per ring port: too many open files)."""
+    r = launch("-n", ranks, job["config"], "--dry-run")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"launch: error: -n must be at most 65535 (each rank on this machine listens on TCP ports of its own); "
+        f"got {ranks}"]
+
+
 def test_ring_ports_past_65535_are_one_line(job):
     r = launch("-n", 2, "--port", 65535, job["config"], "--dry-run")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -5,6 +5,7 @@ save and stop; jobs started together take different ports, and a port in use is 
 from __future__ import annotations
 
 import fcntl
+import resource
 import os
 import shutil
 import signal
@@ -292,6 +293,28 @@ def _port_free(port: int) -> bool:
             return False
 
 
+def test_more_ports_than_open_files_is_one_error():
+    """A ring past the launcher's open-file limit (`./launch -n 300` under macOS's default `ulimit -n` 256) ended in
+    OSError's traceback (Too many open files) from the socket that checks a port, after a lock file per port."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = len(os.listdir("/dev/fd")) + 20
+    locks = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        with pytest.raises(LaunchError) as err:
+            free_ports(100, None, locks)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert str(err.value) == (f"100 ranks' ports: the launcher holds a lock file for each while the job runs, past "
+                              f"its limit of {limit} open files; raise it (ulimit -n) or start fewer ranks")
+    assert locks == []
+    held = []
+    try:
+        assert free_ports(100, None, held) > 0  # within the limit the same ports are taken: none were left locked
+    finally:
+        release(held)
+
+
 def test_spare_ports_lie_outside_the_ephemeral_range():
     """Ports the system hands to outgoing connections are never drawn: one could be given to a
     connection between the launcher's check and the ranks' listen (a CI run failed that way)."""
@@ -513,7 +536,7 @@ def test_port_locks_taken_before_a_failure_are_released(tmp_path, monkeypatch):
 
     monkeypatch.setattr(socket, "socket", no_sockets)
     before, locks = set(os.listdir("/dev/fd")), []
-    with pytest.raises(OSError, match="Too many open files"):
+    with pytest.raises(LaunchError, match="past its limit of .* open files"):
         free_ports(2, PORT_FLOOR, locks)
     assert locks == [] and list(tmp_path.iterdir()) == [] and set(os.listdir("/dev/fd")) == before
 

@@ -50,7 +50,7 @@ from ..files import OutputDir, absent_folders, output_dir_problem, remove_folder
 from . import restart
 from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR, TB_RUN_VAR
 from .hosts import LaunchError, load_hostfile
-from .plan import DEFAULT_PORT, build_plan, describe, release
+from .plan import DEFAULT_PORT, MAX_RANKS, build_plan, describe, release
 from .rank import say
 from .supervise import Attempt, Outcome, signal_group
 
@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(options)
         if args.ranks < 1:
             raise LaunchError(f"-n must be at least 1; got {args.ranks}")
+        if args.ranks > MAX_RANKS:  # else the plan's lists of a host and an environment per rank run out of memory
+            raise LaunchError(f"-n must be at most {MAX_RANKS} (each rank on this machine listens on TCP ports of "
+                              f"its own); got {args.ranks}")
         if args.max_restarts < 0 or args.restart_delay < 0 or args.stop_timeout <= 0:
             raise LaunchError("--max-restarts and --restart-delay must be >= 0, --stop-timeout > 0")
         for name, seconds in (("--restart-delay", args.restart_delay), ("--stop-timeout", args.stop_timeout)):

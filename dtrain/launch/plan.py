@@ -11,11 +11,13 @@ directly: mlx.launch passes ``--output :raw``, which OpenMPI 4.1 rejects.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import os
 import platform
 import random
+import resource
 import shutil
 import socket
 import subprocess
@@ -31,6 +33,7 @@ from .hosts import Hostfile, LaunchError, check_backend
 
 DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port, taken, or a hostfile job's restart
 PORT_FLOOR = 20000  # spare ports are drawn from here up to the system's ephemeral range
+MAX_RANKS = 65535  # ranks on this machine each listen on ports of their own: past the TCP ports, none could start
 
 
 @dataclass
@@ -215,6 +218,8 @@ def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int,
                 fd = _port_lock(port)
                 problem = (port, "another ./launch job on this machine holds it")  # where fd is None
             except OSError as err:  # not this launcher's to take, though no launcher may hold it
+                if err.errno == errno.EMFILE:  # this launcher's own limit, whichever port it tried
+                    raise
                 fd, problem = None, (port, f"its lock file {err.filename} cannot be opened or locked: {err.strerror}")
             if fd is not None:
                 taken.append((port, fd))
@@ -227,8 +232,12 @@ def _claim(base: int, count: int, host: str, locks: list) -> Optional[tuple[int,
                         problem = (port, f"a process on {host} listens on it")
             release(taken)
             return problem
-    except BaseException:  # a lock taken is never left behind, whatever fails after it (no socket: EMFILE)
+    except BaseException as err:  # a lock taken is never left behind, whatever fails after it
         release(taken)
+        if isinstance(err, OSError) and err.errno == errno.EMFILE:  # no lock file or socket left to open
+            raise LaunchError(f"{count} ranks' ports: the launcher holds a lock file for each while the job runs, "
+                              f"past its limit of {resource.getrlimit(resource.RLIMIT_NOFILE)[0]} open files; "
+                              f"raise it (ulimit -n) or start fewer ranks") from None
         raise
     locks.extend(taken)
     return None
@@ -294,7 +303,8 @@ def free_ports(count: int, first: Optional[int], locks: list, host: str = "127.0
     the ranks listen on it).
 
     Raises:
-        LaunchError: ``first`` (or one of the ports after it) is in use, or they run past port 65535.
+        LaunchError: ``first`` (or one of the ports after it) is in use, they run past port 65535, or their lock
+            files past the launcher's open-file limit.
     """
     sweep_stale_locks()
     if first is not None:
