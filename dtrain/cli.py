@@ -31,6 +31,20 @@ COMMANDS = ("train", "data", "config", "convert", "export", "doctor")
 OPTIONS = ("-c", "--config", "--show", "-h", "--help")  # train's, data check's and config's: no override's value
 
 
+class _ConfigOnce(argparse.Action):
+    """``-c``/``--config`` given once: argparse keeps the last, and a first file's keys would be dropped unsaid.
+
+    Raises:
+        UserError: a second one, naming both files.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            raise UserError(f"-c/--config given twice ({getattr(namespace, self.dest)}, then {values}): give one "
+                            f"config file, and change its keys with --section.key VALUE")
+        setattr(namespace, self.dest, values)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtrain", description="LoRA training on MLX: preference pairs (ORPO, DPO, SimPO) "
                                                            "or SFT rows (objective.kind)")
@@ -38,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train an adapter (overrides: --section.key VALUE)", epilog=override_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        usage="dtrain train [-h] [-c CONFIG] [--section.key VALUE ...]")
-    t.add_argument("-c", "--config", help="YAML config (see configs/demo.yaml)")
+    t.add_argument("-c", "--config", action=_ConfigOnce, help="YAML config (see configs/demo.yaml)")
     d = sub.add_parser("data", help="inspect training data (preference pairs or SFT rows)")
     dsub = d.add_subparsers(dest="data_command", required=True)
     what = ("report bad and dropped rows and token lengths of the data (overrides: --section.key VALUE, such as "
@@ -49,14 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     dc = dsub.add_parser("check", help=what, description=what,
                          usage="dtrain data check [-h] [-c CONFIG] [--show N] [--section.key VALUE ...] file")
     dc.add_argument("file", help="a JSONL/JSON/Parquet file, a data folder or a hub dataset id, read as data.train")
-    dc.add_argument("-c", "--config", help="YAML config for the model/tokenizer and data keys")
+    dc.add_argument("-c", "--config", action=_ConfigOnce, help="YAML config for the model/tokenizer and data keys")
     dc.add_argument("--show", type=int, default=0, metavar="N",
                     help="print the first N usable pairs as trained: text with control tokens visible, and ids")
     k = sub.add_parser("config", help="print every config key with its default (or the value from -c and "
                                       "overrides), allowed values and help, as a commented YAML config",
                        usage="dtrain config [-h] [-c CONFIG] [--section.key VALUE ...]")
-    k.add_argument("-c", "--config", help="YAML config to resolve (checked as for training, but data.train may be "
-                                          "left to the command line)")
+    k.add_argument("-c", "--config", action=_ConfigOnce,
+                   help="YAML config to resolve (checked as for training, but data.train may be left to the command "
+                        "line)")
     c = sub.add_parser("convert", help="write an mlx-lm model folder from a GGUF file (or demo)")
     c.add_argument("gguf_file")
     c.add_argument("out_dir")

@@ -486,6 +486,17 @@ def test_a_bare_config_file_points_to_dash_c(command, capsys):
                                        "overrides; its options: dtrain doctor --help\n")
 
 
+@pytest.mark.parametrize("command", [["train"], ["config"], ["data", "check", "pairs.jsonl"]])
+@pytest.mark.parametrize("first, second", [("-c", "-c"), ("--config", "-c"), ("-c", "--config=")])
+def test_a_second_config_file_is_refused(command, first, second, capsys):
+    """`dtrain train -c configs/sft.yaml -c configs/demo.yaml` trained demo.yaml's job: argparse keeps the last
+    -c, and the first file's keys were dropped without a word (as YAML's repeated key, which is refused)."""
+    two = [first, "configs/sft.yaml", *([f"{second}b.yaml"] if second.endswith("=") else [second, "b.yaml"])]
+    assert main([*command, *two, "--train.steps", "1"]) == 2
+    assert capsys.readouterr().err == ("dtrain: error: -c/--config given twice (configs/sft.yaml, then b.yaml): give "
+                                       "one config file, and change its keys with --section.key VALUE\n")
+
+
 @pytest.mark.parametrize("argv, fixed", [
     (["-c", "configs/demo.yaml", "train"], "dtrain train -c configs/demo.yaml"),
     (["--train.steps", "3", "train", "-c", "a.yaml"], "dtrain train -c a.yaml --train.steps 3"),
