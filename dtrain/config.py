@@ -33,16 +33,18 @@ from .run.lambda_control import LAWS
 
 
 def option(default: Any, help: str, choices: tuple = (), at_least: Optional[float] = None,
-           above: Optional[float] = None, below: Optional[float] = None, at_most: Optional[float] = None) -> Any:
+           above: Optional[float] = None, below: Optional[float] = None, at_most: Optional[float] = None,
+           dimension: bool = False) -> Any:
     """A config field: its default, one help line and its allowed values.
 
     ``choices``: the values a string key accepts, taken from the module that
     owns them (formats, backends, dtypes). ``at_least``, ``above``, ``below``,
-    ``at_most``: bounds of a number (``above`` and ``below`` exclusive). A mutable default is copied
+    ``at_most``: bounds of a number (``above`` and ``below`` exclusive). ``dimension``: an integer
+    that becomes an array dimension, below 2**31 (MLX's shapes are int32). A mutable default is copied
     per instance.
     """
     meta = {"help": help, "choices": tuple(choices), "at_least": at_least, "above": above, "below": below,
-            "at_most": at_most}
+            "at_most": at_most, "dimension": dimension}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -63,7 +65,7 @@ class ModelConfig:
 class LoraConfig:
     """LoRA layers from mlx-lm (``mlx_lm.tuner.utils.linear_to_lora_layers``)."""
 
-    rank: int = option(8, "LoRA rank r", above=0)
+    rank: int = option(8, "LoRA rank r", above=0, dimension=True)
     scale: float = option(20.0, "LoRA scale (mlx-lm's: the update is scale * B A x)", above=0.0)
     dropout: float = option(0.0, "dropout on the adapter input (0 = off)", at_least=0.0, below=1.0)
     num_layers: int = option(-1, "adapters on the last N decoder layers; -1 = all; 0 is refused (mlx-lm "
@@ -183,7 +185,7 @@ class EngineConfig:
                                        "1024 when it recomputes)", at_least=0)
     length_bucket: Union[int, Literal["auto"]] = option(
         "auto", "pad sequence lengths and target counts up to buckets of this quantum (a few shapes per run); "
-                "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0)
+                "0 = exact shapes; auto: 128 on a GPU, 0 on the CPU", at_least=0, dimension=True)
     pack: bool = option(True, "auto/segmented: a micro-batch's sequences back to back in one row, padded only to "
                               "the bucket of their total length, instead of each to the longest (same loss and "
                               "gradients; off for models with sliding-window layers)")

@@ -103,6 +103,8 @@ def _check_allowed(value: Any, meta: dict, where: str) -> None:
         raise ConfigError(f"{where} must be a finite number; got {value}")
     if isinstance(value, int) and not -2**63 <= value < 2**63:  # numpy, MLX and TensorBoard hold int64
         raise ConfigError(f"{where} must fit in 64 bits (below 2**63); got {value}")
+    if meta.get("dimension") and value >= 2**31:  # mlx-lm's LoRA matrices, a row padded to the bucket
+        raise ConfigError(f"{where} must be below 2**31 (an array dimension: MLX's shapes are int32); got {value}")
     lo, above, hi, top = meta.get("at_least"), meta.get("above"), meta.get("below"), meta.get("at_most")
     if lo is not None and hi is not None and not lo <= value < hi:
         raise ConfigError(f"{where} must be in [{lo:g}, {hi:g}); got {value}")

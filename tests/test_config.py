@@ -361,6 +361,20 @@ def test_an_integer_numpy_and_mlx_cannot_hold_is_refused(override, message):
     assert load_config(None, ["data.demo_pairs=8", f"train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
 
 
+@pytest.mark.parametrize("key, value", [("lora.rank", 2**31), ("lora.rank", 2**63 - 1),
+                                        ("engine.length_bucket", 2**62), ("engine.length_bucket", 2**31)])
+def test_an_array_dimension_past_int32_is_refused(key, value):
+    """lora.rank 2**31 passed the config and ended the run in OverflowError's traceback from mlx-lm's LoRALinear
+    (mx.random.uniform's shape), engine.length_bucket 2**62 in ValueError's from numpy (a row padded to it) after
+    the output folder got data_cache/ and tb/: both are array dimensions, which MLX holds as int32."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=8", f"{key}={value}"])
+    assert str(err.value) == (f"command line: key '{key}' must be below 2**31 (an array dimension: MLX's shapes "
+                              f"are int32); got {value}")
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, ["data.demo_pairs=8", f"{key}={2**31 - 1}"]), section), name) == 2**31 - 1
+
+
 DEEP = "[" * 3000 + "]" * 3000
 BIG = "1" + "0" * 5000
 
