@@ -376,6 +376,23 @@ def test_a_config_given_with_dash_c_points_to_the_bare_form(args):
         "launch: error: ./launch takes the config file bare, without -c/--config: ./launch [options] CONFIG"]
 
 
+def test_a_path_of_non_utf8_bytes_is_shown_not_a_traceback(job, tmp_path):
+    """A config file named with a byte that is not UTF-8 (\\xff) ended the launcher in UnicodeEncodeError's traceback
+    as it wrote the error naming it, and so did --dry-run's plan with such a train.output_dir: the launcher's lines
+    show it escaped, as Python's stderr does (dtrain's own errors)."""
+    config = Path(os.fsdecode(os.fsencode(tmp_path) + b"/job\xff.yaml"))
+    config.write_text("train:\n  steps: 3\n")
+    shown = str(config).encode("utf-8", "backslashreplace").decode()
+    r = launch(config, "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"launch: error: {shown}: set 'data.train' to a data file, folder or hub dataset id, or 'data.demo_pairs' > 0 "
+        f"for generated pairs"]
+    r = launch(job["config"], "--dry-run", "--train.output_dir", config.parent / "out\udcff")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "--train.output_dir=" + str(config.parent / "out\\udcff") in r.stdout
+
+
 @pytest.mark.parametrize("ranks", [65536, 100_000_000_000, 10**30])
 def test_more_ranks_than_tcp_ports_is_one_line(ranks, job):
     """`-n 100000000000` ended the launcher in MemoryError's traceback (a host per rank), `-n 10**30` in

@@ -292,8 +292,9 @@ def write(data: bytes, stream=None) -> None:
 
 
 def say(line: str, stream=None) -> None:
-    """Print ``line`` to stderr (or ``stream``) through :func:`write`."""
-    write(f"{line}\n".encode(), stream)
+    """Print ``line`` to stderr (or ``stream``) through :func:`write`; a path's bytes that are not UTF-8 (Python's
+    surrogate escapes) are shown escaped, as Python's stderr writes them."""
+    write(f"{line}\n".encode(errors="backslashreplace"), stream)
 
 
 def main(argv=None) -> int:
