@@ -176,6 +176,17 @@ def test_a_folder_given_as_the_hostfile_is_named_so(config, tmp_path):
     assert one_error(config, tmp_path) == f"launch: error: {tmp_path}: is a directory, not a hostfile"
 
 
+@pytest.mark.parametrize("form", [["--hostfile", ""], ["--hostfile="]])
+def test_an_empty_hostfile_path_is_one_line(config, form):
+    """`./launch --hostfile '' job.yaml` (an unset variable: --hostfile "$HOSTS") planned and started a job of one
+    rank on this machine without a word, as if no --hostfile had been given."""
+    r = launch(*form, "--dry-run", config)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "launch: error: the hostfile path is empty (''); give a JSON hostfile, or leave --hostfile out to run on "
+        "this machine"]
+
+
 @pytest.mark.parametrize("path", ["h" * 300, "/tmp/" + "h" * 300 + "/hosts.json"])
 def test_a_hostfile_path_too_long_for_the_file_system_is_one_line(path):
     """`./launch --hostfile <300 characters> job.yaml` ended in OSError's traceback ("File name too long")."""

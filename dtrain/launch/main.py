@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, port in (("--port", args.port), ("--tensorboard", args.tensorboard)):
             if port is not None and not 1 <= port <= 65535:  # else socket.bind raises OverflowError
                 raise LaunchError(f"{name} must be a TCP port, 1-65535; got {port}")
+        if args.hostfile == "":  # else read as no --hostfile: a job of one rank here (--hostfile "$UNSET")
+            raise LaunchError("the hostfile path is empty (''); give a JSON hostfile, or leave --hostfile out to run "
+                              "on this machine")
         cfg = load_config(args.config, overrides)
         if args.hostfile:  # --hostfile=~/h.json reaches here unexpanded, and mlx.launch is given the path
             args.hostfile = os.path.expanduser(args.hostfile)
