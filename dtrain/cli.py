@@ -165,15 +165,20 @@ def _train(args, overrides, interrupt) -> int:
 
 
 def _data_check(args, overrides) -> int:
-    from .config import load_config
+    from .config import load_config, parse_override
 
     if args.show < 0:
         raise UserError(f"data check: --show N must be 0 or more (the first N usable pairs); got {args.show}")
     if not args.file:  # else read as no data.train, which the config would be blamed for
         raise UserError("data check: FILE is empty (''); give a data file, folder or hub dataset id")
+    values = {"data.train": args.file, "data.demo_pairs": 0}  # the file named on the command line is the data
+    for section, key, value in map(parse_override, overrides):  # another value for them would go unread
+        if values.get(f"{section}.{key}", value) != value:
+            raise UserError(f"data check: --{section}.{key} is not read: FILE ({args.file}) is the data it checks; "
+                            f"remove --{section}.{key}")
     # the file named on the command line is the data, its name taken as it is (a file may be
     # called 2024 or null); a config's demo pairs do not apply
-    cfg = load_config(args.config, overrides, values={"data.train": args.file, "data.demo_pairs": 0})
+    cfg = load_config(args.config, overrides, values=values)
     _setup_blas()
     from .data import check_file, held_out_source
     from .models import load_model

@@ -136,6 +136,20 @@ def test_cli_show_and_on_bad_row_error_line(tmp_path, model_dir, capsys):
                                "(training would stop; see the rows listed above)"]
 
 
+@pytest.mark.parametrize("override", [["--data.train", "other.jsonl"], ["--data.demo_pairs=600"]])
+def test_cli_data_keys_the_file_replaces_are_refused(tmp_path, model_dir, override, capsys):
+    """`dtrain data check a.jsonl --data.train b.jsonl` checked a.jsonl, and --data.demo_pairs 600 checked the file,
+    each override dropped without a word: FILE is the data the check reads."""
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+    assert main(["data", "check", path, "--model.path", str(model_dir), *override]) == 2
+    key = override[0].split("=")[0]
+    assert capsys.readouterr().err == (f"dtrain: error: data check: {key} is not read: FILE ({path}) is the data it "
+                                       f"checks; remove {key}\n")
+    # the values the check reads anyway pass (configs/demo.yaml's advice: --data.demo_pairs 0 to train on a file)
+    assert main(["data", "check", path, "--model.path", str(model_dir), "--data.demo_pairs", "0", "--data.train",
+                 path, "--train.global_batch_pairs", "1", "--data.valid_fraction", "0"]) == 0
+
+
 def test_cli_fewer_training_pairs_than_a_step_fails_as_training_fails(tmp_path, model_dir, capsys):
     """Three usable pairs, two after the held-out split, and train.global_batch_pairs 8: training stops
     (sampler.for_run), and the check said nothing and exited 0; it exits 1, as where training stops on bad rows."""
