@@ -472,6 +472,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None,
             raise ConfigError(unusable_path(path, err, "config file path")) from None
         if is_dir:
             raise ConfigError(f"{path}: is a directory, not a config file")
+        if not is_file and p.exists():  # a pipe (-c <(envsubst < job.yaml)), a socket or a device
+            raise ConfigError(f"{path}: not a regular file (a pipe, a socket or a device); give the config as a file")
         if not is_file:
             raise ConfigError(f"{path}: config file not found")
         data = _data_file(path)

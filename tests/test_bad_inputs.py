@@ -3,6 +3,7 @@ naming the file, line or key, exits with status 2, never prints a traceback,
 and leaves no output behind."""
 
 import json
+import os
 
 import pytest
 
@@ -317,3 +318,32 @@ def test_an_empty_path_argument_is_named_not_read_as_the_working_folder(tmp_path
         captured = capsys.readouterr()
         assert (captured.out, captured.err.splitlines()[-1:]) == ("", [f"dtrain: error: {message}"]), argv
         assert "Traceback" not in captured.err and not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+def test_a_path_that_is_no_file_nor_folder_is_named_so(fifo, capsys):
+    """/dev/null or a pipe (`-c <(envsubst < job.yaml)`) given as the config, the hostfile, the GGUF file of
+    `dtrain convert` or model.path was called missing ('config file not found', 'hostfile not found', 'no such GGUF
+    file', 'no such file or directory'), though it is there."""
+    from dtrain.config import load_config
+    from dtrain.errors import UserError
+    from dtrain.launch.hosts import load_hostfile
+    from dtrain.models import convert_gguf, load_model
+
+    for path in ("/dev/null", str(fifo)):
+        for call, fix in [(lambda: load_config(path), "give the config as a file"),
+                          (lambda: load_hostfile(path), "give the hostfile as a file"),
+                          (lambda: convert_gguf(path, str(fifo.parent / "out")), "give a .gguf file"),
+                          (lambda: load_model(path), "expected demo, a .gguf file, a model folder or a hub id")]:
+            with pytest.raises(UserError) as err:
+                call()
+            assert str(err.value) == f"{path}: not a regular file (a pipe, a socket or a device); {fix}"
+        assert main(["train", "-c", path]) == 2
+        assert capsys.readouterr().err == (f"dtrain: error: {path}: not a regular file (a pipe, a socket or a "
+                                           f"device); give the config as a file\n")

@@ -205,6 +205,8 @@ def load_hostfile(path: str) -> Hostfile:
         raise LaunchError(unusable_path(path, err, "hostfile path")) from None
     if is_dir:
         raise LaunchError(f"{path}: is a directory, not a hostfile")
+    if not is_file and p.exists():  # a pipe, a socket or a device
+        raise LaunchError(f"{path}: not a regular file (a pipe, a socket or a device); give the hostfile as a file")
     if not is_file:
         raise LaunchError(f"{path}: hostfile not found")
     try:

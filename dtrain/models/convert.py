@@ -47,6 +47,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     out_dir = home_text(out_dir, "out_dir")
     if src.is_dir():
         raise ModelError(f"{gguf_path}: a folder, not a GGUF file (a model folder is already what convert writes)")
+    if not src.is_file() and src.exists():  # a pipe, a socket or a device
+        raise ModelError(f"{gguf_path}: not a regular file (a pipe, a socket or a device); give a .gguf file")
     if not src.is_file():
         raise ModelError(f"{gguf_path}: no such GGUF file")
     check_new_folder(out_dir)

@@ -105,6 +105,9 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
         if not (p / "config.json").is_file():
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder")
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
+    if p.exists():  # a pipe, a socket or a device
+        raise ModelError(f"{path}: not a regular file (a pipe, a socket or a device); expected demo, a .gguf file, a "
+                         f"model folder or a hub id")
     if is_hub_id(path):
         return _load_mlx_lm(path, keep_quantized, float_dtype)
     raise ModelError(f"{path}: no such file or directory (expected demo, a .gguf file, a model folder or a hub id)")
