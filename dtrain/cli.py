@@ -270,6 +270,9 @@ def _doctor(args) -> int:
 
     if args.steps < 1 or args.pairs < 1 or args.max_length < 8:
         raise UserError("doctor: --steps and --pairs must be >= 1, --max-length >= 8")
+    for option, value in (("--steps", args.steps), ("--pairs", args.pairs), ("--max-length", args.max_length)):
+        if value >= 2**62:  # else refused as the demo run's keys, no one's (data.demo_pairs: twice --pairs)
+            raise UserError(f"doctor: {option} must be below 2**62; got {value}")
     if not args.model:  # else refused as the demo run's model.path, a key not given
         raise UserError("doctor: --model is empty (''); give demo, a .gguf file, a model folder or a hub id")
     print("dtrain doctor (paste all of it into a report)", flush=True)

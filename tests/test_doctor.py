@@ -81,6 +81,17 @@ def test_doctor_without_demo_on_this_machine():
     assert not any(x.startswith("demo run") for x in lines)
 
 
+@pytest.mark.parametrize("option, value", [("--steps", 10**22), ("--pairs", 2**62), ("--max-length", 2**63)])
+def test_doctor_option_too_large_is_named(option, value, capsys):
+    """`dtrain doctor --steps 10**22` printed the system lines, then refused the key 'train.steps', and --pairs 2**62
+    'data.demo_pairs' at twice its value: keys no one gave. Each is named as the option, before anything runs."""
+    from dtrain.cli import main
+
+    assert main(["doctor", option, str(value)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"dtrain: error: doctor: {option} must be below 2**62; got {value}\n"
+
+
 def test_doctor_bad_option_is_one_line():
     r = subprocess.run([sys.executable, "-m", "dtrain", "doctor", "--steps", "0"], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
