@@ -313,6 +313,8 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
     if _deeper_than(value, MAX_DEPTH):  # a recursive alias (&a [*a]) nests without end
         raise ConfigError(f"{source}: key '{shown}' nests lists or mappings more than {MAX_DEPTH} levels deep "
                           "(a recursive YAML alias?)")
+    if _holds_nul(value):  # only YAML's "\0" gives one; a path of one ends the file system's calls in ValueError
+        raise ConfigError(f"{source}: key '{shown}' holds a NUL character (\\0), which no path or name can")
     value = checked(type(sub), name, value, f"{source}: key '{shown}'")
     # its own keys too, here: demo pairs never read it, and dtrain config and ./launch --dry-run show it
     if (section, name) == ("data", "fields") and value and (problem := fields_problem(value)):
@@ -329,6 +331,14 @@ def _deeper_than(value: Any, depth: int) -> bool:
     """Whether ``value`` nests lists or mappings more than ``depth`` levels deep."""
     children = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else ()
     return bool(children) and (depth == 0 or any(_deeper_than(c, depth - 1) for c in children))
+
+
+def _holds_nul(value: Any) -> bool:
+    """Whether ``value``, or text inside its lists and mappings (keys too), holds a NUL character."""
+    if isinstance(value, str):
+        return "\0" in value
+    inner = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_holds_nul(x) for x in inner)
 
 
 def _check_section(section: str, source: str) -> None:

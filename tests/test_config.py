@@ -375,6 +375,22 @@ def test_an_array_dimension_past_int32_is_refused(key, value):
     assert getattr(getattr(load_config(None, ["data.demo_pairs=8", f"{key}={2**31 - 1}"]), section), name) == 2**31 - 1
 
 
+@pytest.mark.parametrize("key", ["train.output_dir", "model.path", "data.train", "data.chat_template",
+                                 "train.resume", "data.fields"])
+def test_a_nul_character_in_text_is_refused(tmp_path, key):
+    """A YAML "\\0" (the command line cannot pass one) in train.output_dir ended the run in ValueError's traceback
+    ('embedded null byte') as it made the folder, after the model and data loaded; in the other paths the message
+    showed the path with the NUL in it ('a b: data file not found'). No path or name holds one."""
+    section, name = key.split(".")
+    value = {"prompt": "q\0"} if key == "data.fields" else "a\0b"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"data": {"demo_pairs": 4}, section: {name: value}} if section != "data" else
+                                   {"data": {"train": "pairs.jsonl", name: value}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value) == f"{path}: key '{key}' holds a NUL character (\\0), which no path or name can"
+
+
 DEEP = "[" * 3000 + "]" * 3000
 BIG = "1" + "0" * 5000
 
