@@ -393,6 +393,18 @@ def test_a_path_of_non_utf8_bytes_is_shown_not_a_traceback(job, tmp_path):
     assert "--train.output_dir=" + str(config.parent / "out\\udcff") in r.stdout
 
 
+@pytest.mark.parametrize("extra", [[], ["--tensorboard", "0"]])
+def test_an_output_dir_name_too_long_for_the_file_system_is_one_line(job, tmp_path, extra):
+    """`./launch job.yaml --train.output_dir <a 300-character name>` ended the launcher in OSError's traceback ('File
+    name too long') as it listed the folder's TensorBoard runs, or made tb/ for --tensorboard, before any rank
+    started; `dtrain train` says it in one line."""
+    out = tmp_path / ("x" * 300)
+    extra = ["--tensorboard", str(free_port(1))] if extra else []
+    r = launch(job["config"], *extra, "--train.output_dir", out)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"launch: error: {str(out)[:80]}...: not a usable path: File name too long"
+
+
 @pytest.mark.parametrize("ranks", [65536, 100_000_000_000, 10**30])
 def test_more_ranks_than_tcp_ports_is_one_line(ranks, job):
     """`-n 100000000000` ended the launcher in MemoryError's traceback (a host per rank), `-n 10**30` in

@@ -30,6 +30,7 @@ a user error (exit status 2 on any rank) is not restarted, since it would repeat
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import math
 import os
@@ -46,7 +47,7 @@ from typing import Optional
 from ..config import load_config
 from ..config_text import take_overrides
 from ..errors import UserError
-from ..files import OutputDir, absent_folders, output_dir_problem, remove_folders
+from ..files import OutputDir, absent_folders, output_dir_problem, remove_folders, unusable_path
 from . import restart
 from ..contract import BACKENDS, JOB_VAR, LAUNCHER_VAR, STOP_SIGNALS, STOP_TIMEOUT_VAR, TB_RUN_VAR
 from .hosts import LaunchError, load_hostfile
@@ -344,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                     stop_tensorboard(tb, Path(tmp) / "tensorboard.log")
     except UserError as err:
         say(f"launch: error: {err}")
+        return 2
+    except OSError as err:  # a path given longer than a file name may be, wherever it is first looked at (as dtrain)
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        say(f"launch: error: {unusable_path(str(err.filename), err)}")
         return 2
     finally:
         release(port_locks)
