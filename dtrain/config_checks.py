@@ -18,6 +18,8 @@ from .run.best import REPORTED
 if TYPE_CHECKING:
     from .config import Config
 
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+
 # YAML spells some keys differently from Python identifiers.
 ALIASES = {"lambda": "lam"}
 
@@ -101,6 +103,9 @@ def _check_allowed(value: Any, meta: dict, where: str) -> None:
         return
     if not math.isfinite(value):  # NaN fails every comparison below, so it would pass every bound
         raise ConfigError(f"{where} must be a finite number; got {value}")
+    if isinstance(value, float) and abs(value) > FLOAT32_MAX:  # finite to Python, inf where MLX reads it (1e300)
+        raise ConfigError(f"{where} must be a finite float32 number (MLX computes in float32, whose largest is "
+                          f"{FLOAT32_MAX:.2g}); got {value}")
     if isinstance(value, int) and not -2**63 <= value < 2**63:  # numpy, MLX and TensorBoard hold int64
         raise ConfigError(f"{where} must fit in 64 bits (below 2**63); got {value}")
     if meta.get("dimension") and value >= 2**31:  # mlx-lm's LoRA matrices, a row padded to the bucket

@@ -566,6 +566,22 @@ def test_a_non_finite_float_is_refused_naming_the_key(override):
         load_config(None, ["data.demo_pairs=1", *extra, override])
 
 
+@pytest.mark.parametrize("override", ["orpo.lambda=1e300", "lora.scale=1e39", "train.learning_rate=-1e300",
+                                      "objective.beta=3.5e38"])
+def test_a_float_past_float32_is_refused_naming_the_key(override):
+    """orpo.lambda 1e300 is finite to Python, and passed: as MLX's float32 it is inf, so every step was skipped
+    ('non-finite loss or gradient') and the evaluation warned of the held-out pairs and the model's dtype; lora.scale
+    1e300 trained an adapter whose outputs are NaN. float32's largest, 3.4e38, passes."""
+    key, value = override.split("=")
+    extra = ["objective.kind=dpo"] if key == "objective.beta" else []
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=1", *extra, override])
+    assert str(err.value) == (f"command line: key '{key}' must be a finite float32 number (MLX computes in float32, "
+                              f"whose largest is 3.4e+38); got {float(value)}")
+    cfg = load_config(None, ["data.demo_pairs=1", *extra, f"{key}=3.4e38"])
+    assert getattr(getattr(cfg, key.split(".")[0]), config.ALIASES.get(key.split(".")[1], key.split(".")[1])) == 3.4e38
+
+
 def test_a_non_finite_float_in_a_yaml_file_is_refused(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("data:\n  demo_pairs: 4\ntrain:\n  learning_rate: .nan\n")
