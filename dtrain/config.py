@@ -34,17 +34,18 @@ from .run.lambda_control import LAWS
 
 def option(default: Any, help: str, choices: tuple = (), at_least: Optional[float] = None,
            above: Optional[float] = None, below: Optional[float] = None, at_most: Optional[float] = None,
-           dimension: bool = False) -> Any:
+           dimension: bool = False, float32: bool = True) -> Any:
     """A config field: its default, one help line and its allowed values.
 
     ``choices``: the values a string key accepts, taken from the module that
     owns them (formats, backends, dtypes). ``at_least``, ``above``, ``below``,
     ``at_most``: bounds of a number (``above`` and ``below`` exclusive). ``dimension``: an integer
-    that becomes an array dimension, below 2**31 (MLX's shapes are int32). A mutable default is copied
-    per instance.
+    that becomes an array dimension, below 2**31 (MLX's shapes are int32). ``float32``: a float that MLX
+    reads, so at most float32's largest (False: one only Python reads, such as seconds or a threshold). A
+    mutable default is copied per instance.
     """
     meta = {"help": help, "choices": tuple(choices), "at_least": at_least, "above": above, "below": below,
-            "at_most": at_most, "dimension": dimension}
+            "at_most": at_most, "dimension": dimension, "float32": float32}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -137,9 +138,11 @@ class OrpoConfig:
                                    "evaluations before a back-off ramps again", above=1)
     lambda_epsilon: float = option(0.06, "adaptive: the slope noise band (nats/token per evaluation): ramp while "
                                          "the slope >= -epsilon, back off below; 2 sd of the measured noise of a "
-                                         "3-point slope of held-out eval/logps/chosen (docs/defaults.md)", above=0.0)
+                                         "3-point slope of held-out eval/logps/chosen (docs/defaults.md)", above=0.0,
+                                   float32=False)
     lambda_stop_drop: float = option(0.1, "adaptive: freeze lambda at lambda_min for good when eval/logps/chosen "
-                                          "falls more than this (nats/token) below its first value", above=0.0)
+                                          "falls more than this (nats/token) below its first value", above=0.0,
+                                     float32=False)
     lambda_law: str = option("aimd", "adaptive: aimd (add lambda_step, multiply by lambda_backoff) or pd (a PD "
                                      "law on the slope error)", LAWS)
     lambda_kd: float = option(0.5, "adaptive, pd: the derivative gain", at_least=0.0)
@@ -178,7 +181,7 @@ class EngineConfig:
                                           "notice); 0 = Metal's recommended "
                                           "working set less what is in use, 85% of a CUDA GPU's memory, or 50% "
                                           "of RAM on the CPU; ranks on one machine (launch -n N) divide the "
-                                          "Metal or CPU figure", at_least=0.0)
+                                          "Metal or CPU figure", at_least=0.0, float32=False)
     prefix_sharing: bool = option(True, "auto/segmented: one [prompt; chosen; rejected] sequence per pair, the "
                                         "prompt encoded once")
     head_chunk_tokens: int = option(0, "LM head in chunks of this many target tokens; 0 = all at once (auto: "
@@ -238,14 +241,15 @@ class TrainConfig:
                                                 "nats/token below its step-0 value (the model is lowering the chosen "
                                                 "answers too); 0 = off; not checked for objective.kind dpo with "
                                                 "loss_type sigmoid or hinge, whose logps are sums per response",
-                                           at_least=0.0)
+                                           at_least=0.0, float32=False)
     keep_best: Optional[str] = option(None, "null: adapters/ holds the last step; or a held-out metric: adapters/ "
                                            "holds the best evaluated step by it (the last step goes to "
                                            "adapters-last/); needs eval_every > 0", tuple(DIRECTIONS))
     keep_best_guard: Optional[float] = option(None, "keep_best: a step counts only when its eval/logps/chosen is at "
                                                     "most this many nats/token below step 0's; null = no guard; "
                                                     "not for objective.kind dpo with loss_type sigmoid or hinge "
-                                                    "(their logps are sums per response)", at_least=0.0)
+                                                    "(their logps are sums per response)", at_least=0.0,
+                                              float32=False)
     early_stop_evals: int = option(0, "keep_best: stop after this many evaluations in a row without a new best; "
                                       "0 = never", at_least=0)
     progress: bool = option(True, "show a progress bar on rank 0")
@@ -260,7 +264,8 @@ class DistributedConfig:
     check_sync_every: int = option(50, "compare the LoRA weights across ranks every N steps; 0 = never",
                                    at_least=0)
     collective_timeout_s: float = option(300.0, "seconds a collective may take before the rank stops with an "
-                                                "error (a peer died or stalled); 0 = no limit", at_least=0.0)
+                                                "error (a peer died or stalled); 0 = no limit", at_least=0.0,
+                                         float32=False)
 
 
 @dataclass

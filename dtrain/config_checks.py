@@ -103,7 +103,7 @@ def _check_allowed(value: Any, meta: dict, where: str) -> None:
         return
     if not math.isfinite(value):  # NaN fails every comparison below, so it would pass every bound
         raise ConfigError(f"{where} must be a finite number; got {value}")
-    if isinstance(value, float) and abs(value) > FLOAT32_MAX:  # finite to Python, inf where MLX reads it (1e300)
+    if isinstance(value, float) and meta.get("float32", True) and abs(value) > FLOAT32_MAX:  # inf where MLX reads it
         raise ConfigError(f"{where} must be a finite float32 number (MLX computes in float32, whose largest is "
                           f"{FLOAT32_MAX:.2g}); got {value}")
     if isinstance(value, int) and not -2**63 <= value < 2**63:  # numpy, MLX and TensorBoard hold int64

@@ -582,6 +582,21 @@ def test_a_float_past_float32_is_refused_naming_the_key(override):
     assert getattr(getattr(cfg, key.split(".")[0]), config.ALIASES.get(key.split(".")[1], key.split(".")[1])) == 3.4e38
 
 
+@pytest.mark.parametrize("override", ["distributed.collective_timeout_s=1e300", "engine.memory_budget_gb=1e39",
+                                      "train.chosen_logps_drop_warn=1e39", "orpo.lambda_epsilon=1e39",
+                                      "orpo.lambda_stop_drop=1e39"])
+def test_a_float_only_python_reads_is_not_held_to_float32(override):
+    """The float32 limit refused distributed.collective_timeout_s 1e300 ('MLX computes in float32'), a watchdog's
+    seconds that a thread waits (no limit in practice: test_a_watchdog_longer_than_a_thread_can_wait_waits), and
+    the other keys only Python reads: GiB, thresholds compared in Python. Past float32 they are no inf."""
+    key, value = override.split("=")
+    section, name = key.split(".")
+    assert getattr(getattr(load_config(None, ["data.demo_pairs=1", override]), section), name) == float(value)
+    guard = load_config(None, ["data.demo_pairs=1", "train.eval_every=1", "train.keep_best=eval/loss",
+                               "train.keep_best_guard=1e39"])
+    assert guard.train.keep_best_guard == 1e39
+
+
 def test_a_non_finite_float_in_a_yaml_file_is_refused(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("data:\n  demo_pairs: 4\ntrain:\n  learning_rate: .nan\n")
