@@ -289,3 +289,30 @@ def test_a_hub_model_is_known_by_its_downloaded_weights_not_only_its_id(tmp_path
     assert before.reference == {"hub_id": "some-org/some-model"}
     save_model(snapshot, make_tiny_model(seed=7, num_hidden_layers=2))  # re-uploaded: same names and shapes
     assert load_model("some-org/some-model", "float32").identity != before.identity
+
+
+def tiny_folder(folder):
+    """A float32 llama mlx-lm folder with tokenizer files; returns ``folder``."""
+    from mlx_lm.utils import save_config, save_model
+
+    model = make_tiny_model("llama", seed=3)
+    save_model(folder, model)
+    save_config({k: v for k, v in vars(model.args).items() if v is not None}, folder / "config.json")
+    make_tokenizer()._tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+@pytest.mark.parametrize("text, detail", [
+    ("{oops", "not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("[1, 2]", "not a JSON object"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON (nested too deep for Python's recursion limit)"),
+])
+def test_a_model_folder_json_file_that_is_not_a_json_object_is_named(tmp_path, name, text, detail):
+    """mlx-lm's and transformers' errors named no file: 'mlx-lm could not load this model folder: JSONDecodeError:
+    Expecting property name ...: line 1 column 2 (char 1)', "AttributeError: 'list' object has no attribute 'get'"."""
+    folder = tiny_folder(tmp_path / "m")
+    (folder / name).write_text(text)
+    with pytest.raises(ModelError) as err:
+        load_model(str(folder))
+    assert str(err.value) == f"{folder / name}: {detail}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..device import on_gpu
-from ..errors import ModelError
+from ..errors import TOO_DEEP, ModelError
 from ..files import HUB_ID, sha256_file
 from . import DTYPE_NAMES
 from .demo import demo_model_path
@@ -104,6 +105,8 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder")
+        for name in FOLDER_JSON:
+            check_json_object(p / name)
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
     if p.exists():  # a pipe, a socket or a device
         raise ModelError(f"{path}: not a regular file (a pipe, a socket or a device); expected demo, a .gguf file, a "
@@ -111,6 +114,28 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
     if is_hub_id(path):
         return _load_mlx_lm(path, keep_quantized, float_dtype)
     raise ModelError(f"{path}: no such file or directory (expected demo, a .gguf file, a model folder or a hub id)")
+
+
+FOLDER_JSON = ("config.json", "tokenizer_config.json")  # read by mlx-lm and transformers, whose errors name neither
+
+
+def check_json_object(path: Path) -> None:
+    """Refuse ``path``, when it exists, if it is not a JSON object (mlx-lm's and transformers' JSONDecodeError,
+    'Expecting value: line 1 column 1 (char 0)', names no file).
+
+    Raises:
+        ModelError: naming the file, with the JSON error's line and column.
+    """
+    if not path.is_file():
+        return
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise ModelError(f"{path}: not valid JSON ({TOO_DEEP})") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path}: not a JSON object")
 
 
 def is_hub_id(path: str) -> bool:
