@@ -316,3 +316,21 @@ def test_a_model_folder_json_file_that_is_not_a_json_object_is_named(tmp_path, n
     with pytest.raises(ModelError) as err:
         load_model(str(folder))
     assert str(err.value) == f"{folder / name}: {detail}"
+
+
+@pytest.mark.parametrize("removed", [("tokenizer.json",), ("tokenizer.json", "tokenizer_config.json",
+                                                          "chat_template.jinja")])
+def test_a_model_folder_without_tokenizer_files_says_so(tmp_path, removed):
+    """transformers' message named none of the files and blamed packages that are installed: 'mlx-lm could not load
+    this model folder: ValueError: Couldn't instantiate the backend tokenizer from one of: ... You need to have
+    sentencepiece or tiktoken installed to convert a slow tokenizer to a fast one.'"""
+    folder = tiny_folder(tmp_path / "m")
+    for name in removed:
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(ModelError) as err:
+        load_model(str(folder))
+    assert str(err.value) == (f"{folder}: the folder has no tokenizer files (tokenizer.json, or tokenizer.model for a "
+                              "SentencePiece tokenizer); copy them from the model it was made from")
+    (folder / "model.safetensors").write_bytes(b"")  # the weights are read first, and their error stays theirs
+    with pytest.raises(ModelError, match=r"mlx-lm could not load this model folder: RuntimeError"):
+        load_model(str(folder))

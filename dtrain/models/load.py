@@ -227,6 +227,9 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
             raise ModelError(f"{path}: no such file or folder, and as a hub model it is not in the local cache and "
                              f"the hub cannot be reached (offline?); download it where there is network: hf download "
                              f"{path} --local-dir DIR, then set model.path: DIR") from None
+        if Path(path).is_dir() and _in_load_tokenizer(err) and not _has_tokenizer_files(Path(path)):
+            raise ModelError(f"{path}: the folder has no tokenizer files (tokenizer.json, or tokenizer.model for a "
+                             "SentencePiece tokenizer); copy them from the model it was made from") from None
         where = "model folder" if Path(path).is_dir() else "hub model (not a local path)"
         detail = " ".join(f"{type(err).__name__}: {err}".split())  # one line
         raise ModelError(f"{path}: mlx-lm could not load this {where}: {detail}") from None
@@ -250,6 +253,20 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         aliases = (f"mlx-lm:{path}:{config_hash}",)  # what checkpoints before 2026-12-07 hold: the id and config
     identity = f"mlx-lm-folder:{fingerprint}"
     return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference, aliases)
+
+
+def _in_load_tokenizer(err: BaseException) -> bool:
+    """``err`` was raised inside mlx-lm's ``load_tokenizer`` (``load`` reads the weights first)."""
+    import traceback
+
+    return any(frame.name == "load_tokenizer" for frame in traceback.extract_tb(err.__traceback__))
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    """``folder`` holds a file transformers builds a tokenizer from (tokenizer.json, a SentencePiece or tiktoken
+    model, a BPE or WordPiece vocabulary); without one it says 'You need to have sentencepiece or tiktoken
+    installed', which they may well be."""
+    return any(any(folder.glob(pattern)) for pattern in ("tokenizer.json", "*.model", "vocab.*", "*.tiktoken"))
 
 
 def _has_experts(model) -> bool:
