@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import zipfile
@@ -332,5 +333,30 @@ def test_a_model_folder_without_tokenizer_files_says_so(tmp_path, removed):
     assert str(err.value) == (f"{folder}: the folder has no tokenizer files (tokenizer.json, or tokenizer.model for a "
                               "SentencePiece tokenizer); copy them from the model it was made from")
     (folder / "model.safetensors").write_bytes(b"")  # the weights are read first, and their error stays theirs
-    with pytest.raises(ModelError, match=r"mlx-lm could not load this model folder: RuntimeError"):
+    with pytest.raises(ModelError, match=r"model\.safetensors: not a readable safetensors file"):
         load_model(str(folder))
+
+
+def test_a_damaged_weight_file_of_a_model_folder_is_named(tmp_path):
+    """MLX's errors named no file ('mlx-lm could not load this model folder: RuntimeError: [read] Unable to read 8
+    bytes from file.'; a truncated file: its tensor's offsets only), so which shard of a download was cut was not
+    said."""
+    folder = tiny_folder(tmp_path / "m")
+    weights = mx.load(str(folder / "model.safetensors"))
+    names = sorted(weights)
+    mx.save_safetensors(str(folder / "model-00001-of-00002.safetensors"), {k: weights[k] for k in names[:5]})
+    mx.save_safetensors(str(folder / "model-00002-of-00002.safetensors"), {k: weights[k] for k in names[5:]})
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    assert load_model(str(folder)).model(mx.array([[1, 2]])).shape == (1, 2, 512)  # sharded, whole: loads
+    shard = folder / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")  # safetensors: u64 length, then the JSON header
+    for cut, detail in [(header + 10, r"\[load_safetensors\] Tensor '.*' invalid data offsets .* exceeding the size of "
+                                      r"the file\. Perhaps an incomplete download or corrupt file\?"),
+                        (0, r"\[read\] Unable to read 8 bytes from file\.")]:
+        shard.write_bytes(data[:cut])
+        with pytest.raises(ModelError) as err:
+            load_model(str(folder))
+        expected = f"{re.escape(str(shard))}: not a readable safetensors file \\({detail}\\)"
+        assert re.fullmatch(expected, str(err.value)), err.value

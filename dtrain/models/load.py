@@ -230,6 +230,8 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         if Path(path).is_dir() and _in_load_tokenizer(err) and not _has_tokenizer_files(Path(path)):
             raise ModelError(f"{path}: the folder has no tokenizer files (tokenizer.json, or tokenizer.model for a "
                              "SentencePiece tokenizer); copy them from the model it was made from") from None
+        if Path(path).is_dir() and not _in_load_tokenizer(err) and (unreadable := _unreadable_weights(Path(path))):
+            raise ModelError(unreadable) from None
         where = "model folder" if Path(path).is_dir() else "hub model (not a local path)"
         detail = " ".join(f"{type(err).__name__}: {err}".split())  # one line
         raise ModelError(f"{path}: mlx-lm could not load this {where}: {detail}") from None
@@ -260,6 +262,17 @@ def _in_load_tokenizer(err: BaseException) -> bool:
     import traceback
 
     return any(frame.name == "load_tokenizer" for frame in traceback.extract_tb(err.__traceback__))
+
+
+def _unreadable_weights(folder: Path) -> str | None:
+    """The first of ``folder``'s weight files (those mlx-lm loads) that ``mx.load`` refuses, named with its error:
+    MLX's ('[read] Unable to read 8 bytes from file.', a tensor's offsets past the file's end) name no file."""
+    for weights in sorted(folder.glob("model*.safetensors")):
+        try:
+            mx.load(str(weights))
+        except (RuntimeError, ValueError, OSError) as err:
+            return f"{weights}: not a readable safetensors file ({' '.join(str(err).split())})"
+    return None
 
 
 def _has_tokenizer_files(folder: Path) -> bool:
