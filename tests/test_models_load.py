@@ -360,3 +360,14 @@ def test_a_damaged_weight_file_of_a_model_folder_is_named(tmp_path):
             load_model(str(folder))
         expected = f"{re.escape(str(shard))}: not a readable safetensors file \\({detail}\\)"
         assert re.fullmatch(expected, str(err.value)), err.value
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_file_of_a_model_folder_as_the_model_path_names_the_folder(tmp_path, name):
+    """model.path .../config.json was read as a GGUF file: '...config.json: not a readable GGUF file (ValueError:
+    GGUF magic invalid)', with no word that the folder is what loads."""
+    folder = tiny_folder(tmp_path / "m")
+    with pytest.raises(ModelError) as err:
+        load_model(str(folder / name))
+    assert str(err.value) == (f"{folder / name}: a file of the model folder {folder}, not a GGUF file; set model.path "
+                              "to the folder")

@@ -101,6 +101,9 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
     except RuntimeError:  # ~user of no user here
         raise ModelError(f"{path}: no such file or directory: no home folder for {path.split('/')[0]}") from None
     if p.is_file():
+        if (p.parent / "config.json").is_file() and not _gguf_magic(p):  # else 'not a readable GGUF file'
+            raise ModelError(f"{path}: a file of the model folder {p.parent}, not a GGUF file; set model.path to "
+                             "the folder")
         return _load_gguf(p, keep_quantized, float_dtype, source=f"GGUF file {p}")
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -143,6 +146,15 @@ def is_hub_id(path: str) -> bool:
     and no model file suffix (``.gguf``, ``.safetensors`` ..., any case), which marks a missing file."""
     return (bool(HUB_ID.fullmatch(path)) and not path.startswith(".")
             and Path(path).suffix.lower() not in MODEL_FILE_SUFFIXES)
+
+
+def _gguf_magic(path: Path) -> bool:
+    """``path`` opens with GGUF's magic (or cannot be read: gguf.py's reader then says why)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return True
 
 
 def _load_gguf(path: Path, keep_quantized: bool, float_dtype, source: str) -> LoadedModel:
