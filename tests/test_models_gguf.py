@@ -269,7 +269,8 @@ def test_convert_and_export_name_a_file_where_the_folder_should_be(tmp_path, cap
         assert capsys.readouterr().err == f"dtrain: error: {message}\n"
     with pytest.raises(ModelError) as err:
         convert_gguf(str(tmp_path), str(tmp_path / "out"))
-    assert str(err.value) == f"{tmp_path}: a folder, not a GGUF file (a model folder is already what convert writes)"
+    assert str(err.value) == (f"{tmp_path}: a folder, not a GGUF file (a model folder is already what convert writes)"
+                              "; it holds the GGUF file tiny.gguf: give that file")
     assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "tiny.gguf"]
 
 

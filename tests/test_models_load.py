@@ -371,3 +371,20 @@ def test_a_file_of_a_model_folder_as_the_model_path_names_the_folder(tmp_path, n
         load_model(str(folder / name))
     assert str(err.value) == (f"{folder / name}: a file of the model folder {folder}, not a GGUF file; set model.path "
                               "to the folder")
+
+
+def test_a_folder_of_gguf_files_as_the_model_path_names_them(tmp_path):
+    """A GGUF repository's download given as model.path was only 'folder has no config.json, so it is not an
+    mlx-lm/Hugging Face model folder', with no word of the GGUF files it holds, which model.path takes."""
+    prefix = f"{tmp_path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder"
+    hints = ["", "; it holds the GGUF file m-Q4_0.gguf: give that file",
+             "; it holds the GGUF files m-Q4_0.gguf, m-Q5_0.gguf: give one of them",
+             "; it holds the GGUF files m-Q4_0.gguf, m-Q5_0.gguf, m-Q6_0.gguf: give one of them",
+             "; it holds the GGUF files m-Q4_0.gguf, m-Q5_0.gguf, m-Q6_0.gguf and 1 more: give one of them"]
+    (tmp_path / "README.md").write_text("a GGUF repository")
+    for n, hint in enumerate(hints):
+        if n:
+            (tmp_path / f"m-Q{n + 3}_0.gguf").write_bytes(b"GGUF")
+        with pytest.raises(ModelError) as err:
+            load_model(str(tmp_path))
+        assert str(err.value) == prefix + hint

@@ -11,7 +11,7 @@ from ..errors import ModelError
 from ..files import atomic_folder, home_path, home_text, storage
 from .demo import demo_model_path
 from .gguf import gguf_to_mlx
-from .load import build_gguf_model
+from .load import build_gguf_model, gguf_files_hint
 from .tokenizer import build_tokenizer, eos_token_ids
 
 
@@ -46,7 +46,8 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     src = demo_model_path() if gguf_path == "demo" else home_path(gguf_path, "gguf_file")  # as model.path reads ~
     out_dir = home_text(out_dir, "out_dir")
     if src.is_dir():
-        raise ModelError(f"{gguf_path}: a folder, not a GGUF file (a model folder is already what convert writes)")
+        raise ModelError(f"{gguf_path}: a folder, not a GGUF file (a model folder is already what convert writes)"
+                         f"{gguf_files_hint(src)}")
     if not src.is_file() and src.exists():  # a pipe, a socket or a device
         raise ModelError(f"{gguf_path}: not a regular file (a pipe, a socket or a device); give a .gguf file")
     if not src.is_file():

@@ -107,7 +107,8 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
         return _load_gguf(p, keep_quantized, float_dtype, source=f"GGUF file {p}")
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model folder")
+            raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model "
+                             f"folder{gguf_files_hint(p)}")
         for name in FOLDER_JSON:
             check_json_object(p / name)
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
@@ -117,6 +118,18 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
     if is_hub_id(path):
         return _load_mlx_lm(path, keep_quantized, float_dtype)
     raise ModelError(f"{path}: no such file or directory (expected demo, a .gguf file, a model folder or a hub id)")
+
+
+def gguf_files_hint(folder: Path) -> str:
+    """``'; it holds the GGUF file(s) a.gguf, ...: give one of them'`` for a folder holding ``*.gguf`` files (a GGUF
+    repository's download), else ``''``."""
+    names = sorted(f.name for f in folder.glob("*.gguf") if f.is_file())
+    if not names:
+        return ""
+    if len(names) == 1:
+        return f"; it holds the GGUF file {names[0]}: give that file"
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"; it holds the GGUF files {shown}: give one of them"
 
 
 FOLDER_JSON = ("config.json", "tokenizer_config.json")  # read by mlx-lm and transformers, whose errors name neither
