@@ -731,3 +731,19 @@ def test_a_split_count_of_another_kind_is_one_line(tmp_path, capsys, value):
     assert capsys.readouterr().err == (f"dtrain: error: {path}: GGUF key 'split.count' = {value!r} is not supported "
                                        f"(expected 1)\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_converted_quantized_folder_loads_with_the_weights_of_its_gguf(tmp_path):
+    """convert keeps Q4_0/Q4_1/Q8_0 as MLX-quantized layers with float16 scales; loaded at float32 (the CPU's auto),
+    mlx-lm's dequantize_model computed scale * q + bias in float16, so the folder's logits were up to 1e-3 off its
+    GGUF's, whose dequantization is float32 (llama.cpp's)."""
+    path = tmp_path / "q.gguf"
+    quant = {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_0, "token_embd.weight": Q.Q4_1,
+             "blk.2.ffn_up.weight": Q.Q4_1, "blk.3.ffn_down.weight": Q.Q4_0}
+    write_tiny_llama(path, quant)
+    convert_gguf(str(path), str(tmp_path / "out"))
+    folder = load_model(str(tmp_path / "out"), dtype="float32")
+    gguf_model = load_model(str(path), dtype="float32")
+    for name, value in tree_flatten(gguf_model.model.parameters()):
+        np.testing.assert_array_equal(np.array(dict(tree_flatten(folder.model.parameters()))[name]), np.array(value))
+    np.testing.assert_allclose(np.array(folder.model(TOKENS)), np.array(gguf_model.model(TOKENS)), rtol=0, atol=1e-6)

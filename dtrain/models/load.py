@@ -261,7 +261,7 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         detail = " ".join(f"{type(err).__name__}: {err}".split())  # one line
         raise ModelError(f"{path}: mlx-lm could not load this {where}: {detail}") from None
     if not keep_quantized and config.get("quantization"):
-        model = dequantize_model(model)
+        model = dequantize_model(_widened_scales(model))
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     model.set_dtype(float_dtype)
     if float_dtype != mx.float32 and _has_experts(model) and not _gather_mm_runs(float_dtype):
@@ -280,6 +280,18 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
         aliases = (f"mlx-lm:{path}:{config_hash}",)  # what checkpoints before 2026-12-07 hold: the id and config
     identity = f"mlx-lm-folder:{fingerprint}"
     return LoadedModel(model, tokenizer, config, identity, f"mlx-lm model {path}", reference, aliases)
+
+
+def _widened_scales(model: nn.Module) -> nn.Module:
+    """``model`` with its quantized layers' float16/bfloat16 scales and biases widened to float32 (in place), so
+    ``mlx_lm.utils.dequantize_model``, which computes ``scale * q + bias`` in their dtype, gives the float32 values,
+    as :func:`dequantize_weights` does for a GGUF file (a converted folder's weights then equal its GGUF's)."""
+    for _, module in model.named_modules():
+        for name in ("scales", "biases"):
+            value = getattr(module, name, None) if hasattr(module, "group_size") else None
+            if isinstance(value, mx.array) and value.dtype in (mx.float16, mx.bfloat16):
+                setattr(module, name, value.astype(mx.float32))
+    return model
 
 
 def _in_load_tokenizer(err: BaseException) -> bool:
