@@ -586,6 +586,32 @@ def test_tokenizer_lists_that_do_not_fit_the_tokens_are_one_line(tmp_path, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("method, value, problem", [
+    ("add_eos_token_id", "2", "GGUF key 'tokenizer.ggml.eos_token_id' = '2' is not supported (expected a token id)"),
+    ("add_bos_token_id", 1.0, "GGUF key 'tokenizer.ggml.bos_token_id' = 1.0 is not supported (expected a token id)"),
+    ("add_add_bos_token", "false", "GGUF key 'tokenizer.ggml.add_bos_token' = 'false' is not supported (expected true "
+                                   "or false)"),
+], ids=["eos_id_text", "bos_id_float", "add_bos_text"])
+def test_a_tokenizer_id_or_flag_of_another_kind_is_one_line(tmp_path, monkeypatch, capsys, method, value, problem):
+    """An id as text or a float ended convert and load in TypeError's traceback ('<=' not supported between
+    instances of 'int' and 'str'; list indices must be integers), and add_bos_token 'false' added BOS (bool('false')),
+    where llama.cpp refuses a key of the wrong type."""
+    from dtrain.cli import main
+
+    kind = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32}[type(value)]
+    key = {"add_eos_token_id": "tokenizer.ggml.eos_token_id", "add_bos_token_id": "tokenizer.ggml.bos_token_id",
+           "add_add_bos_token": "tokenizer.ggml.add_bos_token"}[method]
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, _: self.add_key_value(key, value, kind))
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path, {})
+    with pytest.raises(ModelError) as err:
+        load_model(str(path))
+    assert str(err.value) == f"{path}: cannot build the tokenizer from GGUF metadata: {problem}"
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {err.value}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_known_harmless_model_keys_are_accepted(tmp_path):
     path = tmp_path / "tiny.gguf"
     extra = [("add_uint32", "llama.rope.dimension_count", 8), ("add_uint32", "llama.vocab_size", 512),

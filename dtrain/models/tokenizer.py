@@ -44,18 +44,26 @@ _KNOWN_KEYS = {
         "fim_pad_token_id fim_rep_token_id fim_sep_token_id prefix_token_id suffix_token_id middle_token_id"
     ).split()
 } | {"tokenizer.chat_template", "tokenizer.chat_templates", "tokenizer.huggingface.json"}
+_FLAGS = {f"tokenizer.ggml.{k}" for k in ("add_bos_token", "add_eos_token", "add_sep_token", "add_space_prefix",
+                                          "remove_extra_whitespaces")}
 
 
 def check_tokenizer_keys(md: dict) -> None:
     """Refuse tokenizer metadata that would change tokenization and is not implemented.
 
     Raises:
-        ValueError: an unknown ``tokenizer.*`` key, or ``add_sep_token`` true
-            (BERT-style separator after the text), naming the key.
+        ValueError: an unknown ``tokenizer.*`` key, ``add_sep_token`` true
+            (BERT-style separator after the text), or a token id or flag of another
+            kind (llama.cpp refuses a key of the wrong type), naming the key.
     """
     for key in md:
         if key.startswith("tokenizer.") and key not in _KNOWN_KEYS and not key.startswith("tokenizer.chat_template."):
             raise ValueError(f"GGUF key {key!r} is not supported (it may change tokenization)")
+        value = md[key]
+        if key.endswith("_token_id") and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"GGUF key {key!r} = {value!r} is not supported (expected a token id)")
+        if key in _FLAGS and not isinstance(value, bool):  # else bool('false') adds the token
+            raise ValueError(f"GGUF key {key!r} = {value!r} is not supported (expected true or false)")
     if md.get("tokenizer.ggml.add_sep_token"):
         raise ValueError("GGUF key 'tokenizer.ggml.add_sep_token' = true is not supported")
 
