@@ -612,6 +612,23 @@ def test_a_tokenizer_id_or_flag_of_another_kind_is_one_line(tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
+def test_a_vocabulary_larger_than_the_embedding_is_one_line(tmp_path, capsys):
+    """361 tokens over a 300-row token_embd loaded and converted with exit 0; MLX does not bounds-check the
+    embedding lookup, so ids 300..360 (plain English text reaches 357) read memory past it."""
+    from dtrain.cli import main
+
+    path = tmp_path / "short.gguf"
+    write_tiny_llama(path, {}, vocab_size=300)
+    message = (f"{path}: tokenizer.ggml.tokens holds 361 tokens but token_embd.weight has 300 rows, so ids 300 and "
+               "above have no embedding")
+    with pytest.raises(ModelError) as err:
+        load_model(str(path))
+    assert str(err.value) == message
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_known_harmless_model_keys_are_accepted(tmp_path):
     path = tmp_path / "tiny.gguf"
     extra = [("add_uint32", "llama.rope.dimension_count", 8), ("add_uint32", "llama.vocab_size", 512),

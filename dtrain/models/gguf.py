@@ -138,6 +138,7 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
     try:
         config = _config(arch, metadata, tensors)
         _check_model_keys(arch, metadata, config)
+        _check_vocabulary_size(metadata, config)
         weights = _rename(arch, tensors)
         if arch == "llama":
             _unpermute_qk(weights, config)
@@ -307,6 +308,19 @@ def _check_model_keys(arch: str, md: dict, config: dict) -> None:
         raise ModelError(f"GGUF key 'split.count' = {split!r} is not supported (expected 1)")
     if int(split) > 1:
         raise ModelError(f"split GGUF files (split.count = {split}) are not supported; merge them first")
+
+
+def _check_vocabulary_size(md: dict, config: dict) -> None:
+    """Refuse a vocabulary with more tokens than ``token_embd.weight`` has rows: MLX does not bounds-check an
+    embedding lookup, so those ids would train on whatever memory lies past it (llama.cpp refuses the file).
+
+    Raises:
+        ModelError: naming both sizes.
+    """
+    tokens = md.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > config["vocab_size"]:
+        raise ModelError(f"tokenizer.ggml.tokens holds {len(tokens)} tokens but token_embd.weight has "
+                         f"{config['vocab_size']} rows, so ids {config['vocab_size']} and above have no embedding")
 
 
 def _config(arch: str, md: dict, tensors: dict) -> dict:
