@@ -110,7 +110,8 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model "
                              f"folder{gguf_files_hint(p)}")
         for name in FOLDER_JSON:
-            check_json_object(p / name)
+            if (p / name).is_file():
+                read_json_object(p / name)
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
     if p.exists():  # a pipe, a socket or a device
         raise ModelError(f"{path}: not a regular file (a pipe, a socket or a device); expected demo, a .gguf file, a "
@@ -135,15 +136,13 @@ def gguf_files_hint(folder: Path) -> str:
 FOLDER_JSON = ("config.json", "tokenizer_config.json")  # read by mlx-lm and transformers, whose errors name neither
 
 
-def check_json_object(path: Path) -> None:
-    """Refuse ``path``, when it exists, if it is not a JSON object (mlx-lm's and transformers' JSONDecodeError,
-    'Expecting value: line 1 column 1 (char 0)', names no file).
+def read_json_object(path: Path) -> dict:
+    """The JSON object in ``path`` (a model folder's config.json, an adapter_config.json): mlx-lm's and
+    transformers' JSONDecodeError, 'Expecting value: line 1 column 1 (char 0)', names no file.
 
     Raises:
-        ModelError: naming the file, with the JSON error's line and column.
+        ModelError: not valid JSON (naming the file, with the error's line and column) or not an object.
     """
-    if not path.is_file():
-        return
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
@@ -152,6 +151,7 @@ def check_json_object(path: Path) -> None:
         raise ModelError(f"{path}: not valid JSON ({TOO_DEEP})") from None
     if not isinstance(value, dict):
         raise ModelError(f"{path}: not a JSON object")
+    return value
 
 
 def is_hub_id(path: str) -> bool:

@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..errors import TOO_DEEP, ConfigError, DataError, ModelError
+from ..errors import ConfigError, DataError, ModelError
 from ..files import storage
 from ..lora import checked_adapter_value, non_finite_tensors, run_folder_hint
-from .load import LoadedModel, load_model
+from .load import LoadedModel, load_model, read_json_object
 
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 
@@ -79,14 +79,7 @@ def check_adapter_config(path: Path) -> dict:
     Raises:
         ModelError: naming the file and the key.
     """
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
-        raise ModelError(f"{path}: not valid JSON ({err})") from None
-    except RecursionError:
-        raise ModelError(f"{path}: not valid JSON ({TOO_DEEP})") from None
-    if not isinstance(meta, dict):
-        raise ModelError(f"{path}: not a JSON object")
+    meta = read_json_object(path)
     params = meta.get("lora_parameters", {})
     values = [("num_layers", meta.get("num_layers", 0), int, "an integer"),
               ("lora_parameters", params, dict, "an object")]
