@@ -371,6 +371,9 @@ def test_a_file_of_a_model_folder_as_the_model_path_names_the_folder(tmp_path, n
         load_model(str(folder / name))
     assert str(err.value) == (f"{folder / name}: a file of the model folder {folder}, not a GGUF file; set model.path "
                               "to the folder")
+    (folder / "model.gguf").write_bytes(b"")  # a damaged GGUF beside it is reported as one
+    with pytest.raises(ModelError, match=r"model\.gguf: not a readable GGUF file"):
+        load_model(str(folder / "model.gguf"))
 
 
 def test_a_folder_of_gguf_files_as_the_model_path_names_them(tmp_path):

@@ -101,7 +101,7 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
     except RuntimeError:  # ~user of no user here
         raise ModelError(f"{path}: no such file or directory: no home folder for {path.split('/')[0]}") from None
     if p.is_file():
-        if (p.parent / "config.json").is_file() and not _gguf_magic(p):  # else 'not a readable GGUF file'
+        if p.suffix.lower() != ".gguf" and (p.parent / "config.json").is_file() and not _gguf_magic(p):
             raise ModelError(f"{path}: a file of the model folder {p.parent}, not a GGUF file; set model.path to "
                              "the folder")
         return _load_gguf(p, keep_quantized, float_dtype, source=f"GGUF file {p}")
