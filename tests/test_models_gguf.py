@@ -489,6 +489,28 @@ def test_corrupt_gguf_is_a_model_error(tmp_path):
         load_model(str(path))
 
 
+def test_a_gguf_cut_short_says_so(tmp_path, capsys):
+    """An incomplete download was reported in numpy's terms: 'not a readable GGUF file (ValueError: cannot reshape
+    array of size 1496 into shape (64,32))', '(... When changing to a larger dtype, its size must be a divisor ...)'."""
+    from dtrain.cli import main
+
+    whole = tmp_path / "whole.gguf"
+    write_tiny_llama(whole, {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q4_0})
+    data = whole.read_bytes()
+    path = tmp_path / "cut.gguf"
+    for cut, detail in [(len(data) - 1, f"{len(data) - 1} bytes, but its tensors end at byte {len(data)}"),
+                        (len(data) // 2, f"{len(data) // 2} bytes, but its tensors end at byte {len(data)}"),
+                        (1000, "its 1000 bytes end inside the header"), (4, "its 4 bytes end inside the header")]:
+        path.write_bytes(data[:cut])
+        message = f"{path}: not a readable GGUF file (cut short: {detail}; an incomplete download?)"
+        with pytest.raises(ModelError) as err:
+            load_model(str(path))
+        assert str(err.value) == message
+        assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+        assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("field, at", [("tensor count", 8), ("metadata count", 16)])
 def test_a_gguf_header_count_past_its_entries_is_a_model_error(tmp_path, field, at):
     """A damaged header whose tensor or metadata count runs past its entries read a length from the data

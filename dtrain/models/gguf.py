@@ -113,8 +113,29 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             tensors[t.name] = mx.array(np.ascontiguousarray(data, dtype=np.float32))
     except Exception as err:  # the reader raises ValueError, KeyError, struct errors...
-        raise ModelError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+        raise ModelError(f"{path}: not a readable GGUF file ({_cut_short(path) or f'{type(err).__name__}: {err}'})"
+                         ) from None
     return metadata, tensors
+
+
+def _cut_short(path: Path) -> str | None:
+    """How ``path`` ends before its header or its tensors do (an incomplete download), else None: gguf's reader
+    then fails on the missing bytes in numpy's terms ('cannot reshape array of size 1496 into shape (64,32)')."""
+    import gguf
+
+    size = path.stat().st_size
+    try:
+        infos, start = tensor_infos(path)
+        sizes = [gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)] for _, _, ttype, _ in infos]
+    except struct.error:  # a fixed-size field past the end
+        return f"cut short: its {size} bytes end inside the header; an incomplete download?"
+    except (ValueError, KeyError, OSError):
+        return None
+    end = max((start + offset + math.prod(shape) // block * nbytes
+               for (_, shape, _, offset), (block, nbytes) in zip(infos, sizes)), default=start)
+    if size < end:
+        return f"cut short: {size} bytes, but its tensors end at byte {end}; an incomplete download?"
+    return None
 
 
 def _plain(value):
