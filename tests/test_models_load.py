@@ -391,3 +391,16 @@ def test_a_folder_of_gguf_files_as_the_model_path_names_them(tmp_path):
         with pytest.raises(ModelError) as err:
             load_model(str(tmp_path))
         assert str(err.value) == prefix + hint
+
+
+def test_a_model_folder_config_without_model_type_is_named(tmp_path):
+    """mlx-lm's error was a bare key: 'mlx-lm could not load this model folder: KeyError: 'model_type''."""
+    import json
+
+    folder = tiny_folder(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    del config["model_type"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError) as err:
+        load_model(str(folder))
+    assert str(err.value) == f"{folder / 'config.json'}: no model_type, the key mlx-lm picks the architecture by"

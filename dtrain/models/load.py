@@ -109,9 +109,10 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
         if not (p / "config.json").is_file():
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model "
                              f"folder{gguf_files_hint(p)}")
-        for name in FOLDER_JSON:
-            if (p / name).is_file():
-                read_json_object(p / name)
+        if "model_type" not in read_json_object(p / "config.json"):  # else mlx-lm's bare KeyError: 'model_type'
+            raise ModelError(f"{p / 'config.json'}: no model_type, the key mlx-lm picks the architecture by")
+        if (p / "tokenizer_config.json").is_file():
+            read_json_object(p / "tokenizer_config.json")
         return _load_mlx_lm(str(p), keep_quantized, float_dtype)
     if p.exists():  # a pipe, a socket or a device
         raise ModelError(f"{path}: not a regular file (a pipe, a socket or a device); expected demo, a .gguf file, a "
@@ -131,9 +132,6 @@ def gguf_files_hint(folder: Path) -> str:
         return f"; it holds the GGUF file {names[0]}: give that file"
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"; it holds the GGUF files {shown}: give one of them"
-
-
-FOLDER_JSON = ("config.json", "tokenizer_config.json")  # read by mlx-lm and transformers, whose errors name neither
 
 
 def read_json_object(path: Path) -> dict:
