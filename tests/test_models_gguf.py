@@ -511,6 +511,30 @@ def test_a_gguf_cut_short_says_so(tmp_path, capsys):
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("alignment", [0, 3, 48])
+def test_a_gguf_alignment_that_is_no_power_of_two_is_one_line(tmp_path, capsys, alignment):
+    """general.alignment 0 ended load and convert in ZeroDivisionError's traceback; 3 or 48, which llama.cpp refuses
+    ('alignment is not a power of 2'), loaded with exit 0 (3: tensors read from shifted offsets, NaN weights)."""
+    import struct
+
+    from dtrain.cli import main
+
+    path = tmp_path / "aligned.gguf"
+    write_tiny_llama(path, {}, alignment=64)
+    data = path.read_bytes()
+    at = data.index(b"general.alignment") + len(b"general.alignment")
+    assert struct.unpack("<II", data[at:at + 8]) == (4, 64)  # uint32 type, value
+    path.write_bytes(data[:at + 4] + struct.pack("<I", alignment) + data[at + 8:])
+    message = (f"{path}: GGUF key 'general.alignment' = {alignment} is not supported (llama.cpp requires a power "
+               "of 2)")
+    with pytest.raises(ModelError) as err:
+        load_model(str(path))
+    assert str(err.value) == message
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("field, at", [("tensor count", 8), ("metadata count", 16)])
 def test_a_gguf_header_count_past_its_entries_is_a_model_error(tmp_path, field, at):
     """A damaged header whose tensor or metadata count runs past its entries read a length from the data

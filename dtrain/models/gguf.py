@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelError
-from .gguf_bf16 import read_bf16_tensors, tensor_infos
+from .gguf_bf16 import BadAlignment, read_bf16_tensors, tensor_infos
 
 GROUP_SIZE = 32  # every GGUF block quant that mx.load accepts has 32-value blocks
 # GGML types mx.load reads right (MLX 0.32: F32, F16, Q4_0, Q4_1, Q8_0, and BF16 read again exactly); it also
@@ -99,6 +99,8 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
             # mx.load narrows BF16 tensors to float16; read those again exactly
             tensors.update({k: mx.array(v) for k, v in read_bf16_tensors(path, header).items()})
             return {k: _plain(v) for k, v in raw.items()}, tensors
+    except BadAlignment as err:  # gguf's reader would read the tensors at other offsets
+        raise ModelError(f"{path}: {err}") from None
     except (RuntimeError, ValueError, struct.error, OSError):
         pass  # not GGUF at all, not one mx.load reads, or unreadable: gguf's reader says which
     import gguf

@@ -25,6 +25,10 @@ _FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 
 
+class BadAlignment(ValueError):
+    """``general.alignment`` is not a power of 2: the tensors' offsets cannot be read as llama.cpp reads them."""
+
+
 def _u(f, fmt: str):
     return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
 
@@ -75,6 +79,7 @@ def tensor_infos(path: Path) -> tuple:
     first; type: the ``GGMLQuantizationType`` number).
 
     Raises:
+        BadAlignment: ``general.alignment`` 0 or not a power of 2.
         ValueError: not a GGUF v2/v3 file, or a damaged header.
     """
     size = Path(path).stat().st_size
@@ -88,6 +93,9 @@ def tensor_infos(path: Path) -> tuple:
             vtype = _u(f, "I")
             if key == "general.alignment" and vtype == _UINT32:
                 alignment = _u(f, "I")
+                if alignment <= 0 or alignment & (alignment - 1):  # else a ZeroDivisionError, or shifted tensors
+                    raise BadAlignment(f"GGUF key 'general.alignment' = {alignment} is not supported (llama.cpp "
+                                       "requires a power of 2)")
             else:
                 _skip_value(f, vtype)
         infos = []
