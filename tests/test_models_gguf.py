@@ -535,6 +535,34 @@ def test_a_gguf_alignment_that_is_no_power_of_two_is_one_line(tmp_path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("ttype, problem", [
+    (Q.Q8_1, "is Q8_1, a type dtrain cannot read (the gguf package does not dequantize it)"),
+    (Q.F64, "is F64, a type dtrain cannot read (the gguf package does not dequantize it)"),
+    (99, "has GGML type 99, which the installed gguf package does not know"),
+])
+def test_a_tensor_type_dtrain_cannot_read_is_named_with_its_tensor(tmp_path, capsys, ttype, problem):
+    """Such files were 'not a readable GGUF file (NotImplementedError: Dequantization for Q8_1 is not yet
+    implemented)' or '(ValueError: np.uint32(99) is not a valid GGMLQuantizationType)': no tensor named."""
+    import struct
+
+    from dtrain.cli import main
+
+    path = tmp_path / "typed.gguf"
+    write_tiny_llama(path, {"blk.0.attn_v.weight": Q.Q8_0})
+    data = path.read_bytes()
+    at = data.index(b"blk.0.attn_v.weight") + len(b"blk.0.attn_v.weight")
+    at += 4 + 8 * struct.unpack("<I", data[at:at + 4])[0]  # past n_dims and the dims: the type
+    assert struct.unpack("<I", data[at:at + 4]) == (Q.Q8_0,)
+    path.write_bytes(data[:at] + struct.pack("<I", ttype) + data[at + 4:])
+    message = f"{path}: tensor 'blk.0.attn_v.weight' {problem}"
+    with pytest.raises(ModelError) as err:
+        load_model(str(path))
+    assert str(err.value) == message
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("field, at", [("tensor count", 8), ("metadata count", 16)])
 def test_a_gguf_header_count_past_its_entries_is_a_model_error(tmp_path, field, at):
     """A damaged header whose tensor or metadata count runs past its entries read a length from the data

@@ -94,6 +94,9 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
     """
     try:
         header = tensor_infos(path)  # one walk of the header (its vocabulary arrays) for the types and BF16
+        problem = next(filter(None, (_type_problem(name, ttype) for name, _, ttype, _ in header[0])), None)
+        if problem:
+            raise ModelError(f"{path}: {problem}")
         if {ttype for _, _, ttype, _ in header[0]} <= _MX_LOAD_TYPES:
             tensors, raw = mx.load(str(path), return_metadata=True)
             # mx.load narrows BF16 tensors to float16; read those again exactly
@@ -118,6 +121,25 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
         raise ModelError(f"{path}: not a readable GGUF file ({_cut_short(path) or f'{type(err).__name__}: {err}'})"
                          ) from None
     return metadata, tensors
+
+
+def _type_problem(name: str, ttype: int) -> str | None:
+    """Why tensor ``name`` of GGML type number ``ttype`` cannot be read, else None: a number gguf does not know, or
+    a type its dequantization does not implement (Q8_1, Q8_K, I8..I64, F64); gguf's reader names neither the tensor
+    nor, for the first, the type ('np.uint32(99) is not a valid GGMLQuantizationType')."""
+    import gguf
+
+    if ttype in _MX_LOAD_TYPES:
+        return None
+    try:
+        qtype = gguf.GGMLQuantizationType(ttype)
+    except ValueError:
+        return f"tensor {name!r} has GGML type {ttype}, which the installed gguf package does not know"
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)  # one block
+    except NotImplementedError:
+        return f"tensor {name!r} is {qtype.name}, a type dtrain cannot read (the gguf package does not dequantize it)"
+    return None
 
 
 def _cut_short(path: Path) -> str | None:
