@@ -660,6 +660,31 @@ def test_tokenizer_lists_that_do_not_fit_the_tokens_are_one_line(tmp_path, monke
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("method, problem", [
+    ("add_token_merges", "the GGUF file has no tokenizer.ggml.merges, which a gpt2 vocabulary merges by"),
+    ("add_tokenizer_model", "the GGUF file has no tokenizer.ggml.model (supported: gpt2, llama)"),
+])
+def test_a_missing_tokenizer_key_is_named_as_missing(tmp_path, monkeypatch, method, problem):
+    """No merges ended in a bare key ('cannot build the tokenizer from GGUF metadata: 'tokenizer.ggml.merges''), no
+    model in 'tokenizer.ggml.model None is not supported'."""
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, *args: None)
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path, {})
+    with pytest.raises(ModelError) as err:
+        load_model(str(path))
+    assert str(err.value) == f"{path}: cannot build the tokenizer from GGUF metadata: {problem}"
+
+
+def test_a_sentencepiece_vocabulary_without_scores_is_named(tmp_path):
+    from dtrain.models.tokenizer import build_tokenizer
+
+    tokens, _, types = gemma_vocab()
+    md = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+    with pytest.raises(ValueError, match=r"^the GGUF file has no tokenizer\.ggml\.scores, which a llama vocabulary "
+                                         r"merges by$"):
+        build_tokenizer(md)
+
+
 @pytest.mark.parametrize("method, value, problem", [
     ("add_eos_token_id", "2", "GGUF key 'tokenizer.ggml.eos_token_id' = '2' is not supported (expected a token id)"),
     ("add_bos_token_id", 1.0, "GGUF key 'tokenizer.ggml.bos_token_id' = 1.0 is not supported (expected a token id)"),

@@ -119,8 +119,8 @@ def build_tokenizer(md: dict):
             ``token_type``, ``merges`` or ``scores``, ``bos_token_id`` ...).
 
     Raises:
-        ValueError: no vocabulary, a ``tokenizer.ggml.model`` other than
-            ``gpt2``/``llama``, an unimplemented ``tokenizer.ggml.pre``, an
+        ValueError: no vocabulary, no or another ``tokenizer.ggml.model`` than
+            ``gpt2``/``llama``, no ``merges`` (gpt2) or ``scores`` (llama), an unimplemented ``tokenizer.ggml.pre``, an
             unknown ``tokenizer.*`` key, a BOS/EOS flag without its token id,
             ``token_type`` or ``scores`` of another length than ``tokens``, a token
             text held twice, or ``merges`` that do not fit the tokens; each
@@ -152,9 +152,14 @@ def build_tokenizer(md: dict):
         idx = md.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
+    def needed(key):  # else a bare KeyError: "cannot build the tokenizer from GGUF metadata: 'tokenizer.ggml.merges'"
+        if md.get(f"tokenizer.ggml.{key}") is None:
+            raise ValueError(f"the GGUF file has no tokenizer.ggml.{key}, which a {kind} vocabulary merges by")
+        return md[f"tokenizer.ggml.{key}"]
+
     if kind == "gpt2":
         pre = lookup(md.get("tokenizer.ggml.pre"))
-        merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in needed("merges")]
         where = "tokenizer.ggml.merges do not fit tokenizer.ggml.tokens"
         odd = next((m for m, pair in zip(md["tokenizer.ggml.merges"], merges) if len(pair) != 2), None)
         if odd is not None:
@@ -169,7 +174,7 @@ def build_tokenizer(md: dict):
         tok.decoder = decoders.ByteLevel()
         add_bos_default = pre.add_bos
     elif kind == "llama":
-        merges = _merges_from_scores(tokens, md["tokenizer.ggml.scores"], types)
+        merges = _merges_from_scores(tokens, needed("scores"), types)
         tok = Tokenizer(
             models.BPE(vocab=vocab, merges=merges, unk_token=token("unknown"), fuse_unk=True, byte_fallback=True)
         )
@@ -182,6 +187,8 @@ def build_tokenizer(md: dict):
         steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
         add_bos_default = True
+    elif kind is None:
+        raise ValueError("the GGUF file has no tokenizer.ggml.model (supported: gpt2, llama)")
     else:
         raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, llama)")
 
