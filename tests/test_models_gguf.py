@@ -861,6 +861,34 @@ def test_a_gemma3_sliding_window_pattern_of_another_kind_is_one_line(tmp_path, m
     assert not (tmp_path / "out").exists()
 
 
+def test_a_gemma3_per_layer_sliding_pattern_that_does_not_repeat_is_refused(tmp_path, monkeypatch, capsys):
+    """A per-layer list was read as its first period: [T, T, F, T, T, T] over 6 layers loaded and converted with
+    layers 2 and 5 global (period 3), where the file makes layer 2 the only one; a list of 4 flags for 6 layers too."""
+    from dtrain.cli import main
+
+    add_sliding_window = gguf.GGUFWriter.add_sliding_window
+    flags = []
+    monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window", lambda self, v: (add_sliding_window(self, v), (
+        self.add_array("gemma3.attention.sliding_window_pattern", flags))))
+    path = tmp_path / "gemma.gguf"
+    tokens = mx.array([[2, 4, 270, 281, 290, 5, 7, 100, 200, 294, 295, 1]])
+    flags[:] = [True] * 5 + [False]  # the default period of 6, one flag per layer: as the number 6
+    args, ref = write_tiny_gemma3(path)
+    np.testing.assert_allclose(np.array(load_model(str(path), dtype="float32").model(tokens)),
+                               reference_logits("gemma3_text", args, ref, tokens), rtol=1e-5, atol=1e-5)
+    for value, detail in [([True, True, False, True, True, True], "6 for 6 layers) is not supported: layer 5 breaks "
+                                                                  "the repeating pattern of 2"),
+                          ([True, True, True, False], "4 for 6 layers) is not supported: layer 4 breaks the repeating "
+                                                      "pattern of 3")]:
+        flags[:] = value
+        write_tiny_gemma3(path)
+        assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err == (f"dtrain: error: {path}: GGUF key 'gemma3.attention.sliding_window_pattern' "
+                                           f"(one flag per layer, {detail} sliding layers and a global one that "
+                                           "mlx-lm's gemma3_text computes\n")
+        assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("value", [float("nan"), "two"], ids=["nan", "text"])
 def test_a_split_count_of_another_kind_is_one_line(tmp_path, capsys, value):
     """split.count holding a float32 NaN or a text ended convert in int()'s ValueError traceback."""

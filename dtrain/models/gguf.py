@@ -300,11 +300,25 @@ def _llama3_rope_scaling(factors: mx.array, head_dim: int, base: float) -> dict:
     return scaling
 
 
-def _swa_pattern(value) -> int:
-    # Newer writers store one bool per layer (True = sliding); mlx-lm wants the period.
-    if isinstance(value, list):
-        return value.index(False) + 1 if False in value else len(value) + 1
-    return int(value)
+def _swa_pattern(value, layers: int) -> int:
+    """The period mlx-lm's gemma3_text takes (every period-th layer global) of the key's value.
+
+    Newer writers store one flag per layer (true = sliding).
+
+    Raises:
+        ModelError: a list of another length than the layers, or one that does not repeat one period
+            (mlx-lm's model would slide other layers than the file names).
+    """
+    if not isinstance(value, list):
+        return int(value)
+    period = value.index(False) + 1 if False in value else len(value) + 1
+    odd = next((i for i in range(max(len(value), layers))
+                if i >= len(value) or i >= layers or bool(value[i]) != ((i + 1) % period != 0)), None)
+    if odd is not None:
+        raise ModelError(f"GGUF key 'gemma3.attention.sliding_window_pattern' (one flag per layer, {len(value)} for "
+                         f"{layers} layers) is not supported: layer {odd} breaks the repeating pattern of {period - 1} "
+                         "sliding layers and a global one that mlx-lm's gemma3_text computes")
+    return period
 
 
 # {arch}.* keys read by _config, or checked by _check_model_keys to hold the value
@@ -428,7 +442,7 @@ def _config(arch: str, md: dict, tensors: dict) -> dict:
         # llama.cpp hard-codes a 5:1 local:global pattern for gemma3 and, like HF,
         # scales queries by hidden/heads only for the 27B model (62 layers).
         sliding_window_pattern=_swa_pattern(pattern if isinstance(pattern, list) else  # one bool per layer
-                                            key("attention.sliding_window_pattern", 6)),
+                                            key("attention.sliding_window_pattern", 6), layers),
         query_pre_attn_scalar=config["hidden_size"] // heads if layers == 62 else head_dim,
     )
     return config
