@@ -404,3 +404,20 @@ def test_a_model_folder_config_without_model_type_is_named(tmp_path):
     with pytest.raises(ModelError) as err:
         load_model(str(folder))
     assert str(err.value) == f"{folder / 'config.json'}: no model_type, the key mlx-lm picks the architecture by"
+
+
+def test_an_adapter_or_run_folder_as_the_model_path_says_what_it_is(tmp_path):
+    """An adapter folder (runs/demo/adapters) or a run's output folder given as model.path or export --base was only
+    'folder has no config.json, so it is not an mlx-lm/Hugging Face model folder', with no word of what it holds."""
+    run = tmp_path / "run"
+    (run / "adapters").mkdir(parents=True)
+    (run / "adapters" / "adapters.safetensors").write_bytes(b"")
+    (run / "adapters" / "adapter_config.json").write_text("{}")
+    prefix = "folder has no config.json, so it is not an mlx-lm/Hugging Face model folder"
+    for given, hint in [(run / "adapters", "it holds an mlx-lm adapter, not a model: give the model the adapter was "
+                                           "trained on"),
+                        (run, f"it is a run's output folder, not a model: give the model the run trained (its adapter "
+                              f"is {run / 'adapters'})")]:
+        with pytest.raises(ModelError) as err:
+            load_model(str(given))
+        assert str(err.value) == f"{given}: {prefix}; {hint}"

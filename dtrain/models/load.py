@@ -108,7 +108,7 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelError(f"{path}: folder has no config.json, so it is not an mlx-lm/Hugging Face model "
-                             f"folder{gguf_files_hint(p)}")
+                             f"folder{gguf_files_hint(p) or _adapter_hint(p)}")
         if "model_type" not in read_json_object(p / "config.json"):  # else mlx-lm's bare KeyError: 'model_type'
             raise ModelError(f"{p / 'config.json'}: no model_type, the key mlx-lm picks the architecture by")
         if (p / "tokenizer_config.json").is_file():
@@ -132,6 +132,20 @@ def gguf_files_hint(folder: Path) -> str:
         return f"; it holds the GGUF file {names[0]}: give that file"
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"; it holds the GGUF files {shown}: give one of them"
+
+
+def _adapter_hint(folder: Path) -> str:
+    """``'; it holds an mlx-lm adapter, not a model: ...'`` for an adapter folder or a run's output folder given as a
+    model, else ``''``."""
+    from ..files import OutputDir
+    from ..lora import ADAPTER_WEIGHTS
+
+    if (folder / ADAPTER_WEIGHTS).is_file():
+        return "; it holds an mlx-lm adapter, not a model: give the model the adapter was trained on"
+    if (OutputDir(folder).adapters / ADAPTER_WEIGHTS).is_file():
+        return (f"; it is a run's output folder, not a model: give the model the run trained (its adapter is "
+                f"{OutputDir(folder).adapters})")
+    return ""
 
 
 def read_json_object(path: Path) -> dict:
