@@ -421,3 +421,25 @@ def test_an_adapter_or_run_folder_as_the_model_path_says_what_it_is(tmp_path):
         with pytest.raises(ModelError) as err:
             load_model(str(given))
         assert str(err.value) == f"{given}: {prefix}; {hint}"
+
+
+def test_a_shard_the_index_names_and_the_folder_lacks_is_named(tmp_path):
+    """An interrupted download (one shard of two) was 'mlx-lm could not load this model folder: ValueError: Missing 33
+    parameters: model.layers.0.post_attention_layernorm.weight, ...', naming tensors, not the file that is missing."""
+    import json
+
+    folder = tiny_folder(tmp_path / "m")
+    weights = mx.load(str(folder / "model.safetensors"))
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
+    for shard, keys in shards.items():
+        mx.save_safetensors(str(folder / shard), {k: weights[k] for k in keys})
+    (folder / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_model(str(folder)).model(mx.array([[1, 2]])).shape == (1, 2, 512)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelError) as err:
+        load_model(str(folder))
+    assert str(err.value) == (f"{folder}: model.safetensors.index.json names model-00002-of-00002.safetensors, which "
+                              "the folder lacks (an incomplete download?)")

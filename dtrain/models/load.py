@@ -269,6 +269,10 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
                              "SentencePiece tokenizer); copy them from the model it was made from") from None
         if Path(path).is_dir() and not _in_load_tokenizer(err) and (unreadable := _unreadable_weights(Path(path))):
             raise ModelError(unreadable) from None
+        if Path(path).is_dir() and not _in_load_tokenizer(err) and (absent := _absent_shards(Path(path))):
+            more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+            raise ModelError(f"{path}: model.safetensors.index.json names {absent[0]}{more}, which the folder lacks "
+                             "(an incomplete download?)") from None
         where = "model folder" if Path(path).is_dir() else "hub model (not a local path)"
         detail = " ".join(f"{type(err).__name__}: {err}".split())  # one line
         raise ModelError(f"{path}: mlx-lm could not load this {where}: {detail}") from None
@@ -322,6 +326,17 @@ def _unreadable_weights(folder: Path) -> str | None:
         except (RuntimeError, ValueError, OSError) as err:
             return f"{weights}: not a readable safetensors file ({' '.join(str(err).split())})"
     return None
+
+
+def _absent_shards(folder: Path) -> list:
+    """The weight files ``model.safetensors.index.json`` maps tensors to that ``folder`` lacks, sorted: mlx-lm loads
+    the files present and names only the tensors missing ('Missing 12 parameters: ...')."""
+    try:
+        weight_map = read_json_object(folder / "model.safetensors.index.json").get("weight_map")
+    except (ModelError, OSError):
+        return []
+    names = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+    return sorted(n for n in names if isinstance(n, str) and not (folder / n).is_file())
 
 
 def _has_tokenizer_files(folder: Path) -> bool:
