@@ -136,6 +136,18 @@ def _finish(writer) -> None:
     writer.close()
 
 
+def assert_refused(path, message: str, tmp_path, capsys) -> None:
+    """load_model and ``dtrain convert`` both refuse the GGUF ``path`` with ``message``, and convert writes nothing."""
+    from dtrain.cli import main
+
+    with pytest.raises(ModelError) as err:
+        load_model(str(path))
+    assert str(err.value) == message
+    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def reference_logits(module_name: str, args, weights: dict, tokens: mx.array) -> np.ndarray:
     import importlib
 
@@ -492,8 +504,6 @@ def test_corrupt_gguf_is_a_model_error(tmp_path):
 def test_a_gguf_cut_short_says_so(tmp_path, capsys):
     """An incomplete download was reported in numpy's terms: 'not a readable GGUF file (ValueError: cannot reshape
     array of size 1496 into shape (64,32))', '(... When changing to a larger dtype, its size must be a divisor ...)'."""
-    from dtrain.cli import main
-
     whole = tmp_path / "whole.gguf"
     write_tiny_llama(whole, {"blk.0.attn_q.weight": Q.Q8_0, "blk.1.ffn_up.weight": Q.Q4_0})
     data = whole.read_bytes()
@@ -503,12 +513,7 @@ def test_a_gguf_cut_short_says_so(tmp_path, capsys):
                         (1000, "its 1000 bytes end inside the header"), (4, "its 4 bytes end inside the header")]:
         path.write_bytes(data[:cut])
         message = f"{path}: not a readable GGUF file (cut short: {detail}; an incomplete download?)"
-        with pytest.raises(ModelError) as err:
-            load_model(str(path))
-        assert str(err.value) == message
-        assert main(["convert", str(path), str(tmp_path / "out")]) == 2
-        assert capsys.readouterr().err == f"dtrain: error: {message}\n"
-        assert not (tmp_path / "out").exists()
+        assert_refused(path, message, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("alignment", [0, 3, 48])
@@ -516,8 +521,6 @@ def test_a_gguf_alignment_that_is_no_power_of_two_is_one_line(tmp_path, capsys, 
     """general.alignment 0 ended load and convert in ZeroDivisionError's traceback; 3 or 48, which llama.cpp refuses
     ('alignment is not a power of 2'), loaded with exit 0 (3: tensors read from shifted offsets, NaN weights)."""
     import struct
-
-    from dtrain.cli import main
 
     path = tmp_path / "aligned.gguf"
     write_tiny_llama(path, {}, alignment=64)
@@ -527,12 +530,7 @@ def test_a_gguf_alignment_that_is_no_power_of_two_is_one_line(tmp_path, capsys, 
     path.write_bytes(data[:at + 4] + struct.pack("<I", alignment) + data[at + 8:])
     message = (f"{path}: GGUF key 'general.alignment' = {alignment} is not supported (llama.cpp requires a power "
                "of 2)")
-    with pytest.raises(ModelError) as err:
-        load_model(str(path))
-    assert str(err.value) == message
-    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
-    assert not (tmp_path / "out").exists()
+    assert_refused(path, message, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("ttype, problem", [
@@ -545,8 +543,6 @@ def test_a_tensor_type_dtrain_cannot_read_is_named_with_its_tensor(tmp_path, cap
     implemented)' or '(ValueError: np.uint32(99) is not a valid GGMLQuantizationType)': no tensor named."""
     import struct
 
-    from dtrain.cli import main
-
     path = tmp_path / "typed.gguf"
     write_tiny_llama(path, {"blk.0.attn_v.weight": Q.Q8_0})
     data = path.read_bytes()
@@ -555,12 +551,7 @@ def test_a_tensor_type_dtrain_cannot_read_is_named_with_its_tensor(tmp_path, cap
     assert struct.unpack("<I", data[at:at + 4]) == (Q.Q8_0,)
     path.write_bytes(data[:at] + struct.pack("<I", ttype) + data[at + 4:])
     message = f"{path}: tensor 'blk.0.attn_v.weight' {problem}"
-    with pytest.raises(ModelError) as err:
-        load_model(str(path))
-    assert str(err.value) == message
-    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
-    assert not (tmp_path / "out").exists()
+    assert_refused(path, message, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("field, at", [("tensor count", 8), ("metadata count", 16)])
@@ -695,37 +686,23 @@ def test_a_tokenizer_id_or_flag_of_another_kind_is_one_line(tmp_path, monkeypatc
     """An id as text or a float ended convert and load in TypeError's traceback ('<=' not supported between
     instances of 'int' and 'str'; list indices must be integers), and add_bos_token 'false' added BOS (bool('false')),
     where llama.cpp refuses a key of the wrong type."""
-    from dtrain.cli import main
-
     kind = {str: gguf.GGUFValueType.STRING, float: gguf.GGUFValueType.FLOAT32}[type(value)]
     key = {"add_eos_token_id": "tokenizer.ggml.eos_token_id", "add_bos_token_id": "tokenizer.ggml.bos_token_id",
            "add_add_bos_token": "tokenizer.ggml.add_bos_token"}[method]
     monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, _: self.add_key_value(key, value, kind))
     path = tmp_path / "bad.gguf"
     write_tiny_llama(path, {})
-    with pytest.raises(ModelError) as err:
-        load_model(str(path))
-    assert str(err.value) == f"{path}: cannot build the tokenizer from GGUF metadata: {problem}"
-    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"dtrain: error: {err.value}\n"
-    assert not (tmp_path / "out").exists()
+    assert_refused(path, f"{path}: cannot build the tokenizer from GGUF metadata: {problem}", tmp_path, capsys)
 
 
 def test_a_vocabulary_larger_than_the_embedding_is_one_line(tmp_path, capsys):
     """361 tokens over a 300-row token_embd loaded and converted with exit 0; MLX does not bounds-check the
     embedding lookup, so ids 300..360 (plain English text reaches 357) read memory past it."""
-    from dtrain.cli import main
-
     path = tmp_path / "short.gguf"
     write_tiny_llama(path, {}, vocab_size=300)
     message = (f"{path}: tokenizer.ggml.tokens holds 361 tokens but token_embd.weight has 300 rows, so ids 300 and "
                "above have no embedding")
-    with pytest.raises(ModelError) as err:
-        load_model(str(path))
-    assert str(err.value) == message
-    assert main(["convert", str(path), str(tmp_path / "out")]) == 2
-    assert capsys.readouterr().err == f"dtrain: error: {message}\n"
-    assert not (tmp_path / "out").exists()
+    assert_refused(path, message, tmp_path, capsys)
 
 
 def test_known_harmless_model_keys_are_accepted(tmp_path):

@@ -264,15 +264,8 @@ def _load_mlx_lm(path: str, keep_quantized: bool, float_dtype) -> LoadedModel:
             raise ModelError(f"{path}: no such file or folder, and as a hub model it is not in the local cache and "
                              f"the hub cannot be reached (offline?); download it where there is network: hf download "
                              f"{path} --local-dir DIR, then set model.path: DIR") from None
-        if Path(path).is_dir() and _in_load_tokenizer(err) and not _has_tokenizer_files(Path(path)):
-            raise ModelError(f"{path}: the folder has no tokenizer files (tokenizer.json, or tokenizer.model for a "
-                             "SentencePiece tokenizer); copy them from the model it was made from") from None
-        if Path(path).is_dir() and not _in_load_tokenizer(err) and (unreadable := _unreadable_weights(Path(path))):
-            raise ModelError(unreadable) from None
-        if Path(path).is_dir() and not _in_load_tokenizer(err) and (absent := _absent_shards(Path(path))):
-            more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
-            raise ModelError(f"{path}: model.safetensors.index.json names {absent[0]}{more}, which the folder lacks "
-                             "(an incomplete download?)") from None
+        if Path(path).is_dir() and (problem := _folder_problem(path, err)):
+            raise ModelError(problem) from None
         where = "model folder" if Path(path).is_dir() else "hub model (not a local path)"
         detail = " ".join(f"{type(err).__name__}: {err}".split())  # one line
         raise ModelError(f"{path}: mlx-lm could not load this {where}: {detail}") from None
@@ -310,8 +303,25 @@ def _widened_scales(model: nn.Module) -> nn.Module:
     return model
 
 
+def _folder_problem(path: str, err: BaseException) -> str | None:
+    """What mlx-lm's failure ``err`` on the model folder ``path`` comes from, naming the file, else None (mlx-lm's
+    own message is said): no tokenizer files, a weight file MLX cannot read, a shard the index names that is absent."""
+    folder = Path(path)
+    if _in_load_tokenizer(err):  # mlx-lm's load reads the weights first
+        return None if _has_tokenizer_files(folder) else (
+            f"{path}: the folder has no tokenizer files (tokenizer.json, or tokenizer.model for a SentencePiece "
+            "tokenizer); copy them from the model it was made from")
+    if unreadable := _unreadable_weights(folder):
+        return unreadable
+    if absent := _absent_shards(folder):
+        more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+        return (f"{path}: model.safetensors.index.json names {absent[0]}{more}, which the folder lacks (an "
+                "incomplete download?)")
+    return None
+
+
 def _in_load_tokenizer(err: BaseException) -> bool:
-    """``err`` was raised inside mlx-lm's ``load_tokenizer`` (``load`` reads the weights first)."""
+    """``err`` was raised inside mlx-lm's ``load_tokenizer``."""
     import traceback
 
     return any(frame.name == "load_tokenizer" for frame in traceback.extract_tb(err.__traceback__))
