@@ -695,6 +695,33 @@ def test_a_tokenizer_id_or_flag_of_another_kind_is_one_line(tmp_path, monkeypatc
     assert_refused(path, f"{path}: cannot build the tokenizer from GGUF metadata: {problem}", tmp_path, capsys)
 
 
+@pytest.mark.parametrize("key, value, kind, problem", [
+    ("tokenizer.ggml.tokens", 5, "INT32", "= 5 is not supported (expected a list of texts)"),
+    ("tokenizer.ggml.token_type", 2.5, "FLOAT32", "= 2.5 is not supported (expected a list of integers)"),
+    ("tokenizer.ggml.merges", [1, 2], "INT32", "holds 1 at index 0, which is not supported (expected a list of texts)"),
+    ("tokenizer.ggml.pre", ["gpt-2"], "STRING", "= ['gpt-2'] is not supported (expected a name)"),
+], ids=["tokens_number", "token_type_float", "merges_of_numbers", "pre_list"])
+def test_a_tokenizer_list_or_name_of_another_kind_is_one_line(tmp_path, monkeypatch, capsys, key, value, kind,
+                                                               problem):
+    """Such keys ended convert and load in a traceback: 'object of type 'int' has no len()', ''int' object has no
+    attribute 'split'', 'unhashable type: 'list''."""
+    add = gguf.GGUFWriter.add_key_value
+    kind = gguf.GGUFValueType[kind]
+
+    def replaced(self, k, v, vtype, *args, **kwargs):
+        if k != key:
+            return add(self, k, v, vtype, *args, **kwargs)
+        if isinstance(value, list):
+            return add(self, k, value, gguf.GGUFValueType.ARRAY, sub_type=kind)
+        return add(self, k, value, kind)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", replaced)
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path, {})
+    assert_refused(path, f"{path}: cannot build the tokenizer from GGUF metadata: GGUF key {key!r} {problem}",
+                   tmp_path, capsys)
+
+
 def test_a_vocabulary_larger_than_the_embedding_is_one_line(tmp_path, capsys):
     """361 tokens over a 300-row token_embd loaded and converted with exit 0; MLX does not bounds-check the
     embedding lookup, so ids 300..360 (plain English text reaches 357) read memory past it."""

@@ -44,6 +44,9 @@ _KNOWN_KEYS = {
         "fim_pad_token_id fim_rep_token_id fim_sep_token_id prefix_token_id suffix_token_id middle_token_id"
     ).split()
 } | {"tokenizer.chat_template", "tokenizer.chat_templates", "tokenizer.huggingface.json"}
+# arrays read by index or iterated: their element kind and how a message names it
+_LISTS = {"tokenizer.ggml.tokens": (str, "texts"), "tokenizer.ggml.token_type": (int, "integers"),
+          "tokenizer.ggml.scores": ((int, float), "numbers"), "tokenizer.ggml.merges": (str, "texts")}
 _FLAGS = {f"tokenizer.ggml.{k}" for k in ("add_bos_token", "add_eos_token", "add_sep_token", "add_space_prefix",
                                           "remove_extra_whitespaces")}
 
@@ -53,8 +56,9 @@ def check_tokenizer_keys(md: dict) -> None:
 
     Raises:
         ValueError: an unknown ``tokenizer.*`` key, ``add_sep_token`` true
-            (BERT-style separator after the text), or a token id or flag of another
-            kind (llama.cpp refuses a key of the wrong type), naming the key.
+            (BERT-style separator after the text), or a token id, flag, ``pre`` or
+            vocabulary list of another kind (llama.cpp refuses a key of the wrong type),
+            naming the key.
     """
     for key in md:
         if key.startswith("tokenizer.") and key not in _KNOWN_KEYS and not key.startswith("tokenizer.chat_template."):
@@ -64,6 +68,16 @@ def check_tokenizer_keys(md: dict) -> None:
             raise ValueError(f"GGUF key {key!r} = {value!r} is not supported (expected a token id)")
         if key in _FLAGS and not isinstance(value, bool):  # else bool('false') adds the token
             raise ValueError(f"GGUF key {key!r} = {value!r} is not supported (expected true or false)")
+        if key == "tokenizer.ggml.pre" and not isinstance(value, str):
+            raise ValueError(f"GGUF key {key!r} = {value!r} is not supported (expected a name)")
+        if key in _LISTS:  # else len()'s or iteration's TypeError, or 'int' has no attribute 'split'
+            kind, what = _LISTS[key]
+            if not isinstance(value, list):
+                raise ValueError(f"GGUF key {key!r} = {value!r} is not supported (expected a list of {what})")
+            odd = next((i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, kind)), None)
+            if odd is not None:
+                raise ValueError(f"GGUF key {key!r} holds {value[odd]!r} at index {odd}, which is not supported "
+                                 f"(expected a list of {what})")
     if md.get("tokenizer.ggml.add_sep_token"):
         raise ValueError("GGUF key 'tokenizer.ggml.add_sep_token' = true is not supported")
 
