@@ -577,6 +577,17 @@ def test_unsupported_gguf_architecture_is_a_model_error(tmp_path):
         load_model(str(path))
 
 
+def test_a_gguf_architecture_of_another_kind_is_one_line(tmp_path, capsys):
+    """general.architecture as a list ended convert and load in 'TypeError: unhashable type: 'list''."""
+    path = tmp_path / "listed.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_key_value("general.architecture", ["llama"], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    _finish(w)
+    assert_refused(path, f"{path}: GGUF architecture ['llama'] is not supported (supported: llama, gemma3); convert "
+                         "the original Hugging Face model with mlx_lm instead", tmp_path, capsys)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -175,7 +175,7 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
     """
     metadata, tensors = read_gguf(path)
     arch = metadata.get("general.architecture")
-    if arch not in _ARCH_LAYER_NAMES:
+    if not isinstance(arch, str) or arch not in _ARCH_LAYER_NAMES:  # a list would be 'unhashable'
         raise ModelError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: llama, gemma3); "
             "convert the original Hugging Face model with mlx_lm instead"
