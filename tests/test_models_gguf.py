@@ -733,6 +733,24 @@ def test_a_tokenizer_list_or_name_of_another_kind_is_one_line(tmp_path, monkeypa
                    tmp_path, capsys)
 
 
+@pytest.mark.parametrize("key, value, held", [
+    ("llama.block_count", 2**40, "4 layers"),
+    ("llama.block_count", 5, "4 layers"),
+    ("llama.embedding_length", 2**40, "32 values in a row of token_embd.weight"),
+    ("llama.feed_forward_length", 2**40, "64 rows in blk.0.ffn_up.weight"),
+], ids=["layers_huge", "layers_one_more", "width_huge", "ffn_huge"])
+def test_a_model_size_the_tensors_do_not_have_is_one_line(tmp_path, monkeypatch, capsys, key, value, held):
+    """A damaged 2**40 ended convert and load in MLX's 'OverflowError: Integer value 1099511627776 is outside the
+    supported range' or a MemoryError, as the model was built before its tensors were compared."""
+    add = gguf.GGUFWriter.add_key_value
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", lambda self, k, v, vtype, *args, **kwargs: add(
+        self, k, *((value, gguf.GGUFValueType.UINT64) if k == key else (v, vtype)), *args, **kwargs))
+    path = tmp_path / "sized.gguf"
+    write_tiny_llama(path, {})
+    assert_refused(path, f"{path}: GGUF key {key!r} = {value} does not fit the tensors, which hold {held}", tmp_path,
+                   capsys)
+
+
 def test_a_vocabulary_larger_than_the_embedding_is_one_line(tmp_path, capsys):
     """361 tokens over a 300-row token_embd loaded and converted with exit 0; MLX does not bounds-check the
     embedding lookup, so ids 300..360 (plain English text reaches 357) read memory past it."""

@@ -184,6 +184,7 @@ def gguf_to_mlx(path: Path) -> GGUFModel:
         config = _config(arch, metadata, tensors)
         _check_model_keys(arch, metadata, config)
         _check_vocabulary_size(metadata, config)
+        _check_sizes(arch, config, tensors)
         weights = _rename(arch, tensors)
         if arch == "llama":
             _unpermute_qk(weights, config)
@@ -380,6 +381,27 @@ def _check_vocabulary_size(md: dict, config: dict) -> None:
     if isinstance(tokens, list) and len(tokens) > config["vocab_size"]:
         raise ModelError(f"tokenizer.ggml.tokens holds {len(tokens)} tokens but token_embd.weight has "
                          f"{config['vocab_size']} rows, so ids {config['vocab_size']} and above have no embedding")
+
+
+def _check_sizes(arch: str, config: dict, tensors: dict) -> None:
+    """Refuse a layer count, width or feed-forward size other than the tensors have, before a model is built from
+    them: a damaged 2**40 ended in MLX's OverflowError or a MemoryError (llama.cpp refuses such files too).
+
+    Raises:
+        ModelError: naming the key, its value and what the tensors hold.
+    """
+    layers = 1 + max((int(m.group(1)) for name in tensors if (m := _BLOCK.match(name))), default=-1)
+    width = (tensors["token_embd.scales"].shape[-1] * GROUP_SIZE if "token_embd.scales" in tensors
+             else tensors["token_embd.weight"].shape[-1])  # mx.load's quantized triplet: 32 values per scale
+    ffn = tensors.get("blk.0.ffn_up.weight")
+    held = [("block_count", "num_hidden_layers", layers, "layers"),
+            ("embedding_length", "hidden_size", width, "values in a row of token_embd.weight"),
+            ("feed_forward_length", "intermediate_size", None if ffn is None else ffn.shape[0],
+             "rows in blk.0.ffn_up.weight")]
+    for key, name, value, what in held:
+        if value is not None and config[name] != value:
+            raise ModelError(f"GGUF key '{arch}.{key}' = {config[name]} does not fit the tensors, which hold {value} "
+                             f"{what}")
 
 
 def _config(arch: str, md: dict, tensors: dict) -> dict:
