@@ -751,6 +751,20 @@ def test_a_model_size_the_tensors_do_not_have_is_one_line(tmp_path, monkeypatch,
                    capsys)
 
 
+@pytest.mark.parametrize("key, proj, rows", [("head_count", "q", 32), ("head_count_kv", "k", 16)])
+def test_a_gemma3_head_count_the_tensors_do_not_have_is_one_line(tmp_path, monkeypatch, capsys, key, proj, rows):
+    """gemma3.attention.head_count(_kv) 2**44 ended convert and load in MLX's 'OverflowError: Integer value
+    281474976710656 is outside the supported range' (llama's heads are checked against the q/k rows already)."""
+    add = gguf.GGUFWriter.add_key_value
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", lambda self, k, v, vtype, *args, **kwargs: add(
+        self, k, *((2**44, gguf.GGUFValueType.UINT64) if k == f"gemma3.attention.{key}" else (v, vtype)), *args,
+        **kwargs))
+    path = tmp_path / "gemma.gguf"
+    write_tiny_gemma3(path)
+    assert_refused(path, f"{path}: GGUF keys 'gemma3.attention.{key}' = {2**44} and 'gemma3.attention.key_length' = "
+                         f"16 do not fit the tensors: blk.0.attn_{proj}.weight has {rows} rows", tmp_path, capsys)
+
+
 def test_a_vocabulary_larger_than_the_embedding_is_one_line(tmp_path, capsys):
     """361 tokens over a 300-row token_embd loaded and converted with exit 0; MLX does not bounds-check the
     embedding lookup, so ids 300..360 (plain English text reaches 357) read memory past it."""

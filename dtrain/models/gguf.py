@@ -384,8 +384,9 @@ def _check_vocabulary_size(md: dict, config: dict) -> None:
 
 
 def _check_sizes(arch: str, config: dict, tensors: dict) -> None:
-    """Refuse a layer count, width or feed-forward size other than the tensors have, before a model is built from
-    them: a damaged 2**40 ended in MLX's OverflowError or a MemoryError (llama.cpp refuses such files too).
+    """Refuse a layer count, width, feed-forward size or (gemma3) head count other than the tensors have, before a
+    model is built from them: a damaged 2**40 ended in MLX's OverflowError or a MemoryError (llama.cpp refuses such
+    files too).
 
     Raises:
         ModelError: naming the key, its value and what the tensors hold.
@@ -402,6 +403,13 @@ def _check_sizes(arch: str, config: dict, tensors: dict) -> None:
         if value is not None and config[name] != value:
             raise ModelError(f"GGUF key '{arch}.{key}' = {config[name]} does not fit the tensors, which hold {value} "
                              f"{what}")
+    for proj, key, name in (("attn_q", "head_count", "num_attention_heads"),
+                            ("attn_k", "head_count_kv", "num_key_value_heads")):
+        weight = tensors.get(f"blk.0.{proj}.weight")
+        if arch == "gemma3" and weight is not None and weight.shape[0] != config[name] * config["head_dim"]:
+            raise ModelError(f"GGUF keys '{arch}.attention.{key}' = {config[name]} and '{arch}.attention.key_length' "
+                             f"= {config['head_dim']} do not fit the tensors: blk.0.{proj}.weight has "
+                             f"{weight.shape[0]} rows")  # llama's rows are checked as they are unpermuted
 
 
 def _config(arch: str, md: dict, tensors: dict) -> dict:
