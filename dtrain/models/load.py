@@ -123,8 +123,8 @@ def load_model(path: str = "demo", dtype: str = "auto") -> LoadedModel:
 
 
 def gguf_files_hint(folder: Path) -> str:
-    """``'; it holds the GGUF file(s) a.gguf, ...: give one of them'`` for a folder holding ``*.gguf`` files (a GGUF
-    repository's download), else ``''``."""
+    """``'; it holds the GGUF file a.gguf: give that file'`` (several: the first three, ``give one of them``) for a
+    folder holding ``*.gguf`` files (a GGUF repository's download), else ``''``."""
     names = sorted(f.name for f in folder.glob("*.gguf") if f.is_file())
     if not names:
         return ""
