@@ -165,6 +165,21 @@ def output_dir_problem(out: Path, err: OSError) -> str:
     return f"train.output_dir {out} {where}, not a folder; choose another train.output_dir"
 
 
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # how a Git LFS pointer file opens
+
+
+def lfs_pointer_problem(path: Path) -> Optional[str]:
+    """``'<path>: a Git LFS pointer, ...'`` when ``path`` holds a Git LFS pointer in place of its content (a
+    repository cloned without git-lfs keeps these short texts for its large files), else None."""
+    try:
+        with open(path, "rb") as f:
+            pointer = f.read(len(_LFS_POINTER)) == _LFS_POINTER
+    except OSError:
+        return None
+    return (f"{path}: a Git LFS pointer, not the file's content (the repository was cloned without git-lfs); fetch it "
+            "with git lfs pull, or download the file") if pointer else None
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()

@@ -443,3 +443,23 @@ def test_a_shard_the_index_names_and_the_folder_lacks_is_named(tmp_path):
         load_model(str(folder))
     assert str(err.value) == (f"{folder}: model.safetensors.index.json names model-00002-of-00002.safetensors, which "
                               "the folder lacks (an incomplete download?)")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_a_git_lfs_pointer_in_place_of_a_model_file_says_so(tmp_path, name):
+    """A repository cloned without git-lfs holds ~130-byte pointer texts in place of its large files: 'mlx-lm could
+    not load this model folder: JSONDecodeError: Failed to parse tokenizer.json: line 1 column 1 (char 0)', or of
+    the weights 'Invalid json header length'; a .gguf: 'not a readable GGUF file (ValueError: GGUF magic invalid)'."""
+    pointer = ("version https://git-lfs.github.com/spec/v1\n"
+               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 1234567\n")
+    folder = tiny_folder(tmp_path / "m")
+    (folder / name).write_text(pointer)
+    (tmp_path / "m.gguf").write_text(pointer)
+    for path in (folder / name, tmp_path / "m.gguf"):
+        with pytest.raises(ModelError) as err:
+            load_model(str(folder if path.parent == folder else path))
+        assert str(err.value) == (f"{path}: a Git LFS pointer, not the file's content (the repository was cloned "
+                                  "without git-lfs); fetch it with git lfs pull, or download the file")
+    with pytest.raises(ModelError) as err:
+        convert_gguf(str(tmp_path / "m.gguf"), str(tmp_path / "out"))
+    assert "a Git LFS pointer" in str(err.value) and not (tmp_path / "out").exists()

@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelError
+from ..files import lfs_pointer_problem
 from .gguf_bf16 import BadAlignment, read_bf16_tensors, tensor_infos
 
 GROUP_SIZE = 32  # every GGUF block quant that mx.load accepts has 32-value blocks
@@ -118,8 +119,8 @@ def read_gguf(path: Path) -> tuple[dict, dict]:
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             tensors[t.name] = mx.array(np.ascontiguousarray(data, dtype=np.float32))
     except Exception as err:  # the reader raises ValueError, KeyError, struct errors...
-        raise ModelError(f"{path}: not a readable GGUF file ({_cut_short(path) or f'{type(err).__name__}: {err}'})"
-                         ) from None
+        raise ModelError(lfs_pointer_problem(path) or f"{path}: not a readable GGUF file "
+                         f"({_cut_short(path) or f'{type(err).__name__}: {err}'})") from None
     return metadata, tensors
 
 

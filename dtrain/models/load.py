@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from ..device import on_gpu
 from ..errors import TOO_DEEP, ModelError
-from ..files import HUB_ID, sha256_file
+from ..files import HUB_ID, lfs_pointer_problem, sha256_file
 from . import DTYPE_NAMES
 from .demo import demo_model_path
 from .gguf import GROUP_SIZE, GGUFModel, gguf_to_mlx
@@ -305,12 +305,14 @@ def _widened_scales(model: nn.Module) -> nn.Module:
 
 def _folder_problem(path: str, err: BaseException) -> str | None:
     """What mlx-lm's failure ``err`` on the model folder ``path`` comes from, naming the file, else None (mlx-lm's
-    own message is said): no tokenizer files, a weight file MLX cannot read, a shard the index names that is absent."""
+    own message is said): no tokenizer files, a weight file MLX cannot read, a shard the index names that is absent,
+    a Git LFS pointer in place of a tokenizer or weight file."""
     folder = Path(path)
     if _in_load_tokenizer(err):  # mlx-lm's load reads the weights first
-        return None if _has_tokenizer_files(folder) else (
+        pointer = next(filter(None, map(lfs_pointer_problem, sorted(folder.glob("tokenizer*")))), None)
+        return pointer or (None if _has_tokenizer_files(folder) else (
             f"{path}: the folder has no tokenizer files (tokenizer.json, or tokenizer.model for a SentencePiece "
-            "tokenizer); copy them from the model it was made from")
+            "tokenizer); copy them from the model it was made from"))
     if unreadable := _unreadable_weights(folder):
         return unreadable
     if absent := _absent_shards(folder):
@@ -334,7 +336,8 @@ def _unreadable_weights(folder: Path) -> str | None:
         try:
             mx.load(str(weights))
         except (RuntimeError, ValueError, OSError) as err:
-            return f"{weights}: not a readable safetensors file ({' '.join(str(err).split())})"
+            return lfs_pointer_problem(weights) or (
+                f"{weights}: not a readable safetensors file ({' '.join(str(err).split())})")
     return None
 
 
