@@ -79,23 +79,30 @@ def test_ranks_save_and_stop_when_their_launcher_is_ended(job, tmp_path, sig):
     assert list(tmp.glob("dtrain-port-*.lock")) == []
 
 
+def signal_last_rank(job, tmp_path, ranks, sig, wrapper, *options):
+    """``./launch -n ranks [options] job`` into ``tmp_path/run``; after the first step's loss, ``sig`` to the last
+    rank's trainer (or its wrapper, the trainer's parent). Returns the launcher's exit status, its process,
+    the output folder and the trainer's pid, once every rank has ended."""
+    out = tmp_path / "run"
+    proc = spawn([sys.executable, LAUNCH, "-n", ranks, "--port", free_port(), *options, job, "--train.steps", 5000,
+                  "--train.save_every", 0, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
+    try:
+        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
+        trainer = find_trainers(str(out))[ranks - 1]
+        os.kill(processes()[trainer][0] if wrapper else trainer, sig)
+        code = wait_exit(proc, STOP_S)
+        wait_until(lambda: not find_trainers(str(out)), "every rank to end", limit=STOP_S)
+    finally:
+        kill_tree(proc)
+    return code, proc, out, trainer
+
+
 @pytest.mark.parametrize("ranks", [2, 1])
 def test_a_rank_whose_wrapper_is_killed_stops_the_job_and_rank_0_saves(job, tmp_path, ranks):
     """SIGKILL of the last rank's wrapper (python -m dtrain.launch.rank): its trainer, in a session of its own,
     trained on with rank 0 to train.steps (no report came, so no abort), and was killed only once rank 0 had ended;
     with -n 1 the launcher then killed the one trainer at once, and nothing was saved."""
-    out = tmp_path / "run"
-    proc = spawn([sys.executable, LAUNCH, "-n", ranks, "--port", free_port(), job, "--train.steps", 5000,
-                  "--train.save_every", 0, "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
-    try:
-        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
-        trainer = find_trainers(str(out))[ranks - 1]
-        wrapper = processes()[trainer][0]  # its parent
-        os.kill(wrapper, signal.SIGKILL)
-        code = wait_exit(proc, STOP_S)
-        wait_until(lambda: not find_trainers(str(out)), "every rank to end", limit=STOP_S)
-    finally:
-        kill_tree(proc)
+    code, proc, out, trainer = signal_last_rank(job, tmp_path, ranks, signal.SIGKILL, wrapper=True)
     assert code == 128 + signal.SIGKILL, proc.err()
     others = "; stopping the other rank(s)" if ranks > 1 else ""
     assert f"launch: rank {ranks - 1}'s wrapper ended without reporting{others}" in proc.err()
@@ -114,20 +121,8 @@ def test_a_stop_signal_sent_to_one_rank_stops_the_job_and_the_launcher_says_so(j
     its step and exited 0, and so did the launcher, without a word, as if the run had trained to its end; as
     torchrun reports a worker's SIGTERM as that rank's failure, the launcher names the rank and the signal and
     exits 128 + the signal, as when the signal reaches it, and restarts nothing (the ranks saved)."""
-    out = tmp_path / "run"
-    proc = spawn([sys.executable, LAUNCH, "-n", ranks, "--port", free_port(), "--max-restarts", 2,
-                  "--restart-delay", 0, job, "--train.steps", 5000, "--train.save_every", 0,
-                  "--train.output_dir", out], tmp_path, "launch", cwd=ROOT)
-    try:
-        wait_until(lambda: "loss" in read_scalars_of(out / "tb"), "the first step's loss", proc)
-        victim = find_trainers(str(out))[ranks - 1]
-        if target == "wrapper":
-            victim = processes()[victim][0]  # its parent
-        os.kill(victim, signal.SIGTERM)
-        code = wait_exit(proc, STOP_S)
-        wait_until(lambda: not find_trainers(str(out)), "every rank to end", limit=STOP_S)
-    finally:
-        kill_tree(proc)
+    code, proc, out, _ = signal_last_rank(job, tmp_path, ranks, signal.SIGTERM, target == "wrapper",
+                                          "--max-restarts", 2, "--restart-delay", 0)
     log = proc.err()
     assert code == 128 + signal.SIGTERM, log
     assert (f"launch: rank {ranks - 1} got SIGTERM from outside the launcher: every rank stopped after its step, "
