@@ -197,7 +197,23 @@ def test_dry_run_prints_ranks_env_and_shards(job):
     assert out.count(f"  MLX_HOSTFILE=<temp file> {ring}\n") == 3
     assert out.count("  PYTHONUNBUFFERED=1\n") == 3
     assert out.count("  DTRAIN_LOCAL_RANKS=3\n") == 3  # they share this machine's memory (dtrain.memory)
-    assert "global batch: 5 pairs/step = 2 + 2 + 1 (micro batch 4 pairs per rank)" in out
+    assert "global batch: 5 pairs/step = 2 + 2 + 1 (micro-batches of 2)" in out  # train.micro_batch_pairs 4: at most 2 run
+
+
+@pytest.mark.parametrize("ranks, overrides, line", [
+    (2, [], "global batch: 8 pairs/step = 4 + 4 (micro-batches of 4)"),  # ./launch -n 2 --dry-run configs/demo.yaml
+    (2, ["train.micro_batch_pairs=3"], "global batch: 8 pairs/step = 4 + 4 (micro-batches of 3)"),
+    (1, [], "global batch: 8 pairs/step = 8 (micro-batches of 8)"),
+])
+def test_the_dry_run_names_the_micro_batch_a_rank_runs(ranks, overrides, line):
+    """--dry-run's batch line said "(micro batch 8 pairs per rank)" for 8 pairs on 2 ranks, where each
+    rank runs one micro-batch of 4 (the key, not what runs; the first step's line names 4)."""
+    from dtrain.config import load_config
+    from dtrain.launch.plan import build_plan, describe
+
+    cfg = load_config(overrides=["data.demo_pairs=16", "train.global_batch_pairs=8", "train.micro_batch_pairs=8",
+                                 *overrides])
+    assert line in describe(build_plan("job.yaml", [], cfg, ranks=ranks)).splitlines()
 
 
 def test_dry_run_mpi_and_nccl_environment(job):

@@ -519,5 +519,6 @@ def describe(plan: Plan, attempt_env: Optional[dict] = None) -> str:
             shown = f"<temp file> {v}" if k in FILE_VARS and v else v
             lines.append(f"  {k}={shown}")
     split = " + ".join(map(str, plan.shards))
-    lines.append(f"global batch: {plan.global_batch_pairs} pairs/step = {split} (micro batch {plan.micro_batch_pairs} pairs per rank)")
+    micro = min(max(plan.shards), plan.micro_batch_pairs)  # what a rank runs, as the first step's line says
+    lines.append(f"global batch: {plan.global_batch_pairs} pairs/step = {split} (micro-batches of {micro})")
     return "\n".join(lines)
