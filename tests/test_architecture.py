@@ -184,3 +184,18 @@ def test_the_engine_doc_lists_every_engine_key_at_its_default():
     assert block, "docs/engine.md has no engine: block of the defaults"
     listed = yaml.safe_load(block[1])["engine"]
     assert listed == {key: default for key, _, default, _ in describe_fields(EngineConfig)}
+
+
+def test_the_engine_doc_counts_the_engine_tests_it_names():
+    """docs/engine.md gives the test count of test_engine_segmented.py and test_engine_gemma4.py; the first
+    said 95 when pytest collected 139."""
+    import subprocess
+    import sys
+
+    text = " ".join((ROOT / "docs" / "engine.md").read_text().split())
+    stated = {name: int(n) for name, n in re.findall(r"`tests/(test_engine_\w+\.py)` \((\d+) tests", text)}
+    assert set(stated) == {"test_engine_segmented.py", "test_engine_gemma4.py"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          *(f"tests/{name}" for name in stated)], cwd=ROOT, capture_output=True, text=True).stdout
+    collected = {name: sum(line.startswith(f"tests/{name}::") for line in out.splitlines()) for name in stated}
+    assert collected == stated
