@@ -479,6 +479,8 @@ def test_the_extension_notice_says_what_the_rate_does():
     done = TrainConfig(steps=24, learning_rate=2e-4, warmup_steps=0, schedule="linear", min_lr_ratio=0.1)
     assert extension_notice(12, done, 12) == ("train.steps 24 is past the 12 steps this run's schedule was planned "
                                               "for: steps 13-24 hold its final learning rate 2e-05")
+    assert extension_notice(1, TrainConfig(steps=2, warmup_steps=0), 1).startswith(
+        "train.steps 2 is past the 1 step this run's schedule was planned for: step 2 holds")
 
 
 def test_the_notices_of_a_resume_that_changes_train_steps_by_one_step_or_to_fewer_steps():

@@ -74,7 +74,8 @@ def extension_notice(step: int, cfg: TrainConfig, schedule_steps: int) -> str:
     rate (:func:`learning_rate`): warmup, if unfinished, still runs to ``warmup_steps``; then it holds."""
     held_from = max(schedule_steps, cfg.warmup_steps)
     final = learning_rate(held_from, cfg, schedule_steps)
-    head = f"train.steps {cfg.steps} is past the {schedule_steps} steps this run's schedule was planned for: "
+    planned = f"{schedule_steps} step{'' if schedule_steps == 1 else 's'}"
+    head = f"train.steps {cfg.steps} is past the {planned} this run's schedule was planned for: "
     first = max(step, schedule_steps) + 1
     if held_from >= cfg.steps:
         return head + f"warmup continues to step {cfg.steps}, its last"
