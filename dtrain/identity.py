@@ -126,6 +126,18 @@ def as_run(key: str, value):
     return AS_RUN[key].get(value, value) if key in AS_RUN else value
 
 
+def beta_as_run(was: dict, now: dict) -> tuple:
+    """``(was, now)``, a checkpoint's settings and a run's, with ``objective.beta`` null as the beta it trains with
+    (dpo's or simpo's default) where both run that ``objective.kind``, so writing that value out continues the run."""
+    from .engine import dpo, simpo  # here: importing dtrain.identity loads no MLX
+
+    kind = was.get("objective.kind")
+    default = {"dpo": dpo.DEFAULT_BETA, "simpo": simpo.DEFAULT_BETA}.get(kind)
+    if default is None or now.get("objective.kind") != kind:  # another kind: that change is the one named
+        return was, now
+    return tuple({**d, "objective.beta": default} if d.get("objective.beta", 0) is None else d for d in (was, now))
+
+
 def settings(resolved: dict, defaults: Optional[dict] = None) -> dict:
     """``{"section.key": value}`` of every :data:`REFUSED` key (its default where another key's value leaves it
     unread: :data:`dtrain.config_checks.UNREAD_WHEN`), and of each :data:`REFUSED_WHEN` key whose condition

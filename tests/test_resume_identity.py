@@ -1056,3 +1056,18 @@ def test_a_stop_agreed_in_an_evaluation_is_marked_agreed_as_one_agreed_after_a_s
     stopped, _ = run(tmp_path, hooks=Hooks(engine=StopInEval, before_step=lambda step, r: runs.append(r)))
     assert stopped.stopped and stopped.steps == 2
     assert runs[0].stop.agreed
+
+
+@pytest.mark.parametrize("kind, default", [("dpo", 0.1), ("simpo", 2.0)])
+def test_objective_beta_null_is_compared_as_the_beta_it_trains_with(kind, default):
+    """``objective.beta: null`` trains with the kind's default (docs/objectives.md: 0.1 for dpo, 2.0 for simpo): a
+    resume that writes that value out, or a checkpoint of it resumed with null, was refused (``objective.beta: None in
+    the checkpoint, 0.1 now``); another beta is still refused."""
+    def state(beta):
+        resolved = to_dict(load_config(None, ["data.demo_pairs=1", f"objective.kind={kind}", f"objective.beta={beta}"]))
+        return state_for(resolved)
+
+    ckpt.check_resumable(state("null"), state(default), [1, 2], "ckpt")
+    ckpt.check_resumable(state(default), state("null"), [1, 2], "ckpt")
+    with pytest.raises(UserError, match=rf"settings: objective.beta: {default} in the checkpoint, {default * 2} now\. "):
+        ckpt.check_resumable(state("null"), state(default * 2), [1, 2], "ckpt")

@@ -46,7 +46,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..distributed import AfterRank0Error
 from ..errors import TOO_DEEP, UserError
-from ..identity import BEFORE_KEY, FOLLOWS, REFUSED_WHEN, as_run
+from ..identity import BEFORE_KEY, FOLLOWS, REFUSED_WHEN, as_run, beta_as_run
 from ..files import OutputDir, atomic_folder, clear_set_aside, home_path, sha256_file, storage, storage_reason
 from ..lora import ADAPTER_WEIGHTS, save_weights, write_adapter
 from .lambda_control import LambdaState
@@ -387,6 +387,7 @@ def check_resumable(saved: RunState, current: RunState, next_pairs: list, path: 
     was = {**{k: v for k, v in BEFORE_KEY.items() if k in current.must_match()},
            **{k: as_run(k, v) for k, v in saved.must_match().items()}}
     now = json.loads(json.dumps(current.must_match()))  # as state.json would hold it (lists, not tuples)
+    was, now = beta_as_run(was, now)
     if saved.model in model_aliases:
         now["model.path"] = saved.model
     chose = {k for k, v in (spelled or {}).items() if v != current.settings.get(k)}  # this device's `auto` choices
