@@ -162,8 +162,9 @@ class ObjectiveConfig:
     simpo_gamma: float = option(0.5, "simpo: target reward margin gamma (TRL CPOConfig simpo_gamma)", at_least=0.0)
     nll_weight: float = option(0.0, "simpo: weight of the NLL of the chosen responses added to the loss (TRL "
                                     "CPOConfig cpo_alpha); 0 = plain SimPO", at_least=0.0)
-    completion_only_loss: bool = option(True, "sft: NLL over the responses only (TRL SFTConfig, mlx-lm "
-                                              "mask_prompt); false: over prompt and response")
+    completion_only_loss: bool = option(True, "sft: NLL over the completion only (a messages row's last "
+                                              "assistant message; TRL SFTConfig's default for prompt-completion "
+                                              "rows, mlx-lm mask_prompt); false: over prompt and completion")
 
 
 @dataclass
