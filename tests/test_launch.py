@@ -204,6 +204,7 @@ def test_dry_run_prints_ranks_env_and_shards(job):
     (2, [], "global batch: 8 pairs/step = 4 + 4 (micro-batches of 4)"),  # ./launch -n 2 --dry-run configs/demo.yaml
     (2, ["train.micro_batch_pairs=3"], "global batch: 8 pairs/step = 4 + 4 (micro-batches of 3)"),
     (1, [], "global batch: 8 pairs/step = 8 (micro-batches of 8)"),
+    (2, ["objective.kind=sft"], "global batch: 8 rows/step = 4 + 4 (micro-batches of 4)"),  # as the trainer says
 ])
 def test_the_dry_run_names_the_micro_batch_a_rank_runs(ranks, overrides, line):
     """--dry-run's batch line said "(micro batch 8 pairs per rank)" for 8 pairs on 2 ranks, where each

@@ -29,6 +29,7 @@ from typing import Optional
 from ..blas import CHILD_VARS, blas_env
 from ..sampler import rank_shard
 from ..contract import FILE_VARS, LOCAL_RANKS_VAR, RANK_TMPDIR_VAR, rank_variables
+from ..types import example_noun
 from .hosts import Hostfile, LaunchError, check_backend
 
 DEFAULT_PORT = 32323  # the first ring/JACCL port, or the NCCL port, unless --port, taken, or a hostfile job's restart
@@ -61,6 +62,7 @@ class Plan:
     shards: list
     global_batch_pairs: int
     micro_batch_pairs: int
+    noun: str = "pair"  # what one training example is called (types.example_noun: "row" under sft)
     local: bool = True
     files: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -372,7 +374,8 @@ def build_plan(config: str, overrides: list[str], cfg, *, ranks: int = 1, backen
     t = cfg.train
     common = dict(backend=backend or "none", world_size=n, hosts=hosts, explicit=explicit, notes=notes,
                   shards=shard_sizes(t.global_batch_pairs, n), global_batch_pairs=t.global_batch_pairs,
-                  micro_batch_pairs=t.micro_batch_pairs, local=hostfile is None, tmpdir=tmpdir)
+                  micro_batch_pairs=t.micro_batch_pairs, noun=example_noun(cfg.objective.kind),
+                  local=hostfile is None, tmpdir=tmpdir)
     program = rank_program(config, overrides, backend)
     if backend is None:
         return Plan(command=program, rank_env=[dict(explicit)], **common)
@@ -514,11 +517,11 @@ def describe(plan: Plan, attempt_env: Optional[dict] = None) -> str:
     for path, content in plan.files.items():
         lines.append(f"file {path}: {content.strip()!r}")
     for r in range(plan.world_size):
-        lines.append(f"rank {r} on {plan.hosts[r]}: shard {plan.shards[r]} pairs/step")
+        lines.append(f"rank {r} on {plan.hosts[r]}: shard {plan.shards[r]} {plan.noun}s/step")
         for k, v in sorted(plan.rank_env[r].items()):
             shown = f"<temp file> {v}" if k in FILE_VARS and v else v
             lines.append(f"  {k}={shown}")
     split = " + ".join(map(str, plan.shards))
     micro = min(max(plan.shards), plan.micro_batch_pairs)  # what a rank runs, as the first step's line says
-    lines.append(f"global batch: {plan.global_batch_pairs} pairs/step = {split} (micro-batches of {micro})")
+    lines.append(f"global batch: {plan.global_batch_pairs} {plan.noun}s/step = {split} (micro-batches of {micro})")
     return "\n".join(lines)
