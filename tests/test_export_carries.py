@@ -509,6 +509,33 @@ def test_folder_template_that_writes_bos_or_a_tokenizer_without_bos_is_kept():
     assert with_bos(make_tokenizer(add_bos=True), None) is None
 
 
+@pytest.mark.parametrize("template", ["raw", "plain", "chatml"])
+@pytest.mark.parametrize("content", ["What is 7 + 5?", " What", "\nWhat", "\u2581What"])
+def test_folder_bos_keeps_the_first_fragment_prefix_training_gave(template, content):
+    """A Metaspace ``prepend_scheme: first`` tokenizer (Mistral v0.3's) writes '▁' before a text's first fragment
+    only: training's BOS + text gave ['<s>', '▁', 'What▁', ...], but the folder's '{{ bos_token }}' made the text
+    follow a control token, so mlx-lm's generate saw ['<s>', 'What▁', ...] for a raw or plain prompt."""
+    from chat_fixtures import metaspace_tokenizer
+
+    from dtrain.config import DataConfig
+    from dtrain.data import tokenize_rows
+    from dtrain.data.templates import CHATML as NAMED_CHATML
+    from dtrain.data.templates import RAW_TEXT, hf_tokenizer
+    from dtrain.models.convert import with_bos
+    from dtrain.types import Row
+
+    tok = metaspace_tokenizer()
+    jinja = {"raw": RAW_TEXT, "plain": PLAIN, "chatml": NAMED_CHATML}[template]
+    cfg = DataConfig(prompt_template="raw") if template == "raw" else DataConfig(chat_template=template)
+    pairs, _ = tokenize_rows([Row(content, "ANSWER: 12", "It is 13.")], tok, cfg)
+    hf = hf_tokenizer(tok)
+    text = hf.apply_chat_template([{"role": "user", "content": content}], chat_template=with_bos(tok, jinja),
+                                  add_generation_prompt=True, tokenize=False)
+    inference = hf.encode(text, add_special_tokens=False)
+    assert inference[0] == hf.bos_token_id
+    assert inference[: len(pairs[0].prompt)] == pairs[0].prompt  # plain's 'Assistant:' may straddle into the reply
+
+
 def test_dora_update_is_what_the_merge_changes(tmp_path, tiny):
     """A DoRA adapter (mlx-lm's fine_tune_type dora) changes W by its magnitudes too: with lora_b zero
     scale * B A is zero, yet the merge rescales every row. The rounding error was measured against

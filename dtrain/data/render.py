@@ -167,6 +167,13 @@ def _prefix_first_only(node) -> bool:
     return any([found] + [_prefix_first_only(v) for v in node.values()])
 
 
+def prefixes_first_fragment(tokenizer) -> bool:
+    """True where the tokenizer writes ``▁`` before a text's first fragment only (Metaspace ``prepend_scheme:
+    first``, Mistral v0.3's tokenizer.json), so text after a control token gets none."""
+    pre = getattr(getattr(hf_tokenizer(tokenizer), "backend_tokenizer", None), "pre_tokenizer", None)
+    return pre is not None and _prefix_first_only(json.loads(pre.__getstate__()))
+
+
 def _first(last: int, fits) -> int:
     """The least ``k`` in ``0..last`` where ``fits(k)``, by bisection (``fits`` grows with ``k`` and holds at ``last``)."""
     lo, hi = 0, last
@@ -268,11 +275,9 @@ class RowTokenizer:
         tokenizer.json) prefixes ``▁`` to a text's first fragment only. Control text in a message is text."""
         from tokenizers import Tokenizer
 
-        backend = getattr(hf_tokenizer(self.tokenizer), "backend_tokenizer", None)
-        pre = getattr(backend, "pre_tokenizer", None)
-        if pre is None or not _prefix_first_only(json.loads(pre.__getstate__())):
+        if not prefixes_first_fragment(self.tokenizer):
             return None
-        state = json.loads(backend.to_str())
+        state = json.loads(hf_tokenizer(self.tokenizer).backend_tokenizer.to_str())
         _prefix_first_only(state["pre_tokenizer"])
         copy = Tokenizer.from_str(json.dumps(state))
         copy.encode_special_tokens = True
@@ -597,5 +602,5 @@ def tokenize_rows(rows: list, tokenizer, cfg, results: Optional[list] = None) ->
     return pairs, report
 
 
-__all__ = ["Drop", "RowResult", "RowTokenizer", "end_of_turn", "row_messages", "tokenize_rows",
-           "transcript_messages"]
+__all__ = ["Drop", "RowResult", "RowTokenizer", "end_of_turn", "prefixes_first_fragment", "row_messages",
+           "tokenize_rows", "transcript_messages"]

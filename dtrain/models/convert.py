@@ -67,15 +67,23 @@ def convert_gguf(gguf_path: str, out_dir: str, dequantize: bool = False) -> Path
     return write_folder(out_dir, lambda tmp: save_mlx_lm(tmp, model, config, tokenizer))
 
 
+# BOS, then the chat with the space a first-fragment-only Metaspace tokenizer prefixes to a text's start
+FIRST_FRAGMENT_BOS = ("{% set dtrain_chat %}{{ '' }}",
+                      "{{ '' }}{% endset %}{{ bos_token }}{% if dtrain_chat and not dtrain_chat.startswith((' ', '\u2581')) %}"
+                      "{{ ' ' }}{% endif %}{{ dtrain_chat }}")
+
+
 def with_bos(tokenizer, template: str | dict | None) -> str | dict | None:
     """``template`` for a model folder: ``{{ bos_token }}`` in front when the tokenizer adds BOS to a text and the
     template writes none.
 
     Training (data/render.py) and llama.cpp put that BOS before a rendered chat; mlx-lm's generate and server, and
     transformers' ``apply_chat_template``, tokenize it with no special tokens added, so a folder's template writes
-    BOS itself. The GGUF keeps the template as it is (llama.cpp would add a second BOS).
+    BOS itself. The GGUF keeps the template as it is (llama.cpp would add a second BOS). Where the tokenizer writes
+    ``▁`` before a text's first fragment only and the chat opens with text, a space follows BOS: training's
+    ``['<s>', '▁What', ...]`` stays that, not ``['<s>', 'What', ...]`` (:data:`FIRST_FRAGMENT_BOS`).
     """
-    from ..data.render import RowTokenizer
+    from ..data.render import RowTokenizer, prefixes_first_fragment
     from ..data.templates import Renderer, hf_tokenizer
     from ..errors import BadRow, DataError
 
@@ -89,7 +97,12 @@ def with_bos(tokenizer, template: str | dict | None) -> str | dict | None:
         text = Renderer(hf, template, name="export").render([{"role": "user", "content": "1"}], True)
     except (BadRow, DataError):  # a template that refuses the probe is left as it is
         return template
-    return template if text.startswith(bos) else "{{ bos_token }}" + template
+    if text.startswith(bos):
+        return template
+    if prefixes_first_fragment(tokenizer) and not any(text.startswith(t) for t in hf.get_added_vocab()):
+        # training's BOS + text gave the text's first fragment its '▁'; after '{{ bos_token }}' it would get none
+        return FIRST_FRAGMENT_BOS[0] + template + FIRST_FRAGMENT_BOS[1]
+    return "{{ bos_token }}" + template
 
 
 def save_mlx_lm(folder: Path, model, config: dict, tokenizer) -> None:
