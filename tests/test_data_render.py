@@ -366,6 +366,17 @@ def test_empty_prompt_kept_with_bos_dropped_without(tokenizer):
         ("e:2", "empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)")]
 
 
+def test_raw_prompt_merged_whole_into_a_response_says_so(demo_tok):
+    """The demo tokenizer (no BOS) reads 'yeshi' + 'café' as 'y', 'esh', 'ic', ...: the prompt had text, yet no
+    token of it ends before the response; the drop said to add a prompt."""
+    row = Row("yeshi", "The", "café\nfoxhihi", source="g:1")
+    assert dropped(demo_tok, row, prompt_template="raw") == [
+        ("g:1", "empty prompt: the prompt's text runs into the response's first token (raw text is joined as "
+                "written), so no prompt token comes before the response: end the prompt with whitespace")]
+    assert dropped(demo_tok, Row(" ", "a", "hi", source="g:2"), prompt_template="raw") == [
+        ("g:2", "empty prompt: no prompt tokens before the response (add a prompt, or a BOS token)")]
+
+
 def test_response_of_only_end_of_turn_text_is_empty(tokenizer):
     assert dropped(tokenizer, Row("Hi", "<|im_end|>", "No", source="x:4")) == [
         ("x:4", "empty response: 'chosen' has no text besides end-of-turn marks")]

@@ -514,6 +514,9 @@ class RowTokenizer:
         out.truncated = cut_prompt or (len(c), len(rj)) != (len(full_c), len(full_r))
         out.prompt_cut_fits = cut_prompt and untruncated_prompt + max(len(full_c), len(full_r)) <= limit
         out.drop = self._no_signal(prompt, rprompt, c, rj, (full_c, full_r), sft)
+        if out.drop and out.drop.startswith("empty prompt") and any(m["content"].strip() for m in prompts[0]):
+            out.drop = ("empty prompt: the prompt's text runs into the response's first token (raw text is joined as "
+                        "written), so no prompt token comes before the response: end the prompt with whitespace")
         if out.drop and out.drop.startswith("no room") and self.cfg.max_prompt_length >= limit:
             out.drop += (f" (data.max_prompt_length={self.cfg.max_prompt_length} is not below data.max_length: "
                          "lower it to cut such prompts and keep the pair)")
