@@ -173,6 +173,26 @@ def test_a_damaged_checkpoint_of_the_run_is_pruned_as_a_valid_one_would_be(tmp_p
     assert [p.name for p in ckpt.list_checkpoints(root)] == ["step-0000001", "step-0000006", "step-0000008"]
 
 
+def test_a_checkpoint_copied_under_another_steps_name_is_skipped_not_resumed(tmp_path):
+    """`cp -r step-0000001 step-0000003` (or a symlink) made train.resume auto continue from step 1, the folder's
+    state, and remove the run's newer step-0000002 at its first save; a folder whose state.json holds another step
+    than its name is skipped as damaged, and the newest true checkpoint continues."""
+    from test_trainer import run
+
+    args = ("train.save_every=1", "train.keep_last=3")
+    run(tmp_path, "train.steps=2", *args)
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step-0000001", root / "step-0000003")
+    seen = []
+    assert ckpt.find_latest(root, report=seen.append).name == "step-0000002"
+    assert seen == [f"skipping checkpoint {root / 'step-0000003'}: state.json: step is 1, not the folder's 3"]
+    with pytest.raises(UserError, match="is not a valid checkpoint: state.json: step is 1, not the folder's 3"):
+        ckpt.load_checkpoint(root / "step-0000003")
+    resumed, _ = run(tmp_path, "train.steps=3", *args, "train.resume=auto")
+    assert len(resumed.history) == 1
+    assert [ckpt.load_checkpoint(p).state.step for p in ckpt.list_checkpoints(root)] == [1, 2, 3]
+
+
 def test_a_manifest_or_state_nested_too_deep_is_a_damaged_checkpoint(tmp_path):
     """A manifest.json or state.json of lists nested thousands deep ended the run in RecursionError's traceback
     (train.resume auto: while choosing the checkpoint, and while naming the run of the damaged one), where a

@@ -277,7 +277,11 @@ def validate(path: Path) -> Optional[str]:
         except OSError as err:
             return f"unreadable {name} ({storage_reason(err)})"
     try:
-        problem = state_problem(json.loads((path / STATE).read_text()))
+        raw = json.loads((path / STATE).read_text())
+        problem = state_problem(raw)
+        if problem is None and step_of(path) >= 0 and raw.get("step", step_of(path)) != step_of(path):
+            # a copy or link under another step's name: resumed, it would continue an older step and prune newer ones
+            problem = f"step is {raw['step']}, not the folder's {step_of(path)}"
     except (ValueError, OSError) as err:  # a manifest that does not list it leaves it unchecked
         return f"unreadable {STATE} ({storage_reason(err) if isinstance(err, OSError) else err})"
     except RecursionError:
