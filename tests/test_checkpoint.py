@@ -193,6 +193,22 @@ def test_a_checkpoint_copied_under_another_steps_name_is_skipped_not_resumed(tmp
     assert [ckpt.load_checkpoint(p).state.step for p in ckpt.list_checkpoints(root)] == [1, 2, 3]
 
 
+def test_a_best_adapter_file_the_manifest_does_not_list_is_not_read(tmp_path):
+    """A best.safetensors put into a checkpoint saved without one (copied from another checkpoint, or junk) was read
+    on resume: junk refused the newest checkpoint with 'could not read checkpoint ...: [read] Unable to read 7 bytes
+    from file', naming no file, and another run's best adapter was taken as this run's. Only files the manifest
+    vouches for are part of a checkpoint."""
+    from test_trainer import run
+
+    args = ("train.save_every=1", "train.keep_last=2")
+    run(tmp_path, "train.steps=2", *args)
+    folder = tmp_path / "checkpoints" / "step-0000002"
+    (folder / "best.safetensors").write_bytes(b"not one")
+    assert ckpt.validate(folder) is None and ckpt.load_checkpoint(folder).best is None
+    resumed, _ = run(tmp_path, "train.steps=3", *args, "train.resume=auto")
+    assert len(resumed.history) == 1
+
+
 def test_a_manifest_or_state_nested_too_deep_is_a_damaged_checkpoint(tmp_path):
     """A manifest.json or state.json of lists nested thousands deep ended the run in RecursionError's traceback
     (train.resume auto: while choosing the checkpoint, and while naming the run of the damaged one), where a

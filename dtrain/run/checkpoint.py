@@ -332,7 +332,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise UserError(f"resume: {path} {_checkpoints_within(path) or f'is not a valid checkpoint: {problem}'}")
     with storage(f"read checkpoint {path}"):
         state = RunState.from_json((path / STATE).read_text(), str(path / STATE))
-        best = mx.load(str(path / BEST)) if (path / BEST).is_file() else None
+        listed = json.loads((path / MANIFEST).read_text())["files"]  # a file it does not list is no part of it
+        best = mx.load(str(path / BEST)) if BEST in listed else None
         return Checkpoint(path, state, mx.load(str(path / ADAPTER_WEIGHTS)), mx.load(str(path / OPTIMIZER)), best)
 
 
