@@ -517,6 +517,25 @@ def test_a_reader_never_sees_two_names_mixed(tmp_path, monkeypatch):
         lock.release()
 
 
+@pytest.mark.parametrize("kind", ["folder", "link", "dangling link"])
+def test_a_lock_file_that_is_a_folder_or_a_link_is_named(tmp_path, kind):
+    """A folder or a dangling link in .dtrain.lock's place was 'output folder X is not writable: Is a directory'
+    (or 'No such file or directory'), though the folder was writable; a link to a file was followed and that file
+    cut to the holder's name. Both are refused naming the lock file, and a link's target is left as it was."""
+    out, lock = tmp_path / "out", tmp_path / "out" / ".dtrain.lock"
+    out.mkdir()
+    other = tmp_path / "notes.txt"
+    other.write_text("someone's notes")
+    {"folder": lock.mkdir, "link": lambda: lock.symlink_to(other),
+     "dangling link": lambda: lock.symlink_to(tmp_path / "gone")}[kind]()
+    with pytest.raises(UserError) as err:
+        output.prepare_output(out, output.DiskPlan(0, 0, 0, 1), resuming=False)
+    what = "a folder" if kind == "folder" else "a link"
+    assert str(err.value) == (f"{lock.absolute()} is {what}, not dtrain's lock file; remove it, then start the run "
+                              f"again")
+    assert other.read_text() == "someone's notes"
+
+
 @pytest.mark.parametrize("code", ["ENOLCK", "ENOTSUP"])
 def test_a_folder_whose_file_system_cannot_lock_is_one_clear_line(tmp_path, monkeypatch, code):
     """Some network file systems (SMB, NFS without lockd) refuse flock: the run says so in one line,

@@ -91,7 +91,13 @@ class OutputLock:
     def __init__(self, out: Path, made: tuple = ()):
         self.path = OutputDir(Path(out).absolute()).lock  # absolute: lost() holds after a chdir
         self.made = made  # the folders made for it, deepest first: a run that wrote nothing there removes them
-        self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # not through a link: the holder's name would replace the content of the file it points to
+            self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            if not (self.path.is_symlink() or self.path.is_dir()):
+                raise  # the folder's own problem (not writable, full): the caller names it
+            raise UserError(f"{self.path} is {'a link' if self.path.is_symlink() else 'a folder'}, not dtrain's lock "
+                            f"file; remove it, then start the run again") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
