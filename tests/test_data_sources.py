@@ -638,6 +638,21 @@ def test_cache_entry_with_an_unknown_compression_method_is_written_again(tmp_pat
     assert entry.read_bytes()[8:10] == b"\x00\x00"  # written again, stored
 
 
+def test_a_cache_entry_under_another_entrys_name_counts_as_absent(tmp_path, tokenizer):
+    """An entry renamed or copied over another (data_cache edited by hand) was read as the other key's pairs: the
+    held-out pairs trained as the training pairs, or a resume refused as 'training pairs: 27 in the checkpoint, 3
+    now' with the data unchanged. An entry names its key inside; one under another name is tokenized again."""
+    entry, rows, cfg, expected = _cache_entry(tmp_path, tokenizer)
+    other_rows, _ = load_rows(write_jsonl(tmp_path / "e.jsonl", gen_objs("standard", 3, seed=13)), DataConfig())
+    other = tmp_path / "cache" / f"{cache_key(other_rows, tokenizer, cfg)}.npz"
+    shutil.copyfile(entry, other)
+    counting = CountingTokenizer(tokenizer)
+    assert tokenize_cached(other_rows, counting, cfg, tmp_path / "cache") == tokenize_rows(other_rows, tokenizer, cfg)
+    assert counting.calls > 0
+    counting.calls = 0
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls == 0
+
+
 def test_every_one_bit_flip_of_a_cache_entry_loads_the_same_or_counts_as_absent(tmp_path, tokenizer):
     from dtrain.data.cache import _load
 

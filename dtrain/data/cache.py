@@ -7,8 +7,9 @@ field, sources included; an SFT run reads a preference row without its rejected 
 text; not :data:`ROW_KEYS`), the tokenizer (its full ``tokenizer.json`` serialisation, chat
 template and special tokens), the source of the data package and types.py, and the versions
 of the libraries that render and tokenize (jinja2, transformers, tokenizers, mlx-lm). Entries
-are ``.npz`` files (no pickle) written atomically; a damaged entry counts as absent and is
-written again. A tokenizer that cannot be serialised is never cached.
+are ``.npz`` files (no pickle) written atomically, each naming its key inside; a damaged entry, or
+one under another entry's name, counts as absent and is written again. A tokenizer that cannot be
+serialised is never cached.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def _save(path: Path, pairs: list, report: BadRowReport) -> None:
                        dtype=np.int64).reshape(-1, 4)
     tokens = np.fromiter((t for p in pairs for part in (p.prompt, p.chosen, p.rejected, p.rejected_prompt or [])
                           for t in part), dtype=np.int32)
-    meta = {"sources": [p.source for p in pairs], "report": dataclasses.asdict(report)}
+    meta = {"key": path.stem, "sources": [p.source for p in pairs], "report": dataclasses.asdict(report)}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = new_temp_file(path.parent, ".npz")
     try:
@@ -181,7 +182,8 @@ def _load(path: Path) -> Optional[tuple]:
     try:
         with np.load(path, allow_pickle=False) as z:
             tokens, lengths, meta = z["tokens"].tolist(), z["lengths"].tolist(), json.loads(str(z["meta"]))
-        return _decode(tokens, lengths, meta)
+        # an entry renamed or copied over another (a hand edit) holds that other key's pairs
+        return _decode(tokens, lengths, meta) if meta["key"] == path.stem else None
     # A damaged entry raises from zipfile (BadZipFile; NotImplementedError for an unknown method or
     # version; RuntimeError "encrypted"), numpy's header parser (SyntaxError, tokenize.TokenError,
     # ValueError) or json; flipped data fails the zip's CRC. Any of these: the entry is absent.
