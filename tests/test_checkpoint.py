@@ -796,6 +796,40 @@ def _edit_state(folder: Path, text: str = None, **fields) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.parametrize("name, change, why", [
+    ("adapters.safetensors", "half", "adapters.safetensors has no model.layers.2.mlp.down_proj.lora_a (this run: "
+                                     "float32 [64, 2])"),
+    ("adapters.safetensors", "float16", "adapters.safetensors has model.layers.0.mlp.down_proj.lora_a as float16 "
+                                        "[64, 2] (this run: float32 [64, 2])"),
+    ("optimizer.safetensors", "half", "optimizer.safetensors has no model.layers.2.mlp.down_proj.lora_a.m (this "
+                                      "run: float32 [64, 2])")])
+def test_arrays_unlike_the_runs_with_a_rewritten_manifest_are_refused(tmp_path, name, change, why):
+    """An adapters.safetensors or optimizer.safetensors swapped for another (a manifest rewritten to match) was put
+    into the model as it was: half the LoRA weights missing kept their step-0 values and the run went on without a
+    word, float16 weights trained in float16, and an optimizer state lacking entries ended in a traceback
+    (KeyError, or a ValueError of shapes). Arrays whose names, shapes or dtypes differ from the run's are refused, naming the file."""
+    from dtrain.files import sha256_file
+    from test_trainer import run
+
+    args = ("train.save_every=1", "train.keep_last=2")
+    run(tmp_path, "train.steps=2", *args)
+    folder = tmp_path / "checkpoints" / "step-0000002"
+    arrays = mx.load(str(folder / name))
+    keys = sorted(arrays)
+    if change == "half":
+        arrays = {k: arrays[k] for k in keys[: len(keys) // 2]}
+    else:
+        arrays = {k: v.astype(mx.float16) for k, v in arrays.items()}
+    mx.save_safetensors(str(folder / name), arrays)
+    manifest = json.loads((folder / "manifest.json").read_text())  # rewritten to match
+    manifest["files"][name] = {"sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError) as err:
+        run(tmp_path, "train.steps=3", *args, "train.resume=auto")
+    assert str(err.value) == (f"resume: {folder} is not a valid checkpoint: {why}; continue from an earlier one "
+                              f"(train.resume {folder.parent / 'step-N'})")
+
+
 @pytest.mark.parametrize("key, value, why", [
     ("step", "2", "step is '2', not a whole number"), ("step", -1, "step is -1, below 0"),
     ("step", True, "step is True, not a whole number"), ("settings", [], "settings is [], not a mapping"),

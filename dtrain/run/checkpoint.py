@@ -422,13 +422,26 @@ def _spec(arrays: dict) -> dict:
     return {k: [list(v.shape), str(v.dtype).rsplit(".", 1)[-1]] for k, v in arrays.items()}
 
 
+def _arrays_problem(found: Checkpoint, adapter: dict, optimizer: dict) -> Optional[str]:
+    """The first array of ``found`` whose name, shape or dtype differs from this run's ``adapter``/``optimizer``."""
+    for name, held, want in ((ADAPTER_WEIGHTS, _spec(found.adapter), _spec(adapter)),
+                             (OPTIMIZER, _spec(found.optimizer), _spec(optimizer))):
+        for key in sorted(set(held) | set(want)):
+            if key not in held:
+                return f"{name} has no {key} (this run: {' '.join(map(str, want[key][::-1]))})"
+            if held[key] != want.get(key):
+                run = ' '.join(map(str, want[key][::-1])) if key in want else "none"
+                return f"{name} has {key} as {' '.join(map(str, held[key][::-1]))} (this run: {run})"
+    return None
+
+
 def _zeros(spec: dict) -> dict:
     return {k: mx.zeros(shape, dtype=getattr(mx, dtype)) for k, (shape, dtype) in spec.items()}
 
 
 def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Callable[[int], list], group,
            report: Callable[[str], None] = print, model_aliases: tuple = (),
-           spelled: Optional[dict] = None) -> Optional[Checkpoint]:
+           spelled: Optional[dict] = None, like: Optional[tuple] = None) -> Optional[Checkpoint]:
     """Continue a run: find, validate and check a checkpoint, and give it to every rank.
 
     Rank 0 alone reads checkpoints: it finds the one ``spec`` names (``auto``:
@@ -448,6 +461,8 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
         report: where rank 0 reports skipped checkpoints.
         model_aliases: see :func:`check_resumable`; the continued state keeps the identity it holds.
         spelled: see :func:`check_resumable`.
+        like: ``(LoRA weights, optimizer state)`` of this run, flat name -> array: a checkpoint whose arrays
+            differ in names, shapes or dtypes (a file swapped in, its manifest rewritten) is refused; None: unchecked.
     Returns:
         The checkpoint continued (``adapter``/``optimizer`` on every rank; ``best`` on rank 0 only), or
         None to start at step 1 (no ``spec``, or ``auto`` found none).
@@ -466,6 +481,9 @@ def resume(spec: Optional[str], root: Path, current: RunState, next_pairs: Calla
             else:
                 found = load_checkpoint(path)
                 check_resumable(found.state, current, next_pairs(found.state.step + 1), path, model_aliases, spelled)
+                if like is not None and (problem := _arrays_problem(found, *like)) is not None:
+                    raise UserError(f"resume: {path} is not a valid checkpoint: {problem}; continue from an earlier "
+                                    f"one (train.resume {path.parent / f'{PREFIX}N'})")
                 others = [p.name for p in list_checkpoints(root) if run_id_of(p) not in (None, found.state.run_id)]
                 if others:
                     raise UserError(f"{root} also holds checkpoints of another run ({', '.join(others)}); resuming "

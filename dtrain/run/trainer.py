@@ -333,9 +333,11 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
                                "prepare the output folder")
         if lock is not None:
             cleanup.callback(lock.release)
+        optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         # a resume is checked (and refused) before the run writes its caches or computes DPO's reference
         resumed = ckpt.resume(t.resume, out.checkpoints, state, lambda s: [i for _, i in pairs_sampler.global_batch(s)],
-                              group, report=notice, model_aliases=loaded.aliases, spelled=spelled)
+                              group, report=notice, model_aliases=loaded.aliases, spelled=spelled,
+                              like=(dict(tree_flatten(model.trainable_parameters())), dict(tree_flatten(optimizer.state))))
         if resumed is not None and resumed.state.step > t.steps:
             raise UserError(f"resume: {resumed.path} is at step {resumed.state.step}, beyond train.steps={t.steps}; "
                             f"raise train.steps to continue it")
@@ -356,7 +358,6 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
             dataset = reference_pass(cfg, model, dataset, loaded.identity, group, ref_engine, out.data_cache, notice,
                                      init_adapter=state.init_adapter, settings=ref_settings)
             valid = dataset.valid  # the same held-out pairs, now carrying their reference log-probs
-        optimizer = AdamWStep(chosen.train, model.trainable_parameters(), cfg.lora.plus_ratio)
         if resumed is not None:
             ckpt.restore(model, optimizer, resumed.adapter, resumed.optimizer)
             if notice is not None and (masks := ckpt.world_size_notice(resumed.state, group.size, cfg.lora.dropout)):
