@@ -266,7 +266,7 @@ def _doctor(args) -> int:
     import platform
 
     blas = _load_mlx()
-    from .doctor import demo_lines, system_lines
+    from .doctor import demo_lines, device_error, system_lines
 
     if args.steps < 1 or args.pairs < 1 or args.max_length < 8:
         raise UserError("doctor: --steps and --pairs must be >= 1, --max-length >= 8")
@@ -278,7 +278,9 @@ def _doctor(args) -> int:
     print("dtrain doctor (paste all of it into a report)", flush=True)
     for line in system_lines(blas.line() if platform.system() == "Linux" else None):
         print(line, flush=True)
-    if not args.no_demo:
+    if not args.no_demo and device_error() is not None:
+        print("demo run: skipped: MLX cannot use its device (the device line says why)", flush=True)
+    elif not args.no_demo:
         for line in demo_lines(args.steps, args.max_length, args.pairs, args.model):
             print(line, flush=True)
     return 0

@@ -60,16 +60,38 @@ def current_wired_limit() -> Optional[int]:
     return previous
 
 
+def device_error() -> Optional[str]:
+    """MLX's error (its first line) when it cannot use its default device, else None.
+
+    A Metal build reports ``mx.metal.is_available()`` True and defaults to the GPU even where
+    macOS gives the process no Metal device (a virtual machine, a headless or sandboxed
+    session); its first device call then raises ``[metal::load_device] No Metal device
+    available...`` (``mlx/backend/metal/device.cpp``).
+    """
+    try:
+        mx.device_info()
+        mx.get_active_memory()
+    except RuntimeError as err:
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return None
+
+
 def system_lines(blas_line: Optional[str]) -> list[str]:
     """Versions, device, memory figures, BLAS and distributed backends, one ``name: value`` per line."""
     kind = memory.backend()
-    info = dict(mx.device_info(mx.gpu) if mx.metal.is_available() else mx.device_info())  # Metal's even if CPU is default
     lines = [
         f"dtrain: {_version('dtrain')}; mlx: {mx.__version__}; mlx-lm: {_version('mlx-lm')}",
         f"python: {platform.python_version()} ({sys.executable})",
         f"os: {_os_line()}; {os.cpu_count()} CPU threads; RAM {_gib(memory.physical_memory())}",
         f"backend: {kind} (default device {mx.default_device()}; metal available: {mx.metal.is_available()}, "
         f"cuda available: {mx.cuda.is_available()})",
+    ]
+    problem = device_error()
+    if problem is not None:
+        lines.append(f"device: MLX cannot use it: {problem}")
+        return lines + _distributed_lines(blas_line)
+    info = dict(mx.device_info(mx.gpu) if mx.metal.is_available() else mx.device_info())  # Metal's even if CPU is default
+    lines += [
         f"device: {info.get('device_name', '?')} ({info.get('architecture', '?')})",
         "device_info: " + ", ".join(f"{k}={v}" for k, v in sorted(info.items())),
     ]
@@ -83,6 +105,12 @@ def system_lines(blas_line: Optional[str]) -> list[str]:
         lines.append(f"GPU memory: total {_gib(info['total_memory'])}, free {_gib(info.get('free_memory', 0))}")
     lines.append(f"MLX memory limit: {_gib(mx.get_memory_limit())}")
     lines.append(f"auto engine budget (engine.memory_budget_gb: 0): {_gib(memory.default_budget_bytes())}")
+    return lines + _distributed_lines(blas_line)
+
+
+def _distributed_lines(blas_line: Optional[str]) -> list[str]:
+    """The BLAS line (Linux) and the distributed backends this MLX has, with mlx.launch and mpirun."""
+    lines = []
     if blas_line:
         lines.append(blas_line)
     mpirun = shutil.which("mpirun")

@@ -40,6 +40,35 @@ def test_doctor_on_a_16gb_mac_shows_the_working_set_wired_limit_and_budget(monke
     assert not any(x.startswith("BLAS:") for x in lines)  # macOS: MLX's own, nothing to choose
 
 
+NO_DEVICE = ("[metal::load_device] No Metal device available. This typically occurs in headless, sandboxed, or "
+             "virtualized macOS sessions where the GPU is not accessible.")
+
+
+def test_doctor_on_a_mac_whose_metal_device_mlx_cannot_open_reports_it(monkeypatch, capsys):
+    """A Metal build says metal available and defaults to the GPU even where macOS gives the process no Metal
+    device (a virtual machine, a headless or sandboxed session: mlx/backend/metal/device.cpp load_device); its
+    first device call raises. Doctor printed its header, then a traceback and no line of the report. It now
+    prints the versions, the OS and MLX's message, the distributed backends, and skips the demo run."""
+    from dtrain.cli import main
+
+    monkeypatch.setenv("MLX_MPI_LIBNAME", "")
+    stub_device(monkeypatch, "metal", MACS[16], wired=[])
+    monkeypatch.setattr("platform.system", lambda: "Darwin")  # no BLAS line: MLX's own
+
+    def no_device(*_):
+        raise RuntimeError(NO_DEVICE)
+
+    for name in ("device_info", "get_active_memory", "get_memory_limit", "set_wired_limit"):
+        monkeypatch.setattr(mx, name, no_device)
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("dtrain: 0.1.0; mlx: ") and lines[3].startswith("os: ")
+    assert lines[4] == "backend: metal (default device Device(gpu, 0); metal available: True, cuda available: False)"
+    assert lines[5] == f"device: MLX cannot use it: {NO_DEVICE}"
+    assert lines[6].startswith("distributed backends in this MLX: ring")
+    assert lines[7:] == ["demo run: skipped: MLX cannot use its device (the device line says why)"]
+
+
 def test_doctor_asks_mlx_about_mpi_with_the_libmpi_launch_passes(tmp_path, monkeypatch):
     """MLX dlopens a bare libmpi.dylib unless MLX_MPI_LIBNAME names one, and Homebrew's is not on
     dyld's path: doctor must ask with the libmpi ./launch gives MPI ranks, or it says 'no mpi'
