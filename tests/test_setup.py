@@ -38,7 +38,7 @@ def mac(tmp_path: Path, pythons: dict, machine: str = "arm64", arm64: str = "1",
     for name, info in pythons.items():
         fake(bin_ / name, f'echo "{info}"')
     fake(repo / ".venv" / "bin" / "python",
-         f'echo "$*" >> {tmp_path}/venv-calls; case "$*" in *metal.is_available*) echo True;; esac')
+         f'echo "$*" >> {tmp_path}/venv-calls; case "$*" in *device_info*|*metal.is_available*) echo True;; esac')
     return repo
 
 
@@ -59,6 +59,21 @@ def test_mac_with_a_native_python_installs_the_metal_wheel(tmp_path):
     calls = (tmp_path / "venv-calls").read_text().splitlines()
     assert calls[0] == "-m pip install -q --disable-pip-version-check -e .[dev]"  # pyproject: mlx on darwin
     assert "apt" not in r.stdout + (repo / ".setup.log").read_text()
+
+
+def test_mac_whose_metal_device_mlx_cannot_open_is_warned_of(tmp_path):
+    """A Metal build of MLX says metal available (mlx/backend/metal/metal.cpp: is_available returns true) where
+    macOS gives the process no Metal device (a virtual machine, a headless or sandboxed session), and raises at the
+    first device call: setup asked is_available and said done without a word. It now opens the device."""
+    repo = mac(tmp_path, {"python3.12": "3.12 arm64"})
+    fake(repo / ".venv" / "bin" / "python", 'case "$*" in *device_info*) echo "RuntimeError: [metal::load_device] '
+         'No Metal device available." >&2; exit 1;; *metal.is_available*) echo True;; esac')
+    r = run_setup(repo)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[1:3] == [
+        "setup: warning: MLX installed but cannot open a Metal device (MLX's error is in .setup.log; a virtual "
+        "machine or", "setup: a headless or sandboxed session has none): dtrain cannot train here"]
+    assert "No Metal device available" in (repo / ".setup.log").read_text()
 
 
 def test_mac_without_a_usable_python_says_what_to_install(tmp_path):
