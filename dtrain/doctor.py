@@ -24,6 +24,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import memory
+from .contract import local_ranks_from_env
 from .launch.hosts import LaunchError
 from .launch.plan import mlx_launch_path, mpi_library_env
 
@@ -58,6 +59,17 @@ def current_wired_limit() -> Optional[int]:
         return None
     mx.set_wired_limit(previous)
     return previous
+
+
+def _wired_plan() -> str:
+    """What a run does with the wired limit here: MLX keeps buffers resident through Metal residency sets,
+    which macOS 15 brought (``mlx/backend/metal/resident.cpp``); before it the limit keeps nothing resident."""
+    release = platform.mac_ver()[0]
+    if release and int(release.split(".")[0]) < 15:
+        return f"it has no effect on macOS {release} (MLX wires memory on macOS 15 or later)"
+    ranks = local_ranks_from_env(os.environ)
+    share = "" if ranks == 1 else f" divided by the {ranks} ranks on this Mac"
+    return f"a training run sets it to the recommended working set{share}"
 
 
 def device_error() -> Optional[str]:
@@ -99,8 +111,7 @@ def system_lines(blas_line: Optional[str]) -> list[str]:
         lines.append(f"recommended working set: {_gib(info['max_recommended_working_set_size'])}; "
                      f"unified memory: {_gib(info.get('memory_size', 0))}")
         wired = current_wired_limit()
-        lines.append(f"wired limit: {'not readable' if wired is None else _gib(wired)} now; a training run "
-                     f"sets it to the recommended working set")
+        lines.append(f"wired limit: {'not readable' if wired is None else _gib(wired)} now; {_wired_plan()}")
     elif "total_memory" in info:
         lines.append(f"GPU memory: total {_gib(info['total_memory'])}, free {_gib(info.get('free_memory', 0))}")
     lines.append(f"MLX memory limit: {_gib(mx.get_memory_limit())}")

@@ -40,6 +40,28 @@ def test_doctor_on_a_16gb_mac_shows_the_working_set_wired_limit_and_budget(monke
     assert not any(x.startswith("BLAS:") for x in lines)  # macOS: MLX's own, nothing to choose
 
 
+@pytest.mark.parametrize("release, ranks, said", [
+    ("15.1", None, "a training run sets it to the recommended working set"),
+    ("26.0.1", "2", "a training run sets it to the recommended working set divided by the 2 ranks on this Mac"),
+    ("14.6.1", None, "it has no effect on macOS 14.6.1 (MLX wires memory on macOS 15 or later)"),
+])
+def test_doctor_says_what_a_run_does_with_the_wired_limit_on_this_macos(monkeypatch, release, ranks, said):
+    """MLX keeps memory resident through Metal residency sets, which need macOS 15
+    (mlx/backend/metal/resident.cpp): on macOS 14 setting the wired limit does nothing. A run
+    wires the working set divided by the ranks on the Mac (memory.wired_limit)."""
+    monkeypatch.setenv("MLX_MPI_LIBNAME", "")
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(var, raising=False)
+    if ranks is None:
+        monkeypatch.delenv("DTRAIN_LOCAL_RANKS", raising=False)
+    else:
+        monkeypatch.setenv("DTRAIN_LOCAL_RANKS", ranks)
+    monkeypatch.setattr(platform, "mac_ver", lambda: (release, ("", "", ""), "arm64"))
+    stub_device(monkeypatch, "metal", MACS[16], active=0, wired=[])
+    lines = doctor.system_lines(None)
+    assert f"wired limit: 0.00 GiB (0 bytes) now; {said}" in lines
+
+
 NO_DEVICE = ("[metal::load_device] No Metal device available. This typically occurs in headless, sandboxed, or "
              "virtualized macOS sessions where the GPU is not accessible.")
 
