@@ -669,6 +669,38 @@ def test_every_one_bit_flip_of_a_cache_entry_loads_the_same_or_counts_as_absent(
     assert outcomes == {True, False}  # some flips (unused header bits) are harmless
 
 
+@pytest.mark.parametrize("damage", ["float ids", "uint8 ids", "ids cut short", "negative length", "no sources",
+                                    "negative id"])
+def test_a_cache_entry_whose_arrays_do_not_fit_its_layout_is_written_again(tmp_path, tokenizer, damage):
+    """A whole zip whose arrays were of another dtype or did not add up was decoded as it was: float ids
+    (``1.5``), ids wrapped to uint8, the last pair's ids cut short, a rejected side emptied by a negative
+    length, or no pairs at all when the sources were missing, and trained on. Now it counts as absent."""
+    import json
+
+    import numpy as np
+
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 6, seed=12)), DataConfig())
+    cfg = DataConfig()
+    expected = tokenize_cached(rows, tokenizer, cfg, tmp_path / "cache")
+    assert len(expected[0]) >= 2
+    (entry,) = (tmp_path / "cache").iterdir()
+    with np.load(entry) as z:
+        arrays = dict(z)
+    tokens, lengths, meta = arrays["tokens"], arrays["lengths"], json.loads(str(arrays["meta"]))
+    arrays.update({"float ids": {"tokens": tokens.astype(np.float64) + 0.5},
+                   "uint8 ids": {"tokens": tokens.astype(np.uint8)},
+                   "ids cut short": {"tokens": tokens[:-3]},
+                   "negative length": {"lengths": lengths * np.array([1, 1, -1, 1])},
+                   "no sources": {"meta": np.array(json.dumps({**meta, "sources": []}))},
+                   "negative id": {"tokens": tokens - tokens.max() - 1}}[damage])
+    with open(entry, "wb") as f:
+        np.savez(f, **arrays)
+    counting = CountingTokenizer(tokenizer)
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls > 0
+    counting.calls = 0
+    assert tokenize_cached(rows, counting, cfg, tmp_path / "cache") == expected and counting.calls == 0
+
+
 def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
     from conftest import make_tokenizer
 

@@ -7,9 +7,9 @@ field, sources included; an SFT run reads a preference row without its rejected 
 text; not :data:`ROW_KEYS`), the tokenizer (its full ``tokenizer.json`` serialisation, chat
 template and special tokens), the source of the data package and types.py, and the versions
 of the libraries that render and tokenize (jinja2, transformers, tokenizers, mlx-lm). Entries
-are ``.npz`` files (no pickle) written atomically, each naming its key inside; a damaged entry, or
-one under another entry's name, counts as absent and is written again. A tokenizer that cannot be
-serialised is never cached.
+are ``.npz`` files (no pickle) written atomically, each naming its key inside; a damaged entry (arrays
+of another dtype or that do not add up too), or one under another entry's name, counts as absent and is
+written again. A tokenizer that cannot be serialised is never cached.
 """
 
 from __future__ import annotations
@@ -181,9 +181,15 @@ def _load(path: Path) -> Optional[tuple]:
 
     try:
         with np.load(path, allow_pickle=False) as z:
-            tokens, lengths, meta = z["tokens"].tolist(), z["lengths"].tolist(), json.loads(str(z["meta"]))
-        # an entry renamed or copied over another (a hand edit) holds that other key's pairs
-        return _decode(tokens, lengths, meta) if meta["key"] == path.stem else None
+            tokens, lengths, meta = z["tokens"], z["lengths"], json.loads(str(z["meta"]))
+        # an entry renamed or copied over another (a hand edit) holds that other key's pairs; arrays of another
+        # dtype or that do not add up (_save's layout) would decode as float, wrapped or cut-short ids
+        whole = (meta["key"] == path.stem and tokens.dtype == np.int32 and tokens.ndim == 1
+                 and lengths.dtype == np.int64 and lengths.ndim == 2 and lengths.shape[1] == 4
+                 and len(meta["sources"]) == len(lengths) and (tokens.size == 0 or tokens.min() >= 0)
+                 and (lengths[:, :3] >= 0).all() and (lengths[:, 3] >= -1).all()
+                 and int(lengths.clip(min=0).sum()) == tokens.size)
+        return _decode(tokens.tolist(), lengths.tolist(), meta) if whole else None
     # A damaged entry raises from zipfile (BadZipFile; NotImplementedError for an unknown method or
     # version; RuntimeError "encrypted"), numpy's header parser (SyntaxError, tokenize.TokenError,
     # ValueError) or json; flipped data fails the zip's CRC. Any of these: the entry is absent.
