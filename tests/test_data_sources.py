@@ -717,6 +717,23 @@ def test_cache_key_changes_with_what_decides_tokens(tmp_path, tokenizer):
         assert other != key
 
 
+def test_cache_key_changes_with_the_tokenizers_split_special_tokens(tmp_path):
+    """tokenizer_config.json's ``split_special_tokens: true`` makes the tokenizer read control-token text as text
+    (the template's ``<|im_start|>`` too), outside its tokenizer.json; the key did not cover it, so a run with the
+    flag changed read the pairs tokenized without it."""
+    from conftest import make_tokenizer
+
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 4, seed=7)), DataConfig())
+    cfg, cache = DataConfig(), tmp_path / "cache"
+    first = tokenize_cached(rows, make_tokenizer(), cfg, cache)
+    split = make_tokenizer()
+    split._tokenizer.split_special_tokens = True
+    expected = tokenize_rows(rows, split, cfg)
+    assert first[0][0].prompt[1] == 3 and expected[0][0].prompt[1] != 3  # <|im_start|> (id 3) read as text
+    assert cache_key(rows, split, cfg) != cache_key(rows, make_tokenizer(), cfg)
+    assert tokenize_cached(rows, split, cfg, cache) == expected
+
+
 def test_cache_key_keeps_with_settings_that_only_choose_rows(tmp_path, tokenizer):
     """Another data.valid file, on_bad_row or split leaves the training rows as they were: their pairs were
     tokenized again, since every data key was in the key."""

@@ -40,7 +40,7 @@ def tokenizer_identity(tokenizer) -> Optional[str]:
     Covers the Hugging Face fast tokenizer's ``backend_tokenizer.to_str()``
     (vocabulary, merges, normaliser, pre-tokenizer, post-processor, added
     tokens; add-BOS/EOS flags live in its post-processor), the chat template,
-    the special tokens and the Python renderer mlx-lm's ``TokenizerWrapper``
+    the special tokens, ``split_special_tokens`` and the Python renderer mlx-lm's ``TokenizerWrapper``
     renders with instead of the template where the tokenizer names one
     (``chat_template_type``); works through the wrapper, which forwards
     attributes to the HF tokenizer.
@@ -51,7 +51,9 @@ def tokenizer_identity(tokenizer) -> Optional[str]:
     renderer = getattr(tokenizer, "_chat_template", None)  # the wrapper's own (its apply_chat_template calls it)
     facts = {"backend": backend.to_str(), "chat_template": getattr(tokenizer, "chat_template", None),
              "renderer": renderer and f"{renderer.__module__}.{renderer.__qualname__}"}
-    for name in ("bos_token", "eos_token", "pad_token", "bos_token_id", "eos_token_id", "all_special_tokens"):
+    # split_special_tokens (tokenizer_config.json) reads control-token text as text, outside tokenizer.json
+    for name in ("bos_token", "eos_token", "pad_token", "bos_token_id", "eos_token_id", "all_special_tokens",
+                 "split_special_tokens"):
         facts[name] = getattr(tokenizer, name, None)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
