@@ -136,10 +136,12 @@ class OrpoConfig:
                                    at_least=0.0, below=1.0)
     lambda_window: int = option(3, "adaptive: K, evaluations in the slope fit of eval/logps/chosen and calm "
                                    "evaluations before a back-off ramps again", above=1)
+    # at least 1e-9: a narrower band is below float32's resolution of a log-prob (~1e-7), and the pd law's
+    # (slope + ε)/ε overflowed to inf (inf - inf: λ NaN)
     lambda_epsilon: float = option(0.06, "adaptive: the slope noise band (nats/token per evaluation): ramp while "
                                          "the slope >= -epsilon, back off below; 2 sd of the measured noise of a "
-                                         "3-point slope of held-out eval/logps/chosen (docs/defaults.md)", above=0.0,
-                                   float32=False)
+                                         "3-point slope of held-out eval/logps/chosen (docs/defaults.md)",
+                                   at_least=1e-9, float32=False)
     lambda_stop_drop: float = option(0.1, "adaptive: freeze lambda at lambda_min for good when eval/logps/chosen "
                                           "falls more than this (nats/token) below its first value", above=0.0,
                                      float32=False)

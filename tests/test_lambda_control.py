@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from dtrain.config import OrpoConfig
-from dtrain.run.lambda_control import LambdaKnobs, LambdaState, initial, observe, slope
+from dtrain.run.lambda_control import LAWS, LambdaKnobs, LambdaState, initial, observe, slope
 
 DEFAULT = LambdaKnobs.from_config(OrpoConfig())  # λ_min 0.05, λ_max 0.5, step 0.05, backoff 0.5, K 3
 KNOBS = replace(DEFAULT, epsilon=0.01, stop_drop=0.1)
@@ -182,3 +182,25 @@ def test_adaptive_config_errors_name_the_keys():
     assert str(err.value) == "command line: 'orpo.lambda_min' (0.6) is above 'orpo.lambda_max' (0.5)"
     with pytest.raises(ConfigError, match=r"key 'orpo.lambda_window' must be > 1; got 1"):
         load_config(None, ["data.demo_pairs=1", "orpo.lambda_window=1"])
+
+
+@pytest.mark.parametrize("epsilon", [5e-324, 1e-310, 1e-12])
+def test_an_epsilon_below_what_a_log_prob_resolves_is_refused_naming_the_key(epsilon):
+    """ε 5e-324 was accepted (> 0), and the PD law's normalised error (slope + ε)/ε overflowed to inf, whose
+    inf - inf made λ NaN from the first move on: every later step's loss NaN, skipped, and the run stopped
+    blaming the data. A band below 1e-9 nats/token is far below float32's resolution of a log-prob."""
+    from dtrain.config import load_config
+    from dtrain.errors import ConfigError
+
+    overflowing = replace(DEFAULT, epsilon=5e-324, law="pd")
+    assert trace([-1.0, -1.01], overflowing)[1].lam != trace([-1.0, -1.01], overflowing)[1].lam  # NaN
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.demo_pairs=1", f"orpo.lambda_epsilon={epsilon}"])
+    assert str(err.value) == f"command line: key 'orpo.lambda_epsilon' must be >= 1e-09; got {epsilon}"
+    knobs = LambdaKnobs.from_config(load_config(None, ["data.demo_pairs=1", "orpo.lambda_epsilon=1e-9"]).orpo)
+    rng = random.Random(0)
+    for law in LAWS:  # at the floor, slopes as large as float32 allows keep λ a number in its band
+        state = initial(replace(knobs, law=law))
+        for _ in range(50):
+            state = observe(state, rng.choice([-3.4e38, -1.0, -1e-3, 0.0]), replace(knobs, law=law, stop_drop=1e39))
+            assert DEFAULT.lam_min <= state.lam <= DEFAULT.lam_max
