@@ -671,3 +671,27 @@ def test_every_tensorboard_tag_a_run_writes_is_named_in_the_readme(tmp_path, kin
     tags = {"best/<metric>" if tag.startswith("best/") and tag != "best/step" else tag for tag in tags}
     assert "train/beta" in tags or kind not in ("dpo", "simpo")  # the objective's hyper-parameters are logged
     assert sorted(tags - documented) == []
+
+
+@pytest.mark.parametrize("kind", ["orpo", "sft"])
+def test_tokens_per_second_counts_the_pairs_tokens_whatever_layout_the_engine_runs(tmp_path, kind):
+    """``tokens_per_second`` is the step's pairs as two sequences in full (``[prompt; chosen]`` and
+    ``[prompt; rejected]``, an SFT row's first alone; TRL's ``num_tokens``) per second: the same count under
+    prefix sharing (the prompt run once), without it and on the reference engine, so the rate compares across
+    engines. Prefix sharing counted its prompts once: step 1's 71 tokens were logged as 53."""
+    from dtrain.sampler import Sampler
+
+    pairs = make_pairs(N_TRAIN + N_VALID, seed=0)
+    pairs[3] = pairs[3].__class__(pairs[3].prompt, pairs[3].chosen, pairs[3].rejected, pairs[3].source,
+                                  rejected_prompt=[1, 7, 8])  # a fallback pair: its own rejected prompt
+    steps = [[pairs[i] for _, i in Sampler(N_TRAIN, 4, 0).global_batch(s)] for s in (1, 2)]
+    want = [sum(len(p.prompt) + len(p.chosen) + (len(p.rejected_prompt or p.prompt) + len(p.rejected)
+                                                  if kind != "sft" else 0) for p in batch) for batch in steps]
+    for engine in (["engine.prefix_sharing=true"], ["engine.prefix_sharing=false"], ["engine.kind=reference"]):
+        loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0), tokenizer=None, identity="tiny",
+                                 source="tiny-llama", reference={"path": "tiny-llama"})
+        dataset = SimpleNamespace(train=pairs[:N_TRAIN], valid=pairs[N_TRAIN:], fingerprint="fp")
+        out = tmp_path / engine[0]
+        result = train(config(out, kind, "train.steps=2", "train.eval_every=0", *engine), loaded=loaded, dataset=dataset)
+        counted = [h["tokens_per_second"] * h["perf/step_seconds"] for h in result.history]
+        assert counted == pytest.approx(want, rel=1e-9), engine
