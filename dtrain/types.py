@@ -136,6 +136,14 @@ class TokenizedPair:
     def shared_prompt(self) -> bool:
         return self.rejected_prompt is None
 
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of the pair as two sequences, ``[prompt; chosen]`` and ``[rejected prompt; rejected]`` (an SFT
+        row: the first alone), whatever layout an engine runs: what TRL's ``num_tokens`` counts (its attention
+        mask). Prefix sharing runs the prompt once (``Layout.input_tokens``); this count does not change with it."""
+        rejected = len(self.rejected_prompt or self.prompt) + len(self.rejected) if self.rejected else 0
+        return len(self.prompt) + len(self.chosen) + rejected
+
 
 def example_noun(kind: str) -> str:
     """What messages call one training example of ``objective.kind``: ``row`` for sft (a prompt and one

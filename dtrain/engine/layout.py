@@ -236,14 +236,6 @@ def nll_tokens(pair: TokenizedPair, nll_scope: str) -> int:
     return nll_prompt_targets(len(pair.prompt), nll_scope) + len(pair.chosen)
 
 
-def pair_tokens(pair: TokenizedPair) -> int:
-    """Tokens of one pair as two sequences, ``[prompt; chosen]`` and ``[rejected prompt; rejected]`` (an SFT
-    row: the first alone), whatever layout an engine runs: what TRL's ``num_tokens`` counts (its attention
-    mask). Prefix sharing runs the prompt once (``Layout.input_tokens``); this count does not change with it."""
-    rejected = len(pair.rejected_prompt or pair.prompt) + len(pair.rejected) if pair.rejected else 0
-    return len(pair.prompt) + len(pair.chosen) + rejected
-
-
 def batch_totals(pairs: list[TokenizedPair], nll_scope: str) -> Totals:
     """The ``Totals`` of a global batch: its NLL targets (:func:`nll_tokens`, without building
     layouts) and its pairs; ``nll_scope`` is the objective's."""

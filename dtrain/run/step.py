@@ -22,7 +22,6 @@ from mlx.utils import tree_map
 from ..config import TrainConfig
 from ..distributed import Group
 from ..engine import Objective, batch_totals, run_micro_batches
-from ..engine.layout import pair_tokens
 from ..memory import trim_cache
 from ..sampler import Sampler
 from .tracking import peak_memory_gb
@@ -112,7 +111,7 @@ class Step:
         metrics.update({
             "grad_norm": grad_norm,
             "learning_rate": lr,
-            "tokens_per_second": sum(map(pair_tokens, batch)) / seconds,  # the same for every engine's layout
+            "tokens_per_second": sum(p.sequence_tokens for p in batch) / seconds,  # the same for every engine's layout
             "pairs_per_second": sums["pairs"] / seconds,
             "peak_memory_gb": peak_memory_gb(),
             "perf/cache_memory_gb": cache_gb,  # freed buffers MLX kept for reuse when the step began
