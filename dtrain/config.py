@@ -10,6 +10,7 @@ value and the whole config must satisfy is in ``config_checks``.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import os
 import reprlib
@@ -107,6 +108,10 @@ class DataConfig:
                                   ("chat", "raw"))
     chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
                                                 f"Jinja file replaces it (or gives a base model one)")
+    template_date: Optional[str] = option(None, "the day a chat template that writes today's date renders (Llama "
+                                                "3.1-3.3's 'Today Date', its date_string), YYYY-MM-DD; null = the "
+                                                "day the run starts (rank 0's clock), kept by its checkpoints for a "
+                                                "resume and by dtrain data check of its train.output_dir")
     append_eos: bool = option(True, "end each response with the template's end-of-turn token")
     max_length: int = option(1024, "tokens of prompt + response per side; longer pairs are cut", above=0)
     max_prompt_length: int = option(512, "prompts are cut from the left to this many tokens first", above=0)
@@ -323,7 +328,12 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
                           "(a recursive YAML alias?)")
     if _holds_nul(value):  # only YAML's "\0" gives one; a path of one ends the file system's calls in ValueError
         raise ConfigError(f"{source}: key '{shown}' holds a NUL character (\\0), which no path or name can")
+    if (section, name) == ("data", "template_date") and isinstance(value, datetime.date):
+        value = value.isoformat()  # YAML reads 2024-07-26 as a date
     value = checked(type(sub), name, value, f"{source}: key '{shown}'")
+    if (section, name) == ("data", "template_date") and value is not None and not _is_day(value):
+        raise ConfigError(f"{source}: key 'data.template_date' must be a day written YYYY-MM-DD (e.g. 2024-07-26), "
+                          f"got {value!r}")
     # its own keys too, here: demo pairs never read it, and dtrain config and ./launch --dry-run show it
     if (section, name) == ("data", "fields") and value and (problem := fields_problem(value)):
         raise ConfigError(f"{source}: {problem}")
@@ -333,6 +343,14 @@ def _apply(cfg: Config, section: str, key: str, value: Any, source: str) -> None
         raise ConfigError(f"{source}: key 'lora.keys' must list module paths inside a decoder layer, e.g. "
                           f"[self_attn.q_proj, mlp.down_proj], or be null for every linear layer; got {value!r}")
     setattr(sub, name, value)
+
+
+def _is_day(text: str) -> bool:
+    """Whether ``text`` is a calendar day written YYYY-MM-DD."""
+    try:
+        return datetime.datetime.strptime(text, "%Y-%m-%d").date().isoformat() == text
+    except ValueError:
+        return False
 
 
 def _deeper_than(value: Any, depth: int) -> bool:

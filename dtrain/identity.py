@@ -56,6 +56,9 @@ REFUSED_WHEN = {
     "train.eval_every": ("with an adaptive λ schedule or train.keep_best it decides when λ changes and which steps "
                          "are compared",
                          lambda r: r["train"]["keep_best"] is not None or r["orpo"]["lambda_schedule"] == "adaptive"),
+    # every run records the day it rendered with (its checkpoints before the key recorded none: their token ids tell)
+    "data.template_date": ("the day a chat template that writes the date (Llama 3.1-3.3's) renders into every pair",
+                           lambda r: r["data"]["template_date"] is not None),
     "train.micro_batch_pairs": ("with lora.dropout above 0 it decides the dropout masks, drawn per micro-batch",
                                 lambda r: r["lora"]["dropout"] > 0),
     # the masks take the shape of the rows these lay out (engine.kind: the reference engine's rows or the segmented one's)
@@ -84,6 +87,7 @@ ACCEPTED = {
     "train.resume": "which checkpoint continues", "train.max_skipped_steps": "when to give up",
     "train.chosen_logps_drop_warn": "a warning threshold", "train.progress": "the progress bar",
     "data.on_bad_row": "skip or stop at a bad row; the pairs trained are checked by their token ids",
+    "data.template_date": "null continues with the day the checkpoint recorded",
     **{f"engine.{k}": "how the same gradients are computed" for k in (
         "kind", "segment_layers", "memory_budget_gb", "prefix_sharing", "head_chunk_tokens", "length_bucket",
         "compile", "pack", "attention_groups", "kernels")},

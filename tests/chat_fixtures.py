@@ -9,6 +9,7 @@ that ends the turn (a response's last tokens).
 
 from __future__ import annotations
 
+import datetime
 from functools import lru_cache
 
 CHATML = (
@@ -90,6 +91,18 @@ LLAMA31 = (
     "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
+# Llama 3.1/3.2/3.3 as released (tools left out: dtrain refuses rows with tools): the system header's "Today Date"
+# is `date_string`, else strftime_now("%d %b %Y") (transformers' global: the day it renders), else a fixed day.
+LLAMA32 = (
+    "{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now(\"%d %b %Y\") %}{%- else %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+    "{%- endif %}{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = \"\" %}{%- endif %}"
+    "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}{{- \"Cutting Knowledge Date: December 2023\\n\" }}"
+    "{{- \"Today Date: \" + date_string + \"\\n\\n\" }}{{- system_message }}{{- \"<|eot_id|>\" }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
 # Qwen2.5: ChatML with a default system prompt where the messages have none.
 QWEN25 = (
     "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\nYou are Qwen, a helpful assistant.<|im_end|>\n' }}"
@@ -137,6 +150,7 @@ STYLES = {
     "phi3": (PHI3_EOS, ["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
              "<s>", "<|endoftext|>", False, []),
     "llama31": (LLAMA31, LLAMA_TOKENS, "<|begin_of_text|>", "<|eot_id|>", True, []),
+    "llama32": (LLAMA32, LLAMA_TOKENS, "<|begin_of_text|>", "<|eot_id|>", True, []),
     "qwen25": (QWEN25, QWEN_TOKENS, None, "<|im_end|>", False, []),
     "deepseek": (DEEPSEEK, ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
                  "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", True, ["<think>", "</think>"]),
@@ -148,10 +162,12 @@ STYLES = {
 # (Phi-3's '<|end|>': the EOS after it closes the whole conversation, not the turn).
 CLOSING = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>\n", "think": "<|im_end|>\n",
            "llama2": " </s>", "mistral": "</s>", "mistral_v3": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>\n<|endoftext|>",
-           "llama31": "<|eot_id|>", "qwen25": "<|im_end|>\n", "deepseek": "<｜end▁of▁sentence｜>", "zephyr": "</s>",
+           "llama31": "<|eot_id|>", "llama32": "<|eot_id|>", "qwen25": "<|im_end|>\n",
+           "deepseek": "<｜end▁of▁sentence｜>", "zephyr": "</s>",
            "chatml_eos": "<|im_end|>\n<|endoftext|>", "generation": "<|im_end|>\n"}
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "think": "<|im_end|>",
                "llama2": "</s>", "mistral": "</s>", "mistral_v3": "</s>", "mistral_v7": "</s>", "phi3": "<|end|>", "llama31": "<|eot_id|>",
+               "llama32": "<|eot_id|>",
                "qwen25": "<|im_end|>", "deepseek": "<｜end▁of▁sentence｜>", "zephyr": "</s>", "chatml_eos": "<|im_end|>",
                "generation": "<|im_end|>"}
 # templates whose rows with a system message are refused, and the words of the refusal: Mistral v0.1's raises,
@@ -252,3 +268,19 @@ def rstrip_tokenizer():
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     hf.chat_template = PHI3
     return TokenizerWrapper(hf)
+
+
+def fake_day(monkeypatch, day: str) -> None:
+    """Make ``day`` (YYYY-MM-DD, a minute before midnight) today for transformers' ``strftime_now`` (a
+    template's date) and dtrain's ``template_date``, both read from ``datetime.now()``."""
+    import transformers.utils.chat_template_utils as hf_templates
+
+    import dtrain.data.templates as templates
+
+    class Clock(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls.strptime(day + " 23:59", "%Y-%m-%d %H:%M")
+
+    for module in (hf_templates, templates):
+        monkeypatch.setattr(module, "datetime", Clock)

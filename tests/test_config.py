@@ -833,3 +833,16 @@ def test_shipped_configs_set_no_unread_key():
 
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         assert unread_keys(load_config(str(path), ["data.train=x.jsonl", "data.demo_pairs=0"])) == [], path.name
+
+
+def test_data_template_date_is_a_day_from_yaml_or_the_command_line(tmp_path):
+    """YAML reads ``2024-07-26`` as a date, the command line as text: both are the day; another text is refused."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  template_date: 2024-07-26\n")
+    assert load_config(str(path), need_data=False).data.template_date == "2024-07-26"
+    assert load_config(None, ["data.template_date=2024-07-26"], need_data=False).data.template_date == "2024-07-26"
+    for bad in ("26 Jul 2024", "2024-7-26", "2024-02-30"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"data.template_date={bad}"], need_data=False)
+        assert str(err.value) == ("command line: key 'data.template_date' must be a day written YYYY-MM-DD (e.g. "
+                                  f"2024-07-26), got {bad!r}")

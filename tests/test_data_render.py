@@ -605,3 +605,50 @@ def test_a_transcript_response_loses_its_trailing_whitespace_as_every_turn_does(
                                                       "rendering")]
     raw = one_pair(tokenizer, Row(HH, " 4  \n\n", " 5\n", transcript=True), prompt_template="raw")
     assert texts(tokenizer, raw)[1:] == (" 4  \n\n</s>", " 5\n</s>")  # raw text: as written
+
+
+def test_a_template_that_writes_todays_date_renders_data_template_date_on_any_day(monkeypatch):
+    """Llama 3.1-3.3's templates write ``strftime_now("%d %b %Y")`` unless given ``date_string``: the same rows
+    tokenized on 01 Mar and on 02 Mar trained other ids. ``data.template_date`` is their date_string on any day;
+    null renders today's, as the template does."""
+    from chat_fixtures import fake_day
+
+    tok = style_tokenizer("llama32")
+    rows = [Row(prompt=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q}], chosen="4",
+                rejected="5", source="a.jsonl:1")]
+    cfg = DataConfig(template_date="2024-07-26")
+    runs = []
+    for day in ("2026-03-01", "2026-03-02"):
+        fake_day(monkeypatch, day)
+        pairs, _ = tokenize_rows(rows, tok, cfg)
+        runs.append(pairs)
+        today, _ = tokenize_rows(rows, tok, DataConfig())
+        assert "Today Date: " + {"2026-03-01": "01 Mar 2026", "2026-03-02": "02 Mar 2026"}[day] in tok.decode(
+            today[0].prompt)
+    assert runs[0] == runs[1]
+    assert tok.decode(runs[0][0].prompt) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?"
+        "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_the_date_of_a_load_is_named_once_where_a_template_writes_it(monkeypatch, tmp_path):
+    """One day for every row of a load (train and held out); the run is told which, only where the template
+    writes it; the cache key is the day's."""
+    from chat_fixtures import fake_day
+
+    from dtrain.data import cache_key, load_dataset
+
+    fake_day(monkeypatch, "2026-03-01")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "chosen": "yes", "rejected": "no"}}\n' for i in range(10)))
+    for style, said in (("llama32", ["the model's chat template writes the date into every conversation: rendered "
+                                     "with 01 Mar 2026 (data.template_date 2026-03-01)"]), ("llama31", [])):
+        lines = []
+        ds = load_dataset(DataConfig(train=str(data)), style_tokenizer(style), log=lines.append)
+        assert lines == said and len(ds.train) == 9 and len(ds.valid) == 1
+        assert all("Today Date: 01 Mar 2026" in style_tokenizer(style).decode(p.prompt) for p in ds.train + ds.valid) \
+            == (style == "llama32")
+    rows = [Row(prompt="q", chosen="yes", rejected="no", source="a:1")]
+    keys = {cache_key(rows, style_tokenizer("llama32"), DataConfig(template_date=d)) for d in ("2026-03-01", "2026-03-02")}
+    assert len(keys) == 2

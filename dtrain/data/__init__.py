@@ -23,6 +23,7 @@ from .cache import cache_key, entries_bytes, tokenize_cached, write_entries
 from .formats import parse_rows
 from .render import end_of_turn, tokenize_rows, transcript_messages
 from .sources import fingerprint as data_fingerprint, mlx_valid, read_rows, resolve, resolve_pair
+from .templates import date_notice, template_date
 
 __all__ = ["BadRowReport", "Dataset", "Row", "cache_key", "check_file", "demo_pairs", "end_of_turn", "entries_bytes",
            "load_dataset", "load_rows", "prompt_groups", "read_rows", "resolve", "split_rows", "tokenize_cached",
@@ -167,12 +168,15 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
     :mod:`dtrain.data.render`; under sft KTO rows labelled false) are always only logged.
     ``pairwise``: the objective trains both sides (every ``objective.kind`` but ``sft``); False reads
     preference rows as their chosen side (:func:`load_rows`), so the cache entries of the two differ by their rows.
+    Every row is rendered with one day: ``cfg.template_date``, today's where it is null
+    (:func:`.templates.template_date`); where a template writes it, ``log`` gets a line naming it.
 
     Raises:
         DataError: file-level problems (see :func:`load_rows`); any bad row with
             ``on_bad_row: error``; no training pairs left; held-out rows given
             (``data.valid``, ``data.valid_split``, an mlx-lm folder's ``valid.jsonl``) and none usable.
     """
+    cfg = dataclasses.replace(cfg, template_date=template_date(cfg))  # one day for every row, train and held out
     if cfg.demo_pairs > 0:
         demo_cfg = dataclasses.replace(cfg, format="standard", fields=None)
         items = [(f"demo:{i + 1}", obj) for i, obj in enumerate(demo_pairs(cfg.demo_pairs, cfg.demo_seed))]
@@ -219,6 +223,8 @@ def load_dataset(cfg, tokenizer, seed: int = 0, log: Optional[Callable[[str], No
                         f"dropped{why}): fix its rows (dtrain data check lists them), or give other held-out {noun}s")
     if valid_src is None and valid_rows and not valid:  # held out, none usable: not a run without evaluation
         raise DataError(no_usable_split(cfg, valid_rows, valid_report, noun))
+    if log is not None and (dated := date_notice(tokenizer, cfg)):
+        log(dated)
     prompts = [isinstance(r.prompt, list) for r in train_rows if r.prompt is not None]  # SFT text rows have none
     return Dataset(train=train, valid=valid, report=report, fingerprint=fingerprint, cache_entries=pending,
                    messages=2 * sum(prompts) > len(prompts), by_prompt=by_prompt)

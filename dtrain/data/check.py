@@ -10,7 +10,7 @@ from ..errors import DataError
 from ..types import BadRowReport, example_noun
 from .render import tokenize_rows
 from .sources import read_rows, resolve_pair
-from .templates import RAW_TEXT, renderers
+from .templates import RAW_TEXT, date_notice, renderers, template_date
 
 
 def _stats(values: list) -> str:
@@ -77,7 +77,8 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
     own (``data.valid``, ...) training holds out ``data.valid_fraction`` of the prompts, split with ``seed``
     (``train.seed``; where prompts repeat the report counts the prompts and rows held out): the pairs returned are
     the rest and those (None where none of those is usable); with it, all of them and the pairs of
-    that source, whose counts and bad and dropped rows follow the report's as ``held out: SOURCE: ...``.
+    that source, whose counts and bad and dropped rows follow the report's as ``held out: SOURCE: ...``. Rows are
+    rendered with ``cfg.template_date`` (today's where it is null), named where a template writes it.
 
     Raises:
         DataError: the data or its held-out source cannot be read (missing, a folder of no known
@@ -85,6 +86,7 @@ def check_file(path: str, cfg, tokenizer, show: int = 0, objective: str = "orpo"
             tokenizer cannot render its rows; but where rows that cannot be read stop training first
             (``on_bad_row: error``), the report lists them and names the error, and no pair is returned.
     """
+    cfg = dataclasses.replace(cfg, template_date=template_date(cfg))  # one day for every row, as training's
     train, valid = resolve_pair(dataclasses.replace(cfg, train=path))
     pairwise = objective != "sft"  # SFT reads preference rows' chosen side
     read = read_rows(train, cfg, pairwise)
@@ -145,6 +147,8 @@ def _report(path: str, cfg, tokenizer, show: int, objective: str, seed: int, rea
                      f"({len(split_out)} of {len(rows)} rows; rows that share a prompt stay on one side{end}")
     if split_out and not split_held:
         lines.append(f"held out by data.valid_fraction {cfg.valid_fraction}: {name_rows(split_out)}; none is usable")
+    if dated := date_notice(tokenizer, cfg):
+        lines.append(dated)
     glued = glued_rows(rows, tokenizer, cfg)
     if glued:
         lines.append(f"warning: {len(glued)} of {len(rows)} rows glue a raw prompt to its response with no "

@@ -24,7 +24,8 @@ as is, EOS at its end.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,6 +46,19 @@ RAW_TEXT = ("{% for message in messages %}{{ message['content'] }}{% if message[
             "{% endif %}{% endfor %}")
 
 _SENTINEL = "\u2063dtrain-response\u2063"
+# how Llama 3.1-3.3's templates write the day when no date_string is given (transformers' strftime_now)
+DATE_FORMAT = "%d %b %Y"
+
+
+def template_date(cfg) -> str:
+    """``data.template_date`` of a DataConfig (YYYY-MM-DD), or where it is null today's, by the local clock as
+    transformers' ``strftime_now``."""
+    return cfg.template_date or datetime.now().date().isoformat()
+
+
+def date_string(day: str) -> str:
+    """A YYYY-MM-DD day as :data:`DATE_FORMAT` writes it (``2024-07-26`` -> ``26 Jul 2024``)."""
+    return datetime.strptime(day, "%Y-%m-%d").strftime(DATE_FORMAT)
 
 
 def hf_tokenizer(tokenizer):
@@ -136,6 +150,8 @@ class Renderer:
     ``name``: how messages name this template.
     ``probed``: False where the template refused every probe conversation (:func:`make_renderer`), so
     ``closing`` and ``turn_end`` are unknown and each row's are probed from its own conversation.
+    ``date``: the ``date_string`` every render is given (:data:`DATE_FORMAT`; None: none); ``dated``: the probe
+    conversation's text changes with it.
     """
 
     tokenizer: Any
@@ -144,6 +160,8 @@ class Renderer:
     name: str = ""
     turn_end: str = ""
     probed: bool = True
+    date: Optional[str] = None
+    dated: bool = False
 
     def render(self, messages: list, add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages``.
@@ -154,12 +172,16 @@ class Renderer:
         """
         from jinja2 import TemplateSyntaxError
 
+        # a Jinja template sees the keyword arguments as variables; mlx-lm's Python renderers take none of them
+        own_python = self.template is None and getattr(self.tokenizer, "_chat_template", None) is not None
+        date = {} if self.date is None or own_python else {"date_string": self.date}
         try:
             if self.template is None:
                 return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=False)
+                                                          tokenize=False, **date)
             return hf_tokenizer(self.tokenizer).apply_chat_template(
-                messages, chat_template=self.template, add_generation_prompt=add_generation_prompt, tokenize=False)
+                messages, chat_template=self.template, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **date)
         except TemplateSyntaxError as err:
             raise DataError(f"{self.name}: Jinja syntax error on line {err.lineno}: {err.message}") from None
         except Exception as err:  # jinja2 errors, raise_exception() in templates
@@ -197,22 +219,26 @@ class Renderer:
         return rest[: len(rest) - end].strip()
 
 
-def make_renderer(tokenizer, template: Optional[str], name: str) -> Renderer:
+def make_renderer(tokenizer, template: Optional[str], name: str, date: Optional[str] = None) -> Renderer:
     """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange
     (a system message first where the template refuses it without one); where it refuses both, ``probed`` is
-    False and each row's own conversation is its probe (:meth:`Renderer.ending`).
+    False and each row's own conversation is its probe (:meth:`Renderer.ending`). ``date``: the
+    ``date_string`` it renders with (:data:`DATE_FORMAT`), ``dated`` where the probe's text shows it.
 
     Raises:
         DataError: a template that is not valid Jinja (the probe compiles it once, before any row).
     """
-    probe = Renderer(tokenizer, template, name=name, probed=False)
+    probe = Renderer(tokenizer, template, name=name, probed=False, date=date)
     exchange = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}]
     for opening in ([], [{"role": "system", "content": "0"}]):  # some templates require a system message
         try:
             closing, turn_end = probe.ending(opening + exchange)
         except BadRow:
             continue
-        return Renderer(tokenizer, template, closing, name, turn_end)
+        found = Renderer(tokenizer, template, closing, name, turn_end, date=date)
+        other = replace(found, date="01 Jan 1970" if date != "01 Jan 1970" else "02 Jan 1970")
+        dated = date is not None and found.render(opening + exchange) != other.render(opening + exchange)
+        return replace(found, dated=dated)
     return probe
 
 
@@ -228,16 +254,28 @@ def renderers(tokenizer, cfg) -> tuple:
         DataError: a ``data.chat_template`` that is neither a name nor a file, or a
             template that is not valid Jinja.
     """
+    date = date_string(template_date(cfg))
     if cfg.chat_template is not None:
-        chat = make_renderer(tokenizer, template_source(cfg.chat_template), f"data.chat_template {cfg.chat_template}")
+        chat = make_renderer(tokenizer, template_source(cfg.chat_template), f"data.chat_template {cfg.chat_template}",
+                             date)
     elif has_chat_template(tokenizer):
-        chat = make_renderer(tokenizer, None, model_template_name(tokenizer))
+        chat = make_renderer(tokenizer, None, model_template_name(tokenizer), date)
     else:
         chat = None
-    raw = make_renderer(tokenizer, RAW_TEXT, "raw text")
+    raw = make_renderer(tokenizer, RAW_TEXT, "raw text", date)
     if cfg.prompt_template == "raw":
-        return chat or make_renderer(tokenizer, PLAIN, "plain"), raw
+        return chat or make_renderer(tokenizer, PLAIN, "plain", date), raw
     return chat, chat or raw
+
+
+def date_notice(tokenizer, cfg) -> Optional[str]:
+    """The line saying which day a chat template that writes the date renders into every conversation
+    (``cfg``: a DataConfig whose ``template_date`` is set), or None where no template of the run writes one."""
+    dated = next((r for r in renderers(tokenizer, cfg) if r is not None and r.dated), None)
+    if dated is None:
+        return None
+    return (f"{dated.name} writes the date into every conversation: rendered with {dated.date} (data.template_date "
+            f"{cfg.template_date})")
 
 
 def trained_template(tokenizer, cfg, messages: bool) -> Optional[str]:
