@@ -15,6 +15,7 @@ removed (a half-written folder, a temporary folder); a run in training takes the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import os
 import signal
@@ -181,6 +182,12 @@ def _data_check(args, overrides) -> int:
     cfg = load_config(args.config, overrides, values=values)
     _setup_blas()
     from .data import check_file, held_out_source
+    from .files import OutputDir
+    from .run.checkpoint import recorded_setting
+
+    if cfg.data.template_date is None:  # the day the config's run renders, as its resume does
+        day = recorded_setting("auto", OutputDir(cfg.train.output_dir).checkpoints, "data.template_date")
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, template_date=day))
     from .models import load_model
     from .run.held_out import held_out_steering
     from .sampler import for_run

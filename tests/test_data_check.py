@@ -647,3 +647,27 @@ def test_name_rows_names_the_first_rows_and_counts_the_rest():
     rows = [Row("Q", "a", "b", source=f"d.jsonl:{i}") for i in range(1, 6)]
     assert name_rows(rows[:1]) == "d.jsonl:1"
     assert name_rows(rows) == "d.jsonl:1, d.jsonl:2, d.jsonl:3 and 2 more"
+
+
+def test_cli_check_of_a_runs_config_renders_the_day_the_run_started(tmp_path, model_dir, monkeypatch, capsys):
+    """`dtrain data check` with a run's config showed the pairs rendered with today's date where the template
+    writes one (Llama 3.1-3.3), not those the run trains, rendered the day it started: it renders the day the
+    run's newest checkpoint recorded, or data.template_date."""
+    from chat_fixtures import LLAMA32, fake_day
+
+    template = tmp_path / "llama32.jinja"
+    template.write_text(LLAMA32)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q {i}?", "chosen": "yes", "rejected": "no"}
+                                              for i in range(10)])
+    common = ["--model.path", str(model_dir), "--data.chat_template", str(template), "--train.output_dir",
+              str(tmp_path / "run")]
+    fake_day(monkeypatch, "2026-03-01")
+    assert main(["train", "--data.train", path, *common, "--train.steps", "1", "--train.global_batch_pairs", "4",
+                 "--train.micro_batch_pairs", "4", "--lora.rank", "2", "--train.progress", "false"]) == 0
+    fake_day(monkeypatch, "2026-03-02")
+    capsys.readouterr()
+    for extra, day in (([], "01 Mar 2026"), (["--data.template_date", "2024-07-26"], "26 Jul 2024")):
+        assert main(["data", "check", path, *common, "--show", "1", "--train.global_batch_pairs", "4", *extra]) == 0
+        out = capsys.readouterr().out
+        assert f"data.chat_template {template} writes the date into every conversation: rendered with {day}" in out
+        assert f"Today Date: {day}" in out and "02 Mar 2026" not in out

@@ -1072,3 +1072,70 @@ def test_objective_beta_null_is_compared_as_the_beta_it_trains_with(kind, defaul
     ckpt.check_resumable(state(default), state("null"), [1, 2], "ckpt")
     with pytest.raises(UserError, match=rf"settings: objective.beta: {default} in the checkpoint, {default * 2} now\. "):
         ckpt.check_resumable(state("null"), state(default * 2), [1, 2], "ckpt")
+
+
+def run_dated(out, data, *overrides):
+    """:func:`run_on_file` with a Llama 3.2-style tokenizer, whose template writes today's date."""
+    from types import SimpleNamespace
+
+    from chat_fixtures import style_tokenizer
+    from conftest import make_tiny_model
+    from dtrain.run.trainer import train
+
+    cfg = load_config(None, [f"train.output_dir={out}", f"data.train={data}", "train.global_batch_pairs=4",
+                             "train.micro_batch_pairs=4", "lora.rank=2", "train.progress=false",
+                             "train.learning_rate=1e-2", *overrides])
+    loaded = SimpleNamespace(aliases=(), model=make_tiny_model(seed=0, vocab_size=600),
+                             tokenizer=style_tokenizer("llama32"), identity="tiny", source="tiny-llama",
+                             reference={"path": "tiny-llama"})
+    return train(cfg, loaded=loaded)
+
+
+def test_a_run_renders_the_day_it_started_on_resume_after_its_data_cache_is_deleted(tmp_path, monkeypatch, capsys):
+    """A run on a template that writes today's date (Llama 3.1-3.3), resumed the next day with its data_cache
+    deleted (README: delete it to free space), was refused: its pairs, rendered with the new day, had other ids.
+    The run fixes the day when it starts, its checkpoints record it, and the resume renders it again: the
+    adapter is the uninterrupted run's, bit for bit."""
+    from chat_fixtures import fake_day
+
+    data = tmp_path / "pairs.jsonl"
+    write_rows(data)
+    fake_day(monkeypatch, "2026-03-01")
+    run_dated(tmp_path / "whole", data, "train.steps=4")
+    run_dated(tmp_path / "cut", data, "train.steps=2")
+    said = ("the model's chat template writes the date into every conversation: rendered with 01 Mar 2026 "
+            "(data.template_date 2026-03-01)")
+    assert capsys.readouterr().err.count(said) == 2
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step-0000002" / "state.json").read_text())
+    assert state["settings"]["data.template_date"] == "2026-03-01"
+    shutil.rmtree(tmp_path / "cut" / "data_cache")
+    fake_day(monkeypatch, "2026-03-02")
+    more = run_dated(tmp_path / "cut", data, "train.steps=4", "train.resume=auto")
+    assert len(more.history) == 2 and capsys.readouterr().err.count(said) == 1
+    a, b = ((tmp_path / r / "adapters" / "adapters.safetensors").read_bytes() for r in ("whole", "cut"))
+    assert a == b
+    with pytest.raises(UserError) as err:  # another day, set: another rendering of the pairs
+        run_dated(tmp_path / "cut", data, "train.steps=6", "train.resume=auto", "data.template_date=2026-03-02")
+    assert str(err.value).startswith(
+        f"resume: {tmp_path}/cut/checkpoints/step-0000004 was made with different settings: data.template_date: "
+        "'2026-03-01' in the checkpoint, '2026-03-02' now (the day a chat template that writes the date (Llama "
+        "3.1-3.3's) renders into every pair).")
+
+
+def test_every_rank_renders_rank_0s_day(tmp_path, monkeypatch):
+    """Ranks on either side of midnight (or in other time zones) rendered other dates, so the handshake refused
+    the run ('data differs'): a rank takes rank 0's day, not its own clock's."""
+    from types import SimpleNamespace
+
+    from chat_fixtures import fake_day
+    from dtrain.run.trainer import run_template_date
+
+    fake_day(monkeypatch, "2026-03-02")
+    sent = []
+    rank1 = SimpleNamespace(is_main=False, broadcast_text=lambda text, step, what: sent.append(text) or "2026-03-01")
+    cfg = load_config(None, [f"train.output_dir={tmp_path}", "data.demo_pairs=8"])
+    assert run_template_date(cfg, rank1) == "2026-03-01" and sent == [""]
+    rank0 = SimpleNamespace(is_main=True, broadcast_text=lambda text, step, what: text)
+    assert run_template_date(cfg, rank0) == "2026-03-02"
+    set_day = load_config(None, [f"train.output_dir={tmp_path}", "data.demo_pairs=8", "data.template_date=2024-07-26"])
+    assert run_template_date(set_day, rank1) == "2024-07-26"

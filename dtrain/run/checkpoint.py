@@ -314,6 +314,22 @@ def find_latest(root: Path, report=print) -> Optional[Path]:
     return None
 
 
+def recorded_setting(spec: Optional[str], root: Path, key: str) -> Optional[str]:
+    """The text ``key`` holds in the settings of the checkpoint ``spec`` (``train.resume``) names: ``auto``, the
+    newest valid one under ``root``. None where there is none, it is not valid or it recorded none of ``key``
+    (:func:`resume` says why a checkpoint cannot be continued)."""
+    if spec is None:
+        return None
+    try:
+        path = find_latest(root, report=lambda _: None) if spec == "auto" else home_path(spec, "train.resume")
+        if path is None or not path.is_dir() or validate(path) is not None:
+            return None
+        value = json.loads((path / STATE).read_text()).get("settings", {}).get(key)
+    except (UserError, OSError, ValueError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read a checkpoint folder.
 

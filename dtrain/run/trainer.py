@@ -24,7 +24,7 @@ from ..blas import warn_if_slow
 from ..config import Config, to_dict
 from ..config_checks import unread_keys
 from ..contract import TB_RUN_VAR
-from ..data.templates import trained_template
+from ..data.templates import template_date, trained_template
 from ..device import resolve_auto
 from ..distributed import Group, check_in_sync, handshake, main_rank_check
 from ..engine import fit_dataset, make_engine, make_objective
@@ -258,6 +258,18 @@ def end_early(run: Run, step: int, again: bool = False) -> TrainResult:
     return run.result
 
 
+def run_template_date(cfg: Config, group: Group) -> str:
+    """``data.template_date`` as the run renders it: the config's; else the day the checkpoint ``train.resume``
+    continues recorded; else rank 0's today. Every rank gets rank 0's (clocks and time zones may differ)."""
+    if cfg.data.template_date is not None:
+        return cfg.data.template_date
+    day = ""
+    if group.is_main:
+        day = (ckpt.recorded_setting(cfg.train.resume, OutputDir(Path(cfg.train.output_dir)).checkpoints,
+                                     "data.template_date") or template_date(cfg.data))
+    return group.broadcast_text(day, None, "data.template_date of rank 0")
+
+
 def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None, hooks: Hooks = Hooks()) -> Run:
     """Model, data, LoRA, engine, handshake, output folder, optimizer, resume, logger: a ready :class:`Run`.
 
@@ -275,6 +287,7 @@ def setup(cfg: Config, group: Optional[Group] = None, loaded=None, dataset=None,
     if notice and (replaced := replaced_by_adapter(own_lora, cfg.lora)):
         notice(f"train.init_adapter {cfg.train.init_adapter} sets the LoRA's shape: {', '.join(replaced)} "
                "(the adapter's values are trained, not the config's)")
+    cfg = replace(cfg, data=replace(cfg.data, template_date=run_template_date(cfg, group)))
     spelled = settings(to_dict(cfg))  # `auto` as written, which a checkpoint that recorded the word compares
     chosen, auto = resolve_auto(cfg)  # the device's `auto` values, decided once here, shown in the run's first line
     ran = settings(to_dict(chosen), to_dict(resolve_auto(Config())[0]))  # what a resume compares: the choices
