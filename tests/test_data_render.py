@@ -652,3 +652,29 @@ def test_the_date_of_a_load_is_named_once_where_a_template_writes_it(monkeypatch
     rows = [Row(prompt="q", chosen="yes", rejected="no", source="a:1")]
     keys = {cache_key(rows, style_tokenizer("llama32"), DataConfig(template_date=d)) for d in ("2026-03-01", "2026-03-02")}
     assert len(keys) == 2
+
+
+def test_a_template_that_reads_the_clock_without_date_string_is_warned_of(monkeypatch, tmp_path):
+    """SmolLM3-like templates call strftime_now themselves and read no date_string: transformers gives a
+    template no other clock, so data.template_date cannot fix the day; the load says so, once."""
+    from chat_fixtures import fake_day
+
+    from dtrain.data import load_dataset
+
+    fake_day(monkeypatch, "2026-03-01")
+    jinja = tmp_path / "clock.jinja"
+    jinja.write_text("{{ bos_token }}Today: {{ strftime_now('%d %B %Y') }}\n{% for m in messages %}<|im_start|>"
+                     "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "chosen": "yes", "rejected": "no"}}\n' for i in range(4)))
+    lines = []
+    ds = load_dataset(DataConfig(train=str(data), chat_template=str(jinja), valid_fraction=0.0),
+                      style_tokenizer("chatml"), log=lines.append)
+    assert "Today: 01 March 2026" in style_tokenizer("chatml").decode(ds.train[0].prompt)
+    assert lines == [f"warning: data.chat_template {jinja} writes the day it renders (strftime_now) and reads no "
+                     "date_string, so data.template_date cannot fix it: rows tokenized on another day differ (a "
+                     "run's data_cache keeps its first day's tokens for a resume)"]
+    lines.clear()
+    load_dataset(DataConfig(train=str(data), valid_fraction=0.0), style_tokenizer("chatml"), log=lines.append)
+    assert lines == []  # ChatML writes no date

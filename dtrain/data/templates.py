@@ -271,9 +271,15 @@ def renderers(tokenizer, cfg) -> tuple:
 def date_notice(tokenizer, cfg) -> Optional[str]:
     """The line saying which day a chat template that writes the date renders into every conversation
     (``cfg``: a DataConfig whose ``template_date`` is set), or None where no template of the run writes one."""
-    dated = next((r for r in renderers(tokenizer, cfg) if r is not None and r.dated), None)
+    used = [r for r in renderers(tokenizer, cfg) if r is not None]
+    dated = next((r for r in used if r.dated), None)
     if dated is None:
-        return None
+        clock = next((r for r in used if "strftime_now" in str(r.template or hf_tokenizer(tokenizer).chat_template)),
+                     None)  # a template that reads the clock itself: transformers gives it no other
+        return None if clock is None else (
+            f"warning: {clock.name} writes the day it renders (strftime_now) and reads no date_string, so "
+            "data.template_date cannot fix it: rows tokenized on another day differ (a run's data_cache keeps its "
+            "first day's tokens for a resume)")
     return (f"{dated.name} writes the date into every conversation: rendered with {dated.date} (data.template_date "
             f"{cfg.template_date})")
 
