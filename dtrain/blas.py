@@ -324,9 +324,9 @@ def _read(path: str) -> str:
 def blas_env(env: Optional[dict] = None, choice: Optional[Blas] = None) -> tuple[dict, Optional[str]]:
     """A copy of ``env`` (default os.environ) with which a child process uses the chosen BLAS.
 
-    Sets ``LD_PRELOAD`` (prepended), ``OPENBLAS_CORETYPE`` when dtrain chose
-    the core, and ``DTRAIN_BLAS`` (so the child's :func:`setup` does not probe
-    again or print). Returns ``(env, line)``: the line to print once, or None
+    Sets ``LD_PRELOAD`` (prepended) and ``OPENBLAS_CORETYPE`` when dtrain chose
+    them, and ``DTRAIN_BLAS`` (so the child's :func:`setup` does not probe
+    again or print, MLX's reference BLAS too). Returns ``(env, line)``: the line to print once, or None
     when not on Linux. ``choice``: the BLAS to pass; default: the one this
     process has loaded (after :func:`setup`), else a fresh :func:`choose`.
     """
@@ -339,18 +339,19 @@ def blas_env(env: Optional[dict] = None, choice: Optional[Blas] = None) -> tuple
         preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p != choice.path]
         env["LD_PRELOAD"] = ":".join([choice.path, *preload])
         env.update({k: v for k, v in choice.env.items() if k != "LD_PRELOAD"})
-        env[ENV_KEY] = ",".join([choice.kind, choice.version, choice.core or "", f"{choice.gflops or 0:.1f}"])
+    env[ENV_KEY] = ",".join([choice.kind, choice.version, choice.core or "", f"{choice.gflops or 0:.1f}"])
     return env, choice.line()
 
 
 def _from_env(env) -> Optional[Blas]:
-    """The choice a launcher passed in ``DTRAIN_BLAS`` (with LD_PRELOAD), or None."""
+    """The choice a launcher passed in ``DTRAIN_BLAS`` (with LD_PRELOAD; none for the reference BLAS), or None."""
     parts = env.get(ENV_KEY, "").split(",")
     preload = env.get("LD_PRELOAD", "").split(":")
-    if len(parts) != 4 or not preload[0]:
+    if len(parts) != 4 or not (preload[0] or parts[0] == "reference"):
         return None
     kind, version, core, gflops = parts
-    return Blas(kind, preload[0], version, core or None, float(gflops or 0) or None,
+    path = None if kind == "reference" else preload[0]
+    return Blas(kind, path, version, core or None, float(gflops or 0) or None,
                 {k: env[k] for k in CHILD_VARS if k in env}, (), inherited=True)
 
 
@@ -400,7 +401,7 @@ def setup() -> Blas:
         warn_if_slow(stacklevel=3)
         return Blas("unknown", global_cblas(), notes=("MLX was imported before dtrain.blas.setup()",))
     inherited, loaded = _from_env(os.environ), global_cblas()
-    if inherited and loaded == os.path.realpath(inherited.path):
+    if inherited and loaded == (inherited.path and os.path.realpath(inherited.path)):  # reference: None, None
         return inherited
     if loaded:  # the user's LD_PRELOAD: too late to choose, say what it gives
         rate = probe(loaded).get("gflops")

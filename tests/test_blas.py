@@ -264,6 +264,18 @@ def test_ranks_get_the_launchers_choice_and_use_it_quietly():
     assert r.stdout.split() == ["True", "Haswell", "Haswell"], r.stderr
 
 
+@chooses_a_blas
+def test_ranks_get_a_reference_blas_choice_too_and_use_it_quietly():
+    """A launcher that found no working OpenBLAS or MKL passed nothing: each rank chose again and printed
+    the BLAS line the launcher had printed (test_dtrain_train_prints_the_blas_line_unless_a_launcher_did
+    failed on such a machine)."""
+    env, _ = blas.blas_env(_clean_env(), blas.Blas("reference", gflops=5.9))
+    assert env["DTRAIN_BLAS"] == "reference,,,5.9" and "LD_PRELOAD" not in env
+    code = "from dtrain import blas\nb = blas.setup()\nprint(b.inherited, b.kind, blas.global_cblas())"
+    r = _python(code, env)
+    assert r.stdout.split() == ["True", "reference", "None"], r.stderr  # nothing loaded: MLX's own, as passed
+
+
 @needs_openblas
 def test_launch_dry_run_shows_the_blas_line_and_the_rank_env():
     r = subprocess.run([sys.executable, str(ROOT / "launch"), "--dry-run", str(ROOT / "configs" / "demo.yaml")],
