@@ -132,6 +132,27 @@ def test_help_and_an_unknown_extra_install_nothing(tmp_path):
     assert run_setup(repo, "dev, mpi").returncode == 0  # pip reads spaces after the commas
 
 
+def test_ci_runs_the_tests_with_ci_set_whatever_started_it(tmp_path):
+    """.ci/run on a runner that sets no ``CI`` (Jenkins, a plain shell) ran the property tests at random: the
+    conftest's ``ci`` profile (derandomize) loads only with ``CI`` set, as docs/reliability.md says .ci/run runs.
+    Here apt-get, sudo, ./setup and the venv's Python are fakes; the fake Python prints what pytest would get."""
+    repo, bin_ = tmp_path / "repo", tmp_path / "bin"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    bin_.mkdir()
+    shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
+    for tool in ("dirname", "id"):
+        (bin_ / tool).symlink_to(shutil.which(tool))
+    fake(bin_ / "apt-get", "")
+    fake(bin_ / "sudo", '"$@"')
+    fake(repo / "setup", "")
+    fake(repo / ".venv" / "bin" / "python", 'echo "CI=${CI-unset} $*"')
+    for given, want in (({}, "true"), ({"CI": "1"}, "1")):  # a runner's own value is kept
+        r = subprocess.run(["/bin/bash", str(repo / ".ci" / "run")], env={"PATH": str(bin_), "HOME": str(tmp_path),
+                           **given}, capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout) == (0, f"CI={want} -m pytest -q\n"), r.stderr
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
 def test_shell_scripts_pass_shellcheck():
     r = subprocess.run(["shellcheck", "setup", ".ci/run"], cwd=ROOT, capture_output=True, text=True,
