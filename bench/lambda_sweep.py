@@ -127,10 +127,11 @@ def run(args) -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     base = yaml.safe_load((ROOT / "configs" / "preference.yaml").read_text())
-    data = sweep.datasets(out, Path(args.data_dir), args.max_length)
+    data = sweep.datasets(out, Path(args.data_dir).resolve(), args.max_length)  # runs start in their own folders
+    args.model = sweep.as_read(args.model)
     for item in args.extra:
         name, path = item.split("=", 1)
-        data[name] = {"train": path, "valid_fraction": 0.1, "max_length": args.max_length,
+        data[name] = {"train": sweep.as_read(path), "valid_fraction": 0.1, "max_length": args.max_length,
                       "max_prompt_length": args.max_length // 2}
     results_path = out / "results.json"
     results = runs_of(json.loads(results_path.read_text())) if results_path.is_file() else {}

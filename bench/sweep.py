@@ -73,6 +73,12 @@ GRIDS = {"full": [n for n, _ in VARIATIONS], "cpu": ["centre", "old-defaults"],
                   "no-warmup", "rank4", "lr2e-3"]}
 
 
+def as_read(path: str) -> str:
+    """``path`` made absolute where it names a file or folder here: each run starts in its own folder.
+    Anything else (``demo``, a hub id) as given."""
+    return str(Path(path).resolve()) if Path(path).exists() else path
+
+
 def setting(name: str) -> dict:
     return {**CENTRE, **dict(VARIATIONS)[name]}
 
@@ -161,7 +167,8 @@ def run(args) -> None:
     """Run the grid, ``args.workers`` runs at once, starting none that would end after the budget."""
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = datasets(out, Path(args.data_dir), args.max_length)
+    data = datasets(out, Path(args.data_dir).resolve(), args.max_length)
+    args.model = as_read(args.model)
     results_path = out / "results.json"
     results = runs_of(json.loads(results_path.read_text())) if results_path.is_file() else {}
     jobs = [(s, d) for s in GRIDS[args.grid] for d in args.datasets if f"{d}/{s}" not in results]  # a re-run continues

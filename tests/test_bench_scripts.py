@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -131,3 +133,36 @@ def test_the_gpu_engines_smoke_runs_against_the_engines_as_they_are():
     assert r.returncode == 0, r.stderr[-3000:]
     worst = float(r.stdout.split("worst relative L2 gradient difference ")[1].split()[0])
     assert worst < 1e-4, r.stdout
+
+
+def write_preference_files(folder: Path) -> None:
+    """The two files the sweeps read from their data folder, a few rows each (orca's format, stack's fields)."""
+    folder.mkdir()
+    row = {"input": {"messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+           "preferred_output": [{"role": "assistant", "content": "4"}],
+           "non_preferred_output": [{"role": "assistant", "content": "5"}]}
+    (folder / "orca_dpo_pairs_validation.jsonl").write_text((json.dumps(row) + "\n") * 8)
+    rows = [{"question": f"question {q}", "response_j": "yes", "response_k": "no"} for q in range(6) for _ in range(2)]
+    (folder / "stack_exchange_paired_tiny.json").write_text(json.dumps(rows))
+
+
+def test_the_sweeps_read_relative_paths_from_where_they_were_started(tmp_path):
+    """``sweep.py run`` and ``lambda_sweep.py run`` start each run in its own folder: a relative ``--data-dir``
+    (the default ``./data`` too), ``--model`` or ``--extra`` FILE was read from there, so every orca run stopped
+    at 'data file not found'. Each run's config names files that exist as seen from the run's folder. The runs
+    fail at once (the model folder is empty); only their configs are read here."""
+    write_preference_files(tmp_path / "pairs")
+    (tmp_path / "model").mkdir()
+    quick = ["--model", "model", "--steps", "2", "--workers", "2", "--budget-s", "300", "--first-guess-s", "1"]
+    out = bench("sweep.py", "run", "sweep", "--data-dir", "pairs", "--datasets", "orca", "stack", "--grid", "cpu",
+                *quick, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = bench("lambda_sweep.py", "run", "lambda", "--data-dir", "pairs", "--datasets", "orca", "--arms", "lam0.1",
+                "--seeds", "0", "--extra", "mine=pairs/orca_dpo_pairs_validation.jsonl", *quick, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    configs = sorted(tmp_path.glob("*/runs/**/config.yaml"))
+    assert len(configs) == 6, configs  # 2 settings x 2 datasets; 1 arm x (orca, mine)
+    for config in configs:
+        cfg = yaml.safe_load(config.read_text())
+        named = [cfg["model"]["path"], *(cfg["data"][k] for k in ("train", "valid") if cfg["data"].get(k))]
+        assert all((config.parent / path).exists() for path in named), (config, named)
