@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from common import BLAS, DTYPES, MODELS, build_model, write_results  # before MLX
-from prelude import ORCA, RESULTS, SMOLLM2_F32, add_flags
+from prelude import ORCA, RESULTS, SMOLLM2_F32, add_flags, need_file
 
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
@@ -126,6 +126,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.optimizer_only:
         return optimizer_only(a)
+    need_file(ap, a.data, "--data")
     pairs = real_pairs(a.tokenizer_dir, a.data, a.steps, a.max_length)
     rows = []
     for mode, kind in [(m, k) for m in a.modes for k in a.optimizers]:

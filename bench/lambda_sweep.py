@@ -50,7 +50,7 @@ from pathlib import Path
 import yaml
 
 import sweep  # bench/sweep.py: datasets, the per-run train command
-from prelude import DATA_DIR, ROOT, add_flags, runs_of, write_results
+from prelude import DATA_DIR, ROOT, add_flags, need_file, runs_of, write_results
 
 from dtrain.run.best import pick_best  # noqa: E402  (no MLX import)
 from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
@@ -127,7 +127,7 @@ def run(args) -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     base = yaml.safe_load((ROOT / "configs" / "preference.yaml").read_text())
-    data = sweep.datasets(out, Path(args.data_dir).resolve(), args.max_length)  # runs start in their own folders
+    data = sweep.datasets(out, Path(args.data_dir).resolve(), args.max_length, args.datasets)  # runs start in their own folders
     args.model = sweep.as_read(args.model)
     for item in args.extra:
         name, path = item.split("=", 1)
@@ -382,6 +382,10 @@ def main() -> None:
     g.add_argument("out")
     g.add_argument("--png", default=None)
     args = p.parse_args()
+    if args.command == "run":
+        sweep.need_data(r, Path(args.data_dir), args.datasets)
+        for item in args.extra:
+            need_file(r, item.split("=", 1)[-1], "--extra NAME=FILE")
     {"run": run, "report": report}[args.command](args)
 
 

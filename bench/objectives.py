@@ -51,7 +51,7 @@ from pathlib import Path
 
 import yaml
 
-from prelude import ORCA, ROOT, runs_of, write_results
+from prelude import ORCA, ROOT, need_file, runs_of, write_results
 
 DATA = Path(ORCA)
 MAX_LENGTH, MAX_PROMPT = 1024, 512
@@ -303,6 +303,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "train":
         raise SystemExit(train(a.config, a.record))
+    if a.cmd != "report" and not (Path(a.out) / "data" / "split.json").is_file():  # split once, then its files
+        need_file(ap, a.data, "--data")
     if a.cmd == "split":
         print(json.dumps(split(Path(a.out).resolve(), Path(a.data), a.model)))
     elif a.cmd == "run":

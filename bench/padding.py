@@ -40,7 +40,7 @@ import dataclasses
 import sys
 
 from common import write_results  # before MLX
-from prelude import ORCA, RESULTS, ROOT, add_flags
+from prelude import ORCA, RESULTS, ROOT, add_flags, need_file
 
 from dtrain.config import load_config  # noqa: E402
 from dtrain.engine import batch_totals, bucket_length, group_rows, make_engine, make_objective  # noqa: E402
@@ -121,6 +121,7 @@ def main(argv=None) -> int:
                     help="time a random-weight SmolLM2-shaped model of this many layers (0 = the demo model)")
     add_flags(ap, out=str(RESULTS))
     a = ap.parse_args(argv)
+    need_file(ap, a.data, "--data")
 
     from dtrain.data import load_dataset
     from dtrain.lora import apply_lora

@@ -70,7 +70,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from prelude import ORCA, RESULTS, SMOLLM2_F32 as MODEL_DIR, add_flags
+from prelude import ORCA, RESULTS, SMOLLM2_F32 as MODEL_DIR, add_flags, need_file
 
 TRL_PEER = Path(__file__).with_name("trl_peer.py")  # run in TRL's own Python
 # one range of all layers and an unchunked head: one pass, nothing recomputed (fastest when it fits)
@@ -540,6 +540,8 @@ def main(argv=None) -> int:
         ap.error(f"'{TRL}' needs --trl-python (or $TRL_PYTHON)")
     if a.model == "smollm2" and a.model_dir is None and a.tokenizer_dir is None and a.dtype != "float32":
         ap.error("--model smollm2 is the float32 folder both tools train; use --dtype float32 (or --model-dir)")
+    if not a.synthetic_length:
+        need_file(ap, a.data, "--data")
     if a.model_dir is None:
         real = a.model == "smollm2" and a.tokenizer_dir is None  # the demo model; else random weights of the shape
         a.model_dir = smollm2_dir() if real else random_model_dir(a.model, a.dtype, a.layers, a.tokenizer_dir)

@@ -49,6 +49,13 @@ def add_flags(parser, help: dict | None = None, **defaults):
     return parser
 
 
+def need_file(parser, path, flag: str) -> None:
+    """Stop with ``parser``'s one-line error when the data file ``path`` (from ``flag``) is not there."""
+    if not Path(path).is_file():
+        parser.error(f"{path}: no such file; real pairs are not in the repository: set $DTRAIN_DATA_DIR "
+                     f"to their folder (default ./data) or pass {flag}")
+
+
 def machine() -> dict:
     """CPU model, cores and Python: the machine line of a process without MLX
     (bench/common.py's adds MLX, its device and the BLAS)."""

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from prelude import DATA_DIR, ROOT, add_flags, runs_of, write_results
+from prelude import DATA_DIR, ROOT, add_flags, need_file, runs_of, write_results
 
 from dtrain.run.tracking import read_scalars  # noqa: E402  (no MLX import)
 EVAL_KEYS = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/logps/rejected",
@@ -89,7 +89,7 @@ def stack_split(out: Path, data_dir: Path, target: int = 5, seed: int = 0) -> tu
     Questions are visited in ``random.Random(seed)`` order and held out while
     the held-out rows stay <= ``target``. Returns ``(train_path, valid_path, held_out_questions)``.
     """
-    rows = json.loads((data_dir / "stack_exchange_paired_tiny.json").read_text(encoding="utf-8"))
+    rows = json.loads((data_dir / FILES["stack"]).read_text(encoding="utf-8"))
     questions = list(dict.fromkeys(r["question"] for r in rows))
     random.Random(seed).shuffle(questions)
     held, n = set(), 0
@@ -105,16 +105,27 @@ def stack_split(out: Path, data_dir: Path, target: int = 5, seed: int = 0) -> tu
     return train, valid, sorted(q[:50] for q in held)
 
 
-def datasets(out: Path, data_dir: Path, max_length: int) -> dict:
-    """dataset name -> its ``data:`` section (each with its own held-out split)."""
-    train, valid, _ = stack_split(out / "data", data_dir)
+FILES = {"orca": "orca_dpo_pairs_validation.jsonl", "stack": "stack_exchange_paired_tiny.json"}  # in --data-dir
+
+
+def need_data(parser, data_dir: Path, names) -> None:
+    """Stop with ``parser``'s one-line error when a dataset of ``names`` has no file in ``data_dir``."""
+    for name in names:
+        if name in FILES:
+            need_file(parser, data_dir / FILES[name], "--data-dir")
+
+
+def datasets(out: Path, data_dir: Path, max_length: int, names=tuple(FILES)) -> dict:
+    """dataset name -> its ``data:`` section (each with its own held-out split); ``names`` read files."""
     long = {"max_length": max_length, "max_prompt_length": max_length // 2}
-    return {
-        "orca": {"train": str(data_dir / "orca_dpo_pairs_validation.jsonl"), "valid_fraction": 0.15, **long},
-        "stack": {"train": str(train), "valid": str(valid), **long,
-                  "fields": {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}},
-        "demo": {"demo_pairs": 400, "valid_fraction": 0.1, "max_length": 128, "max_prompt_length": 96},
-    }
+    data = {"demo": {"demo_pairs": 400, "valid_fraction": 0.1, "max_length": 128, "max_prompt_length": 96}}
+    if "orca" in names:
+        data["orca"] = {"train": str(data_dir / FILES["orca"]), "valid_fraction": 0.15, **long}
+    if "stack" in names:
+        train, valid, _ = stack_split(out / "data", data_dir)
+        data["stack"] = {"train": str(train), "valid": str(valid), **long,
+                         "fields": {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}}
+    return data
 
 
 def run_config(s: dict, data: dict, args, out_dir: Path) -> dict:
@@ -167,7 +178,7 @@ def run(args) -> None:
     """Run the grid, ``args.workers`` runs at once, starting none that would end after the budget."""
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = datasets(out, Path(args.data_dir).resolve(), args.max_length)
+    data = datasets(out, Path(args.data_dir).resolve(), args.max_length, args.datasets)
     args.model = as_read(args.model)
     results_path = out / "results.json"
     results = runs_of(json.loads(results_path.read_text())) if results_path.is_file() else {}
@@ -425,6 +436,8 @@ def main() -> None:
     st.add_argument("outs", nargs="+", help="sweep folders, one per step count")
     st.add_argument("--png", default=None)
     args = p.parse_args()
+    if args.command == "run":
+        need_data(r, Path(args.data_dir), args.datasets)
     if args.command == "train":
         sys.exit(train_one(args))
     {"run": run, "report": report, "steps": steps_report}[args.command](args)

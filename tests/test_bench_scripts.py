@@ -22,9 +22,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench(script: str, *args, cwd=None) -> subprocess.CompletedProcess:
+def bench(script: str, *args, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT.joinpath("bench", script)), *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd or ROOT, timeout=300)
+                          capture_output=True, text=True, cwd=cwd or ROOT, env=env, timeout=300)
 
 
 def iter_line(it: int, it_s: str, tok_s: str, loss: str = "0.693") -> str:
@@ -166,3 +166,25 @@ def test_the_sweeps_read_relative_paths_from_where_they_were_started(tmp_path):
         cfg = yaml.safe_load(config.read_text())
         named = [cfg["model"]["path"], *(cfg["data"][k] for k in ("train", "valid") if cfg["data"].get(k))]
         assert all((config.parent / path).exists() for path in named), (config, named)
+
+
+def test_a_missing_data_file_is_one_line_naming_it(tmp_path):
+    """Real pairs are not in the repository: where ``$DTRAIN_DATA_DIR`` (default ./data) or ``--data`` names no
+    file, each script that reads them stops with argparse's one line naming the file and the way to give it; it
+    printed a traceback (FileNotFoundError, DataError). The sweeps' demo pairs need no file."""
+    env = {**os.environ, "DTRAIN_DATA_DIR": str(tmp_path / "absent")}
+    for script, args, name in [
+            ("padding.py", [], "orca_dpo_pairs_validation.jsonl"),
+            ("peer.py", ["--only", "dtrain auto"], "orca_dpo_pairs_validation.jsonl"),
+            ("breakdown.py", ["--layers", "2"], "orca_dpo_pairs_validation.jsonl"),
+            ("objectives.py", ["split", tmp_path / "objectives"], "orca_dpo_pairs_validation.jsonl"),
+            ("sweep.py", ["run", tmp_path / "sweep", "--datasets", "orca"], "orca_dpo_pairs_validation.jsonl"),
+            ("sweep.py", ["run", tmp_path / "sweep", "--datasets", "stack"], "stack_exchange_paired_tiny.json"),
+            ("lambda_sweep.py", ["run", tmp_path / "lambda", "--datasets", "demo", "--extra", f"x={tmp_path / 'x.jsonl'}"],
+             "x.jsonl")]:
+        out = bench(script, *args, env=env)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (script, out.stderr[-3000:])
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.split(": error: ")[0].split()[0] == script and name in line and "DTRAIN_DATA_DIR" in line, line
+    out = bench("sweep.py", "run", tmp_path / "demo", "--datasets", "demo", "--budget-s", "0", env=env)
+    assert out.returncode == 0 and "not run (budget): demo/centre" in out.stdout, out.stderr[-3000:]
