@@ -29,6 +29,9 @@ import mlx.core as mx  # noqa: E402
 from dtrain.engine import Totals  # noqa: E402
 
 
+ENGINES = ("reference", "segmented", "+ prefix sharing", "+ chunked head", "one range")  # engines()' keys
+
+
 def engines(model, segment: int, chunk: int) -> dict:
     seg = lambda **kw: dtrain_engine(model, segment_layers=segment, **kw)  # noqa: E731
     return {
@@ -64,7 +67,8 @@ def main(argv=None) -> int:
               help={"dtype": "bfloat16 on a GPU", "layers": "depth of the smollm2 model (default 30)"})
     ap.add_argument("--segment", type=int, default=0, help="layers per range; 0 = round(sqrt(layers))")
     ap.add_argument("--chunk", type=int, default=512, help="head_chunk_tokens of the chunked variant")
-    ap.add_argument("--only", nargs="+", default=None, help="engine names to run (default: all)")
+    ap.add_argument("--only", nargs="+", default=None, choices=ENGINES, metavar="ENGINE",
+                    help=f"engines to run (default: all): {', '.join(ENGINES)}")
     ap.add_argument("--flat", type=int, default=0, help="run N steps of the full stack; check active memory")
     add_flags(ap, out=str(RESULTS))
     a = ap.parse_args(argv)

@@ -495,7 +495,8 @@ def main(argv=None) -> int:
                     help="SmolLM2 tokenizer files for a random-weight model (a machine without the demo model)")
     ap.add_argument("--peer-python", default=os.environ.get("PEER_PYTHON", "python3"),
                     help="python of the mlx-lm-lora venv (default: $PEER_PYTHON, else python3)")
-    ap.add_argument("--only", nargs="+", default=None, help="tools to run (default: all but TRL's)")
+    ap.add_argument("--only", nargs="+", default=None, choices=[*VARIANTS, PEER, TRL], metavar="TOOL",
+                    help=f"tools to run (default: all but TRL's): {', '.join([*VARIANTS, PEER, TRL])}")
     ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", ""),
                     help=f"a python with torch, peft, datasets and TRL 1.16 (default: $TRL_PYTHON): runs '{TRL}' "
                          "through bench/trl_peer.py (CUDA)")

@@ -188,3 +188,15 @@ def test_a_missing_data_file_is_one_line_naming_it(tmp_path):
         assert line.split(": error: ")[0].split()[0] == script and name in line and "DTRAIN_DATA_DIR" in line, line
     out = bench("sweep.py", "run", tmp_path / "demo", "--datasets", "demo", "--budget-s", "0", env=env)
     assert out.returncode == 0 and "not run (budget): demo/centre" in out.stdout, out.stderr[-3000:]
+
+
+def test_only_takes_the_names_it_runs():
+    """``--only`` of peer.py and engines.py took any name: a misspelt one ran nothing and wrote an empty table
+    without a word. A name that is not a tool or engine is refused in argparse's line, naming the choices."""
+    for script, args, bad in [("peer.py", ["--only", "dtrain one range + prefix", "mlx-lm-lora"], "dtrain one range + prefix"),
+                              ("engines.py", ["--only", "reference", "one-range"], "one-range")]:
+        out = bench(script, *args)
+        line = out.stderr.strip().splitlines()[-1]
+        assert out.returncode == 2 and f"argument --only: invalid choice: '{bad}'" in line, out.stderr[-3000:]
+    out = bench("peer.py", "--only", "dtrain one range+prefix", "--pairs-per-run", "3", "--pairs-per-step", "2")
+    assert out.returncode == 2 and "--pairs-per-run 3 is not a multiple of --pairs-per-step 2" in out.stderr
