@@ -362,7 +362,7 @@ def main() -> None:
     r.add_argument("--engine", default="segmented")
     r.add_argument("--segment-layers", type=int, default=0)
     r.add_argument("--data-dir", default=str(DATA_DIR))
-    r.add_argument("--datasets", nargs="+", default=["orca", "stack", "demo"])
+    r.add_argument("--datasets", nargs="+", default=["orca", "stack", "demo"], choices=["orca", "stack", "demo"])
     r.add_argument("--extra", action="append", default=[], help="NAME=FILE: another preference file, 10%% held out")
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     r.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

@@ -55,6 +55,7 @@ from prelude import ORCA, ROOT, need_file, runs_of, write_results
 
 DATA = Path(ORCA)
 MAX_LENGTH, MAX_PROMPT = 1024, 512
+CONFIGS = {"orpo": "preference", "simpo": "preference", "dpo": "dpo", "sft": "sft"}  # kind -> its configs/*.yaml
 KEYS = ("eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen", "eval/logps/rejected",
         "eval/nll_loss", "eval/loss")
 
@@ -93,7 +94,7 @@ def split(out: Path, data: Path, model: str, valid_fraction: float = 0.2, seed: 
 def kind_config(kind: str, out: Path, args) -> dict:
     """The shipped config of ``kind`` with the data, dtype, seed and folder of this comparison."""
     base, _, lr = kind.partition("-lr")
-    src = {"orpo": "preference", "simpo": "preference", "dpo": "dpo", "sft": "sft"}[base]
+    src = CONFIGS[base]
     cfg = yaml.safe_load((ROOT / "configs" / f"{src}.yaml").read_text())
     if base == "simpo":  # preference.yaml's ORPO-only keys go: the λ controller and a log-odds keep_best
         cfg.pop("orpo", None)
@@ -110,6 +111,18 @@ def kind_config(kind: str, out: Path, args) -> dict:
     if getattr(args, "steps", 0):  # smoke runs
         cfg["train"].update(steps=args.steps, eval_every=args.steps, warmup_steps=0)
     return cfg
+
+
+def kind_name(text: str) -> str:
+    """``--kinds``' type: a key of CONFIGS, or KIND-lrX with X a number."""
+    base, sep, lr = text.partition("-lr")
+    try:
+        ok = base in CONFIGS and (not sep or float(lr) > 0)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"'{text}' is not {', '.join(CONFIGS)} or KIND-lrX (X a learning rate)")
+    return text
 
 
 def yard_config(kind: str, out: Path, args) -> dict:
@@ -294,7 +307,7 @@ def main() -> None:
         x.add_argument("--dtype", default="float32")
         x.add_argument("--budget", type=float, default=0.0,
                        help="dtrain's engine.memory_budget_gb in every run (0 = the config's, its device default)")
-    r.add_argument("--kinds", nargs="+", default=["orpo", "dpo", "simpo", "sft"],
+    r.add_argument("--kinds", nargs="+", type=kind_name, default=["orpo", "dpo", "simpo", "sft"],
                    help="orpo, dpo, simpo, sft; KIND-lrX: that kind at learning rate X")
     r.add_argument("--steps", type=int, default=0, help="steps of every run (0 = the config's; smoke runs)")
     r.add_argument("--trl-python", default="", help="a python with torch, peft, datasets and TRL 1.16")

@@ -414,7 +414,7 @@ def main() -> None:
     r.add_argument("--segment-layers", type=int, default=6)
     r.add_argument("--head-chunk", type=int, default=512)
     r.add_argument("--data-dir", default=str(DATA_DIR))
-    r.add_argument("--datasets", nargs="+", default=["orca", "stack", "demo"])
+    r.add_argument("--datasets", nargs="+", default=["orca", "stack", "demo"], choices=["orca", "stack", "demo"])
     r.add_argument("--grid", choices=sorted(GRIDS), default="full")
     add_flags(r, steps=24, help={"steps": "training steps per run"})
     r.add_argument("--batch", type=int, default=8)

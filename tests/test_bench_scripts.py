@@ -200,3 +200,15 @@ def test_only_takes_the_names_it_runs():
         assert out.returncode == 2 and f"argument --only: invalid choice: '{bad}'" in line, out.stderr[-3000:]
     out = bench("peer.py", "--only", "dtrain one range+prefix", "--pairs-per-run", "3", "--pairs-per-step", "2")
     assert out.returncode == 2 and "--pairs-per-run 3 is not a multiple of --pairs-per-step 2" in out.stderr
+
+
+def test_the_sweeps_and_objectives_refuse_unknown_names(tmp_path):
+    """A dataset the sweeps do not know (``--datasets orka``) stopped at a KeyError once its first run was due,
+    and ``objectives.py run --kinds kto`` (or ``dpo-lrX``) after tokenizing the split: both are argparse's line."""
+    for script, args, bad in [("sweep.py", ["run", tmp_path, "--datasets", "orka"], "argument --datasets: invalid choice: 'orka'"),
+                              ("lambda_sweep.py", ["run", tmp_path, "--datasets", "demos"], "argument --datasets: invalid choice: 'demos'"),
+                              ("objectives.py", ["run", tmp_path, "--kinds", "dpo", "kto"], "argument --kinds: 'kto' is not"),
+                              ("objectives.py", ["run", tmp_path, "--kinds", "dpo-lrX"], "argument --kinds: 'dpo-lrX' is not")]:
+        out = bench(script, *args)
+        assert out.returncode == 2 and bad in out.stderr.strip().splitlines()[-1], (script, out.stderr[-3000:])
+    assert not list(tmp_path.iterdir())
