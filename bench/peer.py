@@ -231,10 +231,11 @@ def synthetic_rows(model_dir: Path, n: int, length: int, seed: int) -> list[dict
              "non_preferred_output": [{"role": "assistant", "content": text(half)}]} for _ in range(n)]
 
 
-def orca_rows(path: str, start: int, n: int) -> list[dict]:
+def orca_rows(path: str, start: int, n: int | None) -> list[dict]:
+    """Rows ``start`` to ``start + n`` (None: to the end) of a JSONL file, blank lines skipped."""
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return rows[start: start + n]
+    return rows[start:] if n is None else rows[start: start + n]
 
 
 def as_peer_row(row: dict) -> dict:
@@ -543,6 +544,10 @@ def main(argv=None) -> int:
         ap.error("--model smollm2 is the float32 folder both tools train; use --dtype float32 (or --model-dir)")
     if not a.synthetic_length:
         need_file(ap, a.data, "--data")
+        rows, end = len(orca_rows(a.data, 0, None)), a.start + a.rounds * a.pairs_per_run
+        if end > rows:
+            ap.error(f"--start {a.start}, --pairs-per-run {a.pairs_per_run} and --rounds {a.rounds} need rows "
+                     f"{a.start}–{end - 1} of {a.data}, which has {rows} (rows 0–{rows - 1})")
     if a.model_dir is None:
         real = a.model == "smollm2" and a.tokenizer_dir is None  # the demo model; else random weights of the shape
         a.model_dir = smollm2_dir() if real else random_model_dir(a.model, a.dtype, a.layers, a.tokenizer_dir)

@@ -212,3 +212,14 @@ def test_the_sweeps_and_objectives_refuse_unknown_names(tmp_path):
         out = bench(script, *args)
         assert out.returncode == 2 and bad in out.stderr.strip().splitlines()[-1], (script, out.stderr[-3000:])
     assert not list(tmp_path.iterdir())
+
+
+def test_peer_refuses_rows_past_the_end_of_its_data(tmp_path):
+    """``--start``, ``--pairs-per-run`` and ``--rounds`` past the last row of ``--data`` trained on fewer pairs
+    than asked (or on none, each tool then failing on an empty file) and reported them as the full run."""
+    write_preference_files(tmp_path / "pairs")
+    data = tmp_path / "pairs" / "orca_dpo_pairs_validation.jsonl"  # 8 rows
+    out = bench("peer.py", "--data", data, "--start", "4", "--pairs-per-run", "3", "--rounds", "2", "--only", "dtrain auto")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        f"error: --start 4, --pairs-per-run 3 and --rounds 2 need rows 4–9 of {data}, which has 8 (rows 0–7)")
