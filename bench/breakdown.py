@@ -127,6 +127,9 @@ def main(argv=None) -> int:
     if a.optimizer_only:
         return optimizer_only(a)
     need_file(ap, a.data, "--data")
+    if not a.tokenizer_dir.is_dir():
+        ap.error(f"--tokenizer-dir {a.tokenizer_dir}: no such folder (bench/peer.py converts the demo model there "
+                 "once; or pass a folder with SmolLM2's tokenizer files)")
     pairs = real_pairs(a.tokenizer_dir, a.data, a.steps, a.max_length)
     rows = []
     for mode, kind in [(m, k) for m in a.modes for k in a.optimizers]:

@@ -223,3 +223,14 @@ def test_peer_refuses_rows_past_the_end_of_its_data(tmp_path):
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1].endswith(
         f"error: --start 4, --pairs-per-run 3 and --rounds 2 need rows 4–9 of {data}, which has 8 (rows 0–7)")
+
+
+def test_breakdown_names_a_missing_tokenizer_folder(tmp_path):
+    """breakdown.py tokenizes with the converted demo model's tokenizer (``--tokenizer-dir``); where that folder
+    was not there it printed huggingface_hub's traceback ('Repo id must be a string')."""
+    write_preference_files(tmp_path / "pairs")
+    folder = tmp_path / "absent"
+    out = bench("breakdown.py", "--data", tmp_path / "pairs" / "orca_dpo_pairs_validation.jsonl", "--tokenizer-dir", folder)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"breakdown.py: error: --tokenizer-dir {folder}: no such folder") and "bench/peer.py" in line
