@@ -22,7 +22,8 @@ padded to 128-token buckets, eager; ``compiled``: buckets + ``mx.compile``;
   function, one evaluation; ``train.compile_optimizer``);
 
 first over ``--repeat`` steps of one pair repeated (one shape, warm), then over
-``--steps`` new pairs (one step each, as in training). Prints a markdown table
+``--steps`` new pairs (one step each, as in training; the first, which builds the
+graphs, is reported apart, the other ``--steps`` - 1 timed). Prints a markdown table
 and writes JSON to bench/results/.
 """
 

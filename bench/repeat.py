@@ -7,8 +7,8 @@
 sees a new pair every step. For each engine (the single pass: prefix sharing,
 one range, whole head; and the reference engine) this times ``engine.step``
 (loss and LoRA gradients evaluated) for ``--steps`` steps in three modes:
-``same`` (the same pair each step), ``new-lengths`` (each step's pair is 2
-tokens longer per side than the last) and ``new-tokens`` (the same lengths,
+``same`` (the same pair each step), ``new-lengths`` (each step's pair is 4
+tokens longer per side than the last: 2 in the prompt, 2 in each response) and ``new-tokens`` (the same lengths,
 other random token ids). Prints a markdown table (median and all times) and
 writes JSON to bench/results/.
 """
