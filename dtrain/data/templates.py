@@ -270,7 +270,11 @@ def renderers(tokenizer, cfg) -> tuple:
 
 def date_notice(tokenizer, cfg) -> Optional[str]:
     """The line saying which day a chat template that writes the date renders into every conversation
-    (``cfg``: a DataConfig whose ``template_date`` is set), or None where no template of the run writes one."""
+    (``cfg``: a DataConfig whose ``template_date`` is set), or None where no template of the run writes one.
+    Renders probes only where the template's text names a date (a resume that reads its data_cache renders nothing)."""
+    text = template_source(cfg.chat_template) if cfg.chat_template is not None else hf_tokenizer(tokenizer).chat_template
+    if not any(word in str(text) for word in ("date_string", "strftime_now")):
+        return None
     used = [r for r in renderers(tokenizer, cfg) if r is not None]
     dated = next((r for r in used if r.dated), None)
     if dated is None:
