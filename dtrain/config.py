@@ -109,7 +109,7 @@ class DataConfig:
     chat_template: Optional[str] = option(None, f"null = the model's own; {' | '.join(NAMED_TEMPLATES)} or a "
                                                 f"Jinja file replaces it (or gives a base model one)")
     template_date: Optional[str] = option(None, "the day a chat template that writes today's date renders (Llama "
-                                                "3.1-3.3's 'Today Date', its date_string), YYYY-MM-DD; null = the "
+                                                "3.2's 'Today Date', its date_string), YYYY-MM-DD; null = the "
                                                 "day the run starts (rank 0's clock), kept by its checkpoints for a "
                                                 "resume and by dtrain data check of its train.output_dir")
     append_eos: bool = option(True, "end each response with the template's end-of-turn token")

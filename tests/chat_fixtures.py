@@ -91,7 +91,7 @@ LLAMA31 = (
     "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
-# Llama 3.1/3.2/3.3 as released (tools left out: dtrain refuses rows with tools): the system header's "Today Date"
+# Llama 3.2 as released (tools left out: dtrain refuses rows with tools): the system header's "Today Date"
 # is `date_string`, else strftime_now("%d %b %Y") (transformers' global: the day it renders), else a fixed day.
 LLAMA32 = (
     "{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
@@ -103,6 +103,10 @@ LLAMA32 = (
     "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
+# Llama 3.1 as released: `date_string`, else the fixed "26 Jul 2024" (no clock: every day renders the same).
+LLAMA31_DATED = LLAMA32.replace(
+    "{%- if strftime_now is defined %}{%- set date_string = strftime_now(\"%d %b %Y\") %}{%- else %}"
+    "{%- set date_string = \"26 Jul 2024\" %}{%- endif %}", "{%- set date_string = \"26 Jul 2024\" %}")
 # Qwen2.5: ChatML with a default system prompt where the messages have none.
 QWEN25 = (
     "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\nYou are Qwen, a helpful assistant.<|im_end|>\n' }}"

@@ -608,7 +608,7 @@ def test_a_transcript_response_loses_its_trailing_whitespace_as_every_turn_does(
 
 
 def test_a_template_that_writes_todays_date_renders_data_template_date_on_any_day(monkeypatch):
-    """Llama 3.1-3.3's templates write ``strftime_now("%d %b %Y")`` unless given ``date_string``: the same rows
+    """Llama 3.2's template writes ``strftime_now("%d %b %Y")`` unless given ``date_string``: the same rows
     tokenized on 01 Mar and on 02 Mar trained other ids. ``data.template_date`` is their date_string on any day;
     null renders today's, as the template does."""
     from chat_fixtures import fake_day
@@ -630,6 +630,30 @@ def test_a_template_that_writes_todays_date_renders_data_template_date_on_any_da
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
         "Today Date: 26 Jul 2024\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?"
         "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_a_template_with_a_fixed_default_day_renders_it_as_transformers_does(monkeypatch, tmp_path):
+    """Llama 3.1's released template writes date_string, else the fixed "26 Jul 2024", never the clock: transformers
+    and mlx-lm prompt it so. dtrain gave it date_string (the run's day), so the adapter trained on "Today Date: 01
+    Mar 2026" and was prompted with "26 Jul 2024"; only a template that calls strftime_now gets the day."""
+    from chat_fixtures import LLAMA31_DATED, fake_day
+
+    from dtrain.data import load_dataset
+
+    fake_day(monkeypatch, "2026-03-01")
+    jinja = tmp_path / "llama31.jinja"
+    jinja.write_text(LLAMA31_DATED)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(f'{{"prompt": "q{i}", "chosen": "yes", "rejected": "no"}}\n' for i in range(4)))
+    tok = style_tokenizer("llama32")
+    prompted = hf_tokenizer(tok).apply_chat_template([{"role": "user", "content": "q0"}], chat_template=LLAMA31_DATED,
+                                                     add_generation_prompt=True, tokenize=False)
+    assert "Today Date: 26 Jul 2024" in prompted
+    for day in (None, "2024-12-31"):
+        lines = []
+        ds = load_dataset(DataConfig(train=str(data), chat_template=str(jinja), valid_fraction=0.0, template_date=day),
+                          tok, log=lines.append)
+        assert tok.decode(ds.train[0].prompt) == prompted and lines == []
 
 
 def test_the_date_of_a_load_is_named_once_where_a_template_writes_it(monkeypatch, tmp_path):

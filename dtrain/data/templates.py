@@ -46,7 +46,7 @@ RAW_TEXT = ("{% for message in messages %}{{ message['content'] }}{% if message[
             "{% endif %}{% endfor %}")
 
 _SENTINEL = "\u2063dtrain-response\u2063"
-# how Llama 3.1-3.3's templates write the day when no date_string is given (transformers' strftime_now)
+# how Llama 3.2's template writes the day when no date_string is given (transformers' strftime_now)
 DATE_FORMAT = "%d %b %Y"
 
 
@@ -219,15 +219,24 @@ class Renderer:
         return rest[: len(rest) - end].strip()
 
 
+def reads_clock(tokenizer, template: Optional[str]) -> bool:
+    """Whether ``template`` (None: the tokenizer's) calls ``strftime_now``, the one clock transformers gives it."""
+    own = getattr(hf_tokenizer(tokenizer), "chat_template", None)
+    return "strftime_now" in str(template if template is not None else own)
+
+
 def make_renderer(tokenizer, template: Optional[str], name: str, date: Optional[str] = None) -> Renderer:
     """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange
     (a system message first where the template refuses it without one); where it refuses both, ``probed`` is
     False and each row's own conversation is its probe (:meth:`Renderer.ending`). ``date``: the
-    ``date_string`` it renders with (:data:`DATE_FORMAT`), ``dated`` where the probe's text shows it.
+    ``date_string`` it renders with (:data:`DATE_FORMAT`) where the template :func:`reads_clock` (Llama 3.2's; Llama
+    3.1's fixed default day is left to it, as transformers renders it), ``dated`` where the probe's text shows it.
 
     Raises:
         DataError: a template that is not valid Jinja (the probe compiles it once, before any row).
     """
+    if not reads_clock(tokenizer, template):
+        date = None  # its own text is every day's
     probe = Renderer(tokenizer, template, name=name, probed=False, date=date)
     exchange = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _SENTINEL}]
     for opening in ([], [{"role": "system", "content": "0"}]):  # some templates require a system message
@@ -278,8 +287,7 @@ def date_notice(tokenizer, cfg) -> Optional[str]:
     used = [r for r in renderers(tokenizer, cfg) if r is not None]
     dated = next((r for r in used if r.dated), None)
     if dated is None:
-        clock = next((r for r in used if "strftime_now" in str(r.template or hf_tokenizer(tokenizer).chat_template)),
-                     None)  # a template that reads the clock itself: transformers gives it no other
+        clock = next((r for r in used if reads_clock(tokenizer, r.template)), None)  # and reads no date_string
         return None if clock is None else (
             f"warning: {clock.name} writes the day it renders (strftime_now) and reads no date_string, so "
             "data.template_date cannot fix it: rows tokenized on another day differ (a run's data_cache keeps its "
