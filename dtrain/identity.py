@@ -57,7 +57,7 @@ REFUSED_WHEN = {
                          "are compared",
                          lambda r: r["train"]["keep_best"] is not None or r["orpo"]["lambda_schedule"] == "adaptive"),
     # every run records the day it rendered with (its checkpoints before the key recorded none: their token ids tell)
-    "data.template_date": ("the day a chat template that writes the date (Llama 3.1-3.3's) renders into every pair",
+    "data.template_date": ("the day a chat template that writes today's date (Llama 3.2's) renders into every pair",
                            lambda r: r["data"]["template_date"] is not None),
     "train.micro_batch_pairs": ("with lora.dropout above 0 it decides the dropout masks, drawn per micro-batch",
                                 lambda r: r["lora"]["dropout"] > 0),

@@ -651,7 +651,7 @@ def test_name_rows_names_the_first_rows_and_counts_the_rest():
 
 def test_cli_check_of_a_runs_config_renders_the_day_the_run_started(tmp_path, model_dir, monkeypatch, capsys):
     """`dtrain data check` with a run's config showed the pairs rendered with today's date where the template
-    writes one (Llama 3.1-3.3), not those the run trains, rendered the day it started: it renders the day the
+    writes one (Llama 3.2), not those the run trains, rendered the day it started: it renders the day the
     run's newest checkpoint recorded, or data.template_date."""
     from chat_fixtures import LLAMA32, fake_day
 

@@ -1092,7 +1092,7 @@ def run_dated(out, data, *overrides):
 
 
 def test_a_run_renders_the_day_it_started_on_resume_after_its_data_cache_is_deleted(tmp_path, monkeypatch, capsys):
-    """A run on a template that writes today's date (Llama 3.1-3.3), resumed the next day with its data_cache
+    """A run on a template that writes today's date (Llama 3.2), resumed the next day with its data_cache
     deleted (README: delete it to free space), was refused: its pairs, rendered with the new day, had other ids.
     The run fixes the day when it starts, its checkpoints record it, and the resume renders it again: the
     adapter is the uninterrupted run's, bit for bit."""
@@ -1118,8 +1118,8 @@ def test_a_run_renders_the_day_it_started_on_resume_after_its_data_cache_is_dele
         run_dated(tmp_path / "cut", data, "train.steps=6", "train.resume=auto", "data.template_date=2026-03-02")
     assert str(err.value).startswith(
         f"resume: {tmp_path}/cut/checkpoints/step-0000004 was made with different settings: data.template_date: "
-        "'2026-03-01' in the checkpoint, '2026-03-02' now (the day a chat template that writes the date (Llama "
-        "3.1-3.3's) renders into every pair).")
+        "'2026-03-01' in the checkpoint, '2026-03-02' now (the day a chat template that writes today's date (Llama "
+        "3.2's) renders into every pair).")
 
 
 def test_every_rank_renders_rank_0s_day(tmp_path, monkeypatch):
