@@ -745,6 +745,28 @@ def test_cache_key_keeps_with_settings_that_only_choose_rows(tmp_path, tokenizer
     assert cache_key(rows, tokenizer, DataConfig(train="d.jsonl", max_length=100)) != key
 
 
+def test_cache_key_keeps_across_days_where_no_template_writes_the_date(tmp_path, tokenizer):
+    """data.template_date (null: the day a run starts) went into every key, though only a template that calls
+    strftime_now renders it: a ChatML run's second run into the same folder on a later day tokenized again.
+    The day is in the key only where a template of the load reads the clock (Llama 3.2's)."""
+    from chat_fixtures import LLAMA32, style_tokenizer
+
+    rows, _ = load_rows(write_jsonl(tmp_path / "d.jsonl", gen_objs("standard", 4, seed=7)), DataConfig())
+    days = [DataConfig(template_date=d) for d in ("2026-03-01", "2026-03-02")]
+    assert cache_key(rows, tokenizer, days[0]) == cache_key(rows, tokenizer, days[1])
+    assert tokenize_rows(rows, tokenizer, days[0]) == tokenize_rows(rows, tokenizer, days[1])
+    llama = style_tokenizer("llama32")
+    assert cache_key(rows, llama, days[0]) != cache_key(rows, llama, days[1])
+    template = tmp_path / "llama32.jinja"
+    template.write_text(LLAMA32)
+    given = [dataclasses.replace(d, chat_template=str(template)) for d in days]
+    assert cache_key(rows, tokenizer, given[0]) != cache_key(rows, tokenizer, given[1])
+    counting = CountingTokenizer(tokenizer)
+    assert tokenize_cached(rows, counting, days[0], tmp_path / "cache") == tokenize_rows(rows, tokenizer, days[1])
+    counting.calls = 0
+    assert tokenize_cached(rows, counting, days[1], tmp_path / "cache")[0] and counting.calls == 0
+
+
 def test_cache_key_changes_with_the_text_of_a_chat_template_file(tmp_path, tokenizer):
     """An edited data.chat_template file renders other tokens at the same path; its key was the path's,
     so a second run into the same folder trained on the pairs of the old template."""

@@ -4,8 +4,9 @@ An entry's name is the sha256 of everything its pairs depend on: the rows (every
 field, sources included; an SFT run reads a preference row without its rejected side,
 ``formats.parse_rows(pairwise=False)``, so it never shares a pairwise run's entry), every
 ``data`` config key that decides how a row is tokenized (a ``chat_template`` file by its
-text; not :data:`ROW_KEYS`), the tokenizer (its full ``tokenizer.json`` serialisation, chat
-template and special tokens), the source of the data package and types.py, and the versions
+text; ``template_date`` only where the template calls ``strftime_now``; not :data:`ROW_KEYS`),
+the tokenizer (its full ``tokenizer.json`` serialisation, chat template and special tokens), the
+source of the data package and types.py, and the versions
 of the libraries that render and tokenize (jinja2, transformers, tokenizers, mlx-lm). Entries
 are ``.npz`` files (no pickle) written atomically, each naming its key inside; a damaged entry (arrays
 of another dtype or that do not add up too), or one under another entry's name, counts as absent and is
@@ -25,7 +26,7 @@ from typing import Optional
 from ..files import new_temp_file
 from ..types import BadRowReport, TokenizedPair
 from .render import tokenize_rows
-from .templates import template_source
+from .templates import reads_clock, template_source
 
 CACHE_VERSION = 1  # bump when the entry layout changes
 CHUNK_ROWS = 512  # rows tokenized between progress-bar updates
@@ -79,6 +80,8 @@ def cache_key(rows: list, tokenizer, cfg) -> Optional[str]:
         return None
     h = hashlib.sha256(f"{_code_identity()}\n{tok}\n".encode())
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ROW_KEYS}
+    if not reads_clock(tokenizer, template_source(cfg.chat_template) if cfg.chat_template is not None else None):
+        settings.pop("template_date", None)  # only a template that calls strftime_now is given the day
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     if cfg.chat_template is not None:  # a Jinja file's text, not only its path
         h.update(template_source(cfg.chat_template).encode())
