@@ -4,8 +4,10 @@ what it accepts, what it prints when something is missing; and shellcheck on the
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,16 @@ def test_shell_scripts_pass_shellcheck():
     r = subprocess.run(["shellcheck", "setup", ".ci/run"], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ})
     assert r.returncode == 0, r.stdout
+
+
+# The oldest version of each dependency the suite passed on, in a venv with it pinned: below it dtrain calls
+# what the package lacks. gguf 0.17.1: GGUFReader fields' contents(), add_key_value's sub_type (0.17.0's writer
+# refuses a key given twice, which test_models_gguf.py writes).
+FLOORS = {"gguf": "0.17.1"}
+
+
+def test_pyproject_floors_are_the_oldest_versions_the_suite_passed_on():
+    """pyproject allowed gguf>=0.10, whose reader has no contents(): every GGUF convert and export failed."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {re.match(r"[\w.-]+", d)[0]: re.search(r">=([\w.]+)", d)[1] for d in deps if ">=" in d}
+    assert {name: floors[name] for name in FLOORS} == FLOORS
