@@ -164,12 +164,13 @@ def test_shell_scripts_pass_shellcheck():
 
 # The oldest version of each dependency the suite passed on, in a venv with it pinned: below it dtrain calls
 # what the package lacks. gguf 0.17.1: GGUFReader fields' contents(), add_key_value's sub_type (0.17.0's writer
-# refuses a key given twice, which test_models_gguf.py writes).
-FLOORS = {"gguf": "0.17.1"}
+# refuses a key given twice, which test_models_gguf.py writes). pyarrow 20: RecordBatch.to_pylist(maps_as_pydicts).
+FLOORS = {"gguf": "0.17.1", "pyarrow": "20"}
 
 
 def test_pyproject_floors_are_the_oldest_versions_the_suite_passed_on():
-    """pyproject allowed gguf>=0.10, whose reader has no contents(): every GGUF convert and export failed."""
+    """pyproject allowed gguf>=0.10, whose reader has no contents(): every GGUF convert and export failed; and
+    pyarrow>=15, which has no to_pylist(maps_as_pydicts): every Parquet or Arrow data file failed."""
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     floors = {re.match(r"[\w.-]+", d)[0]: re.search(r">=([\w.]+)", d)[1] for d in deps if ">=" in d}
     assert {name: floors[name] for name in FLOORS} == FLOORS
