@@ -79,13 +79,14 @@ def test_mac_whose_metal_device_mlx_cannot_open_is_warned_of(tmp_path):
 
 
 def test_mac_without_a_usable_python_says_what_to_install(tmp_path):
-    repo = mac(tmp_path, {"python3": "3.9 arm64", "python3.11": "3.11 x86_64"})
+    """A Python 3.10 was taken, and pip then found no mlx-lm 0.32.2 (it requires Python >= 3.11)."""
+    repo = mac(tmp_path, {"python3": "3.9 arm64", "python3.10": "3.10 arm64", "python3.11": "3.11 x86_64"})
     r = run_setup(repo)
     assert r.returncode == 1
     bin_ = tmp_path / "bin"
     assert r.stdout.splitlines() == [
-        f"setup: error: dtrain needs a native (arm64) Python >= 3.10; found: {bin_}/python3 (3.9); "
-        f"{bin_}/python3.11 (3.11, x86_64: Rosetta);",
+        f"setup: error: dtrain needs a native (arm64) Python >= 3.11; found: {bin_}/python3 (3.9); "
+        f"{bin_}/python3.11 (3.11, x86_64: Rosetta); {bin_}/python3.10 (3.10);",
         "setup: install one, then run ./setup again: brew install python@3.12 (Homebrew, https://brew.sh)",
         "setup: or the macOS installer from https://www.python.org/downloads/macos/",
     ]
@@ -95,7 +96,7 @@ def test_mac_without_a_usable_python_says_what_to_install(tmp_path):
 def test_mac_with_no_python_at_all(tmp_path):
     r = run_setup(mac(tmp_path, {}))
     assert r.returncode == 1
-    assert r.stdout.splitlines()[0] == "setup: error: dtrain needs a native (arm64) Python >= 3.10; found: none"
+    assert r.stdout.splitlines()[0] == "setup: error: dtrain needs a native (arm64) Python >= 3.11; found: none"
 
 
 def test_intel_mac_and_old_macos_are_refused(tmp_path):
@@ -119,7 +120,7 @@ def test_help_and_an_unknown_extra_install_nothing(tmp_path):
     repo = mac(tmp_path, {"python3": "3.12 arm64"})
     r = run_setup(repo, "--help")
     assert r.returncode == 0 and r.stdout.startswith("./setup [EXTRAS]: install dtrain"), r.stdout + r.stderr
-    assert "Python >= 3.10" in r.stdout and "set -euo" not in r.stdout
+    assert "Python >= 3.11" in r.stdout and "set -euo" not in r.stdout
     for args, error in ((("dve",), "setup: error: unknown extra 'dve' (known: mpi, hf, dev, bench)"),
                         (("dev,mpi,gpu",), "setup: error: unknown extra 'gpu' (known: mpi, hf, dev, bench)"),
                         (("dev", "mpi"), "setup: error: give the extras as one argument, e.g. ./setup dev,mpi"),
