@@ -166,7 +166,7 @@ def test_shell_scripts_pass_shellcheck():
 # The oldest version of each dependency the suite passed on, in a venv with it pinned: below it dtrain calls
 # what the package lacks. gguf 0.17.1: GGUFReader fields' contents(), add_key_value's sub_type (0.17.0's writer
 # refuses a key given twice, which test_models_gguf.py writes). pyarrow 20: RecordBatch.to_pylist(maps_as_pydicts).
-FLOORS = {"gguf": "0.17.1", "pyarrow": "20"}
+FLOORS = {"gguf": "0.17.1", "pyarrow": "20", "tokenizers": "0.22"}  # tokenizers: transformers 5.7 allows no older
 
 
 def test_pyproject_floors_are_the_oldest_versions_the_suite_passed_on():
