@@ -166,15 +166,17 @@ def test_shell_scripts_pass_shellcheck():
 # The oldest version of each dependency the suite passed on, in a venv with it pinned: below it dtrain calls
 # what the package lacks. gguf 0.17.1: GGUFReader fields' contents(), add_key_value's sub_type (0.17.0's writer
 # refuses a key given twice, which test_models_gguf.py writes). pyarrow 20: RecordBatch.to_pylist(maps_as_pydicts).
-# The extras' too, with the numpy pip installs beside them (2.x): tensorboard 2.17.1 (older ones use np.string_).
+# The extras' too, with the numpy pip installs beside them (2.x): tensorboard 2.17.1 (older ones use np.string_);
+# matplotlib 3.7.3 (3.5 has no wheel for Python 3.11; 3.6-3.7.2 allow numpy 2 but were built for 1.x).
 FLOORS = {"gguf": "0.17.1", "pyarrow": "20", "tokenizers": "0.22",  # tokenizers: transformers 5.7 allows no older
-          "tensorboard": "2.17.1"}
+          "tensorboard": "2.17.1", "matplotlib": "3.7.3"}
 
 
 def test_pyproject_floors_are_the_oldest_versions_the_suite_passed_on():
     """pyproject allowed gguf>=0.10, whose reader has no contents(): every GGUF convert and export failed; and
     pyarrow>=15, which has no to_pylist(maps_as_pydicts): every Parquet or Arrow data file failed; and (dev extra)
-    tensorboard>=2.14, which with numpy 2 cannot read an event file (np.string_ was removed)."""
+    tensorboard>=2.14, which with numpy 2 cannot read an event file (np.string_ was removed); and (bench extra)
+    matplotlib>=3.5, whose 3.6-3.7.2 wheels for Python 3.11 do not import with numpy 2 (`report --png` failed)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = project["dependencies"] + [d for extra in project["optional-dependencies"].values() for d in extra]
     floors = {}  # name -> each floor it is given (datasets is in two extras)
