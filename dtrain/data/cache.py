@@ -26,7 +26,7 @@ from typing import Optional
 from ..files import new_temp_file
 from ..types import BadRowReport, TokenizedPair
 from .render import tokenize_rows
-from .templates import reads_clock, template_source
+from .templates import run_reads_clock, template_source
 
 CACHE_VERSION = 1  # bump when the entry layout changes
 CHUNK_ROWS = 512  # rows tokenized between progress-bar updates
@@ -80,7 +80,7 @@ def cache_key(rows: list, tokenizer, cfg) -> Optional[str]:
         return None
     h = hashlib.sha256(f"{_code_identity()}\n{tok}\n".encode())
     settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ROW_KEYS}
-    if not reads_clock(tokenizer, template_source(cfg.chat_template) if cfg.chat_template is not None else None):
+    if not run_reads_clock(tokenizer, cfg):
         settings.pop("template_date", None)  # only a template that calls strftime_now is given the day
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     if cfg.chat_template is not None:  # a Jinja file's text, not only its path

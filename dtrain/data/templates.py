@@ -225,6 +225,12 @@ def reads_clock(tokenizer, template: Optional[str]) -> bool:
     return "strftime_now" in str(template if template is not None else own)
 
 
+def run_reads_clock(tokenizer, cfg) -> bool:
+    """Whether the chat template a run renders messages with (``data.chat_template``'s, else the tokenizer's)
+    :func:`reads_clock`: the one case ``data.template_date`` reaches the tokens."""
+    return reads_clock(tokenizer, template_source(cfg.chat_template) if cfg.chat_template is not None else None)
+
+
 def make_renderer(tokenizer, template: Optional[str], name: str, date: Optional[str] = None) -> Renderer:
     """A :class:`Renderer` with its ``closing`` and ``turn_end`` texts probed from a user + assistant exchange
     (a system message first where the template refuses it without one); where it refuses both, ``probed`` is
@@ -280,9 +286,8 @@ def renderers(tokenizer, cfg) -> tuple:
 def date_notice(tokenizer, cfg) -> Optional[str]:
     """The line saying which day a chat template that writes the date renders into every conversation
     (``cfg``: a DataConfig whose ``template_date`` is set), or None where no template of the run writes one.
-    Renders probes only where the template's text names a date (a resume that reads its data_cache renders nothing)."""
-    text = template_source(cfg.chat_template) if cfg.chat_template is not None else hf_tokenizer(tokenizer).chat_template
-    if not any(word in str(text) for word in ("date_string", "strftime_now")):
+    Renders probes only where the template reads the clock (a resume that reads its data_cache renders nothing)."""
+    if not run_reads_clock(tokenizer, cfg):
         return None
     used = [r for r in renderers(tokenizer, cfg) if r is not None]
     dated = next((r for r in used if r.dated), None)
